@@ -1,0 +1,11 @@
+// Umbrella header: everything a trainer needs to drive dsec sandboxes from C++.
+#pragma once
+
+#include "dsec/client.hpp"
+#include "dsec/error.hpp"
+#include "dsec/exec.hpp"
+#include "dsec/retry.hpp"
+#include "dsec/sandbox.hpp"
+#include "dsec/sandbox_info.hpp"
+#include "dsec/spec.hpp"
+#include "dsec/version.hpp"

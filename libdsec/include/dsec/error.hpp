@@ -1,0 +1,61 @@
+// dsec's one error model, shared by the client, the agent and the Python binding.
+//
+// Codes are the gRPC/abseil set. Every agent error travels as {"code": "NOT_FOUND", "message": "...",
+// "retryable": false} with a fitting HTTP status; the client rebuilds the same dsec::Error from it, and the Python
+// binding maps each code to an exception class (dsec.NotFound, dsec.Unavailable, ...).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace dsec {
+
+enum class Code {
+  kOk = 0,
+  kCancelled,
+  kUnknown,
+  kInvalidArgument,
+  kDeadlineExceeded,
+  kNotFound,
+  kAlreadyExists,
+  kPermissionDenied,
+  kResourceExhausted,
+  kFailedPrecondition,
+  kAborted,
+  kOutOfRange,
+  kUnimplemented,
+  kInternal,
+  kUnavailable,
+  kDataLoss,
+  kUnauthenticated,
+};
+
+// "NOT_FOUND" for Code::kNotFound, and back. Unknown names map to kUnknown.
+std::string_view code_name(Code code) noexcept;
+Code code_from_name(std::string_view name) noexcept;
+
+// The HTTP status an agent answers with for a code.
+int http_status(Code code) noexcept;
+
+// Whether a caller may retry an operation that failed with this code without changing anything: the transient
+// failures (UNAVAILABLE, ABORTED, RESOURCE_EXHAUSTED). DEADLINE_EXCEEDED is not: the overall deadline is gone.
+bool is_retryable(Code code) noexcept;
+
+class Error : public std::runtime_error {
+ public:
+  Error(Code code, std::string message)
+      : std::runtime_error(std::move(message)), code_(code), retryable_(is_retryable(code)) {}
+  Error(Code code, std::string message, bool retryable)
+      : std::runtime_error(std::move(message)), code_(code), retryable_(retryable) {}
+
+  Code code() const noexcept { return code_; }
+  bool retryable() const noexcept { return retryable_; }
+  std::string_view code_name() const noexcept { return dsec::code_name(code_); }
+
+ private:
+  Code code_;
+  bool retryable_;
+};
+
+}  // namespace dsec

@@ -1,0 +1,34 @@
+// Running a command in a sandbox, and what comes back.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dsec/spec.hpp"
+
+namespace dsec {
+
+struct ExecRequest {
+  std::vector<std::string> argv;      // run this argv (PATH is searched for argv[0]) ...
+  std::string shell;                  // ... or, when non-empty, `/bin/sh -c shell`
+  Env env;                            // added to (and overriding) the sandbox's env
+  std::string cwd;                    // empty: the sandbox's workdir
+  std::string stdin_data;             // bytes fed to stdin, then EOF
+  double timeout_seconds = 600;       // wall clock; on expiry the exec's whole process tree is killed
+  std::size_t max_output_bytes = 16u << 20;  // cap for each of stdout and stderr; the rest is dropped
+};
+
+struct ExecResult {
+  int exit_code = -1;                 // exit status, or -1 when killed by a signal
+  int signal = 0;                     // the signal that ended it, 0 if it exited
+  std::string stdout_data;            // bytes, not text
+  std::string stderr_data;
+  bool stdout_truncated = false;
+  bool stderr_truncated = false;
+  bool timed_out = false;
+  double duration_seconds = 0;
+};
+
+}  // namespace dsec

@@ -1,0 +1,54 @@
+// A handle on one live sandbox. Owning by default: the destructor destroys the sandbox unless release() was called.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "dsec/exec.hpp"
+#include "dsec/sandbox_info.hpp"
+
+namespace dsec {
+
+namespace detail {
+class ClientCore;
+}
+
+class Sandbox {
+ public:
+  Sandbox() = default;
+  Sandbox(std::shared_ptr<detail::ClientCore> core, std::string id);
+  Sandbox(Sandbox&& other) noexcept;
+  Sandbox& operator=(Sandbox&& other) noexcept;
+  Sandbox(const Sandbox&) = delete;
+  Sandbox& operator=(const Sandbox&) = delete;
+  ~Sandbox();
+
+  const std::string& id() const noexcept { return id_; }
+  explicit operator bool() const noexcept { return core_ != nullptr; }
+
+  // Runs a command. A timeout is a result (timed_out = true), not an error; an unknown sandbox, a missing
+  // executable or an unreachable node are errors (dsec::Error).
+  ExecResult exec(const ExecRequest& request);
+  ExecResult exec(std::string shell_command, double timeout_seconds = 600);
+
+  // One file, by path inside the sandbox; parent directories are created. Paths never leave the sandbox root.
+  void write_file(std::string_view path, std::string_view data, unsigned mode = 0644);
+  std::string read_file(std::string_view path);
+
+  // A directory as a tar stream: upload extracts into `dir` (created if missing), download archives `dir`.
+  void upload_tar(std::string_view dir, std::string_view tar_bytes);
+  std::string download_tar(std::string_view dir);
+
+  SandboxInfo info();
+  // Destroys the sandbox; idempotent. The handle is empty afterwards.
+  void destroy();
+  // Gives up ownership: the sandbox lives on (until its TTL) and the handle is empty. Returns its id.
+  std::string release() noexcept;
+
+ private:
+  std::shared_ptr<detail::ClientCore> core_;
+  std::string id_;
+};
+
+}  // namespace dsec

@@ -1,0 +1,45 @@
+// What the agent knows about a sandbox and about itself.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dsec/spec.hpp"
+
+namespace dsec {
+
+struct SandboxInfo {
+  std::string id;          // "<node>-<random>": names the node that hosts it
+  std::string node;
+  std::string state;       // creating | running | failed | destroyed
+  std::string image;
+  std::string kind;
+  std::string tenant;
+  Labels labels;
+  Resources resources;
+  double created_at = 0;   // unix seconds
+  double expires_at = 0;   // 0 = no TTL
+  std::string message;     // why it failed, when it did
+};
+
+struct NodeInfo {
+  std::string id;
+  std::string version;
+  std::string protocol = "v1";
+  std::vector<std::string> backends;
+  std::uint32_t cores = 0;
+  std::uint64_t memory_bytes = 0;
+  std::uint64_t disk_bytes = 0;
+  std::uint64_t disk_free_bytes = 0;
+  std::uint32_t sandboxes = 0;           // live sandboxes
+  double cpu_requested = 0;              // sum of the live sandboxes' cpu
+  std::uint64_t memory_requested = 0;    // sum of their memory limits
+  double cpu_overcommit = 8.0;           // how far requests may exceed capacity
+  double memory_overcommit = 1.0;
+  std::string cgroup_version;            // "v1" or "v2"
+  std::vector<std::string> images;       // images in the node's store
+  double load1 = 0;
+};
+
+}  // namespace dsec

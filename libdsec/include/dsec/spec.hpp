@@ -1,0 +1,44 @@
+// What a sandbox is asked to be: the typed spec a trainer fills in, the same for every backend.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dsec {
+
+using Labels = std::map<std::string, std::string>;
+using Env = std::map<std::string, std::string>;
+
+// Limits of one sandbox. The agent enforces each one: cpu and memory and pids through the sandbox's cgroup, disk
+// through the size of its writable layer.
+struct Resources {
+  double cpu = 1.0;                          // cores (CFS quota); fractions allowed
+  std::uint64_t memory_bytes = 512ull << 20;  // hard limit, OOM-kill inside the sandbox beyond it
+  std::uint64_t disk_bytes = 1ull << 30;      // writable layer size; writes beyond it fail with ENOSPC
+  std::uint32_t pids = 512;                   // processes + threads
+  std::uint32_t open_files = 4096;            // RLIMIT_NOFILE for every process inside
+};
+
+struct SandboxSpec {
+  std::string image = "busybox";      // image name in the node's store
+  std::string kind = "container";     // backend: container (fncall, microvm, vm come later)
+  Resources resources;
+  std::chrono::seconds ttl{3600};     // the agent destroys the sandbox this long after creation; 0 = never
+  Env env;                            // environment every exec starts with (exec env overrides)
+  Labels labels;                      // free-form; list() filters on them
+  std::string tenant;                 // who owns it; list() filters on it
+  std::string hostname;               // empty: the sandbox id
+  std::string workdir = "/";          // default cwd for exec
+  bool allow_ptrace = false;          // allow ptrace inside the sandbox (debuggers); denied by default
+  std::string request_id;             // idempotency key: the same key returns the same sandbox
+};
+
+// Parses "512Mi", "2G", "1.5GiB", "4096", "100k" into bytes. SI suffixes (k, M, G, T) are powers of 1000, binary ones
+// (Ki, Mi, Gi, Ti) powers of 1024; a trailing "B" is allowed. Returns nullopt for anything else.
+std::optional<std::uint64_t> parse_size(std::string_view text);
+
+}  // namespace dsec

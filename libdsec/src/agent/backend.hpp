@@ -1,0 +1,56 @@
+// The interface every sandbox backend implements. Backends never see HTTP or JSON: the agent's router decodes
+// requests into these typed calls and encodes what they return or throw (dsec::Error).
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dsec/exec.hpp"
+#include "dsec/spec.hpp"
+
+namespace dsec::agent {
+
+// What a backend needs to start one sandbox.
+struct CreateParams {
+  std::string id;                                   // unique on this node, also the default hostname
+  SandboxSpec spec;                                 // validated
+  std::vector<std::filesystem::path> image_layers;  // read-only root layers, lowest first
+};
+
+// One live sandbox. Every method may be called from several threads at once; all of them throw dsec::Error.
+class BackendSandbox {
+ public:
+  virtual ~BackendSandbox() = default;
+
+  // Blocks until the command ends or its timeout passes.
+  virtual ExecResult exec(const ExecRequest& request) = 0;
+
+  // Paths are absolute paths inside the sandbox; they are resolved inside its root, never outside.
+  virtual void write_file(std::string_view path, std::string_view data, unsigned mode) = 0;
+  virtual std::string read_file(std::string_view path) = 0;
+  virtual void put_archive(std::string_view dir, std::string_view tar_bytes) = 0;
+  virtual std::string get_archive(std::string_view dir) = 0;
+  // Whether the path is a directory (the files API answers a directory with a tar stream).
+  virtual bool is_directory(std::string_view path) = 0;
+
+  // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
+  virtual bool alive() = 0;
+  // Kills everything inside and releases every host resource (cgroups, namespaces, mounts, directories).
+  // Idempotent and safe to call concurrently with other methods, which then fail with NOT_FOUND or UNAVAILABLE.
+  virtual void destroy() = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view kind() const = 0;
+  // Starts a sandbox and returns once it can take an exec.
+  virtual std::unique_ptr<BackendSandbox> create(const CreateParams& params) = 0;
+  // Called once at agent shutdown, after every sandbox was destroyed: release pools and pre-made resources.
+  virtual void shutdown() {}
+};
+
+}  // namespace dsec::agent

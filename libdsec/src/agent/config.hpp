@@ -1,0 +1,29 @@
+// How one node agent is set up. Filled from dsecd's flags; the embedded agent gets the defaults plus a private
+// socket and home.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <filesystem>
+#include <string>
+
+namespace dsec::agent {
+
+struct AgentConfig {
+  std::string node_id;                        // default: hostname; prefixes every sandbox id
+  std::filesystem::path unix_socket;          // listen here (empty: no unix socket)
+  std::string tcp_listen;                     // "127.0.0.1:7070" (empty: no TCP)
+  std::filesystem::path home = "/var/lib/dsec";   // images/, state/ (sandbox records)
+  std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
+  std::filesystem::path init_binary;          // dsec-init; default: next to dsecd
+  std::string cgroup_name = "dsec";           // cgroup subtree (per agent: "dsec-<node_id>" when several run)
+  std::size_t max_body_bytes = 256u << 20;    // request bodies (file uploads) larger than this are refused
+  std::size_t max_header_bytes = 16u << 10;
+  std::size_t max_connections = 4096;
+  std::size_t netns_pool_size = 32;           // pre-created network namespaces
+  std::chrono::milliseconds reaper_interval{1000};
+  double cpu_overcommit = 8.0;
+  double memory_overcommit = 1.0;
+};
+
+}  // namespace dsec::agent

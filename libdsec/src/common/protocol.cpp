@@ -1,0 +1,372 @@
+#include "common/protocol.hpp"
+
+#include <openssl/evp.h>
+
+#include <cmath>
+#include <fmt/format.h>
+
+namespace dsec::protocol {
+namespace {
+
+[[noreturn]] void bad(std::string_view field, std::string_view what) {
+  throw Error(Code::kInvalidArgument, fmt::format("{}: {}", field, what));
+}
+
+const json* find(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::string get_string(const json& j, const char* key, std::string_view field, std::string fallback = {}) {
+  const json* v = find(j, key);
+  if (!v) return fallback;
+  if (!v->is_string()) bad(field, "must be a string");
+  return v->get<std::string>();
+}
+
+bool get_bool(const json& j, const char* key, std::string_view field, bool fallback) {
+  const json* v = find(j, key);
+  if (!v) return fallback;
+  if (!v->is_boolean()) bad(field, "must be true or false");
+  return v->get<bool>();
+}
+
+double get_number(const json& j, const char* key, std::string_view field, double fallback) {
+  const json* v = find(j, key);
+  if (!v) return fallback;
+  if (!v->is_number()) bad(field, "must be a number");
+  double d = v->get<double>();
+  if (!std::isfinite(d)) bad(field, "must be finite");
+  return d;
+}
+
+std::uint64_t get_unsigned(const json& j, const char* key, std::string_view field, std::uint64_t fallback) {
+  const json* v = find(j, key);
+  if (!v) return fallback;
+  if (v->is_number_unsigned()) return v->get<std::uint64_t>();
+  if (v->is_number_integer()) {
+    if (v->get<std::int64_t>() < 0) bad(field, "must not be negative");
+    return static_cast<std::uint64_t>(v->get<std::int64_t>());
+  }
+  bad(field, "must be a non-negative integer");
+}
+
+// Sizes are bytes as an integer, or a string such as "512Mi".
+std::uint64_t get_size(const json& j, const char* key, std::string_view field, std::uint64_t fallback) {
+  const json* v = find(j, key);
+  if (!v) return fallback;
+  if (v->is_string()) {
+    auto parsed = parse_size(v->get<std::string>());
+    if (!parsed) bad(field, fmt::format("'{}' is not a size (examples: 4096, \"512Mi\", \"2G\")", v->get<std::string>()));
+    return *parsed;
+  }
+  return get_unsigned(j, key, field, fallback);
+}
+
+std::map<std::string, std::string> get_string_map(const json& j, const char* key, std::string_view field) {
+  std::map<std::string, std::string> out;
+  const json* v = find(j, key);
+  if (!v) return out;
+  if (!v->is_object()) bad(field, "must be an object of strings");
+  for (auto& [k, val] : v->items()) {
+    if (!val.is_string()) bad(fmt::format("{}.{}", field, k), "must be a string");
+    out.emplace(k, val.get<std::string>());
+  }
+  return out;
+}
+
+bool has_nul(std::string_view s) { return s.find('\0') != std::string_view::npos; }
+
+void validate_env(const Env& env, std::string_view field) {
+  for (const auto& [k, v] : env) {
+    if (k.empty() || k.find('=') != std::string::npos || has_nul(k))
+      bad(fmt::format("{}.{}", field, k), "a variable name must be non-empty, without '=' or NUL");
+    if (has_nul(v)) bad(fmt::format("{}.{}", field, k), "a value must not contain NUL");
+  }
+}
+
+}  // namespace
+
+json parse_body(std::string_view body) {
+  if (body.empty()) return json::object();
+  try {
+    return json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw Error(Code::kInvalidArgument, fmt::format("request body is not valid JSON: {}", e.what()));
+  }
+}
+
+json encode(const SandboxSpec& s) {
+  return json{
+      {"image", s.image},
+      {"kind", s.kind},
+      {"resources",
+       {{"cpu", s.resources.cpu},
+        {"memory", s.resources.memory_bytes},
+        {"disk", s.resources.disk_bytes},
+        {"pids", s.resources.pids},
+        {"open_files", s.resources.open_files}}},
+      {"ttl", s.ttl.count()},
+      {"env", s.env},
+      {"labels", s.labels},
+      {"tenant", s.tenant},
+      {"hostname", s.hostname},
+      {"workdir", s.workdir},
+      {"allow_ptrace", s.allow_ptrace},
+      {"request_id", s.request_id},
+  };
+}
+
+SandboxSpec decode_spec(const json& j) {
+  if (!j.is_object()) bad("spec", "must be a JSON object");
+  SandboxSpec s;
+  s.image = get_string(j, "image", "image", s.image);
+  s.kind = get_string(j, "kind", "kind", s.kind);
+  if (const json* r = find(j, "resources")) {
+    if (!r->is_object()) bad("resources", "must be an object");
+    s.resources.cpu = get_number(*r, "cpu", "resources.cpu", s.resources.cpu);
+    s.resources.memory_bytes = get_size(*r, "memory", "resources.memory", s.resources.memory_bytes);
+    s.resources.disk_bytes = get_size(*r, "disk", "resources.disk", s.resources.disk_bytes);
+    auto pids = get_unsigned(*r, "pids", "resources.pids", s.resources.pids);
+    if (pids > 1u << 22) bad("resources.pids", "at most 4194304");
+    s.resources.pids = static_cast<std::uint32_t>(pids);
+    auto files = get_unsigned(*r, "open_files", "resources.open_files", s.resources.open_files);
+    if (files > 1u << 20) bad("resources.open_files", "at most 1048576");
+    s.resources.open_files = static_cast<std::uint32_t>(files);
+  }
+  double ttl = get_number(j, "ttl", "ttl", static_cast<double>(s.ttl.count()));
+  if (ttl < 0 || ttl > 365.0 * 86400) bad("ttl", "must be between 0 (no TTL) and one year, in seconds");
+  s.ttl = std::chrono::seconds{static_cast<std::int64_t>(ttl)};
+  s.env = get_string_map(j, "env", "env");
+  s.labels = get_string_map(j, "labels", "labels");
+  s.tenant = get_string(j, "tenant", "tenant");
+  s.hostname = get_string(j, "hostname", "hostname");
+  s.workdir = get_string(j, "workdir", "workdir", s.workdir);
+  s.allow_ptrace = get_bool(j, "allow_ptrace", "allow_ptrace", false);
+  s.request_id = get_string(j, "request_id", "request_id");
+  validate(s);
+  return s;
+}
+
+void validate(const SandboxSpec& s) {
+  auto name_ok = [](std::string_view n) {
+    if (n.empty() || n.size() > 255 || n.front() == '.' || n.front() == '/' ) return false;
+    for (char c : n)
+      if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == '/' || c == ':'))
+        return false;
+    return n.find("..") == std::string_view::npos;
+  };
+  if (!name_ok(s.image)) bad("image", fmt::format("'{}' is not a valid image name (letters, digits, - _ . / :)", s.image));
+  if (s.kind.empty()) bad("kind", "must not be empty");
+  const auto& r = s.resources;
+  if (!(r.cpu > 0) || r.cpu > 1024) bad("resources.cpu", "must be in (0, 1024] cores");
+  if (r.memory_bytes < (4ull << 20)) bad("resources.memory", "must be at least 4Mi");
+  if (r.disk_bytes < (1ull << 20)) bad("resources.disk", "must be at least 1Mi");
+  if (r.pids < 1) bad("resources.pids", "must be at least 1");
+  if (r.open_files < 16) bad("resources.open_files", "must be at least 16");
+  validate_env(s.env, "env");
+  for (const auto& [k, v] : s.labels)
+    if (k.empty() || k.size() > 253 || has_nul(k) || has_nul(v) || k.find('=') != std::string::npos)
+      bad(fmt::format("labels.{}", k), "a label key must be non-empty, at most 253 bytes, without '=' or NUL");
+  if (s.hostname.size() > 64) bad("hostname", "at most 64 characters");
+  for (char c : s.hostname)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.'))
+      bad("hostname", "letters, digits, '-' and '.' only");
+  if (s.workdir.empty() || s.workdir.front() != '/' || has_nul(s.workdir)) bad("workdir", "must be an absolute path");
+  if (s.request_id.size() > 128 || has_nul(s.request_id)) bad("request_id", "at most 128 bytes");
+  if (s.tenant.size() > 128 || has_nul(s.tenant)) bad("tenant", "at most 128 bytes");
+}
+
+json encode(const ExecRequest& r) {
+  json j{{"env", r.env},
+         {"cwd", r.cwd},
+         {"timeout", r.timeout_seconds},
+         {"max_output", r.max_output_bytes}};
+  if (!r.shell.empty()) j["shell"] = r.shell;
+  else j["argv"] = r.argv;
+  if (!r.stdin_data.empty()) j["stdin"] = base64_encode(r.stdin_data);
+  return j;
+}
+
+ExecRequest decode_exec_request(const json& j) {
+  if (!j.is_object()) bad("exec", "must be a JSON object");
+  ExecRequest r;
+  r.shell = get_string(j, "shell", "shell");
+  if (const json* a = find(j, "argv")) {
+    if (!a->is_array()) bad("argv", "must be an array of strings");
+    for (const auto& x : *a) {
+      if (!x.is_string()) bad("argv", "must be an array of strings");
+      r.argv.push_back(x.get<std::string>());
+    }
+  }
+  if (r.shell.empty() == r.argv.empty()) bad("argv", "give exactly one of a non-empty argv or shell");
+  if (!r.argv.empty() && r.argv[0].empty()) bad("argv[0]", "must not be empty");
+  for (const auto& a : r.argv)
+    if (has_nul(a)) bad("argv", "arguments must not contain NUL");
+  if (has_nul(r.shell)) bad("shell", "must not contain NUL");
+  r.env = get_string_map(j, "env", "env");
+  validate_env(r.env, "env");
+  r.cwd = get_string(j, "cwd", "cwd");
+  if (!r.cwd.empty() && (r.cwd.front() != '/' || has_nul(r.cwd))) bad("cwd", "must be an absolute path");
+  if (const json* s = find(j, "stdin")) {
+    if (!s->is_string()) bad("stdin", "must be a base64 string");
+    r.stdin_data = base64_decode(s->get<std::string>());
+  }
+  r.timeout_seconds = get_number(j, "timeout", "timeout", r.timeout_seconds);
+  if (!(r.timeout_seconds > 0) || r.timeout_seconds > 86400 * 7) bad("timeout", "must be in (0, 604800] seconds");
+  r.max_output_bytes = get_unsigned(j, "max_output", "max_output", r.max_output_bytes);
+  if (r.max_output_bytes > (1ull << 30)) bad("max_output", "at most 1 GiB");
+  return r;
+}
+
+json encode(const ExecResult& r) {
+  return json{{"exit_code", r.exit_code},
+              {"signal", r.signal},
+              {"stdout", base64_encode(r.stdout_data)},
+              {"stderr", base64_encode(r.stderr_data)},
+              {"stdout_truncated", r.stdout_truncated},
+              {"stderr_truncated", r.stderr_truncated},
+              {"timed_out", r.timed_out},
+              {"duration", r.duration_seconds}};
+}
+
+ExecResult decode_exec_result(const json& j) {
+  ExecResult r;
+  r.exit_code = static_cast<int>(j.value("exit_code", -1));
+  r.signal = j.value("signal", 0);
+  r.stdout_data = base64_decode(j.value("stdout", std::string{}));
+  r.stderr_data = base64_decode(j.value("stderr", std::string{}));
+  r.stdout_truncated = j.value("stdout_truncated", false);
+  r.stderr_truncated = j.value("stderr_truncated", false);
+  r.timed_out = j.value("timed_out", false);
+  r.duration_seconds = j.value("duration", 0.0);
+  return r;
+}
+
+json encode(const SandboxInfo& s) {
+  return json{{"id", s.id},
+              {"node", s.node},
+              {"state", s.state},
+              {"image", s.image},
+              {"kind", s.kind},
+              {"tenant", s.tenant},
+              {"labels", s.labels},
+              {"resources",
+               {{"cpu", s.resources.cpu},
+                {"memory", s.resources.memory_bytes},
+                {"disk", s.resources.disk_bytes},
+                {"pids", s.resources.pids},
+                {"open_files", s.resources.open_files}}},
+              {"created_at", s.created_at},
+              {"expires_at", s.expires_at},
+              {"message", s.message}};
+}
+
+SandboxInfo decode_sandbox_info(const json& j) {
+  SandboxInfo s;
+  s.id = j.value("id", "");
+  s.node = j.value("node", "");
+  s.state = j.value("state", "");
+  s.image = j.value("image", "");
+  s.kind = j.value("kind", "");
+  s.tenant = j.value("tenant", "");
+  s.labels = j.value("labels", Labels{});
+  if (auto it = j.find("resources"); it != j.end() && it->is_object()) {
+    s.resources.cpu = it->value("cpu", s.resources.cpu);
+    s.resources.memory_bytes = it->value("memory", s.resources.memory_bytes);
+    s.resources.disk_bytes = it->value("disk", s.resources.disk_bytes);
+    s.resources.pids = it->value("pids", s.resources.pids);
+    s.resources.open_files = it->value("open_files", s.resources.open_files);
+  }
+  s.created_at = j.value("created_at", 0.0);
+  s.expires_at = j.value("expires_at", 0.0);
+  s.message = j.value("message", "");
+  return s;
+}
+
+json encode(const NodeInfo& n) {
+  return json{{"id", n.id},
+              {"version", n.version},
+              {"protocol", n.protocol},
+              {"backends", n.backends},
+              {"capacity", {{"cores", n.cores}, {"memory", n.memory_bytes}, {"disk", n.disk_bytes}}},
+              {"disk_free", n.disk_free_bytes},
+              {"load", {{"sandboxes", n.sandboxes},
+                        {"cpu_requested", n.cpu_requested},
+                        {"memory_requested", n.memory_requested},
+                        {"load1", n.load1}}},
+              {"overcommit", {{"cpu", n.cpu_overcommit}, {"memory", n.memory_overcommit}}},
+              {"cgroup_version", n.cgroup_version},
+              {"images", n.images}};
+}
+
+NodeInfo decode_node_info(const json& j) {
+  NodeInfo n;
+  n.id = j.value("id", "");
+  n.version = j.value("version", "");
+  n.protocol = j.value("protocol", "v1");
+  n.backends = j.value("backends", std::vector<std::string>{});
+  if (auto c = j.find("capacity"); c != j.end() && c->is_object()) {
+    n.cores = c->value("cores", 0u);
+    n.memory_bytes = c->value("memory", std::uint64_t{0});
+    n.disk_bytes = c->value("disk", std::uint64_t{0});
+  }
+  n.disk_free_bytes = j.value("disk_free", std::uint64_t{0});
+  if (auto l = j.find("load"); l != j.end() && l->is_object()) {
+    n.sandboxes = l->value("sandboxes", 0u);
+    n.cpu_requested = l->value("cpu_requested", 0.0);
+    n.memory_requested = l->value("memory_requested", std::uint64_t{0});
+    n.load1 = l->value("load1", 0.0);
+  }
+  if (auto o = j.find("overcommit"); o != j.end() && o->is_object()) {
+    n.cpu_overcommit = o->value("cpu", n.cpu_overcommit);
+    n.memory_overcommit = o->value("memory", n.memory_overcommit);
+  }
+  n.cgroup_version = j.value("cgroup_version", "");
+  n.images = j.value("images", std::vector<std::string>{});
+  return n;
+}
+
+json encode_error(const Error& e) {
+  return json{{"code", std::string(e.code_name())}, {"message", e.what()}, {"retryable", e.retryable()}};
+}
+
+Error decode_error(const json& j, int status) {
+  if (j.is_object() && j.contains("code") && j["code"].is_string()) {
+    Code code = code_from_name(j["code"].get<std::string>());
+    std::string message = j.value("message", std::string{});
+    bool retryable = j.value("retryable", is_retryable(code));
+    return Error(code, message, retryable);
+  }
+  Code code = status == 404 ? Code::kNotFound
+              : status == 400 ? Code::kInvalidArgument
+              : status == 503 ? Code::kUnavailable
+              : status == 504 ? Code::kDeadlineExceeded
+                              : Code::kUnknown;
+  return Error(code, fmt::format("agent answered HTTP {} without a dsec error body", status));
+}
+
+std::string base64_encode(std::string_view bytes) {
+  std::string out(4 * ((bytes.size() + 2) / 3), '\0');
+  int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                          reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<int>(bytes.size()));
+  out.resize(static_cast<std::size_t>(n));
+  return out;
+}
+
+std::string base64_decode(std::string_view text) {
+  if (text.size() % 4 != 0) throw Error(Code::kInvalidArgument, "malformed base64: length is not a multiple of 4");
+  std::string out(3 * (text.size() / 4), '\0');
+  int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                          reinterpret_cast<const unsigned char*>(text.data()), static_cast<int>(text.size()));
+  if (n < 0) throw Error(Code::kInvalidArgument, "malformed base64");
+  std::size_t len = static_cast<std::size_t>(n);
+  // EVP_DecodeBlock keeps the padding bytes as zeros; drop them.
+  if (!text.empty() && text.back() == '=') --len;
+  if (text.size() >= 2 && text[text.size() - 2] == '=') --len;
+  out.resize(len);
+  return out;
+}
+
+}  // namespace dsec::protocol
