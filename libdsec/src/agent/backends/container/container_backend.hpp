@@ -1,0 +1,18 @@
+// The container backend: dsec's own runtime (namespaces, cgroups, overlayfs, pivot_root, seccomp, a tiny init as
+// pid 1). No crun/runc process per sandbox.
+#pragma once
+
+#include <memory>
+
+#include "agent/backend.hpp"
+#include "agent/config.hpp"
+
+namespace dsec::agent {
+
+// Throws dsec::Error(FAILED_PRECONDITION) when the host cannot run containers (not root, no overlayfs, ...).
+std::unique_ptr<Backend> make_container_backend(const AgentConfig& config);
+
+// "v1" or "v2": the cgroup hierarchy the backend drives on this host.
+std::string container_cgroup_version();
+
+}  // namespace dsec::agent
