@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace dsec::agent {
 
@@ -22,6 +23,8 @@ struct AgentConfig {
   std::size_t max_connections = 4096;
   std::size_t netns_pool_size = 32;           // pre-created network namespaces
   std::chrono::milliseconds reaper_interval{1000};
+  std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
+  std::vector<std::string> backends{"container"};  // kinds this agent serves: "container", "null"
   double cpu_overcommit = 8.0;
   double memory_overcommit = 1.0;
 };
