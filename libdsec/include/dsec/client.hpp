@@ -23,10 +23,16 @@ struct ClientOptions {
   // "unix:/run/dsec/dsecd.sock" or "http://10.0.0.7:7070". Empty: start an embedded agent on a private unix
   // socket, owned by this client and stopped with it.
   std::vector<std::string> endpoints;
-  // Embedded agent only: its binary (default: $DSEC_AGENT, then next to this library's build, then PATH) and the
-  // directory that holds its image store and state (default: $DSEC_HOME, then /var/lib/dsec).
+  // Embedded agent only: its binary (default: $DSEC_AGENT, then the dsecd of the build tree this library came
+  // from, then each of agent_candidates, then dsecd on PATH) and the directory that holds its image store and state
+  // (default: $DSEC_HOME, then /var/lib/dsec).
   std::string agent_binary;
+  std::vector<std::string> agent_candidates;  // e.g. the dsecd shipped inside the Python package
   std::string home;
+  std::vector<std::string> agent_args;        // extra dsecd flags, e.g. {"--backends", "container,null"}
+  std::chrono::milliseconds agent_start_timeout{30'000};
+  // After SIGTERM the agent destroys its sandboxes; past this grace it gets SIGKILL.
+  std::chrono::milliseconds agent_stop_grace{10'000};
   RetryPolicy retry;
   // Deadline for one call, through all its retries (exec adds its own timeout on top).
   std::chrono::milliseconds call_deadline{60'000};
@@ -34,6 +40,9 @@ struct ClientOptions {
   std::size_t create_concurrency = 32;
 };
 
+// Thread-safe: one Client serves every thread of a trainer. Sandbox handles share its connections and are usable
+// while the Client is open; close() (or the destructor) stops an embedded agent, which destroys its sandboxes, and
+// makes every later call through this client or its handles fail with FAILED_PRECONDITION.
 class Client {
  public:
   explicit Client(ClientOptions options = {});
@@ -41,16 +50,22 @@ class Client {
   Client(Client&&) noexcept;
   Client& operator=(Client&&) noexcept;
 
+  // Creates a sandbox and returns an owning handle. The request carries spec.request_id (a random one when empty),
+  // so a create retried after a lost answer never makes two sandboxes.
   Sandbox create(const SandboxSpec& spec);
-  // n sandboxes from one spec, created concurrently. All or nothing: if any create fails, the ones made are
-  // destroyed and the first error is thrown.
+  // n sandboxes from one spec, created concurrently (ClientOptions::create_concurrency in flight). All or nothing:
+  // if any create fails, the ones made are destroyed and the first error is thrown. Sandbox i carries the request
+  // id "<spec.request_id>-<i>" (a random base when spec.request_id is empty), so the whole batch can be retried.
   std::vector<Sandbox> create_many(std::size_t n, const SandboxSpec& spec);
   // A handle on an existing sandbox (not owning: destroying it is explicit).
   Sandbox attach(const std::string& id);
+  // Sandboxes on every node that carry all of `labels` (and belong to `tenant`, when given).
   std::vector<SandboxInfo> list(const Labels& labels = {}, const std::string& tenant = {});
   std::vector<NodeInfo> nodes();
   // The embedded agent's endpoint, or the first configured one.
   std::string endpoint() const;
+  // Stops the embedded agent (if any) and closes the client. Idempotent; the destructor does the same.
+  void close();
 
  private:
   std::shared_ptr<detail::ClientCore> core_;

@@ -1,4 +1,5 @@
-// A handle on one live sandbox. Owning by default: the destructor destroys the sandbox unless release() was called.
+// A handle on one live sandbox. A handle from Client::create owns its sandbox: the destructor destroys it unless
+// release() was called. A handle from Client::attach does not own: destroying its sandbox is explicit.
 #pragma once
 
 #include <memory>
@@ -17,7 +18,7 @@ class ClientCore;
 class Sandbox {
  public:
   Sandbox() = default;
-  Sandbox(std::shared_ptr<detail::ClientCore> core, std::string id);
+  Sandbox(std::shared_ptr<detail::ClientCore> core, std::string id, bool owning = true);
   Sandbox(Sandbox&& other) noexcept;
   Sandbox& operator=(Sandbox&& other) noexcept;
   Sandbox(const Sandbox&) = delete;
@@ -26,11 +27,12 @@ class Sandbox {
 
   const std::string& id() const noexcept { return id_; }
   explicit operator bool() const noexcept { return core_ != nullptr; }
+  bool owning() const noexcept { return owning_; }
 
   // Runs a command. A timeout is a result (timed_out = true), not an error; an unknown sandbox, a missing
   // executable or an unreachable node are errors (dsec::Error).
   ExecResult exec(const ExecRequest& request);
-  ExecResult exec(std::string shell_command, double timeout_seconds = 600);
+  ExecResult exec(std::string shell_command, double timeout_seconds = 600);  // runs under /bin/sh -c
 
   // One file, by path inside the sandbox; parent directories are created. Paths never leave the sandbox root.
   void write_file(std::string_view path, std::string_view data, unsigned mode = 0644);
@@ -47,8 +49,11 @@ class Sandbox {
   std::string release() noexcept;
 
  private:
+  detail::ClientCore& core() const;
+
   std::shared_ptr<detail::ClientCore> core_;
   std::string id_;
+  bool owning_ = true;
 };
 
 }  // namespace dsec

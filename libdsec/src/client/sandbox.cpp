@@ -1,0 +1,79 @@
+#include "dsec/sandbox.hpp"
+
+#include <utility>
+
+#include "client/client_core.hpp"
+
+namespace dsec {
+
+Sandbox::Sandbox(std::shared_ptr<detail::ClientCore> core, std::string id, bool owning)
+    : core_(std::move(core)), id_(std::move(id)), owning_(owning) {}
+
+Sandbox::Sandbox(Sandbox&& other) noexcept
+    : core_(std::move(other.core_)), id_(std::move(other.id_)), owning_(other.owning_) {
+  other.id_.clear();
+}
+
+Sandbox& Sandbox::operator=(Sandbox&& other) noexcept {
+  if (this != &other) {
+    if (core_ && owning_) {
+      try {
+        core_->destroy(id_);
+      } catch (...) {
+      }
+    }
+    core_ = std::move(other.core_);
+    id_ = std::exchange(other.id_, {});
+    owning_ = other.owning_;
+  }
+  return *this;
+}
+
+Sandbox::~Sandbox() {
+  // A destructor never throws: a sandbox that cannot be destroyed now is left to its TTL.
+  if (core_ && owning_ && !core_->closed()) {
+    try {
+      core_->destroy(id_);
+    } catch (...) {
+    }
+  }
+}
+
+detail::ClientCore& Sandbox::core() const {
+  if (!core_) throw Error(Code::kFailedPrecondition, "empty dsec::Sandbox handle (destroyed, released or moved from)");
+  return *core_;
+}
+
+ExecResult Sandbox::exec(const ExecRequest& request) { return core().exec(id_, request); }
+
+ExecResult Sandbox::exec(std::string shell_command, double timeout_seconds) {
+  ExecRequest request;
+  request.shell = std::move(shell_command);
+  request.timeout_seconds = timeout_seconds;
+  return core().exec(id_, request);
+}
+
+void Sandbox::write_file(std::string_view path, std::string_view data, unsigned mode) {
+  core().write_file(id_, path, data, mode);
+}
+
+std::string Sandbox::read_file(std::string_view path) { return core().read_file(id_, path); }
+
+void Sandbox::upload_tar(std::string_view dir, std::string_view tar_bytes) { core().upload_tar(id_, dir, tar_bytes); }
+
+std::string Sandbox::download_tar(std::string_view dir) { return core().download_tar(id_, dir); }
+
+SandboxInfo Sandbox::info() { return core().get(id_); }
+
+void Sandbox::destroy() {
+  core().destroy(id_);
+  core_.reset();
+  id_.clear();
+}
+
+std::string Sandbox::release() noexcept {
+  core_.reset();
+  return std::exchange(id_, {});
+}
+
+}  // namespace dsec
