@@ -1,0 +1,58 @@
+// Per-sandbox cgroups behind one interface, with a driver for cgroup v2 (the unified hierarchy) and one for v1
+// (a hierarchy per controller). The driver is chosen at run time from what the host mounts.
+//
+// Every sandbox gets a group with cpu, memory and pids limits. Every exec gets a child group of it, so a timed-out
+// exec's whole process tree, including processes that left its session or process group, can be found and killed.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/unique_fd.hpp"
+#include "dsec/spec.hpp"
+
+namespace dsec::agent::container {
+
+class SandboxCgroup {
+ public:
+  virtual ~SandboxCgroup() = default;
+  // cgroup.procs of the sandbox's group(s), opened for writing: the sandbox's first process joins by writing "0".
+  virtual std::vector<UniqueFd> open_procs() = 0;
+  // Creates the child group for one exec and opens its cgroup.procs file(s).
+  virtual std::vector<UniqueFd> create_exec_group(const std::string& name) = 0;
+  // Kills every process in the exec's group and stops new forks there.
+  virtual void kill_exec_group(const std::string& name) = 0;
+  // Removes exec groups whose processes have all ended (background processes keep theirs alive).
+  virtual void prune_exec_groups() = 0;
+  // Kills every process of the sandbox, waits until they are gone, and removes all its groups. Idempotent.
+  virtual void destroy() = 0;
+  // Memory charged to the sandbox now, and the number of OOM kills inside it so far.
+  virtual std::uint64_t memory_current() = 0;
+  virtual std::uint64_t oom_kills() = 0;
+};
+
+class CgroupDriver {
+ public:
+  virtual ~CgroupDriver() = default;
+  virtual std::string version() const = 0;  // "v1" or "v2"
+  virtual std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& resources) = 0;
+  // Removes leftovers of an earlier run (groups with no processes) under this agent's subtree.
+  virtual void remove_stale_groups() = 0;
+};
+
+// Picks v2 when /sys/fs/cgroup is a cgroup2 mount with the cpu, memory and pids controllers available, else v1 with
+// cpu, memory, pids and freezer hierarchies. `name` is the agent's subtree ("dsec"). Throws FAILED_PRECONDITION when
+// neither is usable.
+std::unique_ptr<CgroupDriver> make_cgroup_driver(const std::string& name);
+std::unique_ptr<CgroupDriver> make_cgroup_v1_driver(const std::string& root_mount, const std::string& name);
+std::unique_ptr<CgroupDriver> make_cgroup_v2_driver(const std::string& root_mount, const std::string& name);
+
+// Small file helpers shared by both drivers.
+void write_cgroup_file(const std::string& path, const std::string& value);
+std::string read_cgroup_file(const std::string& path);
+// Reads cgroup.procs and returns the pids in it.
+std::vector<int> read_pids(const std::string& procs_path);
+
+}  // namespace dsec::agent::container

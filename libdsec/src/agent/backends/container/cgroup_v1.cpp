@@ -1,0 +1,271 @@
+// cgroup v1: one hierarchy per controller. A sandbox gets a group in each of cpu, memory, pids and freezer under
+// <hierarchy>/<name>/<id>; exec groups live in the pids hierarchy only, which is enough to find every process of an
+// exec. v1 has no cgroup.kill: a group is emptied by forbidding forks (pids.max = 0) and killing what is listed until
+// nothing is, each process through a pidfd checked to still be in the group.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "agent/backends/container/cgroup.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent::container {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The controllers dsec uses, and where the host mounts each (from /proc/self/mounts).
+struct Hierarchies {
+  std::string cpu, memory, pids, freezer;
+};
+
+Hierarchies find_hierarchies() {
+  Hierarchies h;
+  std::ifstream in("/proc/self/mounts");
+  std::string dev, dir, type, opts, rest;
+  while (in >> dev >> dir >> type >> opts) {
+    std::getline(in, rest);
+    if (type != "cgroup") continue;
+    std::istringstream os(opts);
+    std::string opt;
+    while (std::getline(os, opt, ',')) {
+      if (opt == "cpu" && h.cpu.empty()) h.cpu = dir;
+      else if (opt == "memory" && h.memory.empty()) h.memory = dir;
+      else if (opt == "pids" && h.pids.empty()) h.pids = dir;
+      else if (opt == "freezer" && h.freezer.empty()) h.freezer = dir;
+    }
+  }
+  return h;
+}
+
+int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+int pidfd_send_signal(int pidfd, int sig) { return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0)); }
+
+// Whether host process `pid` sits in `group` (a path relative to the pids hierarchy root) or below it.
+bool in_pids_group(int pid, const std::string& group) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/cgroup");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto first = line.find(':');
+    auto second = line.find(':', first + 1);
+    if (first == std::string::npos || second == std::string::npos) continue;
+    std::string controllers = line.substr(first + 1, second - first - 1);
+    std::istringstream cs(controllers);
+    std::string c;
+    bool is_pids = false;
+    while (std::getline(cs, c, ',')) is_pids |= c == "pids";
+    if (!is_pids) continue;
+    std::string path = line.substr(second + 1);
+    return path == group || path.rfind(group + "/", 0) == 0;
+  }
+  return false;
+}
+
+// Kills every process listed in dir/cgroup.procs and in its child groups, until none is left (or ~2 s pass).
+void kill_group_tree(const std::string& pids_root, const std::string& dir) {
+  std::string rel = dir.substr(pids_root.size());
+  try {
+    write_cgroup_file(dir + "/pids.max", "0");
+  } catch (const Error&) {
+  }
+  for (int round = 0; round < 400; ++round) {
+    std::vector<int> pids;
+    std::error_code ec;
+    if (!fs::exists(dir, ec)) return;
+    for (const auto& p : read_pids(dir + "/cgroup.procs")) pids.push_back(p);
+    for (const auto& entry : fs::recursive_directory_iterator(dir, ec))
+      if (entry.is_directory())
+        for (const auto& p : read_pids(entry.path().string() + "/cgroup.procs")) pids.push_back(p);
+    if (pids.empty()) return;
+    for (int pid : pids) {
+      UniqueFd pfd(pidfd_open(pid));
+      if (!pfd) continue;  // already gone
+      if (in_pids_group(pid, rel)) pidfd_send_signal(pfd.get(), SIGKILL);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void make_dir(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", dir);
+}
+
+void remove_tree(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return;
+  std::vector<std::string> dirs;
+  for (const auto& entry : fs::recursive_directory_iterator(dir, ec))
+    if (entry.is_directory()) dirs.push_back(entry.path().string());
+  // Deepest first.
+  std::sort(dirs.begin(), dirs.end(), [](const auto& a, const auto& b) { return a.size() > b.size(); });
+  for (const auto& d : dirs) ::rmdir(d.c_str());
+  for (int i = 0; i < 200; ++i) {
+    if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) return;
+    if (errno != EBUSY) throw_errno_fmt(errno, "rmdir {}", dir);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  throw_errno_fmt(EBUSY, "rmdir {}", dir);
+}
+
+class SandboxCgroupV1 final : public SandboxCgroup {
+ public:
+  SandboxCgroupV1(const Hierarchies& h, const std::string& rel) : h_(h), rel_(rel) {}
+  ~SandboxCgroupV1() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  std::string dir(const std::string& hierarchy) const { return hierarchy + rel_; }
+
+  std::vector<UniqueFd> open_procs() override {
+    std::vector<UniqueFd> fds;
+    for (const auto* root : {&h_.cpu, &h_.memory, &h_.pids, &h_.freezer}) {
+      std::string path = dir(*root) + "/cgroup.procs";
+      fds.emplace_back(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+      if (!fds.back()) throw_errno_fmt(errno, "open {}", path);
+    }
+    return fds;
+  }
+
+  std::vector<UniqueFd> create_exec_group(const std::string& name) override {
+    std::string d = dir(h_.pids) + "/" + name;
+    make_dir(d);
+    {
+      std::lock_guard lock(mu_);
+      exec_groups_.insert(name);
+    }
+    std::vector<UniqueFd> fds;
+    fds.emplace_back(::open((d + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fds.back()) throw_errno_fmt(errno, "open {}/cgroup.procs", d);
+    return fds;
+  }
+
+  void kill_exec_group(const std::string& name) override { kill_group_tree(h_.pids, dir(h_.pids) + "/" + name); }
+
+  void prune_exec_groups() override {
+    std::lock_guard lock(mu_);
+    for (auto it = exec_groups_.begin(); it != exec_groups_.end();) {
+      std::string d = dir(h_.pids) + "/" + *it;
+      if (::rmdir(d.c_str()) == 0 || errno == ENOENT) it = exec_groups_.erase(it);
+      else ++it;
+    }
+  }
+
+  void destroy() override {
+    std::lock_guard lock(mu_);
+    if (destroyed_) return;
+    kill_group_tree(h_.pids, dir(h_.pids));
+    for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) remove_tree(dir(*root));
+    destroyed_ = true;
+  }
+
+  std::uint64_t memory_current() override {
+    try {
+      return std::stoull(read_cgroup_file(dir(h_.memory) + "/memory.usage_in_bytes"));
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  std::uint64_t oom_kills() override {
+    try {
+      std::istringstream in(read_cgroup_file(dir(h_.memory) + "/memory.oom_control"));
+      std::string k;
+      std::uint64_t v;
+      while (in >> k >> v)
+        if (k == "oom_kill") return v;
+    } catch (...) {
+    }
+    return 0;
+  }
+
+ private:
+  Hierarchies h_;
+  std::string rel_;  // "/<name>/<id>"
+  std::mutex mu_;
+  std::set<std::string> exec_groups_;
+  bool destroyed_ = false;
+};
+
+class CgroupV1Driver final : public CgroupDriver {
+ public:
+  explicit CgroupV1Driver(std::string name) : h_(find_hierarchies()), name_(std::move(name)) {
+    for (auto [root, what] : {std::pair{&h_.cpu, "cpu"}, {&h_.memory, "memory"}, {&h_.pids, "pids"},
+                              {&h_.freezer, "freezer"}}) {
+      if (root->empty())
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("no cgroup v1 hierarchy with the {} controller is mounted, and /sys/fs/cgroup is not "
+                                "cgroup v2: the container backend needs one or the other",
+                                what));
+      make_dir(*root + "/" + name_);
+    }
+    // Children of the agent's groups inherit hierarchical memory accounting.
+    try {
+      write_cgroup_file(h_.memory + "/" + name_ + "/memory.use_hierarchy", "1");
+    } catch (const Error&) {
+    }
+  }
+
+  std::string version() const override { return "v1"; }
+
+  std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
+    std::string rel = "/" + name_ + "/" + id;
+    for (const auto* root : {&h_.cpu, &h_.memory, &h_.pids, &h_.freezer}) {
+      std::string d = *root + rel;
+      if (::mkdir(d.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", d);
+    }
+    auto group = std::make_unique<SandboxCgroupV1>(h_, rel);
+    std::string mem = h_.memory + rel;
+    write_cgroup_file(mem + "/memory.limit_in_bytes", std::to_string(r.memory_bytes));
+    try {
+      write_cgroup_file(mem + "/memory.memsw.limit_in_bytes", std::to_string(r.memory_bytes));
+    } catch (const Error&) {
+      // no swap accounting on this host
+    }
+    auto quota = static_cast<long long>(r.cpu * 100000);
+    write_cgroup_file(h_.cpu + rel + "/cpu.cfs_period_us", "100000");
+    write_cgroup_file(h_.cpu + rel + "/cpu.cfs_quota_us", std::to_string(std::max(quota, 1000LL)));
+    write_cgroup_file(h_.pids + rel + "/pids.max", std::to_string(r.pids));
+    return group;
+  }
+
+  void remove_stale_groups() override {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(h_.pids + "/" + name_, ec))
+      if (entry.is_directory()) kill_group_tree(h_.pids, entry.path().string());
+    for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory})
+      for (const auto& entry : fs::directory_iterator(*root + "/" + name_, ec))
+        if (entry.is_directory()) {
+          try {
+            remove_tree(entry.path().string());
+          } catch (const Error&) {
+          }
+        }
+  }
+
+ private:
+  Hierarchies h_;
+  std::string name_;
+};
+
+}  // namespace
+
+std::unique_ptr<CgroupDriver> make_cgroup_v1_driver(const std::string& /*root_mount*/, const std::string& name) {
+  return std::make_unique<CgroupV1Driver>(name);
+}
+
+}  // namespace dsec::agent::container

@@ -1,0 +1,185 @@
+// cgroup v2: one group per sandbox under /sys/fs/cgroup/<name>/, with memory.max, cpu.max and pids.max; exec groups
+// are children without controllers of their own (the sandbox's limits cover them), killed with cgroup.kill.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <fcntl.h>
+
+#include "agent/backends/container/cgroup.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent::container {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool populated(const std::string& dir) {
+  try {
+    return read_cgroup_file(dir + "/cgroup.events").find("populated 1") != std::string::npos;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+void kill_and_wait(const std::string& dir) {
+  try {
+    write_cgroup_file(dir + "/cgroup.kill", "1");
+  } catch (const Error& e) {
+    if (e.code() == Code::kNotFound) return;
+    throw;
+  }
+  for (int i = 0; i < 400 && populated(dir); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+}
+
+std::uint64_t stat_field(const std::string& text, std::string_view key) {
+  std::istringstream in(text);
+  std::string k;
+  std::uint64_t v;
+  while (in >> k >> v)
+    if (k == key) return v;
+  return 0;
+}
+
+class SandboxCgroupV2 final : public SandboxCgroup {
+ public:
+  explicit SandboxCgroupV2(std::string dir) : dir_(std::move(dir)) {}
+  ~SandboxCgroupV2() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  std::vector<UniqueFd> open_procs() override {
+    std::vector<UniqueFd> fds;
+    fds.emplace_back(::open((dir_ + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fds.back()) throw_errno_fmt(errno, "open {}/cgroup.procs", dir_);
+    return fds;
+  }
+
+  std::vector<UniqueFd> create_exec_group(const std::string& name) override {
+    std::string dir = dir_ + "/" + name;
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", dir);
+    {
+      std::lock_guard lock(mu_);
+      exec_groups_.insert(name);
+    }
+    std::vector<UniqueFd> fds;
+    fds.emplace_back(::open((dir + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fds.back()) throw_errno_fmt(errno, "open {}/cgroup.procs", dir);
+    return fds;
+  }
+
+  void kill_exec_group(const std::string& name) override { kill_and_wait(dir_ + "/" + name); }
+
+  void prune_exec_groups() override {
+    std::lock_guard lock(mu_);
+    for (auto it = exec_groups_.begin(); it != exec_groups_.end();) {
+      std::string dir = dir_ + "/" + *it;
+      if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) it = exec_groups_.erase(it);
+      else ++it;
+    }
+  }
+
+  void destroy() override {
+    std::lock_guard lock(mu_);
+    if (destroyed_) return;
+    kill_and_wait(dir_);
+    std::error_code ec;
+    if (fs::exists(dir_, ec)) {
+      for (const auto& child : fs::directory_iterator(dir_, ec))
+        if (child.is_directory()) ::rmdir(child.path().c_str());
+      if (::rmdir(dir_.c_str()) != 0 && errno != ENOENT) throw_errno_fmt(errno, "rmdir {}", dir_);
+    }
+    destroyed_ = true;
+  }
+
+  std::uint64_t memory_current() override {
+    try {
+      return std::stoull(read_cgroup_file(dir_ + "/memory.current"));
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  std::uint64_t oom_kills() override {
+    try {
+      return stat_field(read_cgroup_file(dir_ + "/memory.events"), "oom_kill");
+    } catch (...) {
+      return 0;
+    }
+  }
+
+ private:
+  std::string dir_;
+  std::mutex mu_;
+  std::set<std::string> exec_groups_;
+  bool destroyed_ = false;
+};
+
+class CgroupV2Driver final : public CgroupDriver {
+ public:
+  CgroupV2Driver(std::string mount, std::string name) : mount_(std::move(mount)), root_(mount_ + "/" + name) {
+    std::string available = read_cgroup_file(mount_ + "/cgroup.controllers");
+    for (const char* c : {"cpu", "memory", "pids"}) {
+      std::istringstream in(available);
+      std::string word;
+      bool found = false;
+      while (in >> word) found |= word == c;
+      if (!found)
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("cgroup v2 at {} lacks the {} controller (have: {})", mount_, c, available));
+    }
+    write_cgroup_file(mount_ + "/cgroup.subtree_control", "+cpu +memory +pids");
+    if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", root_);
+    write_cgroup_file(root_ + "/cgroup.subtree_control", "+cpu +memory +pids");
+  }
+
+  std::string version() const override { return "v2"; }
+
+  std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
+    std::string dir = root_ + "/" + id;
+    if (::mkdir(dir.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", dir);
+    auto group = std::make_unique<SandboxCgroupV2>(dir);
+    write_cgroup_file(dir + "/memory.max", std::to_string(r.memory_bytes));
+    try {
+      write_cgroup_file(dir + "/memory.swap.max", "0");
+    } catch (const Error&) {
+      // no swap accounting on this host: nothing to limit
+    }
+    auto quota = static_cast<long long>(r.cpu * 100000);
+    write_cgroup_file(dir + "/cpu.max", fmt::format("{} 100000", std::max(quota, 1000LL)));
+    write_cgroup_file(dir + "/pids.max", std::to_string(r.pids));
+    return group;
+  }
+
+  void remove_stale_groups() override {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(root_, ec)) {
+      if (!entry.is_directory()) continue;
+      kill_and_wait(entry.path());
+      for (const auto& child : fs::directory_iterator(entry.path(), ec))
+        if (child.is_directory()) ::rmdir(child.path().c_str());
+      ::rmdir(entry.path().c_str());
+    }
+  }
+
+ private:
+  std::string mount_;
+  std::string root_;
+};
+
+}  // namespace
+
+std::unique_ptr<CgroupDriver> make_cgroup_v2_driver(const std::string& root_mount, const std::string& name) {
+  return std::make_unique<CgroupV2Driver>(root_mount, name);
+}
+
+}  // namespace dsec::agent::container

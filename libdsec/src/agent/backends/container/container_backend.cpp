@@ -1,0 +1,498 @@
+#include "agent/backends/container/container_backend.hpp"
+
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+
+#include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/container/init/init_protocol.hpp"
+#include "agent/backends/container/netns_pool.hpp"
+#include "agent/backends/container/rootfs_files.hpp"
+#include "agent/backends/container/seccomp.hpp"
+#include "agent/backends/container/spawn.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent {
+namespace container {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using init_protocol::FailStage;
+using init_protocol::Reply;
+using init_protocol::ReplyType;
+
+constexpr const char* kDefaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+constexpr std::size_t kMaxFileBytes = 1ull << 30;
+// After an exec's main process ends, how long to wait for its output pipes to close (a background process it left
+// may hold them open forever).
+constexpr auto kOutputGrace = std::chrono::milliseconds(50);
+
+int read_cap_last_cap() {
+  std::ifstream in("/proc/sys/kernel/cap_last_cap");
+  int v = 40;
+  in >> v;
+  return v;
+}
+
+void append_u32(std::string& out, std::uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
+void append_str(std::string& out, std::string_view s) {
+  append_u32(out, static_cast<std::uint32_t>(s.size()));
+  out.append(s);
+}
+
+struct Pipe {
+  UniqueFd read, write;
+  static Pipe make() {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) throw_errno(errno, "pipe2");
+    return Pipe{UniqueFd(fds[0]), UniqueFd(fds[1])};
+  }
+};
+
+void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+// One output stream of an exec, capped.
+struct Capture {
+  UniqueFd fd;
+  std::string data;
+  std::size_t cap;
+  bool truncated = false;
+  // Reads what is available; false at EOF.
+  bool drain() {
+    char buf[65536];
+    for (;;) {
+      ssize_t n = ::read(fd.get(), buf, sizeof buf);
+      if (n > 0) {
+        std::size_t room = cap > data.size() ? cap - data.size() : 0;
+        std::size_t take = std::min(room, static_cast<std::size_t>(n));
+        data.append(buf, take);
+        if (take < static_cast<std::size_t>(n)) truncated = true;
+        continue;
+      }
+      if (n == 0) return false;
+      if (errno == EINTR) continue;
+      return errno == EAGAIN;  // nothing more for now
+    }
+  }
+};
+
+class ContainerSandbox final : public BackendSandbox {
+ public:
+  ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
+                   std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns)
+      : id_(std::move(id)),
+        spec_(std::move(spec)),
+        run_dir_(std::move(run_dir)),
+        socket_path_((run_dir_ / "init.sock").string()),
+        init_(std::move(init)),
+        cgroup_(std::move(cgroup)),
+        netns_(std::move(netns)) {}
+
+  ~ContainerSandbox() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  ExecResult exec(const ExecRequest& req) override {
+    check_running();
+    auto started = Clock::now();
+    std::vector<std::string> argv = req.shell.empty() ? req.argv : std::vector<std::string>{"/bin/sh", "-c", req.shell};
+    std::map<std::string, std::string> env{{"PATH", kDefaultPath + 5}, {"HOME", "/root"}, {"HOSTNAME", hostname()}};
+    for (const auto& [k, v] : spec_.env) env[k] = v;
+    for (const auto& [k, v] : req.env) env[k] = v;
+    std::string cwd = req.cwd.empty() ? spec_.workdir : req.cwd;
+
+    std::string payload;
+    append_u32(payload, static_cast<std::uint32_t>(argv.size()));
+    for (const auto& a : argv) append_str(payload, a);
+    append_u32(payload, static_cast<std::uint32_t>(env.size()));
+    for (const auto& [k, v] : env) append_str(payload, k + "=" + v);
+    append_str(payload, cwd);
+    if (payload.size() > init_protocol::kMaxRequestBytes)
+      throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
+
+    std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
+    std::vector<UniqueFd> group_fds;
+    try {
+      group_fds = cgroup_->create_exec_group(group);
+    } catch (const Error&) {
+      check_running();
+      throw;
+    }
+    Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
+
+    UniqueFd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!conn) throw_errno(errno, "socket");
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket_path_.c_str(), sizeof addr.sun_path - 1);
+    if (retry_eintr([&] { return ::connect(conn.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr); }) != 0) {
+      check_running();
+      throw_errno(errno, fmt::format("connect to the init of sandbox {}", id_));
+    }
+
+    std::string message;
+    append_u32(message, static_cast<std::uint32_t>(payload.size()));
+    message += payload;
+    std::vector<int> pass{in.read.get(), out.write.get(), err.write.get()};
+    for (const auto& fd : group_fds) pass.push_back(fd.get());
+    send_request(conn.get(), message, pass);
+    in.read.reset();
+    out.write.reset();
+    err.write.reset();
+    group_fds.clear();
+
+    Reply reply{};
+    if (!read_reply(conn.get(), reply, started + std::chrono::seconds(30))) {
+      check_running();
+      throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
+    }
+    if (reply.type == ReplyType::kFailed) {
+      cgroup_->prune_exec_groups();
+      throw start_error(reply, argv[0], cwd);
+    }
+
+    ExecResult result;
+    Capture cout{std::move(out.read), {}, req.max_output_bytes};
+    Capture cerr{std::move(err.read), {}, req.max_output_bytes};
+    set_nonblocking(cout.fd.get());
+    set_nonblocking(cerr.fd.get());
+    std::string_view stdin_left = req.stdin_data;
+    if (stdin_left.empty()) in.write.reset();
+    else set_nonblocking(in.write.get());
+
+    auto deadline = started + std::chrono::microseconds(static_cast<std::int64_t>(req.timeout_seconds * 1e6));
+    std::optional<Clock::time_point> exited_at;
+    bool out_open = true, err_open = true, conn_open = true;
+    int status = 0;
+    for (;;) {
+      auto now = Clock::now();
+      if (exited_at && ((!out_open && !err_open) || now >= *exited_at + kOutputGrace)) break;
+      if (!result.timed_out && now >= deadline) {
+        result.timed_out = true;
+        cgroup_->kill_exec_group(group);
+      }
+      if (result.timed_out && !exited_at && now >= deadline + std::chrono::seconds(10)) {
+        // Killed but never reported: treat as killed rather than wait forever.
+        status = SIGKILL;
+        exited_at = now;
+        continue;
+      }
+      if (!conn_open && !exited_at) {
+        // init went away without reporting: the sandbox died or is being destroyed.
+        check_running();
+        throw Error(Code::kUnavailable, fmt::format("sandbox {}: lost its init during exec", id_));
+      }
+      pollfd fds[4];
+      int n = 0;
+      int i_out = -1, i_err = -1, i_in = -1, i_conn = -1;
+      if (out_open) fds[i_out = n++] = {cout.fd.get(), POLLIN, 0};
+      if (err_open) fds[i_err = n++] = {cerr.fd.get(), POLLIN, 0};
+      if (in.write) fds[i_in = n++] = {in.write.get(), POLLOUT, 0};
+      if (conn_open && !exited_at) fds[i_conn = n++] = {conn.get(), POLLIN, 0};
+      auto until = exited_at ? *exited_at + kOutputGrace : (result.timed_out ? now + std::chrono::seconds(1) : deadline);
+      auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
+      int rc = ::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::clamp<long long>(wait_ms + 1, 0, 1000)));
+      if (rc < 0 && errno != EINTR) throw_errno(errno, "poll exec streams");
+      if (rc <= 0) continue;
+      if (i_out >= 0 && fds[i_out].revents) out_open = cout.drain();
+      if (i_err >= 0 && fds[i_err].revents) err_open = cerr.drain();
+      if (i_in >= 0 && fds[i_in].revents) {
+        ssize_t w = ::write(in.write.get(), stdin_left.data(), std::min<std::size_t>(stdin_left.size(), 65536));
+        if (w > 0) stdin_left.remove_prefix(static_cast<std::size_t>(w));
+        if ((w < 0 && errno != EAGAIN && errno != EINTR) || stdin_left.empty()) in.write.reset();
+      }
+      if (i_conn >= 0 && fds[i_conn].revents) {
+        Reply exit_reply{};
+        if (read_reply(conn.get(), exit_reply, Clock::now() + std::chrono::seconds(1)) &&
+            exit_reply.type == ReplyType::kExited) {
+          status = exit_reply.a;
+          exited_at = Clock::now();
+          // Output written before the exit is already in the pipes.
+          if (out_open) out_open = cout.drain();
+          if (err_open) err_open = cerr.drain();
+        } else {
+          conn_open = false;
+        }
+      }
+    }
+    if (WIFEXITED(status)) {
+      result.exit_code = WEXITSTATUS(status);
+    } else if (WIFSIGNALED(status)) {
+      result.exit_code = -1;
+      result.signal = WTERMSIG(status);
+    }
+    result.stdout_data = std::move(cout.data);
+    result.stderr_data = std::move(cerr.data);
+    result.stdout_truncated = cout.truncated;
+    result.stderr_truncated = cerr.truncated;
+    result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    cgroup_->prune_exec_groups();
+    return result;
+  }
+
+  void write_file(std::string_view path, std::string_view data, unsigned mode) override {
+    files().write_file(path, data, mode);
+  }
+  std::string read_file(std::string_view path) override { return files().read_file(path, kMaxFileBytes); }
+  void put_archive(std::string_view dir, std::string_view tar_bytes) override { files().put_archive(dir, tar_bytes); }
+  std::string get_archive(std::string_view dir) override { return files().get_archive(dir, kMaxFileBytes); }
+  bool is_directory(std::string_view path) override { return files().is_directory(path); }
+
+  bool alive() override {
+    if (destroyed_.load()) return false;
+    pollfd p{init_.pidfd.get(), POLLIN, 0};
+    return ::poll(&p, 1, 0) == 0;
+  }
+
+  void destroy() override {
+    std::lock_guard lock(destroy_mu_);
+    if (destroyed_.exchange(true)) return;
+    if (init_.pidfd) {
+      // Killing pid 1 of the sandbox's pid namespace kills every process in it; the kernel reports init's exit
+      // only after all of them are gone. Its mount namespace, with the overlay and tmpfs, goes with the last one.
+      ::syscall(SYS_pidfd_send_signal, init_.pidfd.get(), SIGKILL, nullptr, 0);
+      siginfo_t info{};
+      while (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(init_.pidfd.get()), &info, WEXITED) != 0 &&
+             errno == EINTR) {
+      }
+      init_.pidfd.reset();
+    }
+    cgroup_->destroy();
+    netns_.reset();
+    std::error_code ec;
+    fs::remove_all(run_dir_, ec);
+  }
+
+ private:
+  std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
+
+  void check_running() {
+    if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
+    if (!alive())
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is not running: its init process has exited", id_));
+  }
+
+  RootfsFiles files() {
+    check_running();
+    std::string path = fmt::format("/proc/{}/root", init_.pid);
+    UniqueFd root(::open(path.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!root) throw_errno(errno, fmt::format("open the root of sandbox {}", id_));
+    // The pid could have been reused between the liveness check and the open: check again through the pidfd.
+    check_running();
+    return RootfsFiles(std::move(root));
+  }
+
+  static void send_request(int conn, const std::string& message, const std::vector<int>& fds) {
+    char cbuf[CMSG_SPACE(sizeof(int) * init_protocol::kMaxPassedFds)]{};
+    iovec iov{const_cast<char*>(message.data()), message.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    ssize_t sent = retry_eintr([&] { return ::sendmsg(conn, &msg, MSG_NOSIGNAL); });
+    if (sent < 0) throw_errno(errno, "send exec request to init");
+    std::string_view rest(message);
+    rest.remove_prefix(static_cast<std::size_t>(sent));
+    while (!rest.empty()) {
+      ssize_t n = retry_eintr([&] { return ::send(conn, rest.data(), rest.size(), MSG_NOSIGNAL); });
+      if (n < 0) throw_errno(errno, "send exec request to init");
+      rest.remove_prefix(static_cast<std::size_t>(n));
+    }
+  }
+
+  static bool read_reply(int conn, Reply& reply, Clock::time_point deadline) {
+    char* p = reinterpret_cast<char*>(&reply);
+    std::size_t got = 0;
+    while (got < sizeof reply) {
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (ms <= 0) return false;
+      pollfd pfd{conn, POLLIN, 0};
+      int rc = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(ms, 1000)));
+      if (rc < 0 && errno != EINTR) return false;
+      if (rc <= 0) continue;
+      ssize_t n = ::recv(conn, p + got, sizeof reply - got, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      got += static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+
+  static Error start_error(const Reply& r, const std::string& argv0, const std::string& cwd) {
+    auto stage = static_cast<FailStage>(r.b);
+    int err = r.a;
+    switch (stage) {
+      case FailStage::kExec:
+        if (err == ENOENT) return Error(Code::kNotFound, fmt::format("executable not found in the sandbox: {}", argv0));
+        if (err == EACCES)
+          return Error(Code::kPermissionDenied, fmt::format("cannot execute {}: permission denied", argv0));
+        return Error(Code::kInvalidArgument, fmt::format("cannot execute {}: {}", argv0, std::strerror(err)));
+      case FailStage::kChdir:
+        if (err == ENOENT) return Error(Code::kNotFound, fmt::format("working directory {} does not exist", cwd));
+        return Error(Code::kInvalidArgument, fmt::format("cannot enter working directory {}: {}", cwd, std::strerror(err)));
+      case FailStage::kFork:
+        return Error(Code::kResourceExhausted,
+                     fmt::format("cannot start a process in the sandbox: {} (pids limit reached?)", std::strerror(err)));
+      default:
+        return Error(Code::kInternal, fmt::format("sandbox init could not start the command: {}", std::strerror(err)));
+    }
+  }
+
+  std::string id_;
+  SandboxSpec spec_;
+  fs::path run_dir_;
+  std::string socket_path_;
+  SpawnedInit init_;
+  std::unique_ptr<SandboxCgroup> cgroup_;
+  UniqueFd netns_;
+  std::atomic<bool> destroyed_{false};
+  std::mutex destroy_mu_;
+  std::atomic<std::uint64_t> exec_counter_{0};
+};
+
+class ContainerBackend final : public Backend {
+ public:
+  explicit ContainerBackend(const AgentConfig& config)
+      : config_(config), cap_last_cap_(read_cap_last_cap()) {
+    if (::geteuid() != 0)
+      throw Error(Code::kFailedPrecondition, "the container backend needs root (namespaces, cgroups, mounts)");
+    std::ifstream filesystems("/proc/filesystems");
+    std::string text((std::istreambuf_iterator<char>(filesystems)), std::istreambuf_iterator<char>());
+    if (text.find("\toverlay\n") == std::string::npos)
+      throw Error(Code::kFailedPrecondition, "the kernel has no overlayfs (modprobe overlay)");
+    // A sandbox's output pipe closing early must not kill the agent.
+    ::signal(SIGPIPE, SIG_IGN);
+    rlimit files{};
+    if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+      files.rlim_cur = files.rlim_max;
+      ::setrlimit(RLIMIT_NOFILE, &files);
+    }
+    fs::path init = config.init_binary;
+    if (init.empty()) init = fs::read_symlink("/proc/self/exe").parent_path() / "dsec-init";
+    init_binary_.reset(::open(init.c_str(), O_PATH | O_CLOEXEC));
+    if (!init_binary_)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox init binary {} cannot be opened: {}", init.string(), std::strerror(errno)));
+    fs::create_directories(config_.run_dir);
+    ::chmod(config_.run_dir.c_str(), 0700);
+    cgroups_ = make_cgroup_driver(config_.cgroup_name);
+    cgroups_->remove_stale_groups();
+    seccomp_default_ = build_seccomp_program(false);
+    seccomp_ptrace_ = build_seccomp_program(true);
+    netns_ = std::make_unique<NetnsPool>(config_.netns_pool_size);
+  }
+
+  ~ContainerBackend() override { shutdown(); }
+
+  std::string_view kind() const override { return "container"; }
+
+  std::unique_ptr<BackendSandbox> create(const CreateParams& params) override {
+    fs::path run_dir = config_.run_dir / params.id;
+    std::string socket_path = (run_dir / "init.sock").string();
+    if (socket_path.size() >= sizeof(sockaddr_un::sun_path))
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("run directory {} is too long for a unix socket path", config_.run_dir.string()));
+    if (::mkdir(run_dir.c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}", run_dir.string());
+    struct Cleanup {
+      fs::path dir;
+      bool armed = true;
+      ~Cleanup() {
+        std::error_code ec;
+        if (armed) fs::remove_all(dir, ec);
+      }
+    } cleanup{run_dir};
+    for (const char* sub : {"rw", "root"})
+      if (::mkdir((run_dir / sub).c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}/{}", run_dir.string(), sub);
+
+    UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!listener) throw_errno(errno, "socket");
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
+    if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+      throw_errno_fmt(errno, "bind {}", socket_path);
+    if (::listen(listener.get(), 256) != 0) throw_errno(errno, "listen");
+
+    std::unique_ptr<SandboxCgroup> cgroup = cgroups_->create(params.id, params.spec.resources);
+    std::vector<UniqueFd> procs = cgroup->open_procs();
+    UniqueFd netns = netns_->take();
+
+    std::vector<std::string> layers;
+    for (auto it = params.image_layers.rbegin(); it != params.image_layers.rend(); ++it) layers.push_back(it->string());
+    if (layers.empty()) throw Error(Code::kInvalidArgument, "image has no layers");
+    RootfsPlan plan = plan_rootfs(run_dir.string(), layers, params.spec.resources);
+
+    SpawnRequest req;
+    req.rootfs = &plan;
+    req.hostname = params.spec.hostname.empty() ? params.id : params.spec.hostname;
+    if (req.hostname.size() > 64) req.hostname.resize(64);
+    req.netns_fd = netns.get();
+    for (const auto& fd : procs) req.cgroup_procs_fds.push_back(fd.get());
+    req.listen_fd = listener.get();
+    req.init_binary_fd = init_binary_.get();
+    auto prog = params.spec.allow_ptrace ? seccomp_ptrace_.fprog() : seccomp_default_.fprog();
+    req.seccomp = &prog;
+    req.cap_last_cap = cap_last_cap_;
+    req.open_files = params.spec.resources.open_files;
+
+    SpawnedInit init = spawn_init(req);
+    cleanup.armed = false;
+    return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
+                                              std::move(netns));
+  }
+
+  void shutdown() override { netns_.reset(); }
+
+  std::string cgroup_version() const { return cgroups_->version(); }
+
+ private:
+  AgentConfig config_;
+  int cap_last_cap_;
+  UniqueFd init_binary_;
+  std::unique_ptr<CgroupDriver> cgroups_;
+  SeccompProgram seccomp_default_, seccomp_ptrace_;
+  std::unique_ptr<NetnsPool> netns_;
+};
+
+}  // namespace
+}  // namespace container
+
+std::unique_ptr<Backend> make_container_backend(const AgentConfig& config) {
+  return std::make_unique<container::ContainerBackend>(config);
+}
+
+std::string container_cgroup_version() {
+  struct statfs st {};
+  if (::statfs("/sys/fs/cgroup", &st) == 0 && st.f_type == CGROUP2_SUPER_MAGIC) return "v2";
+  return "v1";
+}
+
+}  // namespace dsec::agent

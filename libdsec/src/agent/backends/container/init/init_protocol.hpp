@@ -1,0 +1,38 @@
+// The wire between the agent and dsec-init (pid 1 inside a container sandbox).
+//
+// dsec-init listens on a unix stream socket that the agent bound at <run_dir>/<id>/init.sock before the sandbox
+// started. Each exec is one connection:
+//   agent -> init   one StartRequest: a 4-byte little-endian length, then the payload below, sent with sendmsg and
+//                   SCM_RIGHTS carrying, in order: stdin, stdout, stderr, then zero or more cgroup.procs fds that
+//                   the command joins (by writing "0") before it execs.
+//   init  -> agent  a Reply kStarted with the command's pid, or kFailed with errno and the stage that failed;
+//                   after kStarted, exactly one Reply kExited with the wait status once the command's main process ends.
+// Closing the connection does not kill the command: processes started in the background outlive their exec.
+//
+// Payload: u32 argc, argc strings; u32 envc, envc strings ("K=V"); one string cwd. A string is u32 length + bytes.
+#pragma once
+
+#include <cstdint>
+
+namespace dsec::init_protocol {
+
+inline constexpr std::uint32_t kMaxRequestBytes = 4u << 20;  // argv + env + cwd
+inline constexpr int kMaxPassedFds = 8;
+
+enum class ReplyType : std::uint32_t { kStarted = 1, kFailed = 2, kExited = 3 };
+
+// Which step of starting the command failed (kFailed's `b`).
+enum class FailStage : std::int32_t { kRequest = 1, kFork = 2, kCgroup = 3, kChdir = 4, kExec = 5 };
+
+struct Reply {
+  ReplyType type;
+  std::int32_t a;  // kStarted: pid (in the sandbox's pid namespace); kFailed: errno; kExited: wait status
+  std::int32_t b;  // kFailed: FailStage
+};
+static_assert(sizeof(Reply) == 12);
+
+// File descriptors dsec-init inherits from the agent.
+inline constexpr int kListenFd = 3;   // the listening init.sock
+inline constexpr int kScratchFd = 4;  // the sandbox's private tmpfs (upper and work dirs), held for snapshots
+
+}  // namespace dsec::init_protocol

@@ -1,0 +1,268 @@
+#include "agent/backends/container/spawn.hpp"
+
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/seccomp.h>
+#include <linux/securebits.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "agent/backends/container/init/init_protocol.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent::container {
+namespace {
+
+using Kind = RootfsStep::Kind;
+
+// What the child reports back through shared memory when a step fails.
+struct ChildFailure {
+  volatile int err = 0;
+  const char* volatile what = nullptr;    // the step ("mount", "pivot_root", ...)
+  const char* volatile target = nullptr;  // its object, if any
+};
+
+struct ChildArgs {
+  const SpawnRequest* req;
+  sigset_t original_mask;
+  ChildFailure failure;
+};
+
+[[noreturn]] void fail(ChildArgs* a, const char* what, const char* target) {
+  a->failure.err = errno ? errno : EINVAL;
+  a->failure.target = target;
+  a->failure.what = what;
+  _exit(127);
+}
+
+int run_step(const RootfsStep& s) {
+  switch (s.kind) {
+    case Kind::kMount:
+      return mount(s.source, s.target, s.fstype, s.flags, s.data);
+    case Kind::kMkdir:
+      if (mkdir(s.target, s.mode) == 0 || errno == EEXIST) return 0;
+      return -1;
+    case Kind::kMknod:
+      return mknod(s.target, S_IFCHR | s.mode, static_cast<dev_t>(s.dev));
+    case Kind::kSymlink:
+      if (symlink(s.source, s.target) == 0 || errno == EEXIST) return 0;
+      return -1;
+    case Kind::kBindReadOnly:
+      if (mount(s.target, s.target, nullptr, MS_BIND | MS_REC, nullptr) != 0) return -1;
+      return mount(nullptr, s.target, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | s.flags, nullptr);
+  }
+  return -1;
+}
+
+const char* step_name(Kind k) {
+  switch (k) {
+    case Kind::kMount: return "mount";
+    case Kind::kMkdir: return "mkdir";
+    case Kind::kMknod: return "mknod";
+    case Kind::kSymlink: return "symlink";
+    case Kind::kBindReadOnly: return "bind read-only";
+  }
+  return "step";
+}
+
+// Runs in the cloned child, on its own stack, sharing the agent's memory: syscalls only, no allocation.
+int child_main(void* arg) {
+  auto* a = static_cast<ChildArgs*>(arg);
+  const SpawnRequest& r = *a->req;
+  errno = 0;
+
+  // Handlers are the agent's code: never run them here.
+  for (int sig = 1; sig < NSIG; ++sig) {
+    struct sigaction sa;
+    if (sigaction(sig, nullptr, &sa) == 0 && sa.sa_handler != SIG_DFL && sa.sa_handler != SIG_IGN) {
+      sa.sa_handler = SIG_DFL;
+      sa.sa_flags = 0;
+      sigaction(sig, &sa, nullptr);
+    }
+  }
+  // Join the sandbox's cgroups first, so that the cgroup namespace made next is rooted there.
+  for (int fd : r.cgroup_procs_fds)
+    if (write(fd, "0", 1) != 1) fail(a, "join cgroup", nullptr);
+  if (unshare(CLONE_NEWCGROUP) != 0) fail(a, "unshare cgroup namespace", nullptr);
+  if (setns(r.netns_fd, CLONE_NEWNET) != 0) fail(a, "setns network namespace", nullptr);
+  if (sethostname(r.hostname.data(), r.hostname.size()) != 0) fail(a, "sethostname", nullptr);
+
+  // Nothing mounted from here on may reach the host's mount table.
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) fail(a, "make mounts private", "/");
+  for (const RootfsStep& s : r.rootfs->steps) {
+    if (run_step(s) != 0) {
+      if (s.optional && (errno == ENOENT || errno == ENOTDIR)) continue;
+      fail(a, step_name(s.kind), s.target);
+    }
+  }
+  int scratch = open(r.rootfs->scratch.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (scratch < 0) fail(a, "open", r.rootfs->scratch.c_str());
+
+  if (chdir(r.rootfs->root.c_str()) != 0) fail(a, "chdir", r.rootfs->root.c_str());
+  if (syscall(SYS_pivot_root, ".", ".") != 0) fail(a, "pivot_root", r.rootfs->root.c_str());
+  if (umount2(".", MNT_DETACH) != 0) fail(a, "detach the host root", nullptr);
+  if (chdir("/") != 0) fail(a, "chdir", "/");
+
+  // dsec-init should survive the sandbox's own OOM kills; the commands it starts reset this to 0. This needs
+  // CAP_SYS_RESOURCE, which some hosts withhold even from root: then init stays at 0 and, as the smallest process in
+  // the sandbox, is the OOM killer's last choice anyway.
+  int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+  if (oom >= 0) {
+    (void)!write(oom, "-1000", 5);
+    close(oom);
+  }
+
+  // Descriptors: 0-2 /dev/null, 3 init.sock, 4 the scratch tmpfs, 5 the dsec-init binary; nothing else survives.
+  int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (devnull < 0) fail(a, "open", "/dev/null");
+  int listen_hi = fcntl(r.listen_fd, F_DUPFD_CLOEXEC, 10);
+  int scratch_hi = fcntl(scratch, F_DUPFD_CLOEXEC, 10);
+  int init_hi = fcntl(r.init_binary_fd, F_DUPFD_CLOEXEC, 10);
+  if (listen_hi < 0 || scratch_hi < 0 || init_hi < 0) fail(a, "dup", nullptr);
+  if (dup2(devnull, 0) < 0 || dup2(devnull, 1) < 0 || dup2(devnull, 2) < 0 ||
+      dup2(listen_hi, init_protocol::kListenFd) < 0 || dup2(scratch_hi, init_protocol::kScratchFd) < 0 ||
+      dup3(init_hi, 5, O_CLOEXEC) < 0)
+    fail(a, "dup2", nullptr);
+  if (close_range(6, ~0u, 0) != 0) fail(a, "close_range", nullptr);
+
+  rlimit files{r.open_files, r.open_files};
+  if (setrlimit(RLIMIT_NOFILE, &files) != 0) fail(a, "setrlimit NOFILE", nullptr);
+  rlimit core{0, 0};
+  setrlimit(RLIMIT_CORE, &core);
+
+  // Drop every capability for good: uid 0 inside gains none on exec (NOROOT), none can come back.
+  if (prctl(PR_SET_SECUREBITS, SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_SETUID_FIXUP | SECBIT_NO_SETUID_FIXUP_LOCKED |
+                                   SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
+                                   SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
+            0, 0, 0) != 0)
+    fail(a, "set securebits", nullptr);
+  for (int cap = 0; cap <= r.cap_last_cap; ++cap)
+    if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) fail(a, "drop bounding capability", nullptr);
+  prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2]{};
+  if (syscall(SYS_capset, &hdr, data) != 0) fail(a, "capset", nullptr);
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(a, "no_new_privs", nullptr);
+  if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, r.seccomp) != 0) fail(a, "load seccomp filter", nullptr);
+
+  sigprocmask(SIG_SETMASK, &a->original_mask, nullptr);
+  static char init_name[] = "dsec-init";
+  char* argv[] = {init_name, nullptr};
+  char* envp[] = {nullptr};
+  syscall(SYS_execveat, 5, "", argv, envp, AT_EMPTY_PATH);
+  fail(a, "exec dsec-init", nullptr);
+}
+
+}  // namespace
+
+RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
+                       const Resources& resources) {
+  RootfsPlan p;
+  p.scratch = run_dir + "/rw";
+  p.root = run_dir + "/root";
+  auto at = [&](const char* rel) { return p.keep(p.root + rel); };
+  auto mount_step = [&](const char* src, const char* target, const char* type, unsigned long flags,
+                        const char* data, bool optional = false) {
+    p.steps.push_back({Kind::kMount, src, target, type, flags, data, 0, 0, optional});
+  };
+  auto mkdir_step = [&](const char* target, unsigned mode) {
+    p.steps.push_back({Kind::kMkdir, nullptr, target, nullptr, 0, nullptr, mode, 0, false});
+  };
+
+  // The writable layer: a tmpfs as large as the disk limit, so the kernel enforces it (ENOSPC past it).
+  std::uint64_t inodes = std::max<std::uint64_t>(16384, resources.disk_bytes / 8192);
+  mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
+             p.keep(fmt::format("size={},nr_inodes={},mode=0755", resources.disk_bytes, inodes)));
+  std::string upper = p.scratch + "/upper", work = p.scratch + "/work";
+  mkdir_step(p.keep(upper), 0755);
+  mkdir_step(p.keep(work), 0755);
+  std::string lower;
+  for (const auto& l : layers_top_first) lower += (lower.empty() ? "" : ":") + l;
+  mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
+             p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile", lower, upper, work)));
+
+  for (const char* d : {"/proc", "/dev", "/sys", "/tmp"}) mkdir_step(at(d), 0755);
+  mount_step("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  mount_step("dsec-dev", at("/dev"), "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=256k,nr_inodes=1024");
+  struct Device {
+    const char* name;
+    unsigned major, minor;
+  };
+  for (const Device& d : {Device{"/dev/null", 1, 3}, {"/dev/zero", 1, 5}, {"/dev/full", 1, 7},
+                          {"/dev/random", 1, 8}, {"/dev/urandom", 1, 9}, {"/dev/tty", 5, 0}})
+    p.steps.push_back({Kind::kMknod, nullptr, at(d.name), nullptr, 0, nullptr, 0666, makedev(d.major, d.minor), false});
+  mkdir_step(at("/dev/pts"), 0755);
+  mkdir_step(at("/dev/shm"), 01777);
+  mount_step("devpts", at("/dev/pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+  mount_step("shm", at("/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV,
+             p.keep(fmt::format("mode=1777,size={}", std::min<std::uint64_t>(resources.memory_bytes, 1ull << 30))));
+  for (auto [target, link] : {std::pair{"/dev/ptmx", "pts/ptmx"}, {"/dev/fd", "/proc/self/fd"},
+                              {"/dev/stdin", "/proc/self/fd/0"}, {"/dev/stdout", "/proc/self/fd/1"},
+                              {"/dev/stderr", "/proc/self/fd/2"}})
+    p.steps.push_back({Kind::kSymlink, link, at(target), nullptr, 0, nullptr, 0, 0, false});
+  mount_step("sysfs", at("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+
+  // Masked: kernel memory, keys, timers and scheduler internals read as empty; firmware and bus dirs are empty.
+  for (const char* f : {"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/latency_stats",
+                        "/proc/kallsyms", "/proc/kmsg", "/proc/config.gz"})
+    mount_step(at("/dev/null"), at(f), nullptr, MS_BIND, nullptr, true);
+  for (const char* d : {"/proc/acpi", "/proc/scsi", "/proc/asound", "/sys/firmware", "/sys/kernel/debug",
+                        "/sys/kernel/security"})
+    mount_step("dsec-mask", at(d), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=1", true);
+  // Read-only: kernel tunables and triggers.
+  for (const char* d : {"/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"})
+    p.steps.push_back({Kind::kBindReadOnly, nullptr, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0,
+                       true});
+  return p;
+}
+
+SpawnedInit spawn_init(const SpawnRequest& request) {
+  constexpr std::size_t kStackSize = 256 << 10;
+  void* stack = mmap(nullptr, kStackSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+  if (stack == MAP_FAILED) throw_errno(errno, "mmap stack for sandbox init");
+
+  ChildArgs args{&request, {}, {}};
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &args.original_mask);
+  pid_t pid = clone(child_main, static_cast<char*>(stack) + kStackSize,
+                    CLONE_VM | CLONE_VFORK | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD, &args);
+  int clone_errno = errno;
+  pthread_sigmask(SIG_SETMASK, &args.original_mask, nullptr);
+  munmap(stack, kStackSize);
+  if (pid < 0) throw_errno(clone_errno, "clone sandbox init");
+
+  if (args.failure.what != nullptr) {
+    int status;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    const char* target = args.failure.target;
+    throw_errno(args.failure.err,
+                target ? fmt::format("start sandbox: {} {}", args.failure.what, target)
+                       : fmt::format("start sandbox: {}", args.failure.what));
+  }
+  SpawnedInit out;
+  out.pid = pid;
+  out.pidfd.reset(static_cast<int>(syscall(SYS_pidfd_open, pid, 0)));
+  if (!out.pidfd) {
+    int err = errno;
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    throw_errno(err, "pidfd_open sandbox init");
+  }
+  return out;
+}
+
+}  // namespace dsec::agent::container
