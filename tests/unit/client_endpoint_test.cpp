@@ -1,0 +1,125 @@
+// Endpoint strings, URL escaping, sizes, and routing a sandbox id to the node that made it.
+#include <gtest/gtest.h>
+
+#include "client/endpoint.hpp"
+#include "client/node_table.hpp"
+#include "dsec/error.hpp"
+#include "dsec/spec.hpp"
+
+namespace dsec::detail {
+namespace {
+
+Code code_of(std::string_view endpoint) {
+  try {
+    parse_endpoint(endpoint);
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return Code::kOk;
+}
+
+TEST(Endpoint, UnixSocket) {
+  auto ep = parse_endpoint("unix:/run/dsec/dsecd.sock");
+  EXPECT_EQ(ep.unix_path, "/run/dsec/dsecd.sock");
+  EXPECT_EQ(ep.base_url, "http://localhost");
+  EXPECT_EQ(ep.text, "unix:/run/dsec/dsecd.sock");
+  EXPECT_EQ(parse_endpoint("unix:///run/x.sock").unix_path, "/run/x.sock");
+}
+
+TEST(Endpoint, Http) {
+  auto ep = parse_endpoint("http://10.0.0.7:7070");
+  EXPECT_TRUE(ep.unix_path.empty());
+  EXPECT_EQ(ep.base_url, "http://10.0.0.7:7070");
+  EXPECT_EQ(parse_endpoint("http://node-3.cluster:80/").base_url, "http://node-3.cluster:80");
+  EXPECT_EQ(parse_endpoint("https://agent.example").base_url, "https://agent.example");
+  EXPECT_EQ(parse_endpoint("http://[::1]:7070").base_url, "http://[::1]:7070");
+}
+
+TEST(Endpoint, RejectsWhatIsNotAnAgentAddress) {
+  for (const char* bad : {"", "unix:", "unix:relative.sock", "localhost:7070", "ftp://x", "http://", "http://:80",
+                          "http://host:0", "http://host:65536", "http://host:port", "http://host:", "http://h/v1",
+                          "http://user@host:1", "http://bad host:1", "http://[::1", "http://[zz]:1"})
+    EXPECT_EQ(code_of(bad), Code::kInvalidArgument) << bad;
+  std::string long_path = "unix:/" + std::string(120, 'a');
+  EXPECT_EQ(code_of(long_path), Code::kInvalidArgument);
+}
+
+TEST(Endpoint, ErrorNamesTheEndpoint) {
+  try {
+    parse_endpoint("tcp://x:1");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tcp://x:1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(UrlEscape, KeepsUnreservedAndEscapesTheRest) {
+  EXPECT_EQ(url_escape("abc-XYZ_0.9~"), "abc-XYZ_0.9~");
+  EXPECT_EQ(url_escape("/tmp/a b"), "%2Ftmp%2Fa%20b");
+  EXPECT_EQ(url_escape("k=v&x"), "k%3Dv%26x");
+  EXPECT_EQ(url_escape(std::string_view("\xff\x00", 2)), "%FF%00");
+}
+
+TEST(ParseSize, Units) {
+  EXPECT_EQ(parse_size("4096"), 4096u);
+  EXPECT_EQ(parse_size("512Mi"), 512ull << 20);
+  EXPECT_EQ(parse_size("512MiB"), 512ull << 20);
+  EXPECT_EQ(parse_size("2G"), 2'000'000'000ull);
+  EXPECT_EQ(parse_size("1.5GiB"), 3ull << 29);
+  EXPECT_EQ(parse_size("100k"), 100'000u);
+  EXPECT_EQ(parse_size("1Ki"), 1024u);
+  EXPECT_EQ(parse_size(" 1Ti "), 1ull << 40);
+  EXPECT_EQ(parse_size("0"), 0u);
+}
+
+TEST(ParseSize, RejectsNonsense) {
+  for (const char* bad : {"", "Mi", "-1", "1X", "1Mx", "1.2.3", "abc", "1 Mi Mi", "1e3", "99999999999T"})
+    EXPECT_FALSE(parse_size(bad).has_value()) << bad;
+}
+
+TEST(NodeTable, RoutesAnIdToTheNodeThatMadeIt) {
+  NodeTable t(3);
+  t.set(0, "alpha");
+  t.set(1, "beta");
+  t.set(2, "gamma");
+  EXPECT_EQ(t.route("beta-0123abcd"), 1u);
+  EXPECT_EQ(t.route("alpha-ff"), 0u);
+  EXPECT_EQ(t.route("gamma-1"), 2u);
+  EXPECT_FALSE(t.route("delta-00"));
+  EXPECT_FALSE(t.route("beta"));     // a node id is not a sandbox id
+  EXPECT_FALSE(t.route("beta-"));
+  EXPECT_FALSE(t.route("betax-00"));
+}
+
+TEST(NodeTable, NodeIdsWithDashesTakeTheLongestMatch) {
+  NodeTable t(2);
+  t.set(0, "rack1");
+  t.set(1, "rack1-node2");
+  EXPECT_EQ(t.route("rack1-node2-9f3a"), 1u);
+  EXPECT_EQ(t.route("rack1-9f3a"), 0u);
+  NodeTable reversed(2);  // order of endpoints does not matter
+  reversed.set(0, "rack1-node2");
+  reversed.set(1, "rack1");
+  EXPECT_EQ(reversed.route("rack1-node2-9f3a"), 0u);
+  EXPECT_EQ(reversed.route("rack1-9f3a"), 1u);
+}
+
+TEST(NodeTable, UnknownEndpointsAreSkipped) {
+  NodeTable t(2);
+  EXPECT_FALSE(t.all_known());
+  t.set(1, "n1");
+  EXPECT_FALSE(t.known(0));
+  EXPECT_EQ(t.route("n1-abc"), 1u);
+  t.set(0, "n0");
+  EXPECT_TRUE(t.all_known());
+}
+
+TEST(SandboxId, Shape) {
+  EXPECT_TRUE(valid_sandbox_id("node-1-0123abcd"));
+  EXPECT_TRUE(valid_sandbox_id("host.example_2-ff"));
+  for (const char* bad : {"", ".hidden", "a/b", "a b", "../x", "x?y", "a%2F"}) EXPECT_FALSE(valid_sandbox_id(bad)) << bad;
+  EXPECT_FALSE(valid_sandbox_id(std::string(257, 'a')));
+}
+
+}  // namespace
+}  // namespace dsec::detail
