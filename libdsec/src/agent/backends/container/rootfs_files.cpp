@@ -309,6 +309,11 @@ void RootfsFiles::put_archive(std::string_view dir, std::string_view tar_bytes) 
       UniqueFd rd(openat2_in_root(root_.get(), full, O_RDONLY | O_DIRECTORY));
       if (rd) ::fchmod(rd.get(), perm);
     } else if (type == AE_IFREG) {
+      // Like tar: an existing non-directory entry is replaced, so a symlink planted at that name is not followed.
+      {
+        UniqueFd pfd = make_dirs(root_.get(), parent);
+        ::unlinkat(pfd.get(), leaf.c_str(), 0);
+      }
       UniqueFd fd = create_regular(root_.get(), full, perm);
       const void* buf;
       size_t size;
