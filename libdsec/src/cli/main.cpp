@@ -1,0 +1,111 @@
+// dsec: the command-line tool. Image commands work on the node's local image store directly; sandbox commands talk
+// to a node agent through dsec::Client.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/args.hpp"
+#include "cli/commands.hpp"
+#include "dsec/error.hpp"
+#include "dsec/version.hpp"
+
+namespace dsec::cli {
+namespace {
+
+constexpr std::string_view kUsage = R"(usage: dsec [--home DIR] [--endpoint URL] COMMAND [ARGS...]
+
+dsec drives dsec sandboxes and the node's image store.
+
+Image commands (on this machine's image store, <home>/images):
+  image build NAME --from SOURCE   build an image (SOURCE: a directory, busybox-static, debootstrap:SUITE)
+  image ls                         list images
+  image inspect NAME               show one image's manifest as JSON
+  image rm NAME...                 remove images
+
+Sandbox commands (through a node agent):
+  ps                               list sandboxes
+  run IMAGE -- CMD...              create a sandbox, run CMD in it, destroy it
+  exec ID -- CMD...                run CMD in an existing sandbox
+  rm ID...                         destroy sandboxes
+  node                             show the node's capacity, load and images
+
+Global options:
+  --home DIR        dsec's state directory (default: $DSEC_HOME, else /var/lib/dsec); images live in DIR/images
+  --endpoint URL    node agent: unix:/path/to/dsecd.sock or http://host:port (default: $DSEC_ENDPOINT; without
+                    one, sandbox commands start a private agent on DIR for the duration of the command)
+  -h, --help        help (also after any command: dsec image build --help)
+  --version         print dsec's version
+
+Exit status: 0 success, 1 the operation failed (the message names the error code), 2 bad usage. `run` and `exec`
+exit with the command's own status (128+N when a signal N ended it, 124 when it timed out) and with 125 when dsec
+itself failed.
+)";
+
+int print_version() {
+  fmt::print("dsec {} (protocol {})\n", dsec::kVersion, dsec::kProtocolVersion);
+  return 0;
+}
+
+}  // namespace
+
+int main_impl(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  GlobalOptions global;
+  // Global options may come before the command; the command's parser also accepts them anywhere.
+  std::size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "-h" || a == "--help") {
+      fmt::print("{}", kUsage);
+      return 0;
+    }
+    if (a == "--version") return print_version();
+    if (!take_global_option(args, i, global)) break;
+  }
+  if (i >= args.size()) {
+    fmt::print(stderr, "{}", kUsage);
+    return kExitUsage;
+  }
+  std::string command = args[i];
+  std::vector<std::string> rest(args.begin() + static_cast<std::ptrdiff_t>(i + 1), args.end());
+
+  if (command == "image") return image_command(rest, global);
+  if (command == "version") return print_version();
+  if (command == "help") {
+    fmt::print("{}", kUsage);
+    return 0;
+  }
+  if (auto code = sandbox_command(command, rest, global)) return *code;
+  fmt::print(stderr, "dsec: unknown command '{}'\n\n{}", command, kUsage);
+  return kExitUsage;
+}
+
+}  // namespace dsec::cli
+
+int main(int argc, char** argv) {
+  try {
+    return dsec::cli::main_impl(argc, argv);
+  } catch (const dsec::cli::UsageError& e) {
+    fmt::print(stderr, "dsec: {}\n", e.what());
+    if (!e.help().empty()) fmt::print(stderr, "\n{}", e.help());
+    return dsec::cli::kExitUsage;
+  } catch (const dsec::Error& e) {
+    fmt::print(stderr, "dsec: {}: {}\n", e.code_name(), e.what());
+    return dsec::cli::kExitFailure;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dsec: INTERNAL: {}\n", e.what());
+    return dsec::cli::kExitFailure;
+  }
+}
