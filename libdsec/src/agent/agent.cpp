@@ -1,0 +1,158 @@
+#include "agent/agent.hpp"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <climits>
+
+#include <fmt/format.h>
+
+#include "agent/backends/container/container_backend.hpp"
+#include "agent/backends/null/null_backend.hpp"
+#include "agent/log.hpp"
+#include "dsec/version.hpp"
+
+namespace dsec::agent {
+
+bool valid_node_id(std::string_view id) noexcept {
+  if (id.empty() || id.size() > 64) return false;
+  for (char c : id)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) return false;
+  return true;
+}
+
+std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const AgentConfig& config) {
+  std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
+  if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
+  for (const auto& name : config.backends) {
+    if (out.count(name)) continue;
+    if (name == "container") out.emplace(name, make_container_backend(config));
+    else if (name == "null") out.emplace(name, make_null_backend());
+    else
+      throw Error(Code::kInvalidArgument, fmt::format("backends: unknown backend '{}' (known: container, null)", name));
+  }
+  return out;
+}
+
+Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) {
+  if (config_.node_id.empty()) {
+    char host[HOST_NAME_MAX + 1] = {};
+    if (::gethostname(host, sizeof host - 1) == 0) config_.node_id = host;
+  }
+  if (!valid_node_id(config_.node_id))
+    throw Error(Code::kInvalidArgument,
+                fmt::format("node id '{}': use 1 to 64 letters, digits, '-', '_' or '.'", config_.node_id));
+  if (config_.max_connections == 0) throw Error(Code::kInvalidArgument, "max_connections must be at least 1");
+  if (!(config_.cpu_overcommit > 0) || !(config_.memory_overcommit > 0))
+    throw Error(Code::kInvalidArgument, "overcommit ratios must be positive");
+
+  std::error_code ec;
+  std::filesystem::create_directories(config_.home, ec);
+  if (ec) throw Error(Code::kFailedPrecondition, fmt::format("home {}: {}", config_.home.string(), ec.message()));
+
+  capacity_ = parts.capacity ? *parts.capacity : probe_host();
+  images_ = parts.images ? std::move(parts.images) : make_image_store_source(config_.home / "images");
+  backends_ = parts.backends.empty() ? make_backends(config_) : std::move(parts.backends);
+  cgroup_version_ = "none";
+  if (backends_.count("container")) cgroup_version_ = container_cgroup_version();
+
+  RegistryOptions options;
+  options.node_id = config_.node_id;
+  options.state_dir = config_.home / "state" / "sandboxes";
+  options.cores = capacity_.cores;
+  options.memory_bytes = capacity_.memory_bytes;
+  options.cpu_overcommit = config_.cpu_overcommit;
+  options.memory_overcommit = config_.memory_overcommit;
+  Registry::Backends backends;
+  for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());
+  registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
+  router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); });
+
+  ServerOptions server;
+  server.unix_socket = config_.unix_socket;
+  server.tcp_listen = config_.tcp_listen;
+  server.max_connections = config_.max_connections;
+  server.max_header_bytes = config_.max_header_bytes;
+  server.max_body_bytes = config_.max_body_bytes;
+  server.idle_timeout = config_.idle_timeout;
+  server_ = std::make_unique<Server>(std::move(server), [this](HttpRequest& r) { return router_->handle(r); }, metrics_);
+}
+
+Agent::~Agent() {
+  if (started_) stop();
+}
+
+void Agent::start() {
+  server_->start();
+  started_ = true;
+  reaper_ = std::thread([this] { reaper_loop(); });
+}
+
+void Agent::reaper_loop() {
+  std::unique_lock lock(reaper_mutex_);
+  while (!stopping_) {
+    reaper_wake_.wait_for(lock, config_.reaper_interval, [&] { return stopping_; });
+    if (stopping_) break;
+    lock.unlock();
+    registry_->reap();
+    lock.lock();
+  }
+}
+
+void Agent::stop() {
+  if (stopped_ || !started_) return;
+  stopped_ = true;
+  server_->stop_accepting();
+  {
+    std::lock_guard lock(reaper_mutex_);
+    stopping_ = true;
+  }
+  reaper_wake_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+  std::size_t destroyed = registry_->destroy_all("agent shutdown");
+  // Requests still running (an exec in a sandbox just destroyed ends now) finish and close their connections; a
+  // create that was in flight may have added a sandbox meanwhile, so look once more.
+  server_->wait_connections();
+  destroyed += registry_->destroy_all("agent shutdown");
+  if (destroyed > 0) log_info("destroyed {} sandboxes at shutdown", destroyed);
+  for (auto& [kind, backend] : backends_) {
+    try {
+      backend->shutdown();
+    } catch (const std::exception& e) {
+      log_warn("backend {} shutdown: {}", kind, e.what());
+    }
+  }
+}
+
+NodeInfo Agent::node_info() const {
+  NodeInfo n;
+  n.id = config_.node_id;
+  n.version = kVersion;
+  n.protocol = kProtocolVersion;
+  n.backends = registry_->kinds();
+  n.cores = capacity_.cores;
+  n.memory_bytes = capacity_.memory_bytes;
+  try {
+    DiskUsage disk = probe_disk(config_.home);
+    n.disk_bytes = disk.total_bytes;
+    n.disk_free_bytes = disk.free_bytes;
+  } catch (const std::exception& e) {
+    log_warn("{}", e.what());
+  }
+  NodeLoad load = registry_->load();
+  n.sandboxes = load.sandboxes;
+  n.cpu_requested = load.cpu_requested;
+  n.memory_requested = load.memory_requested;
+  n.cpu_overcommit = config_.cpu_overcommit;
+  n.memory_overcommit = config_.memory_overcommit;
+  n.cgroup_version = cgroup_version_;
+  try {
+    n.images = images_->names();
+  } catch (const std::exception& e) {
+    log_warn("listing images: {}", e.what());
+  }
+  n.load1 = load_average_1m();
+  return n;
+}
+
+}  // namespace dsec::agent

@@ -1,0 +1,80 @@
+// One node agent: the backends it serves, its registry and reaper, its HTTP server, and their lifecycle. dsecd's
+// main() is flags plus this; tests run it in-process.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "agent/backend.hpp"
+#include "agent/config.hpp"
+#include "agent/host.hpp"
+#include "agent/images.hpp"
+#include "agent/metrics.hpp"
+#include "agent/registry.hpp"
+#include "agent/router.hpp"
+#include "agent/server.hpp"
+
+namespace dsec::agent {
+
+// The backends named in config.backends ("container", "null"). Unknown names are INVALID_ARGUMENT; a backend the
+// host cannot run throws what its factory throws.
+std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const AgentConfig& config);
+
+// What can be swapped out, mostly for tests: the image source (default: the store under <home>/images), the
+// backends (default: make_backends(config)), and the node's capacity (default: probed from the host).
+struct AgentParts {
+  std::unique_ptr<ImageSource> images;
+  std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends;
+  std::optional<HostCapacity> capacity;
+};
+
+class Agent {
+ public:
+  // Sets everything up without listening yet. Throws dsec::Error for a bad config or a backend that cannot start.
+  explicit Agent(AgentConfig config, AgentParts parts = {});
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+  ~Agent();
+
+  // Listens and starts the reaper. Throws dsec::Error when an address cannot be bound.
+  void start();
+  // The orderly shutdown: stop accepting, destroy every sandbox, shut the backends down, remove the socket file,
+  // wait for the connections to end. Idempotent.
+  void stop();
+
+  NodeInfo node_info() const;
+  const AgentConfig& config() const noexcept { return config_; }
+  Registry& registry() noexcept { return *registry_; }
+  Metrics& metrics() noexcept { return metrics_; }
+  // "127.0.0.1:43215" when listening on TCP.
+  const std::string& tcp_endpoint() const noexcept { return server_->tcp_endpoint(); }
+
+ private:
+  void reaper_loop();
+
+  AgentConfig config_;
+  HostCapacity capacity_;
+  std::string cgroup_version_;
+  Metrics metrics_;
+  std::unique_ptr<ImageSource> images_;
+  std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;
+  std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Router> router_;
+  std::unique_ptr<Server> server_;
+
+  std::mutex reaper_mutex_;
+  std::condition_variable reaper_wake_;
+  bool stopping_ = false;
+  bool started_ = false;
+  bool stopped_ = false;
+  std::thread reaper_;
+};
+
+// Whether a node id can prefix sandbox ids and travel in URLs: 1-64 of letters, digits, '-', '_', '.'.
+bool valid_node_id(std::string_view id) noexcept;
+
+}  // namespace dsec::agent

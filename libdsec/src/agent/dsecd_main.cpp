@@ -1,0 +1,191 @@
+// dsecd: the dsec node agent. Flags into an AgentConfig, then listen until SIGTERM or SIGINT and shut down in order
+// (stop accepting, destroy every sandbox, release the backends, remove the socket file). Startup failures print one
+// line to stderr and exit 2.
+#include <signal.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "agent/agent.hpp"
+#include "agent/log.hpp"
+#include "dsec/error.hpp"
+#include "dsec/spec.hpp"
+#include "dsec/version.hpp"
+
+namespace {
+
+constexpr std::string_view kUsage = R"(usage: dsecd [flags]
+
+The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix socket and/or TCP.
+
+  --socket PATH           listen on this unix socket (default <run-dir>/dsecd.sock when --listen is not given)
+  --listen HOST:PORT      listen on TCP ("127.0.0.1:7070", "[::1]:7070", ":7070" for all addresses)
+  --home DIR              image store and sandbox records (default /var/lib/dsec)
+  --run-dir DIR           per-sandbox runtime files (default /run/dsec)
+  --node-id ID            prefixes every sandbox id (default: the hostname)
+  --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
+  --backends LIST         comma-separated: container, null (default container; null simulates the control plane)
+  --netns-pool N          network namespaces kept ready (default 32)
+  --cgroup-name NAME      cgroup subtree of this agent (default dsec)
+  --max-body BYTES        largest request body, e.g. 256Mi (default 256Mi)
+  --max-connections N     connections served at once (default 4096)
+  --cpu-overcommit R      admit cpu requests up to cores x R (default 8)
+  --memory-overcommit R   admit memory limits up to RAM x R (default 1)
+  --ready-fd N            write "ready\n" to fd N and close it once listening
+  --version               print the version
+  --help                  this text
+)";
+
+[[noreturn]] void fail(std::string_view message) {
+  fmt::print(stderr, "dsecd: {}\n", message);
+  std::exit(2);
+}
+
+std::uint64_t parse_unsigned(std::string_view flag, std::string_view text) {
+  std::uint64_t v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size() || text.empty())
+    fail(fmt::format("{}: '{}' is not a non-negative integer", flag, text));
+  return v;
+}
+
+double parse_ratio(std::string_view flag, std::string_view text) {
+  try {
+    std::size_t used = 0;
+    double v = std::stod(std::string(text), &used);
+    if (used == text.size() && v > 0 && v < 1e6) return v;
+  } catch (const std::exception&) {
+  }
+  fail(fmt::format("{}: '{}' is not a positive number", flag, text));
+}
+
+std::vector<std::string> split_list(std::string_view text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t end = text.find(',', start);
+    if (end == std::string_view::npos) end = text.size();
+    std::string_view item = text.substr(start, end - start);
+    if (!item.empty()) out.emplace_back(item);
+    start = end + 1;
+  }
+  return out;
+}
+
+std::filesystem::path self_directory() {
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::filesystem::path{} : exe.parent_path();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using dsec::agent::AgentConfig;
+  AgentConfig config;
+  std::optional<int> ready_fd;
+
+  std::vector<std::string_view> args(argv + 1, argv + argc);
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    std::string_view flag = args[i];
+    std::string_view value;
+    if (auto eq = flag.find('='); flag.substr(0, 2) == "--" && eq != std::string_view::npos) {
+      value = flag.substr(eq + 1);
+      flag = flag.substr(0, eq);
+    } else if (flag != "--help" && flag != "-h" && flag != "--version") {
+      if (i + 1 >= args.size()) fail(fmt::format("{} needs a value (see --help)", flag));
+      value = args[++i];
+    }
+    if (flag == "--help" || flag == "-h") {
+      fmt::print("{}", kUsage);
+      return 0;
+    } else if (flag == "--version") {
+      fmt::print("dsecd {} (protocol {})\n", dsec::kVersion, dsec::kProtocolVersion);
+      return 0;
+    } else if (flag == "--socket") {
+      config.unix_socket = std::string(value);
+    } else if (flag == "--listen") {
+      config.tcp_listen = std::string(value);
+    } else if (flag == "--home") {
+      config.home = std::string(value);
+    } else if (flag == "--run-dir") {
+      config.run_dir = std::string(value);
+    } else if (flag == "--node-id") {
+      config.node_id = std::string(value);
+    } else if (flag == "--init") {
+      config.init_binary = std::string(value);
+    } else if (flag == "--backends") {
+      config.backends = split_list(value);
+    } else if (flag == "--netns-pool") {
+      config.netns_pool_size = parse_unsigned(flag, value);
+    } else if (flag == "--cgroup-name") {
+      config.cgroup_name = std::string(value);
+    } else if (flag == "--max-body") {
+      auto size = dsec::parse_size(value);
+      if (!size || *size == 0) fail(fmt::format("--max-body: '{}' is not a size such as 256Mi", value));
+      config.max_body_bytes = *size;
+    } else if (flag == "--max-connections") {
+      config.max_connections = parse_unsigned(flag, value);
+    } else if (flag == "--cpu-overcommit") {
+      config.cpu_overcommit = parse_ratio(flag, value);
+    } else if (flag == "--memory-overcommit") {
+      config.memory_overcommit = parse_ratio(flag, value);
+    } else if (flag == "--ready-fd") {
+      ready_fd = static_cast<int>(parse_unsigned(flag, value));
+    } else {
+      fail(fmt::format("unknown flag '{}' (see --help)", flag));
+    }
+  }
+  if (config.unix_socket.empty() && config.tcp_listen.empty()) config.unix_socket = config.run_dir / "dsecd.sock";
+  if (config.init_binary.empty()) config.init_binary = self_directory() / "dsec-init";
+  if (config.cgroup_name.empty() || config.cgroup_name.find('/') != std::string::npos ||
+      config.cgroup_name == "." || config.cgroup_name == "..")
+    fail(fmt::format("--cgroup-name: '{}' is not a single cgroup name", config.cgroup_name));
+
+  // Signals are taken synchronously by this thread; every thread started below inherits the blocked mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  std::unique_ptr<dsec::agent::Agent> agent;
+  try {
+    agent = std::make_unique<dsec::agent::Agent>(config);
+    agent->start();
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+  const auto& c = agent->config();
+  dsec::agent::log_info("node {} serving {} on {}{}{} (home {})", c.node_id, fmt::join(agent->registry().kinds(), ","),
+                        c.unix_socket.empty() ? "" : c.unix_socket.string(),
+                        !c.unix_socket.empty() && !c.tcp_listen.empty() ? " and " : "",
+                        c.tcp_listen.empty() ? "" : agent->tcp_endpoint(), c.home.string());
+  if (ready_fd) {
+    constexpr std::string_view kReady = "ready\n";
+    if (::write(*ready_fd, kReady.data(), kReady.size()) != static_cast<ssize_t>(kReady.size()))
+      dsec::agent::log_warn("--ready-fd {}: {}", *ready_fd, std::strerror(errno));
+    ::close(*ready_fd);
+  }
+
+  int sig = 0;
+  while (sigwait(&stop_signals, &sig) != 0) {
+  }
+  dsec::agent::log_info("{}: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  agent->stop();
+  agent.reset();
+  dsec::agent::log_info("stopped");
+  return 0;
+}

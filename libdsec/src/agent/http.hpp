@@ -1,0 +1,116 @@
+// HTTP plumbing shared by the agent's server and router: the message types, and a blocking stream over a socket
+// file descriptor that Beast's synchronous read/write drive. The stream reports the socket's SO_RCVTIMEO/SO_SNDTIMEO
+// expiry as an error (asio's own sockets would wait again), which is what bounds an idle or stuck client.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <string_view>
+
+#include <boost/asio/buffer.hpp>
+#include <boost/asio/error.hpp>
+#include <boost/beast/http/message.hpp>
+#include <boost/beast/http/string_body.hpp>
+#include <boost/system/error_code.hpp>
+#include <boost/system/system_error.hpp>
+
+namespace dsec::agent {
+
+using HttpRequest = boost::beast::http::request<boost::beast::http::string_body>;
+using HttpResponse = boost::beast::http::response<boost::beast::http::string_body>;
+
+// Beast (Boost 1.74) speaks boost::string_view; the agent speaks std::string_view.
+inline std::string_view std_view(boost::beast::string_view s) noexcept { return {s.data(), s.size()}; }
+inline boost::beast::string_view beast_view(std::string_view s) noexcept { return {s.data(), s.size()}; }
+
+// A connected socket as a Beast SyncReadStream and SyncWriteStream. Does not own the descriptor.
+class FdStream {
+ public:
+  explicit FdStream(int fd) noexcept : fd_(fd) {}
+  int fd() const noexcept { return fd_; }
+
+  template <typename MutableBufferSequence>
+  std::size_t read_some(const MutableBufferSequence& buffers, boost::system::error_code& ec) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    for (auto it = boost::asio::buffer_sequence_begin(buffers);
+         it != boost::asio::buffer_sequence_end(buffers) && n < kMaxIov; ++it) {
+      boost::asio::mutable_buffer b(*it);
+      if (b.size() == 0) continue;
+      iov[n++] = iovec{b.data(), b.size()};
+    }
+    ec = {};
+    if (n == 0) return 0;
+    ssize_t r;
+    do {
+      r = ::readv(fd_, iov, n);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0) {
+      ec = error_from_errno(errno);
+      return 0;
+    }
+    if (r == 0) {
+      ec = boost::asio::error::eof;
+      return 0;
+    }
+    return static_cast<std::size_t>(r);
+  }
+
+  template <typename MutableBufferSequence>
+  std::size_t read_some(const MutableBufferSequence& buffers) {
+    boost::system::error_code ec;
+    std::size_t n = read_some(buffers, ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+
+  template <typename ConstBufferSequence>
+  std::size_t write_some(const ConstBufferSequence& buffers, boost::system::error_code& ec) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    for (auto it = boost::asio::buffer_sequence_begin(buffers);
+         it != boost::asio::buffer_sequence_end(buffers) && n < kMaxIov; ++it) {
+      boost::asio::const_buffer b(*it);
+      if (b.size() == 0) continue;
+      iov[n++] = iovec{const_cast<void*>(b.data()), b.size()};
+    }
+    ec = {};
+    if (n == 0) return 0;
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<std::size_t>(n);
+    ssize_t r;
+    do {
+      r = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0) {
+      ec = error_from_errno(errno);
+      return 0;
+    }
+    return static_cast<std::size_t>(r);
+  }
+
+  template <typename ConstBufferSequence>
+  std::size_t write_some(const ConstBufferSequence& buffers) {
+    boost::system::error_code ec;
+    std::size_t n = write_some(buffers, ec);
+    if (ec) throw boost::system::system_error(ec);
+    return n;
+  }
+
+ private:
+  static constexpr int kMaxIov = 16;
+
+  // A blocking socket whose timeout expired reports EAGAIN; call it what it is.
+  static boost::system::error_code error_from_errno(int err) {
+    if (err == EAGAIN || err == EWOULDBLOCK) err = ETIMEDOUT;
+    return {err, boost::system::system_category()};
+  }
+
+  int fd_;
+};
+
+}  // namespace dsec::agent

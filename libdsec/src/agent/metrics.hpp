@@ -1,0 +1,65 @@
+// The agent's counters, gauges and latency histograms, rendered in the Prometheus text format for GET /metrics.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+namespace dsec::agent {
+
+// A latency histogram with fixed buckets in seconds (cumulative in the output, as Prometheus expects).
+class LatencyHistogram {
+ public:
+  static constexpr std::array<double, 14> kBounds{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                  0.1,    0.25,  0.5,    1,     2.5,  10,   60};
+  void observe(double seconds);
+  // Appends "<name>_bucket{<labels>le=...}" lines, _sum and _count. `labels` is empty or "k=\"v\",".
+  void render(std::string& out, std::string_view name, std::string_view labels) const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::array<std::uint64_t, kBounds.size() + 1> counts_{};  // the last one is +Inf
+  double sum_ = 0;
+  std::uint64_t count_ = 0;
+};
+
+class Metrics {
+ public:
+  void count_request(std::string_view route, std::string_view method, int status);
+  void sandbox_created(std::string_view kind, double seconds);
+  void sandbox_create_error(std::string_view kind, std::string_view code);
+  void sandbox_destroyed(std::string_view kind);
+  void sandbox_failed(std::string_view kind);
+  void exec_done(std::string_view kind, double seconds);
+  void connection_opened() { connections_.fetch_add(1, std::memory_order_relaxed); }
+  void connection_closed() { connections_.fetch_sub(1, std::memory_order_relaxed); }
+  void connection_refused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
+
+  // `live` maps kind -> live sandboxes (the registry's gauge, read when rendering).
+  std::string render(const std::map<std::string, std::uint64_t, std::less<>>& live) const;
+
+  // For tests and the node's own introspection.
+  std::uint64_t requests(std::string_view route, std::string_view method, int status) const;
+  std::uint64_t created(std::string_view kind) const;
+  std::uint64_t destroyed(std::string_view kind) const;
+
+ private:
+  using Counters = std::map<std::string, std::uint64_t, std::less<>>;
+  static void bump(Counters& counters, std::string_view key);
+
+  mutable std::mutex mutex_;
+  std::map<std::tuple<std::string, std::string, int>, std::uint64_t> requests_;
+  Counters created_, destroyed_, failed_;
+  std::map<std::pair<std::string, std::string>, std::uint64_t> create_errors_;  // (kind, code)
+  LatencyHistogram create_latency_;
+  LatencyHistogram exec_latency_;
+  std::atomic<std::int64_t> connections_{0};
+  std::atomic<std::uint64_t> connections_refused_{0};
+};
+
+}  // namespace dsec::agent

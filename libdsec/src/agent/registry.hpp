@@ -1,0 +1,150 @@
+// The node's sandboxes: one record per live sandbox (its SandboxInfo and its backend object), the idempotency table
+// of request ids, tombstones of destroyed sandboxes, admission against the node's capacity, and the on-disk record
+// of every live sandbox (<home>/state/sandboxes/<id>.json).
+//
+// Thread-safe. Calls on one sandbox run concurrently (several execs at once): acquire() hands out a reference that
+// keeps the backend object alive, so a destroy that races an exec makes the exec fail (the backend's destroy() ends
+// what runs inside) but never frees memory under it.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "agent/backend.hpp"
+#include "agent/images.hpp"
+#include "agent/metrics.hpp"
+#include "dsec/error.hpp"
+#include "dsec/sandbox_info.hpp"
+#include "dsec/spec.hpp"
+
+namespace dsec::agent {
+
+struct RegistryOptions {
+  std::string node_id = "node";
+  std::filesystem::path state_dir;      // where live sandboxes' records go; empty: nowhere
+  std::uint32_t cores = 1;              // the node's capacity, before overcommit
+  std::uint64_t memory_bytes = 1ull << 30;
+  double cpu_overcommit = 8.0;
+  double memory_overcommit = 1.0;
+  // Request ids are remembered this long, and at most this many (the oldest finished ones go first beyond it).
+  std::chrono::seconds request_id_retention{3600};
+  std::size_t max_request_ids = 1u << 18;
+  // Destroyed sandboxes are remembered (DELETE stays idempotent, GET says "destroyed") this long, at most this many.
+  std::chrono::seconds tombstone_retention{3600};
+  std::size_t max_tombstones = 1u << 16;
+  // Creates of one batch run this many at a time.
+  std::size_t batch_parallelism = 4;
+  // Unix time in seconds; tests pass a fake clock.
+  std::function<double()> clock;
+};
+
+struct CreateOutcome {
+  SandboxInfo info;
+  bool created = false;  // false: an earlier request with the same request_id made it
+};
+
+struct NodeLoad {
+  std::uint32_t sandboxes = 0;
+  double cpu_requested = 0;
+  std::uint64_t memory_requested = 0;
+  std::map<std::string, std::uint64_t, std::less<>> by_kind;
+};
+
+// A live sandbox's backend object, kept alive while the holder uses it.
+struct SandboxHandle {
+  std::shared_ptr<BackendSandbox> sandbox;
+  std::string kind;
+};
+
+class Registry {
+ public:
+  using Backends = std::map<std::string, Backend*, std::less<>>;
+
+  Registry(RegistryOptions options, Backends backends, const ImageSource& images, Metrics& metrics);
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+  // Forgets the sandboxes without destroying them: call destroy_all() first when they must go.
+  ~Registry();
+
+  // Creates one sandbox from a validated spec. With a request_id, a repeat (also one that arrives while the first
+  // is still being made) returns the first one's sandbox with created = false; a request_id reused for a different
+  // spec is INVALID_ARGUMENT. Errors: INVALID_ARGUMENT (kind), NOT_FOUND (image), RESOURCE_EXHAUSTED (admission),
+  // and whatever the backend throws.
+  CreateOutcome create(const SandboxSpec& spec);
+  // `count` sandboxes from one spec; element i uses request_id + "/" + i. All or nothing: when one fails, the ones
+  // this call made are destroyed (and their request ids forgotten) and the first error is thrown.
+  std::vector<CreateOutcome> create_batch(const SandboxSpec& spec, std::size_t count);
+
+  // The sandbox's info, checking that it is still alive (a dead one turns "failed"). A destroyed one still known
+  // as a tombstone answers with state "destroyed"; an unknown id is NOT_FOUND.
+  SandboxInfo get(const std::string& id);
+  // Live sandboxes whose labels include every given label, and of the tenant when one is given.
+  std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant) const;
+  // Destroys a sandbox; returns its info with state "destroyed". Idempotent while the tombstone lasts.
+  SandboxInfo destroy(const std::string& id, std::string_view reason = "destroyed by request");
+  // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
+  SandboxHandle acquire(const std::string& id) const;
+
+  // Destroys sandboxes whose TTL passed, marks dead ones failed, forgets old request ids and tombstones.
+  void reap();
+  // Destroys every sandbox (agent shutdown); returns how many.
+  std::size_t destroy_all(std::string_view reason);
+
+  NodeLoad load() const;
+  std::vector<std::string> kinds() const;
+  const RegistryOptions& options() const noexcept { return options_; }
+
+ private:
+  struct Record;
+  struct RequestEntry;
+  struct Tombstone {
+    SandboxInfo info;
+    double at = 0;
+  };
+
+  CreateOutcome create_new(const SandboxSpec& spec);
+  // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
+  // and the creates in flight. Caller holds mutex_.
+  void admit(const Resources& resources, std::size_t count) const;
+  std::string new_id();                                          // caller holds mutex_
+  SandboxInfo info_of(const std::string& id) const;              // caller holds mutex_
+  void check_alive(Record& record);
+  void write_record(const Record& record) const;
+  void remove_record_file(const std::string& id) const;
+  void forget_request_id(const std::string& request_id, const std::string& sandbox_id);
+  void evict(double now);                                        // caller holds mutex_
+  double now() const { return options_.clock(); }
+
+  RegistryOptions options_;
+  Backends backends_;
+  const ImageSource& images_;
+  Metrics& metrics_;
+
+  mutable std::mutex mutex_;
+  std::unordered_map<std::string, std::shared_ptr<Record>> records_;
+  double live_cpu_ = 0;
+  std::uint64_t live_memory_ = 0;
+  double reserved_cpu_ = 0;       // creates in flight
+  std::uint64_t reserved_memory_ = 0;
+  std::unordered_map<std::string, std::shared_ptr<RequestEntry>> requests_;
+  std::deque<std::pair<double, std::string>> request_order_;
+  std::condition_variable request_done_;
+  std::unordered_map<std::string, Tombstone> tombstones_;
+  std::deque<std::pair<double, std::string>> tombstone_order_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace dsec::agent

@@ -1,0 +1,198 @@
+#include "agent/router.hpp"
+
+#include <chrono>
+#include <initializer_list>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "common/protocol.hpp"
+
+namespace dsec::agent {
+namespace http = boost::beast::http;
+using protocol::json;
+
+namespace {
+
+HttpResponse text_response(http::status status, std::string body, std::string_view content_type) {
+  HttpResponse res{status, 11};
+  res.set(http::field::content_type, beast_view(content_type));
+  res.body() = std::move(body);
+  return res;
+}
+
+// Error messages may quote bytes a client sent (paths, ids); invalid UTF-8 in them is replaced, never fatal.
+HttpResponse json_response(http::status status, const json& body) {
+  return text_response(status, body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+}
+
+HttpResponse error_response(const Error& error) {
+  return json_response(static_cast<http::status>(http_status(error.code())), protocol::encode_error(error));
+}
+
+void allow(const HttpRequest& request, std::string_view path, std::initializer_list<http::verb> verbs) {
+  for (auto v : verbs)
+    if (request.method() == v) return;
+  std::vector<std::string_view> names;
+  for (auto v : verbs) names.push_back(std_view(http::to_string(v)));
+  throw Error(Code::kUnimplemented,
+              fmt::format("method {} is not served on {}; use {}", std_view(request.method_string()), path,
+                          fmt::join(names, " or ")));
+}
+
+// Query parameters a route does not know are refused, so a misspelt filter cannot silently match everything.
+void only_params(const Query& query, std::initializer_list<std::string_view> known) {
+  for (const auto& [key, value] : query.items()) {
+    bool ok = false;
+    for (auto k : known) ok = ok || key == k;
+    if (!ok)
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("query parameter '{}' is not known here (known: {})", key, fmt::join(known, ", ")));
+  }
+}
+
+json sandbox_list(const std::vector<SandboxInfo>& infos) {
+  json list = json::array();
+  for (const auto& info : infos) list.push_back(protocol::encode(info));
+  return json{{"sandboxes", std::move(list)}};
+}
+
+}  // namespace
+
+Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info)
+    : registry_(registry), metrics_(metrics), node_info_(std::move(node_info)) {}
+
+HttpResponse Router::handle(HttpRequest& request) {
+  Route route = Route::kUnknown;
+  HttpResponse res;
+  try {
+    Target target = parse_target(std_view(request.target()));
+    route = target.route;
+    res = dispatch(request, target);
+  } catch (const Error& e) {
+    res = error_response(e);
+  } catch (const std::exception& e) {
+    res = error_response(Error(Code::kInternal, e.what()));
+  } catch (...) {
+    res = error_response(Error(Code::kInternal, "unknown exception"));
+  }
+  metrics_.count_request(route_template(route), std_view(request.method_string()), res.result_int());
+  return res;
+}
+
+HttpResponse Router::dispatch(HttpRequest& request, const Target& target) {
+  switch (target.route) {
+    case Route::kHealthz: return healthz(request);
+    case Route::kMetrics: return metrics_text(request);
+    case Route::kNode: return node(request);
+    case Route::kSandboxes: return sandboxes(request, target);
+    case Route::kSandbox: return sandbox(request, target);
+    case Route::kSandboxExec: return exec(request, target);
+    case Route::kSandboxFiles: return files(request, target);
+    case Route::kUnknown: break;
+  }
+  throw Error(Code::kNotFound, fmt::format("no route {} {} (protocol v1: /v1/node, /v1/sandboxes, /metrics, /healthz)",
+                                           std_view(request.method_string()), target.path));
+}
+
+HttpResponse Router::healthz(HttpRequest& request) {
+  allow(request, "/healthz", {http::verb::get});
+  return text_response(http::status::ok, "ok\n", "text/plain");
+}
+
+HttpResponse Router::metrics_text(HttpRequest& request) {
+  allow(request, "/metrics", {http::verb::get});
+  return text_response(http::status::ok, metrics_.render(registry_.load().by_kind), "text/plain; version=0.0.4");
+}
+
+HttpResponse Router::node(HttpRequest& request) {
+  allow(request, "/v1/node", {http::verb::get});
+  return json_response(http::status::ok, protocol::encode(node_info_()));
+}
+
+// POST: create one sandbox, or `count` of them. GET: list, filtered by labels and tenant.
+HttpResponse Router::sandboxes(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes", {http::verb::get, http::verb::post});
+  if (request.method() == http::verb::get) {
+    only_params(target.query, {"label", "tenant"});
+    Labels labels = parse_label_filters(target.query.get_all("label"));
+    std::string tenant = target.query.get("tenant").value_or("");
+    return json_response(http::status::ok, sandbox_list(registry_.list(labels, tenant)));
+  }
+
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  std::optional<std::size_t> count;
+  if (body.is_object()) {
+    if (auto it = body.find("count"); it != body.end() && !it->is_null()) {
+      if (!it->is_number_integer() || it->get<std::int64_t>() < 1 ||
+          it->get<std::int64_t>() > static_cast<std::int64_t>(kMaxBatch))
+        throw Error(Code::kInvalidArgument, fmt::format("count: must be an integer from 1 to {}", kMaxBatch));
+      count = it->get<std::size_t>();
+    }
+  }
+  SandboxSpec spec = protocol::decode_spec(body);
+  if (!count) {
+    CreateOutcome outcome = registry_.create(spec);
+    return json_response(outcome.created ? http::status::created : http::status::ok, protocol::encode(outcome.info));
+  }
+  std::vector<CreateOutcome> outcomes = registry_.create_batch(spec, *count);
+  bool any_created = false;
+  std::vector<SandboxInfo> infos;
+  for (auto& o : outcomes) {
+    any_created = any_created || o.created;
+    infos.push_back(std::move(o.info));
+  }
+  return json_response(any_created ? http::status::created : http::status::ok, sandbox_list(infos));
+}
+
+// GET: status. DELETE: destroy (idempotent).
+HttpResponse Router::sandbox(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}", {http::verb::get, http::verb::delete_});
+  only_params(target.query, {});
+  if (request.method() == http::verb::get)
+    return json_response(http::status::ok, protocol::encode(registry_.get(target.sandbox_id)));
+  SandboxInfo info = registry_.destroy(target.sandbox_id);
+  return json_response(http::status::ok, json{{"id", info.id}, {"state", "destroyed"}});
+}
+
+HttpResponse Router::exec(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/exec", {http::verb::post});
+  only_params(target.query, {});
+  ExecRequest exec_request = protocol::decode_exec_request(protocol::parse_body(request.body()));
+  SandboxHandle handle = registry_.acquire(target.sandbox_id);
+  auto started = std::chrono::steady_clock::now();
+  ExecResult result = handle.sandbox->exec(exec_request);
+  metrics_.exec_done(handle.kind, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  return json_response(http::status::ok, protocol::encode(result));
+}
+
+// PUT: write one file (raw body) or extract a tar stream into a directory. GET: read one file, or a directory as
+// a tar stream.
+HttpResponse Router::files(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/files", {http::verb::get, http::verb::put});
+  const std::string path = target.query.get("path").value_or("");
+  check_sandbox_path(path, "path");
+  if (request.method() == http::verb::put) {
+    only_params(target.query, {"path", "mode"});
+    unsigned mode = 0644;
+    if (auto m = target.query.get("mode")) mode = parse_file_mode(*m);
+    std::string_view content_type = std_view(request[http::field::content_type]);
+    bool tar = content_type.substr(0, content_type.find(';')) == "application/x-tar";
+    SandboxHandle handle = registry_.acquire(target.sandbox_id);
+    if (tar) handle.sandbox->put_archive(path, request.body());
+    else handle.sandbox->write_file(path, request.body(), mode);
+    return json_response(http::status::ok, json{{"path", path}, {"bytes", request.body().size()}, {"tar", tar}});
+  }
+
+  only_params(target.query, {"path", "format"});
+  std::string format = target.query.get("format").value_or("");
+  if (!format.empty() && format != "tar" && format != "raw")
+    throw Error(Code::kInvalidArgument, fmt::format("format: '{}' is neither tar nor raw", format));
+  SandboxHandle handle = registry_.acquire(target.sandbox_id);
+  bool tar = format == "tar" || (format.empty() && handle.sandbox->is_directory(path));
+  if (tar) return text_response(http::status::ok, handle.sandbox->get_archive(path), "application/x-tar");
+  return text_response(http::status::ok, handle.sandbox->read_file(path), "application/octet-stream");
+}
+
+}  // namespace dsec::agent

@@ -1,0 +1,40 @@
+// Protocol v1 over HTTP: decodes each request into a typed call on the registry (one function per resource) and
+// encodes what it returns or throws. Backends never see HTTP or JSON; this is the only place that does both.
+#pragma once
+
+#include <functional>
+
+#include "agent/http.hpp"
+#include "agent/metrics.hpp"
+#include "agent/registry.hpp"
+#include "agent/routes.hpp"
+#include "dsec/sandbox_info.hpp"
+
+namespace dsec::agent {
+
+inline constexpr std::size_t kMaxBatch = 1024;
+
+class Router {
+ public:
+  // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes).
+  Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info);
+
+  // Never throws: every failure becomes the dsec error JSON with its HTTP status.
+  HttpResponse handle(HttpRequest& request);
+
+ private:
+  HttpResponse dispatch(HttpRequest& request, const Target& target);
+  HttpResponse node(HttpRequest& request);
+  HttpResponse sandboxes(HttpRequest& request, const Target& target);
+  HttpResponse sandbox(HttpRequest& request, const Target& target);
+  HttpResponse exec(HttpRequest& request, const Target& target);
+  HttpResponse files(HttpRequest& request, const Target& target);
+  HttpResponse metrics_text(HttpRequest& request);
+  HttpResponse healthz(HttpRequest& request);
+
+  Registry& registry_;
+  Metrics& metrics_;
+  std::function<NodeInfo()> node_info_;
+};
+
+}  // namespace dsec::agent

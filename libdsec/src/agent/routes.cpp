@@ -1,0 +1,168 @@
+#include "agent/routes.hpp"
+
+#include <fmt/format.h>
+
+#include "dsec/error.hpp"
+
+namespace dsec::agent {
+namespace {
+
+int hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+std::vector<std::string_view> split_path(std::string_view path) {
+  std::vector<std::string_view> parts;
+  std::size_t start = 1;  // past the leading '/'
+  while (start <= path.size()) {
+    std::size_t end = path.find('/', start);
+    if (end == std::string_view::npos) end = path.size();
+    parts.push_back(path.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
+}  // namespace
+
+std::string_view route_template(Route route) noexcept {
+  switch (route) {
+    case Route::kHealthz: return "/healthz";
+    case Route::kMetrics: return "/metrics";
+    case Route::kNode: return "/v1/node";
+    case Route::kSandboxes: return "/v1/sandboxes";
+    case Route::kSandbox: return "/v1/sandboxes/{id}";
+    case Route::kSandboxExec: return "/v1/sandboxes/{id}/exec";
+    case Route::kSandboxFiles: return "/v1/sandboxes/{id}/files";
+    case Route::kUnknown: break;
+  }
+  return "unknown";
+}
+
+std::optional<std::string> Query::get(std::string_view key) const {
+  std::optional<std::string> out;
+  for (const auto& [k, v] : items_)
+    if (k == key) out = v;
+  return out;
+}
+
+std::vector<std::string> Query::get_all(std::string_view key) const {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : items_)
+    if (k == key) out.push_back(v);
+  return out;
+}
+
+std::string percent_decode(std::string_view text, std::string_view what) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    char c = text[i];
+    if (c != '%') {
+      out.push_back(c);
+      continue;
+    }
+    int hi = i + 1 < text.size() ? hex_value(text[i + 1]) : -1;
+    int lo = i + 2 < text.size() ? hex_value(text[i + 2]) : -1;
+    if (hi < 0 || lo < 0)
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("{}: malformed percent-escape at byte {} (expected %XX with two hex digits)", what, i));
+    out.push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return out;
+}
+
+Query parse_query(std::string_view query) {
+  std::vector<std::pair<std::string, std::string>> items;
+  std::size_t start = 0;
+  while (start <= query.size()) {
+    std::size_t end = query.find('&', start);
+    if (end == std::string_view::npos) end = query.size();
+    std::string_view item = query.substr(start, end - start);
+    if (!item.empty()) {
+      std::size_t eq = item.find('=');
+      std::string_view raw_key = item.substr(0, eq);
+      std::string key = percent_decode(raw_key, "query");
+      std::string value =
+          eq == std::string_view::npos ? std::string{} : percent_decode(item.substr(eq + 1), fmt::format("query {}", key));
+      items.emplace_back(std::move(key), std::move(value));
+    }
+    start = end + 1;
+  }
+  return Query(std::move(items));
+}
+
+Target parse_target(std::string_view target) {
+  if (target.empty() || target.front() != '/')
+    throw Error(Code::kInvalidArgument,
+                fmt::format("request target '{}' is not an absolute path such as /v1/node", target.substr(0, 200)));
+  Target out;
+  std::size_t q = target.find('?');
+  std::string_view raw_path = target.substr(0, q);
+  if (q != std::string_view::npos) out.query = parse_query(target.substr(q + 1));
+  out.path = percent_decode(raw_path, "path");
+  if (raw_path.size() > 1 && raw_path.back() == '/') raw_path.remove_suffix(1);
+
+  // Segments are matched raw and the id is decoded on its own, so an escaped '/' inside an id cannot forge a route.
+  std::vector<std::string_view> parts = split_path(raw_path);
+  auto is = [&](std::size_t i, std::string_view s) { return parts.size() > i && parts[i] == s; };
+  if (parts.size() == 1 && is(0, "healthz")) {
+    out.route = Route::kHealthz;
+  } else if (parts.size() == 1 && is(0, "metrics")) {
+    out.route = Route::kMetrics;
+  } else if (is(0, "v1")) {
+    if (parts.size() == 2 && is(1, "node")) {
+      out.route = Route::kNode;
+    } else if (parts.size() >= 2 && is(1, "sandboxes")) {
+      if (parts.size() == 2) {
+        out.route = Route::kSandboxes;
+      } else if (!parts[2].empty()) {
+        std::string id = percent_decode(parts[2], "sandbox id");
+        if (parts.size() == 3) out.route = Route::kSandbox;
+        else if (parts.size() == 4 && parts[3] == "exec") out.route = Route::kSandboxExec;
+        else if (parts.size() == 4 && parts[3] == "files") out.route = Route::kSandboxFiles;
+        if (out.route != Route::kUnknown) out.sandbox_id = std::move(id);
+      }
+    }
+  }
+  return out;
+}
+
+Labels parse_label_filters(const std::vector<std::string>& values) {
+  Labels labels;
+  for (const auto& v : values) {
+    std::size_t eq = v.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw Error(Code::kInvalidArgument, fmt::format("label: '{}' is not key=value", v));
+    labels[v.substr(0, eq)] = v.substr(eq + 1);
+  }
+  return labels;
+}
+
+void check_sandbox_path(std::string_view path, std::string_view param) {
+  if (path.empty()) throw Error(Code::kInvalidArgument, fmt::format("{}: missing (give an absolute path)", param));
+  if (path.find('\0') != std::string_view::npos)
+    throw Error(Code::kInvalidArgument, fmt::format("{}: must not contain NUL", param));
+  if (path.front() != '/')
+    throw Error(Code::kInvalidArgument, fmt::format("{}: '{}' is not an absolute path", param, path));
+  if (path.size() > 4096) throw Error(Code::kInvalidArgument, fmt::format("{}: longer than 4096 bytes", param));
+}
+
+unsigned parse_file_mode(std::string_view text) {
+  unsigned mode = 0;
+  if (text.empty() || text.size() > 6)
+    throw Error(Code::kInvalidArgument, fmt::format("mode: '{}' is not an octal file mode such as 0644", text));
+  for (char c : text) {
+    if (c < '0' || c > '7')
+      throw Error(Code::kInvalidArgument, fmt::format("mode: '{}' is not an octal file mode such as 0644", text));
+    mode = mode * 8 + static_cast<unsigned>(c - '0');
+  }
+  if (mode > 07777) throw Error(Code::kInvalidArgument, fmt::format("mode: '{}' is above 07777", text));
+  return mode;
+}
+
+}  // namespace dsec::agent

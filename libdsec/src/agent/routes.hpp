@@ -1,0 +1,71 @@
+// Request targets of protocol v1: splitting "/v1/sandboxes/x/files?path=%2Fetc" into a route, the sandbox id and
+// the decoded query. Pure functions over strings, so they are tested without a socket.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "dsec/spec.hpp"
+
+namespace dsec::agent {
+
+enum class Route {
+  kUnknown,
+  kHealthz,         // /healthz
+  kMetrics,         // /metrics
+  kNode,            // /v1/node
+  kSandboxes,       // /v1/sandboxes
+  kSandbox,         // /v1/sandboxes/{id}
+  kSandboxExec,     // /v1/sandboxes/{id}/exec
+  kSandboxFiles,    // /v1/sandboxes/{id}/files
+};
+
+// The route's template, as used in metrics labels: "/v1/sandboxes/{id}/exec"; "unknown" for kUnknown.
+std::string_view route_template(Route route) noexcept;
+
+// The query string decoded into (key, value) pairs, in order; keys may repeat (label=a=1&label=b=2).
+class Query {
+ public:
+  Query() = default;
+  explicit Query(std::vector<std::pair<std::string, std::string>> items) : items_(std::move(items)) {}
+
+  const std::vector<std::pair<std::string, std::string>>& items() const noexcept { return items_; }
+  // The last value of a key, if any.
+  std::optional<std::string> get(std::string_view key) const;
+  std::vector<std::string> get_all(std::string_view key) const;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> items_;
+};
+
+struct Target {
+  Route route = Route::kUnknown;
+  std::string path;        // decoded path, without the query
+  std::string sandbox_id;  // for the per-sandbox routes
+  Query query;
+};
+
+// Decodes %XX escapes. '+' stays a literal plus (clients encode a space as %20). Throws INVALID_ARGUMENT, naming
+// `what`, for a malformed escape.
+std::string percent_decode(std::string_view text, std::string_view what);
+
+// Parses "a=1&b=x%2Fy&flag" (a key without '=' gets an empty value). Throws INVALID_ARGUMENT on malformed escapes.
+Query parse_query(std::string_view query);
+
+// Parses an origin-form request target. An unknown path gives Route::kUnknown, not an error; a target that is not
+// an absolute path or carries malformed escapes is INVALID_ARGUMENT.
+Target parse_target(std::string_view target);
+
+// label=k=v values into a label filter; a value without '=' or with an empty key is INVALID_ARGUMENT.
+Labels parse_label_filters(const std::vector<std::string>& values);
+
+// A path given in the files API: absolute, no NUL; INVALID_ARGUMENT naming the parameter otherwise.
+void check_sandbox_path(std::string_view path, std::string_view param);
+
+// A file mode given as octal digits ("0644", "755"); at most 07777. INVALID_ARGUMENT otherwise.
+unsigned parse_file_mode(std::string_view text);
+
+}  // namespace dsec::agent
