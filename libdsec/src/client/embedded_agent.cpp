@@ -159,6 +159,7 @@ std::string find_agent_binary(const std::string& explicit_path, const std::vecto
 
 EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
     : binary_(find_agent_binary(options.binary, options.candidates)),
+      owner_pid_(::getpid()),
       start_timeout_(options.start_timeout),
       stop_grace_(options.stop_grace) {
   std::string home = options.home;
@@ -363,6 +364,12 @@ std::string EmbeddedAgent::log_tail(std::size_t max_bytes) const {
 }
 
 void EmbeddedAgent::stop() {
+  if (::getpid() != owner_pid_) {
+    // A forked child of the trainer: the agent and the keeper thread belong to the parent. The keeper does not
+    // exist in this process, so its std::thread is left alone (joining or detaching it would be undefined).
+    new std::thread(std::move(keeper_));
+    return;
+  }
   {
     std::lock_guard lock(mu_);
     if (stopped_) return;

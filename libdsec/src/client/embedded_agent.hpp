@@ -61,6 +61,7 @@ class EmbeddedAgent {
 
   std::string binary_;
   std::vector<std::string> argv_;
+  pid_t owner_pid_;          // the process that started the agent (a forked child must not stop it)
   std::chrono::milliseconds start_timeout_;
   std::chrono::milliseconds stop_grace_;
   std::string dir_;          // private directory: dsecd.sock, dsecd.log, run/

@@ -3,6 +3,7 @@
 #include <curl/curl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -49,9 +50,13 @@ struct HeaderList {
 
 // How a curl failure reads to a dsec caller. Connection failures before anything was sent are the one case every
 // call may retry; a broken connection after sending is retryable only for idempotent calls (the caller decides).
-TransportError to_error(CURLcode rc, const char* detail, const Endpoint& ep, const HttpRequest& req, bool sent) {
-  std::string what = fmt::format("{} {} on {}: {}", req.method, req.target, ep.text,
-                                 detail && *detail ? detail : curl_easy_strerror(rc));
+TransportError to_error(CURLcode rc, const char* detail, int os_errno, const Endpoint& ep, const HttpRequest& req,
+                        bool sent) {
+  std::string why = detail && *detail ? detail : curl_easy_strerror(rc);
+  // curl words a unix socket failure as "port 80"; say what happened to the socket.
+  if (rc == CURLE_COULDNT_CONNECT && !ep.unix_path.empty() && os_errno != 0)
+    why = fmt::format("connect to {}: {}", ep.unix_path, std::strerror(os_errno));
+  std::string what = fmt::format("{} {} on {}: {}", req.method, req.target, ep.text, why);
   switch (rc) {
     case CURLE_COULDNT_CONNECT:
     case CURLE_COULDNT_RESOLVE_HOST:
@@ -189,7 +194,9 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
     long request_bytes = 0;
     curl_easy_getinfo(h, CURLINFO_PRETRANSFER_TIME_T, &pretransfer_us);
     curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &request_bytes);
-    throw to_error(rc, errbuf, endpoint_, req, pretransfer_us > 0 || request_bytes > 0);
+    long os_errno = 0;
+    curl_easy_getinfo(h, CURLINFO_OS_ERRNO, &os_errno);
+    throw to_error(rc, errbuf, static_cast<int>(os_errno), endpoint_, req, pretransfer_us > 0 || request_bytes > 0);
   }
   curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &resp.status);
   char* ct = nullptr;

@@ -1,0 +1,351 @@
+// dsec._dsec: the C++ client under `import dsec`. The pure-Python package (dsec/__init__.py) wraps these classes
+// into the user-facing API; dsec::Error becomes the exception class of its code from dsec/errors.py.
+//
+// Every call that may block (network, the embedded agent) releases the GIL, so a trainer's Python threads drive
+// many sandboxes at once.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dsec/dsec.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using std::chrono::milliseconds;
+
+milliseconds to_ms(double seconds, const char* what) {
+  if (!(seconds > 0) || seconds > 365.0 * 86400)
+    throw dsec::Error(dsec::Code::kInvalidArgument, std::string(what) + ": must be a positive number of seconds");
+  return milliseconds{static_cast<std::int64_t>(seconds * 1000.0 + 0.5)};
+}
+
+// Raises the dsec.errors class for e's code, carrying .code and .retryable.
+void raise_dsec_error(const dsec::Error& e) {
+  try {
+    py::object errors = py::module_::import("dsec.errors");
+    py::object exc = errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable());
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  } catch (py::error_already_set& inner) {
+    // dsec.errors itself failed to import: still raise something that says what went wrong.
+    PyErr_SetString(PyExc_RuntimeError, (std::string(e.code_name()) + ": " + e.what()).c_str());
+  }
+}
+
+// A Client that Python can close explicitly; calls after close() raise FailedPrecondition.
+class PyClient {
+ public:
+  explicit PyClient(dsec::ClientOptions options) {
+    py::gil_scoped_release release;  // starting the embedded agent takes a while
+    client_ = std::make_unique<dsec::Client>(std::move(options));
+  }
+
+  dsec::Client& get() {
+    if (!client_) throw dsec::Error(dsec::Code::kFailedPrecondition, "this dsec client is closed");
+    return *client_;
+  }
+
+  void close() {
+    std::unique_ptr<dsec::Client> c = std::move(client_);
+    if (c) {
+      py::gil_scoped_release release;
+      c.reset();  // stops the embedded agent
+    }
+  }
+  bool closed() const { return client_ == nullptr; }
+
+ private:
+  std::unique_ptr<dsec::Client> client_;
+};
+
+// Python sandboxes never own: they are destroyed by destroy() or a with-block, not by the garbage collector.
+class PySandbox {
+ public:
+  explicit PySandbox(dsec::Sandbox sb) : id_(sb.id()), sb_(std::move(sb)) {}
+
+  const std::string& id() const { return id_; }
+  dsec::Sandbox& get() {
+    if (!sb_) throw dsec::Error(dsec::Code::kFailedPrecondition, "sandbox " + id_ + " was destroyed through this handle");
+    return sb_;
+  }
+  void destroy() {
+    if (sb_) sb_.destroy();
+  }
+  bool destroyed() const { return !sb_; }
+
+ private:
+  std::string id_;
+  dsec::Sandbox sb_;
+};
+
+PySandbox detach(dsec::Client& client, dsec::Sandbox owned) {
+  std::string id = owned.release();
+  return PySandbox(client.attach(id));
+}
+
+std::string bytes_or_str(const py::handle& h, const char* what) {
+  if (py::isinstance<py::bytes>(h)) return h.cast<std::string>();
+  if (py::isinstance<py::bytearray>(h) || py::isinstance<py::memoryview>(h))
+    return py::bytes(py::reinterpret_borrow<py::object>(h)).cast<std::string>();
+  if (py::isinstance<py::str>(h)) return h.cast<std::string>();  // UTF-8
+  throw dsec::Error(dsec::Code::kInvalidArgument, std::string(what) + ": expected bytes or str");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_dsec, m) {
+  m.doc() = "dsec's C++ client (use the `dsec` package, not this module)";
+  m.attr("__version__") = dsec::kVersion;
+  m.attr("PROTOCOL_VERSION") = dsec::kProtocolVersion;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dsec::Error& e) {
+      raise_dsec_error(e);
+    }
+  });
+
+  m.def(
+      "parse_size",
+      [](const std::string& text) {
+        auto v = dsec::parse_size(text);
+        if (!v)
+          throw dsec::Error(dsec::Code::kInvalidArgument,
+                            "'" + text + "' is not a size (examples: 4096, \"512Mi\", \"2G\", \"1.5GiB\")");
+        return *v;
+      },
+      py::arg("text"), "Bytes in a size such as '512Mi', '2G' or '4096'.");
+
+  py::class_<dsec::Resources>(m, "Resources")
+      .def(py::init<>())
+      .def_readwrite("cpu", &dsec::Resources::cpu)
+      .def_readwrite("memory_bytes", &dsec::Resources::memory_bytes)
+      .def_readwrite("disk_bytes", &dsec::Resources::disk_bytes)
+      .def_readwrite("pids", &dsec::Resources::pids)
+      .def_readwrite("open_files", &dsec::Resources::open_files)
+      .def("__repr__", [](const dsec::Resources& r) {
+        return "Resources(cpu=" + py::repr(py::float_(r.cpu)).cast<std::string>() +
+               ", memory_bytes=" + std::to_string(r.memory_bytes) + ", disk_bytes=" + std::to_string(r.disk_bytes) +
+               ", pids=" + std::to_string(r.pids) + ", open_files=" + std::to_string(r.open_files) + ")";
+      });
+
+  py::class_<dsec::SandboxSpec>(m, "SandboxSpec")
+      .def(py::init<>())
+      .def_readwrite("image", &dsec::SandboxSpec::image)
+      .def_readwrite("kind", &dsec::SandboxSpec::kind)
+      .def_readwrite("resources", &dsec::SandboxSpec::resources)
+      .def_property(
+          "ttl", [](const dsec::SandboxSpec& s) { return static_cast<double>(s.ttl.count()); },
+          [](dsec::SandboxSpec& s, double seconds) {
+            if (!(seconds >= 0)) throw dsec::Error(dsec::Code::kInvalidArgument, "ttl: must be >= 0 seconds");
+            s.ttl = std::chrono::seconds{static_cast<std::int64_t>(seconds)};
+          })
+      .def_readwrite("env", &dsec::SandboxSpec::env)
+      .def_readwrite("labels", &dsec::SandboxSpec::labels)
+      .def_readwrite("tenant", &dsec::SandboxSpec::tenant)
+      .def_readwrite("hostname", &dsec::SandboxSpec::hostname)
+      .def_readwrite("workdir", &dsec::SandboxSpec::workdir)
+      .def_readwrite("allow_ptrace", &dsec::SandboxSpec::allow_ptrace)
+      .def_readwrite("request_id", &dsec::SandboxSpec::request_id);
+
+  py::class_<dsec::ExecResult>(m, "ExecResult", "What a command run in a sandbox did. stdout/stderr are bytes.")
+      .def_readonly("exit_code", &dsec::ExecResult::exit_code, "Exit status, or -1 when a signal ended it.")
+      .def_readonly("signal", &dsec::ExecResult::signal, "The signal that ended it, 0 if it exited.")
+      .def_property_readonly("stdout", [](const dsec::ExecResult& r) { return py::bytes(r.stdout_data); })
+      .def_property_readonly("stderr", [](const dsec::ExecResult& r) { return py::bytes(r.stderr_data); })
+      .def_readonly("stdout_truncated", &dsec::ExecResult::stdout_truncated)
+      .def_readonly("stderr_truncated", &dsec::ExecResult::stderr_truncated)
+      .def_readonly("timed_out", &dsec::ExecResult::timed_out,
+                    "The timeout passed and the command's processes were killed.")
+      .def_readonly("duration", &dsec::ExecResult::duration_seconds, "Wall-clock seconds.")
+      .def_property_readonly(
+          "ok", [](const dsec::ExecResult& r) { return r.exit_code == 0 && !r.timed_out; },
+          "exit_code == 0 and not timed_out.")
+      .def("__repr__", [](const dsec::ExecResult& r) {
+        std::string s = "ExecResult(exit_code=" + std::to_string(r.exit_code);
+        if (r.signal) s += ", signal=" + std::to_string(r.signal);
+        if (r.timed_out) s += ", timed_out=True";
+        s += ", stdout=" + py::repr(py::bytes(r.stdout_data.substr(0, 80))).cast<std::string>();
+        if (r.stdout_data.size() > 80) s += "...";
+        if (!r.stderr_data.empty()) {
+          s += ", stderr=" + py::repr(py::bytes(r.stderr_data.substr(0, 80))).cast<std::string>();
+          if (r.stderr_data.size() > 80) s += "...";
+        }
+        return s + ")";
+      });
+
+  py::class_<dsec::SandboxInfo>(m, "SandboxInfo", "What the agent knows about a sandbox.")
+      .def_readonly("id", &dsec::SandboxInfo::id)
+      .def_readonly("node", &dsec::SandboxInfo::node)
+      .def_readonly("state", &dsec::SandboxInfo::state, "creating | running | failed | destroyed")
+      .def_readonly("image", &dsec::SandboxInfo::image)
+      .def_readonly("kind", &dsec::SandboxInfo::kind)
+      .def_readonly("tenant", &dsec::SandboxInfo::tenant)
+      .def_readonly("labels", &dsec::SandboxInfo::labels)
+      .def_readonly("resources", &dsec::SandboxInfo::resources)
+      .def_readonly("created_at", &dsec::SandboxInfo::created_at, "Unix seconds.")
+      .def_readonly("expires_at", &dsec::SandboxInfo::expires_at, "Unix seconds; 0 when it has no TTL.")
+      .def_readonly("message", &dsec::SandboxInfo::message, "Why it failed, when it did.")
+      .def("__repr__", [](const dsec::SandboxInfo& i) {
+        return "SandboxInfo(id='" + i.id + "', state='" + i.state + "', image='" + i.image + "', kind='" + i.kind +
+               "', node='" + i.node + "')";
+      });
+
+  py::class_<dsec::NodeInfo>(m, "NodeInfo", "A node agent: its capacity, load and images.")
+      .def_readonly("id", &dsec::NodeInfo::id)
+      .def_readonly("version", &dsec::NodeInfo::version)
+      .def_readonly("protocol", &dsec::NodeInfo::protocol)
+      .def_readonly("backends", &dsec::NodeInfo::backends)
+      .def_readonly("cores", &dsec::NodeInfo::cores)
+      .def_readonly("memory_bytes", &dsec::NodeInfo::memory_bytes)
+      .def_readonly("disk_bytes", &dsec::NodeInfo::disk_bytes)
+      .def_readonly("disk_free_bytes", &dsec::NodeInfo::disk_free_bytes)
+      .def_readonly("sandboxes", &dsec::NodeInfo::sandboxes)
+      .def_readonly("cpu_requested", &dsec::NodeInfo::cpu_requested)
+      .def_readonly("memory_requested", &dsec::NodeInfo::memory_requested)
+      .def_readonly("cpu_overcommit", &dsec::NodeInfo::cpu_overcommit)
+      .def_readonly("memory_overcommit", &dsec::NodeInfo::memory_overcommit)
+      .def_readonly("cgroup_version", &dsec::NodeInfo::cgroup_version)
+      .def_readonly("images", &dsec::NodeInfo::images)
+      .def_readonly("load1", &dsec::NodeInfo::load1)
+      .def("__repr__", [](const dsec::NodeInfo& n) {
+        std::string backends;
+        for (const auto& b : n.backends) backends += (backends.empty() ? "" : ",") + b;
+        return "NodeInfo(id='" + n.id + "', backends='" + backends + "', cores=" + std::to_string(n.cores) +
+               ", sandboxes=" + std::to_string(n.sandboxes) + ")";
+      });
+
+  py::class_<PySandbox>(m, "Sandbox")
+      .def_property_readonly("id", &PySandbox::id)
+      .def_property_readonly("destroyed", &PySandbox::destroyed)
+      .def(
+          "exec",
+          [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
+             std::map<std::string, std::string> env, std::string cwd, py::object stdin_data, double timeout,
+             std::size_t max_output) {
+            dsec::ExecRequest req;
+            if (argv) req.argv = std::move(*argv);
+            if (shell) req.shell = std::move(*shell);
+            req.env = std::move(env);
+            req.cwd = std::move(cwd);
+            if (!stdin_data.is_none()) req.stdin_data = bytes_or_str(stdin_data, "stdin");
+            req.timeout_seconds = timeout;
+            req.max_output_bytes = max_output;
+            py::gil_scoped_release release;
+            return self.get().exec(req);
+          },
+          py::arg("argv") = py::none(), py::arg("shell") = py::none(), py::arg("env") = std::map<std::string, std::string>{},
+          py::arg("cwd") = "", py::arg("stdin") = py::none(), py::arg("timeout") = 600.0,
+          py::arg("max_output") = std::size_t{16} << 20)
+      .def(
+          "write_file",
+          [](PySandbox& self, const std::string& path, py::object data, unsigned mode) {
+            std::string bytes = bytes_or_str(data, "data");
+            py::gil_scoped_release release;
+            self.get().write_file(path, bytes, mode);
+          },
+          py::arg("path"), py::arg("data"), py::arg("mode") = 0644)
+      .def(
+          "read_file",
+          [](PySandbox& self, const std::string& path) {
+            std::string out;
+            {
+              py::gil_scoped_release release;
+              out = self.get().read_file(path);
+            }
+            return py::bytes(out);
+          },
+          py::arg("path"))
+      .def(
+          "upload_tar",
+          [](PySandbox& self, const std::string& dir, py::object data) {
+            std::string bytes = bytes_or_str(data, "tar_bytes");
+            py::gil_scoped_release release;
+            self.get().upload_tar(dir, bytes);
+          },
+          py::arg("dir"), py::arg("tar_bytes"))
+      .def(
+          "download_tar",
+          [](PySandbox& self, const std::string& dir) {
+            std::string out;
+            {
+              py::gil_scoped_release release;
+              out = self.get().download_tar(dir);
+            }
+            return py::bytes(out);
+          },
+          py::arg("dir"))
+      .def(
+          "info", [](PySandbox& self) { return self.get().info(); }, py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &PySandbox::destroy, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<PyClient>(m, "Client")
+      .def(py::init([](std::vector<std::string> endpoints, std::string agent_binary,
+                       std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
+                       double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
+                       double max_backoff, double agent_start_timeout, double agent_stop_grace) {
+             dsec::ClientOptions o;
+             o.endpoints = std::move(endpoints);
+             o.agent_binary = std::move(agent_binary);
+             o.agent_candidates = std::move(agent_candidates);
+             o.home = std::move(home);
+             o.agent_args = std::move(agent_args);
+             o.call_deadline = to_ms(call_deadline, "call_deadline");
+             if (create_concurrency == 0)
+               throw dsec::Error(dsec::Code::kInvalidArgument, "create_concurrency: must be at least 1");
+             o.create_concurrency = create_concurrency;
+             if (max_attempts < 1) throw dsec::Error(dsec::Code::kInvalidArgument, "max_attempts: must be at least 1");
+             o.retry.max_attempts = max_attempts;
+             o.retry.initial_backoff = to_ms(initial_backoff, "initial_backoff");
+             o.retry.max_backoff = to_ms(max_backoff, "max_backoff");
+             o.agent_start_timeout = to_ms(agent_start_timeout, "agent_start_timeout");
+             o.agent_stop_grace = to_ms(agent_stop_grace, "agent_stop_grace");
+             return std::make_unique<PyClient>(std::move(o));
+           }),
+           py::arg("endpoints") = std::vector<std::string>{}, py::arg("agent_binary") = "",
+           py::arg("agent_candidates") = std::vector<std::string>{}, py::arg("home") = "",
+           py::arg("agent_args") = std::vector<std::string>{}, py::arg("call_deadline") = 60.0,
+           py::arg("create_concurrency") = 32, py::arg("max_attempts") = 6, py::arg("initial_backoff") = 0.02,
+           py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0)
+      .def(
+          "create",
+          [](PyClient& self, const dsec::SandboxSpec& spec) {
+            auto& c = self.get();
+            return detach(c, c.create(spec));
+          },
+          py::arg("spec"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "create_many",
+          [](PyClient& self, std::size_t n, const dsec::SandboxSpec& spec) {
+            auto& c = self.get();
+            std::vector<PySandbox> out;
+            auto made = c.create_many(n, spec);
+            out.reserve(made.size());
+            for (auto& sb : made) out.push_back(detach(c, std::move(sb)));
+            return out;
+          },
+          py::arg("n"), py::arg("spec"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "attach", [](PyClient& self, const std::string& id) { return PySandbox(self.get().attach(id)); },
+          py::arg("id"))
+      .def(
+          "list",
+          [](PyClient& self, const dsec::Labels& labels, const std::string& tenant) {
+            return self.get().list(labels, tenant);
+          },
+          py::arg("labels") = dsec::Labels{}, py::arg("tenant") = "", py::call_guard<py::gil_scoped_release>())
+      .def(
+          "nodes", [](PyClient& self) { return self.get().nodes(); }, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("endpoint", [](PyClient& self) { return self.get().endpoint(); })
+      .def("close", &PyClient::close)
+      .def_property_readonly("closed", &PyClient::closed);
+}

@@ -1,0 +1,542 @@
+"""dsec: isolated, stateful sandboxes on demand, driven from a training loop.
+
+    import dsec
+
+    with dsec.Client() as client:                      # starts a private node agent for this process
+        with client.create(image="busybox") as sb:     # destroyed when the block ends
+            r = sb.exec("echo hi")
+            assert r.exit_code == 0 and r.stdout == b"hi\\n"
+            sb.write_file("/tmp/a.txt", b"x")
+            assert sb.read_file("/tmp/a.txt") == b"x"
+
+``dsec.Client()`` without endpoints starts a private ``dsecd`` on a unix socket and stops it (destroying its
+sandboxes) on ``close()``; ``dsec.Client(endpoints=["unix:/run/dsec/dsecd.sock", "http://10.0.0.7:7070"])`` talks
+to running agents instead. One client serves every thread: blocking calls release the GIL.
+
+A :class:`Sandbox` is *not* destroyed when Python garbage-collects it: use ``destroy()`` or a ``with`` block. A
+sandbox nobody destroys lives until its ``ttl`` (seconds, default one hour) runs out.
+
+Errors are exceptions from :mod:`dsec.errors` (``dsec.NotFound``, ``dsec.Unavailable``, ...), each with ``.code``
+and ``.retryable``. A command that runs past its timeout is a result (``timed_out=True``), not an exception.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import posixpath
+import tarfile
+import threading
+import weakref
+from typing import Iterable, Mapping, Sequence, Union
+
+from . import _dsec
+from .errors import (
+    Aborted,
+    AlreadyExists,
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    DsecError,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+    Unknown,
+    error_class,
+)
+
+ExecResult = _dsec.ExecResult
+SandboxInfo = _dsec.SandboxInfo
+NodeInfo = _dsec.NodeInfo
+Resources = _dsec.Resources
+
+__version__: str = _dsec.__version__
+PROTOCOL_VERSION: str = _dsec.PROTOCOL_VERSION
+
+__all__ = [
+    "Client",
+    "Sandbox",
+    "ExecResult",
+    "SandboxInfo",
+    "NodeInfo",
+    "Resources",
+    "parse_size",
+    "agent_binary",
+    "DsecError",
+    "Cancelled",
+    "Unknown",
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "AlreadyExists",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Aborted",
+    "OutOfRange",
+    "Unimplemented",
+    "Internal",
+    "Unavailable",
+    "DataLoss",
+    "Unauthenticated",
+    "error_class",
+]
+
+Size = Union[int, str]
+BytesLike = Union[bytes, bytearray, memoryview, str]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def agent_binary() -> str:
+    """The ``dsecd`` shipped inside this package (``dsec/bin/dsecd``); it may not exist in a source checkout."""
+    return os.path.join(_PACKAGE_DIR, "bin", "dsecd")
+
+
+def parse_size(size: Size) -> int:
+    """Bytes in ``size``: an int, or a string such as ``"512Mi"``, ``"2G"``, ``"1.5GiB"`` or ``"4096"``.
+
+    SI suffixes (k, M, G, T) are powers of 1000, binary ones (Ki, Mi, Gi, Ti) powers of 1024.
+    Raises :class:`InvalidArgument` for anything else.
+    """
+    if isinstance(size, bool):
+        raise InvalidArgument(f"size: expected an int or a string such as '512Mi', got {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise InvalidArgument(f"size: {size} is negative")
+        return size
+    if isinstance(size, str):
+        return _dsec.parse_size(size)
+    raise InvalidArgument(f"size: expected an int or a string such as '512Mi', got {type(size).__name__}")
+
+
+def _str_map(value: Mapping[str, str] | None, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(f"{what}: expected a dict of str to str, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgument(f"{what}: keys and values must be str (got {k!r}: {v!r})")
+        out[k] = v
+    return out
+
+
+def _spec(
+    image: str,
+    kind: str,
+    cpu: float,
+    memory: Size,
+    disk: Size,
+    pids: int,
+    open_files: int,
+    ttl: float,
+    env: Mapping[str, str] | None,
+    labels: Mapping[str, str] | None,
+    tenant: str,
+    hostname: str,
+    workdir: str,
+    allow_ptrace: bool,
+    request_id: str | None,
+) -> _dsec.SandboxSpec:
+    s = _dsec.SandboxSpec()
+    s.image = image
+    s.kind = kind
+    r = _dsec.Resources()
+    r.cpu = float(cpu)
+    r.memory_bytes = parse_size(memory)
+    r.disk_bytes = parse_size(disk)
+    if not isinstance(pids, int) or pids < 1:
+        raise InvalidArgument(f"pids: must be a positive int, got {pids!r}")
+    if not isinstance(open_files, int) or open_files < 1:
+        raise InvalidArgument(f"open_files: must be a positive int, got {open_files!r}")
+    r.pids = pids
+    r.open_files = open_files
+    s.resources = r
+    if ttl is None or ttl < 0:
+        raise InvalidArgument(f"ttl: must be >= 0 seconds (0 = no TTL), got {ttl!r}")
+    s.ttl = float(ttl)
+    s.env = _str_map(env, "env")
+    s.labels = _str_map(labels, "labels")
+    s.tenant = tenant
+    s.hostname = hostname
+    s.workdir = workdir
+    s.allow_ptrace = bool(allow_ptrace)
+    s.request_id = request_id or ""
+    return s
+
+
+class Sandbox:
+    """One live sandbox: run commands in it, read and write its files, destroy it.
+
+    Not destroyed by garbage collection: call :meth:`destroy` or use ``with``. A sandbox left alone is destroyed
+    by its agent when its TTL runs out. Safe to use from several threads at once.
+    """
+
+    __slots__ = ("_sb", "_client", "__weakref__")
+
+    def __init__(self, handle: _dsec.Sandbox, client: "Client") -> None:
+        self._sb = handle
+        self._client = client
+
+    @property
+    def id(self) -> str:
+        """``"<node>-<hex>"``: unique, and names the node that hosts the sandbox."""
+        return self._sb.id
+
+    @property
+    def client(self) -> "Client":
+        return self._client
+
+    def exec(
+        self,
+        command: Union[str, Sequence[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: BytesLike | None = None,
+        timeout: float = 600,
+        max_output: Size = 16 << 20,
+    ) -> ExecResult:
+        """Runs a command and waits for it.
+
+        ``command`` as a str runs under ``/bin/sh -c``; a list is an argv (``argv[0]`` is looked up on PATH).
+        ``env`` adds to the sandbox's environment, ``cwd`` defaults to its workdir, ``stdin`` is fed then closed.
+        After ``timeout`` seconds the command's processes are killed and the result has ``timed_out=True``.
+        stdout and stderr (bytes) keep at most ``max_output`` bytes each; ``stdout_truncated`` tells.
+
+        Raises :class:`NotFound` for an unknown sandbox and :class:`Unavailable` when its node cannot be reached.
+        An exec is never retried once it may have reached the agent, so a command never runs twice.
+        """
+        argv = None
+        shell = None
+        if isinstance(command, str):
+            shell = command
+        elif isinstance(command, (list, tuple)):
+            argv = list(command)
+            for a in argv:
+                if not isinstance(a, str):
+                    raise InvalidArgument(f"argv: every argument must be a str, got {a!r}")
+        else:
+            raise InvalidArgument(f"command: expected a str (shell) or a list of str (argv), got {type(command).__name__}")
+        return self._sb.exec(
+            argv=argv,
+            shell=shell,
+            env=_str_map(env, "env"),
+            cwd=cwd or "",
+            stdin=stdin,
+            timeout=float(timeout),
+            max_output=parse_size(max_output),
+        )
+
+    def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:
+        """Writes one file (``str`` data is UTF-8), creating parent directories. ``path`` is absolute inside the sandbox."""
+        self._sb.write_file(path, data, mode)
+
+    def read_file(self, path: str) -> bytes:
+        """One file's bytes. Raises :class:`NotFound` if it is missing, :class:`InvalidArgument` for a directory."""
+        return self._sb.read_file(path)
+
+    def upload_tar(self, remote_dir: str, tar_bytes: BytesLike) -> None:
+        """Extracts a tar stream into ``remote_dir`` (created if missing)."""
+        self._sb.upload_tar(remote_dir, tar_bytes)
+
+    def download_tar(self, remote_dir: str) -> bytes:
+        """``remote_dir`` as a tar stream."""
+        return self._sb.download_tar(remote_dir)
+
+    def upload(self, local_path: str | os.PathLike, remote_dir: str) -> None:
+        """Copies a local directory's contents (or one local file) into ``remote_dir``."""
+        local_path = os.fspath(local_path)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            if os.path.isdir(local_path):
+                for name in sorted(os.listdir(local_path)):
+                    tar.add(os.path.join(local_path, name), arcname=name)
+            elif os.path.exists(local_path):
+                tar.add(local_path, arcname=os.path.basename(local_path))
+            else:
+                raise InvalidArgument(f"upload: {local_path} does not exist")
+        self._sb.upload_tar(remote_dir, buf.getvalue())
+
+    def download(self, remote_dir: str, local_dir: str | os.PathLike) -> None:
+        """Copies ``remote_dir``'s contents into ``local_dir`` (created if missing).
+
+        Members that would land outside ``local_dir`` (absolute paths, ``..``, links leading out) and device
+        files are refused with :class:`InvalidArgument`.
+        """
+        _safe_extract(self._sb.download_tar(remote_dir), os.fspath(local_dir))
+
+    def info(self) -> SandboxInfo:
+        """The agent's record of this sandbox (state, image, resources, labels, expiry)."""
+        return self._sb.info()
+
+    def destroy(self) -> None:
+        """Destroys the sandbox: its processes are killed and its files are gone. Idempotent."""
+        self._sb.destroy()
+
+    @property
+    def destroyed(self) -> bool:
+        """Whether :meth:`destroy` was called through this handle."""
+        return self._sb.destroyed
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return f"<dsec.Sandbox {self.id}{' destroyed' if self.destroyed else ''}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sandbox) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def _safe_extract(tar_bytes: bytes, dest: str) -> None:
+    os.makedirs(dest, exist_ok=True)
+    root = os.path.realpath(dest)
+
+    def inside(path: str) -> bool:
+        return path == root or path.startswith(root + os.sep)
+
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:*") as tar:
+        for m in tar:
+            name = m.name
+            while name.startswith("./"):
+                name = name[2:]
+            name = posixpath.normpath(name) if name else ""
+            if name in (".", ""):
+                continue
+            if name.startswith("/") or name == ".." or name.startswith("../"):
+                raise InvalidArgument(f"download: refusing tar member {m.name!r} outside the target directory")
+            target = os.path.join(root, name)
+            if not inside(os.path.realpath(os.path.dirname(target))):
+                raise InvalidArgument(f"download: tar member {m.name!r} would be written through a link out of {dest}")
+            if os.path.islink(target):
+                os.unlink(target)
+            if m.isdir():
+                os.makedirs(target, exist_ok=True)
+                os.chmod(target, (m.mode & 0o777) | 0o700)
+            elif m.isfile():
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                src = tar.extractfile(m)
+                with open(target, "wb") as f:
+                    while True:
+                        chunk = src.read(1 << 20)
+                        if not chunk:
+                            break
+                        f.write(chunk)
+                os.chmod(target, m.mode & 0o777)
+            elif m.issym():
+                link_target = posixpath.normpath(posixpath.join(posixpath.dirname(name), m.linkname))
+                if m.linkname.startswith("/") or link_target == ".." or link_target.startswith("../"):
+                    raise InvalidArgument(f"download: symlink {m.name!r} -> {m.linkname!r} leads out of {dest}")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.lexists(target):
+                    os.unlink(target)
+                os.symlink(m.linkname, target)
+            elif m.islnk():
+                source = os.path.join(root, posixpath.normpath(m.linkname))
+                if not inside(os.path.realpath(source)):
+                    raise InvalidArgument(f"download: hard link {m.name!r} -> {m.linkname!r} leads out of {dest}")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.lexists(target):
+                    os.unlink(target)
+                os.link(source, target)
+            else:
+                raise InvalidArgument(f"download: refusing special file {m.name!r} (device or fifo)")
+
+
+_live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _close_live_clients() -> None:
+    # An embedded agent would die with the process anyway (it gets SIGTERM); closing here lets it finish cleanly.
+    with _live_lock:
+        clients = list(_live_clients)
+    for c in clients:
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+class Client:
+    """The entry point: creates sandboxes and finds existing ones.
+
+    ``Client()`` starts a private node agent (``dsecd``) for this process on a unix socket and stops it on
+    :meth:`close`, which destroys its sandboxes. The agent binary is ``agent`` if given, else ``$DSEC_AGENT``, else
+    the one of the build tree the module came from, else the one inside this package (``dsec/bin/dsecd``), else
+    ``dsecd`` on PATH. Its image store and state live in ``home`` (default ``$DSEC_HOME``, then ``/var/lib/dsec``);
+    ``agent_args`` are extra ``dsecd`` flags such as ``["--backends", "container,null"]``.
+
+    ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
+    go to the node that made it. Idempotent calls are retried on transient errors with exponential backoff and
+    full jitter, all within ``call_deadline`` seconds (an exec's own timeout comes on top).
+    """
+
+    def __init__(
+        self,
+        endpoints: Union[str, Iterable[str], None] = None,
+        *,
+        agent: str | os.PathLike | None = None,
+        home: str | os.PathLike | None = None,
+        agent_args: Sequence[str] = (),
+        call_deadline: float = 60.0,
+        create_concurrency: int = 32,
+        max_attempts: int = 6,
+        initial_backoff: float = 0.02,
+        max_backoff: float = 2.0,
+        agent_start_timeout: float = 30.0,
+        agent_stop_grace: float = 10.0,
+    ) -> None:
+        if endpoints is None:
+            eps: list[str] = []
+        elif isinstance(endpoints, str):
+            eps = [endpoints]
+        else:
+            eps = list(endpoints)
+        self._lock = threading.Lock()
+        self._client = _dsec.Client(
+            endpoints=eps,
+            agent_binary=os.fspath(agent) if agent else "",
+            agent_candidates=[agent_binary()],
+            home=os.fspath(home) if home else "",
+            agent_args=list(agent_args),
+            call_deadline=float(call_deadline),
+            create_concurrency=int(create_concurrency),
+            max_attempts=int(max_attempts),
+            initial_backoff=float(initial_backoff),
+            max_backoff=float(max_backoff),
+            agent_start_timeout=float(agent_start_timeout),
+            agent_stop_grace=float(agent_stop_grace),
+        )
+        self._pid = os.getpid()
+        with _live_lock:
+            _live_clients.add(self)
+
+    def create(
+        self,
+        image: str = "busybox",
+        kind: str = "container",
+        *,
+        cpu: float = 1.0,
+        memory: Size = "512Mi",
+        disk: Size = "1Gi",
+        pids: int = 512,
+        open_files: int = 4096,
+        ttl: float = 3600,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "",
+        hostname: str = "",
+        workdir: str = "/",
+        allow_ptrace: bool = False,
+        request_id: str | None = None,
+    ) -> Sandbox:
+        """Creates a sandbox and returns once it can run commands.
+
+        ``cpu`` in cores (fractions allowed), ``memory`` and ``disk`` in bytes or as "512Mi"/"2G", ``ttl`` in
+        seconds after which the agent destroys it (0 = never). ``env`` is the environment of every exec, ``labels``
+        and ``tenant`` are for :meth:`list`. ``request_id`` makes the create idempotent: the same id returns the same
+        sandbox (a random one is used when omitted, so the client's own retries never make two).
+
+        The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
+        """
+        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
+                     allow_ptrace, request_id)
+        return Sandbox(self._c().create(spec), self)
+
+    def create_many(
+        self,
+        n: int,
+        image: str = "busybox",
+        kind: str = "container",
+        *,
+        cpu: float = 1.0,
+        memory: Size = "512Mi",
+        disk: Size = "1Gi",
+        pids: int = 512,
+        open_files: int = 4096,
+        ttl: float = 3600,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "",
+        hostname: str = "",
+        workdir: str = "/",
+        allow_ptrace: bool = False,
+        request_id: str | None = None,
+    ) -> list[Sandbox]:
+        """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
+
+        All or nothing: if one create fails, the ones made are destroyed and the error is raised. Sandbox ``i``
+        carries the request id ``f"{request_id}-{i}"``, so calling again with the same ``request_id`` after a
+        failure returns the same sandboxes instead of making new ones.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
+        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
+                     allow_ptrace, request_id)
+        return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
+
+    def attach(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox by id (made by any client). No call is made until it is used."""
+        return Sandbox(self._c().attach(sandbox_id), self)
+
+    def list(self, labels: Mapping[str, str] | None = None, tenant: str = "") -> list[SandboxInfo]:
+        """Sandboxes on every node of this client that carry all of ``labels`` (and belong to ``tenant``)."""
+        return self._c().list(_str_map(labels, "labels"), tenant)
+
+    def nodes(self) -> list[NodeInfo]:
+        """Each node's capacity, load, backends and images."""
+        return self._c().nodes()
+
+    @property
+    def endpoint(self) -> str:
+        """The embedded agent's endpoint ("unix:/.../dsecd.sock"), or the first configured one."""
+        return self._c().endpoint
+
+    def close(self) -> None:
+        """Stops the embedded agent (destroying its sandboxes) and closes the client. Idempotent.
+
+        Sandbox handles of this client raise :class:`FailedPrecondition` afterwards.
+        """
+        if os.getpid() != self._pid:
+            return  # a forked child: the agent belongs to the parent
+        with self._lock:
+            self._client.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._client.closed
+
+    def _c(self) -> _dsec.Client:
+        if os.getpid() != self._pid:
+            raise FailedPrecondition("a dsec.Client cannot be used in a forked child process: create a new one there")
+        return self._client
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<dsec.Client closed>"
+        return f"<dsec.Client {self._client.endpoint}>"
