@@ -1,0 +1,159 @@
+// dsec-bench: dsec's container sandboxes measured side by side with their peers on this machine (crun, bubblewrap,
+// a plain host fork+exec), in one run, so that every comparison shares the same machine, kernel and load.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dsec/client.hpp"
+#include "dsec/spec.hpp"
+
+namespace dsec::bench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+inline double ms_since(Clock::time_point a) { return ms_between(a, Clock::now()); }
+
+// Latency samples in milliseconds. Percentiles are nearest-rank: p99 of 200 samples is the 198th smallest.
+class Latency {
+ public:
+  void add(double ms) { ms_.push_back(ms); }
+  void merge(const Latency& other) { ms_.insert(ms_.end(), other.ms_.begin(), other.ms_.end()); }
+  std::size_t count() const noexcept { return ms_.size(); }
+  bool empty() const noexcept { return ms_.empty(); }
+  double percentile(double p) const;  // p in [0, 100]
+  double max() const;
+  double mean() const;
+
+ private:
+  std::vector<double> ms_;
+};
+
+struct Options {
+  std::string command;                          // create | throughput | exec | density | all
+  std::vector<std::string> endpoints;           // empty: an embedded agent
+  std::string home;                             // image store (and embedded agent state)
+  std::string agent_binary;                     // embedded dsecd; empty: the library's default search
+  std::string image = "busybox";
+  std::string rootfs;                           // peers' root; empty: the image's root in the store under home
+  std::string work_dir;                         // crun bundle and state; empty: a private directory under /tmp
+  std::vector<std::string> peers{"crun", "bwrap"};
+  bool peers_explicit = false;                  // --peers given: a peer that cannot run is an error
+  std::size_t n = 200;                          // samples per latency measure
+  std::size_t warmup = 10;                      // discarded iterations before each measure
+  std::vector<int> concurrency{1, 2, 4, 8, 16};
+  double duration_seconds = 5;                  // throughput window per system and concurrency
+  std::size_t density_count = 500;
+  double density_cpu = 0.01;                    // cores per idle sandbox
+  std::uint64_t density_memory = 16ull << 20;   // memory limit per idle sandbox
+  std::size_t teardown_concurrency = 8;
+  bool markdown = false;                        // print the Markdown summary after a single benchmark too
+};
+
+// How busy the machine was while a benchmark ran, from /proc/stat and the CPU time of dsec-bench, its children
+// (crun, bwrap, host spawns) and the agent (with the sandboxes it reaped).
+struct CpuUse {
+  double seconds = 0;
+  double busy_cores = 0;    // all CPUs, average over the window
+  double ours_cores = 0;    // dsec-bench + children + agent
+  double others_cores = 0;  // everything else: other users' work, kernel threads
+};
+
+struct MachineInfo {
+  int cores = 0;
+  std::string cpu_model;
+  std::uint64_t mem_total = 0;
+  std::string kernel;
+  std::string cgroup;           // the host's cgroup layout
+  std::string agent_cgroup;     // the driver the agent chose ("v1" / "v2")
+  std::string agent;            // "embedded dsecd (home ...)" or the endpoint
+  std::string crun_version, bwrap_version;
+  double load1 = 0, load5 = 0, load15 = 0;
+  double busy_before_cores = 0;  // CPU in use over one second before the run, all processes
+  std::string started_at;       // local wall time of the run
+};
+
+struct CreateResult {
+  std::size_t n = 0, warmup = 0;
+  Latency dsec_ready, dsec_destroy, dsec_lifecycle, crun, bwrap;
+  CpuUse cpu;
+};
+
+struct RatePoint {
+  int concurrency = 0;
+  double dsec_rate = 0, crun_rate = 0, bwrap_rate = 0;   // completed creates per second
+  std::size_t dsec_count = 0, crun_count = 0, bwrap_count = 0;
+  bool crun_measured = false, bwrap_measured = false;
+  Latency dsec_create;                                   // create latency under this concurrency
+};
+
+struct ThroughputResult {
+  double window_seconds = 0;
+  std::vector<RatePoint> points;
+  CpuUse cpu;
+};
+
+struct ExecBenchResult {
+  std::size_t n = 0, warmup = 0;
+  Latency dsec, dsec_agent_side, host;
+  std::string host_binary;
+  CpuUse cpu;
+};
+
+struct DensityResult {
+  std::size_t count = 0;
+  double cpu_per_sandbox = 0;
+  std::uint64_t memory_limit = 0;
+  double create_seconds = 0;              // create_many of all of them
+  std::size_t sandboxes_found = 0;        // sandboxes with a live process found in /proc
+  std::size_t processes = 0;
+  double mem_available_delta = 0;         // bytes, before creating minus after (settled)
+  double rss_total = 0, pss_total = 0;    // bytes, summed over the sandboxes' processes
+  double cgroup_charge_total = 0;         // bytes, summed over the sandboxes' memory cgroups
+  double agent_rss_delta = 0;             // bytes; NaN when the agent's process is not on this host
+  double others_rss_delta = 0;            // bytes: RSS change of every other process, a noise gauge
+  double teardown_seconds = 0;
+  double mem_returned = 0;                // bytes of MemAvailable back after teardown (settled)
+  CpuUse cpu;
+};
+
+struct Report {
+  std::string command_line;
+  MachineInfo machine;
+  std::optional<CreateResult> create;
+  std::optional<ThroughputResult> throughput;
+  std::optional<ExecBenchResult> exec;
+  std::optional<DensityResult> density;
+  std::vector<std::string> notes;   // peers skipped and why, workarounds applied
+};
+
+class Peers;
+
+// The spec every latency and throughput benchmark creates: the image, a modest limit, a TTL that reaps what a
+// crashed run leaves behind, and a label that names the benchmark.
+SandboxSpec bench_spec(const Options& options);
+
+CreateResult run_create(const Options& options, Client& client, Peers& peers);
+ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers);
+ExecBenchResult run_exec(const Options& options, Client& client, Peers& peers);
+DensityResult run_density(const Options& options, Client& client);
+
+// Text for the terminal, and the Markdown summary for docs/benchmarks.md.
+void print_create(const CreateResult& r);
+void print_throughput(const ThroughputResult& r);
+void print_exec(const ExecBenchResult& r);
+void print_density(const DensityResult& r);
+void print_cpu(const CpuUse& cpu, int cores);
+std::string markdown_report(const Report& report, const Options& options);
+
+// The agent's pid when it runs on this host (found by its unix socket on the command line), else -1.
+int agent_pid_for(const Client& client);
+
+}  // namespace dsec::bench

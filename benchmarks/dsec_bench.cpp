@@ -1,0 +1,355 @@
+// dsec-bench: measures dsec's container sandboxes against their peers on this machine, in one run.
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "bench.hpp"
+#include "common/syscall.hpp"
+#include "dsec/error.hpp"
+#include "dsec/version.hpp"
+#include "host.hpp"
+#include "peers.hpp"
+
+namespace dsec::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::string_view kUsage = R"(usage: dsec-bench COMMAND [flags]
+
+Measures dsec container sandboxes side by side with crun and bubblewrap (and a host fork+exec) on this machine,
+in one run, and prints the machine and its load with the figures.
+
+Commands:
+  create       sequential create-to-ready latency (p50/p90/p99/max) of a sandbox, each destroyed after outside the
+               timed part; next to `crun run` of an OCI bundle of the same root (whole lifecycle of `true`) and
+               `bwrap --unshare-all --ro-bind ROOT / --proc /proc --dev /dev true`
+  throughput   completed creates per second at each concurrency (create then destroy in a closed loop), next to
+               `crun run` and `bwrap` run in parallel
+  exec         round trip of `true` in a live sandbox, next to posix_spawn + wait of the same static binary
+  density      K idle sandboxes: host memory per sandbox, then the time to destroy them all
+  all          all of the above, then a Markdown summary for docs/benchmarks.md
+
+Flags:
+  --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
+  --home DIR             image store (DIR/images) for the peers' root and, without --endpoint, the home of the
+                         embedded agent this starts (default $DSEC_HOME, then /var/lib/dsec)
+  --agent PATH           the dsecd binary of the embedded agent (default: the library's search)
+  --image NAME           image to create (default busybox); its root is also the peers' root
+  --rootfs DIR           the peers' root instead of the image's directory in the store
+  --work-dir DIR         where the OCI bundle, crun's state and the peers' logs go (default: a new /tmp dir)
+  --peers LIST           crun,bwrap (default); "none" for dsec alone. Explicit peers that cannot run are an error
+  -n N                   samples per latency measure (default 200)
+  --warmup N             discarded iterations before measuring (default 10)
+  --concurrency LIST     throughput levels (default 1,2,4,8,16)
+  --duration SECONDS     throughput window per system and level (default 5)
+  -k, --count K          density: idle sandboxes (default 500)
+  --density-cpu CORES    density: cpu per sandbox (default 0.01)
+  --density-memory SIZE  density: memory limit per sandbox (default 16Mi)
+  --teardown-concurrency N   density: threads destroying (default 8)
+  --markdown             also print the Markdown summary after a single benchmark
+  --help
+)";
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::size_t parse_count(std::string_view flag, std::string_view text, std::size_t min) {
+  std::size_t v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size() || text.empty() || v < min)
+    throw UsageError(fmt::format("{}: '{}' is not an integer >= {}", flag, text, min));
+  return v;
+}
+
+double parse_positive(std::string_view flag, std::string_view text) {
+  try {
+    std::size_t used = 0;
+    double v = std::stod(std::string(text), &used);
+    if (used == text.size() && v > 0 && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  throw UsageError(fmt::format("{}: '{}' is not a positive number", flag, text));
+}
+
+std::vector<std::string> split_commas(std::string_view text) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    std::size_t end = text.find(',', start);
+    if (end == std::string_view::npos) end = text.size();
+    if (end > start) out.emplace_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    std::string flag = a, value;
+    bool inline_value = false;
+    if (a.rfind("--", 0) == 0) {
+      if (auto eq = a.find('='); eq != std::string::npos) {
+        flag = a.substr(0, eq);
+        value = a.substr(eq + 1);
+        inline_value = true;
+      }
+    }
+    auto take = [&]() -> std::string {
+      if (inline_value) return value;
+      if (i + 1 >= args.size()) throw UsageError(fmt::format("{} needs a value", flag));
+      return args[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      o.command = "help";
+      return o;
+    } else if (flag == "--endpoint") {
+      o.endpoints.push_back(take());
+    } else if (flag == "--home") {
+      o.home = take();
+    } else if (flag == "--agent") {
+      o.agent_binary = take();
+    } else if (flag == "--image") {
+      o.image = take();
+    } else if (flag == "--rootfs") {
+      o.rootfs = take();
+    } else if (flag == "--work-dir") {
+      o.work_dir = take();
+    } else if (flag == "--peers") {
+      std::string v = take();
+      o.peers = v == "none" ? std::vector<std::string>{} : split_commas(v);
+      for (const auto& p : o.peers)
+        if (p != "crun" && p != "bwrap") throw UsageError(fmt::format("--peers: unknown peer '{}' (crun, bwrap)", p));
+      o.peers_explicit = true;
+    } else if (flag == "-n") {
+      o.n = parse_count(flag, take(), 1);
+    } else if (flag == "--warmup") {
+      o.warmup = parse_count(flag, take(), 0);
+    } else if (flag == "--concurrency") {
+      o.concurrency.clear();
+      for (const auto& c : split_commas(take()))
+        o.concurrency.push_back(static_cast<int>(parse_count("--concurrency", c, 1)));
+      if (o.concurrency.empty()) throw UsageError("--concurrency needs at least one level");
+      for (int c : o.concurrency)
+        if (c > 1024) throw UsageError(fmt::format("--concurrency: {} threads is too many (max 1024)", c));
+    } else if (flag == "--duration") {
+      o.duration_seconds = parse_positive(flag, take());
+    } else if (flag == "-k" || flag == "--count") {
+      o.density_count = parse_count(flag, take(), 1);
+    } else if (flag == "--density-cpu") {
+      o.density_cpu = parse_positive(flag, take());
+    } else if (flag == "--density-memory") {
+      std::string v = take();
+      auto bytes = parse_size(v);
+      if (!bytes || *bytes == 0) throw UsageError(fmt::format("--density-memory: '{}' is not a size like 16Mi", v));
+      o.density_memory = *bytes;
+    } else if (flag == "--teardown-concurrency") {
+      o.teardown_concurrency = parse_count(flag, take(), 1);
+    } else if (flag == "--markdown") {
+      o.markdown = true;
+    } else if (!a.empty() && a[0] == '-') {
+      throw UsageError(fmt::format("unknown flag {}", a));
+    } else if (o.command.empty()) {
+      o.command = a;
+    } else {
+      throw UsageError(fmt::format("unexpected argument '{}'", a));
+    }
+  }
+  if (o.command.empty()) throw UsageError("no command given");
+  for (const char* c : {"create", "throughput", "exec", "density", "all"})
+    if (o.command == c) return o;
+  throw UsageError(fmt::format("unknown command '{}'", o.command));
+}
+
+std::string resolved_home(const Options& o) {
+  if (!o.home.empty()) return o.home;
+  if (const char* env = std::getenv("DSEC_HOME"); env && *env) return env;
+  return "/var/lib/dsec";
+}
+
+std::string shell_quote(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:=,") ==
+                        std::string::npos)
+    return s;
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+int run(int argc, char** argv) {
+  Options o = parse_options(argc, argv);
+  if (o.command == "help") {
+    fmt::print("{}", kUsage);
+    return 0;
+  }
+  const bool all = o.command == "all";
+  const bool needs_peers = all || o.command == "create" || o.command == "throughput" || o.command == "exec";
+  auto wants_peer = [&](const char* name) {
+    return std::find(o.peers.begin(), o.peers.end(), name) != o.peers.end();
+  };
+
+  Report report;
+  for (int i = 0; i < argc; ++i) report.command_line += (i ? " " : "") + shell_quote(argv[i]);
+
+  // Before any thread exists (the client's and the agent's come next).
+  std::string crun_note;
+  UniqueFd crun_ns;
+  if (needs_peers && wants_peer("crun")) crun_ns = make_crun_mount_namespace(crun_note);
+  if (!crun_note.empty()) report.notes.push_back(crun_note);
+
+  MachineInfo& m = report.machine;
+  m = read_machine();
+  {
+    CpuMeter idle({});
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    m.busy_before_cores = idle.stop().busy_cores;
+  }
+
+  const std::string home = resolved_home(o);
+  fs::path rootfs;
+  if (needs_peers) rootfs = o.rootfs.empty() ? image_rootfs(home, o.image) : fs::path(o.rootfs);
+
+  fs::path work_dir = o.work_dir;
+  bool own_work_dir = false;
+  if (work_dir.empty()) {
+    std::string templ = "/tmp/dsec-bench-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) throw_errno(errno, "mkdtemp /tmp/dsec-bench-XXXXXX");
+    work_dir = templ;
+    own_work_dir = true;
+  }
+  struct RemoveWorkDir {
+    fs::path dir;
+    bool armed;
+    ~RemoveWorkDir() {
+      std::error_code ec;
+      if (armed) fs::remove_all(dir, ec);
+    }
+  } remove_work_dir{work_dir, own_work_dir};
+
+  ClientOptions copts;
+  copts.endpoints = o.endpoints;
+  if (o.endpoints.empty()) {
+    copts.home = home;
+    copts.agent_binary = o.agent_binary;
+    // Admission must let the density run in: K sandboxes of density_cpu cores and density_memory each, plus the
+    // largest throughput level's sandboxes.
+    const bool density = all || o.command == "density";
+    int max_c = *std::max_element(o.concurrency.begin(), o.concurrency.end());
+    double cpu_needed = (density ? static_cast<double>(o.density_count) * o.density_cpu : 0) + max_c * 0.5 + 2;
+    double mem_needed = (density ? static_cast<double>(o.density_count) * static_cast<double>(o.density_memory) : 0) +
+                        max_c * 128.0 * (1 << 20) + (1 << 30);
+    double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
+    double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
+    copts.agent_args = {"--cpu-overcommit", fmt::format("{:.2f}", cpu_ratio), "--memory-overcommit",
+                        fmt::format("{:.2f}", mem_ratio)};
+    if (cpu_ratio > 8.0 || mem_ratio > 1.0)
+      report.notes.push_back(fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
+                                         "{:.2f} so that the density run's sandboxes are admitted",
+                                         cpu_ratio, mem_ratio));
+  }
+  fmt::print(stderr, "dsec-bench: starting the client{}\n", o.endpoints.empty() ? " and an embedded agent" : "");
+  Client client(copts);
+  std::vector<NodeInfo> nodes = client.nodes();
+  if (nodes.empty()) throw Error(Code::kUnavailable, "the agent reported no node");
+  const NodeInfo& node = nodes.front();
+  if (std::find(node.backends.begin(), node.backends.end(), "container") == node.backends.end())
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("node {} does not serve the container backend (it serves: {})", node.id,
+                            fmt::join(node.backends, ", ")));
+  m.agent_cgroup = node.cgroup_version;
+  m.agent = o.endpoints.empty() ? fmt::format("embedded dsecd {} (home {})", node.version, home)
+                                : fmt::format("dsecd {} at {}", node.version, client.endpoint());
+
+  std::vector<std::string> peer_notes;
+  std::unique_ptr<Peers> peers;
+  if (needs_peers) {
+    peers = std::make_unique<Peers>(o, rootfs, work_dir, std::move(crun_ns), peer_notes);
+    if (peers->has_crun()) m.crun_version = peers->crun_version();
+    if (peers->has_bwrap()) m.bwrap_version = peers->bwrap_version();
+  }
+  for (auto& n : peer_notes) report.notes.push_back(std::move(n));
+
+  fmt::print("dsec-bench {} ({})\n", kVersion, report.command_line);
+  fmt::print("machine: {} cores ({}), {:.1f} GiB, {}\n", m.cores, m.cpu_model,
+             static_cast<double>(m.mem_total) / (1ull << 30), m.kernel);
+  fmt::print("cgroup: {}; agent driver: {}\n", m.cgroup, m.agent_cgroup);
+  fmt::print("agent: {}\n", m.agent);
+  if (needs_peers) {
+    fmt::print("peers: {}; {}; root {}\n", m.crun_version.empty() ? "crun n/a" : m.crun_version,
+               m.bwrap_version.empty() ? "bwrap n/a" : m.bwrap_version, peers->rootfs().string());
+  }
+  fmt::print("load average: {:.2f} {:.2f} {:.2f}; CPU busy in the second before the run: {:.2f} of {} cores\n",
+             m.load1, m.load5, m.load15, m.busy_before_cores, m.cores);
+  for (const auto& n : report.notes) fmt::print("note: {}\n", n);
+  std::fflush(stdout);
+
+  if (all || o.command == "create") {
+    report.create = run_create(o, client, *peers);
+    print_create(*report.create);
+    print_cpu(report.create->cpu, m.cores);
+    std::fflush(stdout);
+  }
+  if (all || o.command == "throughput") {
+    report.throughput = run_throughput(o, client, *peers);
+    print_throughput(*report.throughput);
+    print_cpu(report.throughput->cpu, m.cores);
+    std::fflush(stdout);
+  }
+  if (all || o.command == "exec") {
+    report.exec = run_exec(o, client, *peers);
+    print_exec(*report.exec);
+    print_cpu(report.exec->cpu, m.cores);
+    std::fflush(stdout);
+  }
+  if (all || o.command == "density") {
+    report.density = run_density(o, client);
+    print_density(*report.density);
+    print_cpu(report.density->cpu, m.cores);
+    std::fflush(stdout);
+  }
+  if (all || o.markdown) fmt::print("\n---- Markdown ----\n\n{}", markdown_report(report, o));
+  return 0;
+}
+
+}  // namespace
+
+int agent_pid_for(const Client& client) {
+  std::string endpoint = client.endpoint();
+  if (endpoint.rfind("unix:", 0) != 0) return -1;
+  return find_pid_with_arg(endpoint.substr(5));
+}
+
+}  // namespace dsec::bench
+
+int main(int argc, char** argv) {
+  try {
+    return dsec::bench::run(argc, argv);
+  } catch (const dsec::bench::UsageError& e) {
+    fmt::print(stderr, "dsec-bench: {}\n(dsec-bench --help lists the commands and flags)\n", e.what());
+    return 2;
+  } catch (const dsec::Error& e) {
+    fmt::print(stderr, "dsec-bench: {}: {}\n", e.code_name(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dsec-bench: {}\n", e.what());
+    return 1;
+  }
+}

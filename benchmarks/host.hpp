@@ -1,0 +1,60 @@
+// What dsec-bench reads about the host: the machine, its load and memory, and the processes of sandboxes.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+
+namespace dsec::bench {
+
+MachineInfo read_machine();
+// Load averages, "1.23 0.80 0.51".
+void read_loadavg(double& l1, double& l5, double& l15);
+// A field of /proc/meminfo in bytes ("MemAvailable"); throws when it is missing.
+std::uint64_t meminfo_bytes(const std::string& field);
+// MemAvailable, the median of `samples` reads taken 100 ms apart (one read is one instant of a noisy machine).
+std::uint64_t mem_available_settled(int samples = 5);
+
+// CPU time of the whole machine against the CPU time of dsec-bench (with its reaped children) and of `pids`.
+class CpuMeter {
+ public:
+  explicit CpuMeter(std::vector<int> pids);
+  void start();
+  CpuUse stop() const;
+
+ private:
+  struct Snapshot {
+    std::uint64_t busy = 0;   // ticks, all CPUs
+    std::uint64_t ours = 0;   // ticks of self + children + pids
+    Clock::time_point at;
+  };
+  Snapshot snapshot() const;
+
+  std::vector<int> pids_;
+  Snapshot start_;
+};
+
+// The processes whose cgroup path names one of `ids` as a path component: the processes of those sandboxes.
+struct SandboxProcesses {
+  std::map<std::string, std::vector<int>> pids;          // sandbox id -> its processes
+  std::map<std::string, std::string> memory_cgroup;      // sandbox id -> its memory cgroup directory
+};
+SandboxProcesses find_sandbox_processes(const std::set<std::string>& ids);
+
+// Resident and proportional set size of a process in bytes (0 when it is gone).
+std::uint64_t rss_bytes(int pid);
+std::uint64_t pss_bytes(int pid);
+// Memory charged to a cgroup directory (v1 memory.usage_in_bytes, v2 memory.current); 0 when unreadable.
+std::uint64_t cgroup_memory_bytes(const std::string& dir);
+// Summed RSS of every process on the host except `exclude`.
+std::uint64_t rss_of_all_but(const std::set<int>& exclude);
+// The pid of a process that has `arg` as one of its command-line arguments (the first found), else -1.
+int find_pid_with_arg(const std::string& arg);
+
+std::string read_text_file(const std::string& path);
+
+}  // namespace dsec::bench
