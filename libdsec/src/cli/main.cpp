@@ -99,7 +99,11 @@ int main(int argc, char** argv) {
     return dsec::cli::main_impl(argc, argv);
   } catch (const dsec::cli::UsageError& e) {
     fmt::print(stderr, "dsec: {}\n", e.what());
-    if (!e.help().empty()) fmt::print(stderr, "\n{}", e.help());
+    // The usage line only; the whole help is one --help away.
+    if (!e.help().empty()) {
+      std::string_view help = e.help();
+      fmt::print(stderr, "{}\n(--help for more)\n", help.substr(0, help.find("\n\n")));
+    }
     return dsec::cli::kExitUsage;
   } catch (const dsec::Error& e) {
     fmt::print(stderr, "dsec: {}: {}\n", e.code_name(), e.what());
