@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs every Debian package dsec needs to build, test and run on Debian 12 (bookworm). Idempotent: when all are
+# present it only checks (well under a second) and never touches the network; otherwise it runs apt-get update once
+# and installs what is missing. Needs root.
+set -euo pipefail
+
+PACKAGES=(
+  # build tools
+  build-essential cmake ninja-build g++ pkg-config git
+  # libdsec and dsecd
+  libboost-dev libboost-system-dev libfmt-dev libcurl4-openssl-dev libssl-dev libzstd-dev nlohmann-json3-dev
+  libseccomp-dev libarchive-dev
+  # unit tests
+  libgtest-dev libgmock-dev
+  # the Python binding and the integration tests (for Debian's /usr/bin/python3)
+  python3 python3-dev python3-setuptools python3-pytest pybind11-dev python3-pybind11
+  # images: busybox-static for the tiny image, debootstrap (with the archive keys and gpgv) for Debian images
+  busybox-static debootstrap debian-archive-keyring gpgv ca-certificates
+  # sandbox runtime helpers and the reference runtimes benchmarks compare against
+  crun bubblewrap erofs-utils iproute2 util-linux curl
+)
+
+# One dpkg query for all of them; a package dpkg has never heard of is simply absent from its answer.
+declare -A installed=()
+while read -r name status; do
+  [[ "$status" == "installed" ]] && installed["${name%%:*}"]=1
+done < <(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${PACKAGES[@]}" 2>/dev/null || true)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  [[ -n "${installed[$p]:-}" ]] || missing+=("$p")
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages are installed"
+  exit 0
+fi
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "install-deps: missing packages: ${missing[*]}" >&2
+  echo "install-deps: run as root (sudo scripts/install-deps.sh) to install them" >&2
+  exit 1
+fi
+
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null

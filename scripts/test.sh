@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# dsec's whole test suite: installs what is needed, builds, builds the busybox image into a test store, runs the
+# unit tests (ctest) and the integration tests (pytest against a real dsecd). Fails if either fails. Run as root:
+# the tests create real sandboxes.
+#
+#   sudo scripts/test.sh
+#
+# BUILD_DIR (default ./build) is where scripts/build.sh builds. The test store is $DSEC_TEST_HOME (default
+# $BUILD_DIR/test-home); it is exported to the tests as DSEC_HOME, its images are in $DSEC_HOME/images. The build
+# directory is exported as DSEC_BUILD_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export BUILD_DIR=${BUILD_DIR:-build}
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "test: run as root (sudo scripts/test.sh): the tests create sandboxes, cgroups and mounts" >&2
+  exit 1
+fi
+scripts/install-deps.sh
+scripts/build.sh
+BUILD_ABS=$(cd "$BUILD_DIR" && pwd)
+export DSEC_BUILD_DIR=$BUILD_ABS   # where the integration tests find dsecd, dsec-init and dsec
+
+export DSEC_HOME=${DSEC_TEST_HOME:-$BUILD_ABS/test-home}
+mkdir -p "$DSEC_HOME"
+"$BUILD_ABS/bin/dsec" image inspect busybox >/dev/null 2>&1 ||
+  "$BUILD_ABS/bin/dsec" image build busybox --from busybox-static
+
+set +e
+echo "== unit tests (ctest) =="
+(cd "$BUILD_ABS" && ctest --output-on-failure)
+unit_status=$?
+
+echo "== integration tests (pytest) =="
+integration_status=0
+if [[ -z "$(find tests/integration \( -name 'test_*.py' -o -name '*_test.py' \) -print -quit 2>/dev/null)" ]]; then
+  echo "test: tests/integration has no test files; nothing to run"
+else
+  # pytest's status 5 ("no tests collected") with test files present means they did not load: a failure.
+  PYTHONPATH="$BUILD_ABS/python${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m pytest tests/integration -q </dev/null
+  integration_status=$?
+fi
+
+if [[ $unit_status -ne 0 || $integration_status -ne 0 ]]; then
+  echo "test: FAILED (unit tests: status $unit_status, integration tests: status $integration_status)" >&2
+  exit 1
+fi
+echo "test: all passed"
