@@ -55,6 +55,8 @@ struct Options {
   std::uint64_t density_memory = 16ull << 20;   // memory limit per idle sandbox
   std::size_t teardown_concurrency = 8;
   bool markdown = false;                        // print the Markdown summary after a single benchmark too
+  bool null_backend = false;                    // the agent serves kind "null": time its create as the floor of
+                                                // the control plane (client, HTTP, registry), no sandbox made
 };
 
 // How busy the machine was while a benchmark ran, from /proc/stat and the CPU time of dsec-bench, its children
@@ -74,6 +76,7 @@ struct MachineInfo {
   std::string cgroup;           // the host's cgroup layout
   std::string agent_cgroup;     // the driver the agent chose ("v1" / "v2")
   std::string agent;            // "embedded dsecd (home ...)" or the endpoint
+  int agent_pid = -1;           // -1: not on this host (or not found)
   std::string crun_version, bwrap_version;
   double load1 = 0, load5 = 0, load15 = 0;
   double busy_before_cores = 0;  // CPU in use over one second before the run, all processes
@@ -82,7 +85,7 @@ struct MachineInfo {
 
 struct CreateResult {
   std::size_t n = 0, warmup = 0;
-  Latency dsec_ready, dsec_destroy, dsec_lifecycle, crun, bwrap;
+  Latency dsec_ready, dsec_destroy, dsec_lifecycle, dsec_null, crun, bwrap;
   CpuUse cpu;
 };
 
@@ -115,6 +118,11 @@ struct DensityResult {
   std::size_t sandboxes_found = 0;        // sandboxes with a live process found in /proc
   std::size_t processes = 0;
   double mem_available_delta = 0;         // bytes, before creating minus after (settled)
+  // Host-wide /proc/meminfo growth of the fields sandboxes add to (kernel objects, page tables, tmpfs), in bytes;
+  // these move little with other users' compile jobs, unlike MemAvailable.
+  std::vector<std::pair<std::string, double>> meminfo_growth;
+  std::vector<std::pair<std::string, double>> slab_growth;  // the slab caches that grew most (empty: unreadable)
+  double itemised_total = 0;              // kernel growth (above, less AnonPages) + sandbox PSS + agent RSS growth
   double rss_total = 0, pss_total = 0;    // bytes, summed over the sandboxes' processes
   double cgroup_charge_total = 0;         // bytes, summed over the sandboxes' memory cgroups
   double agent_rss_delta = 0;             // bytes; NaN when the agent's process is not on this host

@@ -38,6 +38,8 @@ CreateResult run_create(const Options& options, Client& client, Peers& peers) {
   result.n = options.n;
   result.warmup = options.warmup;
   const SandboxSpec spec = bench_spec(options);
+  SandboxSpec null_spec = spec;
+  null_spec.kind = "null";
   ExecRequest true_request;
   true_request.argv = {"true"};
   true_request.timeout_seconds = 30;
@@ -64,6 +66,14 @@ CreateResult run_create(const Options& options, Client& client, Peers& peers) {
     }
     double lifecycle = ms_since(t2);
 
+    double null_create = 0;
+    if (options.null_backend) {
+      auto t = Clock::now();
+      Sandbox nothing = client.create(null_spec);
+      null_create = ms_since(t);
+      nothing.destroy();
+    }
+
     double crun = 0, bwrap = 0;
     if (peers.has_crun()) {
       auto t = Clock::now();
@@ -79,6 +89,7 @@ CreateResult run_create(const Options& options, Client& client, Peers& peers) {
       result.dsec_ready.add(ready);
       result.dsec_destroy.add(destroy);
       result.dsec_lifecycle.add(lifecycle);
+      if (options.null_backend) result.dsec_null.add(null_create);
       if (peers.has_crun()) result.crun.add(crun);
       if (peers.has_bwrap()) result.bwrap.add(bwrap);
     }

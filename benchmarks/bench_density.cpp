@@ -5,9 +5,11 @@
 // once and the teardown is timed.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -20,6 +22,14 @@
 #include "host.hpp"
 
 namespace dsec::bench {
+namespace {
+
+// What a sandbox adds to host-wide: its processes' anonymous memory, its tmpfs (Shmem), dentries, inodes,
+// namespaces and cgroups (slab), kernel stacks, page tables, and per-cpu cgroup statistics (Percpu).
+constexpr const char* kKernelFields[] = {"AnonPages",   "Shmem",      "SReclaimable", "SUnreclaim",
+                                         "KernelStack", "PageTables", "Percpu"};
+
+}  // namespace
 
 DensityResult run_density(const Options& options, Client& client) {
   DensityResult result;
@@ -37,7 +47,8 @@ DensityResult run_density(const Options& options, Client& client) {
   CpuMeter cpu({agent});
   const std::uint64_t agent_rss_before = agent > 0 ? rss_bytes(agent) : 0;
   const std::uint64_t others_before = rss_of_all_but({self, agent});
-  const std::uint64_t available_before = mem_available_settled();
+  const std::map<std::string, double> slab_before = slab_bytes();
+  const std::map<std::string, double> meminfo_before = meminfo_settled();
 
   fmt::print(stderr, "  density: creating {} sandboxes\n", options.density_count);
   auto t0 = Clock::now();
@@ -46,7 +57,8 @@ DensityResult run_density(const Options& options, Client& client) {
 
   // Let the kernel finish what it defers (RCU frees, per-cpu caches) before reading the memory it reports.
   std::this_thread::sleep_for(std::chrono::seconds(2));
-  const std::uint64_t available_after = mem_available_settled();
+  const std::map<std::string, double> meminfo_after = meminfo_settled();
+  const std::map<std::string, double> slab_after = slab_bytes();
 
   std::set<std::string> ids;
   for (const auto& sb : sandboxes) ids.insert(sb.id());
@@ -66,7 +78,25 @@ DensityResult run_density(const Options& options, Client& client) {
                                      : std::numeric_limits<double>::quiet_NaN();
   result.others_rss_delta =
       static_cast<double>(rss_of_all_but(exclude)) - static_cast<double>(others_before);
-  result.mem_available_delta = static_cast<double>(available_before) - static_cast<double>(available_after);
+  auto field = [](const std::map<std::string, double>& m, const std::string& name) {
+    auto it = m.find(name);
+    return it == m.end() ? 0.0 : it->second;
+  };
+  result.mem_available_delta = field(meminfo_before, "MemAvailable") - field(meminfo_after, "MemAvailable");
+  result.itemised_total = result.pss_total + (agent > 0 ? result.agent_rss_delta : 0);
+  for (const char* name : kKernelFields) {
+    if (!meminfo_before.count(name)) continue;  // a field this kernel does not have
+    double growth = field(meminfo_after, name) - field(meminfo_before, name);
+    result.meminfo_growth.emplace_back(name, growth);
+    if (std::string_view(name) != "AnonPages") result.itemised_total += growth;
+  }
+  for (const auto& [name, bytes] : slab_after) {
+    double growth = bytes - field(slab_before, name);
+    if (growth > 0) result.slab_growth.emplace_back(name, growth);
+  }
+  std::sort(result.slab_growth.begin(), result.slab_growth.end(),
+            [](const auto& a, const auto& b) { return a.second > b.second; });
+  if (result.slab_growth.size() > 8) result.slab_growth.resize(8);
 
   fmt::print(stderr, "  density: destroying {} sandboxes with {} threads\n", sandboxes.size(),
              options.teardown_concurrency);
@@ -94,7 +124,7 @@ DensityResult run_density(const Options& options, Client& client) {
   if (failed) throw Error(Code::kInternal, fmt::format("density: destroying the sandboxes failed: {}", first_error));
 
   std::this_thread::sleep_for(std::chrono::seconds(2));
-  result.mem_returned = static_cast<double>(mem_available_settled()) - static_cast<double>(available_after);
+  result.mem_returned = static_cast<double>(mem_available_settled()) - field(meminfo_after, "MemAvailable");
   result.cpu = cpu.stop();
   return result;
 }

@@ -258,7 +258,7 @@ int run(int argc, char** argv) {
                         max_c * 128.0 * (1 << 20) + (1 << 30);
     double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
     double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
-    copts.agent_args = {"--cpu-overcommit", fmt::format("{:.2f}", cpu_ratio), "--memory-overcommit",
+    copts.agent_args = {"--backends", "container,null", "--cpu-overcommit", fmt::format("{:.2f}", cpu_ratio), "--memory-overcommit",
                         fmt::format("{:.2f}", mem_ratio)};
     if (cpu_ratio > 8.0 || mem_ratio > 1.0)
       report.notes.push_back(fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
@@ -275,6 +275,8 @@ int run(int argc, char** argv) {
                 fmt::format("node {} does not serve the container backend (it serves: {})", node.id,
                             fmt::join(node.backends, ", ")));
   m.agent_cgroup = node.cgroup_version;
+  m.agent_pid = agent_pid_for(client);
+  o.null_backend = std::find(node.backends.begin(), node.backends.end(), "null") != node.backends.end();
   m.agent = o.endpoints.empty() ? fmt::format("embedded dsecd {} (home {})", node.version, home)
                                 : fmt::format("dsecd {} at {}", node.version, client.endpoint());
 
@@ -291,7 +293,7 @@ int run(int argc, char** argv) {
   fmt::print("machine: {} cores ({}), {:.1f} GiB, {}\n", m.cores, m.cpu_model,
              static_cast<double>(m.mem_total) / (1ull << 30), m.kernel);
   fmt::print("cgroup: {}; agent driver: {}\n", m.cgroup, m.agent_cgroup);
-  fmt::print("agent: {}\n", m.agent);
+  fmt::print("agent: {}{}\n", m.agent, m.agent_pid > 0 ? fmt::format(", pid {}", m.agent_pid) : "");
   if (needs_peers) {
     fmt::print("peers: {}; {}; root {}\n", m.crun_version.empty() ? "crun n/a" : m.crun_version,
                m.bwrap_version.empty() ? "bwrap n/a" : m.bwrap_version, peers->rootfs().string());

@@ -162,6 +162,49 @@ std::uint64_t mem_available_settled(int samples) {
   return v[v.size() / 2];
 }
 
+std::map<std::string, double> meminfo_settled(int samples) {
+  std::map<std::string, std::vector<double>> reads;
+  for (int i = 0; i < samples; ++i) {
+    if (i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::ifstream in("/proc/meminfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto colon = line.find(':');
+      if (colon == std::string::npos) continue;
+      double v = std::strtod(line.c_str() + colon + 1, nullptr);
+      if (line.find(" kB") != std::string::npos) v *= 1024;
+      reads[line.substr(0, colon)].push_back(v);
+    }
+  }
+  std::map<std::string, double> out;
+  for (auto& [k, v] : reads) {
+    std::sort(v.begin(), v.end());
+    out[k] = v[v.size() / 2];
+  }
+  return out;
+}
+
+std::map<std::string, double> slab_bytes() {
+  std::map<std::string, double> out;
+  std::ifstream in("/proc/slabinfo");
+  std::string line;
+  const double page = static_cast<double>(::sysconf(_SC_PAGESIZE));
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#' || line.rfind("slabinfo", 0) == 0) continue;
+    std::istringstream ls(line);
+    std::string name, colon, word;
+    double active_objs = 0, num_objs = 0, objsize = 0, objperslab = 0, pagesperslab = 0;
+    ls >> name >> active_objs >> num_objs >> objsize >> objperslab >> pagesperslab;
+    // ... : tunables <limit> <batchcount> <sharedfactor> : slabdata <active_slabs> <num_slabs> <sharedavail>
+    double active_slabs = 0, num_slabs = 0;
+    while (ls >> word && word != "slabdata") {
+    }
+    ls >> active_slabs >> num_slabs;
+    if (!ls.fail()) out[name] = num_slabs * pagesperslab * page;
+  }
+  return out;
+}
+
 CpuMeter::CpuMeter(std::vector<int> pids) : pids_(std::move(pids)) { start(); }
 
 void CpuMeter::start() { start_ = snapshot(); }

@@ -18,6 +18,11 @@ void read_loadavg(double& l1, double& l5, double& l15);
 std::uint64_t meminfo_bytes(const std::string& field);
 // MemAvailable, the median of `samples` reads taken 100 ms apart (one read is one instant of a noisy machine).
 std::uint64_t mem_available_settled(int samples = 5);
+// Every field of /proc/meminfo in bytes, each the median of `samples` reads taken 100 ms apart.
+std::map<std::string, double> meminfo_settled(int samples = 5);
+
+// Memory held by each slab cache (/proc/slabinfo: slabs x pages per slab), in bytes; empty when unreadable.
+std::map<std::string, double> slab_bytes();
 
 // CPU time of the whole machine against the CPU time of dsec-bench (with its reaped children) and of `pids`.
 class CpuMeter {

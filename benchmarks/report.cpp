@@ -64,7 +64,7 @@ std::string md_row(const std::string& name, const Latency& l) {
 }
 
 std::string cpu_text(const CpuUse& c, int cores) {
-  return fmt::format("{:.0f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, "
+  return fmt::format("{:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, "
                      "everything else {:.2f}",
                      c.seconds, c.busy_cores, cores, c.ours_cores, c.others_cores);
 }
@@ -81,6 +81,7 @@ void print_create(const CreateResult& r) {
   print_row("dsec create (to ready for exec)", r.dsec_ready);
   print_row("dsec destroy (not timed in create)", r.dsec_destroy);
   print_row("dsec create + exec true + destroy", r.dsec_lifecycle);
+  print_row("dsec create, null backend (control plane)", r.dsec_null);
   print_row("crun run true (create..exit..delete)", r.crun);
   print_row("bwrap --unshare-all ... true", r.bwrap);
 }
@@ -122,6 +123,14 @@ void print_density(const DensityResult& r) {
   row("memory cgroup charge", r.cgroup_charge_total);
   row("agent RSS growth", r.agent_rss_delta);
   row("other processes' RSS change (noise gauge)", r.others_rss_delta);
+  for (const auto& [name, growth] : r.meminfo_growth) row(fmt::format("host {} growth", name).c_str(), growth);
+  row("itemised: kernel growth (no AnonPages) + PSS + agent", r.itemised_total);
+  if (!r.slab_growth.empty()) {
+    std::string top;
+    for (const auto& [name, bytes] : r.slab_growth)
+      top += fmt::format("{}{} {}", top.empty() ? "" : ", ", name, kib(bytes / k));
+    fmt::print("  slab caches that grew most, per sandbox: {}\n", top);
+  }
   fmt::print("  teardown: {} sandboxes destroyed in {:.2f} s ({:.0f}/s)\n", r.count, r.teardown_seconds,
              k / r.teardown_seconds);
   fmt::print("  MemAvailable back after teardown: {}\n", mib(r.mem_returned));
@@ -150,6 +159,9 @@ std::string markdown_report(const Report& report, const Options& o) {
     md += md_row("dsec `create` (returns when the sandbox is ready for exec)", r.dsec_ready);
     md += md_row("dsec `destroy` (not part of the row above)", r.dsec_destroy);
     md += md_row("dsec create + exec `true` + destroy (whole lifecycle)", r.dsec_lifecycle);
+    if (!r.dsec_null.empty())
+      md += md_row("dsec `create` of kind `null` (client, HTTP, registry; no sandbox): the control-plane floor",
+                   r.dsec_null);
     if (!r.crun.empty()) md += md_row("`crun run` of `true` (create, start, exit, delete)", r.crun);
     if (!r.bwrap.empty()) md += md_row("`bwrap --unshare-all --ro-bind root / --proc /proc --dev /dev true`", r.bwrap);
     md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, m.cores));
@@ -190,6 +202,14 @@ std::string markdown_report(const Report& report, const Options& o) {
     row("charged to the sandboxes' memory cgroups", r.cgroup_charge_total);
     row("agent (dsecd) RSS growth", r.agent_rss_delta);
     row("RSS change of every other process (noise gauge for the first row)", r.others_rss_delta);
+    for (const auto& [name, growth] : r.meminfo_growth) row(fmt::format("host-wide `{}` growth", name), growth);
+    row("itemised: the growth above except AnonPages, + PSS, + agent growth", r.itemised_total);
+    if (!r.slab_growth.empty()) {
+      std::string top;
+      for (const auto& [name, bytes] : r.slab_growth)
+        top += fmt::format("{}`{}` {}", top.empty() ? "" : ", ", name, kib(bytes / k));
+      md += fmt::format("\nSlab caches that grew most, per sandbox: {}.\n", top);
+    }
     md += fmt::format(
         "\n`create_many({})`: {:.2f} s ({:.0f} creates/s). All {} found alive in /proc. Teardown of all {} with {} "
         "threads: {:.2f} s ({:.0f} destroys/s); MemAvailable back afterwards: {}.\n\n",
@@ -218,15 +238,19 @@ std::string markdown_report(const Report& report, const Options& o) {
   }
   if (report.density) {
     const auto& r = *report.density;
-    double per = r.mem_available_delta / static_cast<double>(r.count);
+    const double k = static_cast<double>(r.count);
+    const double per = r.mem_available_delta / k, itemised = r.itemised_total / k;
+    // Both views must fit: MemAvailable is the whole truth on a quiet host, the itemised sum the steadier one.
+    const bool memory_ok = per <= kMiB && itemised <= kMiB;
     std::string verdict;
     if (r.count < 2000)
-      verdict = fmt::format("{} at {} each; 2,000 not tried in this run", per <= kMiB ? "memory part met" : "memory part not met",
-                            kib(per));
+      verdict = fmt::format("memory part {}; 2,000 not tried in this run", memory_ok ? "met" : "not met");
     else
-      verdict = yes_no(per <= kMiB && r.sandboxes_found == r.count);
-    md += fmt::format("| >= 2,000 idle sandboxes at <= 1 MiB host memory each | {} sandboxes, {} each (MemAvailable) | {} |\n",
-                      r.count, kib(per), verdict);
+      verdict = yes_no(memory_ok && r.sandboxes_found == r.count);
+    md += fmt::format(
+        "| >= 2,000 idle sandboxes at <= 1 MiB host memory each | {} alive at once; {} each by MemAvailable, {} "
+        "each itemised | {} |\n",
+        r.count, kib(per), kib(itemised), verdict);
   }
   return md;
 }
