@@ -10,8 +10,8 @@
  *   probe userns         unshare(CLONE_NEWUSER) and clone(CLONE_NEWUSER): EPERM
  *   probe mount          mount a tmpfs, umount /proc: EPERM
  *   probe memhog MIB     allocates and touches MIB MiB, 1 MiB at a time, printing progress; exit 0 if it got there
- *   probe forks N        forks children that sleep until N forks succeeded or fork fails; prints the count;
- *                        exits 42 when fork failed with EAGAIN before N
+ *   probe forks N        forks children that sleep until N forks succeeded or fork fails; prints the count, kills
+ *                        the children; exits 42 when fork failed with EAGAIN before N
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -98,7 +98,9 @@ static int memhog(long mib) {
 }
 
 static int forks(long n) {
+  pid_t *children = calloc((size_t)n, sizeof *children);
   long made = 0;
+  int err = 0;
   for (; made < n; ++made) {
     pid_t pid = fork();
     if (pid == 0) {
@@ -106,10 +108,17 @@ static int forks(long n) {
       _exit(0);
     }
     if (pid < 0) {
-      int err = errno;
-      printf("%ld forks, then %s\n", made, strerror(err));
-      return err == EAGAIN ? 42 : 1;
+      err = errno;
+      break;
     }
+    children[made] = pid;
+  }
+  /* Give the pids back, so the sandbox can run commands again. */
+  for (long i = 0; i < made; ++i) kill(children[i], SIGKILL);
+  for (long i = 0; i < made; ++i) waitpid(children[i], NULL, 0);
+  if (err) {
+    printf("%ld forks, then %s\n", made, strerror(err));
+    return err == EAGAIN ? 42 : 1;
   }
   printf("%ld forks, none refused\n", made);
   return 0;
