@@ -14,6 +14,7 @@
 namespace dsec::image {
 namespace {
 
+namespace fs = std::filesystem;
 using testing::entries_with_prefix;
 using testing::TempDir;
 using testing::write_text;
@@ -171,6 +172,44 @@ TEST_F(ImageStoreTest, RemoveDeletesTheImageAndMissingIsNotFound) {
   std::string msg = message_of([&] { store_.remove("alpha"); });
   EXPECT_EQ(code_of([&] { store_.remove("alpha"); }), Code::kNotFound);
   EXPECT_NE(msg.find("alpha:latest"), std::string::npos) << msg;
+}
+
+TEST_F(ImageStoreTest, LeasedImageKeepsItsFilesUntilTheLeaseEnds) {
+  make_source("one");
+  store_.build_from_directory("alpha", tmp_ / "src");
+  EXPECT_EQ(code_of([&] { store_.lease("missing"); }), Code::kNotFound);
+  {
+    ImageLease lease = store_.lease("alpha");
+    ASSERT_TRUE(lease);
+    fs::path marker = lease.record().layers[0] / "etc/marker";
+    store_.remove("alpha");
+    EXPECT_FALSE(store_.find("alpha")) << "the name outlived remove";
+    EXPECT_EQ(testing::read_text(marker), "") << "files under a removed image's old path";
+    // The files moved with the directory to a removal name, and are still whole there.
+    auto pending = entries_with_prefix(tmp_ / "images", ".rm-");
+    ASSERT_EQ(pending.size(), 1u);
+    EXPECT_EQ(testing::read_text(tmp_ / "images" / pending[0] / "rootfs/etc/marker"), "one");
+    store_.prune_stale();
+    EXPECT_EQ(entries_with_prefix(tmp_ / "images", ".rm-").size(), 1u) << "prune removed a leased image";
+  }
+  store_.prune_stale();
+  EXPECT_TRUE(entries_with_prefix(tmp_ / "images", ".").empty());
+}
+
+TEST_F(ImageStoreTest, ReplacingALeasedImageLeavesTheOldFilesToTheLease) {
+  make_source("one");
+  store_.build_from_directory("alpha", tmp_ / "src");
+  ImageLease lease = store_.lease("alpha");
+  make_source("two");
+  ImageRecord fresh = store_.build_from_directory("alpha", tmp_ / "src");
+  EXPECT_EQ(testing::read_text(fresh.layers[0] / "etc/marker"), "two");
+  auto pending = entries_with_prefix(tmp_ / "images", ".rm-");
+  ASSERT_EQ(pending.size(), 1u);
+  EXPECT_EQ(testing::read_text(tmp_ / "images" / pending[0] / "rootfs/etc/marker"), "one");
+  lease = ImageLease();
+  store_.prune_stale();
+  EXPECT_TRUE(entries_with_prefix(tmp_ / "images", ".").empty());
+  EXPECT_EQ(store_.lease("alpha").record().name, "alpha:latest");
 }
 
 TEST_F(ImageStoreTest, PruneRemovesOnlyAbandonedBuilds) {

@@ -249,13 +249,7 @@ ImageRecord PendingImage::commit(std::string source, std::vector<std::string> no
     // dir_ now holds the image that was replaced. It has no lock file, so prune_stale leaves it alone until it is
     // renamed to a removal name here.
     fs::path old = random_path(store_.root(), kRemovingPrefix);
-    if (::rename(dir_.c_str(), old.c_str()) == 0) {
-      try {
-        remove_tree(old);
-      } catch (const std::exception& e) {
-        store_.log(fmt::format("warning: could not remove the replaced image {}: {}", old.string(), e.what()));
-      }
-    }
+    if (::rename(dir_.c_str(), old.c_str()) == 0) store_.discard(old);
   }
   lock_.reset();
   record.dir = final_dir;
@@ -332,7 +326,43 @@ void ImageStore::remove(const std::string& name) {
     if (errno == ENOENT) throw Error(Code::kNotFound, fmt::format("image '{}' not found in {}", normalized, root_.string()));
     throw_errno_fmt(errno, "remove image {} ({})", normalized, dir.string());
   }
-  remove_tree(doomed);
+  discard(doomed);
+}
+
+ImageLease ImageStore::lease(const std::string& name) const {
+  // The lock is taken on the manifest that was at the name when it was opened; if the image was replaced or removed
+  // in between (the remover saw no lease and may be deleting it), try again with what is at the name now.
+  for (int attempt = 0;; ++attempt) {
+    ImageRecord record = resolve(name);
+    fs::path manifest = record.dir / kManifestFile;
+    UniqueFd fd(::open(manifest.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!fd) {
+      if (errno == ENOENT && attempt < 5) continue;
+      throw_errno_fmt(errno, "open {}", manifest.string());
+    }
+    if (retry_eintr([&] { return ::flock(fd.get(), LOCK_SH); }) != 0) throw_errno_fmt(errno, "lock {}", manifest.string());
+    struct stat held {}, current {};
+    if (::fstat(fd.get(), &held) != 0) throw_errno_fmt(errno, "stat {}", manifest.string());
+    if (::stat(manifest.c_str(), &current) == 0 && current.st_ino == held.st_ino && current.st_dev == held.st_dev)
+      return ImageLease(std::move(fd), std::move(record));
+    if (attempt >= 5)
+      throw Error(Code::kAborted, fmt::format("image '{}' kept changing while it was being leased", record.name));
+  }
+}
+
+void ImageStore::discard(const fs::path& doomed) const {
+  try {
+    UniqueFd fd(::open((doomed / kManifestFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (fd && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) throw_errno_fmt(errno, "lock {}", (doomed / kManifestFile).string());
+      log(fmt::format("{} is still in use by sandboxes; its files go when the last one ends", doomed.string()));
+      return;
+    }
+    // Deleted while the exclusive lock is held, so no lease can start on it half way.
+    remove_tree(doomed);
+  } catch (const std::exception& e) {
+    log(fmt::format("warning: could not remove {}: {}", doomed.string(), e.what()));
+  }
 }
 
 void ImageStore::prune_stale() const {
@@ -343,7 +373,7 @@ void ImageStore::prune_stale() const {
     std::string dirname = entry.path().filename().string();
     try {
       if (dirname.starts_with(kRemovingPrefix)) {
-        remove_tree(entry.path());
+        discard(entry.path());
       } else if (dirname.starts_with(kTmpPrefix)) {
         UniqueFd fd(::open((entry.path() / kLockFile).c_str(), O_RDWR | O_CLOEXEC));
         if (!fd) continue;  // not a build directory, or one being committed right now

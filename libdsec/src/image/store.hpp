@@ -19,6 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "common/unique_fd.hpp"
+
 namespace dsec::image {
 
 struct ImageRecord {
@@ -29,6 +31,21 @@ struct ImageRecord {
   double created_at = 0;                       // unix seconds
   std::string source;                          // what it was built from
   std::vector<std::string> notes;              // what the build left out or changed, e.g. skipped device nodes
+};
+
+// A hold on an image's files for as long as a sandbox uses them (a shared flock on its manifest). While a lease
+// lives, removing or replacing the image takes the name away at once but leaves the files (under a ".rm-" name)
+// until the last lease ends; the next prune_stale removes them. Movable; released on destruction.
+class ImageLease {
+ public:
+  ImageLease() = default;
+  ImageLease(UniqueFd fd, ImageRecord record) : fd_(std::move(fd)), record_(std::move(record)) {}
+  explicit operator bool() const noexcept { return static_cast<bool>(fd_); }
+  const ImageRecord& record() const noexcept { return record_; }
+
+ private:
+  UniqueFd fd_;
+  ImageRecord record_;
 };
 
 // "busybox" -> "busybox:latest"; names keep letters, digits, '-', '_', '.', '/', and one ':' before the tag.
@@ -57,7 +74,10 @@ class ImageStore {
   std::optional<ImageRecord> find(const std::string& name) const;
   // Like find, but a missing image is dsec::Error(NOT_FOUND) naming it and what the store has.
   ImageRecord resolve(const std::string& name) const;
-  // Removes an image; NOT_FOUND if it does not exist.
+  // resolve, plus a lease that keeps the image's files in place while it lives (see ImageLease).
+  ImageLease lease(const std::string& name) const;
+  // Removes an image; NOT_FOUND if it does not exist. The name is gone when this returns; the files too, unless a
+  // lease holds them (then the last lease's end and the next prune_stale remove them).
   void remove(const std::string& name);
 
   // Builders. Each one builds into a temporary directory in the store and renames it into place, so a failed or
@@ -79,11 +99,14 @@ class ImageStore {
   ImageRecord build_debootstrap(const std::string& name, const std::string& suite,
                                 const std::vector<std::string>& include_packages, const std::string& mirror = {});
 
-  // Removes what interrupted builds and removals left behind (temporary directories no live build holds).
+  // Removes what interrupted builds and removals left behind: temporary directories no live build holds, and
+  // removed or replaced images no lease holds any more.
   void prune_stale() const;
 
  private:
   std::filesystem::path dir_for(const std::string& normalized_name) const;
+  // Deletes a directory that was renamed to a ".rm-" name, unless a lease still holds it.
+  void discard(const std::filesystem::path& doomed) const;
   void log(std::string_view line) const {
     if (log_) log_(line);
   }
