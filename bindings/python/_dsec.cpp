@@ -8,7 +8,9 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,50 +42,75 @@ void raise_dsec_error(const dsec::Error& e) {
   }
 }
 
-// A Client that Python can close explicitly; calls after close() raise FailedPrecondition.
+// A Client that Python can close explicitly; calls after close() raise FailedPrecondition. A call in flight keeps
+// the client alive (it holds a reference) while close() runs in another thread.
 class PyClient {
  public:
   explicit PyClient(dsec::ClientOptions options) {
     py::gil_scoped_release release;  // starting the embedded agent takes a while
-    client_ = std::make_unique<dsec::Client>(std::move(options));
+    client_ = std::make_shared<dsec::Client>(std::move(options));
   }
 
-  dsec::Client& get() {
+  // Dropped without close(): stopping the embedded agent may take a while, so other Python threads run meanwhile.
+  ~PyClient() {
+    std::shared_ptr<dsec::Client> c = std::move(client_);
+    if (c && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      c.reset();
+    }
+  }
+
+  std::shared_ptr<dsec::Client> get() {
+    std::lock_guard lock(mu_);
     if (!client_) throw dsec::Error(dsec::Code::kFailedPrecondition, "this dsec client is closed");
-    return *client_;
+    return client_;
   }
 
   void close() {
-    std::unique_ptr<dsec::Client> c = std::move(client_);
+    std::shared_ptr<dsec::Client> c;
+    {
+      std::lock_guard lock(mu_);
+      c = std::move(client_);
+    }
     if (c) {
       py::gil_scoped_release release;
-      c.reset();  // stops the embedded agent
+      c->close();  // stops the embedded agent; calls still in flight fail
     }
   }
-  bool closed() const { return client_ == nullptr; }
+  bool closed() {
+    std::lock_guard lock(mu_);
+    return client_ == nullptr;
+  }
 
  private:
-  std::unique_ptr<dsec::Client> client_;
+  std::mutex mu_;
+  std::shared_ptr<dsec::Client> client_;
 };
 
-// Python sandboxes never own: they are destroyed by destroy() or a with-block, not by the garbage collector.
+// Python sandboxes never own: they are destroyed by destroy() or a with-block, not by the garbage collector. The
+// handle itself never changes, so any number of Python threads may use it at once.
 class PySandbox {
  public:
   explicit PySandbox(dsec::Sandbox sb) : id_(sb.id()), sb_(std::move(sb)) {}
+  PySandbox(PySandbox&& o) noexcept : id_(std::move(o.id_)), sb_(std::move(o.sb_)), destroyed_(o.destroyed_.load()) {}
 
   const std::string& id() const { return id_; }
-  dsec::Sandbox& get() {
-    if (!sb_) throw dsec::Error(dsec::Code::kFailedPrecondition, "sandbox " + id_ + " was destroyed through this handle");
+  const dsec::Sandbox& get() const {
+    if (destroyed_.load())
+      throw dsec::Error(dsec::Code::kFailedPrecondition, "sandbox " + id_ + " was destroyed through this handle");
     return sb_;
   }
   void destroy() {
-    if (sb_) sb_.destroy();
+    if (destroyed_.load()) return;
+    sb_.borrow().destroy();
+    destroyed_.store(true);
   }
-  bool destroyed() const { return !sb_; }
+  bool destroyed() const { return destroyed_.load(); }
 
  private:
   std::string id_;
-  dsec::Sandbox sb_;
+  dsec::Sandbox sb_;  // non-owning
+  std::atomic<bool> destroyed_{false};
 };
 
 PySandbox detach(dsec::Client& client, dsec::Sandbox owned) {
@@ -319,33 +346,33 @@ PYBIND11_MODULE(_dsec, m) {
       .def(
           "create",
           [](PyClient& self, const dsec::SandboxSpec& spec) {
-            auto& c = self.get();
-            return detach(c, c.create(spec));
+            auto c = self.get();
+            return detach(*c, c->create(spec));
           },
           py::arg("spec"), py::call_guard<py::gil_scoped_release>())
       .def(
           "create_many",
           [](PyClient& self, std::size_t n, const dsec::SandboxSpec& spec) {
-            auto& c = self.get();
+            auto c = self.get();
             std::vector<PySandbox> out;
-            auto made = c.create_many(n, spec);
+            auto made = c->create_many(n, spec);
             out.reserve(made.size());
-            for (auto& sb : made) out.push_back(detach(c, std::move(sb)));
+            for (auto& sb : made) out.push_back(detach(*c, std::move(sb)));
             return out;
           },
           py::arg("n"), py::arg("spec"), py::call_guard<py::gil_scoped_release>())
       .def(
-          "attach", [](PyClient& self, const std::string& id) { return PySandbox(self.get().attach(id)); },
+          "attach", [](PyClient& self, const std::string& id) { return PySandbox(self.get()->attach(id)); },
           py::arg("id"))
       .def(
           "list",
           [](PyClient& self, const dsec::Labels& labels, const std::string& tenant) {
-            return self.get().list(labels, tenant);
+            return self.get()->list(labels, tenant);
           },
           py::arg("labels") = dsec::Labels{}, py::arg("tenant") = "", py::call_guard<py::gil_scoped_release>())
       .def(
-          "nodes", [](PyClient& self) { return self.get().nodes(); }, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("endpoint", [](PyClient& self) { return self.get().endpoint(); })
+          "nodes", [](PyClient& self) { return self.get()->nodes(); }, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("endpoint", [](PyClient& self) { return self.get()->endpoint(); })
       .def("close", &PyClient::close)
       .def_property_readonly("closed", &PyClient::closed);
 }

@@ -106,3 +106,34 @@ def test_create_many_containers(client, container_backend):
     finally:
         for s in sbs:
             s.destroy()
+
+
+def test_destroy_while_other_threads_exec(client, container_backend):
+    sb = client.create(image="busybox", cpu=0.2)
+    outcomes = []
+    lock = threading.Lock()
+
+    def hammer():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                sb.exec(["true"])
+            except dsec.DsecError as e:  # NotFound (gone on the agent) or FailedPrecondition (destroyed here)
+                with lock:
+                    outcomes.append(type(e))
+                return
+            except Exception as e:  # noqa: BLE001 - anything else is a bug
+                with lock:
+                    outcomes.append(e)
+                return
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    sb.destroy()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 4
+    assert all(isinstance(o, type) and issubclass(o, dsec.DsecError) for o in outcomes), outcomes
+    assert client.attach(sb.id).info().state == "destroyed"

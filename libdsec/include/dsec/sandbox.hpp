@@ -1,5 +1,8 @@
 // A handle on one live sandbox. A handle from Client::create owns its sandbox: the destructor destroys it unless
-// release() was called. A handle from Client::attach does not own: destroying its sandbox is explicit.
+// release() was called. A handle from Client::attach (or borrow()) does not own: destroying its sandbox is explicit.
+//
+// Calls on one handle may run from several threads at once, except destroy(), release() and assignment, which
+// change the handle itself: give other threads a borrow() instead.
 #pragma once
 
 #include <memory>
@@ -31,22 +34,24 @@ class Sandbox {
 
   // Runs a command. A timeout is a result (timed_out = true), not an error; an unknown sandbox, a missing
   // executable or an unreachable node are errors (dsec::Error).
-  ExecResult exec(const ExecRequest& request);
-  ExecResult exec(std::string shell_command, double timeout_seconds = 600);  // runs under /bin/sh -c
+  ExecResult exec(const ExecRequest& request) const;
+  ExecResult exec(std::string shell_command, double timeout_seconds = 600) const;  // runs under /bin/sh -c
 
   // One file, by path inside the sandbox; parent directories are created. Paths never leave the sandbox root.
-  void write_file(std::string_view path, std::string_view data, unsigned mode = 0644);
-  std::string read_file(std::string_view path);
+  void write_file(std::string_view path, std::string_view data, unsigned mode = 0644) const;
+  std::string read_file(std::string_view path) const;
 
   // A directory as a tar stream: upload extracts into `dir` (created if missing), download archives `dir`.
-  void upload_tar(std::string_view dir, std::string_view tar_bytes);
-  std::string download_tar(std::string_view dir);
+  void upload_tar(std::string_view dir, std::string_view tar_bytes) const;
+  std::string download_tar(std::string_view dir) const;
 
-  SandboxInfo info();
+  SandboxInfo info() const;
   // Destroys the sandbox; idempotent. The handle is empty afterwards.
   void destroy();
   // Gives up ownership: the sandbox lives on (until its TTL) and the handle is empty. Returns its id.
   std::string release() noexcept;
+  // A non-owning handle on the same sandbox, sharing this one's client.
+  Sandbox borrow() const { return Sandbox(core_, id_, /*owning=*/false); }
 
  private:
   detail::ClientCore& core() const;

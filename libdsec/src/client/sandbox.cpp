@@ -44,26 +44,26 @@ detail::ClientCore& Sandbox::core() const {
   return *core_;
 }
 
-ExecResult Sandbox::exec(const ExecRequest& request) { return core().exec(id_, request); }
+ExecResult Sandbox::exec(const ExecRequest& request) const { return core().exec(id_, request); }
 
-ExecResult Sandbox::exec(std::string shell_command, double timeout_seconds) {
+ExecResult Sandbox::exec(std::string shell_command, double timeout_seconds) const {
   ExecRequest request;
   request.shell = std::move(shell_command);
   request.timeout_seconds = timeout_seconds;
   return core().exec(id_, request);
 }
 
-void Sandbox::write_file(std::string_view path, std::string_view data, unsigned mode) {
+void Sandbox::write_file(std::string_view path, std::string_view data, unsigned mode) const {
   core().write_file(id_, path, data, mode);
 }
 
-std::string Sandbox::read_file(std::string_view path) { return core().read_file(id_, path); }
+std::string Sandbox::read_file(std::string_view path) const { return core().read_file(id_, path); }
 
-void Sandbox::upload_tar(std::string_view dir, std::string_view tar_bytes) { core().upload_tar(id_, dir, tar_bytes); }
+void Sandbox::upload_tar(std::string_view dir, std::string_view tar_bytes) const { core().upload_tar(id_, dir, tar_bytes); }
 
-std::string Sandbox::download_tar(std::string_view dir) { return core().download_tar(id_, dir); }
+std::string Sandbox::download_tar(std::string_view dir) const { return core().download_tar(id_, dir); }
 
-SandboxInfo Sandbox::info() { return core().get(id_); }
+SandboxInfo Sandbox::info() const { return core().get(id_); }
 
 void Sandbox::destroy() {
   core().destroy(id_);
