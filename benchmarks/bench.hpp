@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dsec/client.hpp"
@@ -37,7 +38,7 @@ class Latency {
 };
 
 struct Options {
-  std::string command;                          // create | throughput | exec | density | all
+  std::string command;                          // create | throughput | exec | density | cgroup-join | all
   std::vector<std::string> endpoints;           // empty: an embedded agent
   std::string home;                             // image store (and embedded agent state)
   std::string agent_binary;                     // embedded dsecd; empty: the library's default search
@@ -65,7 +66,9 @@ struct CpuUse {
   double seconds = 0;
   double busy_cores = 0;    // all CPUs, average over the window
   double ours_cores = 0;    // dsec-bench + children + agent
-  double others_cores = 0;  // everything else: other users' work, kernel threads
+  double kernel_cores = 0;  // kernel threads (e.g. workers tearing down namespaces and cgroups) + irq/softirq
+  double steal_cores = 0;   // taken by the hypervisor for other guests
+  double others_cores = 0;  // everything else: other users' processes
 };
 
 struct MachineInfo {
@@ -79,7 +82,7 @@ struct MachineInfo {
   int agent_pid = -1;           // -1: not on this host (or not found)
   std::string crun_version, bwrap_version;
   double load1 = 0, load5 = 0, load15 = 0;
-  double busy_before_cores = 0;  // CPU in use over one second before the run, all processes
+  CpuUse before;                 // one second before the run (dsec-bench idle, no agent yet)
   std::string started_at;       // local wall time of the run
 };
 
@@ -132,6 +135,17 @@ struct DensityResult {
   CpuUse cpu;
 };
 
+struct CgroupJoinPoint {
+  int gap_ms = 0;          // idle time before each join
+  Latency first, all;      // the first write to cgroup.procs; all of them together
+};
+
+struct CgroupJoinResult {
+  std::string layout;      // which hierarchies were joined
+  std::size_t samples = 0;
+  std::vector<CgroupJoinPoint> points;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -139,6 +153,7 @@ struct Report {
   std::optional<ThroughputResult> throughput;
   std::optional<ExecBenchResult> exec;
   std::optional<DensityResult> density;
+  std::optional<CgroupJoinResult> cgroup_join;
   std::vector<std::string> notes;   // peers skipped and why, workarounds applied
 };
 
@@ -152,13 +167,15 @@ CreateResult run_create(const Options& options, Client& client, Peers& peers);
 ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers);
 ExecBenchResult run_exec(const Options& options, Client& client, Peers& peers);
 DensityResult run_density(const Options& options, Client& client);
+CgroupJoinResult run_cgroup_join(const Options& options);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
 void print_throughput(const ThroughputResult& r);
 void print_exec(const ExecBenchResult& r);
 void print_density(const DensityResult& r);
-void print_cpu(const CpuUse& cpu, int cores);
+void print_cgroup_join(const CgroupJoinResult& r);
+void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 
 // The agent's pid when it runs on this host (found by its unix socket on the command line), else -1.

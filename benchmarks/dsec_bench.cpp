@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -42,6 +43,8 @@ Commands:
                `crun run` and `bwrap` run in parallel
   exec         round trip of `true` in a live sandbox, next to posix_spawn + wait of the same static binary
   density      K idle sandboxes: host memory per sandbox, then the time to destroy them all
+  cgroup-join  kernel floor under every create: a fresh process joining fresh cgroups (the hierarchies dsec's
+               runtime uses here) after idle gaps of 0, 10 and 50 ms; needs no agent
   all          all of the above, then a Markdown summary for docs/benchmarks.md
 
 Flags:
@@ -174,7 +177,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -220,7 +223,7 @@ int run(int argc, char** argv) {
   {
     CpuMeter idle({});
     std::this_thread::sleep_for(std::chrono::seconds(1));
-    m.busy_before_cores = idle.stop().busy_cores;
+    m.before = idle.stop();
   }
 
   const std::string home = resolved_home(o);
@@ -244,41 +247,45 @@ int run(int argc, char** argv) {
     }
   } remove_work_dir{work_dir, own_work_dir};
 
-  ClientOptions copts;
-  copts.endpoints = o.endpoints;
-  if (o.endpoints.empty()) {
-    copts.home = home;
-    copts.agent_binary = o.agent_binary;
-    // Admission must let the density run in: K sandboxes of density_cpu cores and density_memory each, plus the
-    // largest throughput level's sandboxes.
-    const bool density = all || o.command == "density";
-    int max_c = *std::max_element(o.concurrency.begin(), o.concurrency.end());
-    double cpu_needed = (density ? static_cast<double>(o.density_count) * o.density_cpu : 0) + max_c * 0.5 + 2;
-    double mem_needed = (density ? static_cast<double>(o.density_count) * static_cast<double>(o.density_memory) : 0) +
-                        max_c * 128.0 * (1 << 20) + (1 << 30);
-    double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
-    double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
-    copts.agent_args = {"--backends", "container,null", "--cpu-overcommit", fmt::format("{:.2f}", cpu_ratio), "--memory-overcommit",
-                        fmt::format("{:.2f}", mem_ratio)};
-    if (cpu_ratio > 8.0 || mem_ratio > 1.0)
-      report.notes.push_back(fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
-                                         "{:.2f} so that the density run's sandboxes are admitted",
-                                         cpu_ratio, mem_ratio));
+  std::optional<Client> client;
+  if (o.command != "cgroup-join") {
+    ClientOptions copts;
+    copts.endpoints = o.endpoints;
+    if (o.endpoints.empty()) {
+      copts.home = home;
+      copts.agent_binary = o.agent_binary;
+      // Admission must let the density run in: K sandboxes of density_cpu cores and density_memory each, plus the
+      // largest throughput level's sandboxes. The null backend gives the control-plane floor in `create`.
+      const bool density = all || o.command == "density";
+      int max_c = *std::max_element(o.concurrency.begin(), o.concurrency.end());
+      double cpu_needed = (density ? static_cast<double>(o.density_count) * o.density_cpu : 0) + max_c * 0.5 + 2;
+      double mem_needed =
+          (density ? static_cast<double>(o.density_count) * static_cast<double>(o.density_memory) : 0) +
+          max_c * 128.0 * (1 << 20) + (1 << 30);
+      double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
+      double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
+      copts.agent_args = {"--backends",          "container,null", "--cpu-overcommit", fmt::format("{:.2f}", cpu_ratio),
+                          "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
+      if (cpu_ratio > 8.0 || mem_ratio > 1.0)
+        report.notes.push_back(fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
+                                           "{:.2f} so that the density run's sandboxes are admitted",
+                                           cpu_ratio, mem_ratio));
+    }
+    fmt::print(stderr, "dsec-bench: starting the client{}\n", o.endpoints.empty() ? " and an embedded agent" : "");
+    client.emplace(copts);
+    std::vector<NodeInfo> nodes = client->nodes();
+    if (nodes.empty()) throw Error(Code::kUnavailable, "the agent reported no node");
+    const NodeInfo& node = nodes.front();
+    if (std::find(node.backends.begin(), node.backends.end(), "container") == node.backends.end())
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("node {} does not serve the container backend (it serves: {})", node.id,
+                              fmt::join(node.backends, ", ")));
+    m.agent_cgroup = node.cgroup_version;
+    m.agent_pid = agent_pid_for(*client);
+    o.null_backend = std::find(node.backends.begin(), node.backends.end(), "null") != node.backends.end();
+    m.agent = o.endpoints.empty() ? fmt::format("embedded dsecd {} (home {})", node.version, home)
+                                  : fmt::format("dsecd {} at {}", node.version, client->endpoint());
   }
-  fmt::print(stderr, "dsec-bench: starting the client{}\n", o.endpoints.empty() ? " and an embedded agent" : "");
-  Client client(copts);
-  std::vector<NodeInfo> nodes = client.nodes();
-  if (nodes.empty()) throw Error(Code::kUnavailable, "the agent reported no node");
-  const NodeInfo& node = nodes.front();
-  if (std::find(node.backends.begin(), node.backends.end(), "container") == node.backends.end())
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("node {} does not serve the container backend (it serves: {})", node.id,
-                            fmt::join(node.backends, ", ")));
-  m.agent_cgroup = node.cgroup_version;
-  m.agent_pid = agent_pid_for(client);
-  o.null_backend = std::find(node.backends.begin(), node.backends.end(), "null") != node.backends.end();
-  m.agent = o.endpoints.empty() ? fmt::format("embedded dsecd {} (home {})", node.version, home)
-                                : fmt::format("dsecd {} at {}", node.version, client.endpoint());
 
   std::vector<std::string> peer_notes;
   std::unique_ptr<Peers> peers;
@@ -292,37 +299,42 @@ int run(int argc, char** argv) {
   fmt::print("dsec-bench {} ({})\n", kVersion, report.command_line);
   fmt::print("machine: {} cores ({}), {:.1f} GiB, {}\n", m.cores, m.cpu_model,
              static_cast<double>(m.mem_total) / (1ull << 30), m.kernel);
-  fmt::print("cgroup: {}; agent driver: {}\n", m.cgroup, m.agent_cgroup);
-  fmt::print("agent: {}{}\n", m.agent, m.agent_pid > 0 ? fmt::format(", pid {}", m.agent_pid) : "");
+  fmt::print("cgroup: {}{}\n", m.cgroup, client ? fmt::format("; agent driver: {}", m.agent_cgroup) : "");
+  if (client) fmt::print("agent: {}{}\n", m.agent, m.agent_pid > 0 ? fmt::format(", pid {}", m.agent_pid) : "");
   if (needs_peers) {
     fmt::print("peers: {}; {}; root {}\n", m.crun_version.empty() ? "crun n/a" : m.crun_version,
                m.bwrap_version.empty() ? "bwrap n/a" : m.bwrap_version, peers->rootfs().string());
   }
-  fmt::print("load average: {:.2f} {:.2f} {:.2f}; CPU busy in the second before the run: {:.2f} of {} cores\n",
-             m.load1, m.load5, m.load15, m.busy_before_cores, m.cores);
+  fmt::print("load average: {:.2f} {:.2f} {:.2f}; in the second before the run: ", m.load1, m.load5, m.load15);
+  print_cpu(m.before, m.cores, "");
   for (const auto& n : report.notes) fmt::print("note: {}\n", n);
   std::fflush(stdout);
 
   if (all || o.command == "create") {
-    report.create = run_create(o, client, *peers);
+    report.create = run_create(o, *client, *peers);
     print_create(*report.create);
     print_cpu(report.create->cpu, m.cores);
     std::fflush(stdout);
   }
+  if (all || o.command == "cgroup-join") {
+    report.cgroup_join = run_cgroup_join(o);
+    print_cgroup_join(*report.cgroup_join);
+    std::fflush(stdout);
+  }
   if (all || o.command == "throughput") {
-    report.throughput = run_throughput(o, client, *peers);
+    report.throughput = run_throughput(o, *client, *peers);
     print_throughput(*report.throughput);
     print_cpu(report.throughput->cpu, m.cores);
     std::fflush(stdout);
   }
   if (all || o.command == "exec") {
-    report.exec = run_exec(o, client, *peers);
+    report.exec = run_exec(o, *client, *peers);
     print_exec(*report.exec);
     print_cpu(report.exec->cpu, m.cores);
     std::fflush(stdout);
   }
   if (all || o.command == "density") {
-    report.density = run_density(o, client);
+    report.density = run_density(o, *client);
     print_density(*report.density);
     print_cpu(report.density->cpu, m.cores);
     std::fflush(stdout);

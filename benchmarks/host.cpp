@@ -51,6 +51,27 @@ std::uint64_t process_ticks(const std::string& stat_path) {
   return total;
 }
 
+// utime + stime of every kernel thread (PF_KTHREAD in the flags field of /proc/<pid>/stat), in clock ticks.
+std::uint64_t kthread_ticks() {
+  constexpr unsigned long kPfKthread = 0x00200000;
+  std::uint64_t total = 0;
+  for (int pid : all_pids()) {
+    std::string text = read_text_file(fmt::format("/proc/{}/stat", pid));
+    auto close = text.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream in(text.substr(close + 2));
+    std::string field;
+    unsigned long flags = 0;
+    std::uint64_t ticks = 0;
+    for (int i = 3; i <= 15 && in >> field; ++i) {
+      if (i == 9) flags = std::strtoul(field.c_str(), nullptr, 10);
+      if (i >= 14) ticks += std::strtoull(field.c_str(), nullptr, 10);
+    }
+    if (flags & kPfKthread) total += ticks;
+  }
+  return total;
+}
+
 // A "Key:   123 kB" line of a /proc status-like file, in bytes.
 std::uint64_t kb_field(const std::string& path, const std::string& key) {
   std::ifstream in(path);
@@ -219,6 +240,8 @@ CpuMeter::Snapshot CpuMeter::snapshot() const {
   std::uint64_t v[8] = {};
   for (auto& x : v) in >> x;
   s.busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+  s.steal = v[7];
+  s.kernel = v[5] + v[6] + kthread_ticks();
   s.ours = process_ticks("/proc/self/stat");
   for (int pid : pids_)
     if (pid > 0) s.ours += process_ticks(fmt::format("/proc/{}/stat", pid));
@@ -235,7 +258,11 @@ CpuUse CpuMeter::stop() const {
   double ours = end.ours >= start_.ours ? static_cast<double>(end.ours - start_.ours) / hz : 0;
   u.busy_cores = busy / u.seconds;
   u.ours_cores = ours / u.seconds;
-  u.others_cores = std::max(0.0, busy - ours) / u.seconds;
+  double kernel = static_cast<double>(end.kernel - std::min(end.kernel, start_.kernel)) / hz;
+  double steal = static_cast<double>(end.steal - start_.steal) / hz;
+  u.kernel_cores = kernel / u.seconds;
+  u.steal_cores = steal / u.seconds;
+  u.others_cores = std::max(0.0, busy - ours - kernel - steal) / u.seconds;
   return u;
 }
 

@@ -35,6 +35,8 @@ class CpuMeter {
   struct Snapshot {
     std::uint64_t busy = 0;   // ticks, all CPUs
     std::uint64_t ours = 0;   // ticks of self + children + pids
+    std::uint64_t kernel = 0; // ticks of kernel threads, irq and softirq
+    std::uint64_t steal = 0;
     Clock::time_point at;
   };
   Snapshot snapshot() const;
