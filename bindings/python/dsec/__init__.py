@@ -118,6 +118,13 @@ def parse_size(size: Size) -> int:
     raise InvalidArgument(f"size: expected an int or a string such as '512Mi', got {type(size).__name__}")
 
 
+def _field_size(value: Size, field: str) -> int:
+    try:
+        return parse_size(value)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{field}: {e.message}") from None
+
+
 def _str_map(value: Mapping[str, str] | None, what: str) -> dict[str, str]:
     if value is None:
         return {}
@@ -152,13 +159,15 @@ def _spec(
     s.image = image
     s.kind = kind
     r = _dsec.Resources()
+    if isinstance(cpu, bool) or not isinstance(cpu, (int, float)):
+        raise InvalidArgument(f"resources.cpu: expected a number of cores, got {cpu!r}")
     r.cpu = float(cpu)
-    r.memory_bytes = parse_size(memory)
-    r.disk_bytes = parse_size(disk)
+    r.memory_bytes = _field_size(memory, "resources.memory")
+    r.disk_bytes = _field_size(disk, "resources.disk")
     if not isinstance(pids, int) or pids < 1:
-        raise InvalidArgument(f"pids: must be a positive int, got {pids!r}")
+        raise InvalidArgument(f"resources.pids: must be a positive int, got {pids!r}")
     if not isinstance(open_files, int) or open_files < 1:
-        raise InvalidArgument(f"open_files: must be a positive int, got {open_files!r}")
+        raise InvalidArgument(f"resources.open_files: must be a positive int, got {open_files!r}")
     r.pids = pids
     r.open_files = open_files
     s.resources = r
@@ -235,7 +244,7 @@ class Sandbox:
             cwd=cwd or "",
             stdin=stdin,
             timeout=float(timeout),
-            max_output=parse_size(max_output),
+            max_output=_field_size(max_output, "max_output"),
         )
 
     def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:

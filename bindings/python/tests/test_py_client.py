@@ -48,10 +48,14 @@ def test_unknown_sandbox_is_not_found(client):
 
 
 def test_bad_specs_are_invalid_argument(client):
-    for kw in ({"memory": "lots"}, {"cpu": 0}, {"memory": 1}, {"ttl": -1}, {"env": {"A=B": "x"}},
-               {"labels": {"k": 1}}, {"image": "../x"}):
-        with pytest.raises(dsec.InvalidArgument):
+    cases = [({"memory": "lots"}, "resources.memory"), ({"disk": "-1"}, "resources.disk"), ({"cpu": 0}, "resources.cpu"),
+             ({"cpu": "2"}, "resources.cpu"), ({"memory": 1}, "resources.memory"), ({"ttl": -1}, "ttl"),
+             ({"env": {"A=B": "x"}}, "env"), ({"labels": {"k": 1}}, "labels"), ({"image": "../x"}, "image"),
+             ({"hostname": "not a hostname!"}, "hostname"), ({"pids": 0}, "resources.pids")]
+    for kw, field in cases:
+        with pytest.raises(dsec.InvalidArgument) as info:
             null(client, **kw)
+        assert field in str(info.value), (kw, str(info.value))
 
 
 def test_same_request_id_same_sandbox(client):
@@ -283,7 +287,7 @@ def test_blocking_calls_release_the_gil(tmp_path):
 
 
 def test_routing_across_two_agents(short_tmp):
-    from conftest import Agent
+    from binding_testlib import Agent
 
     a = Agent(os.path.join(short_tmp, "ra"), "pyt-r", backends="null")
     b = Agent(os.path.join(short_tmp, "rb"), "pyt-r-2", backends="null")  # a node id that extends the other

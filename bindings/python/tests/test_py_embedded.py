@@ -12,7 +12,7 @@ import time
 import pytest
 
 import dsec
-from conftest import make_home, tool
+from binding_testlib import make_home, tool
 
 
 def agent_pids(socket_path: str) -> list[int]:
