@@ -37,7 +37,7 @@ if [[ -z "$(find tests/integration \( -name 'test_*.py' -o -name '*_test.py' \) 
   echo "test: tests/integration has no test files; nothing to run"
 else
   # pytest's status 5 ("no tests collected") with test files present means they did not load: a failure.
-  PYTHONPATH="$BUILD_ABS/python${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m pytest tests/integration -q </dev/null
+  PYTHONPATH="$BUILD_ABS/python${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m pytest tests/integration bindings/python/tests -q </dev/null
   integration_status=$?
 fi
 
