@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "dsec/error.hpp"
+#include "image/debootstrap.hpp"
 #include "image/fs_tree.hpp"
 #include "image/process.hpp"
 #include "image/store.hpp"
@@ -213,7 +214,7 @@ TEST(ImageBuild, FailedDebootstrapLeavesNoImage) {
   }
   EXPECT_FALSE(store.find("deb"));
   EXPECT_TRUE(entries_with_prefix(tmp / "images", ".").empty());
-  EXPECT_FALSE(fs::exists(store.cache_dir() / "debootstrap-bookworm-amd64-minbase+hello.tar.zst"));
+  EXPECT_FALSE(fs::exists(store.cache_dir() / debootstrap_cache_name("bookworm", host_debian_arch(), {"hello"})));
 }
 
 TEST(ImageBuild, DebootstrapRejectsBadArgumentsBeforeDoingAnything) {

@@ -106,9 +106,9 @@ TEST(Debootstrap, PackagesAreCheckedSortedAndDeduplicated) {
 }
 
 TEST(Debootstrap, CacheNameNamesSuiteArchAndPackages) {
-  EXPECT_EQ(debootstrap_cache_name("bookworm", "amd64", {}), "debootstrap-bookworm-amd64-minbase.tar.zst");
+  EXPECT_EQ(debootstrap_cache_name("bookworm", "amd64", {}), "debootstrap-bookworm-amd64-minbase-slim.tar.zst");
   EXPECT_EQ(debootstrap_cache_name("bookworm", "amd64", {"git", "python3"}),
-            "debootstrap-bookworm-amd64-minbase+git+python3.tar.zst");
+            "debootstrap-bookworm-amd64-minbase-slim+git+python3.tar.zst");
   std::vector<std::string> many;
   for (int i = 0; i < 30; ++i) many.push_back("package-" + std::to_string(i));
   std::string a = debootstrap_cache_name("bookworm", "amd64", many);
@@ -133,6 +133,12 @@ TEST(Debootstrap, CleanTakesOutCachesLogsAndHostFiles) {
   write_text(root / "var/lib/dpkg/status", "keep");
   write_text(root / "var/lib/dpkg/status-old", "old");
   write_text(root / "usr/bin/python3", "keep", 0755);
+  write_text(root / "usr/share/doc/python3/copyright", "license");
+  write_text(root / "usr/share/doc/python3/changelog.Debian.gz", std::string(1000, 'c'));
+  fs::create_symlink("python3", root / "usr/share/doc/python3-minimal");
+  write_text(root / "usr/share/man/man1/python3.1.gz", "man");
+  write_text(root / "usr/share/locale/de/LC_MESSAGES/apt.mo", "de");
+  write_text(root / "usr/share/locale/locale.alias", "alias");
   fs::create_directories(root / "dev");
   fs::create_symlink("/proc/self/fd", root / "dev/fd");
 
@@ -154,6 +160,13 @@ TEST(Debootstrap, CleanTakesOutCachesLogsAndHostFiles) {
   EXPECT_FALSE(fs::exists(root / "var/lib/dpkg/status-old"));
   EXPECT_EQ(read_text(root / "usr/bin/python3"), "keep");
   EXPECT_TRUE(fs::is_empty(root / "dev"));
+  EXPECT_EQ(read_text(root / "usr/share/doc/python3/copyright"), "license");
+  EXPECT_FALSE(fs::exists(root / "usr/share/doc/python3/changelog.Debian.gz"));
+  EXPECT_TRUE(fs::is_symlink(root / "usr/share/doc/python3-minimal"));
+  EXPECT_TRUE(fs::is_empty(root / "usr/share/man"));
+  EXPECT_FALSE(fs::exists(root / "usr/share/locale/de"));
+  EXPECT_EQ(read_text(root / "usr/share/locale/locale.alias"), "alias");
+  EXPECT_NE(read_text(root / "etc/dpkg/dpkg.cfg.d/dsec-slim").find("path-exclude /usr/share/man/*"), std::string::npos);
   for (const char* d : {"proc", "sys", "run"}) EXPECT_TRUE(fs::is_directory(root / d)) << d;
   ASSERT_FALSE(notes.empty());
   EXPECT_NE(notes[0].find("MiB"), std::string::npos);

@@ -31,15 +31,17 @@ std::string find_debian_mirror(std::string_view suite, const std::filesystem::pa
 
 // Debian package names, checked (INVALID_ARGUMENT for anything debootstrap would misread), sorted, deduplicated.
 std::vector<std::string> normalize_packages(const std::vector<std::string>& packages);
-// "debootstrap-bookworm-amd64-minbase+python3.tar.zst"; long package lists are shortened with a hash.
+// "debootstrap-bookworm-amd64-minbase-slim+python3.tar.zst"; long package lists are shortened with a hash.
 std::string debootstrap_cache_name(std::string_view suite, std::string_view arch,
                                    const std::vector<std::string>& normalized_packages);
 // The Debian architecture name of this machine ("amd64", "arm64", ...).
 std::string host_debian_arch();
 
 // Takes out of a fresh debootstrap tree what an image should not carry: apt's downloaded packages and lists, logs,
-// /tmp contents, device nodes in /dev (a sandbox gets its own), and the host's /etc/hostname, /etc/resolv.conf and
-// /etc/hosts that debootstrap copied in (replaced by neutral placeholders). Appends what it did to `notes`.
+// /tmp contents, documentation (but copyright files), manual pages and translations (and tells dpkg to leave them
+// out of later installs too), device nodes in /dev (a sandbox gets its own), and the host's /etc/hostname,
+// /etc/resolv.conf and /etc/hosts that debootstrap copied in (replaced by neutral placeholders). Appends what it did
+// to `notes`.
 void clean_debootstrap_tree(const std::filesystem::path& rootfs, std::vector<std::string>& notes);
 
 }  // namespace dsec::image

@@ -93,9 +93,9 @@ class ImageStore {
   // binary is missing or dynamically linked.
   ImageRecord build_busybox(const std::string& name, const std::filesystem::path& busybox = "/bin/busybox");
   // debootstrap --variant=minbase SUITE with extra packages (e.g. python3) from the Debian mirror (empty: the one
-  // this machine's apt sources use). The debootstrap tree, with apt's package cache and lists, logs and the host's
-  // /etc/hostname, /etc/resolv.conf and /etc/hosts taken out, is cached as a tarball under <root>/../cache so a
-  // rebuild does not download again.
+  // this machine's apt sources use). The debootstrap tree, with apt's package cache and lists, logs, documentation,
+  // manual pages, translations and the host's /etc/hostname, /etc/resolv.conf and /etc/hosts taken out, is cached as
+  // a tarball under <root>/../cache so a rebuild does not download again.
   ImageRecord build_debootstrap(const std::string& name, const std::string& suite,
                                 const std::vector<std::string>& include_packages, const std::string& mirror = {});
 
