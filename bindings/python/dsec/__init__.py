@@ -392,7 +392,9 @@ class Client:
     :meth:`close`, which destroys its sandboxes. The agent binary is ``agent`` if given, else ``$DSEC_AGENT``, else
     the one of the build tree the module came from, else the one inside this package (``dsec/bin/dsecd``), else
     ``dsecd`` on PATH. Its image store and state live in ``home`` (default ``$DSEC_HOME``, then ``/var/lib/dsec``);
-    ``agent_args`` are extra ``dsecd`` flags such as ``["--backends", "container,null"]``.
+    ``agent_args`` are extra ``dsecd`` flags such as ``["--backends", "container,null"]``. The agent's output goes
+    to ``$DSEC_AGENT_LOG`` when set (else to a private file removed with it); errors about the agent quote its tail.
+    The agent also stops if this process dies, and a forked child cannot use (or stop) its parent's client.
 
     ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
     go to the node that made it. Idempotent calls are retried on transient errors with exponential backoff and

@@ -21,7 +21,9 @@ class ClientCore;
 
 struct ClientOptions {
   // "unix:/run/dsec/dsecd.sock" or "http://10.0.0.7:7070". Empty: start an embedded agent on a private unix
-  // socket, owned by this client and stopped with it.
+  // socket, owned by this client and stopped with it (SIGTERM, which destroys its sandboxes; it also gets SIGTERM
+  // if the trainer dies). Its stdout and stderr go to $DSEC_AGENT_LOG when set, else to a file in its private
+  // directory that is removed with it; errors about the agent quote the log's tail.
   std::vector<std::string> endpoints;
   // Embedded agent only: its binary (default: $DSEC_AGENT, then the dsecd of the build tree this library came
   // from, then each of agent_candidates, then dsecd on PATH) and the directory that holds its image store and state
