@@ -38,26 +38,26 @@ class Latency {
 };
 
 struct Options {
-  std::string command;                          // create | throughput | exec | density | cgroup-join | all
-  std::vector<std::string> endpoints;           // empty: an embedded agent
-  std::string home;                             // image store (and embedded agent state)
-  std::string agent_binary;                     // embedded dsecd; empty: the library's default search
+  std::string command;                 // create | throughput | exec | density | cgroup-join | all
+  std::vector<std::string> endpoints;  // empty: an embedded agent
+  std::string home;                    // image store (and embedded agent state)
+  std::string agent_binary;            // embedded dsecd; empty: the library's default search
   std::string image = "busybox";
-  std::string rootfs;                           // peers' root; empty: the image's root in the store under home
-  std::string work_dir;                         // crun bundle and state; empty: a private directory under /tmp
+  std::string rootfs;    // peers' root; empty: the image's root in the store under home
+  std::string work_dir;  // crun bundle and state; empty: a private directory under /tmp
   std::vector<std::string> peers{"crun", "bwrap"};
-  bool peers_explicit = false;                  // --peers given: a peer that cannot run is an error
-  std::size_t n = 200;                          // samples per latency measure
-  std::size_t warmup = 10;                      // discarded iterations before each measure
+  bool peers_explicit = false;  // --peers given: a peer that cannot run is an error
+  std::size_t n = 200;          // samples per latency measure
+  std::size_t warmup = 10;      // discarded iterations before each measure
   std::vector<int> concurrency{1, 2, 4, 8, 16};
-  double duration_seconds = 5;                  // throughput window per system and concurrency
+  double duration_seconds = 5;  // throughput window per system and concurrency
   std::size_t density_count = 500;
-  double density_cpu = 0.01;                    // cores per idle sandbox
-  std::uint64_t density_memory = 16ull << 20;   // memory limit per idle sandbox
+  double density_cpu = 0.01;                   // cores per idle sandbox
+  std::uint64_t density_memory = 16ull << 20;  // memory limit per idle sandbox
   std::size_t teardown_concurrency = 8;
-  bool markdown = false;                        // print the Markdown summary after a single benchmark too
-  bool null_backend = false;                    // the agent serves kind "null": time its create as the floor of
-                                                // the control plane (client, HTTP, registry), no sandbox made
+  bool markdown = false;      // print the Markdown summary after a single benchmark too
+  bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
+                              // the control plane (client, HTTP, registry), no sandbox made
 };
 
 // How busy the machine was while a benchmark ran, from /proc/stat and the CPU time of dsec-bench, its children
@@ -76,14 +76,14 @@ struct MachineInfo {
   std::string cpu_model;
   std::uint64_t mem_total = 0;
   std::string kernel;
-  std::string cgroup;           // the host's cgroup layout
-  std::string agent_cgroup;     // the driver the agent chose ("v1" / "v2")
-  std::string agent;            // "embedded dsecd (home ...)" or the endpoint
-  int agent_pid = -1;           // -1: not on this host (or not found)
+  std::string cgroup;        // the host's cgroup layout
+  std::string agent_cgroup;  // the driver the agent chose ("v1" / "v2")
+  std::string agent;         // "embedded dsecd (home ...)" or the endpoint
+  int agent_pid = -1;        // -1: not on this host (or not found)
   std::string crun_version, bwrap_version;
   double load1 = 0, load5 = 0, load15 = 0;
-  CpuUse before;                 // one second before the run (dsec-bench idle, no agent yet)
-  std::string started_at;       // local wall time of the run
+  CpuUse before;           // one second before the run (dsec-bench idle, no agent yet)
+  std::string started_at;  // local wall time of the run
 };
 
 struct CreateResult {
@@ -94,10 +94,10 @@ struct CreateResult {
 
 struct RatePoint {
   int concurrency = 0;
-  double dsec_rate = 0, crun_rate = 0, bwrap_rate = 0;   // completed creates per second
+  double dsec_rate = 0, crun_rate = 0, bwrap_rate = 0;  // completed creates per second
   std::size_t dsec_count = 0, crun_count = 0, bwrap_count = 0;
   bool crun_measured = false, bwrap_measured = false;
-  Latency dsec_create;                                   // create latency under this concurrency
+  Latency dsec_create;  // create latency under this concurrency
 };
 
 struct ThroughputResult {
@@ -117,31 +117,31 @@ struct DensityResult {
   std::size_t count = 0;
   double cpu_per_sandbox = 0;
   std::uint64_t memory_limit = 0;
-  double create_seconds = 0;              // create_many of all of them
-  std::size_t sandboxes_found = 0;        // sandboxes with a live process found in /proc
+  double create_seconds = 0;        // create_many of all of them
+  std::size_t sandboxes_found = 0;  // sandboxes with a live process found in /proc
   std::size_t processes = 0;
-  double mem_available_delta = 0;         // bytes, before creating minus after (settled)
+  double mem_available_delta = 0;  // bytes, before creating minus after (settled)
   // Host-wide /proc/meminfo growth of the fields sandboxes add to (kernel objects, page tables, tmpfs), in bytes;
   // these move little with other users' compile jobs, unlike MemAvailable.
   std::vector<std::pair<std::string, double>> meminfo_growth;
   std::vector<std::pair<std::string, double>> slab_growth;  // the slab caches that grew most (empty: unreadable)
-  double itemised_total = 0;              // kernel growth (above, less AnonPages) + sandbox PSS + agent RSS growth
-  double rss_total = 0, pss_total = 0;    // bytes, summed over the sandboxes' processes
-  double cgroup_charge_total = 0;         // bytes, summed over the sandboxes' memory cgroups
-  double agent_rss_delta = 0;             // bytes; NaN when the agent's process is not on this host
-  double others_rss_delta = 0;            // bytes: RSS change of every other process, a noise gauge
+  double itemised_total = 0;            // kernel growth (above, less AnonPages) + sandbox PSS + agent RSS growth
+  double rss_total = 0, pss_total = 0;  // bytes, summed over the sandboxes' processes
+  double cgroup_charge_total = 0;       // bytes, summed over the sandboxes' memory cgroups
+  double agent_rss_delta = 0;           // bytes; NaN when the agent's process is not on this host
+  double others_rss_delta = 0;          // bytes: RSS change of every other process, a noise gauge
   double teardown_seconds = 0;
-  double mem_returned = 0;                // bytes of MemAvailable back after teardown (settled)
+  double mem_returned = 0;  // bytes of MemAvailable back after teardown (settled)
   CpuUse cpu;
 };
 
 struct CgroupJoinPoint {
-  int gap_ms = 0;          // idle time before each join
-  Latency first, all;      // the first write to cgroup.procs; all of them together
+  int gap_ms = 0;      // idle time before each join
+  Latency first, all;  // the first write to cgroup.procs; all of them together
 };
 
 struct CgroupJoinResult {
-  std::string layout;      // which hierarchies were joined
+  std::string layout;  // which hierarchies were joined
   std::size_t samples = 0;
   std::vector<CgroupJoinPoint> points;
 };
@@ -154,7 +154,7 @@ struct Report {
   std::optional<ExecBenchResult> exec;
   std::optional<DensityResult> density;
   std::optional<CgroupJoinResult> cgroup_join;
-  std::vector<std::string> notes;   // peers skipped and why, workarounds applied
+  std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
 class Peers;

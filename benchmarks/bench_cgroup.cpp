@@ -4,6 +4,7 @@
 // the joins of a fresh process into fresh groups, in the hierarchies dsec's runtime uses on this host, after idle
 // gaps of rising length.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -15,8 +16,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "bench.hpp"
 #include "common/syscall.hpp"

@@ -26,9 +26,9 @@ namespace {
 
 void check_true(const ExecResult& r, const char* what) {
   if (r.exit_code != 0 || r.timed_out)
-    throw Error(Code::kInternal, fmt::format("{}: `true` in the sandbox ended with exit code {} (signal {}){}: {}",
-                                             what, r.exit_code, r.signal, r.timed_out ? ", timed out" : "",
-                                             r.stderr_data));
+    throw Error(Code::kInternal,
+                fmt::format("{}: `true` in the sandbox ended with exit code {} (signal {}){}: {}", what, r.exit_code,
+                            r.signal, r.timed_out ? ", timed out" : "", r.stderr_data));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // tables, kernel objects, the agent's bookkeeping; also any other process's growth, hence the noise gauge), the
 // RSS and PSS of the sandboxes' processes, and what their memory cgroups were charged. Then all K are destroyed at
 // once and the teardown is timed.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,8 +14,6 @@
 #include <mutex>
 #include <set>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "bench.hpp"
 #include "dsec/error.hpp"
@@ -73,11 +72,11 @@ DensityResult run_density(const Options& options, Client& client) {
     }
   }
   result.sandboxes_found = found.pids.size();
-  for (const auto& [id, dir] : found.memory_cgroup) result.cgroup_charge_total += static_cast<double>(cgroup_memory_bytes(dir));
+  for (const auto& [id, dir] : found.memory_cgroup)
+    result.cgroup_charge_total += static_cast<double>(cgroup_memory_bytes(dir));
   result.agent_rss_delta = agent > 0 ? static_cast<double>(rss_bytes(agent)) - static_cast<double>(agent_rss_before)
                                      : std::numeric_limits<double>::quiet_NaN();
-  result.others_rss_delta =
-      static_cast<double>(rss_of_all_but(exclude)) - static_cast<double>(others_before);
+  result.others_rss_delta = static_cast<double>(rss_of_all_but(exclude)) - static_cast<double>(others_before);
   auto field = [](const std::map<std::string, double>& m, const std::string& name) {
     auto it = m.find(name);
     return it == m.end() ? 0.0 : it->second;

@@ -2,14 +2,14 @@
 // create-then-destroy (dsec) or one whole `crun run` / `bwrap` (peers) for a fixed window; a create counts when it
 // completes inside the window. Before the window every thread runs warm-up cycles, and the window opens only when
 // all of them are done.
+#include <fmt/format.h>
+
 #include <atomic>
 #include <exception>
 #include <functional>
 #include <latch>
 #include <mutex>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "bench.hpp"
 #include "dsec/sandbox.hpp"
@@ -76,7 +76,8 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
   for (int i = 0; i < concurrency; ++i) threads.emplace_back(worker);
   warmed.arrive_and_wait();
   auto window_start = Clock::now();
-  window_end = window_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(window_seconds));
+  window_end =
+      window_start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(window_seconds));
   go.count_down();
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);

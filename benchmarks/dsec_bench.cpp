@@ -1,4 +1,6 @@
 // dsec-bench: measures dsec's container sandboxes against their peers on this machine, in one run.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -14,9 +16,6 @@
 #include <string_view>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "bench.hpp"
 #include "common/syscall.hpp"
@@ -189,8 +188,8 @@ std::string resolved_home(const Options& o) {
 }
 
 std::string shell_quote(const std::string& s) {
-  if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:=,") ==
-                        std::string::npos)
+  if (!s.empty() &&
+      s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:=,") == std::string::npos)
     return s;
   std::string out = "'";
   for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
@@ -205,9 +204,7 @@ int run(int argc, char** argv) {
   }
   const bool all = o.command == "all";
   const bool needs_peers = all || o.command == "create" || o.command == "throughput" || o.command == "exec";
-  auto wants_peer = [&](const char* name) {
-    return std::find(o.peers.begin(), o.peers.end(), name) != o.peers.end();
-  };
+  auto wants_peer = [&](const char* name) { return std::find(o.peers.begin(), o.peers.end(), name) != o.peers.end(); };
 
   Report report;
   for (int i = 0; i < argc; ++i) report.command_line += (i ? " " : "") + shell_quote(argv[i]);
@@ -259,17 +256,18 @@ int run(int argc, char** argv) {
       const bool density = all || o.command == "density";
       int max_c = *std::max_element(o.concurrency.begin(), o.concurrency.end());
       double cpu_needed = (density ? static_cast<double>(o.density_count) * o.density_cpu : 0) + max_c * 0.5 + 2;
-      double mem_needed =
-          (density ? static_cast<double>(o.density_count) * static_cast<double>(o.density_memory) : 0) +
-          max_c * 128.0 * (1 << 20) + (1 << 30);
+      double mem_needed = (density ? static_cast<double>(o.density_count) * static_cast<double>(o.density_memory) : 0) +
+                          max_c * 128.0 * (1 << 20) + (1 << 30);
       double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
       double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
-      copts.agent_args = {"--backends",          "container,null", "--cpu-overcommit", fmt::format("{:.2f}", cpu_ratio),
+      copts.agent_args = {"--backends",          "container,null",
+                          "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
       if (cpu_ratio > 8.0 || mem_ratio > 1.0)
-        report.notes.push_back(fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
-                                           "{:.2f} so that the density run's sandboxes are admitted",
-                                           cpu_ratio, mem_ratio));
+        report.notes.push_back(
+            fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
+                        "{:.2f} so that the density run's sandboxes are admitted",
+                        cpu_ratio, mem_ratio));
     }
     fmt::print(stderr, "dsec-bench: starting the client{}\n", o.endpoints.empty() ? " and an embedded agent" : "");
     client.emplace(copts);
@@ -277,9 +275,8 @@ int run(int argc, char** argv) {
     if (nodes.empty()) throw Error(Code::kUnavailable, "the agent reported no node");
     const NodeInfo& node = nodes.front();
     if (std::find(node.backends.begin(), node.backends.end(), "container") == node.backends.end())
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("node {} does not serve the container backend (it serves: {})", node.id,
-                              fmt::join(node.backends, ", ")));
+      throw Error(Code::kFailedPrecondition, fmt::format("node {} does not serve the container backend (it serves: {})",
+                                                         node.id, fmt::join(node.backends, ", ")));
     m.agent_cgroup = node.cgroup_version;
     m.agent_pid = agent_pid_for(*client);
     o.null_backend = std::find(node.backends.begin(), node.backends.end(), "null") != node.backends.end();

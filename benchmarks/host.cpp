@@ -1,6 +1,7 @@
 #include "host.hpp"
 
 #include <dirent.h>
+#include <fmt/format.h>
 #include <linux/magic.h>
 #include <sys/statfs.h>
 #include <sys/utsname.h>
@@ -12,8 +13,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "dsec/error.hpp"
 
@@ -293,7 +292,8 @@ SandboxProcesses find_sandbox_processes(const std::set<std::string>& ids) {
           std::istringstream cs(controllers);
           std::string c;
           while (std::getline(cs, c, ',')) is_memory |= c == "memory";
-          if (is_memory && !v1_memory.empty()) memory_dir = v1_memory + prefix;
+          if (is_memory && !v1_memory.empty())
+            memory_dir = v1_memory + prefix;
           else if (controllers.empty() && line.rfind("0::", 0) == 0 && !v2.empty() && v1_memory.empty())
             memory_dir = v2 + prefix;
           break;

@@ -33,9 +33,9 @@ class CpuMeter {
 
  private:
   struct Snapshot {
-    std::uint64_t busy = 0;   // ticks, all CPUs
-    std::uint64_t ours = 0;   // ticks of self + children + pids
-    std::uint64_t kernel = 0; // ticks of kernel threads, irq and softirq
+    std::uint64_t busy = 0;    // ticks, all CPUs
+    std::uint64_t ours = 0;    // ticks of self + children + pids
+    std::uint64_t kernel = 0;  // ticks of kernel threads, irq and softirq
     std::uint64_t steal = 0;
     Clock::time_point at;
   };
@@ -47,8 +47,8 @@ class CpuMeter {
 
 // The processes whose cgroup path names one of `ids` as a path component: the processes of those sandboxes.
 struct SandboxProcesses {
-  std::map<std::string, std::vector<int>> pids;          // sandbox id -> its processes
-  std::map<std::string, std::string> memory_cgroup;      // sandbox id -> its memory cgroup directory
+  std::map<std::string, std::vector<int>> pids;      // sandbox id -> its processes
+  std::map<std::string, std::string> memory_cgroup;  // sandbox id -> its memory cgroup directory
 };
 SandboxProcesses find_sandbox_processes(const std::set<std::string>& ids);
 

@@ -1,6 +1,7 @@
 #include "peers.hpp"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <linux/magic.h>
 #include <sched.h>
 #include <spawn.h>
@@ -11,10 +12,8 @@
 #include <unistd.h>
 
 #include <fstream>
-#include <system_error>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <system_error>
 
 #include "common/syscall.hpp"
 #include "dsec/error.hpp"
@@ -35,10 +34,17 @@ std::string image_dir_name(const std::string& image) {
   std::string out;
   for (char c : name) {
     switch (c) {
-      case '%': out += "%25"; break;
-      case '/': out += "%2F"; break;
-      case ':': out += "%3A"; break;
-      default: out.push_back(c);
+      case '%':
+        out += "%25";
+        break;
+      case '/':
+        out += "%2F";
+        break;
+      case ':':
+        out += "%3A";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;
@@ -66,7 +72,8 @@ std::string first_output_line(const std::string& command) {
 
 UniqueFd make_crun_mount_namespace(std::string& note) {
   constexpr const char* kControllers = "/sys/fs/cgroup/unified/cgroup.controllers";
-  struct statfs root {}, unified {};
+  struct statfs root {
+  }, unified{};
   bool hybrid = ::statfs("/sys/fs/cgroup", &root) == 0 && root.f_type != CGROUP2_SUPER_MAGIC &&
                 ::statfs("/sys/fs/cgroup/unified", &unified) == 0 && unified.f_type == CGROUP2_SUPER_MAGIC;
   if (!hybrid) return {};
@@ -125,8 +132,8 @@ fs::path image_rootfs(const std::string& home, const std::string& image) {
   auto layers = j.value("layers", std::vector<std::string>{"rootfs"});
   if (layers.size() != 1)
     throw Error(Code::kFailedPrecondition,
-                fmt::format("image {} has {} layers; crun and bwrap take one root directory: pass --rootfs DIR",
-                            image, layers.size()));
+                fmt::format("image {} has {} layers; crun and bwrap take one root directory: pass --rootfs DIR", image,
+                            layers.size()));
   fs::path rootfs = dir / layers[0];
   if (!fs::is_directory(rootfs))
     throw Error(Code::kNotFound, fmt::format("image {}: its root {} is not a directory", image, rootfs.string()));
@@ -288,9 +295,9 @@ void Peers::crun_run() {
 }
 
 void Peers::bwrap_run() {
-  int status = run({"bwrap", "--unshare-all", "--ro-bind", rootfs_.string(), "/", "--proc", "/proc", "--dev", "/dev",
-                    "true"},
-                   bwrap_log_fd_.get(), -1);
+  int status =
+      run({"bwrap", "--unshare-all", "--ro-bind", rootfs_.string(), "/", "--proc", "/proc", "--dev", "/dev", "true"},
+          bwrap_log_fd_.get(), -1);
   if (status != 0)
     throw Error(Code::kInternal, fmt::format("bwrap: {}: {}", describe_status(status), log_tail(bwrap_log_)));
 }

@@ -1,10 +1,10 @@
 // dsec-bench output: a text block per benchmark as it finishes, and the Markdown summary for docs/benchmarks.md.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "bench.hpp"
 
@@ -64,9 +64,10 @@ std::string md_row(const std::string& name, const Latency& l) {
 }
 
 std::string cpu_text(const CpuUse& c, int cores) {
-  return fmt::format("{:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, kernel "
-                     "threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}",
-                     c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores);
+  return fmt::format(
+      "{:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, kernel "
+      "threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}",
+      c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores);
 }
 
 std::string yes_no(bool met) { return met ? "**met**" : "**not met**"; }
@@ -90,8 +91,8 @@ void print_create(const CreateResult& r) {
 
 void print_throughput(const ThroughputResult& r) {
   fmt::print("\n== throughput: completed creates per second, {:.0f} s window per cell ==\n", r.window_seconds);
-  fmt::print("  {:>11} {:>14} {:>12} {:>12} {:>12} {:>12}\n", "concurrency", "dsec create/s", "dsec p50",
-             "dsec p99", "crun run/s", "bwrap/s");
+  fmt::print("  {:>11} {:>14} {:>12} {:>12} {:>12} {:>12}\n", "concurrency", "dsec create/s", "dsec p50", "dsec p99",
+             "crun run/s", "bwrap/s");
   for (const auto& p : r.points) {
     fmt::print("  {:>11} {:>14.1f} {:>12} {:>12} {:>12} {:>12}\n", p.concurrency, p.dsec_rate,
                ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
@@ -116,9 +117,7 @@ void print_density(const DensityResult& r) {
   fmt::print("  created with create_many in {:.2f} s ({:.0f} creates/s)\n", r.create_seconds, k / r.create_seconds);
   fmt::print("  found in /proc: {} sandboxes, {} processes\n", r.sandboxes_found, r.processes);
   fmt::print("  {:<44} {:>12} {:>14}\n", "", "total", "per sandbox");
-  auto row = [&](const char* name, double v) {
-    fmt::print("  {:<44} {:>12} {:>14}\n", name, mib(v), kib(v / k));
-  };
+  auto row = [&](const char* name, double v) { fmt::print("  {:<44} {:>12} {:>14}\n", name, mib(v), kib(v / k)); };
   row("MemAvailable drop", r.mem_available_delta);
   row("RSS of the sandboxes' processes", r.rss_total);
   row("PSS of the sandboxes' processes", r.pss_total);
@@ -195,8 +194,9 @@ std::string markdown_report(const Report& report, const Options& o) {
     md += fmt::format(
         "### Creates per second (closed loop: each of C threads creates then destroys; {:.0f} s window per cell)\n\n",
         r.window_seconds);
-    md += "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s |\n"
-          "| --- | --- | --- | --- | --- |\n";
+    md +=
+        "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s |\n"
+        "| --- | --- | --- | --- | --- |\n";
     for (const auto& p : r.points)
       md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} |\n", p.concurrency, p.dsec_rate,
                         ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
@@ -216,10 +216,12 @@ std::string markdown_report(const Report& report, const Options& o) {
   if (report.density) {
     const auto& r = *report.density;
     double k = static_cast<double>(r.count);
-    md += fmt::format("### Density: {} idle sandboxes (cpu {} cores, memory limit {} each)\n\n", r.count, r.cpu_per_sandbox,
-                      mib(static_cast<double>(r.memory_limit)));
+    md += fmt::format("### Density: {} idle sandboxes (cpu {} cores, memory limit {} each)\n\n", r.count,
+                      r.cpu_per_sandbox, mib(static_cast<double>(r.memory_limit)));
     md += "| measure | total | per sandbox |\n| --- | --- | --- |\n";
-    auto row = [&](const std::string& name, double v) { md += fmt::format("| {} | {} | {} |\n", name, mib(v), kib(v / k)); };
+    auto row = [&](const std::string& name, double v) {
+      md += fmt::format("| {} | {} | {} |\n", name, mib(v), kib(v / k));
+    };
     row("host MemAvailable drop", r.mem_available_delta);
     row(fmt::format("RSS of the sandboxes' {} processes", r.processes), r.rss_total);
     row("PSS of the same processes", r.pss_total);
@@ -252,13 +254,13 @@ std::string markdown_report(const Report& report, const Options& o) {
     const RatePoint* best = &report.throughput->points.front();
     for (const auto& p : report.throughput->points)
       if (p.dsec_rate > best->dsec_rate) best = &p;
-    targets += fmt::format("| >= 300 creates/s on this machine | best {:.1f}/s (concurrency {}) | {} |\n", best->dsec_rate,
-                      best->concurrency, yes_no(best->dsec_rate >= 300));
+    targets += fmt::format("| >= 300 creates/s on this machine | best {:.1f}/s (concurrency {}) | {} |\n",
+                           best->dsec_rate, best->concurrency, yes_no(best->dsec_rate >= 300));
   }
   if (report.exec) {
     double d = report.exec->dsec.percentile(50), h = report.exec->host.percentile(50);
     targets += fmt::format("| exec `true` p50 <= host fork+exec p50 + 1 ms | {} vs {} + 1 ms | {} |\n", ms(d), ms(h),
-                      yes_no(d <= h + 1));
+                           yes_no(d <= h + 1));
   }
   if (report.density) {
     const auto& r = *report.density;
@@ -277,7 +279,8 @@ std::string markdown_report(const Report& report, const Options& o) {
         r.count, kib(per), kib(itemised), verdict);
   }
   if (!targets.empty())
-    md += "### Targets (DESIGN.md, performance targets)\n\n| target | measured | verdict |\n| --- | --- | --- |\n" + targets;
+    md += "### Targets (DESIGN.md, performance targets)\n\n| target | measured | verdict |\n| --- | --- | --- |\n" +
+          targets;
   return md;
 }
 
