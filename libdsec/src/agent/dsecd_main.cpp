@@ -153,7 +153,10 @@ int main(int argc, char** argv) {
       config.cgroup_name == "." || config.cgroup_name == "..")
     fail(fmt::format("--cgroup-name: '{}' is not a single cgroup name", config.cgroup_name));
 
-  // Signals are taken synchronously by this thread; every thread started below inherits the blocked mask.
+  // Signals are taken synchronously by this thread; every thread started below inherits the blocked mask. A shell
+  // starts background jobs with SIGINT ignored, and an ignored signal never reaches sigwait: restore the default.
+  ::signal(SIGTERM, SIG_DFL);
+  ::signal(SIGINT, SIG_DFL);
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);

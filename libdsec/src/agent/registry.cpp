@@ -135,7 +135,9 @@ CreateOutcome Registry::create(const SandboxSpec& spec) {
     return outcome;
   } catch (const std::exception& e) {
     Error error = as_error(e);
-    metrics_.sandbox_create_error(spec.kind, error.code_name());
+    // Kinds this node does not serve share one label value: the metrics must not grow with what clients send.
+    metrics_.sandbox_create_error(backends_.count(spec.kind) ? std::string_view(spec.kind) : "unknown",
+                                  error.code_name());
     if (entry) {
       std::lock_guard lock(mutex_);
       entry->state = RequestEntry::State::kFailed;

@@ -76,7 +76,9 @@ HttpResponse Router::handle(HttpRequest& request) {
   } catch (...) {
     res = error_response(Error(Code::kInternal, "unknown exception"));
   }
-  metrics_.count_request(route_template(route), std_view(request.method_string()), res.result_int());
+  // Methods outside HTTP's known set are counted as one label value, so clients cannot grow the metrics at will.
+  std::string_view method = request.method() == http::verb::unknown ? "other" : std_view(request.method_string());
+  metrics_.count_request(route_template(route), method, res.result_int());
   return res;
 }
 
