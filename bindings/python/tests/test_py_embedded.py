@@ -178,3 +178,11 @@ def test_forked_child_leaves_the_agent_alone(home):
     assert os.waitstatus_to_exitcode(status) == 0
     assert c.nodes()[0].backends == ["null"]
     c.close()
+
+
+def test_agent_log_goes_where_asked(home, tmp_path, monkeypatch):
+    log = tmp_path / "agent.log"
+    monkeypatch.setenv("DSEC_AGENT_LOG", str(log))
+    with dsec.Client(home=home, agent_args=["--backends", "null", "--node-id", "logged"]) as c:
+        c.nodes()
+    assert "logged" in log.read_text()  # the agent's startup line names its node
