@@ -61,8 +61,10 @@ class Client {
   std::vector<Sandbox> create_many(std::size_t n, const SandboxSpec& spec);
   // A handle on an existing sandbox (not owning: destroying it is explicit).
   Sandbox attach(const std::string& id);
-  // Sandboxes on every node that carry all of `labels` (and belong to `tenant`, when given).
+  // Sandboxes on every node that carry all of `labels` (and belong to `tenant`, when given). Throws when a node
+  // cannot be reached rather than answer with part of the list.
   std::vector<SandboxInfo> list(const Labels& labels = {}, const std::string& tenant = {});
+  // Every node's capacity, load, backends and images; throws when a node cannot be reached.
   std::vector<NodeInfo> nodes();
   // The embedded agent's endpoint, or the first configured one.
   std::string endpoint() const;
