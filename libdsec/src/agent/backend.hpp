@@ -49,6 +49,9 @@ class Backend {
   virtual std::string_view kind() const = 0;
   // Starts a sandbox and returns once it can take an exec.
   virtual std::unique_ptr<BackendSandbox> create(const CreateParams& params) = 0;
+  // Releases what sandbox `id` of an earlier run of this agent left behind (its processes, cgroups, run
+  // directory). The agent calls it at start-up for each sandbox in its on-disk records. Idempotent.
+  virtual void remove_leftovers(const std::string& id) {}
   // Called once at agent shutdown, after every sandbox was destroyed: release pools and pre-made resources.
   virtual void shutdown() {}
 };

@@ -38,8 +38,11 @@ class CgroupDriver {
   virtual ~CgroupDriver() = default;
   virtual std::string version() const = 0;  // "v1" or "v2"
   virtual std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& resources) = 0;
-  // Removes leftovers of an earlier run (groups with no processes) under this agent's subtree.
-  virtual void remove_stale_groups() = 0;
+  // Removes groups with no processes under the agent's subtree (left by an earlier run). Groups that still hold
+  // processes are left alone: they may belong to another agent that uses the same subtree name.
+  virtual void remove_empty_groups() = 0;
+  // Kills whatever is left of sandbox `id` (an earlier run of this agent crashed) and removes its groups.
+  virtual void remove_sandbox_groups(const std::string& id) = 0;
 };
 
 // Picks v2 when /sys/fs/cgroup is a cgroup2 mount with the cpu, memory and pids controllers available, else v1 with

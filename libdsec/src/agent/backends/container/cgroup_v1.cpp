@@ -243,19 +243,25 @@ class CgroupV1Driver final : public CgroupDriver {
     return group;
   }
 
-  void remove_stale_groups() override {
+  void remove_empty_groups() override {
     std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(h_.pids + "/" + name_, ec))
-      if (entry.is_directory()) kill_group_tree(h_.pids, entry.path().string());
-    for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory})
-      for (const auto& entry : fs::directory_iterator(*root + "/" + name_, ec))
-        if (entry.is_directory()) {
-          try {
-            remove_tree(entry.path().string());
-          } catch (const Error&) {
-          }
+    for (const auto& entry : fs::directory_iterator(h_.pids + "/" + name_, ec)) {
+      if (!entry.is_directory()) continue;
+      bool empty = read_pids(entry.path().string() + "/cgroup.procs").empty();
+      for (const auto& sub : fs::recursive_directory_iterator(entry.path(), ec))
+        if (sub.is_directory()) empty = empty && read_pids(sub.path().string() + "/cgroup.procs").empty();
+      if (!empty) continue;
+      std::string id = entry.path().filename().string();
+      for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) {
+        try {
+          remove_tree(*root + "/" + name_ + "/" + id);
+        } catch (const Error&) {
         }
+      }
+    }
   }
+
+  void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV1(h_, "/" + name_ + "/" + id).destroy(); }
 
  private:
   Hierarchies h_;

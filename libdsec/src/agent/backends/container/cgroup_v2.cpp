@@ -160,16 +160,17 @@ class CgroupV2Driver final : public CgroupDriver {
     return group;
   }
 
-  void remove_stale_groups() override {
+  void remove_empty_groups() override {
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(root_, ec)) {
-      if (!entry.is_directory()) continue;
-      kill_and_wait(entry.path());
+      if (!entry.is_directory() || populated(entry.path())) continue;
       for (const auto& child : fs::directory_iterator(entry.path(), ec))
         if (child.is_directory()) ::rmdir(child.path().c_str());
       ::rmdir(entry.path().c_str());
     }
   }
+
+  void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV2(root_ + "/" + id).destroy(); }
 
  private:
   std::string mount_;

@@ -404,7 +404,7 @@ class ContainerBackend final : public Backend {
     fs::create_directories(config_.run_dir);
     ::chmod(config_.run_dir.c_str(), 0700);
     cgroups_ = make_cgroup_driver(config_.cgroup_name);
-    cgroups_->remove_stale_groups();
+    cgroups_->remove_empty_groups();
     seccomp_default_ = build_seccomp_program(false);
     seccomp_ptrace_ = build_seccomp_program(true);
     netns_ = std::make_unique<NetnsPool>(config_.netns_pool_size);
@@ -467,6 +467,15 @@ class ContainerBackend final : public Backend {
     cleanup.armed = false;
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
                                               std::move(netns));
+  }
+
+  void remove_leftovers(const std::string& id) override {
+    if (id.empty() || id.find('/') != std::string::npos || id.find("..") != std::string::npos)
+      throw Error(Code::kInvalidArgument, fmt::format("'{}' is not a sandbox id", id));
+    // Killing every process in the sandbox's groups kills its init, and with it the pid and mount namespaces.
+    cgroups_->remove_sandbox_groups(id);
+    std::error_code ec;
+    fs::remove_all(config_.run_dir / id, ec);
   }
 
   void shutdown() override { netns_.reset(); }

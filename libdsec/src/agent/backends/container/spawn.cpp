@@ -156,7 +156,10 @@ int child_main(void* arg) {
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(a, "no_new_privs", nullptr);
   if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, r.seccomp) != 0) fail(a, "load seccomp filter", nullptr);
 
-  sigprocmask(SIG_SETMASK, &a->original_mask, nullptr);
+  // The agent's threads block signals they wait for (SIGTERM, SIGINT); nothing of that may reach the sandbox.
+  sigset_t empty;
+  sigemptyset(&empty);
+  sigprocmask(SIG_SETMASK, &empty, nullptr);
   static char init_name[] = "dsec-init";
   char* argv[] = {init_name, nullptr};
   char* envp[] = {nullptr};
