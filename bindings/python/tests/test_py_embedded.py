@@ -138,6 +138,12 @@ def test_agent_dies_with_the_trainer(home, tmp_path):
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
         assert wait_gone(sock), "the embedded agent outlived its trainer"
+        # Nobody was left to remove the dead trainer's private directory: the next embedded client does.
+        private_dir = os.path.dirname(sock)
+        assert os.path.basename(private_dir).startswith(f"dsec-client-{trainer.pid}-")
+        with dsec.Client(home=home, agent_args=["--backends", "null"]) as c:
+            assert not os.path.exists(private_dir), os.listdir(private_dir)
+            assert c.endpoint != line
     finally:
         if trainer.poll() is None:
             trainer.kill()

@@ -1,16 +1,20 @@
 #include "client/embedded_agent.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -42,7 +46,47 @@ std::string env_or_empty(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
-// A directory only this process uses, short enough for a unix socket path inside it.
+constexpr std::string_view kDirPrefix = "dsec-client-";
+
+// Whether something accepts connections on a unix socket.
+bool socket_in_use(const std::string& path) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd || path.size() >= sizeof(sockaddr_un::sun_path)) return false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  return ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+}
+
+// Private directories of trainers that died without stopping their agent (SIGKILL, the OOM killer): the agent got
+// SIGTERM then and went away, but nobody removed the directory. Only the files the client puts there are removed,
+// never recursively, and only when the owning process is gone and no agent answers on the socket.
+void sweep_stale_dirs(const std::string& base) {
+  DIR* dir = ::opendir(base.c_str());
+  if (!dir) return;
+  std::vector<std::string> stale;
+  while (dirent* e = ::readdir(dir)) {
+    std::string_view name(e->d_name);
+    if (!name.starts_with(kDirPrefix)) continue;
+    std::string_view rest = name.substr(kDirPrefix.size());
+    pid_t owner = 0;
+    auto [ptr, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), owner);
+    if (ec != std::errc() || owner <= 0 || ptr == rest.data() + rest.size() || *ptr != '-') continue;
+    if (::kill(owner, 0) == 0 || errno != ESRCH) continue;  // the owner lives (or is not ours to judge)
+    stale.push_back(base + "/" + std::string(name));
+  }
+  ::closedir(dir);
+  for (const auto& d : stale) {
+    if (socket_in_use(d + "/dsecd.sock")) continue;
+    ::unlink((d + "/dsecd.sock").c_str());
+    ::unlink((d + "/dsecd.log").c_str());
+    ::rmdir((d + "/run").c_str());
+    ::rmdir(d.c_str());
+  }
+}
+
+// A directory only this process uses, short enough for a unix socket path inside it, named after the process so
+// that a later client can tell when its owner is gone.
 std::string make_private_dir() {
   std::vector<std::string> bases;
   if (auto xdg = env_or_empty("XDG_RUNTIME_DIR"); !xdg.empty()) bases.push_back(xdg);
@@ -51,8 +95,9 @@ std::string make_private_dir() {
   bases.push_back("/tmp");
   int last_errno = 0;
   for (const auto& base : bases) {
-    std::string templ = base + "/dsec-client-XXXXXX";
+    std::string templ = fmt::format("{}/{}{}-XXXXXX", base, kDirPrefix, ::getpid());
     if (templ.size() + std::strlen("/dsecd.sock") > 107) continue;
+    sweep_stale_dirs(base);
     if (::mkdtemp(templ.data())) return templ;
     last_errno = errno;
   }
