@@ -412,6 +412,23 @@ TEST_F(RegistryTest, RecordsAreWrittenAtCreateAndRemovedAtDestroy) {
   EXPECT_TRUE(std::filesystem::is_empty(dir.path() / "state" / "sandboxes"));
 }
 
+TEST_F(RegistryTest, RecordsOfAnEarlierRunAreDiscardedAtStartup) {
+  ScratchDir dir;
+  RegistryOptions options;
+  options.state_dir = dir.path();
+  make(options);
+  std::string live = registry_->create(spec()).info.id;
+  EXPECT_EQ(registry_->discard_stale_records(), 0u);  // its own records stay
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / (live + ".json")));
+  std::ofstream(dir.path() / "n1-half.json.tmp") << "{";
+  std::ofstream(dir.path() / "notes.txt") << "not a record";
+  make(options);  // a new agent on the same home
+  EXPECT_EQ(registry_->discard_stale_records(), 1u);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / (live + ".json")));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "n1-half.json.tmp"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "notes.txt"));
+}
+
 TEST_F(RegistryTest, DestroyAllEmptiesTheNode) {
   RegistryOptions options;
   options.cores = 16;

@@ -558,6 +558,29 @@ void Registry::write_record(const Record& record) const {
   }
 }
 
+std::size_t Registry::discard_stale_records() {
+  if (options_.state_dir.empty()) return 0;
+  std::size_t discarded = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(options_.state_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool record = name.size() > 5 && name.ends_with(".json");
+    if (!record && !name.ends_with(".json.tmp")) continue;
+    {
+      std::lock_guard lock(mutex_);
+      if (records_.count(name.substr(0, name.size() - 5))) continue;
+    }
+    if (record) {
+      log_warn("sandbox {} was left by an earlier agent run; its record is discarded (this agent does not take "
+               "sandboxes over yet)",
+               name.substr(0, name.size() - 5));
+      ++discarded;
+    }
+    std::filesystem::remove(entry.path(), ec);
+  }
+  return discarded;
+}
+
 void Registry::remove_record_file(const std::string& id) const {
   if (options_.state_dir.empty()) return;
   auto path = options_.state_dir / (id + ".json");

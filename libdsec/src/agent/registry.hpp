@@ -103,6 +103,11 @@ class Registry {
   // Destroys every sandbox (agent shutdown); returns how many.
   std::size_t destroy_all(std::string_view reason);
 
+  // Records left in state_dir by an earlier agent run (one that crashed). Taking their sandboxes over is not done
+  // yet: the records are removed, with a log line each, so they are not mistaken for live sandboxes. Returns how
+  // many. Call before serving.
+  std::size_t discard_stale_records();
+
   NodeLoad load() const;
   std::vector<std::string> kinds() const;
   const RegistryOptions& options() const noexcept { return options_; }
