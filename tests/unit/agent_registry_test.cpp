@@ -412,20 +412,33 @@ TEST_F(RegistryTest, RecordsAreWrittenAtCreateAndRemovedAtDestroy) {
   EXPECT_TRUE(std::filesystem::is_empty(dir.path() / "state" / "sandboxes"));
 }
 
-TEST_F(RegistryTest, RecordsOfAnEarlierRunAreDiscardedAtStartup) {
+TEST_F(RegistryTest, LeftoversOfAnEarlierRunAreRemovedAtStartup) {
   ScratchDir dir;
   RegistryOptions options;
   options.state_dir = dir.path();
   make(options);
-  std::string live = registry_->create(spec()).info.id;
-  EXPECT_EQ(registry_->discard_stale_records(), 0u);  // its own records stay
-  EXPECT_TRUE(std::filesystem::exists(dir.path() / (live + ".json")));
+  std::string first = registry_->create(spec()).info.id;
+  std::string second = registry_->create(spec()).info.id;
+  EXPECT_EQ(registry_->remove_leftovers_of_earlier_run(), 0u);  // its own live sandboxes are not leftovers
+  EXPECT_TRUE(state_->leftovers_removed.empty());
   std::ofstream(dir.path() / "n1-half.json.tmp") << "{";
   std::ofstream(dir.path() / "notes.txt") << "not a record";
-  make(options);  // a new agent on the same home
-  EXPECT_EQ(registry_->discard_stale_records(), 1u);
-  EXPECT_FALSE(std::filesystem::exists(dir.path() / (live + ".json")));
+
+  make(options);  // a new agent on the same home, after a crash
+  state_->fail_leftovers = true;
+  EXPECT_EQ(registry_->remove_leftovers_of_earlier_run(), 0u);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / (first + ".json")));  // kept for a later try
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "n1-half.json.tmp"));
+
+  state_->fail_leftovers = false;
+  EXPECT_EQ(registry_->remove_leftovers_of_earlier_run(), 2u);
+  std::vector<std::string> removed = state_->leftovers_removed;
+  std::sort(removed.begin(), removed.end());
+  std::vector<std::string> expected{first, second};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removed, expected);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / (first + ".json")));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / (second + ".json")));
   EXPECT_TRUE(std::filesystem::exists(dir.path() / "notes.txt"));
 }
 

@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -45,6 +46,9 @@ class ProbeBackend final : public Backend {
     std::atomic<int> fail_at{0};        // the create with this 1-based number fails (0: none)
     std::atomic<int> create_delay_ms{0};
     std::atomic<bool> alive{true};
+    std::atomic<bool> fail_leftovers{false};
+    std::mutex mutex;
+    std::vector<std::string> leftovers_removed;
   };
 
   explicit ProbeBackend(std::shared_ptr<State> state, std::string kind = "null")
@@ -57,6 +61,12 @@ class ProbeBackend final : public Backend {
     if (int ms = state_->create_delay_ms.load()) std::this_thread::sleep_for(std::chrono::milliseconds{ms});
     if (n == state_->fail_at.load()) throw Error(Code::kInternal, fmt::format("create #{} failed on purpose", n));
     return std::make_unique<Sandbox>(inner_->create(params), state_);
+  }
+
+  void remove_leftovers(const std::string& id) override {
+    if (state_->fail_leftovers) throw Error(Code::kInternal, "cannot remove leftovers on purpose");
+    std::lock_guard lock(state_->mutex);
+    state_->leftovers_removed.push_back(id);
   }
 
  private:

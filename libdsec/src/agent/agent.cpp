@@ -66,7 +66,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   Registry::Backends backends;
   for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
-  registry_->discard_stale_records();
+  registry_->remove_leftovers_of_earlier_run();
   router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); });
 
   ServerOptions server;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -558,27 +559,50 @@ void Registry::write_record(const Record& record) const {
   }
 }
 
-std::size_t Registry::discard_stale_records() {
+std::size_t Registry::remove_leftovers_of_earlier_run() {
   if (options_.state_dir.empty()) return 0;
-  std::size_t discarded = 0;
+  std::size_t cleaned = 0;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(options_.state_dir, ec)) {
     const std::string name = entry.path().filename().string();
-    const bool record = name.size() > 5 && name.ends_with(".json");
-    if (!record && !name.ends_with(".json.tmp")) continue;
+    if (name.ends_with(".json.tmp")) {  // a record never completed: its create never answered
+      std::filesystem::remove(entry.path(), ec);
+      continue;
+    }
+    if (name.size() <= 5 || !name.ends_with(".json")) continue;
+    const std::string id = name.substr(0, name.size() - 5);
     {
       std::lock_guard lock(mutex_);
-      if (records_.count(name.substr(0, name.size() - 5))) continue;
+      if (records_.count(id)) continue;
     }
-    if (record) {
-      log_warn("sandbox {} was left by an earlier agent run; its record is discarded (this agent does not take "
-               "sandboxes over yet)",
-               name.substr(0, name.size() - 5));
-      ++discarded;
+    std::string kind;
+    try {
+      std::ifstream in(entry.path());
+      kind = protocol::json::parse(in).at("info").at("kind").get<std::string>();
+    } catch (const std::exception& e) {
+      log_warn("sandbox record {} is unreadable ({}); removed", entry.path().string(), e.what());
+      std::filesystem::remove(entry.path(), ec);
+      continue;
     }
+    auto backend = backends_.find(kind);
+    if (backend == backends_.end()) {
+      log_warn("sandbox {} of an earlier agent run is of kind '{}', which this agent does not serve; its record is "
+               "kept",
+               id, kind);
+      continue;
+    }
+    try {
+      backend->second->remove_leftovers(id);
+    } catch (const std::exception& e) {
+      log_warn("sandbox {} of an earlier agent run: removing what it left failed: {}; its record is kept", id,
+               e.what());
+      continue;
+    }
+    log_info("removed sandbox {} left by an earlier agent run", id);
     std::filesystem::remove(entry.path(), ec);
+    ++cleaned;
   }
-  return discarded;
+  return cleaned;
 }
 
 void Registry::remove_record_file(const std::string& id) const {

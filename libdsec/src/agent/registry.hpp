@@ -103,10 +103,11 @@ class Registry {
   // Destroys every sandbox (agent shutdown); returns how many.
   std::size_t destroy_all(std::string_view reason);
 
-  // Records left in state_dir by an earlier agent run (one that crashed). Taking their sandboxes over is not done
-  // yet: the records are removed, with a log line each, so they are not mistaken for live sandboxes. Returns how
-  // many. Call before serving.
-  std::size_t discard_stale_records();
+  // Sandboxes an earlier run of the agent left behind (it crashed): for each record in state_dir that is not a live
+  // sandbox of this registry, its backend removes what is left (Backend::remove_leftovers), then the record goes.
+  // A record whose cleanup fails, or whose kind this agent does not serve, is kept (and logged) for a later start.
+  // Taking such sandboxes over instead is not done yet. Returns how many were cleaned up. Call before serving.
+  std::size_t remove_leftovers_of_earlier_run();
 
   NodeLoad load() const;
   std::vector<std::string> kinds() const;
