@@ -50,7 +50,8 @@ struct Options {
   std::size_t n = 200;          // samples per latency measure
   std::size_t warmup = 10;      // discarded iterations before each measure
   std::vector<int> concurrency{1, 2, 4, 8, 16};
-  double duration_seconds = 5;  // throughput window per system and concurrency
+  double duration_seconds = 5;  // throughput: measured time per system and concurrency
+  std::size_t rounds = 5;       // throughput: the systems take turns in this many windows
   std::size_t density_count = 500;
   double density_cpu = 0.01;                   // cores per idle sandbox
   std::uint64_t density_memory = 16ull << 20;  // memory limit per idle sandbox
@@ -97,11 +98,14 @@ struct RatePoint {
   double dsec_rate = 0, crun_rate = 0, bwrap_rate = 0;  // completed creates per second
   std::size_t dsec_count = 0, crun_count = 0, bwrap_count = 0;
   bool crun_measured = false, bwrap_measured = false;
-  Latency dsec_create;  // create latency under this concurrency
+  Latency dsec_create;   // create latency under this concurrency
+  Latency dsec_destroy;  // destroy latency under this concurrency
+  CpuUse cpu;            // the machine while this level ran
 };
 
 struct ThroughputResult {
-  double window_seconds = 0;
+  double window_seconds = 0;  // per system and level, split into `rounds` turns
+  std::size_t rounds = 0;
   std::vector<RatePoint> points;
   CpuUse cpu;
 };

@@ -23,11 +23,12 @@ struct LoopResult {
   std::size_t completed = 0;
   double seconds = 0;
   Latency latency;  // of the creates that completed inside the window
+  Latency rest;     // of what each of those cycles did after its create (dsec: the destroy)
 };
 
 // When one cycle's create started and when it completed.
 struct CycleTimes {
-  Clock::time_point started, created;
+  Clock::time_point started, created, ended;  // ended: after the destroy (dsec), = created for the peers
 };
 
 LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmup_per_thread,
@@ -47,7 +48,7 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
   };
   auto worker = [&] {
     std::size_t completed = 0;
-    Latency latency;
+    Latency latency, rest;
     try {
       for (std::size_t i = 0; i < warmup_per_thread && !failed.load(); ++i) cycle();
     } catch (...) {
@@ -61,6 +62,7 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
         if (t.created <= window_end) {
           ++completed;
           latency.add(ms_between(t.started, t.created));
+          rest.add(ms_between(t.created, t.ended));
         }
       }
     } catch (...) {
@@ -69,6 +71,7 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
     std::lock_guard lock(mu);
     out.completed += completed;
     out.latency.merge(latency);
+    out.rest.merge(rest);
   };
 
   std::vector<std::thread> threads;
@@ -90,53 +93,65 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
 ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers) {
   ThroughputResult result;
   result.window_seconds = options.duration_seconds;
+  result.rounds = options.rounds;
   const SandboxSpec spec = bench_spec(options);
+  const double window = options.duration_seconds / static_cast<double>(options.rounds);
   const std::size_t warmup = std::max<std::size_t>(1, std::min<std::size_t>(options.warmup, 3));
-  CpuMeter cpu({agent_pid_for(client)});
+  const int agent = agent_pid_for(client);
+  CpuMeter cpu({agent});
+
+  auto dsec_cycle = [&] {
+    CycleTimes t;
+    t.started = Clock::now();
+    Sandbox sb = client.create(spec);
+    t.created = Clock::now();
+    sb.destroy();
+    t.ended = Clock::now();
+    return t;
+  };
+  auto peer_cycle = [](auto run) {
+    return [run] {
+      CycleTimes t;
+      t.started = Clock::now();
+      run();
+      t.created = t.ended = Clock::now();
+      return t;
+    };
+  };
+  const auto crun_cycle = peer_cycle([&peers] { peers.crun_run(); });
+  const auto bwrap_cycle = peer_cycle([&peers] { peers.bwrap_run(); });
 
   for (int c : options.concurrency) {
     RatePoint point;
     point.concurrency = c;
-
-    LoopResult d = closed_loop(c, options.duration_seconds, warmup, [&] {
-      CycleTimes t;
-      t.started = Clock::now();
-      Sandbox sb = client.create(spec);
-      t.created = Clock::now();
-      sb.destroy();
-      return t;
-    });
-    point.dsec_count = d.completed;
-    point.dsec_rate = static_cast<double>(d.completed) / d.seconds;
-    point.dsec_create = std::move(d.latency);
-    fmt::print(stderr, "  throughput: concurrency {:>2}: dsec {:.1f} creates/s\n", c, point.dsec_rate);
-
-    if (peers.has_crun()) {
-      LoopResult r = closed_loop(c, options.duration_seconds, warmup, [&] {
-        CycleTimes t;
-        t.started = Clock::now();
-        peers.crun_run();
-        t.created = Clock::now();
-        return t;
-      });
-      point.crun_measured = true;
-      point.crun_count = r.completed;
-      point.crun_rate = static_cast<double>(r.completed) / r.seconds;
-      fmt::print(stderr, "  throughput: concurrency {:>2}: crun run {:.1f}/s\n", c, point.crun_rate);
+    point.crun_measured = peers.has_crun();
+    point.bwrap_measured = peers.has_bwrap();
+    CpuMeter level_cpu({agent});
+    double dsec_seconds = 0, crun_seconds = 0, bwrap_seconds = 0;
+    // The systems take turns in short windows, so a change in the machine's load reaches all of them alike.
+    for (std::size_t round = 0; round < options.rounds; ++round) {
+      LoopResult d = closed_loop(c, window, warmup, dsec_cycle);
+      point.dsec_count += d.completed;
+      dsec_seconds += d.seconds;
+      point.dsec_create.merge(d.latency);
+      point.dsec_destroy.merge(d.rest);
+      if (point.crun_measured) {
+        LoopResult r = closed_loop(c, window, warmup, crun_cycle);
+        point.crun_count += r.completed;
+        crun_seconds += r.seconds;
+      }
+      if (point.bwrap_measured) {
+        LoopResult r = closed_loop(c, window, warmup, bwrap_cycle);
+        point.bwrap_count += r.completed;
+        bwrap_seconds += r.seconds;
+      }
     }
-    if (peers.has_bwrap()) {
-      LoopResult r = closed_loop(c, options.duration_seconds, warmup, [&] {
-        CycleTimes t;
-        t.started = Clock::now();
-        peers.bwrap_run();
-        t.created = Clock::now();
-        return t;
-      });
-      point.bwrap_measured = true;
-      point.bwrap_count = r.completed;
-      point.bwrap_rate = static_cast<double>(r.completed) / r.seconds;
-      fmt::print(stderr, "  throughput: concurrency {:>2}: bwrap {:.1f}/s\n", c, point.bwrap_rate);
-    }
+    point.dsec_rate = static_cast<double>(point.dsec_count) / dsec_seconds;
+    if (point.crun_measured) point.crun_rate = static_cast<double>(point.crun_count) / crun_seconds;
+    if (point.bwrap_measured) point.bwrap_rate = static_cast<double>(point.bwrap_count) / bwrap_seconds;
+    point.cpu = level_cpu.stop();
+    fmt::print(stderr, "  throughput: concurrency {:>2}: dsec {:.1f}/s, crun run {:.1f}/s, bwrap {:.1f}/s\n", c,
+               point.dsec_rate, point.crun_rate, point.bwrap_rate);
     result.points.push_back(std::move(point));
   }
   result.cpu = cpu.stop();

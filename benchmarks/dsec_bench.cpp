@@ -58,7 +58,8 @@ Flags:
   -n N                   samples per latency measure (default 200)
   --warmup N             discarded iterations before measuring (default 10)
   --concurrency LIST     throughput levels (default 1,2,4,8,16)
-  --duration SECONDS     throughput window per system and level (default 5)
+  --duration SECONDS     throughput: measured time per system and level (default 5)
+  --rounds N             throughput: the systems take turns in N windows of SECONDS/N each (default 5)
   -k, --count K          density: idle sandboxes (default 500)
   --density-cpu CORES    density: cpu per sandbox (default 0.01)
   --density-memory SIZE  density: memory limit per sandbox (default 16Mi)
@@ -154,6 +155,8 @@ Options parse_options(int argc, char** argv) {
         if (c > 1024) throw UsageError(fmt::format("--concurrency: {} threads is too many (max 1024)", c));
     } else if (flag == "--duration") {
       o.duration_seconds = parse_positive(flag, take());
+    } else if (flag == "--rounds") {
+      o.rounds = parse_count(flag, take(), 1);
     } else if (flag == "-k" || flag == "--count") {
       o.density_count = parse_count(flag, take(), 1);
     } else if (flag == "--density-cpu") {

@@ -90,14 +90,15 @@ void print_create(const CreateResult& r) {
 }
 
 void print_throughput(const ThroughputResult& r) {
-  fmt::print("\n== throughput: completed creates per second, {:.0f} s window per cell ==\n", r.window_seconds);
-  fmt::print("  {:>11} {:>14} {:>12} {:>12} {:>12} {:>12}\n", "concurrency", "dsec create/s", "dsec p50", "dsec p99",
-             "crun run/s", "bwrap/s");
+  fmt::print("\n== throughput: completed creates per second, {:.0f} s per cell in {} turns, systems alternating ==\n",
+             r.window_seconds, r.rounds);
+  fmt::print("  {:>11} {:>14} {:>12} {:>12} {:>14} {:>12} {:>12} {:>14}\n", "concurrency", "dsec create/s",
+             "create p50", "create p99", "destroy p50", "crun run/s", "bwrap/s", "others' load");
   for (const auto& p : r.points) {
-    fmt::print("  {:>11} {:>14.1f} {:>12} {:>12} {:>12} {:>12}\n", p.concurrency, p.dsec_rate,
-               ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
+    fmt::print("  {:>11} {:>14.1f} {:>12} {:>12} {:>14} {:>12} {:>12} {:>14.2f}\n", p.concurrency, p.dsec_rate,
+               ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)), ms(p.dsec_destroy.percentile(50)),
                p.crun_measured ? fmt::format("{:.1f}", p.crun_rate) : "n/a",
-               p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a");
+               p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.others_cores);
   }
 }
 
@@ -192,16 +193,17 @@ std::string markdown_report(const Report& report, const Options& o) {
   if (report.throughput) {
     const auto& r = *report.throughput;
     md += fmt::format(
-        "### Creates per second (closed loop: each of C threads creates then destroys; {:.0f} s window per cell)\n\n",
-        r.window_seconds);
+        "### Creates per second (closed loop: each of C threads creates then destroys; {:.0f} s per cell, in {} "
+        "turns with the systems alternating)\n\n",
+        r.window_seconds, r.rounds);
     md +=
-        "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s |\n"
-        "| --- | --- | --- | --- | --- |\n";
+        "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s | other processes' load |\n"
+        "| --- | --- | --- | --- | --- | --- |\n";
     for (const auto& p : r.points)
-      md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} |\n", p.concurrency, p.dsec_rate,
+      md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} | {:.2f} cores |\n", p.concurrency, p.dsec_rate,
                         ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
                         p.crun_measured ? fmt::format("{:.1f}", p.crun_rate) : "n/a",
-                        p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a");
+                        p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.others_cores);
     md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, m.cores));
   }
   if (report.exec) {
