@@ -58,7 +58,9 @@ TASKS = [
 ]
 
 RUN_TESTS = (
-    "cd /work && python3 -c \"import sys, importlib; m = importlib.import_module(sys.argv[1]); m.test(); print('PASS')\" "
+    # -B: the edit can keep the file's size and land in the same second as the first run, and Python would then
+    # reuse the stale bytecode of the buggy version.
+    "cd /work && python3 -B -c \"import sys, importlib; m = importlib.import_module(sys.argv[1]); m.test(); print('PASS')\" "
 )
 
 

@@ -58,7 +58,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
 
   RegistryOptions options;
   options.node_id = config_.node_id;
-  options.state_dir = config_.home / "state" / "sandboxes";
+  options.state_dir = config_.state_dir.empty() ? config_.home / "state" / "sandboxes" : config_.state_dir;
   options.cores = capacity_.cores;
   options.memory_bytes = capacity_.memory_bytes;
   options.cpu_overcommit = config_.cpu_overcommit;

@@ -16,6 +16,7 @@ struct AgentConfig {
   std::string tcp_listen;                     // "127.0.0.1:7070" (empty: no TCP)
   std::filesystem::path home = "/var/lib/dsec";   // images/, state/ (sandbox records)
   std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
+  std::filesystem::path state_dir;            // sandbox records; empty: <home>/state/sandboxes
   std::filesystem::path init_binary;          // dsec-init; default: next to dsecd
   std::string cgroup_name = "dsec";           // cgroup subtree (per agent: "dsec-<node_id>" when several run)
   std::size_t max_body_bytes = 256u << 20;    // request bodies (file uploads) larger than this are refused
@@ -25,8 +26,8 @@ struct AgentConfig {
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   std::vector<std::string> backends{"container"};  // kinds this agent serves: "container", "null"
-  double cpu_overcommit = 8.0;
-  double memory_overcommit = 1.0;
+  double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
+  double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
 };
 
 }  // namespace dsec::agent

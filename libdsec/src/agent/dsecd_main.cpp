@@ -32,6 +32,7 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --socket PATH           listen on this unix socket (default <run-dir>/dsecd.sock when --listen is not given)
   --listen HOST:PORT      listen on TCP ("127.0.0.1:7070", "[::1]:7070", ":7070" for all addresses)
   --home DIR              image store and sandbox records (default /var/lib/dsec)
+  --state-dir DIR         sandbox records, re-read at start-up (default <home>/state/sandboxes)
   --run-dir DIR           per-sandbox runtime files (default /run/dsec)
   --node-id ID            prefixes every sandbox id (default: the hostname)
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
@@ -40,8 +41,8 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --cgroup-name NAME      cgroup subtree of this agent (default dsec)
   --max-body BYTES        largest request body, e.g. 256Mi (default 256Mi)
   --max-connections N     connections served at once (default 4096)
-  --cpu-overcommit R      admit cpu requests up to cores x R (default 8)
-  --memory-overcommit R   admit memory limits up to RAM x R (default 1)
+  --cpu-overcommit R      admit cpu requests up to cores x R (default 32)
+  --memory-overcommit R   admit memory limits up to RAM x R (default 2)
   --ready-fd N            write "ready\n" to fd N and close it once listening
   --version               print the version
   --help                  this text
@@ -117,6 +118,8 @@ int main(int argc, char** argv) {
       config.unix_socket = std::string(value);
     } else if (flag == "--listen") {
       config.tcp_listen = std::string(value);
+    } else if (flag == "--state-dir") {
+      config.state_dir = std::string(value);
     } else if (flag == "--home") {
       config.home = std::string(value);
     } else if (flag == "--run-dir") {

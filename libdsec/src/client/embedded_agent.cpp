@@ -81,6 +81,7 @@ void sweep_stale_dirs(const std::string& base) {
     ::unlink((d + "/dsecd.sock").c_str());
     ::unlink((d + "/dsecd.log").c_str());
     ::rmdir((d + "/run").c_str());
+    ::rmdir((d + "/state").c_str());
     ::rmdir(d.c_str());
   }
 }
@@ -236,7 +237,11 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
     if (efd < 0) throw_errno(errno, "eventfd for the embedded dsecd's keeper");
     stop_fd_ = efd;
 
+    // The image store (home) is shared; everything that says which sandboxes are this agent's is private, so two
+    // trainers on one machine never take each other's sandboxes for leftovers.
+    std::string private_name = std::filesystem::path(dir_).filename().string();
     argv_ = {binary_, "--socket", socket_path_, "--home", home, "--run-dir", run_dir_,
+             "--state-dir", dir_ + "/state", "--cgroup-name", private_name,
              "--ready-fd", std::to_string(kReadyFd)};
     argv_.insert(argv_.end(), options.extra_args.begin(), options.extra_args.end());
 
@@ -436,6 +441,7 @@ void EmbeddedAgent::cleanup_files() noexcept {
   if (!socket_path_.empty()) ::unlink(socket_path_.c_str());
   if (!keep_log_ && !log_path_.empty()) ::unlink(log_path_.c_str());
   if (!run_dir_.empty()) ::rmdir(run_dir_.c_str());
+  if (!dir_.empty()) ::rmdir((dir_ + "/state").c_str());
   if (!dir_.empty()) ::rmdir(dir_.c_str());
 }
 

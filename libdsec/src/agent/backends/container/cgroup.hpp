@@ -41,6 +41,8 @@ class CgroupDriver {
   // Removes groups with no processes under the agent's subtree (left by an earlier run). Groups that still hold
   // processes are left alone: they may belong to another agent that uses the same subtree name.
   virtual void remove_empty_groups() = 0;
+  // Removes the agent's subtree itself if it is empty (at shutdown; another agent may still use it).
+  virtual void remove_subtree_if_empty() = 0;
   // Kills whatever is left of sandbox `id` (an earlier run of this agent crashed) and removes its groups.
   virtual void remove_sandbox_groups(const std::string& id) = 0;
 };

@@ -261,6 +261,10 @@ class CgroupV1Driver final : public CgroupDriver {
     }
   }
 
+  void remove_subtree_if_empty() override {
+    for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) ::rmdir((*root + "/" + name_).c_str());
+  }
+
   void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV1(h_, "/" + name_ + "/" + id).destroy(); }
 
  private:

@@ -170,6 +170,8 @@ class CgroupV2Driver final : public CgroupDriver {
     }
   }
 
+  void remove_subtree_if_empty() override { ::rmdir(root_.c_str()); }
+
   void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV2(root_ + "/" + id).destroy(); }
 
  private:

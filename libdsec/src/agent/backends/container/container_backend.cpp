@@ -478,7 +478,13 @@ class ContainerBackend final : public Backend {
     fs::remove_all(config_.run_dir / id, ec);
   }
 
-  void shutdown() override { netns_.reset(); }
+  void shutdown() override {
+    netns_.reset();
+    if (cgroups_) {
+      cgroups_->remove_empty_groups();
+      cgroups_->remove_subtree_if_empty();
+    }
+  }
 
   std::string cgroup_version() const { return cgroups_->version(); }
 
