@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import tarfile
 import time
 import uuid
@@ -279,3 +280,24 @@ def test_destroy_during_exec(client, agent):
     else:
         assert isinstance(outcome["error"], (dsec.NotFound, dsec.Unavailable, dsec.FailedPrecondition)), outcome
     assert not agent.leftovers(sb.id)
+
+
+def test_removing_an_image_keeps_its_files_for_running_sandboxes(client, image_home):
+    # A second image, so the shared busybox image of the other tests is not disturbed.
+    name = "lease-probe"
+    cli = [str(lib.DSEC_CLI), "image"]
+    subprocess.run(cli + ["build", name, "--from", "busybox-static", "--home", image_home], check=True,
+                   capture_output=True)
+    with client.create(image=name, ttl=120) as sb:
+        subprocess.run(cli + ["rm", name, "--home", image_home], check=True, capture_output=True)
+        images = os.path.join(image_home, "images")
+        held = [e for e in os.listdir(images) if e.startswith(".rm-")]
+        assert held, f"the removed image's files must stay while a sandbox uses them: {os.listdir(images)}"
+        # The name is gone for new sandboxes at once ...
+        with pytest.raises(dsec.NotFound):
+            client.create(image=name, ttl=60)
+        # ... but the running sandbox still reads its image's files (not only what it copied up).
+        r = sb.exec("/bin/busybox true && cat /etc/passwd >/dev/null && echo ok")
+        assert (r.exit_code, r.stdout) == (0, b"ok\n"), r
+    # Once the last sandbox is gone, the reaper deletes the removed image's files.
+    assert lib.wait_for(lambda: not set(held) & set(os.listdir(images)), timeout=10), os.listdir(images)

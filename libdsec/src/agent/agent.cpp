@@ -96,6 +96,11 @@ void Agent::reaper_loop() {
     if (stopping_) break;
     lock.unlock();
     registry_->reap();
+    try {
+      images_->prune();
+    } catch (const std::exception& e) {
+      log_warn("pruning removed images: {}", e.what());
+    }
     lock.lock();
   }
 }

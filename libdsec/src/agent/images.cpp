@@ -10,8 +10,9 @@ class ImageStoreSource final : public ImageSource {
   explicit ImageStoreSource(const std::filesystem::path& root) : store_(root) {}
 
   ResolvedImage resolve(const std::string& name) const override {
-    image::ImageRecord record = store_.resolve(name);
-    return ResolvedImage{record.name, record.layers};
+    auto lease = std::make_shared<image::ImageLease>(store_.lease(name));
+    const image::ImageRecord& record = lease->record();
+    return ResolvedImage{record.name, record.layers, lease};
   }
 
   std::vector<std::string> names() const override {
@@ -19,6 +20,8 @@ class ImageStoreSource final : public ImageSource {
     for (const auto& record : store_.list()) out.push_back(record.name);
     return out;
   }
+
+  void prune() override { store_.prune_stale(); }
 
  private:
   image::ImageStore store_;

@@ -59,6 +59,7 @@ struct Registry::Record {
   SandboxInfo info;
   SandboxSpec spec;
   std::vector<std::filesystem::path> layers;
+  std::shared_ptr<const void> image_hold;  // the image's files stay while the sandbox lives
   std::unique_ptr<BackendSandbox> sandbox;
   std::atomic<bool> destroying{false};
 
@@ -200,6 +201,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec) {
     info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
     record->spec = spec;
     record->layers = std::move(image.layers);
+    record->image_hold = std::move(image.hold);
     try {
       write_record(*record);
     } catch (...) {
@@ -424,6 +426,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
     record->destroying = false;
     throw;
   }
+  record->image_hold.reset();
 
   SandboxInfo info = record->snapshot();
   info.state = "destroyed";
