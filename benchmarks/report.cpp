@@ -92,13 +92,14 @@ void print_create(const CreateResult& r) {
 void print_throughput(const ThroughputResult& r) {
   fmt::print("\n== throughput: completed creates per second, {:.0f} s per cell in {} turns, systems alternating ==\n",
              r.window_seconds, r.rounds);
-  fmt::print("  {:>11} {:>14} {:>12} {:>12} {:>14} {:>12} {:>12} {:>14}\n", "concurrency", "dsec create/s",
-             "create p50", "create p99", "destroy p50", "crun run/s", "bwrap/s", "others' load");
+  fmt::print("  {:>11} {:>14} {:>11} {:>11} {:>12} {:>11} {:>9} {:>24}\n", "concurrency", "dsec create/s", "create p50",
+             "create p99", "destroy p50", "crun run/s", "bwrap/s", "CPU ours/kernel/others");
   for (const auto& p : r.points) {
-    fmt::print("  {:>11} {:>14.1f} {:>12} {:>12} {:>14} {:>12} {:>12} {:>14.2f}\n", p.concurrency, p.dsec_rate,
+    fmt::print("  {:>11} {:>14.1f} {:>11} {:>11} {:>12} {:>11} {:>9} {:>24}\n", p.concurrency, p.dsec_rate,
                ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)), ms(p.dsec_destroy.percentile(50)),
                p.crun_measured ? fmt::format("{:.1f}", p.crun_rate) : "n/a",
-               p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.others_cores);
+               p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a",
+               fmt::format("{:.2f}/{:.2f}/{:.2f}", p.cpu.ours_cores, p.cpu.kernel_cores, p.cpu.others_cores));
   }
 }
 
@@ -197,13 +198,15 @@ std::string markdown_report(const Report& report, const Options& o) {
         "turns with the systems alternating)\n\n",
         r.window_seconds, r.rounds);
     md +=
-        "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s | other processes' load |\n"
+        "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s | CPU (cores): dsec-bench + "
+        "children + agent / kernel threads / other processes |\n"
         "| --- | --- | --- | --- | --- | --- |\n";
     for (const auto& p : r.points)
-      md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} | {:.2f} cores |\n", p.concurrency, p.dsec_rate,
+      md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} | {:.2f} / {:.2f} / {:.2f} |\n", p.concurrency, p.dsec_rate,
                         ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
                         p.crun_measured ? fmt::format("{:.1f}", p.crun_rate) : "n/a",
-                        p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.others_cores);
+                        p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.ours_cores,
+                        p.cpu.kernel_cores, p.cpu.others_cores);
     md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, m.cores));
   }
   if (report.exec) {
