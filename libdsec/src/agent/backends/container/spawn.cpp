@@ -59,7 +59,7 @@ int run_step(const RootfsStep& s) {
       if (symlink(s.source, s.target) == 0 || errno == EEXIST) return 0;
       return -1;
     case Kind::kBindReadOnly:
-      if (mount(s.target, s.target, nullptr, MS_BIND | MS_REC, nullptr) != 0) return -1;
+      if (mount(s.source ? s.source : s.target, s.target, nullptr, MS_BIND | MS_REC, nullptr) != 0) return -1;
       return mount(nullptr, s.target, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | s.flags, nullptr);
   }
   return -1;
@@ -91,6 +91,8 @@ int child_main(void* arg) {
       sigaction(sig, &sa, nullptr);
     }
   }
+  // Directory modes in the plan are meant exactly (/tmp and /dev/shm are 1777).
+  umask(0);
   // Join the sandbox's cgroups first, so that the cgroup namespace made next is rooted there.
   for (int fd : r.cgroup_procs_fds)
     if (write(fd, "0", 1) != 1) fail(a, "join cgroup", nullptr);
@@ -157,6 +159,7 @@ int child_main(void* arg) {
   if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, r.seccomp) != 0) fail(a, "load seccomp filter", nullptr);
 
   // The agent's threads block signals they wait for (SIGTERM, SIGINT); nothing of that may reach the sandbox.
+  umask(022);
   sigset_t empty;
   sigemptyset(&empty);
   sigprocmask(SIG_SETMASK, &empty, nullptr);
@@ -190,14 +193,22 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
   std::string upper = p.scratch + "/upper", work = p.scratch + "/work";
   mkdir_step(p.keep(upper), 0755);
   mkdir_step(p.keep(work), 0755);
+  const char* empty_dir = p.keep(p.scratch + "/empty");
+  mkdir_step(empty_dir, 0555);
   std::string lower;
   for (const auto& l : layers_top_first) lower += (lower.empty() ? "" : ":") + l;
   mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
              p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile", lower, upper, work)));
 
-  for (const char* d : {"/proc", "/dev", "/sys", "/tmp"}) mkdir_step(at(d), 0755);
+  for (const char* d : {"/proc", "/dev", "/sys"}) mkdir_step(at(d), 0755);
+  mkdir_step(at("/tmp"), 01777);
   mount_step("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
-  mount_step("dsec-dev", at("/dev"), "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=256k,nr_inodes=1024");
+  // Each superblock a sandbox mounts costs kernel memory in every memory cgroup on the host (per-cgroup shrinker and
+  // LRU bookkeeping), so a sandbox mounts as few as it can: /dev/shm is a directory of the /dev tmpfs, and every
+  // masked directory is a read-only bind of one empty directory on the scratch tmpfs.
+  mount_step("dsec-dev", at("/dev"), "tmpfs", MS_NOSUID | MS_NOEXEC,
+             p.keep(fmt::format("mode=0755,size={},nr_inodes=4096",
+                                std::min<std::uint64_t>(resources.memory_bytes, 1ull << 30))));
   struct Device {
     const char* name;
     unsigned major, minor;
@@ -208,8 +219,6 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
   mkdir_step(at("/dev/pts"), 0755);
   mkdir_step(at("/dev/shm"), 01777);
   mount_step("devpts", at("/dev/pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
-  mount_step("shm", at("/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV,
-             p.keep(fmt::format("mode=1777,size={}", std::min<std::uint64_t>(resources.memory_bytes, 1ull << 30))));
   for (auto [target, link] : {std::pair{"/dev/ptmx", "pts/ptmx"}, {"/dev/fd", "/proc/self/fd"},
                               {"/dev/stdin", "/proc/self/fd/0"}, {"/dev/stdout", "/proc/self/fd/1"},
                               {"/dev/stderr", "/proc/self/fd/2"}})
@@ -222,7 +231,8 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
     mount_step(at("/dev/null"), at(f), nullptr, MS_BIND, nullptr, true);
   for (const char* d : {"/proc/acpi", "/proc/scsi", "/proc/asound", "/sys/firmware", "/sys/kernel/debug",
                         "/sys/kernel/security"})
-    mount_step("dsec-mask", at(d), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=1", true);
+    p.steps.push_back({Kind::kBindReadOnly, empty_dir, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0,
+                       true});
   // Read-only: kernel tunables and triggers.
   for (const char* d : {"/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"})
     p.steps.push_back({Kind::kBindReadOnly, nullptr, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0,
