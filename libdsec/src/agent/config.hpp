@@ -26,6 +26,9 @@ struct AgentConfig {
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   std::vector<std::string> backends{"container"};  // kinds this agent serves: "container", "null"
+  // Switch the host's cgroup locking to favour migrations (see enable_cgroup_favordynmods): cuts create's tail
+  // latency; a host-wide setting, so off unless asked for.
+  bool cgroup_favordynmods = false;
   double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
   double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
 };

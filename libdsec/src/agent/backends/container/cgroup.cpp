@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <sys/mount.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
@@ -47,6 +48,48 @@ std::vector<int> read_pids(const std::string& procs_path) {
   int pid;
   while (in >> pid) pids.push_back(pid);
   return pids;
+}
+
+std::string enable_cgroup_favordynmods() {
+  std::string features;
+  try {
+    features = read_cgroup_file("/sys/kernel/cgroup/features");
+  } catch (const Error&) {
+  }
+  if (features.find("favordynmods") == std::string::npos)
+    throw Error(Code::kFailedPrecondition, "this kernel has no cgroup favordynmods option (Linux 6.0 or later)");
+  // The option is global: setting it on any cgroup hierarchy switches the kernel's one threadgroup lock. Prefer a
+  // cgroup2 mount, else a v1 hierarchy; keep the mount's other options as they are.
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line, v1_point, v1_opts;
+  while (std::getline(in, line)) {
+    auto sep = line.find(" - ");
+    if (sep == std::string::npos) continue;
+    std::istringstream head(line.substr(0, sep)), tail(line.substr(sep + 3));
+    std::string id, parent, devno, root, point, type, source, opts;
+    head >> id >> parent >> devno >> root >> point;
+    tail >> type >> source >> opts;
+    if (type != "cgroup2" && type != "cgroup") continue;
+    if (opts.find("favordynmods") != std::string::npos) return fmt::format("cgroup favordynmods already on ({})", point);
+    std::string kept;
+    std::istringstream os(opts);
+    for (std::string o; std::getline(os, o, ',');)
+      if (o != "rw" && o != "ro") kept += (kept.empty() ? "" : ",") + o;
+    kept += (kept.empty() ? "" : ",") + std::string("favordynmods");
+    if (type == "cgroup2") {
+      if (::mount(nullptr, point.c_str(), nullptr, MS_REMOUNT, kept.c_str()) != 0)
+        throw_errno_fmt(errno, "remount {} with {}", point, kept);
+      return fmt::format("cgroup favordynmods on (remounted {} with {})", point, kept);
+    }
+    if (v1_point.empty()) {
+      v1_point = point;
+      v1_opts = kept;
+    }
+  }
+  if (v1_point.empty()) throw Error(Code::kFailedPrecondition, "no cgroup hierarchy is mounted");
+  if (::mount(nullptr, v1_point.c_str(), nullptr, MS_REMOUNT, v1_opts.c_str()) != 0)
+    throw_errno_fmt(errno, "remount {} with {}", v1_point, v1_opts);
+  return fmt::format("cgroup favordynmods on (remounted {} with {})", v1_point, v1_opts);
 }
 
 std::unique_ptr<CgroupDriver> make_cgroup_driver(const std::string& name) {

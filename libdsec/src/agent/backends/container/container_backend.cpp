@@ -27,6 +27,7 @@
 #include "agent/backends/container/rootfs_files.hpp"
 #include "agent/backends/container/seccomp.hpp"
 #include "agent/backends/container/spawn.hpp"
+#include "agent/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent {
@@ -403,6 +404,7 @@ class ContainerBackend final : public Backend {
                   fmt::format("sandbox init binary {} cannot be opened: {}", init.string(), std::strerror(errno)));
     fs::create_directories(config_.run_dir);
     ::chmod(config_.run_dir.c_str(), 0700);
+    if (config_.cgroup_favordynmods) log_info("{}", enable_cgroup_favordynmods());
     cgroups_ = make_cgroup_driver(config_.cgroup_name);
     cgroups_->remove_empty_groups();
     seccomp_default_ = build_seccomp_program(false);
