@@ -258,7 +258,7 @@ PYBIND11_MODULE(_dsec, m) {
           "exec",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
              std::map<std::string, std::string> env, std::string cwd, py::object stdin_data, double timeout,
-             std::size_t max_output) {
+             std::size_t max_output, py::object on_output) {
             dsec::ExecRequest req;
             if (argv) req.argv = std::move(*argv);
             if (shell) req.shell = std::move(*shell);
@@ -267,12 +267,23 @@ PYBIND11_MODULE(_dsec, m) {
             if (!stdin_data.is_none()) req.stdin_data = bytes_or_str(stdin_data, "stdin");
             req.timeout_seconds = timeout;
             req.max_output_bytes = max_output;
+            if (on_output.is_none()) {
+              py::gil_scoped_release release;
+              return self.get().exec(req);
+            }
+            if (!PyCallable_Check(on_output.ptr()))
+              throw dsec::Error(dsec::Code::kInvalidArgument, "on_output: must be a callable(stream, data)");
+            // The GIL is held only while the callback runs; what it raises (py::error_already_set) aborts the
+            // exec and reaches Python unchanged.
             py::gil_scoped_release release;
-            return self.get().exec(req);
+            return self.get().exec_stream(req, [&on_output](int fd, std::string_view data) {
+              py::gil_scoped_acquire acquire;
+              on_output(fd == 2 ? "stderr" : "stdout", py::bytes(data.data(), data.size()));
+            });
           },
           py::arg("argv") = py::none(), py::arg("shell") = py::none(), py::arg("env") = std::map<std::string, std::string>{},
           py::arg("cwd") = "", py::arg("stdin") = py::none(), py::arg("timeout") = 600.0,
-          py::arg("max_output") = std::size_t{16} << 20)
+          py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none())
       .def(
           "write_file",
           [](PySandbox& self, const std::string& path, py::object data, unsigned mode) {

@@ -325,6 +325,12 @@ TEST_F(ServerTest, ExecOnTheNullBackendSaysItRunsNothing) {
                "the null backend runs nothing");
   expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": "true"})"), 400, "INVALID_ARGUMENT",
                "argv");
+  // A streaming exec that fails before any output is the same plain error, and the connection goes on serving.
+  expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": ["true"], "stream": true})"), 501,
+               "UNIMPLEMENTED", "the null backend runs nothing");
+  expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": ["true"], "stream": 1})"), 400,
+               "INVALID_ARGUMENT", "stream");
+  EXPECT_EQ(c.call("GET", "/healthz").result_int(), 200);
 }
 
 TEST_F(ServerTest, BatchesAndRequestIdsAreIdempotent) {

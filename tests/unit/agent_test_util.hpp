@@ -74,7 +74,7 @@ class ProbeBackend final : public Backend {
    public:
     Sandbox(std::unique_ptr<BackendSandbox> inner, std::shared_ptr<State> state)
         : inner_(std::move(inner)), state_(std::move(state)) {}
-    ExecResult exec(const ExecRequest& r) override { return inner_->exec(r); }
+    ExecResult exec(const ExecRequest& r, const OutputSink& sink = {}) override { return inner_->exec(r, sink); }
     void write_file(std::string_view p, std::string_view d, unsigned m) override { inner_->write_file(p, d, m); }
     std::string read_file(std::string_view p) override { return inner_->read_file(p); }
     void put_archive(std::string_view d, std::string_view t) override { inner_->put_archive(d, t); }

@@ -29,7 +29,7 @@ import posixpath
 import tarfile
 import threading
 import weakref
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from . import _dsec
 from .errors import (
@@ -215,6 +215,7 @@ class Sandbox:
         stdin: BytesLike | None = None,
         timeout: float = 600,
         max_output: Size = 16 << 20,
+        on_output: Callable[[str, bytes], object] | None = None,
     ) -> ExecResult:
         """Runs a command and waits for it.
 
@@ -225,6 +226,12 @@ class Sandbox:
 
         Raises :class:`NotFound` for an unknown sandbox and :class:`Unavailable` when its node cannot be reached.
         An exec is never retried once it may have reached the agent, so a command never runs twice.
+
+        With ``on_output``, the output is streamed instead: ``on_output(stream, data)`` is called on this thread with
+        ``stream`` ``"stdout"`` or ``"stderr"`` and ``data`` (bytes) as the command writes it, and the result's
+        ``stdout``/``stderr`` are empty (``max_output`` still caps what is delivered; the truncation flags tell).
+        An exception raised by ``on_output`` aborts the call and is re-raised; the command itself runs on in the
+        sandbox until it ends or times out.
         """
         argv = None
         shell = None
@@ -245,6 +252,7 @@ class Sandbox:
             stdin=stdin,
             timeout=float(timeout),
             max_output=_field_size(max_output, "max_output"),
+            on_output=on_output,
         )
 
     def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:

@@ -1,6 +1,6 @@
 """Type stubs for dsec's C++ extension (use the `dsec` package rather than this module)."""
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 __version__: str
 PROTOCOL_VERSION: str
@@ -123,6 +123,7 @@ class Sandbox:
         stdin: _Bytes | None = None,
         timeout: float = 600.0,
         max_output: int = ...,
+        on_output: Callable[[str, bytes], object] | None = None,
     ) -> ExecResult: ...
     def write_file(self, path: str, data: _Bytes, mode: int = 0o644) -> None: ...
     def read_file(self, path: str) -> bytes: ...

@@ -5,6 +5,7 @@
 // change the handle itself: give other threads a borrow() instead.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -36,6 +37,12 @@ class Sandbox {
   // executable or an unreachable node are errors (dsec::Error).
   ExecResult exec(const ExecRequest& request) const;
   ExecResult exec(std::string shell_command, double timeout_seconds = 600) const;  // runs under /bin/sh -c
+  // Like exec, but output is handed to on_output (fd 1 stdout, 2 stderr) as the command writes it, and the result's
+  // stdout/stderr are empty (its truncation flags still say whether max_output_bytes dropped anything). on_output
+  // runs on the calling thread; what it throws aborts the call and is rethrown (the command itself runs on to its
+  // end or timeout). Never retried once the request may have reached the agent.
+  ExecResult exec_stream(const ExecRequest& request,
+                         const std::function<void(int fd, std::string_view data)>& on_output) const;
 
   // One file, by path inside the sandbox; parent directories are created. Paths never leave the sandbox root.
   void write_file(std::string_view path, std::string_view data, unsigned mode = 0644) const;

@@ -76,7 +76,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   server.max_header_bytes = config_.max_header_bytes;
   server.max_body_bytes = config_.max_body_bytes;
   server.idle_timeout = config_.idle_timeout;
-  server_ = std::make_unique<Server>(std::move(server), [this](HttpRequest& r) { return router_->handle(r); }, metrics_);
+  server_ = std::make_unique<Server>(std::move(server), [this](HttpRequest& r, ResponseStream& s) { return router_->handle(r, &s); }, metrics_);
 }
 
 Agent::~Agent() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -20,13 +21,19 @@ struct CreateParams {
   std::vector<std::filesystem::path> image_layers;  // read-only root layers, lowest first
 };
 
+// Receives an exec's output as it is read: fd 1 (stdout) or 2 (stderr) and the bytes. Called on the exec's thread;
+// what it throws ends the exec's wait (the command is killed) and propagates to the caller.
+using OutputSink = std::function<void(int fd, std::string_view data)>;
+
 // One live sandbox. Every method may be called from several threads at once; all of them throw dsec::Error.
 class BackendSandbox {
  public:
   virtual ~BackendSandbox() = default;
 
-  // Blocks until the command ends or its timeout passes.
-  virtual ExecResult exec(const ExecRequest& request) = 0;
+  // Blocks until the command ends or its timeout passes. With a sink, output goes to the sink as it is read
+  // (max_output_bytes still caps what is delivered, per stream) and the result's stdout/stderr stay empty; the
+  // truncation flags say whether anything was dropped.
+  virtual ExecResult exec(const ExecRequest& request, const OutputSink& sink = {}) = 0;
 
   // Paths are absolute paths inside the sandbox; they are resolved inside its root, never outside.
   virtual void write_file(std::string_view path, std::string_view data, unsigned mode) = 0;

@@ -22,6 +22,20 @@ namespace dsec::agent {
 using HttpRequest = boost::beast::http::request<boost::beast::http::string_body>;
 using HttpResponse = boost::beast::http::response<boost::beast::http::string_body>;
 
+// Lets a handler answer with a body it produces while it runs: the status line and headers first, then pieces sent
+// as chunks (chunked transfer encoding) as soon as they are written. The server ends the body when the handler
+// returns; a handler that began a stream has its returned response ignored.
+class ResponseStream {
+ public:
+  virtual ~ResponseStream() = default;
+  // Sends `head`'s status line and headers (its body is ignored). At most once per request.
+  virtual void begin(HttpResponse head) = 0;
+  virtual bool begun() const noexcept = 0;
+  // Sends one chunk now. False once the client is gone or stopped reading within the idle timeout: the rest is
+  // dropped, never an exception, so the handler can finish its work.
+  virtual bool write(std::string_view data) = 0;
+};
+
 // Beast (Boost 1.74) speaks boost::string_view; the agent speaks std::string_view.
 inline std::string_view std_view(boost::beast::string_view s) noexcept { return {s.data(), s.size()}; }
 inline boost::beast::string_view beast_view(std::string_view s) noexcept { return {s.data(), s.size()}; }

@@ -62,13 +62,13 @@ json sandbox_list(const std::vector<SandboxInfo>& infos) {
 Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info)
     : registry_(registry), metrics_(metrics), node_info_(std::move(node_info)) {}
 
-HttpResponse Router::handle(HttpRequest& request) {
+HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream) {
   Route route = Route::kUnknown;
   HttpResponse res;
   try {
     Target target = parse_target(std_view(request.target()));
     route = target.route;
-    res = dispatch(request, target);
+    res = dispatch(request, target, stream);
   } catch (const Error& e) {
     res = error_response(e);
   } catch (const std::exception& e) {
@@ -82,14 +82,14 @@ HttpResponse Router::handle(HttpRequest& request) {
   return res;
 }
 
-HttpResponse Router::dispatch(HttpRequest& request, const Target& target) {
+HttpResponse Router::dispatch(HttpRequest& request, const Target& target, ResponseStream* stream) {
   switch (target.route) {
     case Route::kHealthz: return healthz(request);
     case Route::kMetrics: return metrics_text(request);
     case Route::kNode: return node(request);
     case Route::kSandboxes: return sandboxes(request, target);
     case Route::kSandbox: return sandbox(request, target);
-    case Route::kSandboxExec: return exec(request, target);
+    case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
     case Route::kUnknown: break;
   }
@@ -158,15 +158,66 @@ HttpResponse Router::sandbox(HttpRequest& request, const Target& target) {
   return json_response(http::status::ok, json{{"id", info.id}, {"state", "destroyed"}});
 }
 
-HttpResponse Router::exec(HttpRequest& request, const Target& target) {
+// Without "stream": one ExecResult when the command ends. With "stream": true, an NDJSON body of output chunks
+// as they are read, then one "result" (or "error") line. The head goes out with the first line, so an exec that
+// fails before any output (unknown sandbox, missing executable) still gets a plain error answer.
+HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseStream* stream) {
   allow(request, "/v1/sandboxes/{id}/exec", {http::verb::post});
   only_params(target.query, {});
-  ExecRequest exec_request = protocol::decode_exec_request(protocol::parse_body(request.body()));
+  json body = protocol::parse_body(request.body());
+  bool streaming = false;
+  if (body.is_object()) {
+    if (auto it = body.find("stream"); it != body.end() && !it->is_null()) {
+      if (!it->is_boolean()) throw Error(Code::kInvalidArgument, "stream: must be true or false");
+      streaming = it->get<bool>();
+    }
+  }
+  ExecRequest exec_request = protocol::decode_exec_request(body);
+  if (streaming && !stream)
+    throw Error(Code::kUnimplemented, "a streaming exec needs the agent's HTTP server, which this caller is not");
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
   auto started = std::chrono::steady_clock::now();
-  ExecResult result = handle.sandbox->exec(exec_request);
-  metrics_.exec_done(handle.kind, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-  return json_response(http::status::ok, protocol::encode(result));
+  auto done = [&] {
+    metrics_.exec_done(handle.kind, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  };
+  if (!streaming) {
+    ExecResult result = handle.sandbox->exec(exec_request);
+    done();
+    return json_response(http::status::ok, protocol::encode(result));
+  }
+
+  // A client that went away stops the writing, not the command: it runs to its end or timeout like any exec.
+  auto send_line = [&](const json& line) {
+    if (!stream->begun()) {
+      HttpResponse head{http::status::ok, 11};
+      head.set(http::field::content_type, "application/x-ndjson");
+      head.set(http::field::cache_control, "no-store");
+      stream->begin(std::move(head));
+    }
+    std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace);
+    text += '\n';
+    stream->write(text);
+  };
+  OutputSink sink = [&](int fd, std::string_view data) {
+    send_line(json{{fd == 2 ? "stderr" : "stdout", protocol::base64_encode(data)}});
+  };
+  ExecResult result;
+  try {
+    result = handle.sandbox->exec(exec_request, sink);
+  } catch (const Error& e) {
+    if (!stream->begun()) throw;
+    send_line(json{{"error", protocol::encode_error(e)}});
+    return HttpResponse{http::status::ok, 11};
+  } catch (const std::exception& e) {
+    if (!stream->begun()) throw;
+    send_line(json{{"error", protocol::encode_error(Error(Code::kInternal, e.what()))}});
+    return HttpResponse{http::status::ok, 11};
+  }
+  done();
+  result.stdout_data.clear();
+  result.stderr_data.clear();
+  send_line(json{{"result", protocol::encode(result)}});
+  return HttpResponse{http::status::ok, 11};
 }
 
 // PUT: write one file (raw body) or extract a tar stream into a directory. GET: read one file, or a directory as

@@ -19,15 +19,16 @@ class Router {
   // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes).
   Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info);
 
-  // Never throws: every failure becomes the dsec error JSON with its HTTP status.
-  HttpResponse handle(HttpRequest& request);
+  // Never throws: every failure becomes the dsec error JSON with its HTTP status. `stream`, when given, is where
+  // a streaming exec writes its NDJSON body; without it such an exec is UNIMPLEMENTED.
+  HttpResponse handle(HttpRequest& request, ResponseStream* stream = nullptr);
 
  private:
-  HttpResponse dispatch(HttpRequest& request, const Target& target);
+  HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse node(HttpRequest& request);
   HttpResponse sandboxes(HttpRequest& request, const Target& target);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
-  HttpResponse exec(HttpRequest& request, const Target& target);
+  HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse metrics_text(HttpRequest& request);
   HttpResponse healthz(HttpRequest& request);

@@ -9,11 +9,15 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <boost/asio/write.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/core/string.hpp>
+#include <boost/beast/http/chunk_encode.hpp>
+#include <boost/beast/http/empty_body.hpp>
 #include <boost/beast/http/error.hpp>
 #include <boost/beast/http/parser.hpp>
 #include <boost/beast/http/read.hpp>
+#include <boost/beast/http/serializer.hpp>
 #include <boost/beast/http/write.hpp>
 
 #include <fmt/format.h>
@@ -71,6 +75,57 @@ std::string endpoint_string(const sockaddr_storage& addr) {
   ::inet_ntop(AF_INET, &a.sin_addr, host, sizeof host);
   return fmt::format("{}:{}", host, ntohs(a.sin_port));
 }
+
+// A response body written while the handler runs, as chunks on the connection's socket. After a failed write
+// (the client went away, or stopped reading for the idle timeout) every later write is dropped at once.
+class ChunkedStream final : public ResponseStream {
+ public:
+  ChunkedStream(FdStream& stream, unsigned version, std::function<bool()> keep_alive)
+      : stream_(stream), version_(version), keep_alive_(std::move(keep_alive)) {}
+
+  void begin(HttpResponse head) override {
+    if (begun_) throw Error(Code::kInternal, "a streamed response began twice");
+    begun_ = true;
+    keep_ = keep_alive_();
+    http::response<http::empty_body> res;
+    static_cast<http::response_header<>&>(res) = std::move(head.base());
+    res.version(version_);
+    res.keep_alive(keep_);
+    res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
+    res.chunked(true);
+    http::response_serializer<http::empty_body> serializer(res);
+    boost::system::error_code ec;
+    http::write_header(stream_, serializer, ec);
+    ok_ = !ec;
+  }
+
+  bool begun() const noexcept override { return begun_; }
+
+  bool write(std::string_view data) override {
+    if (!begun_) throw Error(Code::kInternal, "a streamed response wrote a chunk before its head");
+    if (!ok_ || data.empty()) return ok_;
+    boost::system::error_code ec;
+    boost::asio::write(stream_, http::make_chunk(boost::asio::const_buffer(data.data(), data.size())), ec);
+    ok_ = !ec;
+    return ok_;
+  }
+
+  // Ends the body. True when the connection is still good for another request.
+  bool finish() {
+    if (!ok_) return false;
+    boost::system::error_code ec;
+    boost::asio::write(stream_, http::make_chunk_last(), ec);
+    return !ec && keep_;
+  }
+
+ private:
+  FdStream& stream_;
+  unsigned version_;
+  std::function<bool()> keep_alive_;
+  bool begun_ = false;
+  bool ok_ = true;
+  bool keep_ = false;
+};
 
 }  // namespace
 
@@ -310,18 +365,27 @@ void Server::serve(int fd) {
     }
 
     HttpRequest request = parser.release();
+    auto keep_alive = [&] {
+      std::lock_guard lock(mutex_);
+      return request.keep_alive() && !stopping_;
+    };
+    ChunkedStream streamed(stream, request.version(), keep_alive);
     HttpResponse res;
     try {
-      res = handler_(request);
+      res = handler_(request, streamed);
     } catch (const std::exception& e) {
+      if (streamed.begun()) {
+        // Too late for an error status: cut the body short, which the client sees as a broken response.
+        log_warn("streamed response to {} ended by an error: {}", std_view(request.target()), e.what());
+        break;
+      }
       res = error_response(Error(Code::kInternal, e.what()), 500);
     }
-    bool stopping;
-    {
-      std::lock_guard lock(mutex_);
-      stopping = stopping_;
+    if (streamed.begun()) {
+      if (!streamed.finish()) break;
+      continue;
     }
-    const bool keep = request.keep_alive() && !stopping;
+    const bool keep = keep_alive();
     res.version(request.version());
     res.keep_alive(keep);
     res.set(http::field::server, fmt::format("dsecd/{}", kVersion));

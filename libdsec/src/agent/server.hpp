@@ -34,8 +34,9 @@ struct ServerOptions {
   std::chrono::seconds idle_timeout{120};
 };
 
-// Answers one request. The server catches what escapes it (INTERNAL), but the router answers its own errors.
-using HttpHandler = std::function<HttpResponse(HttpRequest&)>;
+// Answers one request, with a returned response or through the stream. The server catches what escapes it
+// (INTERNAL, or the end of the connection once a stream began), but the router answers its own errors.
+using HttpHandler = std::function<HttpResponse(HttpRequest&, ResponseStream&)>;
 
 class Server {
  public:

@@ -165,7 +165,16 @@ void write_all(std::FILE* f, const std::string& data) {
   std::fflush(f);
 }
 
-// Prints an exec's output and turns its outcome into this process's exit status.
+// Runs the command with its output copied to this process's stdout and stderr as it arrives.
+ExecResult exec_live(const Sandbox& sb, const ExecRequest& req) {
+  return sb.exec_stream(req, [](int fd, std::string_view data) {
+    std::FILE* f = fd == 2 ? stderr : stdout;
+    std::fwrite(data.data(), 1, data.size(), f);
+    std::fflush(f);
+  });
+}
+
+// Prints an exec's output (none left after exec_live) and turns its outcome into this process's exit status.
 int finish_exec(const ExecResult& r, double timeout) {
   write_all(stdout, r.stdout_data);
   write_all(stderr, r.stderr_data);
@@ -298,7 +307,7 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
     req.argv = p.command;
     req.timeout_seconds = timeout;
     req.stdin_data = std::move(stdin_data);
-    ExecResult r = sb.exec(req);
+    ExecResult r = exec_live(sb, req);
     if (keep) {
       fmt::print(stderr, "dsec: kept sandbox {}\n", sb.release());
     } else {
@@ -334,7 +343,7 @@ int cmd_exec(const std::vector<std::string>& args, GlobalOptions& global) {
   return run_or_125([&] {
     Client client(client_options(global, endpoint));
     Sandbox sb = client.attach(p.positional[0]);
-    ExecResult r = sb.exec(req);
+    ExecResult r = exec_live(sb, req);
     sb.release();
     return finish_exec(r, req.timeout_seconds);
   });

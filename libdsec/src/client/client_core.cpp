@@ -1,6 +1,9 @@
 #include "client/client_core.hpp"
 
+#include "client/exec_stream.hpp"
+
 #include <exception>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -340,6 +343,51 @@ ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
     }
   });
   return protocol::decode_exec_result(parse_json(r, "POST /v1/sandboxes/{id}/exec"));
+}
+
+namespace {
+// Carries an on_output exception through curl and the retry loop, which must neither wrap nor retry it.
+struct OutputCallbackFailed {};
+}  // namespace
+
+ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& request,
+                                   const std::function<void(int fd, std::string_view data)>& on_output) {
+  protocol::json encoded = protocol::encode(request);
+  protocol::decode_exec_request(encoded);
+  encoded["stream"] = true;
+  const std::string body = encoded.dump();
+  auto deadline = deadline_after(milliseconds{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)});
+  std::exception_ptr callback_error;
+  std::optional<ExecStreamDecoder> decoder;
+  HttpRequest http = http_request("POST", sandbox_path(id, "/exec"), body, kJson);
+  http.on_body = [&](std::string_view bytes) { decoder->feed(bytes); };
+  try {
+    retrying(deadline, [&] {
+      std::size_t ep = route(id, deadline);
+      decoder.emplace([&](int fd, std::string_view data) {
+        if (!on_output) return;
+        try {
+          on_output(fd, data);
+        } catch (...) {
+          callback_error = std::current_exception();
+          throw OutputCallbackFailed{};
+        }
+      });
+      try {
+        return call(ep, http, deadline);
+      } catch (const TransportError& e) {
+        // Like exec: once the agent may have the command, running it twice is worse than failing.
+        if (e.maybe_sent() && e.retryable())
+          throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false);
+        throw;
+      } catch (const Error& e) {
+        throw Error(e.code(), e.what(), false);
+      }
+    });
+  } catch (const OutputCallbackFailed&) {
+    std::rethrow_exception(callback_error);
+  }
+  return decoder->finish();
 }
 
 void ClientCore::write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode) {

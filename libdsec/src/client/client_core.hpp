@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -41,6 +42,10 @@ class ClientCore {
   // Idempotent: a sandbox that is already gone is not an error.
   void destroy(const std::string& id);
   ExecResult exec(const std::string& id, const ExecRequest& request);
+  // A streaming exec: output goes to on_output as the agent sends it; what on_output throws aborts the call (the
+  // connection is dropped; the command runs on in the sandbox to its end or timeout) and is rethrown as it was.
+  ExecResult exec_stream(const std::string& id, const ExecRequest& request,
+                         const std::function<void(int fd, std::string_view data)>& on_output);
   void write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode);
   std::string read_file(const std::string& id, std::string_view path);
   void upload_tar(const std::string& id, std::string_view dir, std::string_view tar_bytes);

@@ -53,6 +53,11 @@ ExecResult Sandbox::exec(std::string shell_command, double timeout_seconds) cons
   return core().exec(id_, request);
 }
 
+ExecResult Sandbox::exec_stream(const ExecRequest& request,
+                                const std::function<void(int fd, std::string_view data)>& on_output) const {
+  return core().exec_stream(id_, request, on_output);
+}
+
 void Sandbox::write_file(std::string_view path, std::string_view data, unsigned mode) const {
   core().write_file(id_, path, data, mode);
 }

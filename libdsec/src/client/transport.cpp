@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -27,6 +28,32 @@ void global_init_once() {
 std::size_t append_body(char* data, std::size_t size, std::size_t count, void* user) {
   static_cast<std::string*>(user)->append(data, size * count);
   return size * count;
+}
+
+// Where a streamed answer's body goes: the request's sink for a 2xx answer, the response body otherwise.
+struct BodySink {
+  CURL* handle;
+  const std::function<void(std::string_view)>* on_body;
+  std::string* collected;
+  std::exception_ptr error;  // what the sink threw; curl sees a failed write and stops
+};
+
+std::size_t stream_body(char* data, std::size_t size, std::size_t count, void* user) {
+  auto* sink = static_cast<BodySink*>(user);
+  const std::size_t n = size * count;
+  long status = 0;
+  curl_easy_getinfo(sink->handle, CURLINFO_RESPONSE_CODE, &status);
+  if (status < 200 || status >= 300) {
+    sink->collected->append(data, n);
+    return n;
+  }
+  try {
+    (*sink->on_body)(std::string_view(data, n));
+    return n;
+  } catch (...) {
+    sink->error = std::current_exception();
+    return 0;  // anything but n: curl aborts the transfer (and drops the connection)
+  }
 }
 
 // Sets an option whose failure means curl itself is unusable (out of memory, a feature compiled out).
@@ -164,8 +191,14 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
   set(h, CURLOPT_USERAGENT, "dsec-client/0.1.0");
   set(h, CURLOPT_HTTPHEADER, headers.list);
   set(h, CURLOPT_ERRORBUFFER, errbuf);
-  set(h, CURLOPT_WRITEFUNCTION, &append_body);
-  set(h, CURLOPT_WRITEDATA, static_cast<void*>(&resp.body));
+  BodySink body_sink{h, &req.on_body, &resp.body, nullptr};
+  if (req.on_body) {
+    set(h, CURLOPT_WRITEFUNCTION, &stream_body);
+    set(h, CURLOPT_WRITEDATA, static_cast<void*>(&body_sink));
+  } else {
+    set(h, CURLOPT_WRITEFUNCTION, &append_body);
+    set(h, CURLOPT_WRITEDATA, static_cast<void*>(&resp.body));
+  }
   set(h, CURLOPT_PROTOCOLS_STR, "http,https");
 
   if (req.method == "GET") {
@@ -188,6 +221,7 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
   if (curl_easy_getinfo(h, CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects > 0)
     connects_.fetch_add(static_cast<std::uint64_t>(connects), std::memory_order_relaxed);
 
+  if (body_sink.error) std::rethrow_exception(body_sink.error);
   if (rc != CURLE_OK) {
     // Conservative: the request may have reached the agent once curl was ready to send or sent any byte.
     curl_off_t pretransfer_us = 0;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -23,6 +24,10 @@ struct HttpRequest {
   std::string target;               // "/v1/sandboxes/x?path=..." (already escaped)
   std::string_view body;            // not copied: must outlive the call
   std::string_view content_type;    // for a body
+  // When set, the body of a 2xx answer is handed here piece by piece as it arrives instead of being collected
+  // (other answers are still collected, to read their error). What it throws aborts the exchange and is rethrown
+  // by send() as it was.
+  std::function<void(std::string_view)> on_body;
 };
 
 inline HttpRequest http_request(std::string_view method, std::string target, std::string_view body = {},

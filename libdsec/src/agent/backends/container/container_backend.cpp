@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -70,11 +71,16 @@ struct Pipe {
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
-// One output stream of an exec, capped.
+// One output stream of an exec, capped: kept in `data`, or handed to the sink as it is read.
 struct Capture {
+  Capture(UniqueFd fd_in, int stream_in, std::size_t cap_in, const OutputSink* sink_in)
+      : fd(std::move(fd_in)), stream(stream_in), cap(cap_in), sink(sink_in) {}
   UniqueFd fd;
-  std::string data;
+  int stream;  // 1 stdout, 2 stderr
   std::size_t cap;
+  const OutputSink* sink;  // null: keep the output in `data`
+  std::string data;
+  std::size_t kept = 0;  // bytes kept or delivered so far
   bool truncated = false;
   // Reads what is available; false at EOF.
   bool drain() {
@@ -82,10 +88,13 @@ struct Capture {
     for (;;) {
       ssize_t n = ::read(fd.get(), buf, sizeof buf);
       if (n > 0) {
-        std::size_t room = cap > data.size() ? cap - data.size() : 0;
+        std::size_t room = cap > kept ? cap - kept : 0;
         std::size_t take = std::min(room, static_cast<std::size_t>(n));
-        data.append(buf, take);
         if (take < static_cast<std::size_t>(n)) truncated = true;
+        if (take == 0) continue;
+        kept += take;
+        if (sink) (*sink)(stream, std::string_view(buf, take));
+        else data.append(buf, take);
         continue;
       }
       if (n == 0) return false;
@@ -114,7 +123,7 @@ class ContainerSandbox final : public BackendSandbox {
     }
   }
 
-  ExecResult exec(const ExecRequest& req) override {
+  ExecResult exec(const ExecRequest& req, const OutputSink& sink) override {
     check_running();
     auto started = Clock::now();
     std::vector<std::string> argv = req.shell.empty() ? req.argv : std::vector<std::string>{"/bin/sh", "-c", req.shell};
@@ -174,8 +183,9 @@ class ContainerSandbox final : public BackendSandbox {
     }
 
     ExecResult result;
-    Capture cout{std::move(out.read), {}, req.max_output_bytes};
-    Capture cerr{std::move(err.read), {}, req.max_output_bytes};
+    const OutputSink* to = sink ? &sink : nullptr;
+    Capture cout{std::move(out.read), 1, req.max_output_bytes, to};
+    Capture cerr{std::move(err.read), 2, req.max_output_bytes, to};
     set_nonblocking(cout.fd.get());
     set_nonblocking(cerr.fd.get());
     std::string_view stdin_left = req.stdin_data;
@@ -186,6 +196,20 @@ class ContainerSandbox final : public BackendSandbox {
     std::optional<Clock::time_point> exited_at;
     bool out_open = true, err_open = true, conn_open = true;
     int status = 0;
+    // Whatever ends the wait early (a sink that throws, a lost init) leaves nothing of the command running.
+    struct KillOnUnwind {
+      SandboxCgroup& cgroup;
+      const std::string& group;
+      int uncaught = std::uncaught_exceptions();
+      ~KillOnUnwind() {
+        if (std::uncaught_exceptions() > uncaught) {
+          try {
+            cgroup.kill_exec_group(group);
+          } catch (...) {
+          }
+        }
+      }
+    } kill_on_unwind{*cgroup_, group};
     for (;;) {
       auto now = Clock::now();
       if (exited_at && ((!out_open && !err_open) || now >= *exited_at + kOutputGrace)) break;

@@ -51,7 +51,7 @@ class NullSandbox final : public BackendSandbox {
     files_["/"] = Node{true, {}, 0755, std::time(nullptr)};
   }
 
-  ExecResult exec(const ExecRequest&) override {
+  ExecResult exec(const ExecRequest&, const OutputSink&) override {
     std::lock_guard lock(mutex_);
     check_live();
     throw Error(Code::kUnimplemented, std::string(kNoExec));

@@ -1,0 +1,79 @@
+#include "client/exec_stream.hpp"
+
+#include <fmt/format.h>
+
+#include "common/protocol.hpp"
+
+namespace dsec::detail {
+using protocol::json;
+
+void LineSplitter::feed(std::string_view bytes, const std::function<void(std::string_view line)>& on_line) {
+  while (!bytes.empty()) {
+    auto nl = bytes.find('\n');
+    std::size_t length = nl == std::string_view::npos ? bytes.size() : nl;
+    if (partial_.size() + length > max_line_)
+      throw Error(Code::kInternal, fmt::format("the agent sent an NDJSON line longer than {} bytes", max_line_), false);
+    if (nl == std::string_view::npos) {
+      partial_.append(bytes);
+      return;
+    }
+    std::string_view line = bytes.substr(0, nl);
+    bytes.remove_prefix(nl + 1);
+    std::string joined;  // the buffer is emptied before the callback, which may throw
+    if (!partial_.empty()) {
+      joined = std::move(partial_);
+      partial_.clear();
+      joined.append(line);
+      line = joined;
+    }
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (!line.empty()) on_line(line);
+  }
+}
+
+void ExecStreamDecoder::feed(std::string_view bytes) {
+  lines_.feed(bytes, [this](std::string_view text) { line(text); });
+}
+
+void ExecStreamDecoder::line(std::string_view text) {
+  if (done())
+    throw Error(Code::kInternal, "the agent's exec stream went on after its final line", false);
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || j.size() != 1)
+    throw Error(Code::kInternal,
+                fmt::format("the agent's exec stream has a line that is not a one-key JSON object: {:.200}", text),
+                false);
+  const auto& [key, value] = *j.items().begin();
+  if (key == "stdout" || key == "stderr") {
+    if (!value.is_string())
+      throw Error(Code::kInternal, fmt::format("the agent's exec stream: \"{}\" is not a base64 string", key), false);
+    std::string data;
+    try {
+      data = protocol::base64_decode(value.get_ref<const std::string&>());
+    } catch (const Error& e) {
+      throw Error(Code::kInternal, fmt::format("the agent's exec stream: \"{}\": {}", key, e.what()), false);
+    }
+    if (on_output_ && !data.empty()) on_output_(key == "stdout" ? 1 : 2, data);
+  } else if (key == "result") {
+    if (!value.is_object()) throw Error(Code::kInternal, "the agent's exec stream: \"result\" is not an object", false);
+    result_ = protocol::decode_exec_result(value);
+  } else if (key == "error") {
+    Error e = protocol::decode_error(value, 500);
+    error_.emplace(e.code(), e.what(), false);
+  } else {
+    throw Error(Code::kInternal, fmt::format("the agent's exec stream has an unknown line \"{}\"", key), false);
+  }
+}
+
+ExecResult ExecStreamDecoder::finish() {
+  if (error_) throw *error_;
+  if (!result_) {
+    throw Error(Code::kUnavailable,
+                lines_.pending() > 0 ? "the agent's exec stream ended in the middle of a line"
+                                     : "the agent's exec stream ended without a result",
+                false);
+  }
+  return *result_;
+}
+
+}  // namespace dsec::detail

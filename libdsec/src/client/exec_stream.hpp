@@ -1,0 +1,55 @@
+// The client's side of a streaming exec: the agent's NDJSON body (protocol v1, "stream": true) decoded as it
+// arrives. Pure functions over bytes, so they are tested without a socket.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "dsec/error.hpp"
+#include "dsec/exec.hpp"
+
+namespace dsec::detail {
+
+// Splits a byte stream into '\n'-terminated lines, whatever the pieces it arrives in. A '\r' before the '\n' is
+// dropped; empty lines are skipped. A line longer than max_line is INTERNAL (the agent never sends one).
+class LineSplitter {
+ public:
+  explicit LineSplitter(std::size_t max_line) : max_line_(max_line) {}
+  void feed(std::string_view bytes, const std::function<void(std::string_view line)>& on_line);
+  // Bytes of an unfinished last line.
+  std::size_t pending() const noexcept { return partial_.size(); }
+
+ private:
+  std::size_t max_line_;
+  std::string partial_;
+};
+
+// Output callback of a streaming exec: fd 1 (stdout) or 2 (stderr), and the bytes.
+using ExecOutputCallback = std::function<void(int fd, std::string_view data)>;
+
+// Decodes the NDJSON lines of a streaming exec: {"stdout": b64} / {"stderr": b64} go to the callback (what it
+// throws propagates), then one {"result": ExecResult} or {"error": {...}} ends the body.
+class ExecStreamDecoder {
+ public:
+  static constexpr std::size_t kMaxLine = 64u << 20;
+
+  explicit ExecStreamDecoder(ExecOutputCallback on_output) : on_output_(std::move(on_output)), lines_(kMaxLine) {}
+  void feed(std::string_view bytes);
+  // Once the body ended: the result, or the agent's error thrown as dsec::Error (never retryable: the command ran).
+  // A body without its final line is UNAVAILABLE (the connection broke mid-exec).
+  ExecResult finish();
+  bool done() const noexcept { return result_.has_value() || error_.has_value(); }
+
+ private:
+  void line(std::string_view text);
+
+  ExecOutputCallback on_output_;
+  LineSplitter lines_;
+  std::optional<ExecResult> result_;
+  std::optional<Error> error_;
+};
+
+}  // namespace dsec::detail
