@@ -171,7 +171,7 @@ def test_a_client_that_disconnects_mid_stream_does_not_stop_the_command(sandbox,
         assert got.startswith(b"HTTP/1.1 200"), got
     # The command runs on to its end; the agent answers others meanwhile and afterwards.
     assert lib.http_request(agent.socket_path, "GET", "/healthz").status == 200
-    lib.wait_for(lambda: sandbox.exec("cat /tmp/finished").stdout == b"done\n", timeout=10)
+    assert lib.wait_for(lambda: sandbox.exec("cat /tmp/finished").stdout == b"done\n", timeout=10)
     assert sandbox.exec("echo fine").stdout == b"fine\n"
 
 
@@ -189,3 +189,21 @@ def test_cli_exec_prints_output_live(sandbox, agent):
     assert err == b"to-stderr\n"
     assert proc.returncode == 3
     assert ended - first_at > 1.0, f"first line {first_at - t0:.2f} s, end {ended - t0:.2f} s: not live"
+
+
+def test_a_client_that_stops_reading_does_not_hold_the_timeout(sandbox, agent):
+    # `yes` fills the socket's buffers at once; this client never reads. The command must still be killed at its
+    # timeout (plus a short grace), not kept blocked on its pipe for the agent's idle timeout.
+    body = json.dumps({"shell": "yes streaming-output", "timeout": 2, "stream": True}).encode()
+    req = (f"POST /v1/sandboxes/{sandbox.id}/exec HTTP/1.1\r\nHost: dsecd\r\nContent-Length: {len(body)}\r\n\r\n"
+           .encode() + body)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(agent.socket_path)
+        s.sendall(req)
+        time.sleep(1)
+        assert b"yes streaming-output" in sandbox.exec("ps -o args").stdout  # running, blocked on its output
+        t0 = time.monotonic()
+        assert lib.wait_for(lambda: b"streaming-output" not in sandbox.exec("ps -o args").stdout, timeout=10)
+        assert time.monotonic() - t0 < 5
+    assert sandbox.exec("echo fine").stdout == b"fine\n"

@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <string_view>
 
@@ -31,9 +32,10 @@ class ResponseStream {
   // Sends `head`'s status line and headers (its body is ignored). At most once per request.
   virtual void begin(HttpResponse head) = 0;
   virtual bool begun() const noexcept = 0;
-  // Sends one chunk now. False once the client is gone or stopped reading within the idle timeout: the rest is
-  // dropped, never an exception, so the handler can finish its work.
-  virtual bool write(std::string_view data) = 0;
+  // Sends one chunk now. False once the client is gone, or stopped reading for the idle timeout or until
+  // `give_up_at` (whichever comes first): the rest is dropped, never an exception, so the handler can finish.
+  virtual bool write(std::string_view data,
+                     std::chrono::steady_clock::time_point give_up_at = std::chrono::steady_clock::time_point::max()) = 0;
 };
 
 // Beast (Boost 1.74) speaks boost::string_view; the agent speaks std::string_view.

@@ -175,6 +175,8 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
   ExecRequest exec_request = protocol::decode_exec_request(body);
   if (streaming && !stream)
     throw Error(Code::kUnimplemented, "a streaming exec needs the agent's HTTP server, which this caller is not");
+  if (streaming && request.version() < 11)
+    throw Error(Code::kInvalidArgument, "stream: a streaming exec answers with chunked encoding, which needs HTTP/1.1");
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
   auto started = std::chrono::steady_clock::now();
   auto done = [&] {
@@ -187,7 +189,12 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
   }
 
   // A client that went away stops the writing, not the command: it runs to its end or timeout like any exec.
-  auto send_line = [&](const json& line) {
+  // A client that stops reading is dropped shortly after the command's deadline, so the timeout still holds (the
+  // command is killed by then); the final line waits for the client as long as any answer does (idle timeout).
+  const auto give_up_at = started +
+                          std::chrono::microseconds(static_cast<std::int64_t>(exec_request.timeout_seconds * 1e6)) +
+                          std::chrono::seconds(2);
+  auto send_line = [&](const json& line, bool last) {
     if (!stream->begun()) {
       HttpResponse head{http::status::ok, 11};
       head.set(http::field::content_type, "application/x-ndjson");
@@ -196,27 +203,28 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
     }
     std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace);
     text += '\n';
-    stream->write(text);
+    if (last) stream->write(text);
+    else stream->write(text, give_up_at);
   };
   OutputSink sink = [&](int fd, std::string_view data) {
-    send_line(json{{fd == 2 ? "stderr" : "stdout", protocol::base64_encode(data)}});
+    send_line(json{{fd == 2 ? "stderr" : "stdout", protocol::base64_encode(data)}}, false);
   };
   ExecResult result;
   try {
     result = handle.sandbox->exec(exec_request, sink);
   } catch (const Error& e) {
     if (!stream->begun()) throw;
-    send_line(json{{"error", protocol::encode_error(e)}});
+    send_line(json{{"error", protocol::encode_error(e)}}, true);
     return HttpResponse{http::status::ok, 11};
   } catch (const std::exception& e) {
     if (!stream->begun()) throw;
-    send_line(json{{"error", protocol::encode_error(Error(Code::kInternal, e.what()))}});
+    send_line(json{{"error", protocol::encode_error(Error(Code::kInternal, e.what()))}}, true);
     return HttpResponse{http::status::ok, 11};
   }
   done();
   result.stdout_data.clear();
   result.stderr_data.clear();
-  send_line(json{{"result", protocol::encode(result)}});
+  send_line(json{{"result", protocol::encode(result)}}, true);
   return HttpResponse{http::status::ok, 11};
 }
 

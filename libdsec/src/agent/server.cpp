@@ -80,8 +80,9 @@ std::string endpoint_string(const sockaddr_storage& addr) {
 // (the client went away, or stopped reading for the idle timeout) every later write is dropped at once.
 class ChunkedStream final : public ResponseStream {
  public:
-  ChunkedStream(FdStream& stream, unsigned version, std::function<bool()> keep_alive)
-      : stream_(stream), version_(version), keep_alive_(std::move(keep_alive)) {}
+  ChunkedStream(FdStream& stream, unsigned version, std::chrono::milliseconds idle_timeout,
+                std::function<bool()> keep_alive)
+      : stream_(stream), version_(version), idle_timeout_(idle_timeout), keep_alive_(std::move(keep_alive)) {}
 
   void begin(HttpResponse head) override {
     if (begun_) throw Error(Code::kInternal, "a streamed response began twice");
@@ -101,11 +102,20 @@ class ChunkedStream final : public ResponseStream {
 
   bool begun() const noexcept override { return begun_; }
 
-  bool write(std::string_view data) override {
+  bool write(std::string_view data, std::chrono::steady_clock::time_point give_up_at) override {
     if (!begun_) throw Error(Code::kInternal, "a streamed response wrote a chunk before its head");
     if (!ok_ || data.empty()) return ok_;
+    // A client that stops reading must not hold the handler past give_up_at (an exec's deadline): the socket's send
+    // timeout is shortened for this write when that comes before the idle timeout.
+    const auto now = std::chrono::steady_clock::now();
+    const bool sooner = give_up_at != std::chrono::steady_clock::time_point::max() && give_up_at - now < idle_timeout_;
+    if (sooner) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up_at - now);
+      set_send_timeout(std::max(left, std::chrono::milliseconds{10}));
+    }
     boost::system::error_code ec;
     boost::asio::write(stream_, http::make_chunk(boost::asio::const_buffer(data.data(), data.size())), ec);
+    if (sooner) set_send_timeout(idle_timeout_);
     ok_ = !ec;
     return ok_;
   }
@@ -119,8 +129,16 @@ class ChunkedStream final : public ResponseStream {
   }
 
  private:
+  void set_send_timeout(std::chrono::milliseconds timeout) {
+    timeval tv{};
+    tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+    tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+    ::setsockopt(stream_.fd(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  }
+
   FdStream& stream_;
   unsigned version_;
+  std::chrono::milliseconds idle_timeout_;
   std::function<bool()> keep_alive_;
   bool begun_ = false;
   bool ok_ = true;
@@ -369,7 +387,8 @@ void Server::serve(int fd) {
       std::lock_guard lock(mutex_);
       return request.keep_alive() && !stopping_;
     };
-    ChunkedStream streamed(stream, request.version(), keep_alive);
+    ChunkedStream streamed(stream, request.version(),
+                           std::chrono::duration_cast<std::chrono::milliseconds>(options_.idle_timeout), keep_alive);
     HttpResponse res;
     try {
       res = handler_(request, streamed);
