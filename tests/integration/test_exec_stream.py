@@ -207,3 +207,15 @@ def test_a_client_that_stops_reading_does_not_hold_the_timeout(sandbox, agent):
         assert lib.wait_for(lambda: b"streaming-output" not in sandbox.exec("ps -o args").stdout, timeout=10)
         assert time.monotonic() - t0 < 5
     assert sandbox.exec("echo fine").stdout == b"fine\n"
+
+
+def test_cli_run_prints_output_live(agent):
+    proc = subprocess.Popen([str(lib.DSEC_CLI), "--endpoint", agent.endpoint, "run", "busybox", "--", "sh", "-c",
+                             "echo first; sleep 1.5; echo second >&2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    first_at = time.monotonic()
+    rest, err = proc.communicate(timeout=60)
+    ended = time.monotonic()
+    assert (first, rest, err, proc.returncode) == (b"first\n", b"", b"second\n", 0)
+    assert ended - first_at > 1.0, "dsec run printed its output only at the end"

@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "client/client_core.hpp"
 #include "dsec/dsec.hpp"
@@ -162,6 +165,16 @@ TEST_F(AgentTest, ExecOnTheNullBackendIsUnimplemented) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Code::kUnimplemented);
   }
+  // Streamed, the failure comes before any output: the same error, and no callback.
+  int calls = 0;
+  try {
+    core.exec_stream(id, r, [&](int, std::string_view) { ++calls; });
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kUnimplemented);
+    EXPECT_FALSE(e.retryable());
+  }
+  EXPECT_EQ(calls, 0);
 }
 
 TEST_F(AgentTest, CreateManyAndRequestIds) {
@@ -251,6 +264,28 @@ TEST_F(AgentTest, ContainerExec) {
   slow.timeout_seconds = 0.3;
   auto t = core.exec(info.id, slow);
   EXPECT_TRUE(t.timed_out);
+
+  // Streamed: each chunk as it comes, stdout and stderr apart, the result without the output.
+  ExecRequest streamed;
+  streamed.shell = "printf first; sleep 0.6; printf second >&2; exit 3";
+  std::vector<std::pair<int, std::string>> chunks;
+  std::chrono::steady_clock::time_point first_at;
+  auto sr = core.exec_stream(info.id, streamed, [&](int fd, std::string_view data) {
+    if (chunks.empty()) first_at = std::chrono::steady_clock::now();
+    chunks.emplace_back(fd, std::string(data));
+  });
+  auto returned = std::chrono::steady_clock::now();
+  EXPECT_EQ(sr.exit_code, 3);
+  EXPECT_TRUE(sr.stdout_data.empty() && sr.stderr_data.empty());
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0], (std::pair<int, std::string>{1, "first"}));
+  EXPECT_EQ(chunks[1], (std::pair<int, std::string>{2, "second"}));
+  EXPECT_GT(returned - first_at, std::chrono::milliseconds{400});
+
+  // What the callback throws comes back as it was, and the client goes on working.
+  struct Stop {};
+  EXPECT_THROW(core.exec_stream(info.id, streamed, [](int, std::string_view) { throw Stop{}; }), Stop);
+  EXPECT_EQ(core.exec(info.id, r).exit_code, 42);
   core.destroy(info.id);
 }
 

@@ -105,18 +105,34 @@ class ChunkedStream final : public ResponseStream {
   bool write(std::string_view data, std::chrono::steady_clock::time_point give_up_at) override {
     if (!begun_) throw Error(Code::kInternal, "a streamed response wrote a chunk before its head");
     if (!ok_ || data.empty()) return ok_;
-    // A client that stops reading must not hold the handler past give_up_at (an exec's deadline): the socket's send
-    // timeout is shortened for this write when that comes before the idle timeout.
-    const auto now = std::chrono::steady_clock::now();
-    const bool sooner = give_up_at != std::chrono::steady_clock::time_point::max() && give_up_at - now < idle_timeout_;
-    if (sooner) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up_at - now);
-      set_send_timeout(std::max(left, std::chrono::milliseconds{10}));
+    std::string frame = fmt::format("{:x}\r\n", data.size());
+    frame.append(data);
+    frame += "\r\n";
+    // A client that stops reading must not hold the handler past give_up_at (an exec's deadline): each send's
+    // timeout is what is left until then when that is shorter than the idle timeout.
+    const bool limited = give_up_at != std::chrono::steady_clock::time_point::max();
+    bool shortened = false;
+    std::string_view left = frame;
+    while (!left.empty()) {
+      if (limited) {
+        // Past the limit a client still gets what its socket takes at once (a reading client always does).
+        auto remaining = std::max(
+            std::chrono::duration_cast<std::chrono::milliseconds>(give_up_at - std::chrono::steady_clock::now()),
+            std::chrono::milliseconds{10});
+        if (remaining < idle_timeout_) {
+          set_send_timeout(remaining);
+          shortened = true;
+        }
+      }
+      boost::system::error_code ec;
+      std::size_t n = stream_.write_some(boost::asio::const_buffer(left.data(), left.size()), ec);
+      if (ec) {
+        ok_ = false;
+        break;
+      }
+      left.remove_prefix(n);
     }
-    boost::system::error_code ec;
-    boost::asio::write(stream_, http::make_chunk(boost::asio::const_buffer(data.data(), data.size())), ec);
-    if (sooner) set_send_timeout(idle_timeout_);
-    ok_ = !ec;
+    if (shortened) set_send_timeout(idle_timeout_);
     return ok_;
   }
 
