@@ -194,6 +194,7 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
   const auto give_up_at = started +
                           std::chrono::microseconds(static_cast<std::int64_t>(exec_request.timeout_seconds * 1e6)) +
                           std::chrono::seconds(2);
+  bool client_gone = false;
   auto send_line = [&](const json& line, bool last) {
     if (!stream->begun()) {
       HttpResponse head{http::status::ok, 11};
@@ -203,10 +204,10 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
     }
     std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace);
     text += '\n';
-    if (last) stream->write(text);
-    else stream->write(text, give_up_at);
+    client_gone = !(last ? stream->write(text) : stream->write(text, give_up_at));
   };
   OutputSink sink = [&](int fd, std::string_view data) {
+    if (client_gone) return;  // the command's output is read on, and dropped
     send_line(json{{fd == 2 ? "stderr" : "stdout", protocol::base64_encode(data)}}, false);
   };
   ExecResult result;

@@ -43,9 +43,9 @@ Lists the sandboxes of the node agent(s): id, image, state, kind, creation and e
 
 constexpr std::string_view kRunHelp = R"(usage: dsec run IMAGE [options] [--] CMD [ARG...]
 
-Creates a sandbox from IMAGE, runs CMD in it, prints its output, destroys the sandbox and exits with CMD's status
-(128+N if signal N ended it, 124 if it timed out, 125 if dsec failed). Without --endpoint and with no system agent
-running, a private agent is started for the command (on --home's image store).
+Creates a sandbox from IMAGE, runs CMD in it, prints its output as it comes, destroys the sandbox and exits with
+CMD's status (128+N if signal N ended it, 124 if it timed out, 125 if dsec failed). Without --endpoint and with no
+system agent running, a private agent is started for the command (on --home's image store).
   --cpu CORES          cpu limit (default 1; fractions allowed)
   --memory SIZE        memory limit, e.g. 512Mi (default 512Mi)
   --disk SIZE          writable layer size, e.g. 1Gi (default 1Gi)
@@ -64,8 +64,8 @@ running, a private agent is started for the command (on --home's image store).
 
 constexpr std::string_view kExecHelp = R"(usage: dsec exec ID [options] [--] CMD [ARG...]
 
-Runs CMD in sandbox ID and exits with its status (128+N if signal N ended it, 124 if it timed out, 125 if dsec
-failed).
+Runs CMD in sandbox ID, prints its output as it comes, and exits with its status (128+N if signal N ended it, 124
+if it timed out, 125 if dsec failed).
   --env KEY=VALUE      environment (repeatable)
   --workdir DIR        working directory (default: the sandbox's)
   --timeout SECONDS    wall-clock limit (default 600)
