@@ -412,6 +412,38 @@ TEST_F(RegistryTest, RecordsAreWrittenAtCreateAndRemovedAtDestroy) {
   EXPECT_TRUE(std::filesystem::is_empty(dir.path() / "state" / "sandboxes"));
 }
 
+TEST_F(RegistryTest, TheRecordIsOnDiskBeforeTheBackendStartsAnything) {
+  ScratchDir dir;
+  RegistryOptions options;
+  options.state_dir = dir.path();
+  make(options);
+  state_->create_delay_ms = 300;
+  std::thread creator([&] { registry_->create(spec()); });
+  // While the backend is still creating, an agent that died now would leave this record for the next start.
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  std::vector<std::filesystem::path> records;
+  while (records.empty() && std::chrono::steady_clock::now() < until) {
+    for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+      if (e.path().extension() == ".json") records.push_back(e.path());
+    if (records.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(records.size(), 1u);
+  std::ifstream in(records[0]);
+  auto j = protocol::json::parse(in);
+  EXPECT_EQ(j["info"]["state"], "creating");
+  EXPECT_EQ(j["info"]["kind"], "null");
+  creator.join();
+  EXPECT_EQ(state_->creates.load(), 1);
+
+  // A create the backend refuses leaves no record behind.
+  state_->create_delay_ms = 0;
+  state_->fail_at = 2;
+  EXPECT_EQ(code_of([&] { registry_->create(spec()); }), Code::kInternal);
+  std::size_t count = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) count += e.path().extension() == ".json";
+  EXPECT_EQ(count, 1u);
+}
+
 TEST_F(RegistryTest, LeftoversOfAnEarlierRunAreRemovedAtStartup) {
   ScratchDir dir;
   RegistryOptions options;

@@ -184,28 +184,41 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec) {
   try {
     ResolvedImage image = images_.resolve(spec.image);
     CreateParams params{id, spec, image.layers};
-    record->sandbox = backend.create(params);
-    if (!record->sandbox) throw Error(Code::kInternal, fmt::format("backend '{}' returned no sandbox", spec.kind));
-
-    double created_at = now();
     SandboxInfo& info = record->info;
     info.id = id;
     info.node = options_.node_id;
-    info.state = "running";
-    info.image = image.name;
     info.kind = spec.kind;
+    info.image = image.name;
+    // The record goes to disk before the backend starts anything: an agent that dies in between leaves a record,
+    // and the next start removes whatever the half-made sandbox left (Backend::remove_leftovers).
+    info.state = "creating";
+    record->spec = spec;
+    record->layers = image.layers;
+    write_record(*record);
+    try {
+      record->sandbox = backend.create(params);
+    } catch (...) {
+      remove_record_file(id);
+      throw;
+    }
+    if (!record->sandbox) {
+      remove_record_file(id);
+      throw Error(Code::kInternal, fmt::format("backend '{}' returned no sandbox", spec.kind));
+    }
+
+    double created_at = now();
+    info.state = "running";
     info.tenant = spec.tenant;
     info.labels = spec.labels;
     info.resources = spec.resources;
     info.created_at = created_at;
     info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
-    record->spec = spec;
-    record->layers = std::move(image.layers);
     record->image_hold = std::move(image.hold);
     try {
       write_record(*record);
     } catch (...) {
       record->sandbox->destroy();
+      remove_record_file(id);
       throw;
     }
   } catch (...) {
