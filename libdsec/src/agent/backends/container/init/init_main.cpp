@@ -156,7 +156,8 @@ pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, 
   std::vector<char*> argv, envp;
   for (auto& a : req.argv) argv.push_back(a.data());
   argv.push_back(nullptr);
-  const char* path = kDefaultPath;
+  // volatile: read in the vfork child, which shares this frame.
+  const char* volatile path = kDefaultPath;
   for (auto& e : req.env) {
     envp.push_back(e.data());
     if (e.rfind("PATH=", 0) == 0) path = e.c_str() + 5;
