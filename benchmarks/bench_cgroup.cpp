@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "bench.hpp"
+#include "common/cgroupfs.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
@@ -39,17 +40,9 @@ std::vector<std::string> join_hierarchies(std::string& layout) {
   }
   std::vector<std::string> found(kMaxHierarchies);
   const char* names[kMaxHierarchies] = {"cpu", "memory", "pids", "freezer"};
-  std::ifstream in("/proc/self/mounts");
-  std::string dev, dir, type, opts, rest;
-  while (in >> dev >> dir >> type >> opts) {
-    std::getline(in, rest);
-    if (type != "cgroup") continue;
-    std::istringstream os(opts);
-    std::string opt;
-    while (std::getline(os, opt, ','))
-      for (int i = 0; i < kMaxHierarchies; ++i)
-        if (opt == names[i] && found[i].empty()) found[i] = dir;
-  }
+  auto mounts = cgroup_v1_mounts();
+  for (int i = 0; i < kMaxHierarchies; ++i)
+    if (auto it = mounts.find(names[i]); it != mounts.end()) found[i] = it->second;
   for (int i = 0; i < kMaxHierarchies; ++i)
     if (found[i].empty())
       throw Error(Code::kFailedPrecondition, fmt::format("no cgroup v1 hierarchy with the {} controller", names[i]));

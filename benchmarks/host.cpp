@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/cgroupfs.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec::bench {
@@ -98,17 +99,9 @@ std::string trim(std::string s) {
 
 // Where the v1 memory controller is mounted ("" when there is none).
 std::string memory_v1_mount() {
-  std::ifstream in("/proc/self/mounts");
-  std::string dev, dir, type, opts, rest;
-  while (in >> dev >> dir >> type >> opts) {
-    std::getline(in, rest);
-    if (type != "cgroup") continue;
-    std::istringstream os(opts);
-    std::string opt;
-    while (std::getline(os, opt, ','))
-      if (opt == "memory") return dir;
-  }
-  return {};
+  auto mounts = cgroup_v1_mounts();
+  auto it = mounts.find("memory");
+  return it == mounts.end() ? std::string() : it->second;
 }
 
 std::string cgroup_v2_mount() {

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
+#include "common/cgroupfs.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::container {
@@ -32,22 +33,12 @@ struct Hierarchies {
 };
 
 Hierarchies find_hierarchies() {
-  Hierarchies h;
-  std::ifstream in("/proc/self/mounts");
-  std::string dev, dir, type, opts, rest;
-  while (in >> dev >> dir >> type >> opts) {
-    std::getline(in, rest);
-    if (type != "cgroup") continue;
-    std::istringstream os(opts);
-    std::string opt;
-    while (std::getline(os, opt, ',')) {
-      if (opt == "cpu" && h.cpu.empty()) h.cpu = dir;
-      else if (opt == "memory" && h.memory.empty()) h.memory = dir;
-      else if (opt == "pids" && h.pids.empty()) h.pids = dir;
-      else if (opt == "freezer" && h.freezer.empty()) h.freezer = dir;
-    }
-  }
-  return h;
+  auto mounts = cgroup_v1_mounts();
+  auto at = [&](const char* controller) {
+    auto it = mounts.find(controller);
+    return it == mounts.end() ? std::string() : it->second;
+  };
+  return Hierarchies{at("cpu"), at("memory"), at("pids"), at("freezer")};
 }
 
 int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
