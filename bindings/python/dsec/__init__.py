@@ -31,7 +31,7 @@ import threading
 import weakref
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
-from . import _dsec
+from . import _dsec, errors
 from .errors import (
     Aborted,
     AlreadyExists,
@@ -70,24 +70,7 @@ __all__ = [
     "Resources",
     "parse_size",
     "agent_binary",
-    "DsecError",
-    "Cancelled",
-    "Unknown",
-    "InvalidArgument",
-    "DeadlineExceeded",
-    "NotFound",
-    "AlreadyExists",
-    "PermissionDenied",
-    "ResourceExhausted",
-    "FailedPrecondition",
-    "Aborted",
-    "OutOfRange",
-    "Unimplemented",
-    "Internal",
-    "Unavailable",
-    "DataLoss",
-    "Unauthenticated",
-    "error_class",
+    *errors.__all__,
 ]
 
 Size = Union[int, str]

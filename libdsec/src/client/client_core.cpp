@@ -276,9 +276,13 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
   return out;
 }
 
-SandboxInfo ClientCore::get(const std::string& id) {
+HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& request) {
   auto deadline = deadline_after();
-  auto r = retrying(deadline, [&] { return call(route(id, deadline), http_request("GET", sandbox_path(id)), deadline); });
+  return retrying(deadline, [&] { return call(route(id, deadline), request, deadline); });
+}
+
+SandboxInfo ClientCore::get(const std::string& id) {
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id)));
   return protocol::decode_sandbox_info(parse_json(r, "GET /v1/sandboxes/{id}"));
 }
 
@@ -312,11 +316,8 @@ std::vector<NodeInfo> ClientCore::nodes() {
 }
 
 void ClientCore::destroy(const std::string& id) {
-  auto deadline = deadline_after();
   try {
-    retrying(deadline, [&] {
-      return call(route(id, deadline), http_request("DELETE", sandbox_path(id)), deadline);
-    });
+    call_sandbox(id, http_request("DELETE", sandbox_path(id)));
   } catch (const Error& e) {
     if (e.code() != Code::kNotFound) throw;
   }
@@ -393,17 +394,11 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
 void ClientCore::write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode) {
   if (mode > 07777) throw Error(Code::kInvalidArgument, fmt::format("mode: {:#o} is above 07777", mode));
   std::string target = sandbox_path(id, fmt::format("/files?path={}&mode={:04o}", url_escape(path), mode));
-  auto deadline = deadline_after();
-  retrying(deadline, [&] {
-    return call(route(id, deadline), http_request("PUT", target, data, kOctets),
-                deadline);
-  });
+  call_sandbox(id, http_request("PUT", target, data, kOctets));
 }
 
 std::string ClientCore::read_file(const std::string& id, std::string_view path) {
-  std::string target = sandbox_path(id, fmt::format("/files?path={}", url_escape(path)));
-  auto deadline = deadline_after();
-  auto r = retrying(deadline, [&] { return call(route(id, deadline), http_request("GET", target), deadline); });
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id, fmt::format("/files?path={}", url_escape(path)))));
   if (r.content_type.starts_with(kTar))
     throw Error(Code::kInvalidArgument,
                 fmt::format("{} in sandbox {} is a directory (download_tar reads a directory)", path, id));
@@ -412,18 +407,12 @@ std::string ClientCore::read_file(const std::string& id, std::string_view path) 
 
 void ClientCore::upload_tar(const std::string& id, std::string_view dir, std::string_view tar_bytes) {
   std::string target = sandbox_path(id, fmt::format("/files?path={}", url_escape(dir)));
-  auto deadline = deadline_after();
-  retrying(deadline, [&] {
-    return call(route(id, deadline), http_request("PUT", target, tar_bytes, kTar),
-                deadline);
-  });
+  call_sandbox(id, http_request("PUT", target, tar_bytes, kTar));
 }
 
 std::string ClientCore::download_tar(const std::string& id, std::string_view dir) {
-  std::string target = sandbox_path(id, fmt::format("/files?path={}&format=tar", url_escape(dir)));
-  auto deadline = deadline_after();
-  auto r = retrying(deadline, [&] { return call(route(id, deadline), http_request("GET", target), deadline); });
-  return std::move(r.body);
+  return call_sandbox(id, http_request("GET", sandbox_path(id, fmt::format("/files?path={}&format=tar", url_escape(dir)))))
+      .body;
 }
 
 }  // namespace dsec::detail

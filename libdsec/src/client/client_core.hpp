@@ -68,6 +68,8 @@ class ClientCore {
   // The endpoint of the node that made sandbox `id` (asks unknown endpoints for their node ids when needed).
   std::size_t route(const std::string& id, SteadyClock::time_point deadline);
   void learn_node(std::size_t ep, const std::string& node_id);
+  // A call about sandbox `id`: sent to the node that made it, retried under one fresh call deadline.
+  HttpResponse call_sandbox(const std::string& id, const HttpRequest& request);
   std::string sandbox_path(const std::string& id, std::string_view suffix = {}) const;
 
   ClientOptions options_;
