@@ -1,0 +1,236 @@
+#include "image/store/manifest.hpp"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "dsec/error.hpp"
+#include "image/store/digest.hpp"
+
+namespace dsec::image {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::size_t kMaxRepositoryLength = 255;
+constexpr std::size_t kMaxTagLength = 128;
+
+bool is_alnum(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); }
+bool is_name_char(char c) { return is_alnum(c) || c == '-' || c == '_' || c == '.'; }
+
+std::string describe_char(char c) {
+  if (c == ' ') return "a space";
+  if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f)
+    return fmt::format("byte 0x{:02x}", static_cast<unsigned char>(c));
+  return fmt::format("'{}'", c);
+}
+
+[[noreturn]] void bad_reference(std::string_view text, std::string_view why) {
+  throw Error(Code::kInvalidArgument, fmt::format("invalid image name '{}': {}", text.substr(0, 300), why));
+}
+
+[[noreturn]] void bad_field(std::string_view field, std::string_view why) {
+  throw Error(Code::kInvalidArgument, fmt::format("manifest: {}: {}", field, why));
+}
+
+void check_repository(std::string_view text, std::string_view repo) {
+  if (repo.empty()) bad_reference(text, "no name before the tag");
+  if (repo.size() > kMaxRepositoryLength)
+    bad_reference(text, fmt::format("the name is longer than {} characters", kMaxRepositoryLength));
+  std::size_t part_start = 0;
+  for (std::size_t i = 0; i <= repo.size(); ++i) {
+    if (i == repo.size() || repo[i] == '/') {
+      if (i == part_start) bad_reference(text, "an empty part between '/'");
+      if (!is_alnum(repo[part_start]))
+        bad_reference(text, fmt::format("'{}' must start with a letter or digit", repo.substr(part_start, i - part_start)));
+      part_start = i + 1;
+      continue;
+    }
+    if (!is_name_char(repo[i])) bad_reference(text, fmt::format("{} is not allowed", describe_char(repo[i])));
+  }
+}
+
+void check_tag(std::string_view text, std::string_view tag) {
+  if (tag.empty()) bad_reference(text, "an empty tag after ':'");
+  if (tag.size() > kMaxTagLength) bad_reference(text, fmt::format("the tag is longer than {} characters", kMaxTagLength));
+  if (!is_alnum(tag[0]) && tag[0] != '_') bad_reference(text, "the tag must start with a letter, digit or '_'");
+  for (char c : tag)
+    if (!is_name_char(c)) bad_reference(text, fmt::format("{} is not allowed in the tag", describe_char(c)));
+}
+
+template <typename T>
+T field(const json& j, const char* key, std::string_view path) {
+  auto it = j.find(key);
+  if (it == j.end()) bad_field(fmt::format("{}{}", path, key), "missing");
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    bad_field(fmt::format("{}{}", path, key), "wrong type");
+  }
+}
+
+std::string digest_field(const json& j, const char* key, std::string_view path) {
+  auto d = field<std::string>(j, key, path);
+  if (!is_digest(d)) bad_field(fmt::format("{}{}", path, key), fmt::format("'{}' is not a sha256 digest", d.substr(0, 80)));
+  return d;
+}
+
+}  // namespace
+
+std::string_view to_string(LayerRole role) {
+  switch (role) {
+    case LayerRole::kBase: return "base";
+    case LayerRole::kToolchain: return "toolchain";
+    case LayerRole::kTask: return "task";
+    case LayerRole::kSnapshot: return "snapshot";
+  }
+  return "base";
+}
+
+LayerRole parse_layer_role(std::string_view text) {
+  if (text == "base") return LayerRole::kBase;
+  if (text == "toolchain") return LayerRole::kToolchain;
+  if (text == "task") return LayerRole::kTask;
+  if (text == "snapshot") return LayerRole::kSnapshot;
+  throw Error(Code::kInvalidArgument,
+              fmt::format("unknown layer role '{}' (base, toolchain, task or snapshot)", text.substr(0, 40)));
+}
+
+std::uint64_t Manifest::size() const {
+  std::uint64_t total = 0;
+  for (const auto& l : layers) total += l.size;
+  return total;
+}
+
+std::uint64_t Manifest::stored_size() const {
+  std::uint64_t total = 0;
+  for (const auto& l : layers) total += l.stored_size;
+  return total;
+}
+
+std::string manifest_to_json(const Manifest& m) {
+  json layers = json::array();
+  for (const auto& l : m.layers)
+    layers.push_back({{"role", to_string(l.role)},
+                      {"digest", l.digest},
+                      {"size", l.size},
+                      {"index", l.index},
+                      {"data", l.data},
+                      {"stored_size", l.stored_size},
+                      {"files_size", l.files_size}});
+  json j = {{"schema", Manifest::kSchemaVersion},
+            {"name", m.name},
+            {"tag", m.tag},
+            {"layers", std::move(layers)},
+            {"created_at", m.created_at},
+            {"source", m.source},
+            {"parent", m.parent},
+            {"notes", m.notes}};
+  // nlohmann's object is a sorted map: the dump is canonical.
+  return j.dump();
+}
+
+Manifest manifest_from_json(std::string_view text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(Code::kInvalidArgument, fmt::format("manifest: not JSON: {}", e.what()));
+  }
+  if (!j.is_object()) bad_field("(top)", "must be an object");
+  int schema = field<int>(j, "schema", "");
+  if (schema != Manifest::kSchemaVersion)
+    bad_field("schema", fmt::format("version {} is not supported (this dsec reads {})", schema, Manifest::kSchemaVersion));
+  Manifest m;
+  m.name = field<std::string>(j, "name", "");
+  m.tag = field<std::string>(j, "tag", "");
+  ImageReference ref = parse_reference(m.name + ":" + m.tag);
+  if (ref.name != m.name) bad_field("name", fmt::format("'{}' is not a normalised name", m.name));
+  m.created_at = j.value("created_at", 0.0);
+  m.source = j.value("source", std::string());
+  m.parent = j.value("parent", std::string());
+  try {
+    m.notes = j.value("notes", std::vector<std::string>{});
+  } catch (const json::exception&) {
+    bad_field("notes", "must be a list of strings");
+  }
+  auto layers = j.find("layers");
+  if (layers == j.end() || !layers->is_array() || layers->empty()) bad_field("layers", "must be a non-empty list");
+  if (layers->size() > 64) bad_field("layers", "more than 64 layers");
+  for (std::size_t i = 0; i < layers->size(); ++i) {
+    const json& l = (*layers)[i];
+    std::string path = fmt::format("layers[{}].", i);
+    if (!l.is_object()) bad_field(fmt::format("layers[{}]", i), "must be an object");
+    LayerDescriptor d;
+    try {
+      d.role = parse_layer_role(field<std::string>(l, "role", path));
+    } catch (const Error& e) {
+      bad_field(path + "role", e.what());
+    }
+    d.digest = digest_field(l, "digest", path);
+    d.size = field<std::uint64_t>(l, "size", path);
+    d.index = digest_field(l, "index", path);
+    d.data = digest_field(l, "data", path);
+    d.stored_size = field<std::uint64_t>(l, "stored_size", path);
+    d.files_size = l.value("files_size", std::uint64_t{0});
+    if (d.size == 0) bad_field(path + "size", "must be positive");
+    m.layers.push_back(std::move(d));
+  }
+  return m;
+}
+
+ImageReference parse_reference(std::string_view text) {
+  if (text.empty()) bad_reference(text, "it is empty");
+  ImageReference ref;
+  std::string_view rest = text;
+  if (std::size_t at = rest.find('@'); at != std::string_view::npos) {
+    ref.digest = std::string(rest.substr(at + 1));
+    if (!is_digest(ref.digest)) bad_reference(text, "what follows '@' must be a sha256 digest");
+    rest = rest.substr(0, at);
+  }
+  std::size_t colon = rest.find(':');
+  if (colon != std::string_view::npos && rest.find(':', colon + 1) != std::string_view::npos)
+    bad_reference(text, "more than one ':'");
+  std::string_view repo = rest.substr(0, colon);
+  std::string_view tag = colon == std::string_view::npos ? std::string_view("latest") : rest.substr(colon + 1);
+  check_repository(text, repo);
+  check_tag(text, tag);
+  ref.name = std::string(repo);
+  ref.tag = std::string(tag);
+  return ref;
+}
+
+std::string escape_reference(std::string_view tagged) {
+  std::string out;
+  out.reserve(tagged.size() + 8);
+  for (char c : tagged) {
+    switch (c) {
+      case '%': out += "%25"; break;
+      case '/': out += "%2F"; break;
+      case ':': out += "%3A"; break;
+      default: out.push_back(c);
+    }
+  }
+  return out;
+}
+
+std::string unescape_reference(std::string_view escaped) {
+  std::string out;
+  for (std::size_t i = 0; i < escaped.size(); ++i) {
+    if (escaped[i] == '%' && i + 2 < escaped.size()) {
+      std::string_view code = escaped.substr(i + 1, 2);
+      char c = 0;
+      if (code == "25") c = '%';
+      else if (code == "2F" || code == "2f") c = '/';
+      else if (code == "3A" || code == "3a") c = ':';
+      if (c) {
+        out.push_back(c);
+        i += 2;
+        continue;
+      }
+    }
+    out.push_back(escaped[i]);
+  }
+  return out;
+}
+
+}  // namespace dsec::image
