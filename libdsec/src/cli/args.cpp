@@ -20,6 +20,12 @@ std::string GlobalOptions::resolved_endpoint() const {
   return {};
 }
 
+std::string GlobalOptions::resolved_store() const {
+  if (!store.empty()) return store;
+  if (const char* env = std::getenv("DSEC_STORE"); env && *env) return env;
+  return resolved_home() + "/store";
+}
+
 namespace {
 
 // "--name=value" or "--name value": returns the value and advances i, or nullopt if args[i] is not this option.
@@ -45,6 +51,11 @@ bool take_global_option(const std::vector<std::string>& args, std::size_t& i, Gl
   if (auto v = take_value(args, i, "--endpoint", {})) {
     if (v->empty()) throw UsageError("--endpoint needs unix:/path or http://host:port");
     global.endpoint = *v;
+    return true;
+  }
+  if (auto v = take_value(args, i, "--store", {})) {
+    if (v->empty()) throw UsageError("--store needs a directory or an http(s):// URL");
+    global.store = *v;
     return true;
   }
   return false;

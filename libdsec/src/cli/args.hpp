@@ -27,11 +27,13 @@ class UsageError : public std::runtime_error {
 struct GlobalOptions {
   std::string home;       // --home; empty: $DSEC_HOME, else /var/lib/dsec
   std::string endpoint;   // --endpoint; empty: $DSEC_ENDPOINT, else an embedded agent
+  std::string store;      // --store; empty: $DSEC_STORE, else the directory store <home>/store
   std::string resolved_home() const;
   std::string resolved_endpoint() const;
+  std::string resolved_store() const;
 };
 
-// If args[i] is a global option (--home DIR, --home=DIR, --endpoint URL, --endpoint=URL), stores it, advances i past
+// If args[i] is a global option (--home DIR, --endpoint URL, --store URL, each also as --name=value), stores it, advances i past
 // its value and returns true.
 bool take_global_option(const std::vector<std::string>& args, std::size_t& i, GlobalOptions& global);
 

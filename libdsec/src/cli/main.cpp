@@ -24,15 +24,19 @@
 namespace dsec::cli {
 namespace {
 
-constexpr std::string_view kUsage = R"(usage: dsec [--home DIR] [--endpoint URL] COMMAND [ARGS...]
+constexpr std::string_view kUsage = R"(usage: dsec [--home DIR] [--endpoint URL] [--store URL] COMMAND [ARGS...]
 
-dsec drives dsec sandboxes and the node's image store.
+dsec drives dsec sandboxes and image stores.
 
-Image commands (on this machine's image store, <home>/images):
-  image build NAME --from SOURCE   build an image (SOURCE: a directory, busybox-static, debootstrap:SUITE)
+Image commands (on an image store: --store, else $DSEC_STORE, else the directory <home>/store):
+  image build NAME --from SOURCE   build an image layer (SOURCE: a directory, a tar, an OCI image, busybox-static,
+                                   debootstrap:SUITE), optionally on top of --parent IMAGE
+  image push NAME STORE            copy an image to another store (a directory or an http(s):// URL)
+  image pull NAME STORE            copy an image from another store
   image ls                         list images
   image inspect NAME               show one image's manifest as JSON
-  image rm NAME...                 remove images
+  image rm NAME...                 remove image tags
+  image gc                         remove blobs no image needs
 
 Sandbox commands (through a node agent):
   ps                               list sandboxes
@@ -42,7 +46,9 @@ Sandbox commands (through a node agent):
   node                             show the node's capacity, load and images
 
 Global options:
-  --home DIR        dsec's state directory (default: $DSEC_HOME, else /var/lib/dsec); images live in DIR/images
+  --home DIR        dsec's state directory (default: $DSEC_HOME, else /var/lib/dsec)
+  --store URL       image store: a directory (also a shared filesystem) or http(s)://host/path (default:
+                    $DSEC_STORE, else DIR/store)
   --endpoint URL    node agent: unix:/path/to/dsecd.sock or http://host:port (default: $DSEC_ENDPOINT; without
                     one, sandbox commands start a private agent on DIR for the duration of the command)
   -h, --help        help (also after any command: dsec image build --help)

@@ -17,8 +17,7 @@
 #include "dsec/error.hpp"
 #include "image/fs_tree.hpp"
 #include "image/process.hpp"
-#include "image/store.hpp"
-#include "image/store_internal.hpp"
+#include "image/rootfs_builders.hpp"
 
 namespace dsec::image {
 namespace fs = std::filesystem;
@@ -360,33 +359,42 @@ void clean_debootstrap_tree(const fs::path& rootfs, std::vector<std::string>& no
   notes.push_back("replaced /etc/hostname, /etc/resolv.conf and /etc/hosts copied from the build host");
 }
 
-ImageRecord ImageStore::build_debootstrap(const std::string& name, const std::string& suite,
-                                          const std::vector<std::string>& include_packages,
-                                          const std::string& mirror) {
-  std::string normalized = normalize_name(name);
+std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite,
+                                  const std::vector<std::string>& include_packages, const std::string& mirror,
+                                  const fs::path& cache_dir, const LogSink& log, std::vector<std::string>& notes) {
   check_suite(suite);
   std::vector<std::string> packages = normalize_packages(include_packages);
   if (!mirror.empty()) check_mirror(mirror);
   std::string arch = host_debian_arch();
-  fs::path cache = cache_dir() / debootstrap_cache_name(suite, arch, packages);
+  fs::path cache = cache_dir / debootstrap_cache_name(suite, arch, packages);
   std::string source = fmt::format("debootstrap:{} --variant=minbase{}", suite,
                                    packages.empty() ? std::string() : fmt::format(" --include={}", fmt::join(packages, ",")));
 
-  prune_stale();
-  PendingImage pending(*this, normalized);
-  std::vector<std::string> notes;
+  auto say = [&](std::string_view line) {
+    if (log) log(line);
+  };
+  const fs::path rootfs = dest;
+  struct Unmount {
+    const fs::path& p;
+    ~Unmount() {
+      try {
+        unmount_below(p);
+      } catch (...) {
+      }
+    }
+  } unmount_on_exit{rootfs};
 
   if (fs::is_regular_file(cache)) {
-    log(fmt::format("using the cached debootstrap tree {}", cache.string()));
+    say(fmt::format("using the cached debootstrap tree {}", cache.string()));
     try {
-      unpack_tree(cache, pending.rootfs(), notes);
+      unpack_tree(cache, rootfs, notes);
       notes.push_back(fmt::format("unpacked from the cached debootstrap tree {}", cache.string()));
-      return pending.commit(source, std::move(notes));
+      return source;
     } catch (const Error& e) {
-      log(fmt::format("warning: the cached tree {} is unusable ({}); removing it and bootstrapping again",
+      say(fmt::format("warning: the cached tree {} is unusable ({}); removing it and bootstrapping again",
                       cache.string(), e.what()));
       notes.clear();
-      remove_tree(pending.rootfs());
+      remove_tree(rootfs);
       ::unlink(cache.c_str());
     }
   }
@@ -398,27 +406,27 @@ ImageRecord ImageStore::build_debootstrap(const std::string& name, const std::st
 
   std::vector<std::string> argv{"debootstrap", "--variant=minbase", "--components=main", "--arch=" + arch};
   if (!packages.empty()) argv.push_back(fmt::format("--include={}", fmt::join(packages, ",")));
-  argv.insert(argv.end(), {suite, pending.rootfs().string(), from});
-  log(fmt::format("running: {}", fmt::join(argv, " ")));
+  argv.insert(argv.end(), {suite, rootfs.string(), from});
+  say(fmt::format("running: {}", fmt::join(argv, " ")));
 
   ProcessOptions options;
   options.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "LC_ALL=C.UTF-8",
                  "DEBIAN_FRONTEND=noninteractive", "DEBCONF_NONINTERACTIVE_SEEN=true", "HOME=/root"};
-  options.on_line = [this](std::string_view line) { log(line); };
+  options.on_line = [&](std::string_view line) { say(line); };
   auto started = std::chrono::steady_clock::now();
   ProcessResult result;
   try {
     result = run_process(argv, options);
   } catch (...) {
-    unmount_below(pending.dir());
+    unmount_below(rootfs);
     throw;
   }
   // debootstrap unmounts what it mounted in the target when it exits normally; not always when it fails.
-  unmount_below(pending.dir());
+  unmount_below(rootfs);
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (!result.ok()) {
     std::string log_tail;
-    fs::path dlog = pending.rootfs() / "debootstrap/debootstrap.log";
+    fs::path dlog = rootfs / "debootstrap/debootstrap.log";
     if (fs::is_regular_file(dlog)) {
       ProcessResult fake;
       fake.err = read_text(dlog);
@@ -432,13 +440,15 @@ ImageRecord ImageStore::build_debootstrap(const std::string& name, const std::st
                 fmt::format("debootstrap {} from {} {}:\n{}{}", suite, from, result.status_text(), result.tail(),
                             log_tail));
   }
-  clean_debootstrap_tree(pending.rootfs(), notes);
-  for (const auto& n : notes) log(n);
-  log(fmt::format("caching the tree as {}", cache.string()));
-  pack_tree(pending.rootfs(), cache);
+  clean_debootstrap_tree(rootfs, notes);
+  for (const auto& n : notes) say(n);
+  say(fmt::format("caching the tree as {}", cache.string()));
+  std::error_code ec;
+  fs::create_directories(cache_dir, ec);
+  pack_tree(rootfs, cache);
   notes.insert(notes.begin(), fmt::format("bootstrapped from {} in {:.0f} s; tree cached as {}", from, seconds,
                                           cache.string()));
-  return pending.commit(source + " from " + from, std::move(notes));
+  return source + " from " + from;
 }
 
 }  // namespace dsec::image

@@ -72,6 +72,7 @@ std::string chunk_index_to_json(const ChunkIndex& index) {
   json j = {{"schema", ChunkIndex::kSchemaVersion},
             {"layer", index.layer},
             {"size", index.size},
+            {"meta_size", index.meta_size},
             {"chunk_size", index.chunk_size},
             {"data", index.data},
             {"data_size", index.data_size},
@@ -94,12 +95,15 @@ ChunkIndex chunk_index_from_json(std::string_view text) {
     index.layer = j.at("layer").get<std::string>();
     index.size = j.at("size").get<std::uint64_t>();
     index.chunk_size = j.at("chunk_size").get<std::uint32_t>();
+    index.meta_size = j.value("meta_size", std::uint64_t{0});
     index.data = j.at("data").get<std::string>();
     index.data_size = j.at("data_size").get<std::uint64_t>();
     if (!is_digest(index.layer)) bad_field("layer", "not a sha256 digest");
     if (!is_digest(index.data)) bad_field("data", "not a sha256 digest");
     if (index.chunk_size < 4096 || index.chunk_size > (64u << 20) || (index.chunk_size & (index.chunk_size - 1)))
       bad_field("chunk_size", "must be a power of two from 4 KiB to 64 MiB");
+    if (index.meta_size % index.chunk_size != 0 || index.meta_size >= index.size)
+      bad_field("meta_size", "must be a whole number of chunks, less than the layer's size");
     const json& chunks = j.at("chunks");
     if (!chunks.is_array()) bad_field("chunks", "must be a list");
     std::uint64_t expected = (index.size + index.chunk_size - 1) / index.chunk_size;
@@ -151,7 +155,7 @@ void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view store
 }
 
 ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const std::filesystem::path& data_file,
-                                 std::vector<std::uint32_t> prefetch, std::uint32_t chunk_size, int level,
+                                 std::uint64_t meta_size, std::vector<std::uint32_t> prefetch, std::uint32_t chunk_size, int level,
                                  const std::function<void(std::uint64_t, std::uint64_t)>& progress) {
   UniqueFd in(::open(layer_file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!in) throw_errno_fmt(errno, "open {}", layer_file.string());
@@ -164,6 +168,7 @@ ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const 
 
   ChunkIndex index;
   index.size = size;
+  index.meta_size = meta_size;
   index.chunk_size = chunk_size;
   const std::size_t count = static_cast<std::size_t>((size + chunk_size - 1) / chunk_size);
   index.chunks.resize(count);

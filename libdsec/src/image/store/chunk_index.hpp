@@ -3,8 +3,15 @@
 // and what the sha256 of its uncompressed bytes is. A node can so fetch and verify any part of a layer with one
 // Range request, and a reader of 4% of a layer fetches about 4% of it.
 //
+// A layer's bytes are two EROFS parts one after the other: the metadata image (superblock, inodes, directories,
+// xattrs, chunk maps; zero-padded to whole chunks) and its data device (file contents, 4 KiB-aligned), as
+// `mkfs.erofs --blobdev=DATA --chunksize=4096 META TREE` writes them. A node mounts the first part with
+// "device=<the second>", and fetches all metadata chunks (the `prefetch` list) before the first lookup, so listing
+// and opening files never waits for the store and file reads fetch only the chunks holding their data.
+// meta_size == 0 means the whole layer is one plain EROFS image (no separate data device).
+//
 // The index is a JSON blob:
-//   {"schema":1, "layer":"sha256:..", "size":N, "chunk_size":1048576, "data":"sha256:..", "data_size":M,
+//   {"schema":1, "layer":"sha256:..", "size":N, "meta_size":K, "chunk_size":1048576, "data":"sha256:..", "data_size":M,
 //    "chunks":[[offset, stored_length, "hex of sha256 of the uncompressed chunk"], ...],
 //    "prefetch":[chunk numbers worth fetching before the first read (the EROFS metadata)]}
 // Every chunk but the last is chunk_size bytes uncompressed; the last is the rest. A chunk whose compressed form would
@@ -31,6 +38,7 @@ struct ChunkIndex {
   static constexpr std::uint32_t kDefaultChunkSize = 1u << 20;
   std::string layer;              // digest of the uncompressed layer
   std::uint64_t size = 0;         // uncompressed layer bytes
+  std::uint64_t meta_size = 0;    // bytes of the EROFS metadata part (a multiple of chunk_size), 0: one plain image
   std::uint32_t chunk_size = kDefaultChunkSize;
   std::string data;               // digest of the data blob
   std::uint64_t data_size = 0;
@@ -65,8 +73,9 @@ struct ChunkedLayer {
 // Cuts the EROFS image `layer_file` into chunks, compresses them (zstd level `level`, on `threads` threads) into
 // `data_file`, and returns the index. `prefetch` lists the chunks to mark for prefetching. `progress` (if set) is
 // called with bytes done and total.
+// `meta_size` is recorded in the index as it is.
 ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const std::filesystem::path& data_file,
-                                 std::vector<std::uint32_t> prefetch = {0},
+                                 std::uint64_t meta_size, std::vector<std::uint32_t> prefetch = {0},
                                  std::uint32_t chunk_size = ChunkIndex::kDefaultChunkSize, int level = 3,
                                  const std::function<void(std::uint64_t done, std::uint64_t total)>& progress = {});
 

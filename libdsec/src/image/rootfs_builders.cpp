@@ -1,5 +1,5 @@
-// The image builders that need no network: a copy of a directory, and a busybox image from the host's binary.
-// build_debootstrap lives in debootstrap.cpp.
+// The busybox tree: a tiny system from the host's static busybox binary. make_debootstrap_tree lives in
+// debootstrap.cpp.
 #include <elf.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -16,8 +16,7 @@
 #include "dsec/error.hpp"
 #include "image/fs_tree.hpp"
 #include "image/process.hpp"
-#include "image/store.hpp"
-#include "image/store_internal.hpp"
+#include "image/rootfs_builders.hpp"
 
 namespace dsec::image {
 namespace fs = std::filesystem;
@@ -103,35 +102,15 @@ bool valid_applet(std::string_view name) {
 
 }  // namespace
 
-ImageRecord ImageStore::build_from_directory(const std::string& name, const fs::path& source_dir) {
-  std::string normalized = normalize_name(name);
-  std::error_code ec;
-  auto st = fs::status(source_dir, ec);
-  if (ec || !fs::exists(st))
-    throw Error(Code::kNotFound, fmt::format("source directory {} does not exist", source_dir.string()));
-  if (!fs::is_directory(st))
-    throw Error(Code::kInvalidArgument, fmt::format("source {} is not a directory", source_dir.string()));
-  fs::path source = fs::canonical(source_dir);
-
-  prune_stale();
-  PendingImage pending(*this, normalized);
-  std::vector<std::string> notes;
-  copy_tree(source, pending.rootfs(), notes);
-  for (const auto& n : notes) log(n);
-  return pending.commit(fmt::format("directory {}", source.string()), std::move(notes));
-}
-
-ImageRecord ImageStore::build_busybox(const std::string& name, const fs::path& busybox) {
-  std::string normalized = normalize_name(name);
+std::string make_busybox_tree(const fs::path& dest, const fs::path& busybox, std::vector<std::string>& notes) {
   require_static_elf(busybox);
   ProcessResult applets = run_process({busybox.string(), "--list"});
   if (!applets.ok())
     throw Error(Code::kFailedPrecondition,
                 fmt::format("{} --list {}: {}", busybox.string(), applets.status_text(), applets.tail()));
 
-  prune_stale();
-  PendingImage pending(*this, normalized);
-  const fs::path root = pending.rootfs();
+  const fs::path& root = dest;
+  if (::mkdir(root.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", root.string());
   make_dir(root, 0755);
   for (const char* d : {"bin", "etc", "usr", "var", "root", "tmp", "proc", "dev", "sys", "run"}) {
     mode_t mode = 0755;
@@ -168,8 +147,8 @@ ImageRecord ImageStore::build_busybox(const std::string& name, const fs::path& b
   write_file(root / "etc/hostname", "", 0644);
   write_file(root / "etc/resolv.conf", "", 0644);
 
-  std::vector<std::string> notes{fmt::format("{} applets linked to /bin/busybox", count)};
-  return pending.commit(fmt::format("busybox-static {}", busybox.string()), std::move(notes));
+  notes.push_back(fmt::format("{} applets linked to /bin/busybox", count));
+  return fmt::format("busybox-static {}", busybox.string());
 }
 
 }  // namespace dsec::image
