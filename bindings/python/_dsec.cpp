@@ -330,9 +330,12 @@ PYBIND11_MODULE(_dsec, m) {
       .def(py::init([](std::vector<std::string> endpoints, std::string agent_binary,
                        std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
                        double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
-                       double max_backoff, double agent_start_timeout, double agent_stop_grace) {
+                       double max_backoff, double agent_start_timeout, double agent_stop_grace,
+                       std::vector<std::string> stores, double image_cache_ttl) {
              dsec::ClientOptions o;
              o.endpoints = std::move(endpoints);
+             o.stores = std::move(stores);
+             o.image_cache_ttl = to_ms(image_cache_ttl, "image_cache_ttl");
              o.agent_binary = std::move(agent_binary);
              o.agent_candidates = std::move(agent_candidates);
              o.home = std::move(home);
@@ -353,7 +356,8 @@ PYBIND11_MODULE(_dsec, m) {
            py::arg("agent_candidates") = std::vector<std::string>{}, py::arg("home") = "",
            py::arg("agent_args") = std::vector<std::string>{}, py::arg("call_deadline") = 60.0,
            py::arg("create_concurrency") = 32, py::arg("max_attempts") = 6, py::arg("initial_backoff") = 0.02,
-           py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0)
+           py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0,
+           py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0)
       .def(
           "create",
           [](PyClient& self, const dsec::SandboxSpec& spec) {

@@ -387,6 +387,10 @@ class Client:
     to ``$DSEC_AGENT_LOG`` when set (else to a private file removed with it); errors about the agent quote its tail.
     The agent also stops if this process dies, and a forked child cannot use (or stop) its parent's client.
 
+    ``stores`` are the image stores names are resolved in (directories or ``http(s)://`` URLs; default: the
+    embedded agent's ``<home>/store``): ``create(image="swe/task-17")`` looks the tag up here (cached for
+    ``image_cache_ttl`` seconds) and sends the agent the exact manifest, whose layers the node streams on demand.
+
     ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
     go to the node that made it. Idempotent calls are retried on transient errors with exponential backoff and
     full jitter, all within ``call_deadline`` seconds (an exec's own timeout comes on top).
@@ -406,6 +410,8 @@ class Client:
         max_backoff: float = 2.0,
         agent_start_timeout: float = 30.0,
         agent_stop_grace: float = 10.0,
+        stores: Union[str, Iterable[str], None] = None,
+        image_cache_ttl: float = 10.0,
     ) -> None:
         if endpoints is None:
             eps: list[str] = []
@@ -427,6 +433,8 @@ class Client:
             max_backoff=float(max_backoff),
             agent_start_timeout=float(agent_start_timeout),
             agent_stop_grace=float(agent_stop_grace),
+            stores=[stores] if isinstance(stores, str) else [os.fspath(s) for s in (stores or ())],
+            image_cache_ttl=float(image_cache_ttl),
         )
         self._pid = os.getpid()
         with _live_lock:

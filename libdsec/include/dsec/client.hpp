@@ -25,6 +25,13 @@ struct ClientOptions {
   // if the trainer dies). Its stdout and stderr go to $DSEC_AGENT_LOG when set, else to a file in its private
   // directory that is removed with it; errors about the agent quote the log's tail.
   std::vector<std::string> endpoints;
+  // Image stores the client resolves image names in: directories (also shared filesystems) or http(s):// URLs.
+  // create() then sends the agent a pinned reference and its manifest, so every sandbox of a pulse gets exactly the
+  // same layers and agents need not look tags up. Empty: the embedded agent's <home>/store when there is an
+  // embedded agent, else the agents resolve names in their own stores. An embedded agent is given these stores.
+  std::vector<std::string> stores;
+  // How long a resolved tag is trusted before it is looked up again (manifests themselves are immutable).
+  std::chrono::milliseconds image_cache_ttl{10'000};
   // Embedded agent only: its binary (default: $DSEC_AGENT, then the dsecd of the build tree this library came
   // from, then each of agent_candidates, then dsecd on PATH) and the directory that holds its image store and state
   // (default: $DSEC_HOME, then /var/lib/dsec).

@@ -81,12 +81,16 @@ ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)) {
     ao.candidates = options_.agent_candidates;
     ao.home = options_.home;
     ao.extra_args = options_.agent_args;
+    ao.stores = options_.stores;
     ao.start_timeout = options_.agent_start_timeout;
     ao.stop_grace = options_.agent_stop_grace;
     agent_ = std::make_unique<EmbeddedAgent>(ao);
     endpoints.push_back(agent_->endpoint());
   }
   for (const auto& e : endpoints) transports_.push_back(std::make_unique<Transport>(parse_endpoint(e)));
+  std::vector<std::string> stores = options_.stores;
+  if (stores.empty() && agent_) stores.push_back(agent_->home() + "/store");
+  images_ = std::make_unique<ImageResolver>(stores, options_.image_cache_ttl);
   nodes_ = NodeTable(transports_.size());
   if (options_.create_concurrency == 0) options_.create_concurrency = 1;
 }
@@ -199,7 +203,14 @@ std::string ClientCore::sandbox_path(const std::string& id, std::string_view suf
 SandboxInfo ClientCore::create(SandboxSpec spec) {
   if (spec.request_id.empty()) spec.request_id = random_request_id();
   protocol::validate(spec);
-  const std::string body = protocol::encode(spec).dump();
+  protocol::json request = protocol::encode(spec);
+  if (images_->enabled()) {
+    // The agent gets the exact manifest: same layers for every sandbox of a pulse, no tag lookup on the node.
+    auto image = images_->resolve(spec.image);
+    request["image"] = image->reference;
+    request["image_manifest"] = image->manifest_json;
+  }
+  const std::string body = request.dump();
   const std::size_t n = transports_.size();
   const std::size_t first = n == 1 ? 0 : next_create_.fetch_add(1) % n;
   std::size_t shift = 0;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "client/embedded_agent.hpp"
+#include "client/image_resolver.hpp"
 #include "client/node_table.hpp"
 #include "client/transport.hpp"
 #include "dsec/client.hpp"
@@ -74,6 +75,7 @@ class ClientCore {
 
   ClientOptions options_;
   std::unique_ptr<EmbeddedAgent> agent_;
+  std::unique_ptr<ImageResolver> images_;
   std::vector<std::unique_ptr<Transport>> transports_;
   mutable std::mutex nodes_mu_;
   NodeTable nodes_;

@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
@@ -211,6 +212,7 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
   std::string home = options.home;
   if (home.empty()) home = env_or_empty("DSEC_HOME");
   if (home.empty()) home = "/var/lib/dsec";
+  home_ = home;
 
   dir_ = make_private_dir();
   socket_path_ = dir_ + "/dsecd.sock";
@@ -240,9 +242,11 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
     // The image store (home) is shared; everything that says which sandboxes are this agent's is private, so two
     // trainers on one machine never take each other's sandboxes for leftovers.
     std::string private_name = std::filesystem::path(dir_).filename().string();
+    // The layer cache is private too (one agent owns a cache); the stores it streams layers from are shared.
     argv_ = {binary_, "--socket", socket_path_, "--home", home, "--run-dir", run_dir_,
              "--state-dir", dir_ + "/state", "--cgroup-name", private_name,
-             "--ready-fd", std::to_string(kReadyFd)};
+             "--layer-cache", dir_ + "/layers", "--ready-fd", std::to_string(kReadyFd)};
+    for (const auto& store : options.stores) argv_.insert(argv_.end(), {"--store", store});
     argv_.insert(argv_.end(), options.extra_args.begin(), options.extra_args.end());
 
     // The keeper owns the three child-side fds from here on and closes them once the child has them.
@@ -442,6 +446,15 @@ void EmbeddedAgent::cleanup_files() noexcept {
   if (!keep_log_ && !log_path_.empty()) ::unlink(log_path_.c_str());
   if (!run_dir_.empty()) ::rmdir(run_dir_.c_str());
   if (!dir_.empty()) ::rmdir((dir_ + "/state").c_str());
+  // The private layer cache holds only files (layers are mounted under the run directory); never crosses a mount.
+  if (!dir_.empty())
+    ::nftw((dir_ + "/layers").c_str(),
+           [](const char* path, const struct stat*, int type, struct FTW*) {
+             if (type == FTW_DP) ::rmdir(path);
+             else ::unlink(path);
+             return 0;
+           },
+           16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
   if (!dir_.empty()) ::rmdir(dir_.c_str());
 }
 

@@ -22,6 +22,7 @@ struct EmbeddedAgentOptions {
   std::string binary;                   // explicit path; empty: search (see find_agent_binary)
   std::vector<std::string> candidates;  // further paths tried after the build tree's dsecd, before PATH
   std::string home;                     // empty: $DSEC_HOME, then /var/lib/dsec
+  std::vector<std::string> stores;      // image stores (--store); empty: the agent's default, <home>/store
   std::vector<std::string> extra_args;  // appended to dsecd's command line ("--backends", "null", ...)
   std::chrono::milliseconds start_timeout{30'000};
   std::chrono::milliseconds stop_grace{10'000};
@@ -46,6 +47,7 @@ class EmbeddedAgent {
   std::string endpoint() const { return "unix:" + socket_path_; }
   const std::string& binary() const noexcept { return binary_; }
   const std::string& log_path() const noexcept { return log_path_; }
+  const std::string& home() const noexcept { return home_; }
   pid_t pid() const noexcept { return pid_; }
 
   // Set once the agent exited on its own (crashed, killed): a description with its exit status and log tail.
@@ -58,6 +60,8 @@ class EmbeddedAgent {
   void keeper_main(int ready_write_fd, int log_fd, int null_fd);
   void wait_ready(int ready_read_fd);
   void cleanup_files() noexcept;
+
+  std::string home_;
 
   std::string binary_;
   std::vector<std::string> argv_;
