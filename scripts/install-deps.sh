@@ -10,6 +10,8 @@ PACKAGES=(
   # libdsec and dsecd
   libboost-dev libboost-system-dev libfmt-dev libcurl4-openssl-dev libssl-dev libzstd-dev nlohmann-json3-dev
   libseccomp-dev libarchive-dev
+  # layered images: FUSE for streaming layers on demand, mkfs.erofs/fsck.erofs for making and extracting them
+  libfuse3-dev fuse3 erofs-utils
   # unit tests
   libgtest-dev libgmock-dev
   # the Python binding and the integration tests (for Debian's /usr/bin/python3)
@@ -17,7 +19,9 @@ PACKAGES=(
   # images: busybox-static for the tiny image, debootstrap (with the archive keys and gpgv) for Debian images
   busybox-static debootstrap debian-archive-keyring gpgv ca-certificates
   # sandbox runtime helpers and the reference runtimes benchmarks compare against
-  crun bubblewrap erofs-utils iproute2 util-linux curl
+  crun bubblewrap iproute2 util-linux curl
+  # the HTTP image store the tests start (nginx with its WebDAV module for PUT and DELETE)
+  nginx-light
 )
 
 # One dpkg query for all of them; a package dpkg has never heard of is simply absent from its answer.
