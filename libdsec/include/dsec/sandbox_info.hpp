@@ -23,6 +23,14 @@ struct SandboxInfo {
   std::string message;     // why it failed, when it did
 };
 
+// A layer in a node's local cache.
+struct CachedLayer {
+  std::string digest;             // "sha256:..." of the layer's EROFS image
+  std::uint64_t size = 0;         // bytes of the layer
+  std::uint64_t cached_bytes = 0; // bytes of it on the node's disk (fetched chunks, or its extracted files)
+  std::uint32_t users = 0;        // sandboxes using it now
+};
+
 struct NodeInfo {
   std::string id;
   std::string version;
@@ -39,6 +47,10 @@ struct NodeInfo {
   double memory_overcommit = 1.0;
   std::string cgroup_version;            // "v1" or "v2"
   std::vector<std::string> images;       // images in the node's store
+  // How the node mounts image layers: "erofs-lazy" (EROFS over a lazily filled file), or "extract (...)" with the
+  // reason the node fell back to extracting whole layers.
+  std::string layer_mode;
+  std::vector<CachedLayer> cached_layers;  // the layers in the node's cache
   double load1 = 0;
 };
 

@@ -51,7 +51,18 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   if (ec) throw Error(Code::kFailedPrecondition, fmt::format("home {}: {}", config_.home.string(), ec.message()));
 
   capacity_ = parts.capacity ? *parts.capacity : probe_host();
-  images_ = parts.images ? std::move(parts.images) : make_image_store_source(config_.home / "images");
+  if (parts.images) {
+    images_ = std::move(parts.images);
+  } else {
+    ImageSourceOptions images;
+    images.stores = config_.stores;
+    if (images.stores.empty()) images.stores.push_back((config_.home / "store").string());
+    images.cache_dir = config_.layer_cache_dir.empty() ? config_.home / "cache" / "layers" : config_.layer_cache_dir;
+    images.cache_bytes = config_.layer_cache_bytes;
+    images.layer_mode = config_.layer_mode;
+    images.mount_dir = config_.run_dir / ".layers";
+    images_ = make_layered_image_source(images, metrics_.layers());
+  }
   backends_ = parts.backends.empty() ? make_backends(config_) : std::move(parts.backends);
   cgroup_version_ = "none";
   if (backends_.count("container")) cgroup_version_ = container_cgroup_version();
@@ -99,7 +110,7 @@ void Agent::reaper_loop() {
     try {
       images_->prune();
     } catch (const std::exception& e) {
-      log_warn("pruning removed images: {}", e.what());
+      log_warn("pruning image layers: {}", e.what());
     }
     lock.lock();
   }
@@ -127,6 +138,12 @@ void Agent::stop() {
     } catch (const std::exception& e) {
       log_warn("backend {} shutdown: {}", kind, e.what());
     }
+  }
+  // No sandbox holds a layer now: unmount them all, and the layer file system.
+  try {
+    images_->shutdown();
+  } catch (const std::exception& e) {
+    log_warn("unmounting image layers: {}", e.what());
   }
 }
 
@@ -156,6 +173,13 @@ NodeInfo Agent::node_info() const {
     n.images = images_->names();
   } catch (const std::exception& e) {
     log_warn("listing images: {}", e.what());
+  }
+  try {
+    LayerStatus layers = images_->layer_status();
+    n.layer_mode = std::move(layers.mode);
+    n.cached_layers = std::move(layers.cached_layers);
+  } catch (const std::exception& e) {
+    log_warn("layer cache status: {}", e.what());
   }
   n.load1 = load_average_1m();
   return n;

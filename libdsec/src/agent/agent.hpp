@@ -24,8 +24,9 @@ namespace dsec::agent {
 // host cannot run throws what its factory throws.
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const AgentConfig& config);
 
-// What can be swapped out, mostly for tests: the image source (default: the store under <home>/images), the
-// backends (default: make_backends(config)), and the node's capacity (default: probed from the host).
+// What can be swapped out, mostly for tests: the image source (default: the stores of config.stores through the
+// node's layer cache), the backends (default: make_backends(config)), and the node's capacity (default: probed from
+// the host).
 struct AgentParts {
   std::unique_ptr<ImageSource> images;
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends;

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -14,7 +15,7 @@ struct AgentConfig {
   std::string node_id;                        // default: hostname; prefixes every sandbox id
   std::filesystem::path unix_socket;          // listen here (empty: no unix socket)
   std::string tcp_listen;                     // "127.0.0.1:7070" (empty: no TCP)
-  std::filesystem::path home = "/var/lib/dsec";   // images/, state/ (sandbox records)
+  std::filesystem::path home = "/var/lib/dsec";   // store/ (images), cache/layers/, state/ (sandbox records)
   std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
   std::filesystem::path state_dir;            // sandbox records; empty: <home>/state/sandboxes
   std::filesystem::path init_binary;          // dsec-init; default: next to dsecd
@@ -29,6 +30,12 @@ struct AgentConfig {
   // Switch the host's cgroup locking to favour migrations (see enable_cgroup_favordynmods): cuts create's tail
   // latency; a host-wide setting, so off unless asked for.
   bool cgroup_favordynmods = false;
+  // Image stores, tried in order: directories or "http(s)://" URLs. Empty: <home>/store, where `dsec image build`
+  // puts images.
+  std::vector<std::string> stores;
+  std::filesystem::path layer_cache_dir;                // empty: <home>/cache/layers
+  std::uint64_t layer_cache_bytes = 20ull << 30;        // unused layers are evicted beyond this
+  std::string layer_mode = "auto";                      // auto | lazy (EROFS over FUSE) | extract
   double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
   double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
 };

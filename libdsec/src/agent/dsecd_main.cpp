@@ -31,9 +31,15 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
 
   --socket PATH           listen on this unix socket (default <run-dir>/dsecd.sock when --listen is not given)
   --listen HOST:PORT      listen on TCP ("127.0.0.1:7070", "[::1]:7070", ":7070" for all addresses)
-  --home DIR              image store and sandbox records (default /var/lib/dsec)
+  --home DIR              image store (<home>/store), layer cache and sandbox records (default /var/lib/dsec)
   --state-dir DIR         sandbox records, re-read at start-up (default <home>/state/sandboxes)
   --run-dir DIR           per-sandbox runtime files (default /run/dsec)
+  --store URL             an image store: a directory (also a shared filesystem) or http(s)://...; repeat for
+                          more, tried in order (default <home>/store)
+  --layer-cache DIR       the local cache of image layers (default <home>/cache/layers)
+  --layer-cache-size SIZE evict layers no sandbox uses beyond this, e.g. 50Gi (default 20Gi)
+  --layer-mode MODE       auto: stream layers on demand (EROFS over FUSE) where the kernel can, else extract them
+                          whole; lazy: stream or fail to start; extract: always extract (default auto)
   --node-id ID            prefixes every sandbox id (default: the hostname)
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
   --backends LIST         comma-separated: container, null (default container; null simulates the control plane)
@@ -128,6 +134,19 @@ int main(int argc, char** argv) {
       config.home = std::string(value);
     } else if (flag == "--run-dir") {
       config.run_dir = std::string(value);
+    } else if (flag == "--store") {
+      if (value.empty()) fail("--store needs a directory or URL");
+      config.stores.emplace_back(value);
+    } else if (flag == "--layer-cache") {
+      config.layer_cache_dir = std::string(value);
+    } else if (flag == "--layer-cache-size") {
+      auto size = dsec::parse_size(value);
+      if (!size || *size == 0) fail(fmt::format("--layer-cache-size: '{}' is not a size such as 20Gi", value));
+      config.layer_cache_bytes = *size;
+    } else if (flag == "--layer-mode") {
+      if (value != "auto" && value != "lazy" && value != "extract")
+        fail(fmt::format("--layer-mode: '{}' is not one of auto, lazy, extract", value));
+      config.layer_mode = std::string(value);
     } else if (flag == "--node-id") {
       config.node_id = std::string(value);
     } else if (flag == "--init") {

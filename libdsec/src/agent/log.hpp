@@ -19,4 +19,9 @@ void log_warn(fmt::format_string<Args...> f, Args&&... args) {
   fmt::print(stderr, "dsecd warning: {}\n", fmt::format(f, std::forward<Args>(args)...));
 }
 
+template <typename... Args>
+void log_error(fmt::format_string<Args...> f, Args&&... args) {
+  fmt::print(stderr, "dsecd error: {}\n", fmt::format(f, std::forward<Args>(args)...));
+}
+
 }  // namespace dsec::agent

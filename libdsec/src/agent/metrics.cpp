@@ -138,6 +138,23 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
   out += fmt::format("dsec_connections {}\n", connections_.load(std::memory_order_relaxed));
   header(out, "dsec_connections_refused_total", "counter", "Connections refused beyond max_connections.");
   out += fmt::format("dsec_connections_refused_total {}\n", connections_refused_.load(std::memory_order_relaxed));
+  auto counter = [&](std::string_view name, std::string_view help, const std::atomic<std::uint64_t>& value) {
+    header(out, name, "counter", help);
+    out += fmt::format("{} {}\n", name, value.load(std::memory_order_relaxed));
+  };
+  counter("dsec_layer_chunk_fetches_total", "Layer chunks fetched from a store, checked and cached.",
+          layers_.chunk_fetches);
+  counter("dsec_layer_chunk_refetches_total",
+          "Layer chunks fetched again while the layer stayed cached (readers of one chunk share a fetch: stays 0).",
+          layers_.chunk_refetches);
+  counter("dsec_layer_fetched_bytes_total", "Stored (compressed) layer bytes read from stores.",
+          layers_.fetched_bytes);
+  counter("dsec_layer_chunk_errors_total", "Layer chunk fetches that failed (store errors, digest mismatches).",
+          layers_.chunk_errors);
+  counter("dsec_layer_cache_hits_total", "Layer chunk reads served from the local cache.", layers_.cache_hits);
+  counter("dsec_layer_read_errors_total", "Reads of a layer answered with EIO (a chunk could not be fetched).",
+          layers_.read_errors);
+  counter("dsec_layer_evictions_total", "Layers evicted from the local cache.", layers_.evictions);
   return out;
 }
 

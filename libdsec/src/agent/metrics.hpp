@@ -28,6 +28,17 @@ class LatencyHistogram {
   std::uint64_t count_ = 0;
 };
 
+// The node's layer cache (agent/layers): updated by the cache and its FUSE file system, read when rendering.
+struct LayerMetrics {
+  std::atomic<std::uint64_t> chunk_fetches{0};    // chunks fetched from a store, checked and cached
+  std::atomic<std::uint64_t> chunk_refetches{0};  // of those, chunks fetched again for the same cache entry (stays 0)
+  std::atomic<std::uint64_t> fetched_bytes{0};    // stored (compressed) bytes read from stores
+  std::atomic<std::uint64_t> chunk_errors{0};     // chunk fetches that failed (store errors, digest mismatches)
+  std::atomic<std::uint64_t> cache_hits{0};       // chunk reads served from the local cache
+  std::atomic<std::uint64_t> read_errors{0};      // reads answered with EIO by the layer file system
+  std::atomic<std::uint64_t> evictions{0};        // layers evicted from the cache
+};
+
 class Metrics {
  public:
   void count_request(std::string_view route, std::string_view method, int status);
@@ -42,6 +53,9 @@ class Metrics {
 
   // `live` maps kind -> live sandboxes (the registry's gauge, read when rendering).
   std::string render(const std::map<std::string, std::uint64_t, std::less<>>& live) const;
+
+  LayerMetrics& layers() noexcept { return layers_; }
+  const LayerMetrics& layers() const noexcept { return layers_; }
 
   // For tests and the node's own introspection.
   std::uint64_t requests(std::string_view route, std::string_view method, int status) const;
@@ -60,6 +74,7 @@ class Metrics {
   LatencyHistogram exec_latency_;
   std::atomic<std::int64_t> connections_{0};
   std::atomic<std::uint64_t> connections_refused_{0};
+  LayerMetrics layers_;
 };
 
 }  // namespace dsec::agent

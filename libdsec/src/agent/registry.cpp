@@ -78,7 +78,7 @@ struct Registry::RequestEntry {
   double at = 0;
 };
 
-Registry::Registry(RegistryOptions options, Backends backends, const ImageSource& images, Metrics& metrics)
+Registry::Registry(RegistryOptions options, Backends backends, ImageSource& images, Metrics& metrics)
     : options_(std::move(options)), backends_(std::move(backends)), images_(images), metrics_(metrics),
       rng_(std::random_device{}()) {
   if (!options_.clock) options_.clock = unix_now;
@@ -100,7 +100,7 @@ std::vector<std::string> Registry::kinds() const {
   return out;
 }
 
-CreateOutcome Registry::create(const SandboxSpec& spec) {
+CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_manifest) {
   std::shared_ptr<RequestEntry> entry;
   if (!spec.request_id.empty()) {
     std::string fingerprint = spec_fingerprint(spec);
@@ -127,7 +127,7 @@ CreateOutcome Registry::create(const SandboxSpec& spec) {
   }
 
   try {
-    CreateOutcome outcome = create_new(spec);
+    CreateOutcome outcome = create_new(spec, image_manifest);
     if (entry) {
       std::lock_guard lock(mutex_);
       entry->state = RequestEntry::State::kDone;
@@ -153,7 +153,7 @@ CreateOutcome Registry::create(const SandboxSpec& spec) {
   }
 }
 
-CreateOutcome Registry::create_new(const SandboxSpec& spec) {
+CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest) {
   auto started = std::chrono::steady_clock::now();
   auto backend_it = backends_.find(spec.kind);
   if (backend_it == backends_.end())
@@ -182,7 +182,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec) {
 
   auto record = std::make_shared<Record>();
   try {
-    ResolvedImage image = images_.resolve(spec.image);
+    ResolvedImage image = images_.resolve(spec.image, image_manifest);
     CreateParams params{id, spec, image.layers};
     SandboxInfo& info = record->info;
     info.id = id;
@@ -269,7 +269,8 @@ std::string Registry::new_id() {
   }
 }
 
-std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::size_t count) {
+std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::size_t count,
+                                                 std::string_view image_manifest) {
   if (count == 0) return {};
   auto element_spec = [&](std::size_t i) {
     SandboxSpec s = spec;
@@ -303,7 +304,7 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
       std::size_t i = next.fetch_add(1);
       if (i >= count || failed.load()) return;
       try {
-        results[i] = create(element_spec(i));
+        results[i] = create(element_spec(i), image_manifest);
       } catch (const std::exception& e) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = as_error(e);

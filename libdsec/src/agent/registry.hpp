@@ -73,7 +73,7 @@ class Registry {
  public:
   using Backends = std::map<std::string, Backend*, std::less<>>;
 
-  Registry(RegistryOptions options, Backends backends, const ImageSource& images, Metrics& metrics);
+  Registry(RegistryOptions options, Backends backends, ImageSource& images, Metrics& metrics);
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
   // Forgets the sandboxes without destroying them: call destroy_all() first when they must go.
@@ -82,11 +82,13 @@ class Registry {
   // Creates one sandbox from a validated spec. With a request_id, a repeat (also one that arrives while the first
   // is still being made) returns the first one's sandbox with created = false; a request_id reused for a different
   // spec is INVALID_ARGUMENT. Errors: INVALID_ARGUMENT (kind), NOT_FOUND (image), RESOURCE_EXHAUSTED (admission),
-  // and whatever the backend throws.
-  CreateOutcome create(const SandboxSpec& spec);
+  // and whatever the backend throws. `image_manifest` is the image's manifest as the client resolved it (for a pinned
+  // spec.image), or empty.
+  CreateOutcome create(const SandboxSpec& spec, std::string_view image_manifest = {});
   // `count` sandboxes from one spec; element i uses request_id + "/" + i. All or nothing: when one fails, the ones
   // this call made are destroyed (and their request ids forgotten) and the first error is thrown.
-  std::vector<CreateOutcome> create_batch(const SandboxSpec& spec, std::size_t count);
+  std::vector<CreateOutcome> create_batch(const SandboxSpec& spec, std::size_t count,
+                                          std::string_view image_manifest = {});
 
   // The sandbox's info, checking that it is still alive (a dead one turns "failed"). A destroyed one still known
   // as a tombstone answers with state "destroyed"; an unknown id is NOT_FOUND.
@@ -121,7 +123,7 @@ class Registry {
     double at = 0;
   };
 
-  CreateOutcome create_new(const SandboxSpec& spec);
+  CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest);
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
   // and the creates in flight. Caller holds mutex_.
   void admit(const Resources& resources, std::size_t count) const;
@@ -136,7 +138,7 @@ class Registry {
 
   RegistryOptions options_;
   Backends backends_;
-  const ImageSource& images_;
+  ImageSource& images_;
   Metrics& metrics_;
 
   mutable std::mutex mutex_;

@@ -133,12 +133,20 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target) {
       count = it->get<std::size_t>();
     }
   }
+  // The manifest a client resolved the image to (it pins the spec's image to its digest); the node checks it.
+  std::string image_manifest;
+  if (body.is_object()) {
+    if (auto it = body.find("image_manifest"); it != body.end() && !it->is_null()) {
+      if (!it->is_string()) throw Error(Code::kInvalidArgument, "image_manifest: must be the manifest's JSON as a string");
+      image_manifest = it->get<std::string>();
+    }
+  }
   SandboxSpec spec = protocol::decode_spec(body);
   if (!count) {
-    CreateOutcome outcome = registry_.create(spec);
+    CreateOutcome outcome = registry_.create(spec, image_manifest);
     return json_response(outcome.created ? http::status::created : http::status::ok, protocol::encode(outcome.info));
   }
-  std::vector<CreateOutcome> outcomes = registry_.create_batch(spec, *count);
+  std::vector<CreateOutcome> outcomes = registry_.create_batch(spec, *count, image_manifest);
   bool any_created = false;
   std::vector<SandboxInfo> infos;
   for (auto& o : outcomes) {

@@ -157,7 +157,19 @@ void validate(const SandboxSpec& s) {
         return false;
     return n.find("..") == std::string_view::npos;
   };
-  if (!name_ok(s.image)) bad("image", fmt::format("'{}' is not a valid image name (letters, digits, - _ . / :)", s.image));
+  // "name[:tag]" or, pinned to one manifest, "name[:tag]@sha256:<64 hex>".
+  auto digest_ok = [](std::string_view d) {
+    if (d.size() != 71 || d.substr(0, 7) != "sha256:") return false;
+    for (char c : d.substr(7))
+      if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+    return true;
+  };
+  std::string_view image = s.image;
+  std::size_t at = image.find('@');
+  if (!name_ok(image.substr(0, at)))
+    bad("image", fmt::format("'{}' is not a valid image name (letters, digits, - _ . / :)", s.image));
+  if (at != std::string_view::npos && !digest_ok(image.substr(at + 1)))
+    bad("image", fmt::format("'{}': a pinned image ends in @sha256: and 64 lowercase hex digits", s.image));
   if (s.kind.empty()) bad("kind", "must not be empty");
   const auto& r = s.resources;
   if (!(r.cpu > 0) || r.cpu > 1024) bad("resources.cpu", "must be in (0, 1024] cores");
@@ -286,6 +298,9 @@ SandboxInfo decode_sandbox_info(const json& j) {
 }
 
 json encode(const NodeInfo& n) {
+  json layers = json::array();
+  for (const auto& l : n.cached_layers)
+    layers.push_back(json{{"digest", l.digest}, {"size", l.size}, {"cached", l.cached_bytes}, {"users", l.users}});
   return json{{"id", n.id},
               {"version", n.version},
               {"protocol", n.protocol},
@@ -298,7 +313,9 @@ json encode(const NodeInfo& n) {
                         {"load1", n.load1}}},
               {"overcommit", {{"cpu", n.cpu_overcommit}, {"memory", n.memory_overcommit}}},
               {"cgroup_version", n.cgroup_version},
-              {"images", n.images}};
+              {"images", n.images},
+              {"layer_mode", n.layer_mode},
+              {"cached_layers", layers}};
 }
 
 NodeInfo decode_node_info(const json& j) {
@@ -325,6 +342,14 @@ NodeInfo decode_node_info(const json& j) {
   }
   n.cgroup_version = j.value("cgroup_version", "");
   n.images = j.value("images", std::vector<std::string>{});
+  n.layer_mode = j.value("layer_mode", "");
+  if (auto c = j.find("cached_layers"); c != j.end() && c->is_array()) {
+    for (const auto& l : *c) {
+      if (!l.is_object()) continue;
+      n.cached_layers.push_back(CachedLayer{l.value("digest", ""), l.value("size", std::uint64_t{0}),
+                                            l.value("cached", std::uint64_t{0}), l.value("users", 0u)});
+    }
+  }
   return n;
 }
 

@@ -1,0 +1,304 @@
+#include "agent/layers/layer_mounts.hpp"
+
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "agent/log.hpp"
+#include "common/syscall.hpp"
+#include "image/fs_tree.hpp"
+#include "image/process.hpp"
+#include "image/store/digest.hpp"
+
+namespace dsec::agent::layers {
+namespace fs = std::filesystem;
+
+namespace {
+
+bool kernel_has_erofs() {
+  std::ifstream in("/proc/filesystems");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string word, last;
+    while (words >> word) last = word;
+    if (last == "erofs") return true;
+  }
+  return false;
+}
+
+// Why this node cannot mount layers lazily, or empty when it can try.
+std::string lazy_unavailable_reason() {
+  if (!kernel_has_erofs()) return "kernel lacks EROFS";
+  if (::access("/dev/fuse", F_OK) != 0) return "no /dev/fuse";
+  if (::geteuid() != 0) return "not root: mounting layers needs root";
+  return {};
+}
+
+}  // namespace
+
+LayerMode parse_layer_mode(std::string_view text) {
+  if (text == "auto") return LayerMode::kAuto;
+  if (text == "lazy") return LayerMode::kLazy;
+  if (text == "extract") return LayerMode::kExtract;
+  throw Error(Code::kInvalidArgument, fmt::format("layer mode '{}': use auto, lazy or extract", text));
+}
+
+std::string_view to_string(LayerMode mode) {
+  switch (mode) {
+    case LayerMode::kAuto: return "auto";
+    case LayerMode::kLazy: return "lazy";
+    case LayerMode::kExtract: return "extract";
+  }
+  return "auto";
+}
+
+struct LayerMounts::Slot {
+  enum class State { kPreparing, kReady, kFailed };
+  std::string hex, digest;
+  State state = State::kPreparing;
+  std::optional<Error> error;
+  fs::path dir;
+  bool mounted = false;  // an EROFS mount at dir; else dir is an extracted tree in the cache
+  LayerUse use;
+  std::atomic<std::uint32_t> users{0};
+};
+
+LayerMounts::LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetrics& metrics)
+    : options_(std::move(options)), cache_(cache), metrics_(metrics) {
+  if (options_.mount_dir.empty()) throw Error(Code::kInvalidArgument, "layer mounts: no mount directory given");
+  // What a killed agent left: its FUSE mount (dead, its daemon gone) and layer mounts over it. Detached, so the
+  // sandboxes it left (removed by the registry right after) can still finish with them.
+  image::remove_tree(options_.mount_dir);
+  std::error_code ec;
+  fs::create_directories(options_.mount_dir, ec);
+  if (ec)
+    throw Error(code_for_errno(ec.value()),
+                fmt::format("layer mounts: mkdir {}: {}", options_.mount_dir.string(), ec.message()));
+  ::chmod(options_.mount_dir.c_str(), 0700);
+
+  if (options_.mode == LayerMode::kExtract) {
+    description_ = "extract (chosen by --layer-mode extract)";
+    return;
+  }
+  std::string reason = lazy_unavailable_reason();
+  if (reason.empty()) {
+    try {
+      fs_ = std::make_unique<LazyLayerFs>(cache_, options_.mount_dir / "blobs", metrics_);
+    } catch (const Error& e) {
+      reason = e.what();
+    }
+  }
+  if (!reason.empty()) {
+    if (options_.mode == LayerMode::kLazy)
+      throw Error(Code::kFailedPrecondition, fmt::format("--layer-mode lazy: this node cannot: {}", reason));
+    description_ = fmt::format("extract ({})", reason);
+    log_warn("image layers will be extracted whole, not streamed: {}", reason);
+    return;
+  }
+  lazy_ = true;
+  description_ = "erofs-lazy";
+}
+
+LayerMounts::~LayerMounts() {
+  try {
+    shutdown();
+  } catch (const std::exception& e) {
+    log_warn("layer mounts shutdown: {}", e.what());
+  }
+}
+
+std::string LayerMounts::mode_description() const {
+  std::lock_guard lock(mutex_);
+  return description_;
+}
+
+std::map<std::string, std::uint32_t> LayerMounts::users() const {
+  std::lock_guard lock(mutex_);
+  std::map<std::string, std::uint32_t> out;
+  for (const auto& [hex, slot] : slots_) out[slot->digest] = slot->users.load();
+  return out;
+}
+
+MountedLayer LayerMounts::acquire(const image::LayerDescriptor& layer, const Stores& stores) {
+  const std::string hex = image::digest_hex(layer.digest, "layer digest");
+  std::shared_ptr<Slot> slot;
+  bool mine = false;
+  {
+    std::unique_lock lock(mutex_);
+    if (shut_down_) throw Error(Code::kUnavailable, "the agent is shutting down");
+    if (auto it = slots_.find(hex); it != slots_.end()) {
+      slot = it->second;
+      ++slot->users;
+      changed_.wait(lock, [&] { return slot->state != Slot::State::kPreparing; });
+      if (slot->state == Slot::State::kFailed) {
+        --slot->users;
+        throw *slot->error;
+      }
+    } else {
+      slot = std::make_shared<Slot>();
+      slot->hex = hex;
+      slot->digest = layer.digest;
+      slot->users = 1;
+      slots_.emplace(hex, slot);
+      mine = true;
+    }
+  }
+  if (mine) {
+    std::optional<Error> failure;
+    try {
+      prepare(*slot, layer, stores);
+    } catch (const Error& e) {
+      failure = e;
+    } catch (const std::exception& e) {
+      failure = Error(Code::kInternal, fmt::format("layer {}: {}", layer.digest, e.what()));
+    }
+    std::lock_guard lock(mutex_);
+    if (failure) {
+      slot->state = Slot::State::kFailed;
+      slot->error = failure;
+      --slot->users;
+      slot->use.reset();
+      if (auto it = slots_.find(hex); it != slots_.end() && it->second == slot) slots_.erase(it);
+      changed_.notify_all();
+      throw *failure;
+    }
+    slot->state = Slot::State::kReady;
+    changed_.notify_all();
+  }
+  // The hold only counts down: prune() unmounts a layer whose count is 0, under the lock acquire() counts up in.
+  std::shared_ptr<const void> hold(slot.get(), [slot](const void*) { --slot->users; });
+  return MountedLayer{slot->dir, std::move(hold)};
+}
+
+void LayerMounts::prepare(Slot& slot, const image::LayerDescriptor& layer, const Stores& stores) {
+  slot.use = cache_.acquire(layer, stores);
+  if (lazy_ && mount_lazy(slot)) return;
+  extract(slot);
+}
+
+bool LayerMounts::mount_lazy(Slot& slot) {
+  fs::path dir = options_.mount_dir / slot.hex;
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", dir.string());
+  fs::path source = fs_->file_of(slot.hex);
+  if (::mount(source.c_str(), dir.c_str(), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, nullptr) != 0) {
+    int err = errno;
+    ::rmdir(dir.c_str());
+    if ((err == ENOTBLK || err == ENODEV) && options_.mode == LayerMode::kAuto) {
+      fall_back_to_extract(err == ENOTBLK ? "kernel lacks EROFS file-backed mounts" : "kernel lacks EROFS");
+      return false;
+    }
+    if (err == EINVAL)
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("layer {} is not a valid EROFS image (mount: {})", slot.digest, std::strerror(err)));
+    if (err == EIO)
+      throw Error(Code::kUnavailable,
+                  fmt::format("mount layer {}: a part of it could not be fetched or did not match its digest "
+                              "(the agent's log says which)",
+                              slot.digest));
+    throw_errno_fmt(err, "mount layer {} (EROFS from {}) on {}", slot.digest, source.string(), dir.string());
+  }
+  slot.dir = dir;
+  slot.mounted = true;
+  return true;
+}
+
+void LayerMounts::extract(Slot& slot) {
+  CacheEntry& entry = slot.use.entry();
+  fs::path tree = entry.tree_dir();
+  std::error_code ec;
+  if (!fs::is_directory(tree, ec)) {
+    cache_.ensure_all(entry);
+    fs::path building = entry.dir() / "tree.tmp";
+    image::remove_tree(building);
+    std::vector<std::string> argv{"fsck.erofs", "--extract=" + building.string(),
+                                  ::geteuid() == 0 ? "--preserve" : "--preserve-perms", entry.layer_file().string()};
+    image::ProcessResult result = image::run_process(argv);
+    if (!result.ok()) {
+      image::remove_tree(building);
+      std::string tail = result.tail(5);
+      Code code = tail.find("No space left") != std::string::npos ? Code::kResourceExhausted : Code::kInternal;
+      throw Error(code, fmt::format("extracting layer {} with fsck.erofs: {}: {}", slot.digest, result.status_text(),
+                                    tail));
+    }
+    if (::rename(building.c_str(), tree.c_str()) != 0)
+      throw_errno_fmt(errno, "rename {} to {}", building.string(), tree.string());
+    // The files are what the sandboxes use from now on: the chunks need not stay as well.
+    cache_.drop_chunks(entry, image::tree_size(tree));
+  }
+  slot.dir = tree;
+  slot.mounted = false;
+}
+
+void LayerMounts::fall_back_to_extract(const std::string& reason) {
+  std::lock_guard lock(mutex_);
+  if (!lazy_) return;
+  lazy_ = false;
+  description_ = fmt::format("extract ({})", reason);
+  log_warn("image layers will be extracted whole, not streamed: {}", reason);
+}
+
+void LayerMounts::release_slot(Slot& slot, bool force) {
+  if (slot.mounted) {
+    if (::umount2(slot.dir.c_str(), 0) != 0) {
+      int err = errno;
+      if (!force) throw_errno_fmt(err, "unmount layer {} from {}", slot.digest, slot.dir.string());
+      log_warn("unmount layer {} from {}: {}; detaching it", slot.digest, slot.dir.string(), std::strerror(err));
+      ::umount2(slot.dir.c_str(), MNT_DETACH);
+    }
+    ::rmdir(slot.dir.c_str());
+    slot.mounted = false;
+  }
+  slot.use.reset();
+}
+
+std::size_t LayerMounts::prune() {
+  std::size_t count = 0;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = slots_.begin(); it != slots_.end();) {
+      Slot& slot = *it->second;
+      if (slot.state != Slot::State::kReady || slot.users.load() != 0) {
+        ++it;
+        continue;
+      }
+      try {
+        release_slot(slot, false);
+      } catch (const std::exception& e) {
+        log_warn("{}", e.what());
+        ++it;
+        continue;
+      }
+      it = slots_.erase(it);
+      ++count;
+    }
+  }
+  cache_.enforce_limit();
+  return count;
+}
+
+void LayerMounts::shutdown() {
+  {
+    std::lock_guard lock(mutex_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    for (auto& [hex, slot] : slots_) {
+      if (slot->state != Slot::State::kReady) continue;
+      if (slot->users.load() != 0) log_warn("layer {} still held by {} at shutdown", slot->digest, slot->users.load());
+      release_slot(*slot, true);
+    }
+    slots_.clear();
+  }
+  if (fs_) {
+    fs_->stop();
+    fs_.reset();
+  }
+  ::rmdir(options_.mount_dir.c_str());
+}
+
+}  // namespace dsec::agent::layers
