@@ -50,9 +50,16 @@ def skip_reason(nginx: str = NGINX) -> str | None:
     return None
 
 
-def _config(root: pathlib.Path, prefix: pathlib.Path, port: int, tls: bool, workers: int, extra: str) -> str:
+def _config(root: pathlib.Path, prefix: pathlib.Path, port: int, tls: bool, workers: int, autoindex: str,
+            location_extra: str, server_extra: str) -> str:
     user = "user root root;\n" if os.geteuid() == 0 else ""
     listen = f"listen 127.0.0.1:{port}" + (" ssl" if tls else "") + ";"
+    if autoindex == "off":
+        listing = "autoindex off;"
+    elif autoindex in ("json", "html"):
+        listing = f"autoindex on;\n      autoindex_format {autoindex};"
+    else:
+        raise ValueError(f"autoindex is json, html or off, not {autoindex!r}")
     ssl = ""
     if tls:
         ssl = (f"    ssl_certificate {prefix}/tls/cert.pem;\n"
@@ -82,13 +89,13 @@ http {{
     {listen}
     server_name localhost;
 {ssl}    root {root};
+{server_extra}
     location / {{
       dav_methods PUT DELETE;
       create_full_put_path on;
       dav_access user:rw group:r all:r;
-      autoindex on;
-      autoindex_format json;
-{extra}
+      {listing}
+{location_extra}
     }}
   }}
 }}
@@ -106,13 +113,19 @@ def _self_signed_certificate(directory: pathlib.Path) -> None:
 class NginxStore:
     """A private nginx serving `root` as a dsec store on 127.0.0.1 (see the module's doc)."""
 
-    def __init__(self, root: str | os.PathLike, *, tls: bool = False, nginx: str = NGINX, workers: int = 1,
-                 extra_location_config: str = "", start_timeout: float = 10.0):
+    def __init__(self, root: str | os.PathLike, *, tls: bool = False, autoindex: str = "json", nginx: str = NGINX,
+                 workers: int = 1, extra_location_config: str = "", extra_server_config: str = "",
+                 start_timeout: float = 10.0):
+        """autoindex: "json" (listings dsec reads), "html" or "off" (a store that does not list). The extra_*
+        strings are nginx directives added inside `location /` and inside `server` (e.g. "max_ranges 0;" for a server
+        that ignores Range, or "location /broken/ { return 503; }")."""
         self.root = pathlib.Path(root).resolve()
         self.tls = tls
+        self.autoindex = autoindex
         self.nginx = nginx
         self.workers = workers
         self.extra_location_config = extra_location_config
+        self.extra_server_config = extra_server_config
         self.start_timeout = start_timeout
         self.prefix = pathlib.Path(tempfile.mkdtemp(prefix="dsec-nginx-store-"))
         self.port = 0
@@ -160,8 +173,8 @@ class NginxStore:
             sock.listen(511)
             self.port = sock.getsockname()[1]
             conf = self.prefix / "nginx.conf"
-            conf.write_text(_config(self.root, self.prefix, self.port, self.tls, self.workers,
-                                    self.extra_location_config))
+            conf.write_text(_config(self.root, self.prefix, self.port, self.tls, self.workers, self.autoindex,
+                                    self.extra_location_config, self.extra_server_config))
             env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "NGINX": f"{sock.fileno()};"}
             with open(self.prefix / "stderr.log", "ab") as err:
                 self.process = subprocess.Popen(
