@@ -16,7 +16,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <functional>
+#include <fstream>
 #include <random>
 #include <set>
 #include <sstream>
@@ -31,7 +35,6 @@
 #include "image/store/blob_store.hpp"
 #include "image/store/digest.hpp"
 #include "image/store/manifest.hpp"
-#include "image_test_util.hpp"
 
 namespace dsec::image {
 namespace {
@@ -39,9 +42,41 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-using testing::read_text;
-using testing::TempDir;
-using testing::write_text;
+
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it when the test ends.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string templ = std::string(base && *base ? base : "/tmp") + "/dsec-http-store-test-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = templ;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& rel) const { return path_ / rel; }
+
+ private:
+  fs::path path_;
+};
+
+void write_text(const fs::path& p, const std::string& text) {
+  fs::create_directories(p.parent_path());
+  std::ofstream out(p, std::ios::trunc | std::ios::binary);
+  out << text;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 constexpr const char* kNginx = "/usr/sbin/nginx";
 
