@@ -1,5 +1,6 @@
 #include "agent/layers/layer_mounts.hpp"
 
+#include <fcntl.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
+#include "common/unique_fd.hpp"
 #include "image/fs_tree.hpp"
 #include "image/process.hpp"
 #include "image/store/digest.hpp"
@@ -38,6 +40,24 @@ std::string lazy_unavailable_reason() {
   if (::access("/dev/fuse", F_OK) != 0) return "no /dev/fuse";
   if (::geteuid() != 0) return "not root: mounting layers needs root";
   return {};
+}
+
+// Copies `length` bytes of `from` starting at `offset` into a new file `to`.
+void copy_range(const fs::path& from, std::uint64_t offset, std::uint64_t length, const fs::path& to) {
+  UniqueFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!in) throw_errno_fmt(errno, "open {}", from.string());
+  UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!out) throw_errno_fmt(errno, "create {}", to.string());
+  loff_t in_off = static_cast<loff_t>(offset);
+  while (length > 0) {
+    ssize_t n = ::copy_file_range(in.get(), &in_off, out.get(), nullptr, length, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw_errno_fmt(errno, "copy {} to {}", from.string(), to.string());
+    }
+    if (n == 0) throw Error(Code::kDataLoss, fmt::format("{} ended early", from.string()));
+    length -= static_cast<std::uint64_t>(n);
+  }
 }
 
 }  // namespace
@@ -186,7 +206,11 @@ bool LayerMounts::mount_lazy(Slot& slot) {
   fs::path dir = options_.mount_dir / slot.hex;
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", dir.string());
   fs::path source = fs_->file_of(slot.hex);
-  if (::mount(source.c_str(), dir.c_str(), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID, nullptr) != 0) {
+  // A layer in two parts (chunk_index.hpp) names its data device: the layer file system's "<hex>.data".
+  std::string options;
+  if (slot.use.entry().index().meta_size > 0) options = "device=" + fs_->data_file_of(slot.hex).string();
+  if (::mount(source.c_str(), dir.c_str(), "erofs", MS_RDONLY | MS_NODEV | MS_NOSUID,
+              options.empty() ? nullptr : options.c_str()) != 0) {
     int err = errno;
     ::rmdir(dir.c_str());
     if ((err == ENOTBLK || err == ENODEV) && options_.mode == LayerMode::kAuto) {
@@ -217,7 +241,18 @@ void LayerMounts::extract(Slot& slot) {
     fs::path building = entry.dir() / "tree.tmp";
     image::remove_tree(building);
     std::vector<std::string> argv{"fsck.erofs", "--extract=" + building.string(),
-                                  ::geteuid() == 0 ? "--preserve" : "--preserve-perms", entry.layer_file().string()};
+                                  ::geteuid() == 0 ? "--preserve" : "--preserve-perms"};
+    // A layer in two parts: fsck.erofs reads the data device from a file of its own.
+    fs::path device = entry.dir() / "data.tmp";
+    struct RemoveDevice {
+      fs::path path;
+      ~RemoveDevice() { ::unlink(path.c_str()); }
+    } remove_device{device};
+    if (entry.index().meta_size > 0) {
+      copy_range(entry.layer_file(), entry.index().meta_size, entry.size() - entry.index().meta_size, device);
+      argv.push_back("--device=" + device.string());
+    }
+    argv.push_back(entry.layer_file().string());
     image::ProcessResult result = image::run_process(argv);
     if (!result.ok()) {
       image::remove_tree(building);

@@ -6,12 +6,14 @@
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
-#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
+#include <fstream>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -29,6 +31,22 @@ constexpr std::size_t kMaxRead = 1u << 20;
 bool is_hex64(std::string_view s) {
   return s.size() == 64 &&
          std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// The "minor" of a mount's device in /proc/self/mountinfo: FUSE names its connection by it in fusectl.
+unsigned connection_of(const fs::path& mount_point) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  unsigned found = 0;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, device, root, point;
+    if (!(fields >> id >> parent >> device >> root >> point)) continue;
+    if (point != mount_point.string()) continue;
+    auto colon = device.find(':');
+    if (colon != std::string::npos) found = static_cast<unsigned>(std::stoul(device.substr(colon + 1)));
+  }
+  return found;
 }
 
 double now_seconds() {
@@ -65,21 +83,32 @@ struct LazyLayerFs::Handlers {
     conn->want &= ~FUSE_CAP_AUTO_INVAL_DATA;
   }
 
+  // The files of a layer: "<hex>" (all of it) and, for a layer in two parts, "<hex>.data" (its data device).
+  static std::vector<Inode> files_of(const CacheEntry& entry) {
+    std::vector<Inode> out{Inode{entry.hex(), entry.hex(), 0, entry.size()}};
+    const std::uint64_t meta = entry.index().meta_size;
+    if (meta > 0 && meta < entry.size()) out.push_back(Inode{entry.hex() + ".data", entry.hex(), meta, entry.size() - meta});
+    return out;
+  }
+
   static void lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     LazyLayerFs& fs = self(req);
-    if (parent != FUSE_ROOT_ID || !is_hex64(name)) {
-      fuse_reply_err(req, ENOENT);
-      return;
-    }
-    auto entry = fs.cache_.find(name);
-    if (!entry) {
+    std::string_view n = name;
+    std::string_view hex = n.substr(0, 64);
+    std::shared_ptr<CacheEntry> entry;
+    if (parent == FUSE_ROOT_ID && is_hex64(hex) && (n.size() == 64 || n.substr(64) == ".data")) entry = fs.cache_.find(hex);
+    std::optional<Inode> file;
+    if (entry)
+      for (auto& f : files_of(*entry))
+        if (f.name == n) file = f;
+    if (!file) {
       fuse_reply_err(req, ENOENT);
       return;
     }
     fuse_entry_param e{};
-    e.ino = fs.inode_of(entry->hex(), entry->size());
+    e.ino = fs.inode_of(*file);
     e.generation = 1;
-    e.attr = file_attr(e.ino, entry->size());
+    e.attr = file_attr(e.ino, file->size);
     e.attr_timeout = kTimeout;
     e.entry_timeout = kTimeout;
     fuse_reply_entry(req, &e);
@@ -103,6 +132,11 @@ struct LazyLayerFs::Handlers {
     fuse_reply_attr(req, &st, kTimeout);
   }
 
+  struct OpenFile {
+    std::shared_ptr<CacheEntry> entry;
+    Inode node;
+  };
+
   static void open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     LazyLayerFs& fs = self(req);
     if ((fi->flags & O_ACCMODE) != O_RDONLY) {
@@ -116,31 +150,36 @@ struct LazyLayerFs::Handlers {
       fuse_reply_err(req, ENOENT);
       return;
     }
-    fi->fh = reinterpret_cast<std::uint64_t>(new std::shared_ptr<CacheEntry>(std::move(entry)));
+    fi->fh = reinterpret_cast<std::uint64_t>(new OpenFile{std::move(entry), node});
     fi->keep_cache = 1;  // the bytes of a layer never change
     fi->noflush = 1;
-    if (fuse_reply_open(req, fi) != 0) delete reinterpret_cast<std::shared_ptr<CacheEntry>*>(fi->fh);
+    if (fuse_reply_open(req, fi) != 0) delete reinterpret_cast<OpenFile*>(fi->fh);
   }
 
   static void read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
     LazyLayerFs& fs = self(req);
-    auto& entry = *reinterpret_cast<std::shared_ptr<CacheEntry>*>(fi->fh);
+    auto& file = *reinterpret_cast<OpenFile*>(fi->fh);
     thread_local std::vector<char> buffer;
     try {
       if (off < 0) throw Error(Code::kInvalidArgument, "negative offset");
-      buffer.resize(std::max(buffer.size(), size));
-      std::size_t n = fs.cache_.read(*entry, static_cast<std::uint64_t>(off), size, buffer.data());
+      const std::uint64_t start = static_cast<std::uint64_t>(off);
+      std::size_t n = 0;
+      if (start < file.node.size) {
+        const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(size, file.node.size - start));
+        buffer.resize(std::max(buffer.size(), want));
+        n = fs.cache_.read(*file.entry, file.node.base + start, want, buffer.data());
+      }
       fuse_reply_buf(req, buffer.data(), n);
     } catch (const std::exception& e) {
       fs.metrics_.read_errors.fetch_add(1, std::memory_order_relaxed);
-      fs.log_read_error(fmt::format("read of layer {} at {} (+{}) failed, answered EIO: {}", entry->digest(), off,
-                                    size, e.what()));
+      fs.log_read_error(fmt::format("read of {} at {} (+{}) failed, answered EIO: {}", file.node.name, off, size,
+                                    e.what()));
       fuse_reply_err(req, EIO);
     }
   }
 
   static void release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-    delete reinterpret_cast<std::shared_ptr<CacheEntry>*>(fi->fh);
+    delete reinterpret_cast<OpenFile*>(fi->fh);
     fuse_reply_err(req, 0);
   }
 
@@ -159,10 +198,8 @@ struct LazyLayerFs::Handlers {
       struct stat st;
     };
     std::vector<Item> items{{".", root_attr()}, {"..", root_attr()}};
-    for (const auto& entry : fs.cache_.entries()) {
-      fuse_ino_t n = fs.inode_of(entry->hex(), entry->size());
-      items.push_back({entry->hex(), file_attr(n, entry->size())});
-    }
+    for (const auto& entry : fs.cache_.entries())
+      for (const auto& file : files_of(*entry)) items.push_back({file.name, file_attr(fs.inode_of(file), file.size)});
     std::vector<char> buf(size);
     std::size_t used = 0;
     for (std::size_t i = static_cast<std::size_t>(std::max<off_t>(off, 0)); i < items.size(); ++i) {
@@ -213,8 +250,8 @@ LazyLayerFs::LazyLayerFs(BlobCache& cache, fs::path mount_point, LayerMetrics& m
                 fmt::format("layer file system: cannot mount FUSE at {} (libfuse says why above)",
                             mount_point_.string()));
   }
-  struct stat st {};
-  if (::stat(mount_point_.c_str(), &st) == 0) device_ = st.st_dev;
+  // Its connection number, for an abort at shutdown (from mountinfo: a stat() would wait for the loop's INIT).
+  connection_ = connection_of(mount_point_);
 
   // The loop's threads (and the workers libfuse starts from them) take no signals: the agent's main thread does.
   sigset_t all, old;
@@ -250,7 +287,7 @@ void LazyLayerFs::stop() {
     // through fusectl, so the loop ends and whatever reads through it gets errors instead of waiting.
     log_warn("layer file system at {} still in use after unmounting; aborting its FUSE connection",
              mount_point_.string());
-    std::string abort_file = fmt::format("/sys/fs/fuse/connections/{}/abort", ::minor(device_));
+    std::string abort_file = fmt::format("/sys/fs/fuse/connections/{}/abort", connection_);
     bool mounted_ctl = false;
     if (::access(abort_file.c_str(), F_OK) != 0 &&
         ::mount("fusectl", "/sys/fs/fuse/connections", "fusectl", 0, nullptr) == 0)
@@ -277,12 +314,12 @@ void LazyLayerFs::stop() {
   fs::remove(mount_point_, ec);
 }
 
-std::uint64_t LazyLayerFs::inode_of(const std::string& hex, std::uint64_t size) {
+std::uint64_t LazyLayerFs::inode_of(const Inode& file) {
   std::lock_guard lock(inodes_mutex_);
-  if (auto it = inode_by_hex_.find(hex); it != inode_by_hex_.end()) return it->second;
-  inodes_.push_back(Inode{hex, size});
+  if (auto it = inode_by_name_.find(file.name); it != inode_by_name_.end()) return it->second;
+  inodes_.push_back(file);
   std::uint64_t n = inodes_.size() + 1;
-  inode_by_hex_.emplace(hex, n);
+  inode_by_name_.emplace(file.name, n);
   return n;
 }
 

@@ -1,15 +1,15 @@
 // The file system that lets the kernel's EROFS driver read a layer before the node has it: a FUSE mount (libfuse3,
 // low-level API) of one flat, read-only directory with a file per cached layer, named by the layer digest's hex and
-// as large as the layer. A read of such a file is served from the blob cache, which fetches the chunks it lacks;
-// layer_mounts mounts EROFS with the file as its source.
+// as large as the layer, and for a layer in two parts (chunk_index.hpp: metadata, then the data device) a second
+// file "<hex>.data" holding the data device, the layer's bytes from meta_size on. A read of either is served from
+// the blob cache, which fetches the chunks it lacks; layer_mounts mounts EROFS with the first as its source and the
+// second as its device.
 //
 // A read that cannot be served (a store that is gone, a chunk that fails its digest) is answered with EIO, never
 // with other bytes, and logged as an error and counted (dsec_layer_read_errors_total). The file system runs on its
 // own threads; they only ever wait for the stores and the cache's disk, never for anything that reads through this
 // file system. Destruction unmounts it.
 #pragma once
-
-#include <sys/types.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -37,8 +37,9 @@ class LazyLayerFs {
   LazyLayerFs& operator=(const LazyLayerFs&) = delete;
   ~LazyLayerFs();
 
-  // The file of a layer (it exists while the cache has the layer).
+  // The file of a layer, and of its data device (they exist while the cache has the layer).
   std::filesystem::path file_of(const std::string& hex) const { return mount_point_ / hex; }
+  std::filesystem::path data_file_of(const std::string& hex) const { return mount_point_ / (hex + ".data"); }
   const std::filesystem::path& mount_point() const noexcept { return mount_point_; }
   // Unmounts and stops the threads; idempotent. Mounts that still read through it get errors afterwards.
   void stop();
@@ -47,11 +48,14 @@ class LazyLayerFs {
   struct Handlers;
 
  private:
+  // A file: the bytes [base, base + size) of a layer.
   struct Inode {
+    std::string name;
     std::string hex;
+    std::uint64_t base = 0;
     std::uint64_t size = 0;
   };
-  std::uint64_t inode_of(const std::string& hex, std::uint64_t size);
+  std::uint64_t inode_of(const Inode& file);
   bool inode(std::uint64_t ino, Inode& out) const;
   void log_read_error(const std::string& what);
 
@@ -63,10 +67,10 @@ class LazyLayerFs {
   std::mutex loop_mutex_;
   std::condition_variable loop_done_;
   bool loop_ended_ = false;
-  dev_t device_ = 0;
+  unsigned connection_ = 0;  // the FUSE connection's number (fusectl)
 
   mutable std::mutex inodes_mutex_;
-  std::map<std::string, std::uint64_t, std::less<>> inode_by_hex_;
+  std::map<std::string, std::uint64_t, std::less<>> inode_by_name_;
   std::vector<Inode> inodes_;  // inode n (from 2) is inodes_[n - 2]; numbers are never reused
 
   std::mutex log_mutex_;
