@@ -50,7 +50,8 @@ class DirectoryStore final : public BlobStore {
 
   bool has_blob(const std::string& digest) override {
     struct stat st {};
-    return ::stat(blob_path(digest).c_str(), &st) == 0 && S_ISREG(st.st_mode);
+    // lstat: read_blob does not follow a symlink in place of a blob, so neither does has_blob.
+    return ::lstat(blob_path(digest).c_str(), &st) == 0 && S_ISREG(st.st_mode);
   }
 
   std::string read_blob(const std::string& digest, std::uint64_t max_size) override {
@@ -82,7 +83,7 @@ class DirectoryStore final : public BlobStore {
 
   void put_blob_file(const std::string& digest, const fs::path& file) override {
     digest_hex(digest, "blob");
-    if (has_blob(digest)) return;
+    if (has_blob(digest)) return renew(digest);
     std::string actual = sha256_file(file);
     if (actual != digest)
       throw Error(Code::kDataLoss, fmt::format("{} hashes to {}, not {}", file.string(), actual, digest));
@@ -103,7 +104,7 @@ class DirectoryStore final : public BlobStore {
 
   void put_blob(const std::string& digest, std::string_view bytes) override {
     digest_hex(digest, "blob");
-    if (has_blob(digest)) return;
+    if (has_blob(digest)) return renew(digest);
     std::string actual = sha256_digest(bytes);
     if (actual != digest) throw Error(Code::kDataLoss, fmt::format("bytes hash to {}, not {}", actual, digest));
     fs::path tmp = tmp_path();
@@ -150,9 +151,9 @@ class DirectoryStore final : public BlobStore {
 
   void write_ref(const std::string& tagged, const std::string& manifest_digest) override {
     digest_hex(manifest_digest, "manifest");
+    fs::path path = ref_path(tagged);  // a bad name fails before anything is written
     fs::path tmp = tmp_path();
     write_file(tmp, manifest_digest + "\n");
-    fs::path path = ref_path(tagged);
     fs::create_directories(path.parent_path());
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       int err = errno;
@@ -191,6 +192,12 @@ class DirectoryStore final : public BlobStore {
   fs::path ref_path(const std::string& tagged) const {
     ImageReference ref = parse_reference(tagged);
     return root_ / "refs" / escape_reference(ref.tagged());
+  }
+
+  // A blob stored again counts as freshly written: garbage collection's grace protects it until the image that
+  // stored it is tagged.
+  void renew(const std::string& digest) {
+    ::utimensat(AT_FDCWD, blob_path(digest).c_str(), nullptr, AT_SYMLINK_NOFOLLOW);
   }
 
   UniqueFd open_blob(const fs::path& path, const std::string& digest) const {

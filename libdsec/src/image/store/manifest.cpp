@@ -68,6 +68,29 @@ T field(const json& j, const char* key, std::string_view path) {
   }
 }
 
+// A member that may be absent (then `fallback`), but that has the right type when present.
+template <typename T>
+T optional_field(const json& j, const char* key, std::string_view path, T fallback) {
+  auto it = j.find(key);
+  if (it == j.end()) return fallback;
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    bad_field(fmt::format("{}{}", path, key), "wrong type");
+  }
+}
+
+// A byte count: a non-negative integer (a negative one would wrap around to a huge size).
+std::uint64_t size_field(const json& j, const char* key, std::string_view path, bool required) {
+  auto it = j.find(key);
+  if (it == j.end()) {
+    if (required) bad_field(fmt::format("{}{}", path, key), "missing");
+    return 0;
+  }
+  if (!it->is_number_unsigned()) bad_field(fmt::format("{}{}", path, key), "must be a non-negative integer");
+  return it->get<std::uint64_t>();
+}
+
 std::string digest_field(const json& j, const char* key, std::string_view path) {
   auto d = field<std::string>(j, key, path);
   if (!is_digest(d)) bad_field(fmt::format("{}{}", path, key), fmt::format("'{}' is not a sha256 digest", d.substr(0, 80)));
@@ -143,11 +166,22 @@ Manifest manifest_from_json(std::string_view text) {
   Manifest m;
   m.name = field<std::string>(j, "name", "");
   m.tag = field<std::string>(j, "tag", "");
-  ImageReference ref = parse_reference(m.name + ":" + m.tag);
-  if (ref.name != m.name) bad_field("name", fmt::format("'{}' is not a normalised name", m.name));
-  m.created_at = j.value("created_at", 0.0);
-  m.source = j.value("source", std::string());
-  m.parent = j.value("parent", std::string());
+  // The name and the tag each on their own, so the message says which one is wrong.
+  try {
+    ImageReference ref = parse_reference(m.name);
+    if (ref.name != m.name || ref.tag != "latest" || !ref.digest.empty()) bad_reference(m.name, "not a normalised name");
+  } catch (const Error& e) {
+    bad_field("name", e.what());
+  }
+  try {
+    ImageReference ref = parse_reference("x:" + m.tag);
+    if (ref.tag != m.tag || !ref.digest.empty()) bad_reference(m.tag, "not a plain tag");
+  } catch (const Error& e) {
+    bad_field("tag", e.what());
+  }
+  m.created_at = optional_field<double>(j, "created_at", "", 0.0);
+  m.source = optional_field<std::string>(j, "source", "", "");
+  m.parent = optional_field<std::string>(j, "parent", "", "");
   try {
     m.notes = j.value("notes", std::vector<std::string>{});
   } catch (const json::exception&) {
@@ -167,11 +201,11 @@ Manifest manifest_from_json(std::string_view text) {
       bad_field(path + "role", e.what());
     }
     d.digest = digest_field(l, "digest", path);
-    d.size = field<std::uint64_t>(l, "size", path);
+    d.size = size_field(l, "size", path, true);
     d.index = digest_field(l, "index", path);
     d.data = digest_field(l, "data", path);
-    d.stored_size = field<std::uint64_t>(l, "stored_size", path);
-    d.files_size = l.value("files_size", std::uint64_t{0});
+    d.stored_size = size_field(l, "stored_size", path, true);
+    d.files_size = size_field(l, "files_size", path, false);
     if (d.size == 0) bad_field(path + "size", "must be positive");
     m.layers.push_back(std::move(d));
   }
