@@ -102,7 +102,7 @@ inline std::set<std::string> tree_paths(const std::filesystem::path& root) {
   std::error_code ec;
   for (auto it = std::filesystem::recursive_directory_iterator(root, ec);
        !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec))
-    out.insert(std::filesystem::relative(it->path(), root).string());
+    out.insert(it->path().lexically_relative(root).string());  // (relative() would resolve symlinks)
   if (ec) ADD_FAILURE() << "walk " << root << ": " << ec.message();
   return out;
 }
@@ -177,11 +177,6 @@ class TarWriter {
     add(name, AE_IFREG, attrs.mode ? attrs.mode : 0644, attrs, content.size(), nullptr, nullptr);
     if (!content.empty() && archive_write_data(a_, content.data(), content.size()) < 0)
       throw std::runtime_error(std::string("tar data: ") + archive_error_string(a_));
-  }
-  // A header that claims `size` bytes, and no data (for size limits checked before any byte is read).
-  void file_header_only(const std::string& name, std::int64_t size) {
-    TarAttrs attrs;
-    add(name, AE_IFREG, 0644, attrs, size, nullptr, nullptr);
   }
   void dir(const std::string& name, TarAttrs attrs = TarAttrs()) {
     add(name, AE_IFDIR, attrs.mode ? attrs.mode : 0755, attrs, 0, nullptr, nullptr);

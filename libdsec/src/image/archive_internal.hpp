@@ -46,6 +46,17 @@ using LinkResolver = std::unique_ptr<archive_entry_linkresolver, ResolverFree>;
   throw Error(err > 0 ? code_for_errno(err) : Code::kInternal, std::move(text));
 }
 
+// Reading failed: a stream that is not a tar, or is damaged or truncated, is DATA_LOSS (libarchive says so with
+// EILSEQ, its "file format" errno, or with no errno at all); a system error (no permission, a vanished file) keeps
+// its own code.
+[[noreturn]] inline void throw_archive_read(archive* a, std::string_view context) {
+  const char* msg = archive_error_string(a);
+  int err = archive_errno(a);
+  std::string text = fmt::format("{}: {}", context, msg ? msg : "libarchive error");
+  const bool format = err <= 0 || err == EILSEQ || err == EINVAL || err == EIO;
+  throw Error(format ? Code::kDataLoss : code_for_errno(err), std::move(text));
+}
+
 class Warnings {
  public:
   explicit Warnings(std::vector<std::string>& notes) : notes_(notes) {}
@@ -112,7 +123,7 @@ inline void copy_data_to_disk(archive* from, archive* to, const std::string& pat
     int r = archive_read_data_block(from, &buf, &size, &offset);
     if (r == ARCHIVE_EOF) return;
     if (r == ARCHIVE_WARN) warnings.add(from, path);
-    if (r < ARCHIVE_WARN) throw_archive(from, fmt::format("read {}", path));
+    if (r < ARCHIVE_WARN) throw_archive_read(from, fmt::format("read {}", path));
     // libarchive reports a failed write(2) (ENOSPC, EIO) as a mere warning; for an image it is fatal.
     if (archive_write_data_block(to, buf, size, offset) != ARCHIVE_OK)
       throw_archive(to, fmt::format("write {}", path));

@@ -43,14 +43,18 @@ fs::path scratch_name(const fs::path& dir, std::string_view prefix) {
 bool reachable_without_symlinks(const fs::path& root, const fs::path& rel) {
   UniqueFd dir(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (!dir) throw_errno_fmt(errno, "open {}", root.string());
-  fs::path parent = rel.parent_path();
-  if (!parent.empty()) {
+  // Directories that do not exist (yet) hold no symlink: what exists of the path must be reachable without one. A
+  // whiteout in a layer on a parent image usually names a directory only the parent has.
+  for (fs::path parent = rel.parent_path(); !parent.empty(); parent = parent.parent_path()) {
     open_how how{};
     how.flags = O_PATH | O_DIRECTORY | O_CLOEXEC;
     how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV;
     int fd = static_cast<int>(::syscall(SYS_openat2, dir.get(), parent.c_str(), &how, sizeof how));
-    if (fd < 0) return false;
-    ::close(fd);
+    if (fd >= 0) {
+      ::close(fd);
+      return true;
+    }
+    if (errno != ENOENT) return false;
   }
   return true;
 }
@@ -81,7 +85,7 @@ ReadArchive open_tar(const fs::path& tar) {
   archive_read_support_format_tar(ar.get());
   archive_read_support_format_gnutar(ar.get());
   if (archive_read_open_filename(ar.get(), tar.c_str(), 1 << 20) != ARCHIVE_OK)
-    throw_archive(ar.get(), fmt::format("open {}", tar.string()));
+    throw_archive_read(ar.get(), fmt::format("open {}", tar.string()));
   return ar;
 }
 
@@ -165,7 +169,7 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
           throw Error(Code::kInvalidArgument, fmt::format("{}: malformed whiteout {}", tar.string(), rel.string()));
         whiteouts.push_back(rel.parent_path() / name);
       }
-      archive_read_data_skip(ar.get());
+      if (archive_read_data_skip(ar.get()) < ARCHIVE_WARN) throw_archive_read(ar.get(), tar.string());
     }
   }
   for (const fs::path& rel : opaque_dirs) {
@@ -226,7 +230,10 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
     } catch (const Error& err) {
       if (std::string_view(err.what()).find("No space") != std::string_view::npos || err.code() == Code::kResourceExhausted)
         throw Error(Code::kResourceExhausted, fmt::format("{}: {}", tar.string(), err.what()));
-      throw Error(err.code(), fmt::format("{}: {}", tar.string(), err.what()));
+      // libarchive refuses what a hostile tar asks for (extracting through a symlink, a hard link through one)
+      // without an errno: the tar is at fault, not dsec.
+      throw Error(err.code() == Code::kInternal ? Code::kInvalidArgument : err.code(),
+                  fmt::format("{}: {}", tar.string(), err.what()));
     }
   }
   if (skipped_special > 5) notes.push_back(fmt::format("... {} special files skipped in all", skipped_special));
