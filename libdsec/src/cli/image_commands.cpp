@@ -25,7 +25,7 @@ namespace fs = std::filesystem;
 
 constexpr std::string_view kImageHelp = R"(usage: dsec image COMMAND [--store URL] [--home DIR] ...
 
-  build NAME --from SOURCE [--parent IMAGE] [--role ROLE] [--include PKG,...] [--mirror URL] [-q]
+  build NAME --from SOURCE [--parent IMAGE [--diff]] [--role ROLE] [--include PKG,...] [--mirror URL] [-q]
   push NAME STORE
   pull NAME STORE
   ls [--json]
@@ -43,7 +43,10 @@ constexpr std::string_view kBuildHelp = R"(usage: dsec image build NAME --from S
 
 Builds one layer from SOURCE and tags NAME ("busybox" means "busybox:latest") in the store. With --parent, the image
 is the parent's layers plus the new one; the new layer holds only SOURCE, and OCI whiteouts in a tar or OCI source
-hide the parent's files. Nothing is tagged until every blob is stored, so a failed build leaves no image behind.
+hide the parent's files. With --parent and --diff (the default for busybox-static and debootstrap sources), SOURCE
+is a whole root filesystem and the new layer holds only what differs from the parent: new and changed files, and
+whiteouts for what SOURCE lacks. Nothing is tagged until every blob is stored, so a failed build leaves no image
+behind.
 
 SOURCE is one of:
   DIR | dir:DIR          a directory as it is (owners, modes, times, xattrs, hard links kept; device nodes,
@@ -58,6 +61,7 @@ SOURCE is one of:
 Options:
   --from SOURCE          what to build from (required)
   --parent IMAGE         build on this image (in the same store)
+  --diff                 with --parent: keep only SOURCE's difference from the parent (needs root)
   --role ROLE            base, toolchain, task or snapshot (default: base, or task with --parent)
   --include PKG,...      debootstrap: extra Debian packages, e.g. --include python3,git (repeatable)
   --mirror URL           debootstrap: the Debian archive to use instead of apt's
@@ -69,6 +73,8 @@ Examples:
   dsec image build busybox --from busybox-static
   dsec image build debian:bookworm --from debootstrap:bookworm --include python3
   dsec image build py:dev --parent debian:bookworm --role toolchain --from ./toolchain-root
+  dsec image build cc --parent debian:bookworm --role toolchain --from debootstrap:bookworm \
+      --include python3,build-essential
   dsec image build swe/task-17 --parent py:dev --from tar:task-17.tar.gz
   dsec image build app --from oci:./app-oci
 )";
@@ -209,6 +215,7 @@ int image_build(const std::vector<std::string>& args, GlobalOptions& global) {
   return with_help(args,
                    {{"--from", true},
                     {"--parent", true},
+                    {"--diff", false},
                     {"--role", true},
                     {"--include", true, true},
                     {"--mirror", true},
@@ -231,6 +238,10 @@ int image_build(const std::vector<std::string>& args, GlobalOptions& global) {
     if (p.has("--busybox") && !is_busybox) throw UsageError("--busybox only applies to --from busybox-static", help);
     if (auto role = p.get("--role")) options.role = image::parse_layer_role(*role);
     options.parent = p.get("--parent").value_or("");
+    if (p.has("--diff")) {
+      if (options.parent.empty()) throw UsageError("--diff needs --parent IMAGE", help);
+      options.diff = true;
+    }
     options.include_packages = split_commas(p.values.count("--include") ? p.values.at("--include") : std::vector<std::string>{});
     options.mirror = p.get("--mirror").value_or("");
     options.busybox = p.get("--busybox").value_or("/bin/busybox");
@@ -260,7 +271,10 @@ int image_build(const std::vector<std::string>& args, GlobalOptions& global) {
     const image::Manifest& m = r.image.manifest;
     fmt::print("built {} in {}: layer {} ({}, {} as EROFS, {} stored{}), {} layer{} in all\n", r.image.reference.to_string(),
                elapsed_text(seconds), r.layer.digest.substr(0, 19), to_string(r.layer.role), human_bytes(r.layer.size),
-               human_bytes(r.layer.stored_size), r.layer_existed ? ", already in the store" : "", m.layers.size(),
+               human_bytes(r.layer.stored_size),
+               std::string(r.diff ? ", the difference from the parent" : "") +
+                   (r.layer_existed ? ", already in the store" : ""),
+               m.layers.size(),
                m.layers.size() == 1 ? "" : "s");
     return 0;
   });

@@ -19,7 +19,9 @@
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
 #include "image/fs_tree.hpp"
+#include "image/layer_files.hpp"
 #include "image/process.hpp"
+#include "image/tree_diff.hpp"
 #include "image/store/digest.hpp"
 
 namespace dsec::image {
@@ -243,7 +245,14 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
   std::optional<ResolvedManifest> parent;
   if (!options.parent.empty()) parent = fetch_manifest(store, parse_reference(options.parent));
   const LayerRole role = options.role.value_or(parent ? LayerRole::kTask : LayerRole::kBase);
-  const WhiteoutMode whiteouts = parent ? WhiteoutMode::kOverlay : WhiteoutMode::kApply;
+  const LayerSource::Kind kind = options.source.kind;
+  const bool whole_root = kind == LayerSource::Kind::kBusybox || kind == LayerSource::Kind::kDebootstrap;
+  if (options.diff.value_or(false) && !parent)
+    throw Error(Code::kInvalidArgument, "a layer that holds only its difference from a parent needs a parent image");
+  const bool diff = parent && options.diff.value_or(whole_root);
+  result.diff = diff;
+  // A diff's source is a whole image: tar and OCI whiteouts delete from it rather than hide the parent's files.
+  const WhiteoutMode whiteouts = parent && !diff ? WhiteoutMode::kOverlay : WhiteoutMode::kApply;
   auto log = [&](std::string_view line) {
     if (options.log) options.log(line);
   };
@@ -294,6 +303,22 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
   }
   for (const auto& n : result.notes) log(n);
   result.seconds_tree = since(started);
+
+  std::optional<MountedImage> parent_view;
+  if (diff) {
+    started = std::chrono::steady_clock::now();
+    log(fmt::format("comparing with the {} layer{} of {}", parent->manifest.layers.size(),
+                    parent->manifest.layers.size() == 1 ? "" : "s", parent->reference.to_string()));
+    parent_view.emplace(store, parent->manifest, work / "parent", options.progress);
+    std::vector<std::string> diff_notes;
+    fs::path diff_tree = work / "diff";
+    make_diff_tree(parent_view->root(), tree, diff_tree, diff_notes);
+    parent_view->release();
+    tree = diff_tree;
+    for (const auto& n : diff_notes) log(n);
+    result.notes.insert(result.notes.end(), diff_notes.begin(), diff_notes.end());
+    result.seconds_diff = since(started);
+  }
 
   started = std::chrono::steady_clock::now();
   std::vector<std::string> layer_notes;

@@ -38,6 +38,11 @@ struct BuildOptions {
   LayerSource source;
   std::string parent;                        // image to build on (its layers go below the new one), or empty
   std::optional<LayerRole> role;             // default: base without a parent, task with one
+  // With a parent: the source is a whole root filesystem, and the new layer holds only what differs from the
+  // parent's layers (tree_diff.hpp; whiteouts for what it removes). Tar and OCI sources are then applied as a whole
+  // image (their whiteouts delete). Default: on for busybox-static and debootstrap sources with a parent, off
+  // otherwise. Needs root (the parent's layers are mounted to compare); INVALID_ARGUMENT without a parent.
+  std::optional<bool> diff;
   std::vector<std::string> include_packages; // debootstrap
   std::string mirror;                        // debootstrap
   std::filesystem::path busybox = "/bin/busybox";
@@ -54,7 +59,8 @@ struct BuildResult {
   LayerDescriptor layer;                     // the new layer
   bool layer_existed = false;                // the store had the layer already (same bytes built before)
   std::vector<std::string> notes;
-  double seconds_tree = 0, seconds_mkfs = 0, seconds_store = 0;
+  bool diff = false;                         // the layer holds the difference from the parent
+  double seconds_tree = 0, seconds_diff = 0, seconds_mkfs = 0, seconds_store = 0;
 };
 
 // Builds and tags an image in `store`. The parent is resolved in `store` too. Nothing is tagged unless every blob
