@@ -870,6 +870,30 @@ TEST(ImageCatalog, CopyImageRefusesDamagedSources) {
   EXPECT_FALSE(fresh->read_ref("mixed:v1"));
 }
 
+TEST(ImageCatalog, AFlippedByteInAStoredChunkIsDataLoss) {
+  TempDir tmp;
+  auto store = open_directory_store(tmp / "store");
+  LayerDescriptor layer = store_layer(*store, tmp / "work", 1 << 20, 61);
+  const ChunkIndex index = chunk_index_from_json(store->read_blob(layer.index));
+  ASSERT_GE(index.chunk_count(), 4u);
+  // Damage one byte inside chunk 2 of the data blob, as a bad disk would.
+  fs::path blob = tmp / ("store/blobs/sha256/" + digest_hex(layer.data));
+  std::string bytes = read_text(blob);
+  bytes[index.chunks[2].offset + index.chunks[2].length / 2] ^= 0x01;
+  ::chmod(blob.c_str(), 0644);
+  write_text(blob, bytes);
+  std::string out;
+  for (std::size_t i = 0; i < index.chunk_count(); ++i) {
+    std::string stored = store->read_range(layer.data, index.chunks[i].offset, index.chunks[i].length);
+    if (i == 2) {
+      expect_error([&] { decode_chunk(index, i, stored, out); }, Code::kDataLoss, {"chunk 2", layer.digest});
+    } else {
+      EXPECT_NO_THROW(decode_chunk(index, i, stored, out)) << "chunk " << i;
+    }
+  }
+  expect_error([&] { store->read_blob(layer.data, 64 << 20); }, Code::kDataLoss, {layer.data});
+}
+
 TEST(ImageGc, RemovesOnlyUnreferencedBlobsOutsideTheGrace) {
   TempDir tmp;
   auto store = open_directory_store(tmp / "store");
