@@ -17,7 +17,8 @@
 
 #include "client/client_core.hpp"
 #include "dsec/dsec.hpp"
-#include "image/store.hpp"
+#include "image/build.hpp"
+#include "image/store/blob_store.hpp"
 
 namespace dsec::detail {
 namespace {
@@ -58,7 +59,13 @@ class AgentTest : public ::testing::Test {
     ClientOptions o;
     o.agent_binary = dsecd_;
     o.home = home_ + "/" + node_id;
-    image::ImageStore(fs::path(o.home) / "images").build_busybox("busybox");
+    auto store = image::open_directory_store(fs::path(o.home) / "store");
+    image::BuildOptions build;
+    build.reference = "busybox";
+    build.source = image::LayerSource::parse("busybox-static");
+    build.work_dir = fs::path(o.home) / "build";
+    fs::create_directories(build.work_dir);
+    image::build_image(*store, build);
     o.agent_args = {"--backends", backends, "--node-id", node_id};
     return o;
   }

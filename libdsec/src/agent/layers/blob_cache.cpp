@@ -162,7 +162,7 @@ std::shared_ptr<CacheEntry> BlobCache::load_entry(const std::string& hex) const 
   return entry;
 }
 
-LayerUse BlobCache::acquire(const image::LayerDescriptor& layer, const Stores& stores) {
+LayerUse BlobCache::acquire(const image::LayerDescriptor& layer, const Stores& stores, bool prefetch) {
   const std::string hex = image::digest_hex(layer.digest, "layer digest");
   image::digest_hex(layer.index, "layer index digest");
   image::digest_hex(layer.data, "layer data digest");
@@ -232,9 +232,11 @@ LayerUse BlobCache::acquire(const image::LayerDescriptor& layer, const Stores& s
     entry.stores_ = stores;
   }
   // The superblock is in the first chunk; the index names the chunks holding the rest of the metadata.
-  std::set<std::size_t> wanted{0};
-  for (auto i : index.prefetch) wanted.insert(i);
-  for (std::size_t i : wanted) ensure_chunk(entry, i);
+  if (prefetch) {
+    std::set<std::size_t> wanted{0};
+    for (auto i : index.prefetch) wanted.insert(i);
+    for (std::size_t i : wanted) ensure_chunk(entry, i);
+  }
   enforce_limit();
   return use;
 }
@@ -440,9 +442,13 @@ void BlobCache::fetch_chunk(CacheEntry& entry, std::size_t i, const Stores& stor
       break;
     } catch (const Error& e) {
       // A store without the blob, or with a damaged copy: another store may do better.
-      if (!failure || failure->code() == Code::kNotFound)
-        failure = Error(e.code(), fmt::format("layer {} chunk {} of {} from store {}: {}", entry.digest(), i,
-                                              index.chunk_count(), store->url(), e.what()));
+      if (!failure || failure->code() == Code::kNotFound) {
+        std::string what = e.what();
+        failure = Error(e.code(), what.find(entry.digest()) != std::string::npos
+                                      ? fmt::format("{} (from store {})", what, store->url())
+                                      : fmt::format("layer {} chunk {} of {} from store {}: {}", entry.digest(), i,
+                                                    index.chunk_count(), store->url(), what));
+      }
     }
   }
   if (!got) {
@@ -497,6 +503,7 @@ void BlobCache::drop_chunks(CacheEntry& entry, std::uint64_t tree_bytes) {
   if (int err = pwrite_all(entry.present_fd_.get(), std::string(chunks, '\0'), 0))
     throw_errno_fmt(err, "write {}/present", entry.dir().string());
   entry.state_.assign(chunks, CacheEntry::ChunkState::kAbsent);
+  entry.fetched_.assign(chunks, 0);  // dropped on purpose: fetching them again is no refetch
   entry.present_bytes_ = 0;
   entry.extra_bytes_ = tree_bytes;
 }

@@ -126,8 +126,9 @@ class BlobCache {
   // the manifest's index digest, layer digest, size and data blob), and its first chunk (the EROFS superblock) plus
   // the index's prefetch chunks (the metadata) fetched. Errors: NOT_FOUND (a blob is in none of the stores),
   // DATA_LOSS (a blob or chunk does not match its digest), INVALID_ARGUMENT (index and manifest disagree),
-  // UNAVAILABLE (a store cannot be reached), RESOURCE_EXHAUSTED (the cache's disk is full).
-  LayerUse acquire(const image::LayerDescriptor& layer, const Stores& stores);
+  // UNAVAILABLE (a store cannot be reached), RESOURCE_EXHAUSTED (the cache's disk is full). Without `prefetch`,
+  // no chunk is fetched yet (the extract fallback fetches them all, or finds the layer's files extracted already).
+  LayerUse acquire(const image::LayerDescriptor& layer, const Stores& stores, bool prefetch = true);
 
   // The entry of a layer by its digest's hex, or null when the cache has none.
   std::shared_ptr<CacheEntry> find(std::string_view hex) const;

@@ -197,7 +197,7 @@ MountedLayer LayerMounts::acquire(const image::LayerDescriptor& layer, const Sto
 }
 
 void LayerMounts::prepare(Slot& slot, const image::LayerDescriptor& layer, const Stores& stores) {
-  slot.use = cache_.acquire(layer, stores);
+  slot.use = cache_.acquire(layer, stores, lazy_);
   if (lazy_ && mount_lazy(slot)) return;
   extract(slot);
 }
