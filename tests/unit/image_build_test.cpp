@@ -658,7 +658,7 @@ TEST(ImageBuild, AnOciImageOnAParent) {
 // ---------------------------------------------------------------------------------------------------------------
 // Hostile and broken tars
 
-class HostileTar : public ::testing::Test {
+class ImageHostileTar : public ::testing::Test {
  protected:
   void SetUp() override {
     fs::create_directories(tmp_ / "outside");
@@ -698,7 +698,7 @@ class HostileTar : public ::testing::Test {
   std::set<std::string> blobs_;
 };
 
-TEST_F(HostileTar, DotDotMembers) {
+TEST_F(ImageHostileTar, DotDotMembers) {
   for (const char* evil : {"../evil", "a/../../evil", "./../evil"}) {
     SCOPED_TRACE(evil);
     {
@@ -712,7 +712,7 @@ TEST_F(HostileTar, DotDotMembers) {
   }
 }
 
-TEST_F(HostileTar, AbsolutePaths) {
+TEST_F(ImageHostileTar, AbsolutePaths) {
   const fs::path target = outside() / "abs-evil";
   {
     TarWriter t(tar());
@@ -722,7 +722,7 @@ TEST_F(HostileTar, AbsolutePaths) {
   EXPECT_FALSE(fs::exists(target));
 }
 
-TEST_F(HostileTar, WritingThroughASymlink) {
+TEST_F(ImageHostileTar, WritingThroughASymlink) {
   {
     TarWriter t(tar());
     t.symlink("etc", outside().string());
@@ -751,7 +751,7 @@ TEST_F(HostileTar, WritingThroughASymlink) {
   EXPECT_EQ(read_text(outside() / "secret"), "host secret");
 }
 
-TEST_F(HostileTar, HardLinksOutOfTheTree) {
+TEST_F(ImageHostileTar, HardLinksOutOfTheTree) {
   {
     TarWriter t(tar());
     t.hardlink("h", "../outside/secret");
@@ -772,7 +772,7 @@ TEST_F(HostileTar, HardLinksOutOfTheTree) {
   EXPECT_EQ(lstat_of(outside() / "secret").st_nlink, 1u) << "the host's file got a second name";
 }
 
-TEST_F(HostileTar, DeviceNodesAreSkippedAndNoted) {
+TEST_F(ImageHostileTar, DeviceNodesAreSkippedAndNoted) {
   SKIP_UNLESS_MOUNTS();
   {
     TarWriter t(tar());
@@ -788,7 +788,7 @@ TEST_F(HostileTar, DeviceNodesAreSkippedAndNoted) {
   fixture_->expect_no_scratch();
 }
 
-TEST_F(HostileTar, MembersOverTheSizeLimit) {
+TEST_F(ImageHostileTar, MembersOverTheSizeLimit) {
   {
     TarWriter t(tar());
     t.file("small", "x");
@@ -803,7 +803,7 @@ TEST_F(HostileTar, MembersOverTheSizeLimit) {
   expect_refused("sum", Code::kResourceExhausted, {"limit"}, 1 << 20);
 }
 
-TEST_F(HostileTar, TruncatedAndGarbageStreamsAreDataLoss) {
+TEST_F(ImageHostileTar, TruncatedAndGarbageStreamsAreDataLoss) {
   {
     TarWriter t(tmp_ / "whole.tar");
     t.file("a", random_bytes(100000, 2));
