@@ -282,7 +282,7 @@ def test_destroy_during_exec(client, agent):
     assert not agent.leftovers(sb.id)
 
 
-def test_removing_an_image_keeps_its_files_for_running_sandboxes(client, image_home):
+def test_removing_an_image_keeps_its_layers_for_running_sandboxes(client, agent, image_home):
     # A second image, so the shared busybox image of the other tests is not disturbed.
     name = "lease-probe"
     cli = [str(lib.DSEC_CLI), "image"]
@@ -290,14 +290,22 @@ def test_removing_an_image_keeps_its_files_for_running_sandboxes(client, image_h
                    capture_output=True)
     with client.create(image=name, ttl=120) as sb:
         subprocess.run(cli + ["rm", name, "--home", image_home], check=True, capture_output=True)
-        images = os.path.join(image_home, "images")
-        held = [e for e in os.listdir(images) if e.startswith(".rm-")]
-        assert held, f"the removed image's files must stay while a sandbox uses them: {os.listdir(images)}"
         # The name is gone for new sandboxes at once ...
         with pytest.raises(dsec.NotFound):
             client.create(image=name, ttl=60)
-        # ... but the running sandbox still reads its image's files (not only what it copied up).
+        # ... but the running sandbox still reads its image's files (not only what it copied up): its layers stay
+        # mounted, held by the sandbox.
         r = sb.exec("/bin/busybox true && cat /etc/passwd >/dev/null && echo ok")
         assert (r.exit_code, r.stdout) == (0, b"ok\n"), r
-    # Once the last sandbox is gone, the reaper deletes the removed image's files.
-    assert lib.wait_for(lambda: not set(held) & set(os.listdir(images)), timeout=10), os.listdir(images)
+        layers = lib.http_request(agent.socket_path, "GET", "/v1/node").json()["cached_layers"]
+        assert any(layer["users"] >= 1 for layer in layers), layers
+    # Once the last sandbox is gone, the reaper unmounts the layers (no other sandbox lives now).
+    def users():
+        return [layer["users"] for layer in lib.http_request(agent.socket_path, "GET", "/v1/node").json()["cached_layers"]]
+    assert lib.wait_for(lambda: not any(users()), timeout=10), users()
+
+    def layer_mounts():
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+        return [p for p in points if p.startswith(os.path.join(agent.run_dir, ".layers") + "/") and not p.endswith("/blobs")]
+    assert lib.wait_for(lambda: not layer_mounts(), timeout=10), layer_mounts()
