@@ -59,9 +59,21 @@ bool socket_in_use(const std::string& path) {
   return ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
 }
 
+// The private layer cache holds only files (layers are mounted under the run directory); never crosses a mount.
+void remove_layer_cache(const std::string& private_dir) {
+  ::nftw((private_dir + "/layers").c_str(),
+         [](const char* path, const struct stat*, int type, struct FTW*) {
+           if (type == FTW_DP) ::rmdir(path);
+           else ::unlink(path);
+           return 0;
+         },
+         16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+}
+
 // Private directories of trainers that died without stopping their agent (SIGKILL, the OOM killer): the agent got
-// SIGTERM then and went away, but nobody removed the directory. Only the files the client puts there are removed,
-// never recursively, and only when the owning process is gone and no agent answers on the socket.
+// SIGTERM then and went away, but nobody removed the directory. Only the files the client puts there are removed
+// (recursively only in the layer cache, which holds nothing else), and only when the owning process is gone and no
+// agent answers on the socket.
 void sweep_stale_dirs(const std::string& base) {
   DIR* dir = ::opendir(base.c_str());
   if (!dir) return;
@@ -83,6 +95,7 @@ void sweep_stale_dirs(const std::string& base) {
     ::unlink((d + "/dsecd.log").c_str());
     ::rmdir((d + "/run").c_str());
     ::rmdir((d + "/state").c_str());
+    remove_layer_cache(d);
     ::rmdir(d.c_str());
   }
 }
@@ -446,15 +459,7 @@ void EmbeddedAgent::cleanup_files() noexcept {
   if (!keep_log_ && !log_path_.empty()) ::unlink(log_path_.c_str());
   if (!run_dir_.empty()) ::rmdir(run_dir_.c_str());
   if (!dir_.empty()) ::rmdir((dir_ + "/state").c_str());
-  // The private layer cache holds only files (layers are mounted under the run directory); never crosses a mount.
-  if (!dir_.empty())
-    ::nftw((dir_ + "/layers").c_str(),
-           [](const char* path, const struct stat*, int type, struct FTW*) {
-             if (type == FTW_DP) ::rmdir(path);
-             else ::unlink(path);
-             return 0;
-           },
-           16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+  if (!dir_.empty()) remove_layer_cache(dir_);
   if (!dir_.empty()) ::rmdir(dir_.c_str());
 }
 

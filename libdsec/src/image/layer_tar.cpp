@@ -108,13 +108,24 @@ std::uint64_t free_bytes(const fs::path& dir) {
   return static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
 }
 
-fs::path spool_stdin(const fs::path& dir) {
+// Standard input to a file, at most `max_bytes` of it (a tar is about as large as what it unpacks to, and no larger
+// than the free space minus a margin).
+fs::path spool_stdin(const fs::path& dir, std::uint64_t max_bytes) {
   fs::path path = scratch_name(dir, ".stdin-");
   UniqueFd out(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!out) throw_errno_fmt(errno, "create {}", path.string());
   char buf[1 << 16];
+  std::uint64_t total = 0;
+  const std::uint64_t free_now = free_bytes(dir);
+  const std::uint64_t room = free_now > kFreeSpaceMargin ? free_now - kFreeSpaceMargin : 0;
   for (;;) {
     ssize_t n = ::read(STDIN_FILENO, buf, sizeof buf);
+    if (n > 0 && (total += static_cast<std::uint64_t>(n)) > std::min(max_bytes, room)) {
+      ::unlink(path.c_str());
+      throw Error(Code::kResourceExhausted,
+                  fmt::format("the tar on standard input is larger than {} bytes ({})", std::min(max_bytes, room),
+                              max_bytes <= room ? "the build's limit" : "the free space"));
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       throw_errno(errno, "read standard input");
@@ -148,7 +159,7 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
       if (!p.empty()) ::unlink(p.c_str());
     }
   } spool;
-  if (tar == "-") tar = spool.p = spool_stdin(root.parent_path());
+  if (tar == "-") tar = spool.p = spool_stdin(root.parent_path(), limits.max_bytes + (64ull << 20));
   if (!fs::is_regular_file(tar))
     throw Error(Code::kNotFound, fmt::format("tar {} does not exist or is not a file", tar.string()));
   Warnings warnings(notes);
