@@ -553,6 +553,39 @@ TEST(ImageBuild, FromTheLegacyDockerSaveFormat) {
   s.expect_no_scratch();
 }
 
+// An index that points at another index (as multi-platform images do), and a layer the layout does not hold.
+TEST(ImageBuild, NestedOciIndexesAndForeignLayers) {
+  SKIP_UNLESS_MOUNTS();
+  TempDir tmp;
+  const fs::path layout = write_oci_layout(tmp / "oci");
+  const json top = json::parse(read_text(layout / "index.json"));
+  write_text(tmp / "nested.json", json({{"schemaVersion", 2}, {"manifests", top["manifests"]}}).dump());
+  fs::path nested = put_oci_blob(layout, tmp / "nested.json");
+  write_text(layout / "index.json",
+             json({{"schemaVersion", 2},
+                   {"manifests", json::array({descriptor("application/vnd.oci.image.index.v1+json", nested)})}})
+                 .dump());
+  StoreFixture s(tmp / "store");
+  BuildResult r = s.build("nested", "oci:" + layout.string());
+  const fs::path root = s.mount(r.image.manifest.layers[0], tmp / "mnt");
+  EXPECT_EQ(tree_paths(root), kOciExpected) << joined(tree_paths(root));
+
+  // A layer with "urls" lives elsewhere (a foreign layer): refused, not fetched.
+  const std::string md = top["manifests"][1]["digest"].get<std::string>();
+  json manifest = json::parse(read_text(layout / "blobs/sha256" / digest_hex(md)));
+  manifest["layers"][0]["urls"] = json::array({"https://example.invalid/layer"});
+  manifest["layers"][0]["mediaType"] = "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip";
+  write_text(tmp / "foreign.json", manifest.dump());
+  fs::path foreign = put_oci_blob(layout, tmp / "foreign.json");
+  write_text(layout / "index.json",
+             json({{"schemaVersion", 2},
+                   {"manifests", json::array({descriptor("application/vnd.oci.image.manifest.v1+json", foreign)})}})
+                 .dump());
+  expect_error([&] { s.build("foreign", "oci:" + layout.string()); }, Code::kFailedPrecondition, {"foreign layer"});
+  EXPECT_FALSE(s.store().read_ref("foreign"));
+  s.expect_no_scratch();
+}
+
 TEST(ImageBuild, DamagedOciBlobsAreRefused) {
   TempDir tmp;
   const fs::path layout = write_oci_layout(tmp / "oci");
