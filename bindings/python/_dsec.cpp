@@ -227,6 +227,16 @@ PYBIND11_MODULE(_dsec, m) {
                "', node='" + i.node + "')";
       });
 
+  py::class_<dsec::CachedLayer>(m, "CachedLayer", "An image layer in a node's cache.")
+      .def_readonly("digest", &dsec::CachedLayer::digest)
+      .def_readonly("size", &dsec::CachedLayer::size)
+      .def_readonly("cached_bytes", &dsec::CachedLayer::cached_bytes)
+      .def_readonly("users", &dsec::CachedLayer::users)
+      .def("__repr__", [](const dsec::CachedLayer& l) {
+        return "CachedLayer(digest='" + l.digest + "', size=" + std::to_string(l.size) +
+               ", cached_bytes=" + std::to_string(l.cached_bytes) + ", users=" + std::to_string(l.users) + ")";
+      });
+
   py::class_<dsec::NodeInfo>(m, "NodeInfo", "A node agent: its capacity, load and images.")
       .def_readonly("id", &dsec::NodeInfo::id)
       .def_readonly("version", &dsec::NodeInfo::version)
@@ -243,6 +253,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("memory_overcommit", &dsec::NodeInfo::memory_overcommit)
       .def_readonly("cgroup_version", &dsec::NodeInfo::cgroup_version)
       .def_readonly("images", &dsec::NodeInfo::images)
+      .def_readonly("layer_mode", &dsec::NodeInfo::layer_mode)
+      .def_readonly("cached_layers", &dsec::NodeInfo::cached_layers)
       .def_readonly("load1", &dsec::NodeInfo::load1)
       .def("__repr__", [](const dsec::NodeInfo& n) {
         std::string backends;

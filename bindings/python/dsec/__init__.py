@@ -56,6 +56,7 @@ from .errors import (
 ExecResult = _dsec.ExecResult
 SandboxInfo = _dsec.SandboxInfo
 NodeInfo = _dsec.NodeInfo
+CachedLayer = _dsec.CachedLayer
 Resources = _dsec.Resources
 
 __version__: str = _dsec.__version__
@@ -67,6 +68,7 @@ __all__ = [
     "ExecResult",
     "SandboxInfo",
     "NodeInfo",
+    "CachedLayer",
     "Resources",
     "parse_size",
     "agent_binary",
