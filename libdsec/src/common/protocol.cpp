@@ -300,7 +300,7 @@ SandboxInfo decode_sandbox_info(const json& j) {
 json encode(const NodeInfo& n) {
   json layers = json::array();
   for (const auto& l : n.cached_layers)
-    layers.push_back(json{{"digest", l.digest}, {"size", l.size}, {"cached", l.cached_bytes}, {"users", l.users}});
+    layers.push_back(json{{"digest", l.digest}, {"size", l.size}, {"cached_bytes", l.cached_bytes}, {"users", l.users}});
   return json{{"id", n.id},
               {"version", n.version},
               {"protocol", n.protocol},
@@ -347,7 +347,7 @@ NodeInfo decode_node_info(const json& j) {
     for (const auto& l : *c) {
       if (!l.is_object()) continue;
       n.cached_layers.push_back(CachedLayer{l.value("digest", ""), l.value("size", std::uint64_t{0}),
-                                            l.value("cached", std::uint64_t{0}), l.value("users", 0u)});
+                                            l.value("cached_bytes", std::uint64_t{0}), l.value("users", 0u)});
     }
   }
   return n;
