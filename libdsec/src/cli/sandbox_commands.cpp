@@ -98,6 +98,8 @@ ClientOptions client_options(const GlobalOptions& global, const std::string& end
   ClientOptions o;
   if (!endpoint.empty()) o.endpoints = {endpoint};
   o.home = global.resolved_home();
+  // An image store named with --store or $DSEC_STORE: names are resolved there (an embedded agent streams from it).
+  if (!global.store.empty() || std::getenv("DSEC_STORE")) o.stores = {global.resolved_store()};
   // An installed dsec finds the dsecd installed beside it.
   char self[PATH_MAX];
   ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
