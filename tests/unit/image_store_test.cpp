@@ -975,6 +975,26 @@ TEST(ImageGc, ReStoringAnOldBlobRenewsItsGrace) {
   EXPECT_NO_THROW(commit_manifest(*store, manifest_of("rebuilt", {again})));
 }
 
+// A blob stored from a file that was written long ago (the directory store links it in when it can) is still a
+// freshly stored blob: gc's grace counts from the put, not from the file's own mtime.
+TEST(ImageGc, ABlobStoredFromAnOldFileIsFresh) {
+  TempDir tmp;
+  auto store = open_directory_store(tmp / "store");
+  const std::string bytes = random_bytes(50000, 71);
+  write_text(tmp / "store/.tmp/old-file", bytes);  // on the store's filesystem: linked, not copied
+  write_text(tmp / "old-elsewhere", bytes + "x");
+  struct timespec t[2];
+  t[0].tv_sec = t[1].tv_sec = ::time(nullptr) - 86400;
+  t[0].tv_nsec = t[1].tv_nsec = 0;
+  ASSERT_EQ(::utimensat(AT_FDCWD, (tmp / "store/.tmp/old-file").c_str(), t, 0), 0);
+  ASSERT_EQ(::utimensat(AT_FDCWD, (tmp / "old-elsewhere").c_str(), t, 0), 0);
+  store->put_blob_file(sha256_digest(bytes), tmp / "store/.tmp/old-file");
+  store->put_blob_file(sha256_digest(bytes + "x"), tmp / "old-elsewhere");
+  GcResult r = collect_garbage(*store, std::chrono::minutes(10));
+  EXPECT_TRUE(r.removed.empty()) << "gc removed a blob stored a moment ago: " << r.removed.size();
+  EXPECT_EQ(store->read_blob(sha256_digest(bytes)), bytes);
+}
+
 TEST(ImageGc, DamagedRefsKeepTheirBlobs) {
   TempDir tmp;
   auto store = open_directory_store(tmp / "store");

@@ -269,6 +269,8 @@ class DirectoryStore final : public BlobStore {
 
   static void publish(const fs::path& tmp, const fs::path& path) {
     ::chmod(tmp.c_str(), 0644);
+    // Stored now, whatever the age of a file linked in: gc's grace counts from here.
+    ::utimensat(AT_FDCWD, tmp.c_str(), nullptr, 0);
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       int err = errno;
       ::unlink(tmp.c_str());
