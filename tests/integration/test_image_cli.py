@@ -119,8 +119,8 @@ def _decompress(stored: bytes, length: int) -> bytes:
     return out.raw
 
 
-def _mount(source: str, target: str, fstype: str, data: str) -> None:
-    if _libc.mount(source.encode(), target.encode(), fstype.encode(), MS_RDONLY, data.encode()) != 0:
+def _mount(source: str, target: str, fstype: str, data: str, flags: int = MS_RDONLY) -> None:
+    if _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode()) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mount {fstype} {source} on {target} ({data}): {os.strerror(e)}")
 
@@ -419,6 +419,32 @@ def test_hostile_and_oversized_tars_leave_nothing(home, tmp_path):
     assert not (tmp_path / "abs-evil").exists()
     assert not (tmp_path / "evil").exists()
     assert os.listdir(tmp_path / "outside") == []
+
+
+def test_a_full_store_disk(home, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    _mount("tmpfs", str(small), "tmpfs", "size=8m", flags=0)
+    try:
+        store = small / "store"
+        ok(dsec("build", "little", "--from", make_tree(tmp_path / "little"), "-q", store=store))
+        big = tmp_path / "big"
+        big.mkdir()
+        (big / "blob").write_bytes(os.urandom(12 << 20))
+        fails(dsec("build", "big", "--from", big, "-q", store=store), "RESOURCE_EXHAUSTED", "No space")
+        tar = tmp_path / "big.tar"
+        tar.write_bytes(tar_bytes([("blob", os.urandom(12 << 20))]))
+        fails(dsec("build", "big", "--from", "-", "-q", store=store, stdin=tar), "RESOURCE_EXHAUSTED")
+        assert scratch_left(store) == []
+        # The store still answers, with the other image whole.
+        assert [i["reference"].split("@")[0] for i in ls_json(store=store)] == ["little:latest"]
+        assert ok(dsec("ls", store=store)).stdout.splitlines()[1].startswith("little:latest")
+        with mounted(store, "little", tmp_path / "mnt") as image:
+            assert (image.root / "etc" / "hostname").read_text() == "box\n"
+    finally:
+        _libc.umount2(str(small).encode(), MNT_DETACH)
 
 
 # ---------------------------------------------------------------------------------------------------------------

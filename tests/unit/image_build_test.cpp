@@ -926,6 +926,21 @@ TEST(ImageBuild, AFullStoreDiskIsResourceExhausted) {
   EXPECT_NO_THROW(s.build("after", (tmp / "after").string()));
 }
 
+TEST(ImageBuild, AReadOnlyStoreIsPermissionDenied) {
+  SKIP_UNLESS_MOUNTS();
+  TempDir tmp;
+  fs::create_directories(tmp / "ro");
+  if (::mount("tmpfs", (tmp / "ro").c_str(), "tmpfs", MS_RDONLY, "size=1m") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  struct Unmount {
+    fs::path p;
+    ~Unmount() { ::umount2(p.c_str(), MNT_DETACH); }
+  } unmount{tmp / "ro"};
+  write_text(tmp / "src/file", "x");
+  StoreFixture s(tmp / "ro/store");
+  expect_error([&] { s.build("app", (tmp / "src").string()); }, Code::kPermissionDenied, {"Read-only"});
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // busybox and debootstrap
 

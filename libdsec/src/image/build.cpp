@@ -43,6 +43,8 @@ fs::path scratch_dir(const fs::path& parent, std::string_view prefix) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
   std::error_code ec;
   fs::create_directories(parent, ec);
+  // (A read-only or full store says so here, not as a missing directory below.)
+  if (ec) throw_errno_fmt(ec.value(), "create {}", parent.string());
   for (;;) {
     fs::path p = parent / fmt::format("{}{:012x}", prefix, rng() & 0xffffffffffffull);
     if (::mkdir(p.c_str(), 0700) == 0) return p;
