@@ -1,8 +1,10 @@
 #include "agent/images.hpp"
 
+#include <chrono>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
@@ -35,7 +37,9 @@ class LayeredImageSource final : public ImageSource {
       : mode_(layers::parse_layer_mode(options.layer_mode)),
         stores_(open_stores(options)),
         cache_(layers::BlobCacheOptions{options.cache_dir, options.cache_bytes}, metrics),
-        mounts_(layers::LayerMountsOptions{options.mount_dir, mode_}, cache_, metrics) {}
+        mounts_(layers::LayerMountsOptions{options.mount_dir, mode_}, cache_, metrics) {
+    for (const auto& url : options.stores) remote_ = remote_ || url.starts_with("http://") || url.starts_with("https://");
+  }
 
   ~LayeredImageSource() override { mounts_.shutdown(); }
 
@@ -62,15 +66,22 @@ class LayeredImageSource final : public ImageSource {
   }
 
   std::vector<std::string> names() const override {
+    // GET /v1/node may be asked often (placement): the listing of an HTTP store serves for a few seconds.
+    constexpr auto kFresh = std::chrono::seconds(5);
+    std::lock_guard lock(names_mutex_);
+    auto now = std::chrono::steady_clock::now();
+    if (remote_ && names_at_ && now - *names_at_ < kFresh) return names_;
     std::set<std::string> names;
     for (const auto& store : stores_) {
       try {
         for (auto& ref : store->list_refs()) names.insert(std::move(ref));
-      } catch (const std::exception& e) {
+      } catch (const std::exception&) {
         // Listing is best effort: a plain HTTP store may not offer it.
       }
     }
-    return {names.begin(), names.end()};
+    names_.assign(names.begin(), names.end());
+    names_at_ = now;
+    return names_;
   }
 
   void prune() override { mounts_.prune(); }
@@ -144,6 +155,10 @@ class LayeredImageSource final : public ImageSource {
   Stores stores_;
   BlobCache cache_;
   LayerMounts mounts_;
+  bool remote_ = false;  // some store is an HTTP store
+  mutable std::mutex names_mutex_;
+  mutable std::vector<std::string> names_;
+  mutable std::optional<std::chrono::steady_clock::time_point> names_at_;
   mutable std::mutex manifests_mutex_;
   std::map<std::string, ManifestPtr> manifests_;
   std::deque<std::string> manifest_order_;

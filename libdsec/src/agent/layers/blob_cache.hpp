@@ -139,6 +139,8 @@ class BlobCache {
   std::size_t read(CacheEntry& entry, std::uint64_t offset, std::size_t length, char* out);
   // Makes chunk i present: fetched and checked, or waited for when another thread is fetching it.
   void ensure_chunk(CacheEntry& entry, std::size_t i);
+  // Makes the chunks present, a few at a time; the first error is thrown once all have been tried or skipped.
+  void ensure_chunks(CacheEntry& entry, const std::vector<std::size_t>& chunks);
   // Makes every chunk present (the extract fallback needs the whole layer).
   void ensure_all(CacheEntry& entry);
   // Frees the layer file's chunks (after its tree was extracted) and records the tree's bytes.
