@@ -218,7 +218,8 @@ LayerDescriptor store_tree_as_layer(BlobStore& store, const fs::path& tree, Laye
                                                if (progress) progress("compressing chunks", done, total);
                                              });
   ::unlink(layer_file.c_str());
-  const bool had = store.has_blob(chunked.index.data) && store.has_blob(chunked.index_digest);
+  // touch_blob: a layer found in the store is reused, and a garbage collection running now must keep it.
+  const bool had = store.touch_blob(chunked.index.data) && store.touch_blob(chunked.index_digest);
   if (existed) *existed = had;
   if (!had) {
     if (progress) progress("storing the layer", 0, chunked.index.data_size);

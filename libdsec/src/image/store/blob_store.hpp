@@ -51,6 +51,9 @@ class BlobStore {
   virtual const std::string& url() const = 0;
 
   virtual bool has_blob(const std::string& digest) = 0;
+  // has_blob, and where the store keeps times (directory stores), marks the blob as just used, so a garbage
+  // collection running now keeps it: a writer that finds a blob present and reuses it calls this, not has_blob.
+  virtual bool touch_blob(const std::string& digest) { return has_blob(digest); }
   // A whole blob, checked against its digest. RESOURCE_EXHAUSTED when it is larger than max_size (manifests and
   // indexes are small; a hostile store must not make a reader allocate gigabytes).
   virtual std::string read_blob(const std::string& digest, std::uint64_t max_size = 64u << 20) = 0;

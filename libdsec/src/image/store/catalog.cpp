@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <map>
 #include <set>
 
 #include <fmt/format.h>
@@ -85,7 +86,7 @@ ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const Ima
 std::string commit_manifest(BlobStore& store, const Manifest& m) {
   for (const auto& layer : m.layers)
     for (const std::string* blob : {&layer.index, &layer.data})
-      if (!store.has_blob(*blob))
+      if (!store.touch_blob(*blob))
         throw Error(Code::kFailedPrecondition, fmt::format("image {}: layer {} needs blob {}, which store {} lacks",
                                                            m.reference(), short_digest(layer.digest), *blob, store.url()));
   std::string json = manifest_to_json(m);
@@ -113,7 +114,7 @@ std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& r
     const LayerDescriptor& layer = m.layers[i];
     std::string what = fmt::format("layer {}/{} {} ({})", i + 1, m.layers.size(), short_digest(layer.digest),
                                    to_string(layer.role));
-    if (!to.has_blob(layer.index)) {
+    if (!to.touch_blob(layer.index)) {
       std::string index_json = from.read_blob(layer.index, kMaxIndexBytes);
       ChunkIndex index = chunk_index_from_json(index_json);
       if (index.data != layer.data || index.layer != layer.digest)
@@ -122,7 +123,7 @@ std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& r
       to.put_blob(layer.index, index_json);
       copied += index_json.size();
     }
-    if (to.has_blob(layer.data)) {
+    if (to.touch_blob(layer.data)) {
       done += layer.stored_size;
       if (progress) progress(what + " (already there)", done, total);
       continue;
@@ -182,14 +183,42 @@ GcResult collect_garbage(BlobStore& store, std::chrono::seconds grace, bool dry_
     }
   }
   const double cutoff = now_unix() - static_cast<double>(grace.count());
+  std::vector<const BlobInfo*> candidates;
   for (const BlobInfo& blob : blobs) {
     if (needed.count(blob.digest) || blob.modified == 0 || blob.modified > cutoff) {
       ++result.kept;
       continue;
     }
-    if (!dry_run) store.remove_blob(blob.digest);
-    result.removed.push_back(blob.digest);
-    result.removed_bytes += blob.size;
+    candidates.push_back(&blob);
+  }
+  if (!candidates.empty() && !dry_run) {
+    // A second look just before removing: a writer may have reused a candidate (touch_blob renews its time) or
+    // tagged an image that needs it since the first listing.
+    std::map<std::string, double> fresh;
+    for (const BlobInfo& b : store.list_blobs()) fresh[b.digest] = b.modified;
+    for (const std::string& tagged : store.list_refs()) {
+      try {
+        for (auto& blob : blobs_of(fetch_manifest(store, parse_reference(tagged)))) needed.insert(std::move(blob));
+      } catch (const Error& e) {
+        if (e.code() == Code::kUnavailable) throw;
+      }
+    }
+    std::vector<const BlobInfo*> still;
+    for (const BlobInfo* b : candidates) {
+      auto it = fresh.find(b->digest);
+      if (it == fresh.end()) continue;  // gone already
+      if (needed.count(b->digest) || it->second == 0 || it->second > cutoff) {
+        ++result.kept;
+        continue;
+      }
+      still.push_back(b);
+    }
+    candidates.swap(still);
+  }
+  for (const BlobInfo* blob : candidates) {
+    if (!dry_run) store.remove_blob(blob->digest);
+    result.removed.push_back(blob->digest);
+    result.removed_bytes += blob->size;
   }
   return result;
 }

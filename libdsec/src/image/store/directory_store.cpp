@@ -54,6 +54,12 @@ class DirectoryStore final : public BlobStore {
     return ::lstat(blob_path(digest).c_str(), &st) == 0 && S_ISREG(st.st_mode);
   }
 
+  bool touch_blob(const std::string& digest) override {
+    if (!has_blob(digest)) return false;
+    renew(digest);
+    return true;
+  }
+
   std::string read_blob(const std::string& digest, std::uint64_t max_size) override {
     fs::path path = blob_path(digest);
     UniqueFd fd = open_blob(path, digest);
