@@ -38,7 +38,7 @@ class Latency {
 };
 
 struct Options {
-  std::string command;                 // create | throughput | exec | density | cgroup-join | all
+  std::string command;                 // create | throughput | exec | density | cgroup-join | image | all
   std::vector<std::string> endpoints;  // empty: an embedded agent
   std::string home;                    // image store (and embedded agent state)
   std::string agent_binary;            // embedded dsecd; empty: the library's default search
@@ -56,6 +56,12 @@ struct Options {
   double density_cpu = 0.01;                   // cores per idle sandbox
   std::uint64_t density_memory = 16ull << 20;  // memory limit per idle sandbox
   std::size_t teardown_concurrency = 8;
+  // image: cold starts of the bench/task image (base, toolchain and task layers; built when missing)
+  std::size_t cold_runs = 3;                                  // single cold starts per layer mode
+  std::size_t starts = 32;                                    // concurrent cold starts per layer mode
+  std::vector<std::string> layer_modes{"lazy", "extract"};    // the agent's --layer-mode values to compare
+  std::string dsec_cli;                                       // the dsec CLI that builds the images; empty: beside
+                                                              // dsec-bench
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -150,6 +156,53 @@ struct CgroupJoinResult {
   std::vector<CgroupJoinPoint> points;
 };
 
+// One cold start: a fresh agent with an empty layer cache, the store's blobs out of the page cache.
+struct ColdStart {
+  double create_ms = 0;       // create() until the sandbox is ready
+  double first_exec_ms = 0;   // the task's exec, first in the sandbox
+  double total_ms = 0;        // create() called until the first exec's result is back
+  double warm_exec_ms = 0;    // the same exec again in the same sandbox (the task's own run time)
+  std::uint64_t fetched_bytes = 0;   // stored (compressed) layer bytes the agent read from the store
+  std::uint64_t fetched_chunks = 0;
+  std::uint64_t cached_bytes = 0;    // the layers' bytes on the node's disk afterwards
+};
+
+struct ConcurrentStarts {
+  std::size_t count = 0;
+  double wall_ms = 0;               // the first create() called until the last exec result is back
+  Latency per_start;                // create + first exec of each sandbox
+  std::uint64_t agent_write_bytes = 0;  // /proc/<agent>/io write_bytes less cancelled_write_bytes, with its
+                                        // reaped children, over the run
+  std::uint64_t device_write_bytes = 0; // sectors written to the agent's block device (/sys/block/*/stat) x 512
+  std::uint64_t fetched_bytes = 0;
+  std::uint64_t cached_bytes = 0;
+};
+
+struct LayerModeResult {
+  std::string mode;          // the agent's --layer-mode
+  std::string node_mode;     // what the node reported (NodeInfo.layer_mode)
+  std::vector<ColdStart> cold;
+  ConcurrentStarts concurrent;
+};
+
+struct ImageLayerInfo {
+  std::string role, digest;
+  std::uint64_t size = 0, stored_size = 0, files_size = 0, chunks = 0, prefetch_chunks = 0;
+};
+
+struct ImageBenchResult {
+  std::string image;              // reference with its digest
+  std::uint64_t image_bytes = 0;  // sum of layer sizes (EROFS, uncompressed)
+  std::uint64_t stored_bytes = 0; // sum of stored (zstd chunk) sizes
+  std::uint32_t chunk_size = 0;
+  std::vector<ImageLayerInfo> layers;
+  std::string task;               // the shell command each sandbox runs
+  std::string store;              // where the layers come from
+  std::string block_device;       // whose sectors-written counter was read
+  std::vector<LayerModeResult> modes;
+  std::vector<std::string> notes;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -158,6 +211,7 @@ struct Report {
   std::optional<ExecBenchResult> exec;
   std::optional<DensityResult> density;
   std::optional<CgroupJoinResult> cgroup_join;
+  std::optional<ImageBenchResult> image;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -172,6 +226,8 @@ ThroughputResult run_throughput(const Options& options, Client& client, Peers& p
 ExecBenchResult run_exec(const Options& options, Client& client, Peers& peers);
 DensityResult run_density(const Options& options, Client& client);
 CgroupJoinResult run_cgroup_join(const Options& options);
+// Builds the bench images in <home>/store when missing (with the dsec CLI), then measures cold starts of them.
+ImageBenchResult run_image(const Options& options, const std::string& home);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
@@ -179,6 +235,8 @@ void print_throughput(const ThroughputResult& r);
 void print_exec(const ExecBenchResult& r);
 void print_density(const DensityResult& r);
 void print_cgroup_join(const CgroupJoinResult& r);
+void print_image(const ImageBenchResult& r);
+std::string markdown_image(const ImageBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

@@ -44,7 +44,12 @@ Commands:
   density      K idle sandboxes: host memory per sandbox, then the time to destroy them all
   cgroup-join  kernel floor under every create: a fresh process joining fresh cgroups (the hierarchies dsec's
                runtime uses here) after idle gaps of 0, 10 and 50 ms; needs no agent
-  all          all of the above, then a Markdown summary for docs/benchmarks.md
+  image        cold starts of a >1 GiB image (Debian + python3, a compiler toolchain, a Python project with tests:
+               bench/base, bench/toolchain, bench/task in <home>/store, built with the dsec CLI when missing): time
+               from create to the first exec result and bytes fetched, with the agent streaming layers lazily and
+               with it pulling and extracting them whole; then concurrent cold starts of each (wall time, bytes
+               written). Not part of `all`
+  all          all of the above but image, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -64,6 +69,10 @@ Flags:
   --density-cpu CORES    density: cpu per sandbox (default 0.01)
   --density-memory SIZE  density: memory limit per sandbox (default 16Mi)
   --teardown-concurrency N   density: threads destroying (default 8)
+  --cold N               image: single cold starts per layer mode (default 3)
+  --starts N             image: concurrent cold starts per layer mode (default 32; 0 skips them)
+  --layer-modes LIST     image: the agent's --layer-mode values to compare (default lazy,extract)
+  --dsec PATH            image: the dsec CLI that builds missing images (default: the one beside dsec-bench)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -168,6 +177,19 @@ Options parse_options(int argc, char** argv) {
       o.density_memory = *bytes;
     } else if (flag == "--teardown-concurrency") {
       o.teardown_concurrency = parse_count(flag, take(), 1);
+    } else if (flag == "--cold") {
+      o.cold_runs = parse_count(flag, take(), 0);
+    } else if (flag == "--starts") {
+      o.starts = parse_count(flag, take(), 0);
+      if (o.starts > 1024) throw UsageError("--starts: at most 1024");
+    } else if (flag == "--layer-modes") {
+      o.layer_modes = split_commas(take());
+      if (o.layer_modes.empty()) throw UsageError("--layer-modes needs at least one mode");
+      for (const auto& m : o.layer_modes)
+        if (m != "lazy" && m != "extract" && m != "auto")
+          throw UsageError(fmt::format("--layer-modes: unknown mode '{}' (lazy, extract, auto)", m));
+    } else if (flag == "--dsec") {
+      o.dsec_cli = take();
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -179,7 +201,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -248,7 +270,8 @@ int run(int argc, char** argv) {
   } remove_work_dir{work_dir, own_work_dir};
 
   std::optional<Client> client;
-  if (o.command != "cgroup-join") {
+  // The image benchmark starts an agent of its own for every cold start.
+  if (o.command != "cgroup-join" && o.command != "image") {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -337,6 +360,11 @@ int run(int argc, char** argv) {
     report.density = run_density(o, *client);
     print_density(*report.density);
     print_cpu(report.density->cpu, m.cores);
+    std::fflush(stdout);
+  }
+  if (o.command == "image") {
+    report.image = run_image(o, home);
+    print_image(*report.image);
     std::fflush(stdout);
   }
   if (all || o.markdown) fmt::print("\n---- Markdown ----\n\n{}", markdown_report(report, o));

@@ -178,6 +178,7 @@ std::string markdown_report(const Report& report, const Options& o) {
     if (!r.bwrap.empty()) md += md_row("`bwrap --unshare-all --ro-bind root / --proc /proc --dev /dev true`", r.bwrap);
     md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, m.cores));
   }
+  if (report.image) md += markdown_image(*report.image) + "\n";
   if (report.cgroup_join) {
     const auto& r = *report.cgroup_join;
     md += fmt::format(
