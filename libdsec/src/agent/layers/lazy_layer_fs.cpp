@@ -83,12 +83,12 @@ struct LazyLayerFs::Handlers {
     conn->want &= ~FUSE_CAP_AUTO_INVAL_DATA;
   }
 
-  // The files of a layer: "<hex>" (all of it) and, for a layer in two parts, "<hex>.data" (its data device).
+  // The files of a layer: for a layer in two parts, "<hex>" (its metadata part) and "<hex>.data" (its data device);
+  // for a plain EROFS image, "<hex>" (all of it).
   static std::vector<Inode> files_of(const CacheEntry& entry) {
-    std::vector<Inode> out{Inode{entry.hex(), entry.hex(), 0, entry.size()}};
     const std::uint64_t meta = entry.index().meta_size;
-    if (meta > 0 && meta < entry.size()) out.push_back(Inode{entry.hex() + ".data", entry.hex(), meta, entry.size() - meta});
-    return out;
+    if (meta == 0 || meta >= entry.size()) return {Inode{entry.hex(), entry.hex(), 0, entry.size()}};
+    return {Inode{entry.hex(), entry.hex(), 0, meta}, Inode{entry.hex() + ".data", entry.hex(), meta, entry.size() - meta}};
   }
 
   static void lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {

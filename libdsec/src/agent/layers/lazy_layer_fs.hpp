@@ -1,9 +1,9 @@
 // The file system that lets the kernel's EROFS driver read a layer before the node has it: a FUSE mount (libfuse3,
-// low-level API) of one flat, read-only directory with a file per cached layer, named by the layer digest's hex and
-// as large as the layer, and for a layer in two parts (chunk_index.hpp: metadata, then the data device) a second
-// file "<hex>.data" holding the data device, the layer's bytes from meta_size on. A read of either is served from
-// the blob cache, which fetches the chunks it lacks; layer_mounts mounts EROFS with the first as its source and the
-// second as its device.
+// low-level API) of one flat, read-only directory with files named by the layer digest's hex: for a layer in two
+// parts (chunk_index.hpp: metadata, then the data device) "<hex>" holds the metadata part and "<hex>.data" the data
+// device (the layer's bytes from meta_size on); a plain EROFS layer is "<hex>" alone, as large as the layer. A read
+// is served from the blob cache, which fetches the chunks it lacks; layer_mounts mounts EROFS with "<hex>" as its
+// source and "<hex>.data" as its device.
 //
 // A read that cannot be served (a store that is gone, a chunk that fails its digest) is answered with EIO, never
 // with other bytes, and logged as an error and counted (dsec_layer_read_errors_total). The file system runs on its
