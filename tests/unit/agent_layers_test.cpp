@@ -331,7 +331,7 @@ TEST_F(LayersTest, ConcurrentReadersOfAFailingChunkGetOneAttemptEach) {
   BlobCache cache = make_cache();
   LayerUse use = cache.acquire(layer.descriptor, stores_);
   const std::size_t chunk = layer.index.chunk_count() - 2;
-  store_->delay_ms = 300;
+  store_->delay_ms = 1000;
   store_->gone = true;
   auto started = std::chrono::steady_clock::now();
   std::atomic<int> unavailable{0};
@@ -348,9 +348,9 @@ TEST_F(LayersTest, ConcurrentReadersOfAFailingChunkGetOneAttemptEach) {
   for (auto& t : readers) t.join();
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   EXPECT_EQ(unavailable.load(), 16);
-  // Readers waiting on a fetch share its failure instead of trying one after another (16 x 300 ms).
-  EXPECT_LT(seconds, 2.0);
-  EXPECT_LE(store_->range_reads(layer.index.chunks[chunk].offset), 3);
+  // Readers waiting on a fetch share its failure instead of trying one after another (16 x 1 s).
+  EXPECT_LT(seconds, 6.0);
+  EXPECT_LE(store_->range_reads(layer.index.chunks[chunk].offset), 4);
 }
 
 TEST_F(LayersTest, MissingBlobsAreNotFoundAndLeaveTheCacheConsistent) {
@@ -415,7 +415,7 @@ TEST_F(LayersTest, AStoreThatGoesAwayGivesPromptErrorsAndComesBack) {
     EXPECT_EQ(e.code(), Code::kNotFound) << e.what();
     EXPECT_NE(std::string(e.what()).find((tmp_ / "store").string()), std::string::npos) << e.what();
   }
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 1.0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 3.0);
   // What was fetched before is still served.
   EXPECT_EQ(cache.read(use.entry(), 0, sizeof buf, buf), sizeof buf);
   fs::rename(tmp_ / "store-away", tmp_ / "store");
