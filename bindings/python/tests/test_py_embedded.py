@@ -160,6 +160,9 @@ def test_a_crashed_agent_is_reported(home):
         c.nodes()
     assert "SIGKILL" in str(info.value)
     c.close()
+    # What the killed agent left mounted (its layer file system) goes with its private directory.
+    private_dir = os.path.dirname(sock)
+    assert not os.path.exists(private_dir), os.listdir(private_dir)
 
 
 def test_forked_child_leaves_the_agent_alone(home):

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -70,6 +72,27 @@ void remove_layer_cache(const std::string& private_dir) {
          16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
+// An agent killed outright (SIGKILL) leaves its layer mounts under <run dir>/.layers: the layer file system (FUSE,
+// dead with its agent) and the EROFS mounts over it. Detached here, deepest first, with their empty mount points;
+// nothing else under the run directory is touched.
+void detach_layer_mounts(const std::string& run_dir) {
+  const std::string layers = run_dir + "/.layers";
+  std::vector<std::string> points;
+  if (FILE* f = std::fopen("/proc/self/mountinfo", "re")) {
+    char line[4096];
+    while (std::fgets(line, sizeof line, f)) {
+      char point[4096];
+      if (std::sscanf(line, "%*s %*s %*s %*s %4095s", point) != 1) continue;
+      std::string_view p(point);
+      if (p.starts_with(layers + "/")) points.emplace_back(p);
+    }
+    std::fclose(f);
+  }
+  for (auto it = points.rbegin(); it != points.rend(); ++it) ::umount2(it->c_str(), MNT_DETACH);
+  for (const auto& p : points) ::rmdir(p.c_str());
+  ::rmdir(layers.c_str());
+}
+
 // Private directories of trainers that died without stopping their agent (SIGKILL, the OOM killer): the agent got
 // SIGTERM then and went away, but nobody removed the directory. Only the files the client puts there are removed
 // (recursively only in the layer cache, which holds nothing else), and only when the owning process is gone and no
@@ -93,6 +116,7 @@ void sweep_stale_dirs(const std::string& base) {
     if (socket_in_use(d + "/dsecd.sock")) continue;
     ::unlink((d + "/dsecd.sock").c_str());
     ::unlink((d + "/dsecd.log").c_str());
+    detach_layer_mounts(d + "/run");
     ::rmdir((d + "/run").c_str());
     ::rmdir((d + "/state").c_str());
     remove_layer_cache(d);
@@ -457,7 +481,10 @@ void EmbeddedAgent::cleanup_files() noexcept {
   // Never recursive: a run directory the agent could not clean may still hold mounts.
   if (!socket_path_.empty()) ::unlink(socket_path_.c_str());
   if (!keep_log_ && !log_path_.empty()) ::unlink(log_path_.c_str());
-  if (!run_dir_.empty()) ::rmdir(run_dir_.c_str());
+  if (!run_dir_.empty()) {
+    detach_layer_mounts(run_dir_);  // the agent is gone: what it left mounted (killed outright) goes too
+    ::rmdir(run_dir_.c_str());
+  }
   if (!dir_.empty()) ::rmdir((dir_ + "/state").c_str());
   if (!dir_.empty()) remove_layer_cache(dir_);
   if (!dir_.empty()) ::rmdir(dir_.c_str());
