@@ -110,8 +110,15 @@ void exercise(CgroupDriver& driver, const std::string& name, const std::function
     }
     EXPECT_TRUE(gone) << "process " << pid << " of the killed exec group survived";
   }
-  group->prune_exec_groups();
+  // A group whose exec is still starting is empty too, and must survive another exec's clean-up.
+  auto starting = group->create_exec_group("x1");
+  const fs::path starting_dir = fs::path(procs_path).parent_path().parent_path() / "x1";
+  group->release_exec_group("x0");
   EXPECT_FALSE(fs::exists(fs::path(procs_path).parent_path()));
+  EXPECT_TRUE(fs::exists(starting_dir)) << "an exec group still in use was removed";
+  starting.clear();
+  group->release_exec_group("x1");
+  EXPECT_FALSE(fs::exists(starting_dir));
 
   group->destroy();
   group->destroy();  // idempotent

@@ -24,8 +24,10 @@ class SandboxCgroup {
   virtual std::vector<UniqueFd> create_exec_group(const std::string& name) = 0;
   // Kills every process in the exec's group and stops new forks there.
   virtual void kill_exec_group(const std::string& name) = 0;
-  // Removes exec groups whose processes have all ended (background processes keep theirs alive).
-  virtual void prune_exec_groups() = 0;
+  // The exec of group `name` has ended: its group is removed once its processes have all ended (background processes
+  // keep it), and so are earlier ended execs' groups that are empty now. Groups of execs still starting or running
+  // are never touched (an empty group may be one whose command is about to join it).
+  virtual void release_exec_group(const std::string& name) = 0;
   // Kills every process of the sandbox, waits until they are gone, and removes all its groups. Idempotent.
   virtual void destroy() = 0;
   // Memory charged to the sandbox now, and the number of OOM kills inside it so far.

@@ -147,12 +147,17 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
   void kill_exec_group(const std::string& name) override { kill_group_tree(h_.pids, dir(h_.pids) + "/" + name); }
 
-  void prune_exec_groups() override {
+  void release_exec_group(const std::string& name) override {
     std::lock_guard lock(mu_);
-    for (auto it = exec_groups_.begin(); it != exec_groups_.end();) {
+    if (exec_groups_.count(name)) ended_groups_.insert(name);
+    for (auto it = ended_groups_.begin(); it != ended_groups_.end();) {
       std::string d = dir(h_.pids) + "/" + *it;
-      if (::rmdir(d.c_str()) == 0 || errno == ENOENT) it = exec_groups_.erase(it);
-      else ++it;
+      if (::rmdir(d.c_str()) == 0 || errno == ENOENT) {
+        exec_groups_.erase(*it);
+        it = ended_groups_.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
 
@@ -188,7 +193,8 @@ class SandboxCgroupV1 final : public SandboxCgroup {
   Hierarchies h_;
   std::string rel_;  // "/<name>/<id>"
   std::mutex mu_;
-  std::set<std::string> exec_groups_;
+  std::set<std::string> exec_groups_;   // every exec group that exists
+  std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
   bool destroyed_ = false;
 };
 

@@ -149,6 +149,18 @@ class ContainerSandbox final : public BackendSandbox {
       check_running();
       throw;
     }
+    // However this exec ends, its group is handed back (and removed once empty); until then no other exec's
+    // clean-up touches it, even while it is still empty because the command has not joined it yet.
+    struct ReleaseGroup {
+      SandboxCgroup& cgroup;
+      const std::string& group;
+      ~ReleaseGroup() {
+        try {
+          cgroup.release_exec_group(group);
+        } catch (...) {
+        }
+      }
+    } release_group{*cgroup_, group};
     Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
 
     UniqueFd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -178,7 +190,6 @@ class ContainerSandbox final : public BackendSandbox {
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
     if (reply.type == ReplyType::kFailed) {
-      cgroup_->prune_exec_groups();
       throw start_error(reply, argv[0], cwd);
     }
 
@@ -272,7 +283,6 @@ class ContainerSandbox final : public BackendSandbox {
     result.stdout_truncated = cout.truncated;
     result.stderr_truncated = cerr.truncated;
     result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-    cgroup_->prune_exec_groups();
     return result;
   }
 
