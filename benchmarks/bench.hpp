@@ -183,6 +183,7 @@ struct LayerModeResult {
   std::string node_mode;     // what the node reported (NodeInfo.layer_mode)
   std::vector<ColdStart> cold;
   ConcurrentStarts concurrent;
+  CpuUse cpu;                // the machine while this mode ran (the agents are dsec-bench's children)
 };
 
 struct ImageLayerInfo {
@@ -200,6 +201,7 @@ struct ImageBenchResult {
   std::string store;              // where the layers come from
   std::string block_device;       // whose sectors-written counter was read
   std::vector<LayerModeResult> modes;
+  int cores = 0;
   std::vector<std::string> notes;
 };
 

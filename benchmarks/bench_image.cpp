@@ -432,8 +432,10 @@ void prepare_images(const Options& o, const std::string& home, image::BlobStore&
   }
 }
 
-// Drops the image's blobs in a directory store from the page cache, so a start reads the store from disk.
+// Drops the image's blobs in a directory store from the page cache, so a start reads the store from disk. Flushes
+// what earlier runs left dirty first, so that their writeback does not land in this run's timing.
 void evict_from_page_cache(const fs::path& store_root, const image::ResolvedManifest& image) {
+  ::sync();
   for (const auto& digest : image::blobs_of(image)) {
     fs::path p = store_root / "blobs" / "sha256" / image::digest_hex(digest);
     UniqueFd fd(::open(p.c_str(), O_RDONLY | O_CLOEXEC));
@@ -721,10 +723,12 @@ ImageBenchResult run_image(const Options& o, const std::string& home) {
     result.notes.push_back(fmt::format("the image is {} (under 1 GiB): add packages to the toolchain layer",
                                        human(static_cast<double>(result.image_bytes))));
   result.task = std::string(kTaskCommand);
+  result.cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
 
   for (const auto& mode : o.layer_modes) {
     LayerModeResult m;
     m.mode = mode;
+    CpuMeter cpu({});
     for (std::size_t i = 0; i < o.cold_runs; ++i) {
       fmt::print(stderr, "  image: cold start {}/{} ({})\n", i + 1, o.cold_runs, mode);
       m.cold.push_back(one_cold_start(o, home, mode, image, m.node_mode));
@@ -735,6 +739,7 @@ ImageBenchResult run_image(const Options& o, const std::string& home) {
       m.concurrent = concurrent_cold_starts(o, home, mode, image, device);
       if (!device.empty()) result.block_device = fs::canonical(device).filename().string();
     }
+    m.cpu = cpu.stop();
     result.modes.push_back(std::move(m));
   }
   return result;
@@ -753,6 +758,12 @@ double median_cold(const LayerModeResult& m, F field) {
   std::vector<double> v;
   for (const auto& c : m.cold) v.push_back(static_cast<double>(field(c)));
   return median_of(v);
+}
+
+std::uint64_t total_chunks(const ImageBenchResult& r) {
+  std::uint64_t n = 0;
+  for (const auto& l : r.layers) n += l.chunks;
+  return n;
 }
 
 std::string secs(double ms) { return fmt::format("{:.2f} s", ms / 1000); }
@@ -784,8 +795,7 @@ void print_image(const ImageBenchResult& r) {
                  human(static_cast<double>(c.fetched_bytes)),
                  pct(static_cast<double>(c.fetched_bytes), static_cast<double>(r.stored_bytes)),
                  fmt::format("{} ({})", c.fetched_chunks,
-                             pct(static_cast<double>(c.fetched_chunks) * r.chunk_size,
-                                 static_cast<double>(r.image_bytes))));
+                             pct(static_cast<double>(c.fetched_chunks), static_cast<double>(total_chunks(r)))));
     }
   }
   fmt::print("\n  {:<9} {:>8} {:>12} {:>12} {:>12} {:>16} {:>16} {:>12}\n", "mode", "starts", "wall", "start p50",
@@ -802,6 +812,7 @@ void print_image(const ImageBenchResult& r) {
              "device wrote: sectors written "
              "to {} by everything on the machine; both after sync)\n",
              r.block_device.empty() ? "the cache's device" : r.block_device);
+  for (const auto& m : r.modes) print_cpu(m.cpu, r.cores, fmt::format("  load while {} ran: ", m.mode));
   for (const auto& n : r.notes) fmt::print("  note: {}\n", n);
 }
 
@@ -819,7 +830,7 @@ std::string markdown_image(const ImageBenchResult& r) {
                       l.prefetch_chunks);
   md += fmt::format("\nTask, the first exec in each sandbox: `{}`\n\n", r.task);
   md += "| layer mode | create | first exec | create to first result | same exec again | fetched from the store "
-        "(of stored bytes) | chunks fetched (of image bytes) |\n| --- | --- | --- | --- | --- | --- | --- |\n";
+        "(of stored bytes) | chunks fetched (of the image's) |\n| --- | --- | --- | --- | --- | --- | --- |\n";
   for (const auto& m : r.modes) {
     if (m.cold.empty()) continue;
     double fetched = median_cold(m, [](const ColdStart& c) { return c.fetched_bytes; });
@@ -830,7 +841,7 @@ std::string markdown_image(const ImageBenchResult& r) {
                       secs(median_cold(m, [](const ColdStart& c) { return c.total_ms; })),
                       secs(median_cold(m, [](const ColdStart& c) { return c.warm_exec_ms; })), human(fetched),
                       pct(fetched, static_cast<double>(r.stored_bytes)), static_cast<std::uint64_t>(chunks),
-                      pct(chunks * r.chunk_size, static_cast<double>(r.image_bytes)));
+                      pct(chunks, static_cast<double>(total_chunks(r))));
   }
   bool any_concurrent = false;
   for (const auto& m : r.modes) any_concurrent |= m.concurrent.count > 0;
@@ -853,6 +864,12 @@ std::string markdown_image(const ImageBenchResult& r) {
           "`fsck.erofs`, included), \"written to\" the device's sectors-written counter (everything on the machine); "
           "both read after `sync`.\n";
   }
+  md += "\n";
+  for (const auto& m : r.modes)
+    md += fmt::format("Load while {} ran: {:.0f} s; CPU busy {:.2f} of {} cores: dsec-bench, its agents and their "
+                      "sandboxes {:.2f}, kernel threads and interrupts {:.2f}, other processes {:.2f}.\n",
+                      m.mode, m.cpu.seconds, m.cpu.busy_cores, r.cores, m.cpu.ours_cores, m.cpu.kernel_cores,
+                      m.cpu.others_cores);
   const LayerModeResult* lazy = find_mode(r, "lazy");
   if (lazy && !lazy->cold.empty()) {
     double fetched = median_cold(*lazy, [](const ColdStart& c) { return c.fetched_bytes; });
