@@ -255,6 +255,27 @@ TEST(ImageDiff, CopiesAcrossFilesystemsKeepEverything) {
   expect_same_tree(tmp / "full", tmp / "merged");
 }
 
+TEST(ImageDiff, CopiesInsteadOfLinkingWhenAskedTo) {
+  SKIP_UNLESS_ROOT();
+  TempDir tmp;
+  make_base(tmp / "base");
+  make_full(tmp / "base", tmp / "full");
+  std::vector<std::string> notes;
+  DiffStats linked = make_diff_tree(tmp / "base", tmp / "full", tmp / "linked", notes);
+  EXPECT_GT(linked.linked, 0u);
+  DiffOptions copy;
+  copy.link_files = false;
+  DiffStats copied = make_diff_tree(tmp / "base", tmp / "full", tmp / "copied", notes, copy);
+  EXPECT_EQ(copied.linked, 0u);
+  EXPECT_EQ(copied.bytes, linked.bytes);
+  struct stat a {}, b {};
+  ASSERT_EQ(::lstat((tmp / "full/etc/hostname").c_str(), &a), 0);
+  ASSERT_EQ(::lstat((tmp / "copied/etc/hostname").c_str(), &b), 0);
+  EXPECT_NE(a.st_ino, b.st_ino);
+  Overlay merged({tmp / "copied", tmp / "base"}, tmp / "merged");
+  expect_same_tree(tmp / "full", tmp / "merged");
+}
+
 TEST(ImageDiff, IdenticalTreesGiveAnEmptyLayer) {
   SKIP_UNLESS_ROOT();
   TempDir tmp;
@@ -295,6 +316,9 @@ TEST(ImageDiff, BuildOnAParentKeepsOnlyTheDifference) {
   BuildResult base = build_image(*store, options);
   EXPECT_FALSE(base.diff);
 
+  // The source directory is the user's: the build reads it and changes nothing, not even a change time.
+  struct stat before {};
+  ASSERT_EQ(::lstat((tmp / "full/etc/hostname").c_str(), &before), 0);
   options.reference = "test/full:1";
   options.source = LayerSource::parse("dir:" + (tmp / "full").string());
   options.parent = "test/base:1";
@@ -302,6 +326,11 @@ TEST(ImageDiff, BuildOnAParentKeepsOnlyTheDifference) {
   options.diff = true;
   BuildResult full = build_image(*store, options);
   EXPECT_TRUE(full.diff);
+  struct stat after {};
+  ASSERT_EQ(::lstat((tmp / "full/etc/hostname").c_str(), &after), 0);
+  EXPECT_EQ(before.st_ctim.tv_sec, after.st_ctim.tv_sec);
+  EXPECT_EQ(before.st_ctim.tv_nsec, after.st_ctim.tv_nsec);
+  EXPECT_EQ(after.st_nlink, 1u);
   ASSERT_EQ(full.image.manifest.layers.size(), 2u);
   EXPECT_EQ(full.image.manifest.layers[1].role, LayerRole::kToolchain);
   EXPECT_LT(full.layer.files_size, 1000u) << "the parent's 100 kB tool is not repeated in the new layer";

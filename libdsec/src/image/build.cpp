@@ -315,7 +315,9 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
     parent_view.emplace(store, parent->manifest, work / "parent", options.progress);
     std::vector<std::string> diff_notes;
     fs::path diff_tree = work / "diff";
-    make_diff_tree(parent_view->root(), tree, diff_tree, diff_notes);
+    DiffOptions diff_options;
+    diff_options.link_files = src.kind != LayerSource::Kind::kDirectory;  // the user's directory is only read
+    make_diff_tree(parent_view->root(), tree, diff_tree, diff_notes, diff_options);
     parent_view->release();
     tree = diff_tree;
     for (const auto& n : diff_notes) log(n);

@@ -166,11 +166,11 @@ void copy_file_data(const fs::path& from, int in, const fs::path& to, int out) {
 
 class Differ {
  public:
-  Differ(fs::path base, fs::path full, fs::path out, std::vector<std::string>& notes)
+  Differ(fs::path base, fs::path full, fs::path out, std::vector<std::string>& notes, const DiffOptions& options)
       : base_(std::move(base)), full_(std::move(full)), out_(std::move(out)), notes_(notes) {
     full_dev_ = lstat_or_throw(full_).st_dev;
     out_dev_ = lstat_or_throw(out_).st_dev;
-    may_link_ = full_dev_ == out_dev_;
+    may_link_ = options.link_files && full_dev_ == out_dev_;
   }
 
   DiffStats run() {
@@ -372,7 +372,7 @@ std::string mib(std::uint64_t bytes) { return fmt::format("{:.1f} MiB", static_c
 }  // namespace
 
 DiffStats make_diff_tree(const fs::path& base, const fs::path& full, const fs::path& out,
-                         std::vector<std::string>& notes) {
+                         std::vector<std::string>& notes, const DiffOptions& options) {
   for (const auto* p : {&base, &full}) {
     struct stat st {};
     if (::stat(p->c_str(), &st) != 0) {
@@ -386,7 +386,7 @@ DiffStats make_diff_tree(const fs::path& base, const fs::path& full, const fs::p
     throw Error(Code::kAlreadyExists, fmt::format("diff destination {} exists", out.string()));
   if (::mkdir(out.c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}", out.string());
   try {
-    Differ differ(fs::canonical(base), fs::canonical(full), fs::canonical(out), notes);
+    Differ differ(fs::canonical(base), fs::canonical(full), fs::canonical(out), notes, options);
     DiffStats stats = differ.run();
     notes.push_back(fmt::format("layer holds the difference from its parent: {} entries new or changed ({} of file "
                                 "data), {} unchanged, {} removed, {} directories replaced",

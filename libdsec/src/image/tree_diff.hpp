@@ -13,9 +13,10 @@
 //     missing directory;
 //   * an opaque directory (xattr trusted.overlay.opaque="y") holding the whole subtree where `full` has a directory
 //     and `base` a non-directory.
-// Regular files are hard-linked from `full` when `out` is on the same filesystem (the trees of a build are scratch
-// and never written again), else copied (reflinked where the filesystem can; copy_file_range otherwise). Hard links
-// within `full` stay hard links in `out`. Mount points below `full` are not crossed. overlayfs's own xattrs
+// Regular files are hard-linked from `full` when `out` is on the same filesystem and `full` is scratch (a tree the
+// build made and never writes again; DiffOptions::link_files), else copied (reflinked where the filesystem can;
+// copy_file_range otherwise), so a user's own directory is only read. Hard links within `full` stay hard links in
+// `out`. Mount points below `full` are not crossed. overlayfs's own xattrs
 // (trusted.overlay.*) in `full` are neither compared nor copied.
 #pragma once
 
@@ -36,11 +37,18 @@ struct DiffStats {
   std::uint64_t linked = 0;       // regular files hard-linked from `full` rather than copied
 };
 
+struct DiffOptions {
+  // Hard-link the regular files `out` needs from `full` where one filesystem holds both. Only for a scratch
+  // `full`: a link shares the inode, and adds to its link count and change time.
+  bool link_files = true;
+};
+
 // Writes the difference (above) into `out`, which must not exist (ALREADY_EXISTS) and is created. `base` and
 // `full` must be directories (INVALID_ARGUMENT otherwise). A summary and what was left out (mount points) are
 // appended to `notes`. Needs the privileges to create whiteouts and set trusted xattrs (root) when there are any
 // to write; PERMISSION_DENIED otherwise.
 DiffStats make_diff_tree(const std::filesystem::path& base, const std::filesystem::path& full,
-                         const std::filesystem::path& out, std::vector<std::string>& notes);
+                         const std::filesystem::path& out, std::vector<std::string>& notes,
+                         const DiffOptions& options = {});
 
 }  // namespace dsec::image
