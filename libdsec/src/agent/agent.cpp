@@ -45,6 +45,10 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   if (config_.max_connections == 0) throw Error(Code::kInvalidArgument, "max_connections must be at least 1");
   if (!(config_.cpu_overcommit > 0) || !(config_.memory_overcommit > 0))
     throw Error(Code::kInvalidArgument, "overcommit ratios must be positive");
+  if (!config_.advertise.empty() && config_.advertise.rfind("http://", 0) != 0 &&
+      config_.advertise.rfind("https://", 0) != 0 && config_.advertise.rfind("unix:", 0) != 0)
+    throw Error(Code::kInvalidArgument, fmt::format("advertised endpoint '{}': use http://host:port, https://host:port "
+                                                    "or unix:/path", config_.advertise));
 
   std::error_code ec;
   std::filesystem::create_directories(config_.home, ec);
@@ -98,6 +102,36 @@ void Agent::start() {
   server_->start();
   started_ = true;
   reaper_ = std::thread([this] { reaper_loop(); });
+  if (!config_.etcd_endpoints.empty()) {
+    try {
+      start_registration();
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+}
+
+void Agent::start_registration() {
+  RegistrationOptions r;
+  r.etcd_endpoints = config_.etcd_endpoints;
+  r.prefix = config_.etcd_prefix;
+  r.node_id = config_.node_id;
+  r.lease_ttl = config_.etcd_lease_ttl;
+  r.stop_renewing_after = config_.etcd_stop_renewing_after;
+  r.endpoint = config_.advertise;
+  if (r.endpoint.empty()) {
+    const std::string& bound = server_->tcp_endpoint();
+    if (bound.empty())
+      throw Error(Code::kInvalidArgument, "etcd registration: the agent listens on no TCP address; give --listen "
+                                          "or --advertise with the URL clients should use");
+    if (bound.rfind("0.0.0.0:", 0) == 0 || bound.rfind("[::]:", 0) == 0)
+      throw Error(Code::kInvalidArgument, fmt::format("etcd registration: the agent listens on every address ({}); "
+                                                      "give --advertise with the URL clients should use", bound));
+    r.endpoint = "http://" + bound;
+  }
+  registration_ = std::make_unique<Registration>(std::move(r), [this] { return node_info(); });
+  registration_->start();
 }
 
 void Agent::reaper_loop() {
@@ -119,6 +153,8 @@ void Agent::reaper_loop() {
 void Agent::stop() {
   if (stopped_ || !started_) return;
   stopped_ = true;
+  // Leave the cluster first, so that clients stop placing sandboxes here while the agent winds down.
+  if (registration_) registration_->stop();
   server_->stop_accepting();
   {
     std::lock_guard lock(reaper_mutex_);

@@ -14,6 +14,7 @@
 #include "agent/host.hpp"
 #include "agent/images.hpp"
 #include "agent/metrics.hpp"
+#include "agent/registration.hpp"
 #include "agent/registry.hpp"
 #include "agent/router.hpp"
 #include "agent/server.hpp"
@@ -41,9 +42,10 @@ class Agent {
   Agent& operator=(const Agent&) = delete;
   ~Agent();
 
-  // Listens and starts the reaper. Throws dsec::Error when an address cannot be bound.
+  // Listens, starts the reaper, and registers in etcd when configured. Throws dsec::Error when an address cannot be
+  // bound, or when registration has no endpoint to advertise.
   void start();
-  // The orderly shutdown: stop accepting, destroy every sandbox, shut the backends down, remove the socket file,
+  // The orderly shutdown: leave etcd (revoke the lease), stop accepting, destroy every sandbox, shut the backends down, remove the socket file,
   // wait for the connections to end. Idempotent.
   void stop();
 
@@ -56,6 +58,7 @@ class Agent {
 
  private:
   void reaper_loop();
+  void start_registration();
 
   AgentConfig config_;
   HostCapacity capacity_;
@@ -66,6 +69,7 @@ class Agent {
   std::unique_ptr<Registry> registry_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
+  std::unique_ptr<Registration> registration_;  // with etcd endpoints only
 
   std::mutex reaper_mutex_;
   std::condition_variable reaper_wake_;

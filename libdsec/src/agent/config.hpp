@@ -38,6 +38,13 @@ struct AgentConfig {
   std::string layer_mode = "auto";                      // auto | lazy (EROFS over FUSE) | extract
   double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
   double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
+  // Discovery: register in etcd under <etcd_prefix>nodes/<node_id> with a lease (empty: no registration). The
+  // advertised endpoint is what clients dial; default http://<the bound TCP address>.
+  std::vector<std::string> etcd_endpoints;
+  std::string etcd_prefix = "/dsec/";
+  std::chrono::seconds etcd_lease_ttl{10};
+  std::string advertise;
+  std::chrono::milliseconds etcd_stop_renewing_after{0};  // tests: let the lease expire (0: renew until stopped)
 };
 
 }  // namespace dsec::agent

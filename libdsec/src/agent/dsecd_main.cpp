@@ -53,6 +53,13 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --max-connections N     connections served at once (default 4096)
   --cpu-overcommit R      admit cpu requests up to cores x R (default 32)
   --memory-overcommit R   admit memory limits up to RAM x R (default 2)
+  --etcd URL[,URL...]     register this node in etcd (client URLs of its members, e.g. http://10.0.0.2:2379):
+                          endpoint and node info under <prefix>nodes/<node id>, kept under a lease
+  --etcd-prefix PREFIX    key prefix in etcd (default /dsec/)
+  --etcd-lease-ttl SECS   the registration's lease: renewed every TTL/3, gone TTL after the agent dies (default 10)
+  --advertise URL         the endpoint clients dial, registered in etcd (default http://<the --listen address>)
+  --etcd-stop-renewing-after SECS
+                          tests only: stop renewing the lease after SECS, so the node leaves when it expires
   --ready-fd N            write "ready\n" to fd N and close it once listening
   --version               print the version
   --help                  this text
@@ -169,6 +176,23 @@ int main(int argc, char** argv) {
       config.cpu_overcommit = parse_ratio(flag, value);
     } else if (flag == "--memory-overcommit") {
       config.memory_overcommit = parse_ratio(flag, value);
+    } else if (flag == "--etcd") {
+      config.etcd_endpoints = split_list(value);
+      if (config.etcd_endpoints.empty()) fail("--etcd needs at least one URL such as http://127.0.0.1:2379");
+      for (const auto& e : config.etcd_endpoints)
+        if (e.rfind("http://", 0) != 0 && e.rfind("https://", 0) != 0)
+          fail(fmt::format("--etcd: '{}' is not an http:// or https:// URL", e));
+    } else if (flag == "--etcd-prefix") {
+      if (value.empty()) fail("--etcd-prefix needs a key prefix such as /dsec/");
+      config.etcd_prefix = std::string(value);
+    } else if (flag == "--etcd-lease-ttl") {
+      auto ttl = parse_unsigned(flag, value);
+      if (ttl < 2 || ttl > 86400) fail(fmt::format("--etcd-lease-ttl: {} is not between 2 and 86400 seconds", ttl));
+      config.etcd_lease_ttl = std::chrono::seconds(ttl);
+    } else if (flag == "--advertise") {
+      config.advertise = std::string(value);
+    } else if (flag == "--etcd-stop-renewing-after") {
+      config.etcd_stop_renewing_after = std::chrono::seconds(parse_unsigned(flag, value));
     } else if (flag == "--ready-fd") {
       ready_fd = static_cast<int>(parse_unsigned(flag, value));
     } else {
