@@ -22,6 +22,9 @@ PACKAGES=(
   crun bubblewrap iproute2 util-linux curl
   # the HTTP image store the tests start (nginx with its WebDAV module for PUT and DELETE)
   nginx-light
+  # discovery: agents register in etcd and clients watch it; the tests start their own etcd (/usr/bin/etcd) on
+  # free loopback ports, so the packaged service is stopped and disabled below
+  etcd-server
 )
 
 # One dpkg query for all of them; a package dpkg has never heard of is simply absent from its answer.
@@ -49,3 +52,14 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null
+
+# The etcd package starts a system-wide etcd on the default ports where the init system lets it; dsec needs only the
+# binary (its tests start their own), so leave no such service running.
+if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
+  if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
+    systemctl disable --now etcd.service >/dev/null 2>&1 || true
+  elif [[ -x /etc/init.d/etcd ]]; then
+    /etc/init.d/etcd stop >/dev/null 2>&1 || true
+    update-rc.d etcd disable >/dev/null 2>&1 || true
+  fi
+fi

@@ -25,6 +25,12 @@ struct ClientOptions {
   // if the trainer dies). Its stdout and stderr go to $DSEC_AGENT_LOG when set, else to a file in its private
   // directory that is removed with it; errors about the agent quote the log's tail.
   std::vector<std::string> endpoints;
+  // Discovery through etcd: client URLs of the etcd members ("http://10.0.0.2:2379"). When set, the client learns
+  // its nodes from the agents' registrations (dsecd --etcd) under etcd_prefix and follows them as they come, change
+  // load, and go (a dead agent's entry goes when its lease expires); `endpoints`, when also given, are used too.
+  std::vector<std::string> etcd_endpoints;
+  // The agents' --etcd-prefix: registrations live under <etcd_prefix>nodes/<node id>.
+  std::string etcd_prefix = "/dsec/";
   // Image stores the client resolves image names in: directories (also shared filesystems) or http(s):// URLs.
   // create() then sends the agent a pinned reference and its manifest, so every sandbox of a pulse gets exactly the
   // same layers and agents need not look tags up. Empty: the embedded agent's <home>/store when there is an

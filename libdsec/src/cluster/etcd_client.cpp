@@ -402,7 +402,7 @@ void EtcdWatch::run() {
   const std::size_t n = client_.options_.endpoints.size();
   std::size_t index = client_.preferred_.load() % n;
   milliseconds backoff = options_.min_backoff;
-  bool resync_needed = false;
+  bool resync_needed = options_.list_first;
 
   auto report = [&](const Error& e) {
     if (callbacks_.on_error) {

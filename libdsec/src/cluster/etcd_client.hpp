@@ -75,6 +75,9 @@ struct WatchCallbacks {
 };
 
 struct WatchOptions {
+  // Begin with a listing of the prefix (handed to on_resync) and watch from the revision after it: the way to keep
+  // a table of the prefix. The listing is retried like a broken stream until etcd answers.
+  bool list_first = false;
   std::chrono::milliseconds min_backoff{100};
   std::chrono::milliseconds max_backoff{2'000};
 };
@@ -113,7 +116,7 @@ class EtcdClient {
   // Watches every key under `prefix` from `start_revision` (0: from now) on a thread of its own until the returned
   // watch is stopped or destroyed. A broken stream is reopened (next member, growing backoff) from the revision
   // after the last event handed out, so no change is lost or repeated; a compacted revision re-lists the prefix
-  // (on_resync) and watches on from there.
+  // (on_resync) and watches on from there. This client must outlive the watch.
   std::unique_ptr<EtcdWatch> watch_prefix(std::string prefix, std::int64_t start_revision, WatchCallbacks callbacks,
                                           WatchOptions options = {});
 
