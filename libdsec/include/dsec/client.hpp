@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dsec/placement.hpp"
 #include "dsec/retry.hpp"
 #include "dsec/sandbox.hpp"
 #include "dsec/sandbox_info.hpp"
@@ -53,6 +54,12 @@ struct ClientOptions {
   std::chrono::milliseconds call_deadline{60'000};
   // How many creates create_many keeps in flight at once.
   std::size_t create_concurrency = 32;
+  // Which node each sandbox goes to (dsec/placement.hpp): "spread" (most free capacity first: sandboxes spread over
+  // the nodes) or "pack" (least free capacity that still fits: nodes fill up one after another, the rest stay
+  // empty). Both prefer nodes that cache the image's layers. An unknown name is INVALID_ARGUMENT.
+  std::string placement = "spread";
+  // A policy of the caller's own; when set it is used and `placement` is ignored. Called concurrently.
+  std::shared_ptr<PlacementPolicy> placement_policy;
 };
 
 // Thread-safe: one Client serves every thread of a trainer. Sandbox handles share its connections and are usable

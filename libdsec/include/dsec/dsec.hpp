@@ -4,6 +4,7 @@
 #include "dsec/client.hpp"
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
+#include "dsec/placement.hpp"
 #include "dsec/retry.hpp"
 #include "dsec/sandbox.hpp"
 #include "dsec/sandbox_info.hpp"

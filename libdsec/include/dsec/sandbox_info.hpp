@@ -17,6 +17,7 @@ struct SandboxInfo {
   std::string kind;
   std::string tenant;
   Labels labels;
+  std::string group;       // the lease group it belongs to, if any
   Resources resources;
   double created_at = 0;   // unix seconds
   double expires_at = 0;   // 0 = no TTL
@@ -40,6 +41,9 @@ struct NodeInfo {
   std::uint64_t memory_bytes = 0;
   std::uint64_t disk_bytes = 0;
   std::uint64_t disk_free_bytes = 0;
+  std::uint32_t gpus = 0;                // GPUs of the node, and those no sandbox holds
+  std::uint32_t gpus_free = 0;
+  Labels labels;                         // the node's labels (dsecd --label k=v), for SandboxSpec::node_selector
   std::uint32_t sandboxes = 0;           // live sandboxes
   double cpu_requested = 0;              // sum of the live sandboxes' cpu
   std::uint64_t memory_requested = 0;    // sum of their memory limits

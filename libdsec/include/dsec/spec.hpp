@@ -21,6 +21,7 @@ struct Resources {
   std::uint64_t disk_bytes = 1ull << 30;      // writable layer size; writes beyond it fail with ENOSPC
   std::uint32_t pids = 512;                   // processes + threads
   std::uint32_t open_files = 4096;            // RLIMIT_NOFILE for every process inside
+  std::uint32_t gpus = 0;                     // whole GPUs; only nodes with this many free are chosen
 };
 
 struct SandboxSpec {
@@ -35,6 +36,17 @@ struct SandboxSpec {
   std::string workdir = "/";          // default cwd for exec
   bool allow_ptrace = false;          // allow ptrace inside the sandbox (debuggers); denied by default
   std::string request_id;             // idempotency key: the same key returns the same sandbox
+  // Placement (client side): a node must carry every one of these labels (dsecd --label k=v).
+  Labels node_selector;
+  // Placement (client side): a key of `labels`. Sandboxes whose labels give this key the same value prefer
+  // different nodes: placement spreads them over distinct nodes first and puts two on one node only when every
+  // node that fits already has one (soft, never a reason to refuse a create). Empty: none.
+  std::string anti_affinity;
+  // A lease group (see docs/protocol.md, groups): the agent destroys every sandbox of the group once its lease is
+  // not renewed for group_ttl seconds, so no sandbox outlives a crashed trainer. Empty: no group. A group id is 1 to
+  // 128 of letters, digits, '.', '_' and '-'; group_ttl is 1 to 86400 s and required with a group.
+  std::string group;
+  std::chrono::seconds group_ttl{0};
 };
 
 // Parses "512Mi", "2G", "1.5GiB", "4096", "100k" into bytes. SI suffixes (k, M, G, T) are powers of 1000, binary ones

@@ -78,6 +78,14 @@ std::map<std::string, std::string> get_string_map(const json& j, const char* key
 
 bool has_nul(std::string_view s) { return s.find('\0') != std::string_view::npos; }
 
+constexpr std::uint64_t kMaxGpus = 256;
+
+void validate_labels(const Labels& labels, std::string_view field) {
+  for (const auto& [k, v] : labels)
+    if (k.empty() || k.size() > 253 || has_nul(k) || has_nul(v) || k.find('=') != std::string::npos)
+      bad(fmt::format("{}.{}", field, k), "a label key must be non-empty, at most 253 bytes, without '=' or NUL");
+}
+
 void validate_env(const Env& env, std::string_view field) {
   for (const auto& [k, v] : env) {
     if (k.empty() || k.find('=') != std::string::npos || has_nul(k))
@@ -106,7 +114,8 @@ json encode(const SandboxSpec& s) {
         {"memory", s.resources.memory_bytes},
         {"disk", s.resources.disk_bytes},
         {"pids", s.resources.pids},
-        {"open_files", s.resources.open_files}}},
+        {"open_files", s.resources.open_files},
+        {"gpus", s.resources.gpus}}},
       {"ttl", s.ttl.count()},
       {"env", s.env},
       {"labels", s.labels},
@@ -115,6 +124,10 @@ json encode(const SandboxSpec& s) {
       {"workdir", s.workdir},
       {"allow_ptrace", s.allow_ptrace},
       {"request_id", s.request_id},
+      {"node_selector", s.node_selector},
+      {"anti_affinity", s.anti_affinity},
+      {"group", s.group},
+      {"group_ttl", s.group_ttl.count()},
   };
 }
 
@@ -134,6 +147,9 @@ SandboxSpec decode_spec(const json& j) {
     auto files = get_unsigned(*r, "open_files", "resources.open_files", s.resources.open_files);
     if (files > 1u << 20) bad("resources.open_files", "at most 1048576");
     s.resources.open_files = static_cast<std::uint32_t>(files);
+    auto gpus = get_unsigned(*r, "gpus", "resources.gpus", s.resources.gpus);
+    if (gpus > kMaxGpus) bad("resources.gpus", fmt::format("at most {}", kMaxGpus));
+    s.resources.gpus = static_cast<std::uint32_t>(gpus);
   }
   double ttl = get_number(j, "ttl", "ttl", static_cast<double>(s.ttl.count()));
   if (ttl < 0 || ttl > 365.0 * 86400) bad("ttl", "must be between 0 (no TTL) and one year, in seconds");
@@ -145,6 +161,13 @@ SandboxSpec decode_spec(const json& j) {
   s.workdir = get_string(j, "workdir", "workdir", s.workdir);
   s.allow_ptrace = get_bool(j, "allow_ptrace", "allow_ptrace", false);
   s.request_id = get_string(j, "request_id", "request_id");
+  s.node_selector = get_string_map(j, "node_selector", "node_selector");
+  s.anti_affinity = get_string(j, "anti_affinity", "anti_affinity");
+  s.group = get_string(j, "group", "group");
+  double group_ttl = get_number(j, "group_ttl", "group_ttl", 0);
+  if (group_ttl != 0 && (group_ttl < 1 || group_ttl > kMaxGroupTtlSeconds))
+    bad("group_ttl", "must be from 1 to 86400 seconds");
+  s.group_ttl = std::chrono::seconds{static_cast<std::int64_t>(group_ttl)};
   validate(s);
   return s;
 }
@@ -177,10 +200,21 @@ void validate(const SandboxSpec& s) {
   if (r.disk_bytes < (1ull << 20)) bad("resources.disk", "must be at least 1Mi");
   if (r.pids < 1) bad("resources.pids", "must be at least 1");
   if (r.open_files < 16) bad("resources.open_files", "must be at least 16");
+  if (r.gpus > kMaxGpus) bad("resources.gpus", fmt::format("at most {}", kMaxGpus));
   validate_env(s.env, "env");
-  for (const auto& [k, v] : s.labels)
-    if (k.empty() || k.size() > 253 || has_nul(k) || has_nul(v) || k.find('=') != std::string::npos)
-      bad(fmt::format("labels.{}", k), "a label key must be non-empty, at most 253 bytes, without '=' or NUL");
+  validate_labels(s.labels, "labels");
+  validate_labels(s.node_selector, "node_selector");
+  if (!s.anti_affinity.empty() && !s.labels.count(s.anti_affinity))
+    bad("anti_affinity", fmt::format("'{}' is not a key of the spec's labels (sandboxes are spread by that label's "
+                                     "value)", s.anti_affinity));
+  if (s.group.empty()) {
+    if (s.group_ttl.count() != 0) bad("group_ttl", "only with a group");
+  } else {
+    if (!valid_group_id(s.group))
+      bad("group", fmt::format("'{}' is not a group id (1 to 128 letters, digits, '.', '_', '-')", s.group));
+    if (s.group_ttl.count() < 1 || s.group_ttl.count() > static_cast<std::int64_t>(kMaxGroupTtlSeconds))
+      bad("group_ttl", "required with a group: from 1 to 86400 seconds");
+  }
   if (s.hostname.size() > 64) bad("hostname", "at most 64 characters");
   for (char c : s.hostname)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.'))
@@ -188,6 +222,13 @@ void validate(const SandboxSpec& s) {
   if (s.workdir.empty() || s.workdir.front() != '/' || has_nul(s.workdir)) bad("workdir", "must be an absolute path");
   if (s.request_id.size() > 128 || has_nul(s.request_id)) bad("request_id", "at most 128 bytes");
   if (s.tenant.size() > 128 || has_nul(s.tenant)) bad("tenant", "at most 128 bytes");
+}
+
+bool valid_group_id(std::string_view id) noexcept {
+  if (id.empty() || id.size() > 128) return false;
+  for (char c : id)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) return false;
+  return true;
 }
 
 json encode(const ExecRequest& r) {
@@ -264,12 +305,14 @@ json encode(const SandboxInfo& s) {
               {"kind", s.kind},
               {"tenant", s.tenant},
               {"labels", s.labels},
+              {"group", s.group},
               {"resources",
                {{"cpu", s.resources.cpu},
                 {"memory", s.resources.memory_bytes},
                 {"disk", s.resources.disk_bytes},
                 {"pids", s.resources.pids},
-                {"open_files", s.resources.open_files}}},
+                {"open_files", s.resources.open_files},
+                {"gpus", s.resources.gpus}}},
               {"created_at", s.created_at},
               {"expires_at", s.expires_at},
               {"message", s.message}};
@@ -284,12 +327,14 @@ SandboxInfo decode_sandbox_info(const json& j) {
   s.kind = j.value("kind", "");
   s.tenant = j.value("tenant", "");
   s.labels = j.value("labels", Labels{});
+  s.group = j.value("group", "");
   if (auto it = j.find("resources"); it != j.end() && it->is_object()) {
     s.resources.cpu = it->value("cpu", s.resources.cpu);
     s.resources.memory_bytes = it->value("memory", s.resources.memory_bytes);
     s.resources.disk_bytes = it->value("disk", s.resources.disk_bytes);
     s.resources.pids = it->value("pids", s.resources.pids);
     s.resources.open_files = it->value("open_files", s.resources.open_files);
+    s.resources.gpus = it->value("gpus", s.resources.gpus);
   }
   s.created_at = j.value("created_at", 0.0);
   s.expires_at = j.value("expires_at", 0.0);
@@ -305,8 +350,10 @@ json encode(const NodeInfo& n) {
               {"version", n.version},
               {"protocol", n.protocol},
               {"backends", n.backends},
-              {"capacity", {{"cores", n.cores}, {"memory", n.memory_bytes}, {"disk", n.disk_bytes}}},
+              {"capacity", {{"cores", n.cores}, {"memory", n.memory_bytes}, {"disk", n.disk_bytes}, {"gpus", n.gpus}}},
               {"disk_free", n.disk_free_bytes},
+              {"gpus_free", n.gpus_free},
+              {"labels", n.labels},
               {"load", {{"sandboxes", n.sandboxes},
                         {"cpu_requested", n.cpu_requested},
                         {"memory_requested", n.memory_requested},
@@ -328,8 +375,13 @@ NodeInfo decode_node_info(const json& j) {
     n.cores = c->value("cores", 0u);
     n.memory_bytes = c->value("memory", std::uint64_t{0});
     n.disk_bytes = c->value("disk", std::uint64_t{0});
+    n.gpus = c->value("gpus", 0u);
   }
   n.disk_free_bytes = j.value("disk_free", std::uint64_t{0});
+  n.gpus_free = j.value("gpus_free", 0u);
+  if (auto l = j.find("labels"); l != j.end() && l->is_object())
+    for (auto& [k, v] : l->items())
+      if (v.is_string()) n.labels.emplace(k, v.get<std::string>());
   if (auto l = j.find("load"); l != j.end() && l->is_object()) {
     n.sandboxes = l->value("sandboxes", 0u);
     n.cpu_requested = l->value("cpu_requested", 0.0);

@@ -22,6 +22,10 @@ json encode(const SandboxSpec& spec);
 SandboxSpec decode_spec(const json& j);
 void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_ARGUMENT naming the field
 
+// A lease group's id: 1 to 128 of letters, digits, '.', '_' and '-'. Group TTLs are 1 to 86400 seconds.
+bool valid_group_id(std::string_view id) noexcept;
+inline constexpr double kMaxGroupTtlSeconds = 86400;
+
 json encode(const ExecRequest& request);
 ExecRequest decode_exec_request(const json& j);
 
