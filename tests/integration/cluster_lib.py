@@ -399,9 +399,15 @@ class NetnsAgents:
         for i, a in enumerate(self.agents):
             if a is None:
                 continue
-            killed = a.proc is not None and a.proc.returncode == -signal.SIGKILL
+            if a.proc is not None and a.proc.returncode == -signal.SIGKILL:
+                # What an operator does after a crash: start the agent again on the same state, which clears what
+                # the dead one left (its layer mounts, sandbox records), and stop it cleanly.
+                try:
+                    a.start()
+                except RuntimeError as e:
+                    problems.append(f"agent {i} could not restart after kill -9: {e}")
             status = a.stop()
-            if status != 0 and not killed:
+            if status != 0:
                 problems.append(f"agent {i} exited with {status}:\n{a.log_tail()}")
             left = a.leftovers()
             problems += [f"agent {i}: {p}" for p in left]
