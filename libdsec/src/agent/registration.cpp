@@ -52,7 +52,7 @@ void Registration::wait(milliseconds d) {
 }
 
 void Registration::loop() {
-  const milliseconds period = std::max<milliseconds>(options_.lease_ttl / 3, milliseconds(500));
+  const milliseconds period = std::max<milliseconds>(milliseconds(options_.lease_ttl) / 3, milliseconds(500));
   const milliseconds max_backoff = std::min(period, options_.max_backoff);
   const auto started = Clock::now();
   milliseconds backoff = kMinBackoff;
