@@ -78,6 +78,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   options.memory_bytes = capacity_.memory_bytes;
   options.cpu_overcommit = config_.cpu_overcommit;
   options.memory_overcommit = config_.memory_overcommit;
+  options.node_labels = config_.labels;
+  options.gpus = 0;  // no GPU backend yet: the node hands out none
   Registry::Backends backends;
   for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
@@ -202,6 +204,9 @@ NodeInfo Agent::node_info() const {
   n.sandboxes = load.sandboxes;
   n.cpu_requested = load.cpu_requested;
   n.memory_requested = load.memory_requested;
+  n.gpus = registry_->options().gpus;
+  n.gpus_free = n.gpus > load.gpus_requested ? n.gpus - load.gpus_requested : 0;
+  n.labels = config_.labels;
   n.cpu_overcommit = config_.cpu_overcommit;
   n.memory_overcommit = config_.memory_overcommit;
   n.cgroup_version = cgroup_version_;

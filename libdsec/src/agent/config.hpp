@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,8 @@ struct AgentConfig {
   std::string layer_mode = "auto";                      // auto | lazy (EROFS over FUSE) | extract
   double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
   double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
+  // The node's labels (dsecd --label k=v), reported in GET /v1/node; a create's node_selector must match them.
+  std::map<std::string, std::string> labels;
   // Discovery: register in etcd under <etcd_prefix>nodes/<node_id> with a lease (empty: no registration). The
   // advertised endpoint is what clients dial; default http://<the bound TCP address>.
   std::vector<std::string> etcd_endpoints;

@@ -41,6 +41,8 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --layer-mode MODE       auto: stream layers on demand (EROFS over FUSE) where the kernel can, else extract them
                           whole; lazy: stream or fail to start; extract: always extract (default auto)
   --node-id ID            prefixes every sandbox id (default: the hostname)
+  --label KEY=VALUE       a label of this node, reported in GET /v1/node for placement (node_selector); repeat
+                          for more
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
   --backends LIST         comma-separated: container, null (default container; null simulates the control plane)
   --netns-pool N          network namespaces kept ready (default 32)
@@ -156,6 +158,11 @@ int main(int argc, char** argv) {
       config.layer_mode = std::string(value);
     } else if (flag == "--node-id") {
       config.node_id = std::string(value);
+    } else if (flag == "--label") {
+      auto eq = value.find('=');
+      if (eq == std::string_view::npos || eq == 0 || eq > 253 || value.find('\0') != std::string_view::npos)
+        fail(fmt::format("--label: '{}' is not KEY=VALUE with a non-empty key of at most 253 bytes", value));
+      config.labels[std::string(value.substr(0, eq))] = std::string(value.substr(eq + 1));
     } else if (flag == "--init") {
       config.init_binary = std::string(value);
     } else if (flag == "--backends") {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -50,6 +51,37 @@ void write_all(int fd, std::string_view data, const std::filesystem::path& path)
     if (n < 0) throw_errno_fmt(errno, "write {}", path.string());
     data.remove_prefix(static_cast<std::size_t>(n));
   }
+}
+
+// Writes `text` to `path` through a temporary file and a rename, so a reader sees the old content or the new one.
+void write_file_replacing(const std::filesystem::path& path, std::string_view text, std::string_view what) {
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (!fd) throw_errno_fmt(errno, "create {} {}", what, tmp.string());
+    write_all(fd.get(), text, tmp);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    throw_errno_fmt(err, "rename {} to {}", tmp.string(), path.string());
+  }
+}
+
+bool selector_matches(const Labels& selector, const Labels& labels, std::string* why) {
+  for (const auto& [key, value] : selector) {
+    auto it = labels.find(key);
+    if (it == labels.end()) {
+      *why = fmt::format("no label '{}'", key);
+      return false;
+    }
+    if (it->second != value) {
+      *why = fmt::format("label {}={}, not {}={}", key, it->second, key, value);
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -161,14 +193,22 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
                 fmt::format("kind: '{}' is not served by node '{}' (it serves: {})", spec.kind, options_.node_id,
                             fmt::join(kinds(), ", ")));
   Backend& backend = *backend_it->second;
+  // Clients place by node labels; a create that reaches a node without them (a stale view) is refused here too.
+  if (std::string why; !selector_matches(spec.node_selector, options_.node_labels, &why))
+    throw Error(Code::kFailedPrecondition, fmt::format("node_selector: node '{}' does not match: {}",
+                                                       options_.node_id, why));
 
   std::string id;
+  double lease_deadline = 0;
+  bool persist_lease = false;
   {
     std::lock_guard lock(mutex_);
     admit(spec.resources, 1);
     reserved_cpu_ += spec.resources.cpu;
     reserved_memory_ += spec.resources.memory_bytes;
+    reserved_gpus_ += spec.resources.gpus;
     id = new_id();
+    if (!spec.group.empty()) lease_deadline = join_group(spec, now(), persist_lease);
   }
   // Until the record is in the table, the resources are a reservation; it is released on every failure path.
   bool reserved = true;
@@ -177,11 +217,13 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     std::lock_guard lock(mutex_);
     reserved_cpu_ -= spec.resources.cpu;
     reserved_memory_ -= spec.resources.memory_bytes;
+    reserved_gpus_ -= spec.resources.gpus;
     reserved = false;
   };
 
   auto record = std::make_shared<Record>();
   try {
+    if (persist_lease) persist_group(spec.group);
     ResolvedImage image = images_.resolve(spec.image, image_manifest);
     CreateParams params{id, spec, image.layers};
     SandboxInfo& info = record->info;
@@ -210,6 +252,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     info.state = "running";
     info.tenant = spec.tenant;
     info.labels = spec.labels;
+    info.group = spec.group;
     info.resources = spec.resources;
     info.created_at = created_at;
     info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
@@ -226,14 +269,35 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     throw;
   }
 
+  bool group_came_back = false;
   {
     std::lock_guard lock(mutex_);
     reserved_cpu_ -= spec.resources.cpu;
     reserved_memory_ -= spec.resources.memory_bytes;
+    reserved_gpus_ -= spec.resources.gpus;
     reserved = false;
     live_cpu_ += spec.resources.cpu;
     live_memory_ += spec.resources.memory_bytes;
+    live_gpus_ += spec.resources.gpus;
     records_.emplace(id, record);
+    if (!spec.group.empty()) {
+      // The group went (deleted, or reaped) while this sandbox was made: it comes back with the lease this create
+      // started, so the sandbox still dies with it unless the lease is renewed.
+      auto [it, fresh] = groups_.try_emplace(spec.group);
+      if (fresh) {
+        it->second.ttl = static_cast<double>(spec.group_ttl.count());
+        it->second.expires_at = lease_deadline;
+        group_came_back = true;
+      }
+      it->second.members.insert(id);
+    }
+  }
+  if (group_came_back) {
+    try {
+      persist_group(spec.group);
+    } catch (const std::exception& e) {
+      log_warn("group {}: {}", spec.group, e.what());
+    }
   }
   metrics_.sandbox_created(spec.kind, seconds_since(started));
   return CreateOutcome{record->snapshot(), true};
@@ -241,6 +305,15 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
 
 void Registry::admit(const Resources& r, std::size_t count) const {
   const double n = static_cast<double>(count);
+  if (r.gpus > 0) {
+    const std::uint64_t wanted = static_cast<std::uint64_t>(r.gpus) * count;
+    const std::uint64_t held = static_cast<std::uint64_t>(live_gpus_) + reserved_gpus_;
+    const std::uint64_t free = options_.gpus > held ? options_.gpus - held : 0;
+    if (wanted > free)
+      throw Error(Code::kResourceExhausted,
+                  fmt::format("admission: {} gpus wanted, node '{}' has {} free of {}", wanted, options_.node_id,
+                              free, options_.gpus));
+  }
   const double cpu_limit = options_.cores * options_.cpu_overcommit;
   const double cpu_after = live_cpu_ + reserved_cpu_ + r.cpu * n;
   if (cpu_after > cpu_limit + kEpsilon)
@@ -454,6 +527,9 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       live_cpu_ -= record->spec.resources.cpu;
       if (live_cpu_ < kEpsilon) live_cpu_ = 0;
       live_memory_ -= record->spec.resources.memory_bytes;
+      live_gpus_ -= record->spec.resources.gpus;
+      if (!record->spec.group.empty())
+        if (auto g = groups_.find(record->spec.group); g != groups_.end()) g->second.members.erase(id);
       double at = now();
       tombstones_[id] = Tombstone{info, at};
       tombstone_order_.emplace_back(at, id);
@@ -476,9 +552,35 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
 void Registry::reap() {
   std::vector<std::shared_ptr<Record>> records;
   double t = now();
+  // Groups whose lease expired: this pass's, and those a call found expired before the reaper (doomed_).
+  std::map<std::string, std::vector<std::string>> expired;
   {
     std::lock_guard lock(mutex_);
     evict(t);
+    for (auto it = groups_.begin(); it != groups_.end();) {
+      if (t < it->second.expires_at) {
+        ++it;
+        continue;
+      }
+      auto& ids = expired[it->first];
+      ids.insert(ids.end(), it->second.members.begin(), it->second.members.end());
+      it = groups_.erase(it);
+    }
+    for (auto& [id, group] : doomed_) expired[group].push_back(std::move(id));
+    doomed_.clear();
+  }
+  for (const auto& [group, ids] : expired) {
+    if (!ids.empty())
+      log_info("group {}: lease expired; destroying its {} sandbox{}", group, ids.size(), ids.size() == 1 ? "" : "es");
+    destroy_ids(ids, fmt::format("group '{}' lease expired", group));
+    try {
+      persist_group(group);  // removes its file, unless a create started the group again meanwhile
+    } catch (const std::exception& e) {
+      log_warn("reaper: group {}: {}", group, e.what());
+    }
+  }
+  {
+    std::lock_guard lock(mutex_);
     records.reserve(records_.size());
     for (const auto& [id, record] : records_) records.push_back(record);
   }
@@ -499,12 +601,19 @@ std::size_t Registry::destroy_all(std::string_view reason) {
     std::lock_guard lock(mutex_);
     for (const auto& [id, record] : records_) ids.push_back(id);
   }
+  return destroy_ids(ids, reason);
+}
+
+std::size_t Registry::destroy_ids(const std::vector<std::string>& ids, std::string_view reason) {
+  if (ids.empty()) return 0;
   std::atomic<std::size_t> next{0}, destroyed{0};
   auto work = [&] {
     for (std::size_t i = next.fetch_add(1); i < ids.size(); i = next.fetch_add(1)) {
       try {
         destroy(ids[i], reason);
         ++destroyed;
+      } catch (const Error& e) {
+        if (e.code() != Code::kNotFound) log_warn("destroy {}: {}", ids[i], e.what());
       } catch (const std::exception& e) {
         log_warn("destroy {}: {}", ids[i], e.what());
       }
@@ -523,6 +632,7 @@ NodeLoad Registry::load() const {
   out.sandboxes = static_cast<std::uint32_t>(records_.size());
   out.cpu_requested = live_cpu_;
   out.memory_requested = live_memory_;
+  out.gpus_requested = live_gpus_;
   for (const auto& kind : kinds()) out.by_kind[kind] = 0;
   for (const auto& [id, record] : records_) ++out.by_kind[record->info.kind];
   return out;
@@ -561,25 +671,14 @@ void Registry::write_record(const Record& record) const {
                    {"info", protocol::encode(record.info)},
                    {"spec", protocol::encode(record.spec)},
                    {"layers", layers}};
-  std::string text = j.dump(2) + "\n";
-  auto path = options_.state_dir / (record.info.id + ".json");
-  auto tmp = options_.state_dir / (record.info.id + ".json.tmp");
-  {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-    if (!fd) throw_errno_fmt(errno, "create sandbox record {}", tmp.string());
-    write_all(fd.get(), text, tmp);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    throw_errno_fmt(err, "rename {} to {}", tmp.string(), path.string());
-  }
+  write_file_replacing(options_.state_dir / (record.info.id + ".json"), j.dump(2) + "\n", "sandbox record");
 }
 
 std::size_t Registry::remove_leftovers_of_earlier_run() {
   if (options_.state_dir.empty()) return 0;
   std::size_t cleaned = 0;
   std::error_code ec;
+  std::set<std::string> kept_groups;  // groups of records kept for a later start (their lease files stay too)
   for (const auto& entry : std::filesystem::directory_iterator(options_.state_dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (name.ends_with(".json.tmp")) {  // a record never completed: its create never answered
@@ -593,9 +692,12 @@ std::size_t Registry::remove_leftovers_of_earlier_run() {
       if (records_.count(id)) continue;
     }
     std::string kind;
+    std::string group;
     try {
       std::ifstream in(entry.path());
-      kind = protocol::json::parse(in).at("info").at("kind").get<std::string>();
+      protocol::json record = protocol::json::parse(in);
+      kind = record.at("info").at("kind").get<std::string>();
+      group = record.at("info").value("group", "");
     } catch (const std::exception& e) {
       log_warn("sandbox record {} is unreadable ({}); removed", entry.path().string(), e.what());
       std::filesystem::remove(entry.path(), ec);
@@ -606,6 +708,7 @@ std::size_t Registry::remove_leftovers_of_earlier_run() {
       log_warn("sandbox {} of an earlier agent run is of kind '{}', which this agent does not serve; its record is "
                "kept",
                id, kind);
+      if (!group.empty()) kept_groups.insert(group);
       continue;
     }
     try {
@@ -613,13 +716,166 @@ std::size_t Registry::remove_leftovers_of_earlier_run() {
     } catch (const std::exception& e) {
       log_warn("sandbox {} of an earlier agent run: removing what it left failed: {}; its record is kept", id,
                e.what());
+      if (!group.empty()) kept_groups.insert(group);
       continue;
     }
     log_info("removed sandbox {} left by an earlier agent run", id);
     std::filesystem::remove(entry.path(), ec);
     ++cleaned;
   }
+  // The sandboxes of an earlier run are not taken over, so neither are their groups' leases: a trainer that renews
+  // such a group learns (NOT_FOUND) that its sandboxes on this node are gone.
+  for (const auto& entry : std::filesystem::directory_iterator(groups_dir(), ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.ends_with(".json") && kept_groups.count(name.substr(0, name.size() - 5))) continue;
+    std::filesystem::remove(entry.path(), ec);
+  }
   return cleaned;
+}
+
+double Registry::join_group(const SandboxSpec& spec, double t, bool& persist) {
+  auto it = groups_.find(spec.group);
+  if (it != groups_.end() && t >= it->second.expires_at) {
+    retire_group(it);
+    it = groups_.end();
+  }
+  const double ttl = static_cast<double>(spec.group_ttl.count());
+  if (it == groups_.end()) it = groups_.emplace(spec.group, Group{}).first;
+  Group& group = it->second;
+  group.ttl = ttl;
+  group.expires_at = std::max(group.expires_at, t + ttl);
+  persist = group.expires_at >= group.persisted_expires_at + 1.0;
+  return group.expires_at;
+}
+
+void Registry::retire_group(std::unordered_map<std::string, Group>::iterator it) {
+  for (const auto& id : it->second.members) doomed_.emplace_back(id, it->first);
+  groups_.erase(it);
+}
+
+GroupInfo Registry::group_info(const std::string& id, const Group& group) const {
+  GroupInfo info;
+  info.id = id;
+  info.node = options_.node_id;
+  info.ttl = group.ttl;
+  info.expires_at = group.expires_at;
+  info.sandbox_count = group.members.size();
+  return info;
+}
+
+namespace {
+
+Error no_group(const std::string& group, const std::string& node) {
+  return Error(Code::kNotFound, fmt::format("group '{}' not found on node '{}' (it has no sandboxes here, was "
+                                            "deleted, or its lease expired)",
+                                            group, node));
+}
+
+Error expired_group(const std::string& group, const std::string& node, double ago) {
+  return Error(Code::kNotFound, fmt::format("group '{}' on node '{}': its lease expired {:.1f} s ago; its sandboxes "
+                                            "are being destroyed",
+                                            group, node, ago));
+}
+
+}  // namespace
+
+GroupInfo Registry::renew_group(const std::string& group, double ttl) {
+  if (!protocol::valid_group_id(group))
+    throw Error(Code::kInvalidArgument, fmt::format("group: '{}' is not a group id", group));
+  if (ttl != 0 && (ttl < 1 || ttl > protocol::kMaxGroupTtlSeconds))
+    throw Error(Code::kInvalidArgument, "ttl: must be from 1 to 86400 seconds");
+  GroupInfo info;
+  bool persist = false;
+  {
+    std::lock_guard lock(mutex_);
+    const double t = now();
+    auto it = groups_.find(group);
+    if (it == groups_.end()) throw no_group(group, options_.node_id);
+    if (t >= it->second.expires_at) {
+      double ago = t - it->second.expires_at;
+      retire_group(it);
+      throw expired_group(group, options_.node_id, ago);
+    }
+    Group& g = it->second;
+    if (ttl != 0) g.ttl = ttl;
+    g.expires_at = std::max(g.expires_at, t + g.ttl);
+    persist = g.expires_at != g.persisted_expires_at;
+    info = group_info(group, g);
+  }
+  if (persist) persist_group(group);
+  return info;
+}
+
+GroupInfo Registry::get_group(const std::string& group) const {
+  std::vector<std::shared_ptr<Record>> members;
+  GroupInfo info;
+  {
+    std::lock_guard lock(mutex_);
+    const double t = now();
+    auto it = groups_.find(group);
+    if (it == groups_.end()) throw no_group(group, options_.node_id);
+    if (t >= it->second.expires_at) throw expired_group(group, options_.node_id, t - it->second.expires_at);
+    info = group_info(group, it->second);
+    for (const auto& id : it->second.members)
+      if (auto r = records_.find(id); r != records_.end()) members.push_back(r->second);
+  }
+  for (const auto& record : members) info.sandboxes.push_back(record->snapshot());
+  std::sort(info.sandboxes.begin(), info.sandboxes.end(), [](const SandboxInfo& a, const SandboxInfo& b) {
+    return a.created_at != b.created_at ? a.created_at < b.created_at : a.id < b.id;
+  });
+  return info;
+}
+
+std::vector<GroupInfo> Registry::list_groups() const {
+  std::vector<GroupInfo> out;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [id, group] : groups_) out.push_back(group_info(id, group));
+  }
+  std::sort(out.begin(), out.end(), [](const GroupInfo& a, const GroupInfo& b) { return a.id < b.id; });
+  return out;
+}
+
+GroupInfo Registry::destroy_group(const std::string& group) {
+  GroupInfo info;
+  std::vector<std::string> ids;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = groups_.find(group);
+    if (it == groups_.end()) throw no_group(group, options_.node_id);
+    info = group_info(group, it->second);
+    ids.assign(it->second.members.begin(), it->second.members.end());
+    groups_.erase(it);
+  }
+  destroy_ids(ids, fmt::format("group '{}' deleted", group));
+  persist_group(group);
+  return info;
+}
+
+void Registry::persist_group(const std::string& group) {
+  if (options_.state_dir.empty()) return;
+  std::lock_guard file_lock(group_file_mutex_);
+  std::optional<protocol::json> lease;
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = groups_.find(group); it != groups_.end()) {
+      lease = protocol::json{{"version", 1},
+                             {"id", group},
+                             {"ttl", it->second.ttl},
+                             {"expires_at", it->second.expires_at}};
+      it->second.persisted_expires_at = it->second.expires_at;
+    }
+  }
+  const auto path = groups_dir() / (group + ".json");
+  if (!lease) {
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      log_warn("remove group lease {}: {}", path.string(), std::strerror(errno));
+    return;
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(groups_dir(), ec);
+  if (ec) throw Error(code_for_errno(ec.value()), fmt::format("create {}: {}", groups_dir().string(), ec.message()));
+  write_file_replacing(path, lease->dump() + "\n", "group lease");
 }
 
 void Registry::remove_record_file(const std::string& id) const {

@@ -1,6 +1,8 @@
 // The node's sandboxes: one record per live sandbox (its SandboxInfo and its backend object), the idempotency table
-// of request ids, tombstones of destroyed sandboxes, admission against the node's capacity, and the on-disk record
-// of every live sandbox (<home>/state/sandboxes/<id>.json).
+// of request ids, tombstones of destroyed sandboxes, admission against the node's capacity, the on-disk record
+// of every live sandbox (<home>/state/sandboxes/<id>.json), and lease groups: sandboxes created with a group live
+// while their trainer renews the group's lease, and are destroyed together when it stops (<state>/groups/<id>.json
+// keeps the lease's deadline).
 //
 // Thread-safe. Calls on one sandbox run concurrently (several execs at once): acquire() hands out a reference that
 // keeps the backend object alive, so a destroy that races an exec makes the exec fail (the backend's destroy() ends
@@ -21,6 +23,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "agent/backend.hpp"
@@ -39,6 +42,8 @@ struct RegistryOptions {
   std::uint64_t memory_bytes = 1ull << 30;
   double cpu_overcommit = 8.0;
   double memory_overcommit = 1.0;
+  std::uint32_t gpus = 0;               // GPUs the node can hand out, whole
+  Labels node_labels;                   // a create's node_selector must match them
   // Request ids are remembered this long, and at most this many (the oldest finished ones go first beyond it).
   std::chrono::seconds request_id_retention{3600};
   std::size_t max_request_ids = 1u << 18;
@@ -60,7 +65,18 @@ struct NodeLoad {
   std::uint32_t sandboxes = 0;
   double cpu_requested = 0;
   std::uint64_t memory_requested = 0;
+  std::uint32_t gpus_requested = 0;
   std::map<std::string, std::uint64_t, std::less<>> by_kind;
+};
+
+// A lease group on this node.
+struct GroupInfo {
+  std::string id;
+  std::string node;
+  double ttl = 0;                      // seconds a renewal (or a create into the group) extends the lease to
+  double expires_at = 0;               // unix seconds; the reaper destroys the group's sandboxes from then on
+  std::size_t sandbox_count = 0;       // live sandboxes of the group
+  std::vector<SandboxInfo> sandboxes;  // filled by get_group() only, oldest first
 };
 
 // A live sandbox's backend object, kept alive while the holder uses it.
@@ -100,7 +116,19 @@ class Registry {
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
 
-  // Destroys sandboxes whose TTL passed, marks dead ones failed, forgets old request ids and tombstones.
+  // Lease groups. A create whose spec names a group starts the group's lease on this node (now + group_ttl) or
+  // extends it (never shortens it). NOT_FOUND for a group the node does not have: never had, deleted, or expired
+  // (an expired group's sandboxes are destroyed by the next reap()).
+  //
+  // Extends the lease to now + ttl (never shortens it); ttl 0 means the group's own ttl.
+  GroupInfo renew_group(const std::string& group, double ttl);
+  GroupInfo get_group(const std::string& group) const;
+  std::vector<GroupInfo> list_groups() const;  // without their sandboxes, by id
+  // Destroys every sandbox of the group and forgets it; returns the group as it was.
+  GroupInfo destroy_group(const std::string& group);
+
+  // Destroys sandboxes whose TTL passed and every sandbox of a group whose lease expired (and forgets the group),
+  // marks dead ones failed, forgets old request ids and tombstones.
   void reap();
   // Destroys every sandbox (agent shutdown); returns how many.
   std::size_t destroy_all(std::string_view reason);
@@ -135,6 +163,24 @@ class Registry {
   void forget_request_id(const std::string& request_id, const std::string& sandbox_id);
   void evict(double now);                                        // caller holds mutex_
   double now() const { return options_.clock(); }
+  // Destroys the sandboxes (batch_parallelism at a time), logging failures; returns how many it destroyed.
+  std::size_t destroy_ids(const std::vector<std::string>& ids, std::string_view reason);
+
+  struct Group {
+    double ttl = 0;
+    double expires_at = 0;
+    double persisted_expires_at = 0;  // the deadline last written to disk
+    std::unordered_set<std::string> members;  // live sandboxes
+  };
+  // Starts or extends the lease of spec.group for a create; returns the deadline. Caller holds mutex_.
+  // `persist` says whether the lease on disk is now behind (a new group, or a deadline a second or more later).
+  double join_group(const SandboxSpec& spec, double t, bool& persist);
+  // An expired group found by a call before the reaper: its members go to doomed_, the group is forgotten.
+  void retire_group(std::unordered_map<std::string, Group>::iterator it);  // caller holds mutex_
+  GroupInfo group_info(const std::string& id, const Group& group) const;   // caller holds mutex_
+  // Writes the group's lease to <state>/groups/<id>.json, or removes the file when the group is gone.
+  void persist_group(const std::string& group);
+  std::filesystem::path groups_dir() const { return options_.state_dir / "groups"; }
 
   RegistryOptions options_;
   Backends backends_;
@@ -145,8 +191,13 @@ class Registry {
   std::unordered_map<std::string, std::shared_ptr<Record>> records_;
   double live_cpu_ = 0;
   std::uint64_t live_memory_ = 0;
+  std::uint32_t live_gpus_ = 0;
   double reserved_cpu_ = 0;       // creates in flight
   std::uint64_t reserved_memory_ = 0;
+  std::uint32_t reserved_gpus_ = 0;
+  std::unordered_map<std::string, Group> groups_;
+  std::vector<std::pair<std::string, std::string>> doomed_;  // (sandbox id, group) of retired groups, for reap()
+  std::mutex group_file_mutex_;  // one writer of group files at a time (taken before mutex_, never inside it)
   std::unordered_map<std::string, std::shared_ptr<RequestEntry>> requests_;
   std::deque<std::pair<double, std::string>> request_order_;
   std::condition_variable request_done_;

@@ -1,5 +1,6 @@
 #include "agent/router.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <initializer_list>
 
@@ -57,6 +58,21 @@ json sandbox_list(const std::vector<SandboxInfo>& infos) {
   return json{{"sandboxes", std::move(list)}};
 }
 
+json encode_group(const GroupInfo& g, double now) {
+  return json{{"id", g.id},
+              {"node", g.node},
+              {"ttl", g.ttl},
+              {"expires_at", g.expires_at},
+              {"expires_in", std::max(0.0, g.expires_at - now)},
+              {"sandbox_count", g.sandbox_count}};
+}
+
+void check_group_id(const std::string& id) {
+  if (!protocol::valid_group_id(id))
+    throw Error(Code::kInvalidArgument,
+                fmt::format("group: '{}' is not a group id (1 to 128 letters, digits, '.', '_', '-')", id));
+}
+
 }  // namespace
 
 Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info)
@@ -91,9 +107,13 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandbox: return sandbox(request, target);
     case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
+    case Route::kGroups: return groups(request, target);
+    case Route::kGroup: return group(request, target);
+    case Route::kGroupRenew: return group_renew(request, target);
     case Route::kUnknown: break;
   }
-  throw Error(Code::kNotFound, fmt::format("no route {} {} (protocol v1: /v1/node, /v1/sandboxes, /metrics, /healthz)",
+  throw Error(Code::kNotFound, fmt::format("no route {} {} (protocol v1: /v1/node, /v1/sandboxes, /v1/groups, "
+                                           "/metrics, /healthz)",
                                            std_view(request.method_string()), target.path));
 }
 
@@ -263,6 +283,50 @@ HttpResponse Router::files(HttpRequest& request, const Target& target) {
   bool tar = format == "tar" || (format.empty() && handle.sandbox->is_directory(path));
   if (tar) return text_response(http::status::ok, handle.sandbox->get_archive(path), "application/x-tar");
   return text_response(http::status::ok, handle.sandbox->read_file(path), "application/octet-stream");
+}
+
+// GET: the node's lease groups.
+HttpResponse Router::groups(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/groups", {http::verb::get});
+  only_params(target.query, {});
+  const double now = registry_.options().clock();
+  json list = json::array();
+  for (const auto& g : registry_.list_groups()) list.push_back(encode_group(g, now));
+  return json_response(http::status::ok, json{{"groups", std::move(list)}});
+}
+
+// GET: the group's lease and its sandboxes. DELETE: destroy them all and forget the group.
+HttpResponse Router::group(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/groups/{id}", {http::verb::get, http::verb::delete_});
+  only_params(target.query, {});
+  check_group_id(target.group_id);
+  if (request.method() == http::verb::get) {
+    GroupInfo g = registry_.get_group(target.group_id);
+    json body = encode_group(g, registry_.options().clock());
+    body.update(sandbox_list(g.sandboxes));
+    return json_response(http::status::ok, body);
+  }
+  GroupInfo g = registry_.destroy_group(target.group_id);
+  return json_response(http::status::ok, json{{"id", g.id}, {"node", g.node}, {"destroyed", g.sandbox_count}});
+}
+
+// POST {"ttl": seconds}: extend the group's lease to now + ttl (never shortens it; no ttl: the group's own).
+HttpResponse Router::group_renew(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/groups/{id}/renew", {http::verb::post});
+  only_params(target.query, {});
+  check_group_id(target.group_id);
+  json body = protocol::parse_body(request.body());
+  if (!body.is_object()) throw Error(Code::kInvalidArgument, "renew: the body must be a JSON object such as {\"ttl\": 30}");
+  double ttl = 0;
+  if (auto it = body.find("ttl"); it != body.end() && !it->is_null()) {
+    if (!it->is_number() || it->get<double>() < 1 || it->get<double>() > protocol::kMaxGroupTtlSeconds)
+      throw Error(Code::kInvalidArgument, "ttl: must be a number of seconds from 1 to 86400");
+    ttl = it->get<double>();
+  }
+  for (const auto& [key, value] : body.items())
+    if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("renew: unknown field '{}' (known: ttl)", key));
+  GroupInfo g = registry_.renew_group(target.group_id, ttl);
+  return json_response(http::status::ok, encode_group(g, registry_.options().clock()));
 }
 
 }  // namespace dsec::agent

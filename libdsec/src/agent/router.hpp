@@ -30,6 +30,9 @@ class Router {
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
+  HttpResponse groups(HttpRequest& request, const Target& target);
+  HttpResponse group(HttpRequest& request, const Target& target);
+  HttpResponse group_renew(HttpRequest& request, const Target& target);
   HttpResponse metrics_text(HttpRequest& request);
   HttpResponse healthz(HttpRequest& request);
 

@@ -37,6 +37,9 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandbox: return "/v1/sandboxes/{id}";
     case Route::kSandboxExec: return "/v1/sandboxes/{id}/exec";
     case Route::kSandboxFiles: return "/v1/sandboxes/{id}/files";
+    case Route::kGroups: return "/v1/groups";
+    case Route::kGroup: return "/v1/groups/{id}";
+    case Route::kGroupRenew: return "/v1/groups/{id}/renew";
     case Route::kUnknown: break;
   }
   return "unknown";
@@ -126,6 +129,15 @@ Target parse_target(std::string_view target) {
         else if (parts.size() == 4 && parts[3] == "exec") out.route = Route::kSandboxExec;
         else if (parts.size() == 4 && parts[3] == "files") out.route = Route::kSandboxFiles;
         if (out.route != Route::kUnknown) out.sandbox_id = std::move(id);
+      }
+    } else if (parts.size() >= 2 && is(1, "groups")) {
+      if (parts.size() == 2) {
+        out.route = Route::kGroups;
+      } else if (!parts[2].empty()) {
+        std::string id = percent_decode(parts[2], "group id");
+        if (parts.size() == 3) out.route = Route::kGroup;
+        else if (parts.size() == 4 && parts[3] == "renew") out.route = Route::kGroupRenew;
+        if (out.route != Route::kUnknown) out.group_id = std::move(id);
       }
     }
   }

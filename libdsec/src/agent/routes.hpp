@@ -21,6 +21,9 @@ enum class Route {
   kSandbox,         // /v1/sandboxes/{id}
   kSandboxExec,     // /v1/sandboxes/{id}/exec
   kSandboxFiles,    // /v1/sandboxes/{id}/files
+  kGroups,          // /v1/groups
+  kGroup,           // /v1/groups/{id}
+  kGroupRenew,      // /v1/groups/{id}/renew
 };
 
 // The route's template, as used in metrics labels: "/v1/sandboxes/{id}/exec"; "unknown" for kUnknown.
@@ -45,6 +48,7 @@ struct Target {
   Route route = Route::kUnknown;
   std::string path;        // decoded path, without the query
   std::string sandbox_id;  // for the per-sandbox routes
+  std::string group_id;    // for the per-group routes
   Query query;
 };
 
