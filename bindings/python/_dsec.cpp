@@ -159,6 +159,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("disk_bytes", &dsec::Resources::disk_bytes)
       .def_readwrite("pids", &dsec::Resources::pids)
       .def_readwrite("open_files", &dsec::Resources::open_files)
+      .def_readwrite("gpus", &dsec::Resources::gpus)
       .def("__repr__", [](const dsec::Resources& r) {
         return "Resources(cpu=" + py::repr(py::float_(r.cpu)).cast<std::string>() +
                ", memory_bytes=" + std::to_string(r.memory_bytes) + ", disk_bytes=" + std::to_string(r.disk_bytes) +
@@ -182,7 +183,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("hostname", &dsec::SandboxSpec::hostname)
       .def_readwrite("workdir", &dsec::SandboxSpec::workdir)
       .def_readwrite("allow_ptrace", &dsec::SandboxSpec::allow_ptrace)
-      .def_readwrite("request_id", &dsec::SandboxSpec::request_id);
+      .def_readwrite("request_id", &dsec::SandboxSpec::request_id)
+      .def_readwrite("node_selector", &dsec::SandboxSpec::node_selector)
+      .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity);
 
   py::class_<dsec::ExecResult>(m, "ExecResult", "What a command run in a sandbox did. stdout/stderr are bytes.")
       .def_readonly("exit_code", &dsec::ExecResult::exit_code, "Exit status, or -1 when a signal ended it.")
@@ -218,6 +221,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("kind", &dsec::SandboxInfo::kind)
       .def_readonly("tenant", &dsec::SandboxInfo::tenant)
       .def_readonly("labels", &dsec::SandboxInfo::labels)
+      .def_readonly("group", &dsec::SandboxInfo::group, "The lease group it belongs to; '' for none.")
       .def_readonly("resources", &dsec::SandboxInfo::resources)
       .def_readonly("created_at", &dsec::SandboxInfo::created_at, "Unix seconds.")
       .def_readonly("expires_at", &dsec::SandboxInfo::expires_at, "Unix seconds; 0 when it has no TTL.")
@@ -246,6 +250,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("memory_bytes", &dsec::NodeInfo::memory_bytes)
       .def_readonly("disk_bytes", &dsec::NodeInfo::disk_bytes)
       .def_readonly("disk_free_bytes", &dsec::NodeInfo::disk_free_bytes)
+      .def_readonly("gpus", &dsec::NodeInfo::gpus)
+      .def_readonly("gpus_free", &dsec::NodeInfo::gpus_free)
+      .def_readonly("labels", &dsec::NodeInfo::labels, "The node's labels (dsecd --label), for node_selector.")
       .def_readonly("sandboxes", &dsec::NodeInfo::sandboxes)
       .def_readonly("cpu_requested", &dsec::NodeInfo::cpu_requested)
       .def_readonly("memory_requested", &dsec::NodeInfo::memory_requested)
@@ -343,7 +350,7 @@ PYBIND11_MODULE(_dsec, m) {
                        std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
                        double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
                        double max_backoff, double agent_start_timeout, double agent_stop_grace,
-                       std::vector<std::string> stores, double image_cache_ttl) {
+                       std::vector<std::string> stores, double image_cache_ttl, std::string placement) {
              dsec::ClientOptions o;
              o.endpoints = std::move(endpoints);
              o.stores = std::move(stores);
@@ -362,6 +369,8 @@ PYBIND11_MODULE(_dsec, m) {
              o.retry.max_backoff = to_ms(max_backoff, "max_backoff");
              o.agent_start_timeout = to_ms(agent_start_timeout, "agent_start_timeout");
              o.agent_stop_grace = to_ms(agent_stop_grace, "agent_stop_grace");
+             dsec::make_placement_policy(placement);  // an unknown name is INVALID_ARGUMENT before anything starts
+             o.placement = std::move(placement);
              return std::make_unique<PyClient>(std::move(o));
            }),
            py::arg("endpoints") = std::vector<std::string>{}, py::arg("agent_binary") = "",
@@ -369,7 +378,8 @@ PYBIND11_MODULE(_dsec, m) {
            py::arg("agent_args") = std::vector<std::string>{}, py::arg("call_deadline") = 60.0,
            py::arg("create_concurrency") = 32, py::arg("max_attempts") = 6, py::arg("initial_backoff") = 0.02,
            py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0,
-           py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0)
+           py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0,
+           py::arg("placement") = "spread")
       .def(
           "create",
           [](PyClient& self, const dsec::SandboxSpec& spec) {

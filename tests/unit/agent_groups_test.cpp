@@ -257,6 +257,20 @@ TEST_F(GroupsTest, TheLeaseIsKeptOnDiskAndMembershipInTheSandboxRecords) {
   create("h", 30);
   registry_->destroy_group("h");
   EXPECT_FALSE(std::filesystem::exists(lease_file("h")));
+  // No directory stays behind once the node has no group.
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() / "state" / "groups"));
+}
+
+TEST_F(GroupsTest, ShutdownDestroysEverySandboxAndForgetsEveryGroup) {
+  create("a", 30);
+  create("a", 30);
+  create("b", 30);
+  create();
+  EXPECT_EQ(registry_->destroy_all("agent shutdown"), 4u);
+  EXPECT_TRUE(registry_->list_groups().empty());
+  EXPECT_EQ(code_of([&] { registry_->renew_group("a", 30); }), Code::kNotFound);
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() / "state" / "groups"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_.path() / "state"));
 }
 
 TEST_F(GroupsTest, AStartAfterACrashDropsTheLeasesOfSandboxesItRemoves) {

@@ -394,8 +394,11 @@ class Client:
     ``image_cache_ttl`` seconds) and sends the agent the exact manifest, whose layers the node streams on demand.
 
     ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
-    go to the node that made it. Idempotent calls are retried on transient errors with exponential backoff and
-    full jitter, all within ``call_deadline`` seconds (an exec's own timeout comes on top).
+    go to the node that made it. ``placement`` chooses the node for each new sandbox: ``"spread"`` (most free
+    capacity first, so sandboxes spread over the nodes) or ``"pack"`` (the fullest node that still fits, so nodes
+    fill one after another); both prefer nodes that already cache the image's layers. Idempotent calls are retried
+    on transient errors with exponential backoff and full jitter, all within ``call_deadline`` seconds (an exec's
+    own timeout comes on top).
     """
 
     def __init__(
@@ -414,6 +417,7 @@ class Client:
         agent_stop_grace: float = 10.0,
         stores: Union[str, Iterable[str], None] = None,
         image_cache_ttl: float = 10.0,
+        placement: str = "spread",
     ) -> None:
         if endpoints is None:
             eps: list[str] = []
@@ -437,6 +441,7 @@ class Client:
             agent_stop_grace=float(agent_stop_grace),
             stores=[stores] if isinstance(stores, str) else [os.fspath(s) for s in (stores or ())],
             image_cache_ttl=float(image_cache_ttl),
+            placement=str(placement),
         )
         self._pid = os.getpid()
         with _live_lock:

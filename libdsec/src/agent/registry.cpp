@@ -597,11 +597,24 @@ void Registry::reap() {
 
 std::size_t Registry::destroy_all(std::string_view reason) {
   std::vector<std::string> ids;
+  std::vector<std::string> groups;
   {
     std::lock_guard lock(mutex_);
     for (const auto& [id, record] : records_) ids.push_back(id);
+    // Their sandboxes go, so the groups go too (a renewal then says NOT_FOUND).
+    for (const auto& [id, group] : groups_) groups.push_back(id);
+    groups_.clear();
+    doomed_.clear();
   }
-  return destroy_ids(ids, reason);
+  std::size_t destroyed = destroy_ids(ids, reason);
+  for (const auto& group : groups) {
+    try {
+      persist_group(group);
+    } catch (const std::exception& e) {
+      log_warn("group {}: {}", group, e.what());
+    }
+  }
+  return destroyed;
 }
 
 std::size_t Registry::destroy_ids(const std::vector<std::string>& ids, std::string_view reason) {
@@ -870,6 +883,7 @@ void Registry::persist_group(const std::string& group) {
   if (!lease) {
     if (::unlink(path.c_str()) != 0 && errno != ENOENT)
       log_warn("remove group lease {}: {}", path.string(), std::strerror(errno));
+    ::rmdir(groups_dir().c_str());  // only when it is empty: no directory stays behind a node without groups
     return;
   }
   std::error_code ec;

@@ -130,7 +130,7 @@ class Registry {
   // Destroys sandboxes whose TTL passed and every sandbox of a group whose lease expired (and forgets the group),
   // marks dead ones failed, forgets old request ids and tombstones.
   void reap();
-  // Destroys every sandbox (agent shutdown); returns how many.
+  // Destroys every sandbox and forgets every group (agent shutdown); returns how many sandboxes it destroyed.
   std::size_t destroy_all(std::string_view reason);
 
   // Sandboxes an earlier run of the agent left behind (it crashed): for each record in state_dir that is not a live
