@@ -163,6 +163,27 @@ TEST_F(DiscoveryTest, WaitsForEtcdThenLists) {
   EXPECT_EQ(ev.size(), 1u);
 }
 
+// The callback may look at the table: for the first listing's events too, without waiting for itself.
+TEST_F(DiscoveryTest, CallbackMaySnapshot) {
+  etcd_->put("/dsec/nodes/a", record("a", "http://10.1.0.1:7070"));
+  etcd_->put("/dsec/nodes/b", record("b", "http://10.1.0.2:7070"));
+  std::mutex mu;
+  std::vector<std::size_t> seen;
+  EtcdDiscovery* self = nullptr;
+  EtcdDiscovery d({server_->url()}, "/dsec/", [&](const NodeEvent&) {
+    std::size_t n = self->snapshot(milliseconds(2'000)).size();
+    std::lock_guard lock(mu);
+    seen.push_back(n);
+  });
+  self = &d;
+  d.start();
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(d.snapshot().size(), 2u);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(2));
+  std::lock_guard lock(mu);
+  EXPECT_EQ(seen, (std::vector<std::size_t>{2, 2}));
+}
+
 // While the watch is cut off, a node goes, one comes, one changes, and the history is compacted: on reconnect the
 // discovery re-lists and reports exactly those three differences (the unchanged node is not reported again).
 TEST_F(DiscoveryTest, AfterACompactionReportsOnlyTheDifferences) {

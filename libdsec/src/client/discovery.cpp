@@ -1,6 +1,7 @@
 #include "client/discovery.hpp"
 
 #include <algorithm>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -59,7 +60,10 @@ std::string EtcdDiscovery::last_error() const {
 std::vector<NodeEvent> EtcdDiscovery::snapshot(std::chrono::milliseconds wait) {
   std::unique_lock lock(mu_);
   if (!started_) throw Error(Code::kFailedPrecondition, "etcd discovery: snapshot() before start()");
-  if (!loaded_cv_.wait_for(lock, wait, [&] { return loaded_; }))
+  // Once the first listing's events have been handed to the callback, so that a caller who feeds a table from
+  // both sees every node of the snapshot there too; the callback itself (on the discovery's thread) need not wait.
+  const bool on_callback_thread = std::this_thread::get_id() == callback_thread_;
+  if (!loaded_cv_.wait_for(lock, wait, [&] { return delivered_ || (loaded_ && on_callback_thread); }))
     throw Error(Code::kUnavailable,
                 fmt::format("etcd discovery: no node list from etcd ({}) within {} ms{}{}", etcd_->current_endpoint(),
                             wait.count(), last_error_.empty() ? "" : ": ", last_error_));
@@ -127,9 +131,14 @@ void EtcdDiscovery::on_listing(const std::vector<cluster::KeyValue>& kvs) {
     nodes_ = std::move(fresh);
     raw_ = std::move(fresh_raw);
     loaded_ = true;
+    callback_thread_ = std::this_thread::get_id();
+  }
+  emit(events);
+  {
+    std::lock_guard lock(mu_);
+    delivered_ = true;
   }
   loaded_cv_.notify_all();
-  emit(events);
 }
 
 void EtcdDiscovery::on_put(const std::string& key, const std::string& value) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dsec/sandbox_info.hpp"
@@ -63,7 +64,8 @@ class EtcdDiscovery {
   void stop();
 
   // The nodes known now (kind kUp, sorted by node id). Before the first listing has arrived it waits up to `wait`
-  // for it, then throws UNAVAILABLE with why etcd could not be read; FAILED_PRECONDITION before start().
+  // for it (and for the callback to have been told about each of its nodes), then throws UNAVAILABLE with why etcd
+  // could not be read; FAILED_PRECONDITION before start().
   std::vector<NodeEvent> snapshot(std::chrono::milliseconds wait = std::chrono::milliseconds(5'000));
 
   // Whether the watch stream is open now.
@@ -90,7 +92,9 @@ class EtcdDiscovery {
   mutable std::mutex mu_;
   std::condition_variable loaded_cv_;
   bool started_ = false;
-  bool loaded_ = false;
+  bool loaded_ = false;     // the first listing is in nodes_
+  bool delivered_ = false;  // ... and its events went to the callback
+  std::thread::id callback_thread_;
   std::map<std::string, NodeEvent> nodes_;  // by node id
   std::map<std::string, std::string> raw_;  // node id -> its record as stored, to report only real changes
   std::string last_error_;
