@@ -1,6 +1,8 @@
 // Endpoint strings, URL escaping, sizes, and routing a sandbox id to the node that made it.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include "client/endpoint.hpp"
 #include "client/node_table.hpp"
 #include "dsec/error.hpp"
@@ -77,14 +79,22 @@ TEST(ParseSize, RejectsNonsense) {
     EXPECT_FALSE(parse_size(bad).has_value()) << bad;
 }
 
+// Nodes with known ids, added in order; endpoints are never contacted here.
+std::vector<NodePtr> nodes_with_ids(NodeTable& t, const std::vector<std::string>& ids) {
+  std::vector<NodePtr> out;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    out.push_back(t.add(fmt::format("http://127.0.0.1:{}", 40000 + i)));
+    t.learn(out.back(), ids[i]);
+  }
+  return out;
+}
+
 TEST(NodeTable, RoutesAnIdToTheNodeThatMadeIt) {
-  NodeTable t(3);
-  t.set(0, "alpha");
-  t.set(1, "beta");
-  t.set(2, "gamma");
-  EXPECT_EQ(t.route("beta-0123abcd"), 1u);
-  EXPECT_EQ(t.route("alpha-ff"), 0u);
-  EXPECT_EQ(t.route("gamma-1"), 2u);
+  NodeTable t;
+  auto n = nodes_with_ids(t, {"alpha", "beta", "gamma"});
+  EXPECT_EQ(t.route("beta-0123abcd"), n[1]);
+  EXPECT_EQ(t.route("alpha-ff"), n[0]);
+  EXPECT_EQ(t.route("gamma-1"), n[2]);
   EXPECT_FALSE(t.route("delta-00"));
   EXPECT_FALSE(t.route("beta"));     // a node id is not a sandbox id
   EXPECT_FALSE(t.route("beta-"));
@@ -92,26 +102,72 @@ TEST(NodeTable, RoutesAnIdToTheNodeThatMadeIt) {
 }
 
 TEST(NodeTable, NodeIdsWithDashesTakeTheLongestMatch) {
-  NodeTable t(2);
-  t.set(0, "rack1");
-  t.set(1, "rack1-node2");
-  EXPECT_EQ(t.route("rack1-node2-9f3a"), 1u);
-  EXPECT_EQ(t.route("rack1-9f3a"), 0u);
-  NodeTable reversed(2);  // order of endpoints does not matter
-  reversed.set(0, "rack1-node2");
-  reversed.set(1, "rack1");
-  EXPECT_EQ(reversed.route("rack1-node2-9f3a"), 0u);
-  EXPECT_EQ(reversed.route("rack1-9f3a"), 1u);
+  NodeTable t;
+  auto n = nodes_with_ids(t, {"rack1", "rack1-node2"});
+  EXPECT_EQ(t.route("rack1-node2-9f3a"), n[1]);
+  EXPECT_EQ(t.route("rack1-9f3a"), n[0]);
+  NodeTable reversed;  // the order nodes were added in does not matter
+  auto r = nodes_with_ids(reversed, {"rack1-node2", "rack1"});
+  EXPECT_EQ(reversed.route("rack1-node2-9f3a"), r[0]);
+  EXPECT_EQ(reversed.route("rack1-9f3a"), r[1]);
 }
 
-TEST(NodeTable, UnknownEndpointsAreSkipped) {
-  NodeTable t(2);
-  EXPECT_FALSE(t.all_known());
-  t.set(1, "n1");
-  EXPECT_FALSE(t.known(0));
-  EXPECT_EQ(t.route("n1-abc"), 1u);
-  t.set(0, "n0");
-  EXPECT_TRUE(t.all_known());
+TEST(NodeTable, UnidentifiedNodesAreListedUntilLearned) {
+  NodeTable t;
+  NodePtr a = t.add("http://127.0.0.1:40100");
+  NodePtr b = t.add("http://127.0.0.1:40101");
+  EXPECT_EQ(t.add("http://127.0.0.1:40100"), a);  // same endpoint, same node
+  EXPECT_EQ(t.unidentified().size(), 2u);
+  t.learn(b, "n1");
+  EXPECT_EQ(t.unidentified(), std::vector<NodePtr>{a});
+  EXPECT_EQ(t.route("n1-abc"), b);
+}
+
+TEST(NodeTable, DiscoveryAddsMovesAndRemovesNodes) {
+  NodeTable t;
+  NodeInfo info;
+  info.id = "n1";
+  NodePtr first = t.up("n1", "http://127.0.0.1:40200", info);
+  EXPECT_EQ(t.live_count(), 1u);
+  EXPECT_EQ(t.route("n1-00"), first);
+  // The same node at a new address: a fresh entry; the old one is gone.
+  NodePtr moved = t.up("n1", "http://127.0.0.1:40201", info);
+  EXPECT_NE(moved, first);
+  EXPECT_EQ(t.live_count(), 1u);
+  EXPECT_EQ(t.route("n1-00"), moved);
+  t.down("n1");
+  EXPECT_EQ(t.live_count(), 0u);
+  // A gone node still routes its sandboxes (so calls can say NodeLost), and is marked gone.
+  NodePtr routed = t.route("n1-00");
+  ASSERT_TRUE(routed);
+  EXPECT_TRUE(t.view(routed).gone);
+}
+
+TEST(NodeTable, RepeatedFailuresEjectForAGrowingTime) {
+  NodeTable t;
+  NodePtr n = t.add("http://127.0.0.1:40300");
+  for (int i = 1; i < NodeTable::kEjectAfter; ++i) EXPECT_FALSE(t.failed(n)) << i;
+  EXPECT_TRUE(t.failed(n));
+  EXPECT_TRUE(t.view(n).ejected);
+  auto first_until = n->ejected_until;
+  EXPECT_TRUE(t.failed(n));
+  EXPECT_GT(n->ejected_until - SteadyClock::now(), first_until - SteadyClock::now() + std::chrono::milliseconds(500))
+      << "each further failure doubles the ejection";
+  t.succeeded(n);
+  EXPECT_FALSE(t.view(n).ejected);
+  EXPECT_EQ(t.view(n).failures, 0);
+}
+
+TEST(NodeTable, PlacementTallyStartsOverWithFreshInfo) {
+  NodeTable t;
+  NodePtr n = t.add("http://127.0.0.1:40400");
+  t.placed(n, 2.0, 1u << 20, 2);
+  EXPECT_EQ(t.view(n).sandboxes_placed, 2u);
+  NodeInfo info;
+  info.id = "x";
+  t.set_info(n, info);
+  EXPECT_EQ(t.view(n).sandboxes_placed, 0u);
+  EXPECT_EQ(t.view(n).id, "x");
 }
 
 TEST(SandboxId, Shape) {

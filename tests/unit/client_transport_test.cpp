@@ -1,6 +1,7 @@
 // The client's transport and call policy against small real HTTP servers on unix sockets: connection reuse, agent
 // errors, which calls are retried (exec only when it never reached the agent), create's request ids, create_many's
 // all-or-nothing, and routing sandbox ids across nodes.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <sys/socket.h>
@@ -204,9 +205,31 @@ Code code_of(const std::function<void()>& f) {
   return Code::kOk;
 }
 
+// What a roomy node says about itself: 8 cores, 64 GiB, the container and null backends.
+std::string node_json(const std::string& node) {
+  NodeInfo n;
+  n.id = node;
+  n.backends = {"container", "null"};
+  n.cores = 8;
+  n.memory_bytes = 64ull << 30;
+  n.cpu_overcommit = 32;
+  n.memory_overcommit = 2;
+  return protocol::encode(n).dump();
+}
+
+// The answer to a batch create (POST with "count"): sandboxes "<node>-<request id>-<i>".
+Reply batch_reply(const Request& r, const std::string& node) {
+  json body = json::parse(r.body);
+  json list = json::array();
+  std::size_t count = body.value("count", std::size_t{1});
+  for (std::size_t i = 0; i < count; ++i)
+    list.push_back(json::parse(info_json(fmt::format("{}-{}-{}", node, body.at("request_id").get<std::string>(), i), node)));
+  return {201, json{{"sandboxes", list}}.dump()};
+}
+
 // A node that knows one sandbox; everything else is NOT_FOUND.
 Reply simple_node(const Request& r, const std::string& node) {
-  if (r.target == "/v1/node") return {200, json{{"id", node}}.dump()};
+  if (r.target == "/v1/node") return {200, node_json(node)};
   if (r.method == "GET" && r.target.starts_with("/v1/sandboxes/" + node + "-"))
     return {200, info_json(r.target.substr(std::string("/v1/sandboxes/").size()), node)};
   return {404, json{{"code", "NOT_FOUND"}, {"message", "no such sandbox"}, {"retryable", false}}.dump()};
@@ -394,27 +417,29 @@ TEST(ClientCore, InvalidSpecsFailBeforeAnyCall) {
 }
 
 TEST(ClientCore, CreateManyIsAllOrNothing) {
-  std::atomic<int> creates{0};
   std::mutex mu;
-  std::vector<std::string> deleted;
-  TestServer server([&](const Request& r) -> Reply {
+  std::vector<std::string> made, deleted;
+  TestServer a([&](const Request& r) -> Reply {
     if (r.method == "POST") {
-      std::string rid = json::parse(r.body).at("request_id");
-      if (rid.ends_with("-5"))
-        return {429, json{{"code", "INVALID_ARGUMENT"}, {"message", "image gone"}, {"retryable", false}}.dump()};
-      ++creates;
-      return {201, info_json("n1-" + rid, "n1")};
+      Reply reply = batch_reply(r, "na");
+      const json answer = json::parse(reply.body);
+      std::lock_guard lock(mu);
+      for (const auto& s : answer.at("sandboxes")) made.push_back(s.at("id").get<std::string>());
+      return reply;
     }
     if (r.method == "DELETE") {
       std::lock_guard lock(mu);
       deleted.push_back(r.target.substr(std::string("/v1/sandboxes/").size()));
       return {200, "{}"};
     }
-    return simple_node(r, "n1");
+    return simple_node(r, "na");
   });
-  auto options = fast_options({server.endpoint()});
-  options.create_concurrency = 3;
-  ClientCore core(options);
+  TestServer b([&](const Request& r) -> Reply {
+    if (r.method == "POST")
+      return {400, json{{"code", "INVALID_ARGUMENT"}, {"message", "image gone"}, {"retryable", false}}.dump()};
+    return simple_node(r, "nb");
+  });
+  ClientCore core(fast_options({a.endpoint(), b.endpoint()}));
   SandboxSpec spec;
   spec.request_id = "batch";
   try {
@@ -425,31 +450,73 @@ TEST(ClientCore, CreateManyIsAllOrNothing) {
     EXPECT_NE(std::string(e.what()).find("image gone"), std::string::npos);
   }
   std::lock_guard lock(mu);
-  EXPECT_EQ(static_cast<int>(deleted.size()), creates.load());  // every sandbox made was destroyed again
-  for (const auto& d : deleted) EXPECT_TRUE(d.starts_with("n1-batch-")) << d;
+  EXPECT_FALSE(made.empty()) << "the pulse was spread over both nodes";
+  std::sort(made.begin(), made.end());
+  std::sort(deleted.begin(), deleted.end());
+  EXPECT_EQ(deleted, made);  // every sandbox made was destroyed again
 }
 
-TEST(ClientCore, CreateManyRunsConcurrentlyWithDistinctRequestIds) {
+TEST(ClientCore, CreateManySendsOneBatchPerNodeConcurrently) {
   std::atomic<int> in_flight{0}, peak{0};
-  TestServer server([&](const Request& r) -> Reply {
-    if (r.method != "POST") return simple_node(r, "n1");
-    int now = ++in_flight;
-    for (int p = peak.load(); now > p && !peak.compare_exchange_weak(p, now);) {
-    }
-    std::this_thread::sleep_for(milliseconds{30});
-    --in_flight;
-    return {201, info_json("n1-" + json::parse(r.body).at("request_id").get<std::string>(), "n1")};
-  });
-  auto options = fast_options({server.endpoint()});
-  options.create_concurrency = 4;
+  std::mutex mu;
+  std::map<std::string, std::vector<std::size_t>> counts;  // node -> batch sizes
+  std::set<std::string> request_ids;
+  auto handler = [&](const std::string& node) {
+    return [&, node](const Request& r) -> Reply {
+      if (r.method != "POST") return simple_node(r, node);
+      int now = ++in_flight;
+      for (int p = peak.load(); now > p && !peak.compare_exchange_weak(p, now);) {
+      }
+      std::this_thread::sleep_for(milliseconds{50});
+      --in_flight;
+      json body = json::parse(r.body);
+      std::lock_guard lock(mu);
+      counts[node].push_back(body.value("count", std::size_t{1}));
+      request_ids.insert(body.at("request_id"));
+      return batch_reply(r, node);
+    };
+  };
+  TestServer a(handler("na")), b(handler("nb")), c(handler("nc"));
+  auto options = fast_options({a.endpoint(), b.endpoint(), c.endpoint()});
   ClientCore core(options);
-  auto infos = core.create_many(16, SandboxSpec{});
-  ASSERT_EQ(infos.size(), 16u);
+  auto infos = core.create_many(30, SandboxSpec{});
+  ASSERT_EQ(infos.size(), 30u);
   std::set<std::string> ids;
   for (const auto& i : infos) ids.insert(i.id);
-  EXPECT_EQ(ids.size(), 16u);
-  EXPECT_GT(peak.load(), 1);
-  EXPECT_LE(peak.load(), 4);
+  EXPECT_EQ(ids.size(), 30u);
+  std::lock_guard lock(mu);
+  ASSERT_EQ(counts.size(), 3u) << "spread over every node";
+  for (const auto& [node, sizes] : counts) {
+    EXPECT_EQ(sizes.size(), 1u) << node << " got more than one request";
+    EXPECT_EQ(sizes.front(), 10u) << node;
+  }
+  EXPECT_EQ(request_ids.size(), 3u);
+  EXPECT_GT(peak.load(), 1) << "the batches went out at once";
+}
+
+TEST(ClientCore, CreateManyMovesARefusedBatchToAnotherNode) {
+  std::atomic<int> b_posts{0};
+  TestServer a([&](const Request& r) -> Reply {
+    if (r.method == "POST") return batch_reply(r, "na");
+    return simple_node(r, "na");
+  });
+  TestServer b([&](const Request& r) -> Reply {
+    if (r.method == "POST") {
+      ++b_posts;
+      return {503, json{{"code", "UNAVAILABLE"}, {"message", "shutting down"}, {"retryable", true}}.dump()};
+    }
+    return simple_node(r, "nb");
+  });
+  ClientCore core(fast_options({a.endpoint(), b.endpoint()}));
+  auto infos = core.create_many(8, SandboxSpec{});
+  ASSERT_EQ(infos.size(), 8u);
+  std::set<std::string> ids;
+  for (const auto& i : infos) {
+    EXPECT_EQ(i.node, "na");
+    ids.insert(i.id);
+  }
+  EXPECT_EQ(ids.size(), 8u);
+  EXPECT_GE(b_posts.load(), 1);
 }
 
 TEST(ClientCore, CallsForAnIdGoToTheNodeThatMadeIt) {

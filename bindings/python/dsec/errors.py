@@ -27,6 +27,7 @@ __all__ = [
     "Unimplemented",
     "Internal",
     "Unavailable",
+    "NodeLost",
     "DataLoss",
     "Unauthenticated",
     "error_class",
@@ -128,6 +129,13 @@ class Unavailable(DsecError, ConnectionError):
     retryable = True
 
 
+class NodeLost(Unavailable):
+    """The sandbox's node is gone (it left the cluster or stopped answering): raised at once, not retried."""
+
+    code = "UNAVAILABLE"
+    retryable = False
+
+
 class DataLoss(DsecError):
     code = "DATA_LOSS"
 
@@ -164,6 +172,8 @@ def error_class(code: str) -> type[DsecError]:
     return _BY_CODE.get(code, Unknown)
 
 
-def _make(code: str, message: str, retryable: bool) -> DsecError:
+def _make(code: str, message: str, retryable: bool, node_lost: bool = False) -> DsecError:
     """Called by the C++ binding to build the exception it raises."""
+    if node_lost:
+        return NodeLost(message, retryable=retryable)
     return error_class(code)(message, retryable=retryable)

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dsec/group.hpp"
 #include "dsec/placement.hpp"
 #include "dsec/retry.hpp"
 #include "dsec/sandbox.hpp"
@@ -79,6 +80,12 @@ class Client {
   // if any create fails, the ones made are destroyed and the first error is thrown. Sandbox i carries the request
   // id "<spec.request_id>-<i>" (a random base when spec.request_id is empty), so the whole batch can be retried.
   std::vector<Sandbox> create_many(std::size_t n, const SandboxSpec& spec);
+  // n sandboxes as one group under a lease (see dsec/group.hpp): placed over the nodes by the placement policy, one
+  // batch request per node, all sent at once; a node that refuses or fails has its share made elsewhere. All or
+  // nothing, like create_many. Renewed in the background every lease/3; when the trainer dies the agents destroy
+  // the group's sandboxes once the lease runs out.
+  SandboxGroup create_group(std::size_t n, const SandboxSpec& spec,
+                            std::chrono::seconds lease = std::chrono::seconds(30));
   // A handle on an existing sandbox (not owning: destroying it is explicit).
   Sandbox attach(const std::string& id);
   // Sandboxes on every node that carry all of `labels` (and belong to `tenant`, when given). Throws when a node

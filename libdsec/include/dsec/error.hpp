@@ -58,4 +58,17 @@ class Error : public std::runtime_error {
   bool retryable_;
 };
 
+// A call about a sandbox whose node is gone: it left the cluster (its registration lapsed) or stopped answering and
+// is ejected. Raised at once, without retries: the sandbox's state lives on that node. UNAVAILABLE, not retryable;
+// Python raises dsec.NodeLost (a dsec.Unavailable).
+class NodeLost : public Error {
+ public:
+  NodeLost(std::string node, std::string message)
+      : Error(Code::kUnavailable, std::move(message), false), node_(std::move(node)) {}
+  const std::string& node() const noexcept { return node_; }
+
+ private:
+  std::string node_;
+};
+
 }  // namespace dsec

@@ -42,6 +42,19 @@ std::vector<Sandbox> Client::create_many(std::size_t n, const SandboxSpec& spec)
   return out;
 }
 
+SandboxGroup Client::create_group(std::size_t n, const SandboxSpec& spec, std::chrono::seconds lease) {
+  if (lease.count() < 1 || lease.count() > 86400)
+    throw Error(Code::kInvalidArgument, "create_group: the lease must be 1 to 86400 seconds");
+  std::string group = spec.request_id.empty() ? detail::random_request_id() : spec.request_id;
+  SandboxSpec s = spec;
+  s.request_id = group;
+  auto infos = open_core(core_).create_many(n, s, group, lease);
+  std::vector<Sandbox> members;
+  members.reserve(infos.size());
+  for (auto& info : infos) members.emplace_back(core_, std::move(info.id));
+  return SandboxGroup(core_, std::move(group), std::move(members), lease);
+}
+
 Sandbox Client::attach(const std::string& id) {
   open_core(core_);
   if (!detail::valid_sandbox_id(id))

@@ -2,12 +2,15 @@
 
 #include "client/exec_stream.hpp"
 
+#include <algorithm>
 #include <exception>
+#include <map>
 #include <optional>
 #include <random>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/protocol.hpp"
 #include "dsec/retry.hpp"
@@ -22,6 +25,14 @@ constexpr std::string_view kTar = "application/x-tar";
 constexpr std::string_view kOctets = "application/octet-stream";
 // Asking a node for its id while routing is quick or not at all.
 constexpr milliseconds kDiscoveryTimeout{5'000};
+// Placement uses what nodes said about themselves at most this long ago (plus what this client placed since).
+constexpr milliseconds kInfoMaxAge{2'000};
+// The most sandboxes one create request asks a node for (the agent's limit).
+constexpr std::size_t kMaxBatch = 1024;
+// Labels every create carries: its request id, and for create_many the pulse's base request id. They find the
+// copies a node made of a create that timed out there and was then made elsewhere.
+constexpr std::string_view kRequestLabel = "dsec.request";
+constexpr std::string_view kPulseLabel = "dsec.pulse";
 
 std::mt19937_64& thread_rng() {
   thread_local std::mt19937_64 rng = [] {
@@ -75,7 +86,7 @@ std::string random_request_id() {
 
 ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)) {
   std::vector<std::string> endpoints = options_.endpoints;
-  if (endpoints.empty()) {
+  if (endpoints.empty() && options_.etcd_endpoints.empty()) {
     EmbeddedAgentOptions ao;
     ao.binary = options_.agent_binary;
     ao.candidates = options_.agent_candidates;
@@ -87,11 +98,30 @@ ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)) {
     agent_ = std::make_unique<EmbeddedAgent>(ao);
     endpoints.push_back(agent_->endpoint());
   }
-  for (const auto& e : endpoints) transports_.push_back(std::make_unique<Transport>(parse_endpoint(e)));
+  for (const auto& e : endpoints) nodes_.add(e);
+  if (!options_.etcd_endpoints.empty()) {
+    discovery_ = std::make_unique<EtcdDiscovery>(options_.etcd_endpoints, options_.etcd_prefix,
+                                                 [this](const NodeEvent& e) {
+                                                   if (e.kind == NodeEvent::Kind::kUp) nodes_.up(e.node_id, e.endpoint, e.info);
+                                                   else nodes_.down(e.node_id);
+                                                 });
+    discovery_->start();
+    // The first listing, so that a create right after construction has nodes to choose from. An etcd that cannot
+    // be read yet is not fatal: discovery keeps trying and creates fail with UNAVAILABLE until nodes appear.
+    try {
+      for (const auto& e : discovery_->snapshot()) nodes_.up(e.node_id, e.endpoint, e.info);
+    } catch (const Error&) {
+    }
+  }
   std::vector<std::string> stores = options_.stores;
   if (stores.empty() && agent_) stores.push_back(agent_->home() + "/store");
   images_ = std::make_unique<ImageResolver>(stores, options_.image_cache_ttl);
-  nodes_ = NodeTable(transports_.size());
+  if (options_.placement_policy) {
+    policy_ = options_.placement_policy.get();
+  } else {
+    own_policy_ = make_placement_policy(options_.placement.empty() ? "spread" : options_.placement);
+    policy_ = own_policy_.get();
+  }
   if (options_.create_concurrency == 0) options_.create_concurrency = 1;
 }
 
@@ -99,15 +129,20 @@ ClientCore::~ClientCore() { close(); }
 
 void ClientCore::close() {
   if (closed_.exchange(true)) return;
+  if (discovery_) discovery_->stop();
   if (agent_) agent_->stop();
 }
 
-std::string ClientCore::endpoint() const { return transports_.front()->endpoint().text; }
+std::string ClientCore::endpoint() const {
+  if (agent_) return agent_->endpoint();
+  auto nodes = nodes_.view();
+  return nodes.empty() ? std::string() : nodes.front().node->endpoint;
+}
 
 TransportStats ClientCore::stats() const {
   TransportStats total;
-  for (const auto& t : transports_) {
-    auto s = t->stats();
+  for (const auto& v : nodes_.view()) {
+    auto s = v.node->transport.stats();
     total.requests += s.requests;
     total.connects += s.connects;
     total.idle_handles += s.idle_handles;
@@ -135,8 +170,16 @@ auto ClientCore::retrying(SteadyClock::time_point deadline, Op&& op) -> decltype
   });
 }
 
-HttpResponse ClientCore::call(std::size_t ep, const HttpRequest& request, SteadyClock::time_point deadline) {
-  HttpResponse r = transports_.at(ep)->send(request, deadline);
+HttpResponse ClientCore::call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline) {
+  HttpResponse r;
+  try {
+    r = node->transport.send(request, deadline);
+  } catch (const TransportError&) {
+    nodes_.failed(node);
+    throw;
+  }
+  // An agent that answers is alive, whatever it answered.
+  nodes_.succeeded(node);
   if (r.status >= 200 && r.status < 300) return r;
   protocol::json body;
   try {
@@ -145,47 +188,43 @@ HttpResponse ClientCore::call(std::size_t ep, const HttpRequest& request, Steady
     body = nullptr;  // decode_error falls back to the HTTP status
   }
   Error e = protocol::decode_error(body, static_cast<int>(r.status));
-  throw Error(e.code(), fmt::format("{} {} on {}: {}", request.method, request.target,
-                                    transports_[ep]->endpoint().text, e.what()),
+  throw Error(e.code(), fmt::format("{} {} on {}: {}", request.method, request.target, node->endpoint, e.what()),
               e.retryable());
 }
 
-void ClientCore::learn_node(std::size_t ep, const std::string& node_id) {
-  if (node_id.empty()) return;
-  std::lock_guard lock(nodes_mu_);
-  if (!nodes_.known(ep)) nodes_.set(ep, node_id);
-}
-
-std::size_t ClientCore::route(const std::string& id, SteadyClock::time_point deadline) {
+NodePtr ClientCore::route(const std::string& id, SteadyClock::time_point deadline) {
   if (!valid_sandbox_id(id))
     throw Error(Code::kInvalidArgument, fmt::format("'{}' is not a sandbox id (letters, digits, '-', '_', '.')", id));
-  if (transports_.size() == 1) return 0;
+  auto check = [&](const NodePtr& node) {
+    NodeView v = nodes_.view(node);
+    if (v.gone)
+      throw NodeLost(v.id, fmt::format("sandbox '{}': its node {} ({}) has left the cluster", id, v.id, node->endpoint));
+    if (v.ejected)
+      throw NodeLost(v.id, fmt::format("sandbox '{}': its node {} ({}) failed {} times in a row and is ejected", id,
+                                       v.id, node->endpoint, v.failures));
+    return node;
+  };
+  if (NodePtr node = nodes_.route(id)) return check(node);
   {
-    std::lock_guard lock(nodes_mu_);
-    if (auto ep = nodes_.route(id)) return *ep;
+    auto all = nodes_.view();
+    if (all.size() == 1 && all.front().id.empty()) return all.front().node;  // one node: it made every sandbox
   }
-  // Ask the endpoints whose node we do not know yet (one discovery round at a time).
-  std::lock_guard discovery(discover_mu_);
+  // Ask the nodes whose id we do not know yet (one round at a time).
+  std::lock_guard identify(identify_mu_);
   std::vector<std::string> unreachable;
-  for (std::size_t ep = 0; ep < transports_.size(); ++ep) {
-    {
-      std::lock_guard lock(nodes_mu_);
-      if (nodes_.known(ep)) continue;
-    }
+  for (const NodePtr& node : nodes_.unidentified()) {
     try {
       auto d = std::min(deadline, SteadyClock::now() + kDiscoveryTimeout);
-      auto r = call(ep, http_request("GET", "/v1/node"), d);
-      learn_node(ep, protocol::decode_node_info(parse_json(r, "GET /v1/node")).id);
+      auto r = call(node, http_request("GET", "/v1/node"), d);
+      nodes_.set_info(node, protocol::decode_node_info(parse_json(r, "GET /v1/node")));
     } catch (const Error& e) {
-      unreachable.push_back(fmt::format("{} ({})", transports_[ep]->endpoint().text, e.code_name()));
+      unreachable.push_back(fmt::format("{} ({})", node->endpoint, e.code_name()));
     }
   }
-  std::lock_guard lock(nodes_mu_);
-  if (auto ep = nodes_.route(id)) return *ep;
+  if (NodePtr node = nodes_.route(id)) return check(node);
   std::string known;
-  for (std::size_t ep = 0; ep < nodes_.size(); ++ep)
-    if (nodes_.known(ep))
-      known += fmt::format("{}{} at {}", known.empty() ? "" : ", ", nodes_.node_id(ep), transports_[ep]->endpoint().text);
+  for (const auto& v : nodes_.view())
+    if (!v.id.empty()) known += fmt::format("{}{} at {}", known.empty() ? "" : ", ", v.id, v.node->endpoint);
   std::string down;
   for (const auto& u : unreachable) down += (down.empty() ? "" : ", ") + u;
   // A node that could not be asked may be the one: that is worth a retry, an unknown node is not.
@@ -193,7 +232,82 @@ std::size_t ClientCore::route(const std::string& id, SteadyClock::time_point dea
     throw Error(Code::kUnavailable,
                 fmt::format("sandbox '{}': no reachable node made it (known nodes: {}; unreachable: {})", id,
                             known.empty() ? "none" : known, down));
-  throw Error(Code::kNotFound, fmt::format("sandbox '{}': no node of this client made it (nodes: {})", id, known));
+  throw Error(Code::kNotFound, fmt::format("sandbox '{}': no node of this client made it (nodes: {})", id,
+                                           known.empty() ? "none" : known));
+}
+
+void ClientCore::refresh_node_info(SteadyClock::time_point deadline) {
+  std::vector<NodePtr> stale;
+  auto now = SteadyClock::now();
+  for (const auto& v : nodes_.view())
+    if (!v.ejected && (!v.info || now - v.info_at > kInfoMaxAge)) stale.push_back(v.node);
+  if (stale.empty()) return;
+  std::atomic<std::size_t> next{0};
+  run_workers(std::min(stale.size(), options_.create_concurrency), [&] {
+    for (std::size_t i = next.fetch_add(1); i < stale.size(); i = next.fetch_add(1)) {
+      try {
+        auto d = std::min(deadline, SteadyClock::now() + kDiscoveryTimeout);
+        auto r = call(stale[i], http_request("GET", "/v1/node"), d);
+        nodes_.set_info(stale[i], protocol::decode_node_info(parse_json(r, "GET /v1/node")));
+      } catch (const Error&) {
+        // Counted against the node's health by call(); placement skips it while it is ejected.
+      }
+    }
+  });
+}
+
+std::vector<NodePtr> ClientCore::place(const SandboxSpec& spec, std::size_t count, const ResolvedImageRef* image,
+                                       const std::vector<NodePtr>& excluded) {
+  std::vector<NodeCandidate> candidates;
+  std::vector<NodePtr> owners;
+  for (const auto& v : nodes_.view()) {
+    if (std::find(excluded.begin(), excluded.end(), v.node) != excluded.end()) continue;
+    NodeCandidate c;
+    c.id = v.id.empty() ? v.node->endpoint : v.id;
+    if (v.info) c.info = *v.info;
+    c.cpu_placed = v.cpu_placed;
+    c.memory_placed = v.memory_placed;
+    c.sandboxes_placed = v.sandboxes_placed;
+    c.healthy = !v.ejected && v.info.has_value();
+    if (image && v.info)
+      for (const auto& cached : v.info->cached_layers)
+        if (std::find(image->layer_digests.begin(), image->layer_digests.end(), cached.digest) !=
+            image->layer_digests.end())
+          c.cached_image_bytes += cached.cached_bytes;
+    candidates.push_back(std::move(c));
+    owners.push_back(v.node);
+  }
+  if (candidates.empty())
+    throw Error(Code::kUnavailable, "no node to place sandboxes on: every node is unreachable, ejected or refused");
+  PlacementRequest request;
+  request.spec = &spec;
+  request.count = count;
+  if (image) {
+    request.image_layers = image->layer_digests;
+    request.image_bytes = image->size;
+  }
+  std::vector<std::size_t> chosen = policy_->place(request, candidates);
+  std::vector<NodePtr> out;
+  out.reserve(chosen.size());
+  for (std::size_t i : chosen) out.push_back(owners.at(i));
+  return out;
+}
+
+void ClientCore::remove_strays(const NodePtr& node, const std::string& key, const std::string& value,
+                               const std::vector<std::string>& keep, SteadyClock::time_point deadline) {
+  try {
+    auto r = call(node, http_request("GET", fmt::format("/v1/sandboxes?label={}", url_escape(key + "=" + value))),
+                  deadline);
+    for (const auto& s : decode_sandbox_list(r, "GET /v1/sandboxes")) {
+      if (std::find(keep.begin(), keep.end(), s.id) != keep.end() || s.state == "destroyed") continue;
+      try {
+        call(node, http_request("DELETE", sandbox_path(s.id)), deadline);
+      } catch (const Error&) {
+      }
+    }
+  } catch (const Error&) {
+    // Unreachable: whatever it made is reaped with its TTL (or its group's lease).
+  }
 }
 
 std::string ClientCore::sandbox_path(const std::string& id, std::string_view suffix) const {
@@ -203,70 +317,212 @@ std::string ClientCore::sandbox_path(const std::string& id, std::string_view suf
 SandboxInfo ClientCore::create(SandboxSpec spec) {
   if (spec.request_id.empty()) spec.request_id = random_request_id();
   protocol::validate(spec);
+  auto deadline = deadline_after();
+  std::shared_ptr<const ResolvedImageRef> image;
+  if (images_->enabled()) image = images_->resolve(spec.image);
+  // With several nodes the request id is also a label, so a copy made by a node that timed out (while another made
+  // the sandbox) can be found and removed.
+  const bool several = nodes_.live_count() > 1;
+  if (several) spec.labels[std::string(kRequestLabel)] = spec.request_id;
   protocol::json request = protocol::encode(spec);
-  if (images_->enabled()) {
+  if (image) {
     // The agent gets the exact manifest: same layers for every sandbox of a pulse, no tag lookup on the node.
-    auto image = images_->resolve(spec.image);
     request["image"] = image->reference;
     request["image_manifest"] = image->manifest_json;
   }
   const std::string body = request.dump();
-  const std::size_t n = transports_.size();
-  const std::size_t first = n == 1 ? 0 : next_create_.fetch_add(1) % n;
-  std::size_t shift = 0;
-  std::size_t used = first;
-  auto deadline = deadline_after();
-  HttpResponse r = retrying(deadline, [&] {
-    used = (first + shift) % n;
-    try {
-      return call(used, http_request("POST", "/v1/sandboxes", body, kJson), deadline);
-    } catch (const TransportError& e) {
-      // A node that never saw the request cannot have made the sandbox: try the next node. Once the request may
-      // have arrived, stay on that node so that the request id makes the retry idempotent.
-      if (!e.maybe_sent()) ++shift;
-      throw;
-    }
-  });
-  SandboxInfo info = protocol::decode_sandbox_info(parse_json(r, "POST /v1/sandboxes"));
-  if (info.id.empty()) throw Error(Code::kInternal, "POST /v1/sandboxes: the agent's answer has no sandbox id");
-  learn_node(used, info.node);
-  if (info.state == "failed") {
-    try {
-      destroy(info.id);
-    } catch (const Error&) {
-    }
-    throw Error(Code::kInternal, fmt::format("sandbox {} failed to start: {}", info.id, info.message));
-  }
-  return info;
-}
 
-std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpec& spec) {
-  if (n == 0) return {};
-  protocol::validate(spec);
-  const std::string base = spec.request_id.empty() ? random_request_id() : spec.request_id;
-  std::vector<std::optional<SandboxInfo>> made(n);
-  std::atomic<std::size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex error_mu;
-  std::exception_ptr first_error;
-
-  run_workers(std::min(n, options_.create_concurrency), [&] {
-    while (!failed.load()) {
-      std::size_t i = next.fetch_add(1);
-      if (i >= n) return;
-      SandboxSpec s = spec;
-      s.request_id = fmt::format("{}-{}", base, i);
+  std::vector<NodePtr> excluded;   // refused, failed or timed out for this create
+  std::vector<NodePtr> maybe_made;  // timed out after the request may have arrived
+  std::optional<Error> last_error;
+  for (;;) {
+    check_open();
+    if (SteadyClock::now() >= deadline)
+      throw Error(Code::kDeadlineExceeded,
+                  fmt::format("create: no node made the sandbox within the call deadline{}",
+                              last_error ? fmt::format(" (last error: {})", last_error->what()) : std::string()));
+    NodePtr node;
+    if (!several) {
+      // One node: it decides admission itself; nothing to choose, nowhere else to go.
+      auto all = nodes_.view();
+      if (all.empty()) throw Error(Code::kUnavailable, "create: this client has no node");
+      if (!excluded.empty()) throw *last_error;
+      node = all.front().node;
+    } else {
+      refresh_node_info(deadline);
       try {
-        made[i] = create(std::move(s));
-      } catch (...) {
-        std::lock_guard lock(error_mu);
-        if (!first_error) first_error = std::current_exception();
-        failed.store(true);
+        node = place(spec, 1, image.get(), excluded).front();
+      } catch (const Error& e) {
+        if (last_error) throw *last_error;
+        throw;
       }
     }
-  });
+    HttpResponse r;
+    try {
+      // On one node, transient failures are retried there (the request id makes that safe); past the retries the
+      // create moves to another node with the same request id.
+      r = retrying(deadline, [&] { return call(node, http_request("POST", "/v1/sandboxes", body, kJson), deadline); });
+    } catch (const TransportError& e) {
+      if (e.maybe_sent()) maybe_made.push_back(node);
+      excluded.push_back(node);
+      last_error = e;
+      continue;
+    } catch (const Error& e) {
+      if (!e.retryable() && e.code() != Code::kDeadlineExceeded) throw;
+      excluded.push_back(node);
+      last_error = e;
+      continue;
+    }
+    SandboxInfo info = protocol::decode_sandbox_info(parse_json(r, "POST /v1/sandboxes"));
+    if (info.id.empty()) throw Error(Code::kInternal, "POST /v1/sandboxes: the agent's answer has no sandbox id");
+    nodes_.learn(node, info.node);
+    nodes_.placed(node, spec.resources.cpu, spec.resources.memory_bytes, 1);
+    if (several)
+      for (const NodePtr& other : maybe_made)
+        if (other != node) remove_strays(other, std::string(kRequestLabel), spec.request_id, {}, deadline);
+    if (info.state == "failed") {
+      try {
+        destroy(info.id);
+      } catch (const Error&) {
+      }
+      throw Error(Code::kInternal, fmt::format("sandbox {} failed to start: {}", info.id, info.message));
+    }
+    return info;
+  }
+}
 
-  if (failed.load()) {
+std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpec& spec_in, const std::string& group,
+                                                 std::chrono::seconds group_ttl) {
+  if (n == 0) return {};
+  protocol::validate(spec_in);
+  auto deadline = deadline_after();
+  SandboxSpec spec = spec_in;
+  const std::string base = spec.request_id.empty() ? random_request_id() : spec.request_id;
+  if (nodes_.live_count() > 1) spec.labels[std::string(kPulseLabel)] = base;
+  std::shared_ptr<const ResolvedImageRef> image;
+  if (images_->enabled()) image = images_->resolve(spec.image);
+
+  struct Batch {
+    NodePtr node;
+    std::vector<std::size_t> slots;  // indices into the result
+    std::string request_id;
+  };
+  std::vector<std::optional<SandboxInfo>> made(n);
+  std::vector<std::size_t> pending(n);
+  for (std::size_t i = 0; i < n; ++i) pending[i] = i;
+  std::vector<NodePtr> excluded, maybe_made;
+  std::optional<Error> last_error;
+  std::size_t batch_no = 0;
+  std::mutex mu;
+
+  while (!pending.empty()) {
+    check_open();
+    if (SteadyClock::now() >= deadline) {
+      last_error = Error(Code::kDeadlineExceeded,
+                         fmt::format("create_many: {} of {} sandboxes not made within the call deadline{}",
+                                     pending.size(), n,
+                                     last_error ? fmt::format(" (last error: {})", last_error->what()) : std::string()));
+      break;
+    }
+    std::vector<NodePtr> where;
+    auto all = nodes_.view();
+    if (all.size() == 1) {
+      // One node: it decides admission itself; nothing to choose, nowhere else to go.
+      if (!excluded.empty()) break;
+      where.assign(pending.size(), all.front().node);
+    } else {
+      refresh_node_info(deadline);
+      try {
+        where = place(spec, pending.size(), image.get(), excluded);
+      } catch (const Error& e) {
+        if (!last_error || e.code() != Code::kUnavailable) last_error = e;
+        break;
+      }
+    }
+    // One batch request per node (split at the agent's batch limit), all sent at once.
+    std::vector<Batch> batches;
+    {
+      std::map<Node*, std::vector<std::size_t>> by_node;
+      std::map<Node*, NodePtr> owner;
+      for (std::size_t k = 0; k < pending.size(); ++k) {
+        by_node[where[k].get()].push_back(pending[k]);
+        owner[where[k].get()] = where[k];
+      }
+      for (auto& [raw, slots] : by_node)
+        for (std::size_t at = 0; at < slots.size(); at += kMaxBatch) {
+          Batch b;
+          b.node = owner[raw];
+          b.slots.assign(slots.begin() + static_cast<std::ptrdiff_t>(at),
+                         slots.begin() + static_cast<std::ptrdiff_t>(std::min(slots.size(), at + kMaxBatch)));
+          b.request_id = fmt::format("{}-{}", base, batch_no++);
+          batches.push_back(std::move(b));
+        }
+    }
+    std::vector<std::size_t> failed_slots;
+    std::atomic<std::size_t> next{0};
+    run_workers(std::min(batches.size(), options_.create_concurrency), [&] {
+      for (std::size_t b = next.fetch_add(1); b < batches.size(); b = next.fetch_add(1)) {
+        Batch& batch = batches[b];
+        SandboxSpec s = spec;
+        s.request_id = batch.request_id;
+        protocol::json request = protocol::encode(s);
+        request["count"] = batch.slots.size();
+        if (!group.empty()) {
+          request["group"] = group;
+          request["group_ttl"] = group_ttl.count();
+        }
+        if (image) {
+          request["image"] = image->reference;
+          request["image_manifest"] = image->manifest_json;
+        }
+        const std::string body = request.dump();
+        try {
+          auto r = retrying(deadline, [&] {
+            return call(batch.node, http_request("POST", "/v1/sandboxes", body, kJson), deadline);
+          });
+          auto infos = decode_sandbox_list(r, "POST /v1/sandboxes (count)");
+          if (infos.size() != batch.slots.size())
+            throw Error(Code::kInternal, fmt::format("POST /v1/sandboxes: asked for {} sandboxes, the agent answered {}",
+                                                     batch.slots.size(), infos.size()));
+          std::lock_guard lock(mu);
+          for (std::size_t k = 0; k < infos.size(); ++k) {
+            if (!infos[k].node.empty()) nodes_.learn(batch.node, infos[k].node);
+            made[batch.slots[k]] = std::move(infos[k]);
+          }
+          nodes_.placed(batch.node, spec.resources.cpu * static_cast<double>(batch.slots.size()),
+                        spec.resources.memory_bytes * batch.slots.size(), batch.slots.size());
+        } catch (const Error& e) {
+          std::lock_guard lock(mu);
+          auto* transport = dynamic_cast<const TransportError*>(&e);
+          if (transport && transport->maybe_sent()) maybe_made.push_back(batch.node);
+          if (std::find(excluded.begin(), excluded.end(), batch.node) == excluded.end()) excluded.push_back(batch.node);
+          failed_slots.insert(failed_slots.end(), batch.slots.begin(), batch.slots.end());
+          // A refusal that no other node can change (a bad spec, a missing image) ends the pulse.
+          if (!e.retryable() && !transport && e.code() != Code::kDeadlineExceeded) {
+            last_error = e;
+            pending.clear();
+          } else if (!last_error || last_error->retryable()) {
+            last_error = e;
+          }
+        }
+      }
+    });
+    if (!last_error || last_error->retryable() || last_error->code() == Code::kDeadlineExceeded) {
+      std::sort(failed_slots.begin(), failed_slots.end());
+      pending = std::move(failed_slots);
+    } else {
+      break;
+    }
+  }
+
+  std::vector<std::string> kept;
+  for (const auto& m : made)
+    if (m) kept.push_back(m->id);
+  if (spec.labels.count(std::string(kPulseLabel)))
+    for (const NodePtr& node : maybe_made) remove_strays(node, std::string(kPulseLabel), base, kept, deadline_after());
+
+  const bool complete = std::all_of(made.begin(), made.end(), [](const auto& m) { return m.has_value(); });
+  if (!complete) {
     // All or nothing: take back what was made, as concurrently as it was made.
     std::atomic<std::size_t> k{0};
     run_workers(std::min(n, options_.create_concurrency), [&] {
@@ -279,12 +535,67 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
         }
       }
     });
-    std::rethrow_exception(first_error);
+    if (last_error) throw *last_error;
+    throw Error(Code::kInternal, "create_many: sandboxes missing without an error");
   }
   std::vector<SandboxInfo> out;
   out.reserve(n);
   for (auto& m : made) out.push_back(std::move(*m));
   return out;
+}
+
+std::vector<NodePtr> ClientCore::nodes_of(const std::vector<std::string>& members) {
+  std::vector<NodePtr> out;
+  auto deadline = deadline_after();
+  for (const auto& id : members) {
+    NodePtr node;
+    try {
+      node = route(id, deadline);
+    } catch (const NodeLost&) {
+      node = nodes_.route(id);  // its node is gone or ejected: still worth a try for the group as a whole
+    } catch (const Error&) {
+      continue;
+    }
+    if (node && std::find(out.begin(), out.end(), node) == out.end()) out.push_back(node);
+  }
+  return out;
+}
+
+void ClientCore::renew_group(const std::string& group, const std::vector<std::string>& members,
+                             std::chrono::seconds ttl) {
+  check_open();
+  const std::string body = protocol::json{{"ttl", ttl.count()}}.dump();
+  std::vector<std::string> failed;
+  for (const NodePtr& node : nodes_of(members)) {
+    auto deadline = deadline_after();
+    try {
+      retrying(deadline, [&] {
+        return call(node, http_request("POST", fmt::format("/v1/groups/{}/renew", url_escape(group)), body, kJson),
+                    deadline);
+      });
+    } catch (const Error& e) {
+      failed.push_back(fmt::format("{} ({})", node->endpoint, e.what()));
+    }
+  }
+  if (!failed.empty())
+    throw Error(Code::kUnavailable, fmt::format("group {}: lease not renewed on {}", group, fmt::join(failed, "; ")));
+}
+
+void ClientCore::destroy_group(const std::string& group, const std::vector<std::string>& members) {
+  std::vector<std::string> failed;
+  for (const NodePtr& node : nodes_of(members)) {
+    auto deadline = deadline_after();
+    try {
+      retrying(deadline, [&] {
+        return call(node, http_request("DELETE", fmt::format("/v1/groups/{}", url_escape(group))), deadline);
+      });
+    } catch (const Error& e) {
+      if (e.code() == Code::kNotFound) continue;
+      failed.push_back(fmt::format("{} ({})", node->endpoint, e.what()));
+    }
+  }
+  if (!failed.empty())
+    throw Error(Code::kUnavailable, fmt::format("group {}: not destroyed on {}", group, fmt::join(failed, "; ")));
 }
 
 HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& request) {
@@ -306,9 +617,9 @@ std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::strin
   }
   if (!tenant.empty()) target += fmt::format("{}tenant={}", sep, url_escape(tenant));
   std::vector<SandboxInfo> out;
-  for (std::size_t ep = 0; ep < transports_.size(); ++ep) {
+  for (const auto& v : nodes_.view()) {
     auto deadline = deadline_after();
-    auto r = retrying(deadline, [&] { return call(ep, http_request("GET", target), deadline); });
+    auto r = retrying(deadline, [&] { return call(v.node, http_request("GET", target), deadline); });
     auto part = decode_sandbox_list(r, "GET /v1/sandboxes");
     for (auto& s : part) out.push_back(std::move(s));
   }
@@ -317,11 +628,11 @@ std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::strin
 
 std::vector<NodeInfo> ClientCore::nodes() {
   std::vector<NodeInfo> out;
-  for (std::size_t ep = 0; ep < transports_.size(); ++ep) {
+  for (const auto& v : nodes_.view()) {
     auto deadline = deadline_after();
-    auto r = retrying(deadline, [&] { return call(ep, http_request("GET", "/v1/node"), deadline); });
+    auto r = retrying(deadline, [&] { return call(v.node, http_request("GET", "/v1/node"), deadline); });
     out.push_back(protocol::decode_node_info(parse_json(r, "GET /v1/node")));
-    learn_node(ep, out.back().id);
+    nodes_.set_info(v.node, out.back());
   }
   return out;
 }
@@ -341,10 +652,9 @@ ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
   const std::string body = encoded.dump();
   auto deadline = deadline_after(milliseconds{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)});
   auto r = retrying(deadline, [&] {
-    std::size_t ep = route(id, deadline);
+    NodePtr node = route(id, deadline);
     try {
-      return call(ep, http_request("POST", sandbox_path(id, "/exec"), body, kJson),
-                  deadline);
+      return call(node, http_request("POST", sandbox_path(id, "/exec"), body, kJson), deadline);
     } catch (const TransportError& e) {
       // An exec is not idempotent: once the agent may have it, running it twice is worse than failing.
       if (e.maybe_sent() && e.retryable())
@@ -375,7 +685,7 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
   http.on_body = [&](std::string_view bytes) { decoder->feed(bytes); };
   try {
     retrying(deadline, [&] {
-      std::size_t ep = route(id, deadline);
+      NodePtr node = route(id, deadline);
       decoder.emplace([&](int fd, std::string_view data) {
         if (!on_output) return;
         try {
@@ -386,7 +696,7 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
         }
       });
       try {
-        return call(ep, http, deadline);
+        return call(node, http, deadline);
       } catch (const TransportError& e) {
         // Like exec: once the agent may have the command, running it twice is worse than failing.
         if (e.maybe_sent() && e.retryable())

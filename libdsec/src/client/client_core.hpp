@@ -13,12 +13,14 @@
 #include <string_view>
 #include <vector>
 
+#include "client/discovery.hpp"
 #include "client/embedded_agent.hpp"
 #include "client/image_resolver.hpp"
 #include "client/node_table.hpp"
 #include "client/transport.hpp"
 #include "dsec/client.hpp"
 #include "dsec/exec.hpp"
+#include "dsec/placement.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "dsec/spec.hpp"
 
@@ -36,7 +38,15 @@ class ClientCore {
   bool closed() const noexcept { return closed_.load(); }
 
   SandboxInfo create(SandboxSpec spec);
-  std::vector<SandboxInfo> create_many(std::size_t n, const SandboxSpec& spec);
+  // With `group` set, every sandbox joins that group under a lease of `group_ttl` seconds (see dsec/group.hpp).
+  std::vector<SandboxInfo> create_many(std::size_t n, const SandboxSpec& spec, const std::string& group = {},
+                                       std::chrono::seconds group_ttl = {});
+  // POST /v1/groups/{group}/renew on every node that holds one of `members`. UNAVAILABLE naming the nodes that could
+  // not be reached (the others are renewed).
+  void renew_group(const std::string& group, const std::vector<std::string>& members, std::chrono::seconds ttl);
+  // DELETE /v1/groups/{group} on every node that holds one of `members`; a node without the group is fine.
+  void destroy_group(const std::string& group, const std::vector<std::string>& members);
+  std::size_t create_concurrency() const noexcept { return options_.create_concurrency; }
   SandboxInfo get(const std::string& id);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();
@@ -53,7 +63,7 @@ class ClientCore {
   std::string download_tar(const std::string& id, std::string_view dir);
 
   std::string endpoint() const;
-  std::size_t endpoint_count() const noexcept { return transports_.size(); }
+  std::size_t endpoint_count() const noexcept { return nodes_.live_count(); }
   // Summed over every endpoint: how many requests were sent and how many connections opened for them.
   TransportStats stats() const;
   const EmbeddedAgent* embedded_agent() const noexcept { return agent_.get(); }
@@ -64,11 +74,22 @@ class ClientCore {
 
   SteadyClock::time_point deadline_after(std::chrono::milliseconds extra = {}) const;
   void check_open() const;
-  // One HTTP exchange with endpoint `ep`; a non-2xx answer is thrown as the agent's dsec::Error.
-  HttpResponse call(std::size_t ep, const HttpRequest& request, SteadyClock::time_point deadline);
-  // The endpoint of the node that made sandbox `id` (asks unknown endpoints for their node ids when needed).
-  std::size_t route(const std::string& id, SteadyClock::time_point deadline);
-  void learn_node(std::size_t ep, const std::string& node_id);
+  // One HTTP exchange with `node`; a non-2xx answer is thrown as the agent's dsec::Error. Counts the node's health.
+  HttpResponse call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline);
+  // The node that made sandbox `id` (asks unidentified nodes for their ids when needed). NodeLost when that node has
+  // left the cluster or is ejected.
+  NodePtr route(const std::string& id, SteadyClock::time_point deadline);
+  // GET /v1/node of every node whose information is older than kInfoMaxAge (concurrently), for placement.
+  void refresh_node_info(SteadyClock::time_point deadline);
+  // The nodes holding `members` (by their ids); ids no node made are left out.
+  std::vector<NodePtr> nodes_of(const std::vector<std::string>& members);
+  // Chooses a node for each of `count` sandboxes among the healthy nodes not in `excluded`.
+  std::vector<NodePtr> place(const SandboxSpec& spec, std::size_t count, const ResolvedImageRef* image,
+                             const std::vector<NodePtr>& excluded);
+  // Destroys, on `node`, the sandboxes labelled key=value that are not in `keep` (duplicates left by a create that
+  // timed out there and was made elsewhere). Best effort.
+  void remove_strays(const NodePtr& node, const std::string& key, const std::string& value,
+                     const std::vector<std::string>& keep, SteadyClock::time_point deadline);
   // A call about sandbox `id`: sent to the node that made it, retried under one fresh call deadline.
   HttpResponse call_sandbox(const std::string& id, const HttpRequest& request);
   std::string sandbox_path(const std::string& id, std::string_view suffix = {}) const;
@@ -76,11 +97,11 @@ class ClientCore {
   ClientOptions options_;
   std::unique_ptr<EmbeddedAgent> agent_;
   std::unique_ptr<ImageResolver> images_;
-  std::vector<std::unique_ptr<Transport>> transports_;
-  mutable std::mutex nodes_mu_;
+  std::unique_ptr<EtcdDiscovery> discovery_;  // with etcd_endpoints: feeds nodes_
   NodeTable nodes_;
-  std::mutex discover_mu_;  // one discovery round at a time
-  std::atomic<std::size_t> next_create_{0};
+  std::unique_ptr<PlacementPolicy> own_policy_;
+  PlacementPolicy* policy_ = nullptr;  // options_.placement_policy, else own_policy_
+  std::mutex identify_mu_;             // one round of asking nodes for their ids at a time
   std::atomic<bool> closed_{false};
 };
 

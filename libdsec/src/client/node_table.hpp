@@ -1,32 +1,94 @@
-// Which endpoint serves which node. A sandbox id is "<node>-<hex>", so the node that made a sandbox, and the
-// endpoint to call for it, follow from the id alone.
+// The agents a client knows. Each node has its endpoint and connections, the node id it answered with (a sandbox id is
+// "<node>-<hex>", so the node that made a sandbox follows from the id alone), what it last said about itself (for
+// placement), its health, and what this client placed on it since. Nodes come from the static endpoint list or from
+// discovery (etcd), and leave when discovery says so.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "client/transport.hpp"
+#include "dsec/sandbox_info.hpp"
+
 namespace dsec::detail {
+
+struct Node {
+  explicit Node(std::string endpoint_text);
+  const std::string endpoint;
+  Transport transport;
+
+  // Everything below is guarded by the NodeTable's mutex; read it through NodeTable::view().
+  std::string id;                        // empty until learned
+  std::optional<NodeInfo> info;          // the last GET /v1/node (or discovery record)
+  SteadyClock::time_point info_at{};
+  int failures = 0;                      // consecutive failed exchanges
+  SteadyClock::time_point ejected_until{};
+  bool gone = false;                     // discovery removed it
+  double cpu_placed = 0;                 // placed by this client since info_at
+  std::uint64_t memory_placed = 0;
+  std::size_t sandboxes_placed = 0;
+};
+using NodePtr = std::shared_ptr<Node>;
+
+// A copy of a node's mutable state.
+struct NodeView {
+  NodePtr node;
+  std::string id;
+  std::optional<NodeInfo> info;
+  SteadyClock::time_point info_at{};
+  int failures = 0;
+  bool ejected = false;
+  bool gone = false;
+  double cpu_placed = 0;
+  std::uint64_t memory_placed = 0;
+  std::size_t sandboxes_placed = 0;
+};
 
 class NodeTable {
  public:
-  explicit NodeTable(std::size_t endpoints = 0) : node_ids_(endpoints) {}
+  // Ejection: after kEjectAfter consecutive failures a node gets no new sandboxes and calls about its sandboxes fail
+  // fast with NodeLost, for kEjectBase doubling with each further failure up to kEjectMax.
+  static constexpr int kEjectAfter = 3;
+  static constexpr std::chrono::milliseconds kEjectBase{1000};
+  static constexpr std::chrono::milliseconds kEjectMax{60'000};
 
-  std::size_t size() const noexcept { return node_ids_.size(); }
-  // Records the node id an endpoint answered GET /v1/node with.
-  void set(std::size_t endpoint, std::string node_id);
-  bool known(std::size_t endpoint) const { return !node_ids_.at(endpoint).empty(); }
-  const std::string& node_id(std::size_t endpoint) const { return node_ids_.at(endpoint); }
-  bool all_known() const;
+  // The node at `endpoint`, added if new (a node that had gone comes back).
+  NodePtr add(const std::string& endpoint);
+  // Discovery says node `id` is at `endpoint` with `info` / has left.
+  NodePtr up(const std::string& id, const std::string& endpoint, const NodeInfo& info);
+  void down(const std::string& id);
 
-  // The endpoint whose node made `sandbox_id`: the longest known node id that, followed by '-', prefixes it
-  // (node ids may contain '-' themselves). nullopt when no known node matches.
-  std::optional<std::size_t> route(std::string_view sandbox_id) const;
+  std::vector<NodeView> view() const;   // every node that has not gone, in the order they were added
+  std::size_t live_count() const;
+  NodeView view(const NodePtr& node) const;
+
+  void learn(const NodePtr& node, const std::string& id);
+  // A fresh GET /v1/node: its numbers include what was placed before, so the client's own tally starts over.
+  void set_info(const NodePtr& node, NodeInfo info);
+  void placed(const NodePtr& node, double cpu, std::uint64_t memory, std::size_t count);
+
+  void succeeded(const NodePtr& node);
+  // Counts a failed exchange; returns true when the node is ejected now.
+  bool failed(const NodePtr& node);
+
+  // The node that made `sandbox_id`: the longest node id that, followed by '-', prefixes it (ids may contain '-'),
+  // gone nodes included. nullptr when no node matches.
+  NodePtr route(std::string_view sandbox_id) const;
+  // Nodes whose id is not known yet (asked by route's caller).
+  std::vector<NodePtr> unidentified() const;
 
  private:
-  std::vector<std::string> node_ids_;  // by endpoint index; empty = not learned yet
+  NodeView view_locked(const NodePtr& node, SteadyClock::time_point now) const;
+
+  mutable std::mutex mu_;
+  std::vector<NodePtr> nodes_;
 };
 
 // Whether `id` is shaped like a sandbox id: 1..256 bytes of letters, digits, '-', '_' and '.', not starting
