@@ -115,6 +115,30 @@ class PySandbox {
   std::atomic<bool> destroyed_{false};
 };
 
+// A group: the C++ SandboxGroup (which renews the lease) plus non-owning handles on its members for Python.
+class PySandboxGroup {
+ public:
+  PySandboxGroup(dsec::Client& client, dsec::SandboxGroup group) : group_(std::move(group)) {
+    for (auto& m : group_) members_.push_back(std::make_shared<PySandbox>(client.attach(m.id())));
+  }
+  const std::string& id() const { return group_.id(); }
+  double lease() const { return static_cast<double>(group_.lease().count()); }
+  const std::vector<std::shared_ptr<PySandbox>>& members() const { return members_; }
+  dsec::SandboxGroup& get() { return group_; }
+  void destroy() {
+    group_.destroy();
+    members_.clear();
+  }
+  std::vector<std::string> release() {
+    members_.clear();
+    return group_.release();
+  }
+
+ private:
+  dsec::SandboxGroup group_;
+  std::vector<std::shared_ptr<PySandbox>> members_;
+};
+
 PySandbox detach(dsec::Client& client, dsec::Sandbox owned) {
   std::string id = owned.release();
   return PySandbox(client.attach(id));
@@ -272,7 +296,7 @@ PYBIND11_MODULE(_dsec, m) {
                ", sandboxes=" + std::to_string(n.sandboxes) + ")";
       });
 
-  py::class_<PySandbox>(m, "Sandbox")
+  py::class_<PySandbox, std::shared_ptr<PySandbox>>(m, "Sandbox")
       .def_property_readonly("id", &PySandbox::id)
       .def_property_readonly("destroyed", &PySandbox::destroyed)
       .def(
@@ -347,6 +371,29 @@ PYBIND11_MODULE(_dsec, m) {
           "info", [](PySandbox& self) { return self.get().info(); }, py::call_guard<py::gil_scoped_release>())
       .def("destroy", &PySandbox::destroy, py::call_guard<py::gil_scoped_release>());
 
+  py::class_<PySandboxGroup>(m, "SandboxGroup")
+      .def_property_readonly("id", &PySandboxGroup::id)
+      .def_property_readonly("lease", &PySandboxGroup::lease)
+      .def_property_readonly("members", &PySandboxGroup::members)
+      .def(
+          "exec",
+          [](PySandboxGroup& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
+             std::map<std::string, std::string> env, std::string cwd, double timeout, std::size_t max_output) {
+            dsec::ExecRequest req;
+            if (argv) req.argv = std::move(*argv);
+            if (shell) req.shell = std::move(*shell);
+            req.env = std::move(env);
+            req.cwd = std::move(cwd);
+            req.timeout_seconds = timeout;
+            req.max_output_bytes = max_output;
+            py::gil_scoped_release release;
+            return self.get().exec(req);
+          },
+          py::arg("argv"), py::arg("shell"), py::arg("env"), py::arg("cwd"), py::arg("timeout"), py::arg("max_output"))
+      .def("renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &PySandboxGroup::destroy, py::call_guard<py::gil_scoped_release>())
+      .def("release", &PySandboxGroup::release, py::call_guard<py::gil_scoped_release>());
+
   py::class_<PyClient>(m, "Client")
       .def(py::init([](std::vector<std::string> endpoints, std::string agent_binary,
                        std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
@@ -400,6 +447,16 @@ PYBIND11_MODULE(_dsec, m) {
             return out;
           },
           py::arg("n"), py::arg("spec"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "create_group",
+          [](PyClient& self, std::size_t n, const dsec::SandboxSpec& spec, double lease) {
+            auto c = self.get();
+            if (!(lease >= 1) || lease > 86400)
+              throw dsec::Error(dsec::Code::kInvalidArgument, "lease: must be 1 to 86400 seconds");
+            auto group = c->create_group(n, spec, std::chrono::seconds(static_cast<std::int64_t>(lease + 0.5)));
+            return std::make_unique<PySandboxGroup>(*c, std::move(group));
+          },
+          py::arg("n"), py::arg("spec"), py::arg("lease"), py::call_guard<py::gil_scoped_release>())
       .def(
           "attach", [](PyClient& self, const std::string& id) { return PySandbox(self.get()->attach(id)); },
           py::arg("id"))

@@ -42,6 +42,7 @@ from .errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    NodeLost,
     NotFound,
     OutOfRange,
     PermissionDenied,
@@ -69,6 +70,7 @@ __all__ = [
     "SandboxInfo",
     "NodeInfo",
     "CachedLayer",
+    "SandboxGroup",
     "Resources",
     "parse_size",
     "agent_binary",
@@ -378,6 +380,85 @@ def _close_live_clients() -> None:
             pass
 
 
+class SandboxGroup:
+    """The sandboxes of one pulse, made by :meth:`Client.create_group` and held by a lease.
+
+    Iterates, indexes and measures like a list of :class:`Sandbox`. The client renews the lease on every node that
+    holds members, in the background; if the trainer dies, the agents destroy the members once the lease runs out.
+    :meth:`destroy` (or leaving a ``with`` block) destroys them all, one request per node.
+    """
+
+    __slots__ = ("_g", "_client", "_members")
+
+    def __init__(self, handle: _dsec.SandboxGroup, client: "Client") -> None:
+        self._g = handle
+        self._client = client
+        self._members = [Sandbox(h, client) for h in handle.members]
+
+    @property
+    def id(self) -> str:
+        return self._g.id
+
+    @property
+    def lease(self) -> float:
+        """Seconds the agents keep the members after the last renewal."""
+        return self._g.lease
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self):
+        return iter(self._members)
+
+    def __getitem__(self, i):
+        return self._members[i]
+
+    def exec(
+        self,
+        command: Union[str, Sequence[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 600,
+        max_output: Size = 16 << 20,
+    ) -> list[ExecResult]:
+        """The same command in every member, concurrently; results in member order. A member whose call fails gets a
+        result with ``exit_code == -1`` and the error in ``stderr``."""
+        argv = None
+        shell = None
+        if isinstance(command, str):
+            shell = command
+        elif isinstance(command, (list, tuple)) and all(isinstance(a, str) for a in command):
+            argv = list(command)
+        else:
+            raise InvalidArgument("command: expected a str (shell) or a list of str (argv)")
+        return self._g.exec(argv=argv, shell=shell, env=_str_map(env, "env"), cwd=cwd or "", timeout=float(timeout),
+                            max_output=_field_size(max_output, "max_output"))
+
+    def renew(self) -> None:
+        """Renews the lease now (it is renewed in the background too)."""
+        self._g.renew()
+
+    def destroy(self) -> None:
+        """Destroys every member; idempotent."""
+        self._g.destroy()
+        self._members = []
+
+    def release(self) -> list[str]:
+        """Stops renewing and gives the members up (the agents reap them when the lease runs out); their ids."""
+        self._members = []
+        return self._g.release()
+
+    def __enter__(self) -> "SandboxGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return f"SandboxGroup(id={self.id!r}, size={len(self)}, lease={self.lease})"
+
+
 class Client:
     """The entry point: creates sandboxes and finds existing ones.
 
@@ -501,15 +582,49 @@ class Client:
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
-        All or nothing: if one create fails, the ones made are destroyed and the error is raised. Sandbox ``i``
-        carries the request id ``f"{request_id}-{i}"``, so calling again with the same ``request_id`` after a
-        failure returns the same sandboxes instead of making new ones.
+        Placed over the nodes by the client's placement policy, one batch request per node, all at once; a node
+        that refuses or fails has its share made on others. All or nothing: if the sandboxes cannot all be made,
+        the ones made are destroyed and the error is raised. With one node, calling again with the same
+        ``request_id`` returns the same sandboxes instead of making new ones.
         """
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
+
+    def create_group(
+        self,
+        n: int,
+        image: str = "busybox",
+        kind: str = "container",
+        *,
+        lease: float = 30.0,
+        cpu: float = 1.0,
+        memory: Size = "512Mi",
+        disk: Size = "1Gi",
+        pids: int = 512,
+        open_files: int = 4096,
+        ttl: float = 3600,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "",
+        hostname: str = "",
+        workdir: str = "/",
+        allow_ptrace: bool = False,
+        request_id: str | None = None,
+    ) -> SandboxGroup:
+        """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
+
+        Placed over the nodes by the client's placement policy and sent as one batch request per node, all at once;
+        a node that refuses or fails has its share made on others. All or nothing. The lease is renewed in the
+        background; when this process dies, the agents destroy the group's sandboxes once it runs out.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
+        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
+                     allow_ptrace, request_id)
+        return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def attach(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox by id (made by any client). No call is made until it is used."""
