@@ -62,6 +62,12 @@ struct Options {
   std::vector<std::string> layer_modes{"lazy", "extract"};    // the agent's --layer-mode values to compare
   std::string dsec_cli;                                       // the dsec CLI that builds the images; empty: beside
                                                               // dsec-bench
+  // pulse: a pulse of creates over many agents found through etcd (a private etcd and agents this run starts)
+  std::size_t pulse_sandboxes = 32000;   // null sandboxes in the control-plane pulse
+  std::size_t pulse_agents = 16;         // agents serving the null backend
+  std::size_t real_sandboxes = 500;      // container sandboxes in the real pulse (0 skips it)
+  std::size_t real_agents = 4;           // agents serving the container backend
+  std::string pulse_api = "group";       // group: Client::create_group; many: Client::create_many
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -205,6 +211,40 @@ struct ImageBenchResult {
   std::vector<std::string> notes;
 };
 
+// One pulse: a private etcd, N agents registered in it, and one Client that finds them through etcd alone and
+// creates `sandboxes` at once. The client runs in a forked child of dsec-bench, so its CPU time and memory high
+// water mark are its own.
+struct PulseRun {
+  std::string backend;  // "null" (control-plane simulation: nothing started) or "container"
+  std::string api;      // "create_group" or "create_many"
+  std::size_t agents = 0, sandboxes = 0;
+  double agents_ready_seconds = 0;  // spawning the agents until all N are registered in etcd
+  double discovery_seconds = 0;     // the Client constructed until it sees all N nodes
+  double create_seconds = 0;        // the create call until every sandbox is acknowledged
+  double destroy_seconds = 0;       // destroying them all (one request per node for a group)
+  double client_cpu_create = 0, client_cpu_destroy = 0;  // user + system seconds of the client process
+  double client_user_create = 0, client_sys_create = 0;
+  std::uint64_t client_rss_before = 0;  // VmRSS before the create
+  std::uint64_t client_hwm_create = 0;  // VmHWM after the create (reset when the child started)
+  std::uint64_t client_hwm = 0;         // VmHWM at the end (destroy included)
+  double agents_cpu_create = 0, agents_cpu_destroy = 0;  // summed over the agents
+  double agent_cpu_create_max = 0;                       // the busiest agent
+  double etcd_cpu = 0;                                   // etcd over create + destroy
+  std::uint64_t agents_rss_total = 0, agent_rss_max = 0;  // VmRSS of the agents with every sandbox live
+  std::size_t per_agent_min = 0, per_agent_max = 0;       // sandboxes acknowledged per agent
+  std::size_t agents_used = 0;                            // agents that got at least one
+  std::size_t left_after_destroy = 0;                     // sandboxes the agents still report after destroy
+  CpuUse cpu_create, cpu_destroy;                         // the machine in those windows
+};
+
+struct PulseBenchResult {
+  std::vector<PulseRun> runs;
+  std::string etcd_version;
+  std::string scratch;  // where the agents' homes, state and run directories were (a private tmpfs)
+  std::vector<std::string> notes;
+  int cores = 0;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -214,6 +254,7 @@ struct Report {
   std::optional<DensityResult> density;
   std::optional<CgroupJoinResult> cgroup_join;
   std::optional<ImageBenchResult> image;
+  std::optional<PulseBenchResult> pulse;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -230,6 +271,8 @@ DensityResult run_density(const Options& options, Client& client);
 CgroupJoinResult run_cgroup_join(const Options& options);
 // Builds the bench images in <home>/store when missing (with the dsec CLI), then measures cold starts of them.
 ImageBenchResult run_image(const Options& options, const std::string& home);
+// Starts a private etcd and agents (null backend, then container), and times a pulse of creates over them.
+PulseBenchResult run_pulse(const Options& options);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
@@ -239,6 +282,8 @@ void print_density(const DensityResult& r);
 void print_cgroup_join(const CgroupJoinResult& r);
 void print_image(const ImageBenchResult& r);
 std::string markdown_image(const ImageBenchResult& r);
+void print_pulse(const PulseBenchResult& r);
+std::string markdown_pulse(const PulseBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

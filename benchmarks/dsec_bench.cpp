@@ -49,7 +49,13 @@ Commands:
                from create to the first exec result and bytes fetched, with the agent streaming layers lazily and
                with it pulling and extracting them whole; then concurrent cold starts of each (wall time, bytes
                written). Not part of `all`
-  all          all of the above but image, then a Markdown summary for docs/benchmarks.md
+  pulse        a pulse over many nodes: a private etcd and --agents agents on this machine (tmpfs homes), a
+               Client that finds them through etcd only, and one create_group (or create_many) of --sandboxes
+               sandboxes of the null backend (a control-plane simulation: admitted and recorded, nothing started);
+               then --real-sandboxes busybox containers over --real-agents agents the same way. Time until all are
+               acknowledged, creates/s, the client's CPU and peak memory, the agents' CPU, sandboxes per agent,
+               destroy time. Not part of `all`
+  all          all of the above but image and pulse, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -72,7 +78,12 @@ Flags:
   --cold N               image: single cold starts per layer mode (default 3)
   --starts N             image: concurrent cold starts per layer mode (default 32; 0 skips them)
   --layer-modes LIST     image: the agent's --layer-mode values to compare (default lazy,extract)
-  --dsec PATH            image: the dsec CLI that builds missing images (default: the one beside dsec-bench)
+  --dsec PATH            image, pulse: the dsec CLI that builds images (default: the one beside dsec-bench)
+  --sandboxes N          pulse: null-backend sandboxes in the pulse (default 32000; 0 skips it)
+  --agents N             pulse: agents serving them (default 16)
+  --real-sandboxes N     pulse: container sandboxes in the real pulse (default 500; 0 skips it)
+  --real-agents N        pulse: agents serving them (default 4)
+  --pulse-api API        pulse: group (Client::create_group, default) or many (Client::create_many)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -190,6 +201,20 @@ Options parse_options(int argc, char** argv) {
           throw UsageError(fmt::format("--layer-modes: unknown mode '{}' (lazy, extract, auto)", m));
     } else if (flag == "--dsec") {
       o.dsec_cli = take();
+    } else if (flag == "--sandboxes") {
+      o.pulse_sandboxes = parse_count(flag, take(), 0);
+    } else if (flag == "--agents") {
+      o.pulse_agents = parse_count(flag, take(), 1);
+      if (o.pulse_agents > 256) throw UsageError("--agents: at most 256");
+    } else if (flag == "--real-sandboxes") {
+      o.real_sandboxes = parse_count(flag, take(), 0);
+    } else if (flag == "--real-agents") {
+      o.real_agents = parse_count(flag, take(), 1);
+      if (o.real_agents > 256) throw UsageError("--real-agents: at most 256");
+    } else if (flag == "--pulse-api") {
+      o.pulse_api = take();
+      if (o.pulse_api != "group" && o.pulse_api != "many")
+        throw UsageError(fmt::format("--pulse-api: '{}' is not group or many", o.pulse_api));
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -201,7 +226,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -270,8 +295,8 @@ int run(int argc, char** argv) {
   } remove_work_dir{work_dir, own_work_dir};
 
   std::optional<Client> client;
-  // The image benchmark starts an agent of its own for every cold start.
-  if (o.command != "cgroup-join" && o.command != "image") {
+  // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
+  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse") {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -367,7 +392,14 @@ int run(int argc, char** argv) {
     print_image(*report.image);
     std::fflush(stdout);
   }
-  if (all || o.markdown) fmt::print("\n---- Markdown ----\n\n{}", markdown_report(report, o));
+  if (o.command == "pulse") {
+    report.pulse = run_pulse(o);
+    print_pulse(*report.pulse);
+    std::fflush(stdout);
+  }
+  if (all || o.markdown)
+    fmt::print("\n---- Markdown ----\n\n{}{}", markdown_report(report, o),
+               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string());
   return 0;
 }
 
