@@ -329,7 +329,8 @@ TEST_F(GroupsTest, RoutesOfGroups) {
 
 TEST_F(GroupsTest, TheHttpProtocolOfGroups) {
   auto created = call(http::verb::post, "/v1/sandboxes",
-                      R"({"kind": "null", "resources": {"memory": "64Mi"}, "group": "job-7", "group_ttl": 30, "count": 3})");
+                      R"({"kind": "null", "resources": {"memory": "64Mi"}, "group": "job-7", "group_ttl": 30,
+                          "count": 3})");
   ASSERT_EQ(created.status, 201) << created.body;
   EXPECT_EQ(created.body["sandboxes"][0]["group"], "job-7");
 

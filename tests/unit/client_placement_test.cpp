@@ -109,6 +109,28 @@ TEST(Placement, PackFillsOneNodeBeforeTheNext) {
   EXPECT_EQ(chosen, (std::vector<std::size_t>{2, 2, 0}));
 }
 
+TEST(Placement, TrainersWithDifferentRequestIdsStartOnDifferentEqualNodes) {
+  std::vector<NodeCandidate> nodes{node("a"), node("b"), node("c"), node("d")};
+  SandboxSpec spec = small_spec();
+  std::set<std::size_t> first_choices;
+  for (int i = 0; i < 32; ++i) {
+    spec.request_id = "trainer-" + std::to_string(i);
+    for (const char* name : {"spread", "pack"}) {
+      auto chosen = make_placement_policy(name)->place(request(spec, 1), nodes);
+      first_choices.insert(chosen[0]);
+      // The same request always starts at the same node.
+      EXPECT_EQ(make_placement_policy(name)->place(request(spec, 1), nodes), chosen);
+    }
+  }
+  EXPECT_GE(first_choices.size(), 3u);
+  // A tie never beats capacity: a freer node still wins whatever the request id.
+  nodes[2].info.cpu_requested = 0;
+  for (auto& n : nodes) n.info.memory_requested = 8ull << 30;
+  nodes[2].info.memory_requested = 0;
+  spec.request_id = "trainer-x";
+  EXPECT_EQ(make_placement_policy("spread")->place(request(spec, 1), nodes), (std::vector<std::size_t>{2}));
+}
+
 TEST(Placement, CpuOvercommitIsTheLimit) {
   std::vector<NodeCandidate> nodes{node("a", 2, 1024 * kGi)};
   nodes[0].info.cpu_overcommit = 32;

@@ -316,7 +316,8 @@ HttpResponse Router::group_renew(HttpRequest& request, const Target& target) {
   only_params(target.query, {});
   check_group_id(target.group_id);
   json body = protocol::parse_body(request.body());
-  if (!body.is_object()) throw Error(Code::kInvalidArgument, "renew: the body must be a JSON object such as {\"ttl\": 30}");
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "renew: the body must be a JSON object such as {\"ttl\": 30}");
   double ttl = 0;
   if (auto it = body.find("ttl"); it != body.end() && !it->is_null()) {
     if (!it->is_number() || it->get<double>() < 1 || it->get<double>() > protocol::kMaxGroupTtlSeconds)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 
 #include <fmt/format.h>
@@ -80,7 +81,8 @@ double free_after(const Resources& r, const NodeInfo& info, const Usage& u) {
   const double cpu_cap = cpu_capacity(info);
   const double memory_cap = memory_capacity(info);
   const double cpu_free = cpu_cap > 0 ? (cpu_cap - u.cpu - r.cpu) / cpu_cap : 0;
-  const double memory_free = memory_cap > 0 ? (memory_cap - u.memory - static_cast<double>(r.memory_bytes)) / memory_cap : 0;
+  const double memory_free =
+      memory_cap > 0 ? (memory_cap - u.memory - static_cast<double>(r.memory_bytes)) / memory_cap : 0;
   return std::clamp(std::min(cpu_free, memory_free), 0.0, 1.0);
 }
 
@@ -110,13 +112,20 @@ class HeapPolicy : public PlacementPolicy {
     struct Entry {
       std::size_t peers;
       double score;
+      std::size_t rank;   // tie-break: the node's index rotated by the request's offset
       std::size_t index;
     };
-    // The heap's top is the best node: fewest anti-affinity peers, then the highest score, then the lowest index.
+    // Equal nodes (a fresh cluster) are taken in index order starting at an offset drawn from the request id, so
+    // trainers placing at the same moment start on different nodes instead of all on the first.
+    const std::size_t offset = spec.request_id.empty() || nodes.empty()
+                                   ? 0
+                                   : std::hash<std::string>{}(spec.request_id) % nodes.size();
+    auto rank_of = [&](std::size_t i) { return (i + nodes.size() - offset) % nodes.size(); };
+    // The heap's top is the best node: fewest anti-affinity peers, then the highest score, then the lowest rank.
     auto worse = [](const Entry& a, const Entry& b) {
       if (a.peers != b.peers) return a.peers > b.peers;
       if (a.score != b.score) return a.score < b.score;
-      return a.index > b.index;
+      return a.rank > b.rank;
     };
     auto score = [&](std::size_t i) {
       double free = free_after(r, nodes[i].info, state[i].usage);
@@ -137,7 +146,7 @@ class HeapPolicy : public PlacementPolicy {
         s.locality = kLocalityWeight * std::min(1.0, static_cast<double>(node.cached_image_bytes) /
                                                          static_cast<double>(request.image_bytes));
       s.peers = anti ? node.anti_affinity_peers : 0;
-      heap.push_back(Entry{s.peers, score(i), i});
+      heap.push_back(Entry{s.peers, score(i), rank_of(i), i});
     }
     std::make_heap(heap.begin(), heap.end(), worse);
 
@@ -159,7 +168,7 @@ class HeapPolicy : public PlacementPolicy {
       s.usage.memory += static_cast<double>(r.memory_bytes);
       s.usage.gpus += r.gpus;
       if (anti) ++s.peers;
-      heap.back() = Entry{s.peers, score(i), i};
+      heap.back() = Entry{s.peers, score(i), rank_of(i), i};
       std::push_heap(heap.begin(), heap.end(), worse);
     }
     return out;
@@ -172,8 +181,8 @@ class HeapPolicy : public PlacementPolicy {
     const SandboxSpec& spec = *request.spec;
     const Resources& r = spec.resources;
     std::string message = fmt::format(
-        "placement: cannot place {} of {} sandboxes (kind {}, cpu {}, memory {}{}) on {} node{}", request.count - placed,
-        request.count, spec.kind, r.cpu, bytes_text(static_cast<double>(r.memory_bytes)),
+        "placement: cannot place {} of {} sandboxes (kind {}, cpu {}, memory {}{}) on {} node{}",
+        request.count - placed, request.count, spec.kind, r.cpu, bytes_text(static_cast<double>(r.memory_bytes)),
         r.gpus ? fmt::format(", gpus {}", r.gpus) : std::string(), nodes.size(), nodes.size() == 1 ? "" : "s");
     if (placed > 0) message += fmt::format(" ({} fit before the nodes filled up)", placed);
     if (nodes.empty()) return Error(Code::kResourceExhausted, message + ": no nodes");
