@@ -68,6 +68,7 @@ struct Options {
   std::size_t real_sandboxes = 500;      // container sandboxes in the real pulse (0 skips it)
   std::size_t real_agents = 4;           // agents serving the container backend
   std::string pulse_api = "group";       // group: Client::create_group; many: Client::create_many
+  std::string pulse_dir;  // where the agents' homes, records and run directories go; empty: a new dir on /dev/shm
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -234,13 +235,16 @@ struct PulseRun {
   std::size_t per_agent_min = 0, per_agent_max = 0;       // sandboxes acknowledged per agent
   std::size_t agents_used = 0;                            // agents that got at least one
   std::size_t left_after_destroy = 0;                     // sandboxes the agents still report after destroy
+  std::size_t agents_report = 0;  // live sandboxes the agents report after the create (pulse + one warm-up each)
+  std::size_t alive = 0;          // container: the pulse's sandboxes with a live process on this host
   CpuUse cpu_create, cpu_destroy;                         // the machine in those windows
 };
 
 struct PulseBenchResult {
   std::vector<PulseRun> runs;
   std::string etcd_version;
-  std::string scratch;  // where the agents' homes, state and run directories were (a private tmpfs)
+  std::string scratch;     // where the agents' homes, state and run directories were
+  std::string scratch_fs;  // "tmpfs", or the device and file system type holding them
   std::vector<std::string> notes;
   int cores = 0;
 };

@@ -34,6 +34,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -337,6 +338,15 @@ json client_side(const ClusterRun& run) {
   if (ids.size() != run.sandboxes)
     throw Error(Code::kInternal, fmt::format("asked for {} sandboxes, got {}", run.sandboxes, ids.size()));
   for (const auto& id : ids) ++per_node[node_of(id)];
+  // What the agents themselves hold (the warm-up sandboxes included), and for containers, the sandboxes that have a
+  // live process on this host.
+  std::size_t reported = 0;
+  for (const auto& node : client.nodes()) reported += node.sandboxes;
+  out["agents_report"] = reported;
+  if (run.backend == "container") {
+    std::set<std::string> wanted(ids.begin(), ids.end());
+    out["alive"] = find_sandbox_processes(wanted).pids.size();
+  }
 
   // Destroy them all.
   Rusage ru2 = Rusage::now();
@@ -666,8 +676,21 @@ PulseRun run_cluster(const Options& o, const fs::path& scratch, const std::strin
   r.per_agent_max = c.at("per_agent_max");
   r.agents_used = c.at("agents_used");
   r.left_after_destroy = c.at("left_after_destroy");
+  r.agents_report = c.at("agents_report");
+  r.alive = c.value("alive", std::size_t{0});
+  if (r.agents_report != sandboxes + agents)
+    throw Error(Code::kInternal, fmt::format("{} pulse: the agents report {} live sandboxes, not the pulse's {} and {} "
+                                             "warm-up sandboxes",
+                                             backend, r.agents_report, sandboxes, agents));
+  if (backend == "container" && r.alive != sandboxes)
+    throw Error(Code::kInternal, fmt::format("container pulse: {} of {} sandboxes have a live process", r.alive,
+                                             sandboxes));
   r.cpu_create = cpu_from(c.at("cpu_create"));
   r.cpu_destroy = cpu_from(c.at("cpu_destroy"));
+  if (r.cpu_create.others_cores > 0.1)
+    notes.push_back(fmt::format("{} pulse: other processes used {:.2f} cores while it created: the machine was not "
+                                "quiet",
+                                backend, r.cpu_create.others_cores));
   if (r.left_after_destroy != 0)
     notes.push_back(fmt::format("{} pulse: {} sandboxes still listed after the destroy", backend, r.left_after_destroy));
 
@@ -712,13 +735,25 @@ PulseBenchResult run_pulse(const Options& o) {
     if (::access(bin.c_str(), X_OK) != 0)
       throw Error(Code::kFailedPrecondition, fmt::format("{} is not an executable (needed by the pulse)", bin));
 
-  // Scratch space on tmpfs: /dev/shm when it is one.
-  fs::path base = "/dev/shm";
+  // Scratch space on tmpfs (/dev/shm when it is one) unless --pulse-dir names another place.
+  fs::path base = o.pulse_dir.empty() ? fs::path("/dev/shm") : fs::path(o.pulse_dir);
   struct statfs st {};
-  if (::statfs(base.c_str(), &st) != 0 || st.f_type != TMPFS_MAGIC) {
+  if (::statfs(base.c_str(), &st) != 0) {
+    if (!o.pulse_dir.empty()) throw_errno_fmt(errno, "--pulse-dir {}", base.string());
     base = fs::temp_directory_path();
-    result.notes.push_back(fmt::format("/dev/shm is not a tmpfs here: the agents' directories are under {}",
-                                       base.string()));
+  }
+  const bool tmpfs = ::statfs(base.c_str(), &st) == 0 && st.f_type == TMPFS_MAGIC;
+  result.scratch_fs = tmpfs ? "tmpfs" : "not tmpfs";
+  if (!tmpfs) {
+    std::string fs_name = fmt::format("file system type {:#x}", static_cast<unsigned long>(st.f_type));
+    if (st.f_type == EXT4_SUPER_MAGIC) fs_name = "ext4";
+    if (st.f_type == XFS_SUPER_MAGIC) fs_name = "xfs";
+    if (st.f_type == BTRFS_SUPER_MAGIC) fs_name = "btrfs";
+    if (st.f_type == OVERLAYFS_SUPER_MAGIC) fs_name = "overlayfs";
+    result.scratch_fs = fs_name;
+    result.notes.push_back(fmt::format("the agents' homes, sandbox records and run directories are under {} ({}), not "
+                                       "on tmpfs: every record write reaches that file system",
+                                       base.string(), fs_name));
   }
   std::string templ = (base / "dsec-bench-pulse-XXXXXX").string();
   if (::mkdtemp(templ.data()) == nullptr) throw_errno_fmt(errno, "mkdtemp {}", templ);
@@ -781,8 +816,9 @@ void print_pulse(const PulseBenchResult& r) {
     fmt::print("    agents: {:.2f} CPU s in all (busiest {:.2f}), RSS {} in all (largest {}); etcd {:.2f} CPU s\n",
                p.agents_cpu_create, p.agent_cpu_create_max, human_bytes(p.agents_rss_total), human_bytes(p.agent_rss_max),
                p.etcd_cpu);
-    fmt::print("    per agent: {} to {} sandboxes ({} of {} agents used)\n", p.per_agent_min, p.per_agent_max,
-               p.agents_used, p.agents);
+    fmt::print("    per agent: {} to {} sandboxes ({} of {} agents used); the agents report {} live (with {} warm-up)\n",
+               p.per_agent_min, p.per_agent_max, p.agents_used, p.agents, p.agents_report, p.agents);
+    if (p.backend == "container") fmt::print("    {} sandboxes with a live process in /proc\n", p.alive);
     fmt::print("    destroy: {:.2f} s ({:.0f}/s); client {:.2f} CPU s, agents {:.2f} CPU s; {} left\n", p.destroy_seconds,
                n / p.destroy_seconds, p.client_cpu_destroy, p.agents_cpu_destroy, p.left_after_destroy);
     print_cpu(p.cpu_create, r.cores, "    load while creating: ");

@@ -84,6 +84,9 @@ Flags:
   --real-sandboxes N     pulse: container sandboxes in the real pulse (default 500; 0 skips it)
   --real-agents N        pulse: agents serving them (default 4)
   --pulse-api API        pulse: group (Client::create_group, default) or many (Client::create_many)
+  --pulse-dir DIR        pulse: a new directory under DIR holds the agents' homes, sandbox records and run
+                         directories (default: under /dev/shm, a tmpfs, so that disk writes do not decide the
+                         figures; give a disk's directory to measure with them)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -215,6 +218,8 @@ Options parse_options(int argc, char** argv) {
       o.pulse_api = take();
       if (o.pulse_api != "group" && o.pulse_api != "many")
         throw UsageError(fmt::format("--pulse-api: '{}' is not group or many", o.pulse_api));
+    } else if (flag == "--pulse-dir") {
+      o.pulse_dir = take();
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
