@@ -141,6 +141,9 @@ def _spec(
     workdir: str,
     allow_ptrace: bool,
     request_id: str | None,
+    node_selector: Mapping[str, str] | None = None,
+    anti_affinity: str = "",
+    gpus: int = 0,
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -157,6 +160,9 @@ def _spec(
         raise InvalidArgument(f"resources.open_files: must be a positive int, got {open_files!r}")
     r.pids = pids
     r.open_files = open_files
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
+        raise InvalidArgument(f"resources.gpus: must be a non-negative int, got {gpus!r}")
+    r.gpus = gpus
     s.resources = r
     if ttl is None or ttl < 0:
         raise InvalidArgument(f"ttl: must be >= 0 seconds (0 = no TTL), got {ttl!r}")
@@ -168,6 +174,8 @@ def _spec(
     s.workdir = workdir
     s.allow_ptrace = bool(allow_ptrace)
     s.request_id = request_id or ""
+    s.node_selector = _str_map(node_selector, "node_selector")
+    s.anti_affinity = anti_affinity or ""
     return s
 
 
@@ -546,18 +554,23 @@ class Client:
         workdir: str = "/",
         allow_ptrace: bool = False,
         request_id: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        anti_affinity: str = "",
+        gpus: int = 0,
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
         ``cpu`` in cores (fractions allowed), ``memory`` and ``disk`` in bytes or as "512Mi"/"2G", ``ttl`` in
         seconds after which the agent destroys it (0 = never). ``env`` is the environment of every exec, ``labels``
-        and ``tenant`` are for :meth:`list`. ``request_id`` makes the create idempotent: the same id returns the same
+        and ``tenant`` are for :meth:`list`. ``node_selector`` names labels a node must carry (``dsecd --label``),
+        ``anti_affinity`` a label key whose value sandboxes prefer not to share a node over, ``gpus`` how many GPUs
+        the sandbox needs. ``request_id`` makes the create idempotent: the same id returns the same
         sandbox (a random one is used when omitted, so the client's own retries never make two).
 
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -579,6 +592,9 @@ class Client:
         workdir: str = "/",
         allow_ptrace: bool = False,
         request_id: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        anti_affinity: str = "",
+        gpus: int = 0,
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -590,7 +606,7 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -613,6 +629,9 @@ class Client:
         workdir: str = "/",
         allow_ptrace: bool = False,
         request_id: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        anti_affinity: str = "",
+        gpus: int = 0,
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -623,7 +642,7 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def attach(self, sandbox_id: str) -> Sandbox:
