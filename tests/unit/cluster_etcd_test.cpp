@@ -70,6 +70,10 @@ struct Recorder {
     std::lock_guard lock(mu);
     return events.size();
   }
+  std::string last_error() {
+    std::lock_guard lock(mu);
+    return errors.empty() ? "" : errors.back();
+  }
   std::vector<WatchEvent> snapshot() {
     std::lock_guard lock(mu);
     return events;
@@ -295,7 +299,10 @@ TEST_F(EtcdTest, WatchResumesAfterABrokenStreamWithoutLosingOrRepeating) {
     EXPECT_FALSE(rec.errors.empty());
   }
   proxy.refuse(false);
-  ASSERT_TRUE(wait_until([&] { return rec.event_count() >= 4; }, seconds(10)));
+  ASSERT_TRUE(wait_until([&] { return rec.event_count() >= 4; }, seconds(10)))
+      << "events: " << rec.event_count() << ", connected: " << watch->connected()
+      << ", connects: " << watch->connects() << ", proxy accepted: " << proxy.accepted() << ", last error: "
+      << rec.last_error();
   std::this_thread::sleep_for(milliseconds(200));
   auto events = rec.snapshot();
   ASSERT_EQ(events.size(), 4u);

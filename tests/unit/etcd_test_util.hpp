@@ -214,6 +214,7 @@ class TcpProxy {
         fds.push_back({p.first, POLLIN, 0});
         fds.push_back({p.second, POLLIN, 0});
       }
+      const std::size_t polled = pairs_.size();  // a pair accepted below waits for the next poll
       if (::poll(fds.data(), fds.size(), 50) <= 0) continue;
       if (fds[0].revents & POLLIN) {
         int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
@@ -237,7 +238,7 @@ class TcpProxy {
         }
       }
       std::vector<std::size_t> dead;
-      for (std::size_t i = 0; i < pairs_.size(); ++i) {
+      for (std::size_t i = 0; i < polled; ++i) {
         for (int side = 0; side < 2; ++side) {
           const pollfd& f = fds[1 + 2 * i + side];
           if (!(f.revents & (POLLIN | POLLHUP | POLLERR))) continue;
