@@ -99,6 +99,10 @@ TEST_F(RegistrationTest, RegistersRefreshesAndRevokesAtStop) {
   std::this_thread::sleep_for(seconds(5));
   ASSERT_TRUE(stored().has_value());
 
+  // A key deleted by hand is written again at the next renewal.
+  etcd_->delete_key("/dsec-test/nodes/n1");
+  ASSERT_TRUE(wait_until([&] { return stored().has_value(); }, seconds(2)));
+
   reg.stop();
   EXPECT_FALSE(stored().has_value()) << "a clean stop removes the key at once";
   EXPECT_FALSE(reg.registered());

@@ -57,7 +57,6 @@ void Registration::loop() {
   const auto started = Clock::now();
   milliseconds backoff = kMinBackoff;
   std::int64_t lease = 0;
-  std::string written;  // the value etcd holds under this lease
   bool failing = false;
   bool ever_registered = false;
   auto last_warning = Clock::time_point{};
@@ -76,26 +75,23 @@ void Registration::loop() {
     }
     try {
       if (lease != 0 && etcd_->keepalive(lease) == 0) {
-        log_warn("etcd: lease of {} expired while etcd could not be reached; registering again", key_);
+        log_warn("etcd: the lease of {} is gone (it expired while etcd was away, or etcd lost it); registering "
+                 "again", key_);
         lease = 0;
       }
       if (lease == 0) {
         lease = etcd_->grant_lease(options_.lease_ttl).id;
-        written.clear();
         std::lock_guard lock(mu_);
         lease_ = lease;
       }
+      // Written every time, not only when the load changed: a key deleted by hand comes back within a period.
       cluster::NodeRecord record{options_.endpoint, node_info_()};
-      std::string value = cluster::encode_node_record(record);
-      if (value != written) {
-        try {
-          etcd_->put(key_, value, lease);
-        } catch (const Error& e) {
-          if (e.code() != Code::kNotFound) throw;
-          lease = 0;  // the lease went between keepalive and put: a new one at once
-          continue;
-        }
-        written = std::move(value);
+      try {
+        etcd_->put(key_, cluster::encode_node_record(record), lease);
+      } catch (const Error& e) {
+        if (e.code() != Code::kNotFound) throw;
+        lease = 0;  // the lease went between keepalive and put: a new one at once
+        continue;
       }
       {
         std::lock_guard lock(mu_);
@@ -140,7 +136,8 @@ void Registration::stop() {
   std::int64_t lease = 0;
   {
     std::lock_guard lock(mu_);
-    lease = lease_;
+    // While etcd cannot be reached, do not hold shutdown up for a revoke that would fail too: the lease expires.
+    if (registered_) lease = lease_;
     lease_ = 0;
     registered_ = false;
   }

@@ -1,6 +1,6 @@
 // An agent's entry in etcd: with --etcd, dsecd writes its endpoint and node info (the JSON of GET /v1/node) under
 // <prefix>nodes/<node id>, attached to a lease of --etcd-lease-ttl seconds. Every TTL/3 it renews the lease and
-// rewrites the value when its load changed, so clients watching the prefix see current capacity and load. A node
+// writes the value again with its current load, so clients watching the prefix see current capacity and load. A node
 // that dies stops renewing and its key goes when the lease expires; a clean shutdown revokes the lease, which
 // removes the key at once.
 //
@@ -44,7 +44,8 @@ class Registration {
   Registration& operator=(const Registration&) = delete;
 
   void start();
-  // Stops renewing and revokes the lease (the key goes at once). Bounded by the request timeout; idempotent.
+  // Stops renewing and revokes the lease (the key goes at once); while etcd cannot be reached it leaves the lease
+  // to expire instead. Bounded by the request timeout; idempotent.
   void stop();
 
   const std::string& key() const noexcept { return key_; }
