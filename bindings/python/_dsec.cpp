@@ -399,11 +399,15 @@ PYBIND11_MODULE(_dsec, m) {
                        std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
                        double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
                        double max_backoff, double agent_start_timeout, double agent_stop_grace,
-                       std::vector<std::string> stores, double image_cache_ttl, std::string placement) {
+                       std::vector<std::string> stores, double image_cache_ttl, double request_timeout,
+                       std::vector<std::string> etcd, std::string etcd_prefix, std::string placement) {
              dsec::ClientOptions o;
              o.endpoints = std::move(endpoints);
              o.stores = std::move(stores);
              o.image_cache_ttl = to_ms(image_cache_ttl, "image_cache_ttl");
+             o.request_timeout = to_ms(request_timeout, "request_timeout");
+             o.etcd_endpoints = std::move(etcd);
+             o.etcd_prefix = std::move(etcd_prefix);
              o.agent_binary = std::move(agent_binary);
              o.agent_candidates = std::move(agent_candidates);
              o.home = std::move(home);
@@ -428,6 +432,8 @@ PYBIND11_MODULE(_dsec, m) {
            py::arg("create_concurrency") = 32, py::arg("max_attempts") = 6, py::arg("initial_backoff") = 0.02,
            py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0,
            py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0,
+           py::arg("request_timeout") = 15.0, py::arg("etcd") = std::vector<std::string>{},
+           py::arg("etcd_prefix") = "/dsec/",
            py::arg("placement") = "spread")
       .def(
           "create",

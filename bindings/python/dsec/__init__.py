@@ -482,6 +482,10 @@ class Client:
     embedded agent's ``<home>/store``): ``create(image="swe/task-17")`` looks the tag up here (cached for
     ``image_cache_ttl`` seconds) and sends the agent the exact manifest, whose layers the node streams on demand.
 
+    ``Client(etcd=["http://10.0.0.2:2379"])`` finds its agents in etcd instead (agents started with ``dsecd --etcd``
+    register under ``etcd_prefix``) and follows them as they come and go. ``request_timeout`` bounds one exchange
+    with a node: a create whose node does not answer in time moves to another node with the same request id.
+
     ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
     go to the node that made it. ``placement`` chooses the node for each new sandbox: ``"spread"`` (most free
     capacity first, so sandboxes spread over the nodes) or ``"pack"`` (the fullest node that still fits, so nodes
@@ -507,6 +511,9 @@ class Client:
         stores: Union[str, Iterable[str], None] = None,
         image_cache_ttl: float = 10.0,
         placement: str = "spread",
+        request_timeout: float = 15.0,
+        etcd: Union[str, Iterable[str], None] = None,
+        etcd_prefix: str = "/dsec/",
     ) -> None:
         if endpoints is None:
             eps: list[str] = []
@@ -531,6 +538,9 @@ class Client:
             stores=[stores] if isinstance(stores, str) else [os.fspath(s) for s in (stores or ())],
             image_cache_ttl=float(image_cache_ttl),
             placement=str(placement),
+            request_timeout=float(request_timeout),
+            etcd=[etcd] if isinstance(etcd, str) else list(etcd or ()),
+            etcd_prefix=str(etcd_prefix),
         )
         self._pid = os.getpid()
         with _live_lock:

@@ -194,6 +194,9 @@ class Client:
         agent_stop_grace: float = 10.0,
         stores: Sequence[str] = ...,
         image_cache_ttl: float = 10.0,
+        request_timeout: float = 15.0,
+        etcd: Sequence[str] = ...,
+        etcd_prefix: str = "/dsec/",
         placement: str = "spread",
     ) -> None: ...
     def create(self, spec: SandboxSpec) -> Sandbox: ...

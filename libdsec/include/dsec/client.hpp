@@ -53,6 +53,10 @@ struct ClientOptions {
   RetryPolicy retry;
   // Deadline for one call, through all its retries (exec adds its own timeout on top).
   std::chrono::milliseconds call_deadline{60'000};
+  // The longest one HTTP exchange with a node may take (an exec adds its own timeout): a node that does not answer
+  // within it counts as failed, and a create moves to another node (with the same request id) instead of waiting
+  // out the whole call deadline.
+  std::chrono::milliseconds request_timeout{15'000};
   // How many creates create_many keeps in flight at once.
   std::size_t create_concurrency = 32;
   // Which node each sandbox goes to (dsec/placement.hpp): "spread" (most free capacity first: sandboxes spread over

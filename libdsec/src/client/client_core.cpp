@@ -3,6 +3,7 @@
 #include "client/exec_stream.hpp"
 
 #include <algorithm>
+#include <condition_variable>
 #include <exception>
 #include <map>
 #include <optional>
@@ -170,10 +171,11 @@ auto ClientCore::retrying(SteadyClock::time_point deadline, Op&& op) -> decltype
   });
 }
 
-HttpResponse ClientCore::call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline) {
+HttpResponse ClientCore::call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
+                              std::chrono::milliseconds extra) {
   HttpResponse r;
   try {
-    r = node->transport.send(request, deadline);
+    r = node->transport.send(request, std::min(deadline, SteadyClock::now() + options_.request_timeout + extra));
   } catch (const TransportError&) {
     nodes_.failed(node);
     throw;
@@ -415,6 +417,47 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
   std::size_t batch_no = 0;
   std::mutex mu;
 
+  // A group's lease is kept alive while the pulse is still being made (a slow node, a failover), on the nodes that
+  // already hold members; the SandboxGroup's own renewal takes over when create_many returns.
+  std::mutex renew_mu;
+  std::condition_variable renew_cv;
+  bool pulse_done = false;
+  std::thread renewer;
+  if (!group.empty()) {
+    renewer = std::thread([&] {
+      const auto period = std::max<milliseconds>(group_ttl / 3, milliseconds(200));
+      std::unique_lock lock(renew_mu);
+      while (!renew_cv.wait_for(lock, period, [&] { return pulse_done; })) {
+        lock.unlock();
+        std::vector<std::string> ids;
+        {
+          std::lock_guard made_lock(mu);
+          for (const auto& m : made)
+            if (m) ids.push_back(m->id);
+        }
+        try {
+          if (!ids.empty()) renew_group(group, ids, group_ttl);
+        } catch (const Error&) {
+        }
+        lock.lock();
+      }
+    });
+  }
+  struct StopRenewer {
+    std::mutex& m;
+    std::condition_variable& cv;
+    bool& done;
+    std::thread& t;
+    ~StopRenewer() {
+      {
+        std::lock_guard lock(m);
+        done = true;
+      }
+      cv.notify_all();
+      if (t.joinable()) t.join();
+    }
+  } stop_renewer{renew_mu, renew_cv, pulse_done, renewer};
+
   while (!pending.empty()) {
     check_open();
     if (SteadyClock::now() >= deadline) {
@@ -650,11 +693,12 @@ ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
   const protocol::json encoded = protocol::encode(request);
   protocol::decode_exec_request(encoded);
   const std::string body = encoded.dump();
-  auto deadline = deadline_after(milliseconds{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)});
+  const milliseconds exec_time{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)};
+  auto deadline = deadline_after(exec_time);
   auto r = retrying(deadline, [&] {
     NodePtr node = route(id, deadline);
     try {
-      return call(node, http_request("POST", sandbox_path(id, "/exec"), body, kJson), deadline);
+      return call(node, http_request("POST", sandbox_path(id, "/exec"), body, kJson), deadline, exec_time);
     } catch (const TransportError& e) {
       // An exec is not idempotent: once the agent may have it, running it twice is worse than failing.
       if (e.maybe_sent() && e.retryable())
@@ -678,7 +722,8 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
   protocol::decode_exec_request(encoded);
   encoded["stream"] = true;
   const std::string body = encoded.dump();
-  auto deadline = deadline_after(milliseconds{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)});
+  const milliseconds exec_time{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)};
+  auto deadline = deadline_after(exec_time);
   std::exception_ptr callback_error;
   std::optional<ExecStreamDecoder> decoder;
   HttpRequest http = http_request("POST", sandbox_path(id, "/exec"), body, kJson);
@@ -696,7 +741,7 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
         }
       });
       try {
-        return call(node, http, deadline);
+        return call(node, http, deadline, exec_time);
       } catch (const TransportError& e) {
         // Like exec: once the agent may have the command, running it twice is worse than failing.
         if (e.maybe_sent() && e.retryable())

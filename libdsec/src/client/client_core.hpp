@@ -75,7 +75,9 @@ class ClientCore {
   SteadyClock::time_point deadline_after(std::chrono::milliseconds extra = {}) const;
   void check_open() const;
   // One HTTP exchange with `node`; a non-2xx answer is thrown as the agent's dsec::Error. Counts the node's health.
-  HttpResponse call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline);
+  // Each exchange is bounded by request_timeout (+ `extra`, an exec's own timeout) within the call's deadline.
+  HttpResponse call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
+                    std::chrono::milliseconds extra = {});
   // The node that made sandbox `id` (asks unidentified nodes for their ids when needed). NodeLost when that node has
   // left the cluster or is ejected.
   NodePtr route(const std::string& id, SteadyClock::time_point deadline);
