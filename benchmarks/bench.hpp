@@ -237,6 +237,7 @@ struct PulseRun {
   std::size_t left_after_destroy = 0;                     // sandboxes the agents still report after destroy
   std::size_t agents_report = 0;  // live sandboxes the agents report after the create (pulse + one warm-up each)
   std::size_t alive = 0;          // container: the pulse's sandboxes with a live process on this host
+  double sandboxes_cpu = 0;       // container: CPU seconds of those processes (all spent since the pulse began)
   CpuUse cpu_create, cpu_destroy;                         // the machine in those windows
 };
 
