@@ -887,10 +887,10 @@ std::string markdown_pulse(const PulseBenchResult& r) {
                           "below).",
                           p.alive, p.sandboxes_cpu)
             : std::string());
-    md += fmt::format("  Load while creating: {:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench's client, the agents, "
-                      "etcd{} {:.2f}, kernel threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}.\n",
+    md += fmt::format("  Load while creating: {:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench's client, the agents{} "
+                      "{:.2f}, kernel threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}.\n",
                       p.cpu_create.seconds, p.cpu_create.busy_cores, r.cores,
-                      p.backend == "container" ? " and the sandboxes" : "", p.cpu_create.ours_cores,
+                      p.backend == "container" ? ", etcd and the sandboxes" : " and etcd", p.cpu_create.ours_cores,
                       p.cpu_create.kernel_cores, p.cpu_create.steal_cores, p.cpu_create.others_cores);
   }
   for (const auto& n : r.notes) md += fmt::format("- {}\n", n);
