@@ -257,6 +257,18 @@ PYBIND11_MODULE(_dsec, m) {
                "', node='" + i.node + "')";
       });
 
+  py::class_<dsec::SleepResult>(m, "SleepResult", "What a sleep or a wake did.")
+      .def_readonly("info", &dsec::SleepResult::info, "The sandbox after it.")
+      .def_readonly("memory_before_bytes", &dsec::SleepResult::memory_before_bytes)
+      .def_readonly("memory_after_bytes", &dsec::SleepResult::memory_after_bytes)
+      .def_readonly("memory_released_bytes", &dsec::SleepResult::memory_released_bytes)
+      .def_readonly("seconds", &dsec::SleepResult::seconds, "How long the agent took.")
+      .def("__repr__", [](const dsec::SleepResult& r) {
+        return "SleepResult(state='" + r.info.state + "', memory_before_bytes=" +
+               std::to_string(r.memory_before_bytes) + ", memory_after_bytes=" + std::to_string(r.memory_after_bytes) +
+               ", seconds=" + std::to_string(r.seconds) + ")";
+      });
+
   py::class_<dsec::CachedLayer>(m, "CachedLayer", "An image layer in a node's cache.")
       .def_readonly("digest", &dsec::CachedLayer::digest)
       .def_readonly("size", &dsec::CachedLayer::size)
@@ -369,6 +381,12 @@ PYBIND11_MODULE(_dsec, m) {
           py::arg("dir"))
       .def(
           "info", [](PySandbox& self) { return self.get().info(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "sleep", [](PySandbox& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>(),
+          "Freezes the sandbox in place and releases its memory; exec fails until wake().")
+      .def(
+          "wake", [](PySandbox& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>(),
+          "Lets a sleeping sandbox's processes run on.")
       .def("destroy", &PySandbox::destroy, py::call_guard<py::gil_scoped_release>());
 
   py::class_<PySandboxGroup>(m, "SandboxGroup")
@@ -391,6 +409,8 @@ PYBIND11_MODULE(_dsec, m) {
           },
           py::arg("argv"), py::arg("shell"), py::arg("env"), py::arg("cwd"), py::arg("timeout"), py::arg("max_output"))
       .def("renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
+      .def("sleep", [](PySandboxGroup& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>())
+      .def("wake", [](PySandboxGroup& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>())
       .def("destroy", &PySandboxGroup::destroy, py::call_guard<py::gil_scoped_release>())
       .def("release", &PySandboxGroup::release, py::call_guard<py::gil_scoped_release>());
 

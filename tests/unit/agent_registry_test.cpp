@@ -486,5 +486,22 @@ TEST_F(RegistryTest, DestroyAllEmptiesTheNode) {
   EXPECT_EQ(metrics_.destroyed("null"), 20u);
 }
 
+// A backend without sleep answers UNIMPLEMENTED, and nothing about the sandbox changes; wake of an awake sandbox and
+// sleep of an unknown one are refused before the backend is asked.
+TEST_F(RegistryTest, SleepOfABackendWithoutItChangesNothing) {
+  make();
+  std::string id = registry_->create(spec()).info.id;
+  std::string message;
+  EXPECT_EQ(code_of([&] { registry_->sleep(id); }, &message), Code::kUnimplemented) << message;
+  EXPECT_EQ(registry_->get(id).state, "running");
+  EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.5);
+  EXPECT_EQ(code_of([&] { registry_->wake(id); }, &message), Code::kFailedPrecondition);
+  EXPECT_NE(message.find("is running, not sleeping"), std::string::npos) << message;
+  EXPECT_EQ(code_of([&] { registry_->sleep("n1-nope"); }), Code::kNotFound);
+  registry_->destroy(id);
+  EXPECT_EQ(code_of([&] { registry_->sleep(id); }), Code::kNotFound);
+  EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.0);
+}
+
 }  // namespace
 }  // namespace dsec::agent

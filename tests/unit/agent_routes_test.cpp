@@ -34,6 +34,14 @@ TEST(AgentRoutes, MatchesEveryRouteOfProtocolV1) {
   EXPECT_EQ(t.route, Route::kSandboxFiles);
   EXPECT_EQ(t.sandbox_id, "n1-x");
   EXPECT_EQ(t.query.get("path"), "/etc/hosts");
+  t = parse_target("/v1/sandboxes/n1-x/sleep");
+  EXPECT_EQ(t.route, Route::kSandboxSleep);
+  EXPECT_EQ(t.sandbox_id, "n1-x");
+  EXPECT_EQ(route_template(t.route), "/v1/sandboxes/{id}/sleep");
+  t = parse_target("/v1/sandboxes/n1-x/wake");
+  EXPECT_EQ(t.route, Route::kSandboxWake);
+  EXPECT_EQ(route_template(t.route), "/v1/sandboxes/{id}/wake");
+  EXPECT_EQ(parse_target("/v1/sandboxes/n1-x/sleep/more").route, Route::kUnknown);
 }
 
 TEST(AgentRoutes, UnknownPathsAreUnknownNotErrors) {

@@ -5,10 +5,12 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -183,6 +185,86 @@ TEST_F(CgroupDriverTest, RemoveEmptyGroupsLeavesPopulatedOnesAlone) {
   EXPECT_FALSE(fs::exists(pids_root + "/busy"));
   busy.reset();
   idle.reset();
+  driver->remove_subtree_if_empty();
+}
+
+}  // namespace
+}  // namespace dsec::agent::container
+
+namespace dsec::agent::container {
+namespace {
+
+// Sleep's building blocks on the host's driver: a frozen group's process stops counting, its page cache goes, the
+// lowered limit comes back, a thawed one counts again, and a group destroyed while frozen still dies.
+TEST_F(CgroupDriverTest, FreezeReclaimThawAndDestroyWhileFrozen) {
+  auto driver = make_cgroup_driver(name_);
+  Resources r;
+  r.memory_bytes = 256ull << 20;
+  auto group = driver->create("sleepy", r);
+  auto fds = group->open_procs();
+  auto* counter = static_cast<std::atomic<std::uint64_t>*>(
+      ::mmap(nullptr, sizeof(std::atomic<std::uint64_t>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(counter, MAP_FAILED);
+  new (counter) std::atomic<std::uint64_t>(0);
+  const std::string scratch = "/var/tmp/" + name_ + "-cache";
+  pid_t child = ::fork();
+  if (child == 0) {
+    for (auto& fd : fds)
+      if (::write(fd.get(), "0", 1) != 1) ::_exit(3);
+    // 32 MiB of page cache charged to the group.
+    int out = ::open(scratch.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    std::string block(1 << 20, 'x');
+    for (int i = 0; i < 32; ++i)
+      if (::write(out, block.data(), block.size()) != static_cast<ssize_t>(block.size())) ::_exit(4);
+    ::close(out);
+    counter->store(1);
+    for (;;) {
+      counter->fetch_add(1);
+      ::usleep(1000);
+    }
+  }
+  ASSERT_GT(child, 0);
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (counter->load() < 10 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_GE(counter->load(), 10u) << "the child never started counting";
+  const std::uint64_t before = group->memory_current();
+  EXPECT_GE(before, 24ull << 20) << "the page cache the child wrote is not charged to its group";
+
+  group->freeze();
+  std::uint64_t frozen_at = counter->load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(counter->load(), frozen_at) << "a frozen process went on counting";
+  group->reclaim_memory();
+  const std::uint64_t after = group->memory_current();
+  EXPECT_LT(after + (16ull << 20), before) << "reclaim released too little: " << before << " -> " << after;
+  if (driver->version() == "v1") {
+    std::ifstream in("/sys/fs/cgroup/memory/" + name_ + "/sleepy/memory.limit_in_bytes");
+    std::uint64_t lowered = 0;
+    in >> lowered;
+    EXPECT_LT(lowered, r.memory_bytes);
+  }
+  group->restore_memory();
+  if (driver->version() == "v1") {
+    std::ifstream in("/sys/fs/cgroup/memory/" + name_ + "/sleepy/memory.limit_in_bytes");
+    std::uint64_t limit = 0;
+    in >> limit;
+    EXPECT_EQ(limit, r.memory_bytes);
+  }
+  group->thaw();
+  until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (counter->load() < frozen_at + 10 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GE(counter->load(), frozen_at + 10) << "the thawed process does not count";
+
+  // Destroyed while frozen: the process still dies.
+  group->freeze();
+  group->destroy();
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  ::munmap(counter, sizeof(std::atomic<std::uint64_t>));
+  ::unlink(scratch.c_str());
   driver->remove_subtree_if_empty();
 }
 

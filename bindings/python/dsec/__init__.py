@@ -56,6 +56,7 @@ from .errors import (
 
 ExecResult = _dsec.ExecResult
 SandboxInfo = _dsec.SandboxInfo
+SleepResult = _dsec.SleepResult
 NodeInfo = _dsec.NodeInfo
 CachedLayer = _dsec.CachedLayer
 Resources = _dsec.Resources
@@ -68,6 +69,7 @@ __all__ = [
     "Sandbox",
     "ExecResult",
     "SandboxInfo",
+    "SleepResult",
     "NodeInfo",
     "CachedLayer",
     "SandboxGroup",
@@ -292,6 +294,18 @@ class Sandbox:
         """The agent's record of this sandbox (state, image, resources, labels, expiry)."""
         return self._sb.info()
 
+    def sleep(self) -> SleepResult:
+        """Freezes every process of the sandbox in place and releases the memory it can (page cache; anonymous
+        memory only where the node has swap). Its state becomes ``"sleeping"`` and its cpu is free on the node.
+        Files stay readable and writable; ``exec`` raises :class:`FailedPrecondition` until :meth:`wake`.
+        Sleeping a sleeping sandbox, or one with an exec running, raises :class:`FailedPrecondition`."""
+        return self._sb.sleep()
+
+    def wake(self) -> SleepResult:
+        """Lets a sleeping sandbox's processes run on where they stopped; :class:`FailedPrecondition` when it is
+        not sleeping."""
+        return self._sb.wake()
+
     def destroy(self) -> None:
         """Destroys the sandbox: its processes are killed and its files are gone. Idempotent."""
         self._sb.destroy()
@@ -442,6 +456,15 @@ class SandboxGroup:
             raise InvalidArgument("command: expected a str (shell) or a list of str (argv)")
         return self._g.exec(argv=argv, shell=shell, env=_str_map(env, "env"), cwd=cwd or "", timeout=float(timeout),
                             max_output=_field_size(max_output, "max_output"))
+
+    def sleep(self) -> list[SleepResult]:
+        """Sleeps every member, concurrently (see :meth:`Sandbox.sleep`); every member is tried, then the first
+        error is raised."""
+        return self._g.sleep()
+
+    def wake(self) -> list[SleepResult]:
+        """Wakes every member, concurrently; every member is tried, then the first error is raised."""
+        return self._g.wake()
 
     def renew(self) -> None:
         """Renews the lease now (it is renewed in the background too)."""

@@ -44,6 +44,10 @@ class SandboxGroup {
   // sandbox does not hide the others' results.
   std::vector<ExecResult> exec(const ExecRequest& request) const;
   std::vector<ExecResult> exec(std::string shell_command, double timeout_seconds = 600) const;
+  // Sleeps or wakes every member (Sandbox::sleep/wake), concurrently; results in member order. Every member is
+  // tried; then the first error, if any, is thrown.
+  std::vector<SleepResult> sleep() const;
+  std::vector<SleepResult> wake() const;
   // Renews the lease now (it is also renewed in the background). UNAVAILABLE when a node holding members could not
   // be reached.
   void renew();

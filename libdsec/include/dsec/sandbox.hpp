@@ -5,6 +5,7 @@
 // change the handle itself: give other threads a borrow() instead.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -18,6 +19,16 @@ namespace dsec {
 namespace detail {
 class ClientCore;
 }
+
+// What Sandbox::sleep() or wake() did: the sandbox's info after it, the memory charged to it before and after, and
+// how long the agent took.
+struct SleepResult {
+  SandboxInfo info;
+  std::uint64_t memory_before_bytes = 0;
+  std::uint64_t memory_after_bytes = 0;
+  std::uint64_t memory_released_bytes = 0;
+  double seconds = 0;
+};
 
 class Sandbox {
  public:
@@ -53,6 +64,13 @@ class Sandbox {
   std::string download_tar(std::string_view dir) const;
 
   SandboxInfo info() const;
+  // Sleep freezes every process of the sandbox in place and releases the memory it can (page cache always;
+  // anonymous memory only where the node has swap); its state becomes "sleeping" and its cpu is free for other
+  // sandboxes on the node. Files stay readable and writable; exec is FAILED_PRECONDITION until wake(), which lets
+  // the processes run on where they stopped. Sleeping a sleeping sandbox, or waking an awake one, is
+  // FAILED_PRECONDITION; so is sleeping a sandbox while one of its execs runs.
+  SleepResult sleep() const;
+  SleepResult wake() const;
   // Destroys the sandbox; idempotent. The handle is empty afterwards.
   void destroy();
   // Gives up ownership: the sandbox lives on (until its TTL) and the handle is empty. Returns its id.

@@ -2,6 +2,7 @@
 // requests into these typed calls and encodes what they return or throw (dsec::Error).
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -9,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dsec/error.hpp"
 #include "dsec/exec.hpp"
 #include "dsec/spec.hpp"
 
@@ -24,6 +26,13 @@ struct CreateParams {
 // Receives an exec's output as it is read: fd 1 (stdout) or 2 (stderr) and the bytes. Called on the exec's thread;
 // what it throws ends the exec's wait (the command is killed) and propagates to the caller.
 using OutputSink = std::function<void(int fd, std::string_view data)>;
+
+// What a sleep or a wake did: memory charged to the sandbox before and after, and how long it took.
+struct SleepReport {
+  std::uint64_t memory_before_bytes = 0;
+  std::uint64_t memory_after_bytes = 0;
+  double seconds = 0;
+};
 
 // One live sandbox. Every method may be called from several threads at once; all of them throw dsec::Error.
 class BackendSandbox {
@@ -42,6 +51,12 @@ class BackendSandbox {
   virtual std::string get_archive(std::string_view dir) = 0;
   // Whether the path is a directory (the files API answers a directory with a tar stream).
   virtual bool is_directory(std::string_view path) = 0;
+
+  // Sleep freezes every process of the sandbox and releases what memory it can; wake restores its limits and lets
+  // its processes run on. The caller (the registry) calls them one at a time per sandbox, sleep only on an awake
+  // sandbox and wake only on a sleeping one. Files stay readable and writable while it sleeps; exec is refused.
+  virtual SleepReport sleep() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
+  virtual SleepReport wake() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
 
   // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
   virtual bool alive() = 0;

@@ -94,6 +94,8 @@ struct Registry::Record {
   std::shared_ptr<const void> image_hold;  // the image's files stay while the sandbox lives
   std::unique_ptr<BackendSandbox> sandbox;
   std::atomic<bool> destroying{false};
+  std::mutex power_mutex;    // one sleep or wake at a time
+  bool cpu_released = false;  // asleep: its cpu is not in live_cpu_ (guarded by the registry's mutex_)
 
   SandboxInfo snapshot() const {
     std::lock_guard lock(mutex);
@@ -495,6 +497,78 @@ SandboxHandle Registry::acquire(const std::string& id) const {
   return SandboxHandle{std::shared_ptr<BackendSandbox>(record, record->sandbox.get()), record->info.kind};
 }
 
+std::shared_ptr<Registry::Record> Registry::find_live(const std::string& id) const {
+  std::lock_guard lock(mutex_);
+  auto it = records_.find(id);
+  if (it == records_.end()) {
+    if (tombstones_.count(id)) throw Error(Code::kNotFound, fmt::format("sandbox '{}' was destroyed", id));
+    throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, options_.node_id));
+  }
+  if (it->second->destroying.load())
+    throw Error(Code::kNotFound, fmt::format("sandbox '{}' is being destroyed", id));
+  return it->second;
+}
+
+Registry::SleepOutcome Registry::sleep(const std::string& id) {
+  std::shared_ptr<Record> record = find_live(id);
+  check_alive(*record);
+  std::lock_guard power(record->power_mutex);
+  std::string state = record->snapshot().state;
+  if (state == "sleeping") throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id));
+  if (state != "running")
+    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}; only a running sandbox can sleep", id, state));
+  SleepOutcome out;
+  out.report = record->sandbox->sleep();
+  {
+    std::lock_guard lock(record->mutex);
+    record->info.state = "sleeping";
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (records_.count(id) && !record->cpu_released) {
+      live_cpu_ -= record->spec.resources.cpu;
+      if (live_cpu_ < kEpsilon) live_cpu_ = 0;
+      record->cpu_released = true;
+    }
+  }
+  try {
+    write_record(*record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its sleep: {}", id, e.what());
+  }
+  out.info = record->snapshot();
+  return out;
+}
+
+Registry::SleepOutcome Registry::wake(const std::string& id) {
+  std::shared_ptr<Record> record = find_live(id);
+  std::lock_guard power(record->power_mutex);
+  std::string state = record->snapshot().state;
+  if (state != "sleeping")
+    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}, not sleeping; only a sleeping sandbox can "
+                                                       "wake", id, state));
+  SleepOutcome out;
+  out.report = record->sandbox->wake();
+  {
+    std::lock_guard lock(record->mutex);
+    record->info.state = "running";
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (records_.count(id) && record->cpu_released) {
+      live_cpu_ += record->spec.resources.cpu;
+      record->cpu_released = false;
+    }
+  }
+  try {
+    write_record(*record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its wake: {}", id, e.what());
+  }
+  out.info = record->snapshot();
+  return out;
+}
+
 SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
   std::shared_ptr<Record> record;
   {
@@ -524,7 +598,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
     auto it = records_.find(id);
     if (it != records_.end() && it->second == record) {
       records_.erase(it);
-      live_cpu_ -= record->spec.resources.cpu;
+      if (!record->cpu_released) live_cpu_ -= record->spec.resources.cpu;
       if (live_cpu_ < kEpsilon) live_cpu_ = 0;
       live_memory_ -= record->spec.resources.memory_bytes;
       live_gpus_ -= record->spec.resources.gpus;

@@ -113,6 +113,16 @@ class Registry {
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant) const;
   // Destroys a sandbox; returns its info with state "destroyed". Idempotent while the tombstone lasts.
   SandboxInfo destroy(const std::string& id, std::string_view reason = "destroyed by request");
+  // Sleep freezes a running sandbox and releases its memory (Backend::sleep); its state becomes "sleeping" (on disk
+  // too) and its cpu stops counting as requested on the node. Wake undoes both; the cpu counts again even when that
+  // brings the node above its limit. FAILED_PRECONDITION for a sandbox in the wrong state, NOT_FOUND for an unknown
+  // or destroyed one.
+  struct SleepOutcome {
+    SandboxInfo info;
+    SleepReport report;
+  };
+  SleepOutcome sleep(const std::string& id);
+  SleepOutcome wake(const std::string& id);
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
 
@@ -164,6 +174,7 @@ class Registry {
   void evict(double now);                                        // caller holds mutex_
   double now() const { return options_.clock(); }
   // Destroys the sandboxes (batch_parallelism at a time), logging failures; returns how many it destroyed.
+  std::shared_ptr<Record> find_live(const std::string& id) const;  // NOT_FOUND unless live and not being destroyed
   std::size_t destroy_ids(const std::vector<std::string>& ids, std::string_view reason);
 
   struct Group {

@@ -107,6 +107,8 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandbox: return sandbox(request, target);
     case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
+    case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
+    case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kGroups: return groups(request, target);
     case Route::kGroup: return group(request, target);
     case Route::kGroupRenew: return group_renew(request, target);
@@ -283,6 +285,21 @@ HttpResponse Router::files(HttpRequest& request, const Target& target) {
   bool tar = format == "tar" || (format.empty() && handle.sandbox->is_directory(path));
   if (tar) return text_response(http::status::ok, handle.sandbox->get_archive(path), "application/x-tar");
   return text_response(http::status::ok, handle.sandbox->read_file(path), "application/octet-stream");
+}
+
+// POST: freeze the sandbox and release its memory (sleep), or restore it (wake). The answer is the sandbox's info
+// with memory charged to it before and after, and the seconds it took.
+HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, bool sleep) {
+  allow(request, sleep ? "/v1/sandboxes/{id}/sleep" : "/v1/sandboxes/{id}/wake", {http::verb::post});
+  only_params(target.query, {});
+  Registry::SleepOutcome out = sleep ? registry_.sleep(target.sandbox_id) : registry_.wake(target.sandbox_id);
+  json body = protocol::encode(out.info);
+  const auto& r = out.report;
+  body["memory_before_bytes"] = r.memory_before_bytes;
+  body["memory_after_bytes"] = r.memory_after_bytes;
+  body["memory_released_bytes"] = r.memory_before_bytes > r.memory_after_bytes ? r.memory_before_bytes - r.memory_after_bytes : 0;
+  body["seconds"] = r.seconds;
+  return json_response(http::status::ok, body);
 }
 
 // GET: the node's lease groups.

@@ -30,6 +30,7 @@ class Router {
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
+  HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
   HttpResponse groups(HttpRequest& request, const Target& target);
   HttpResponse group(HttpRequest& request, const Target& target);
   HttpResponse group_renew(HttpRequest& request, const Target& target);

@@ -37,6 +37,8 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandbox: return "/v1/sandboxes/{id}";
     case Route::kSandboxExec: return "/v1/sandboxes/{id}/exec";
     case Route::kSandboxFiles: return "/v1/sandboxes/{id}/files";
+    case Route::kSandboxSleep: return "/v1/sandboxes/{id}/sleep";
+    case Route::kSandboxWake: return "/v1/sandboxes/{id}/wake";
     case Route::kGroups: return "/v1/groups";
     case Route::kGroup: return "/v1/groups/{id}";
     case Route::kGroupRenew: return "/v1/groups/{id}/renew";
@@ -128,6 +130,8 @@ Target parse_target(std::string_view target) {
         if (parts.size() == 3) out.route = Route::kSandbox;
         else if (parts.size() == 4 && parts[3] == "exec") out.route = Route::kSandboxExec;
         else if (parts.size() == 4 && parts[3] == "files") out.route = Route::kSandboxFiles;
+        else if (parts.size() == 4 && parts[3] == "sleep") out.route = Route::kSandboxSleep;
+        else if (parts.size() == 4 && parts[3] == "wake") out.route = Route::kSandboxWake;
         if (out.route != Route::kUnknown) out.sandbox_id = std::move(id);
       }
     } else if (parts.size() >= 2 && is(1, "groups")) {

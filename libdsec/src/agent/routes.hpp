@@ -21,6 +21,8 @@ enum class Route {
   kSandbox,         // /v1/sandboxes/{id}
   kSandboxExec,     // /v1/sandboxes/{id}/exec
   kSandboxFiles,    // /v1/sandboxes/{id}/files
+  kSandboxSleep,    // /v1/sandboxes/{id}/sleep
+  kSandboxWake,     // /v1/sandboxes/{id}/wake
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

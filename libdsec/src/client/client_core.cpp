@@ -688,6 +688,23 @@ void ClientCore::destroy(const std::string& id) {
   }
 }
 
+SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
+  const char* what = sleep ? "POST /v1/sandboxes/{id}/sleep" : "POST /v1/sandboxes/{id}/wake";
+  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, sleep ? "/sleep" : "/wake"), "{}", kJson));
+  protocol::json j = parse_json(r, what);
+  SleepResult out;
+  out.info = protocol::decode_sandbox_info(j);
+  try {
+    out.memory_before_bytes = j.at("memory_before_bytes").get<std::uint64_t>();
+    out.memory_after_bytes = j.at("memory_after_bytes").get<std::uint64_t>();
+    out.memory_released_bytes = j.at("memory_released_bytes").get<std::uint64_t>();
+    out.seconds = j.at("seconds").get<double>();
+  } catch (const std::exception& e) {
+    throw Error(Code::kInternal, fmt::format("{}: malformed answer: {}", what, e.what()));
+  }
+  return out;
+}
+
 ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
   // The agent's own validation, run here first: a malformed request fails before it costs a round trip.
   const protocol::json encoded = protocol::encode(request);

@@ -21,6 +21,7 @@
 #include "dsec/client.hpp"
 #include "dsec/exec.hpp"
 #include "dsec/placement.hpp"
+#include "dsec/sandbox.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "dsec/spec.hpp"
 
@@ -52,6 +53,7 @@ class ClientCore {
   std::vector<NodeInfo> nodes();
   // Idempotent: a sandbox that is already gone is not an error.
   void destroy(const std::string& id);
+  SleepResult sleep_or_wake(const std::string& id, bool sleep);
   ExecResult exec(const std::string& id, const ExecRequest& request);
   // A streaming exec: output goes to on_output as the agent sends it; what on_output throws aborts the call (the
   // connection is dropped; the command runs on in the sandbox to its end or timeout) and is rethrown as it was.

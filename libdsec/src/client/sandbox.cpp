@@ -70,6 +70,10 @@ std::string Sandbox::download_tar(std::string_view dir) const { return core().do
 
 SandboxInfo Sandbox::info() const { return core().get(id_); }
 
+SleepResult Sandbox::sleep() const { return core().sleep_or_wake(id_, true); }
+
+SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }
+
 void Sandbox::destroy() {
   core().destroy(id_);
   core_.reset();

@@ -1,8 +1,10 @@
 #include "dsec/group.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -121,6 +123,42 @@ std::vector<ExecResult> SandboxGroup::exec(std::string shell_command, double tim
   r.shell = std::move(shell_command);
   r.timeout_seconds = timeout_seconds;
   return exec(r);
+}
+
+namespace {
+
+std::vector<SleepResult> sleep_or_wake_all(const std::vector<Sandbox>& members, std::size_t concurrency, bool sleep) {
+  std::vector<SleepResult> out(members.size());
+  std::optional<Error> first_error;
+  std::mutex error_mutex;
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t i = next.fetch_add(1); i < members.size(); i = next.fetch_add(1)) {
+      try {
+        out[i] = sleep ? members[i].sleep() : members[i].wake();
+      } catch (const Error& e) {
+        std::lock_guard lock(error_mutex);
+        if (!first_error) first_error = e;
+      }
+    }
+  };
+  const std::size_t workers = std::min(members.size(), std::max<std::size_t>(concurrency, 1));
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  if (first_error) throw *first_error;
+  return out;
+}
+
+}  // namespace
+
+std::vector<SleepResult> SandboxGroup::sleep() const {
+  return sleep_or_wake_all(members_, core_ ? core_->create_concurrency() : 1, true);
+}
+
+std::vector<SleepResult> SandboxGroup::wake() const {
+  return sleep_or_wake_all(members_, core_ ? core_->create_concurrency() : 1, false);
 }
 
 void SandboxGroup::renew() {

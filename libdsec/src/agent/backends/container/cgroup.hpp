@@ -30,6 +30,16 @@ class SandboxCgroup {
   virtual void release_exec_group(const std::string& name) = 0;
   // Kills every process of the sandbox, waits until they are gone, and removes all its groups. Idempotent.
   virtual void destroy() = 0;
+  // Stops every process of the sandbox (the freezer) and returns once all of them are frozen; thaw() lets them run
+  // on. Files of a frozen sandbox stay reachable through /proc/<pid>/root.
+  virtual void freeze() = 0;
+  virtual void thaw() = 0;
+  // Pushes the sandbox's memory out, as far as the kernel can without killing anything: page cache goes; anonymous
+  // memory goes only to swap, so on a host without swap it stays. v1 does it by lowering the memory limit step by
+  // step (kept lowered until restore_memory()); v2 through memory.reclaim. Call on a frozen sandbox.
+  virtual void reclaim_memory() = 0;
+  // Puts back the memory limit reclaim_memory() lowered (v2: nothing to do).
+  virtual void restore_memory() = 0;
   // Memory charged to the sandbox now, and the number of OOM kills inside it so far.
   virtual std::uint64_t memory_current() = 0;
   virtual std::uint64_t oom_kills() = 0;

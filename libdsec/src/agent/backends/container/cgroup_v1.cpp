@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -164,9 +165,48 @@ class SandboxCgroupV1 final : public SandboxCgroup {
   void destroy() override {
     std::lock_guard lock(mu_);
     if (destroyed_) return;
+    // Frozen processes do not die of SIGKILL under the v1 freezer: let them run first.
+    try {
+      write_cgroup_file(dir(h_.freezer) + "/freezer.state", "THAWED");
+    } catch (const Error&) {
+    }
     kill_group_tree(h_.pids, dir(h_.pids));
     for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) remove_tree(dir(*root));
     destroyed_ = true;
+  }
+
+  void freeze() override { set_freezer("FROZEN"); }
+  void thaw() override { set_freezer("THAWED"); }
+
+  // Lowers memory.limit_in_bytes toward the usage, in steps that halve when the kernel cannot get under one (it
+  // answers EBUSY after trying to reclaim): page cache is dropped, anonymous memory only goes to swap.
+  void reclaim_memory() override {
+    const std::string mem = dir(h_.memory);
+    std::lock_guard lock(mu_);
+    if (!saved_limit_.empty()) return;
+    saved_limit_ = read_cgroup_file(mem + "/memory.limit_in_bytes");
+    while (!saved_limit_.empty() && std::isspace(static_cast<unsigned char>(saved_limit_.back()))) saved_limit_.pop_back();
+    std::uint64_t usage = memory_current();
+    std::uint64_t step = usage / 2;
+    constexpr std::uint64_t kMinStep = 1 << 20;
+    for (int round = 0; round < 64 && step >= kMinStep && usage > kMinStep; ++round) {
+      std::uint64_t target = usage > step ? usage - step : kMinStep;
+      UniqueFd fd(::open((mem + "/memory.limit_in_bytes").c_str(), O_WRONLY | O_CLOEXEC));
+      if (!fd) throw_errno_fmt(errno, "open {}/memory.limit_in_bytes", mem);
+      std::string value = std::to_string(target);
+      if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0) {
+        if (errno != EBUSY) throw_errno_fmt(errno, "write {} to {}/memory.limit_in_bytes", value, mem);
+        step /= 2;  // the kernel could not get under it: a smaller step
+      }
+      usage = memory_current();
+    }
+  }
+
+  void restore_memory() override {
+    std::lock_guard lock(mu_);
+    if (saved_limit_.empty()) return;
+    write_cgroup_file(dir(h_.memory) + "/memory.limit_in_bytes", saved_limit_);
+    saved_limit_.clear();
   }
 
   std::uint64_t memory_current() override {
@@ -190,7 +230,21 @@ class SandboxCgroupV1 final : public SandboxCgroup {
   }
 
  private:
+  void set_freezer(const char* state) {
+    const std::string path = dir(h_.freezer) + "/freezer.state";
+    write_cgroup_file(path, state);
+    for (int i = 0; i < 1000; ++i) {
+      std::string now = read_cgroup_file(path);
+      if (now.rfind(state, 0) == 0) return;
+      // FREEZING: some task has not stopped yet; writing again retries it.
+      if (i % 20 == 19) write_cgroup_file(path, state);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    throw Error(Code::kDeadlineExceeded, fmt::format("{}: not {} after 5 s", path, state));
+  }
+
   Hierarchies h_;
+  std::string saved_limit_;  // the memory limit reclaim_memory() lowered, until restore_memory()
   std::string rel_;  // "/<name>/<id>"
   std::mutex mu_;
   std::set<std::string> exec_groups_;   // every exec group that exists

@@ -106,6 +106,29 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     destroyed_ = true;
   }
 
+  void freeze() override {
+    write_cgroup_file(dir_ + "/cgroup.freeze", "1");
+    wait_frozen(true);
+  }
+
+  void thaw() override {
+    write_cgroup_file(dir_ + "/cgroup.freeze", "0");
+    wait_frozen(false);
+  }
+
+  void reclaim_memory() override {
+    // Asking for everything: the kernel reclaims what it can and answers EAGAIN for the rest, which is expected.
+    std::uint64_t current = memory_current();
+    if (current == 0) return;
+    UniqueFd fd(::open((dir_ + "/memory.reclaim").c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd) throw_errno_fmt(errno, "open {}/memory.reclaim", dir_);
+    std::string value = std::to_string(current);
+    if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0 && errno != EAGAIN)
+      throw_errno_fmt(errno, "write {} to {}/memory.reclaim", value, dir_);
+  }
+
+  void restore_memory() override {}
+
   std::uint64_t memory_current() override {
     try {
       return std::stoull(read_cgroup_file(dir_ + "/memory.current"));
@@ -123,6 +146,15 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   }
 
  private:
+  void wait_frozen(bool frozen) {
+    const std::string want = frozen ? "frozen 1" : "frozen 0";
+    for (int i = 0; i < 1000; ++i) {
+      if (read_cgroup_file(dir_ + "/cgroup.events").find(want) != std::string::npos) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    throw Error(Code::kDeadlineExceeded, fmt::format("{}: not {} after 5 s", dir_, frozen ? "frozen" : "thawed"));
+  }
+
   std::string dir_;
   std::mutex mu_;
   std::set<std::string> exec_groups_;   // every exec group that exists

@@ -125,6 +125,18 @@ class ContainerSandbox final : public BackendSandbox {
 
   ExecResult exec(const ExecRequest& req, const OutputSink& sink) override {
     check_running();
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is sleeping; wake it first", id_));
+      ++running_execs_;
+    }
+    struct ExecCount {
+      ContainerSandbox& self;
+      ~ExecCount() {
+        std::lock_guard lock(self.power_mu_);
+        --self.running_execs_;
+      }
+    } exec_count{*this};
     auto started = Clock::now();
     std::vector<std::string> argv = req.shell.empty() ? req.argv : std::vector<std::string>{"/bin/sh", "-c", req.shell};
     std::map<std::string, std::string> env{{"PATH", kDefaultPath + 5}, {"HOME", "/root"}, {"HOSTNAME", hostname()}};
@@ -294,6 +306,50 @@ class ContainerSandbox final : public BackendSandbox {
   std::string get_archive(std::string_view dir) override { return files().get_archive(dir, kMaxFileBytes); }
   bool is_directory(std::string_view path) override { return files().is_directory(path); }
 
+  SleepReport sleep() override {
+    auto started = Clock::now();
+    std::lock_guard lock(power_mu_);
+    check_running();
+    if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id_));
+    // A running exec would stall, unkillable, until the wake.
+    if (running_execs_ > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} has {} exec{} running; it can sleep once they end", id_, running_execs_,
+                              running_execs_ == 1 ? "" : "s"));
+    SleepReport report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    cgroup_->freeze();
+    try {
+      cgroup_->reclaim_memory();
+    } catch (...) {
+      try {
+        cgroup_->restore_memory();
+        cgroup_->thaw();
+      } catch (...) {
+      }
+      throw;
+    }
+    sleeping_ = true;
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
+  }
+
+  SleepReport wake() override {
+    auto started = Clock::now();
+    std::lock_guard lock(power_mu_);
+    check_running();
+    if (!sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not sleeping", id_));
+    SleepReport report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    cgroup_->restore_memory();
+    cgroup_->thaw();
+    sleeping_ = false;
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
+  }
+
   bool alive() override {
     if (destroyed_.load()) return false;
     pollfd p{init_.pidfd.get(), POLLIN, 0};
@@ -303,6 +359,19 @@ class ContainerSandbox final : public BackendSandbox {
   void destroy() override {
     std::lock_guard lock(destroy_mu_);
     if (destroyed_.exchange(true)) return;
+    {
+      // Frozen processes would not die (cgroup v1): a sleeping sandbox is thawed first.
+      std::lock_guard power(power_mu_);
+      if (sleeping_) {
+        try {
+          cgroup_->restore_memory();
+          cgroup_->thaw();
+        } catch (const std::exception& e) {
+          log_warn("sandbox {}: thaw before destroy: {}", id_, e.what());
+        }
+        sleeping_ = false;
+      }
+    }
     if (init_.pidfd) {
       // Killing pid 1 of the sandbox's pid namespace kills every process in it; the kernel reports init's exit
       // only after all of them are gone. Its mount namespace, with the overlay and tmpfs, goes with the last one.
@@ -411,6 +480,9 @@ class ContainerSandbox final : public BackendSandbox {
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
   std::atomic<std::uint64_t> exec_counter_{0};
+  std::mutex power_mu_;  // guards sleeping_ and running_execs_; held through a sleep or a wake
+  bool sleeping_ = false;
+  int running_execs_ = 0;
 };
 
 class ContainerBackend final : public Backend {
