@@ -264,6 +264,29 @@ int run(int argc, char** argv) {
   Report report;
   for (int i = 0; i < argc; ++i) report.command_line += (i ? " " : "") + shell_quote(argv[i]);
 
+  // The peers' root: --rootfs, else the image's layers from the store, mounted read-only as one merged view in a
+  // scratch directory of its own. Mounted before crun's private mount namespace is made, so crun sees it too.
+  fs::path rootfs;
+  struct RemoveDir {
+    fs::path dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (!dir.empty()) fs::remove(dir, ec);  // empty once peer_root unmounted and removed its scratch
+    }
+  } remove_peer_dir;
+  std::unique_ptr<PeerRoot> peer_root;  // destroyed before remove_peer_dir
+  if (needs_peers) {
+    if (o.rootfs.empty()) {
+      std::string templ = "/tmp/dsec-bench-root-XXXXXX";
+      if (::mkdtemp(templ.data()) == nullptr) throw_errno(errno, "mkdtemp /tmp/dsec-bench-root-XXXXXX");
+      remove_peer_dir.dir = templ;
+      peer_root = mount_image_rootfs(resolved_home(o), o.image, remove_peer_dir.dir / "root");
+      rootfs = peer_root->root();
+    } else {
+      rootfs = o.rootfs;
+    }
+  }
+
   // Before any thread exists (the client's and the agent's come next).
   std::string crun_note;
   UniqueFd crun_ns;
@@ -279,9 +302,6 @@ int run(int argc, char** argv) {
   }
 
   const std::string home = resolved_home(o);
-  fs::path rootfs;
-  if (needs_peers) rootfs = o.rootfs.empty() ? image_rootfs(home, o.image) : fs::path(o.rootfs);
-
   fs::path work_dir = o.work_dir;
   bool own_work_dir = false;
   if (work_dir.empty()) {

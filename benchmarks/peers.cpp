@@ -18,6 +18,9 @@
 #include "common/syscall.hpp"
 #include "dsec/error.hpp"
 #include "host.hpp"
+#include "image/layer_files.hpp"
+#include "image/store/blob_store.hpp"
+#include "image/store/catalog.hpp"
 
 extern char** environ;
 
@@ -26,29 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// "busybox" -> "busybox:latest", as the image store names it, then percent-escaped as its directory name.
-std::string image_dir_name(const std::string& image) {
-  std::string name = image;
-  auto slash = name.rfind('/');
-  if (name.find(':', slash == std::string::npos ? 0 : slash) == std::string::npos) name += ":latest";
-  std::string out;
-  for (char c : name) {
-    switch (c) {
-      case '%':
-        out += "%25";
-        break;
-      case '/':
-        out += "%2F";
-        break;
-      case ':':
-        out += "%3A";
-        break;
-      default:
-        out.push_back(c);
-    }
-  }
-  return out;
-}
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exit status {}", WEXITSTATUS(status));
@@ -114,30 +94,34 @@ UniqueFd make_crun_mount_namespace(std::string& note) {
   return made;
 }
 
-fs::path image_rootfs(const std::string& home, const std::string& image) {
-  fs::path dir = fs::path(home) / "images" / image_dir_name(image);
-  fs::path manifest = dir / "manifest.json";
-  std::string text = read_text_file(manifest.string());
-  if (text.empty())
-    throw Error(Code::kNotFound,
-                fmt::format("image {} is not in the store at {} (build it: dsec image build {} --from busybox-static "
-                            "--home {}; or give the peers a root with --rootfs DIR)",
-                            image, (fs::path(home) / "images").string(), image, home));
-  nlohmann::json j;
+namespace {
+
+class MountedPeerRoot final : public PeerRoot {
+ public:
+  MountedPeerRoot(std::unique_ptr<image::BlobStore> store, const image::Manifest& manifest, const fs::path& scratch)
+      : store_(std::move(store)), mounted_(*store_, manifest, scratch) {}
+  const fs::path& root() const override { return mounted_.root(); }
+
+ private:
+  std::unique_ptr<image::BlobStore> store_;
+  image::MountedImage mounted_;
+};
+
+}  // namespace
+
+std::unique_ptr<PeerRoot> mount_image_rootfs(const std::string& home, const std::string& image,
+                                             const fs::path& scratch) {
+  auto store = image::open_directory_store(fs::path(home) / "store");
+  image::ResolvedManifest m;
   try {
-    j = nlohmann::json::parse(text);
-  } catch (const std::exception& e) {
-    throw Error(Code::kDataLoss, fmt::format("{}: {}", manifest.string(), e.what()));
+    m = image::fetch_manifest(*store, image::parse_reference(image));
+  } catch (const Error& e) {
+    if (e.code() != Code::kNotFound) throw;
+    throw Error(Code::kNotFound, fmt::format("{} (build it: dsec image build {} --from busybox-static --home {}; or "
+                                             "give the peers a root with --rootfs DIR)",
+                                             e.what(), image, home));
   }
-  auto layers = j.value("layers", std::vector<std::string>{"rootfs"});
-  if (layers.size() != 1)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("image {} has {} layers; crun and bwrap take one root directory: pass --rootfs DIR", image,
-                            layers.size()));
-  fs::path rootfs = dir / layers[0];
-  if (!fs::is_directory(rootfs))
-    throw Error(Code::kNotFound, fmt::format("image {}: its root {} is not a directory", image, rootfs.string()));
-  return rootfs;
+  return std::make_unique<MountedPeerRoot>(std::move(store), m.manifest, scratch);
 }
 
 Peers::Peers(const Options& options, fs::path rootfs, fs::path work_dir, UniqueFd crun_mnt_ns,

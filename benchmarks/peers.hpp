@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -22,10 +23,16 @@ namespace dsec::bench {
 // sets `note` to why when the host needs no workaround, or when the workaround cannot be made.
 UniqueFd make_crun_mount_namespace(std::string& note);
 
-// The root directory of an image in a dsec image store: <home>/images/<escaped name>/<its one layer>. Throws
-// NOT_FOUND when the image is missing and FAILED_PRECONDITION when it has more than one layer (the peers take one
-// directory; pass --rootfs then).
-std::filesystem::path image_rootfs(const std::string& home, const std::string& image);
+// An image of the store <home>/store as one read-only directory for the peers: its layers read from the store and
+// mounted (EROFS, stacked with overlayfs) under `scratch`, unmounted when this is destroyed. NOT_FOUND when the image
+// is missing (with how to build it).
+class PeerRoot {
+ public:
+  virtual ~PeerRoot() = default;
+  virtual const std::filesystem::path& root() const = 0;
+};
+std::unique_ptr<PeerRoot> mount_image_rootfs(const std::string& home, const std::string& image,
+                                             const std::filesystem::path& scratch);
 
 class Peers {
  public:
