@@ -26,6 +26,19 @@ def two_null_agents(short_tmp, request):
     for a in agents:
         if a.proc.poll() is None:
             a.stop()
+        else:
+            detach_mounts_below(a.run_dir)  # killed outright: its layer mounts are the test's to remove
+
+
+def detach_mounts_below(path: str) -> None:
+    """Lazily detaches every mount at or below `path`, deepest first (what a killed agent leaves)."""
+    with open("/proc/mounts") as f:
+        points = [line.split()[1] for line in f]
+    for p in sorted((m for m in points if m == path or m.startswith(path.rstrip("/") + "/")), key=len, reverse=True):
+        subprocess.run(["umount", "-l", p], check=False, capture_output=True)
+    with open("/proc/mounts") as f:
+        left = [line.split()[1] for line in f if line.split()[1].startswith(path)]
+    assert not left, f"mounts left under {path}: {left}"
 
 
 def node_of(sandbox_id: str) -> str:
