@@ -64,6 +64,14 @@ std::vector<SandboxInfo> decode_sandbox_list(const HttpResponse& r, std::string_
   return out;
 }
 
+// The agent gets the exact manifest the client resolved: the same layers for every sandbox of a pulse, and no tag
+// lookup on the node.
+void pin_image(protocol::json& request, const ResolvedImageRef* image) {
+  if (!image) return;
+  request["image"] = image->reference;
+  request["image_manifest"] = image->manifest_json;
+}
+
 // Runs fn(worker) on `workers` threads and waits for all of them.
 template <typename Fn>
 void run_workers(std::size_t workers, Fn&& fn) {
@@ -327,11 +335,7 @@ SandboxInfo ClientCore::create(SandboxSpec spec) {
   const bool several = nodes_.live_count() > 1;
   if (several) spec.labels[std::string(kRequestLabel)] = spec.request_id;
   protocol::json request = protocol::encode(spec);
-  if (image) {
-    // The agent gets the exact manifest: same layers for every sandbox of a pulse, no tag lookup on the node.
-    request["image"] = image->reference;
-    request["image_manifest"] = image->manifest_json;
-  }
+  pin_image(request, image.get());
   const std::string body = request.dump();
 
   std::vector<NodePtr> excluded;   // refused, failed or timed out for this create
@@ -514,10 +518,7 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
           request["group"] = group;
           request["group_ttl"] = group_ttl.count();
         }
-        if (image) {
-          request["image"] = image->reference;
-          request["image_manifest"] = image->manifest_json;
-        }
+        pin_image(request, image.get());
         const std::string body = request.dump();
         try {
           auto r = retrying(deadline, [&] {

@@ -7,8 +7,8 @@ namespace dsec::detail {
 
 ImageResolver::ImageResolver(const std::vector<std::string>& store_urls, std::chrono::milliseconds tag_ttl,
                              const image::StoreOptions& options)
-    : urls_(store_urls), tag_ttl_(tag_ttl) {
-  for (const auto& url : urls_) stores_.push_back(image::open_store(url, options));
+    : tag_ttl_(tag_ttl) {
+  for (const auto& url : store_urls) stores_.push_back(image::open_store(url, options));
 }
 
 std::shared_ptr<const ResolvedImageRef> ImageResolver::resolve(const std::string& image) {

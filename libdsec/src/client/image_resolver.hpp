@@ -28,7 +28,6 @@ class ImageResolver {
   ImageResolver(const std::vector<std::string>& store_urls, std::chrono::milliseconds tag_ttl,
                 const image::StoreOptions& options = {});
   bool enabled() const noexcept { return !stores_.empty(); }
-  const std::vector<std::string>& store_urls() const noexcept { return urls_; }
 
   // NOT_FOUND naming the stores when no store has the image; INVALID_ARGUMENT for a malformed name; UNAVAILABLE when
   // a store cannot be reached and none had it.
@@ -41,7 +40,6 @@ class ImageResolver {
   };
   static constexpr std::size_t kMaxEntries = 4096;
 
-  std::vector<std::string> urls_;
   std::vector<std::unique_ptr<image::BlobStore>> stores_;
   std::chrono::milliseconds tag_ttl_;
   std::mutex mu_;
