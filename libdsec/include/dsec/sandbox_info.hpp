@@ -56,6 +56,9 @@ struct NodeInfo {
   std::string layer_mode;
   std::vector<CachedLayer> cached_layers;  // the layers in the node's cache
   double load1 = 0;
+  // The node's swap (every swap area of the host): where sleeping sandboxes' anonymous memory goes. 0: none.
+  std::uint64_t swap_bytes = 0;
+  std::uint64_t swap_free_bytes = 0;
 };
 
 }  // namespace dsec

@@ -54,6 +54,16 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   std::filesystem::create_directories(config_.home, ec);
   if (ec) throw Error(Code::kFailedPrecondition, fmt::format("home {}: {}", config_.home.string(), ec.message()));
 
+  if (!config_.swap_file.empty() || config_.zram_bytes > 0) {
+    SwapOptions swap;
+    swap.file = config_.swap_file;
+    swap.file_bytes = config_.swap_file_bytes;
+    swap.zram_bytes = config_.zram_bytes;
+    swap.zram_algorithm = config_.zram_algorithm;
+    swap_ = std::make_unique<NodeSwap>(swap);
+    for (const auto& line : swap_->summary()) log_info("{}", line);
+  }
+
   capacity_ = parts.capacity ? *parts.capacity : probe_host();
   if (parts.images) {
     images_ = std::move(parts.images);
@@ -183,6 +193,8 @@ void Agent::stop() {
   } catch (const std::exception& e) {
     log_warn("unmounting image layers: {}", e.what());
   }
+  // No sandbox is left to use the swap the agent made: turn it off (its pages come back into RAM first).
+  if (swap_) swap_->turn_off();
 }
 
 NodeInfo Agent::node_info() const {
@@ -222,6 +234,9 @@ NodeInfo Agent::node_info() const {
   } catch (const std::exception& e) {
     log_warn("layer cache status: {}", e.what());
   }
+  SwapTotals swap = read_swap_totals();
+  n.swap_bytes = swap.total_bytes;
+  n.swap_free_bytes = swap.free_bytes;
   n.load1 = load_average_1m();
   return n;
 }

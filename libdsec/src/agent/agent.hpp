@@ -18,6 +18,7 @@
 #include "agent/registry.hpp"
 #include "agent/router.hpp"
 #include "agent/server.hpp"
+#include "agent/swap.hpp"
 
 namespace dsec::agent {
 
@@ -64,6 +65,7 @@ class Agent {
   HostCapacity capacity_;
   std::string cgroup_version_;
   Metrics metrics_;
+  std::unique_ptr<NodeSwap> swap_;  // the node's swap for sleeping sandboxes, when configured; outlives the sandboxes
   std::unique_ptr<ImageSource> images_;
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;
   std::unique_ptr<Registry> registry_;

@@ -48,6 +48,14 @@ struct AgentConfig {
   std::chrono::seconds etcd_lease_ttl{10};
   std::string advertise;
   std::chrono::milliseconds etcd_stop_renewing_after{0};  // tests: let the lease expire (0: renew until stopped)
+  // Swap for sleeping sandboxes (agent/swap.hpp): a swap file of swap_file_bytes at swap_file, and/or a zram device
+  // of zram_bytes; none by default. The agent turns off at shutdown what it turned on.
+  std::filesystem::path swap_file;
+  std::uint64_t swap_file_bytes = 0;
+  std::uint64_t zram_bytes = 0;
+  std::string zram_algorithm;                  // empty: lz4 where offered
+  // How long a sleep may spend pushing a sandbox's memory out; what is left when it runs out stays resident.
+  std::chrono::milliseconds sleep_reclaim_timeout{60000};
 };
 
 }  // namespace dsec::agent

@@ -62,6 +62,15 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --advertise URL         the endpoint clients dial, registered in etcd (default http://<the --listen address>)
   --etcd-stop-renewing-after SECS
                           tests only: stop renewing the lease after SECS, so the node leaves when it expires
+  --swap-file PATH        swap for sleeping sandboxes (docs/node.md): a swap file at PATH of --swap-size, made when
+                          missing (on a local disk filesystem: not tmpfs or overlay), reused when it is one of that
+                          size, turned on at start and off at a clean shutdown
+  --swap-size SIZE        the swap file's size, e.g. 8Gi (needed with --swap-file)
+  --zram-size SIZE        swap for sleeping sandboxes in compressed RAM: a zram device of its own with SIZE of
+                          (uncompressed) room, used before the swap file, removed at a clean shutdown
+  --zram-algorithm NAME   the zram device's compression (default lz4 where the kernel offers it)
+  --sleep-reclaim-timeout SECS
+                          how long a sleep may spend pushing a sandbox's memory out (default 60)
   --ready-fd N            write "ready\n" to fd N and close it once listening
   --version               print the version
   --help                  this text
@@ -200,12 +209,29 @@ int main(int argc, char** argv) {
       config.advertise = std::string(value);
     } else if (flag == "--etcd-stop-renewing-after") {
       config.etcd_stop_renewing_after = std::chrono::seconds(parse_unsigned(flag, value));
+    } else if (flag == "--swap-file") {
+      if (value.empty() || value.front() != '/') fail(fmt::format("--swap-file: '{}' is not an absolute path", value));
+      config.swap_file = std::string(value);
+    } else if (flag == "--swap-size" || flag == "--zram-size") {
+      auto size = dsec::parse_size(value);
+      if (!size || *size < (1u << 20)) fail(fmt::format("{}: '{}' is not a size of at least 1Mi, such as 8Gi", flag, value));
+      (flag == "--swap-size" ? config.swap_file_bytes : config.zram_bytes) = *size;
+    } else if (flag == "--zram-algorithm") {
+      if (value.empty()) fail("--zram-algorithm needs a name such as lz4 or zstd");
+      config.zram_algorithm = std::string(value);
+    } else if (flag == "--sleep-reclaim-timeout") {
+      auto secs = parse_unsigned(flag, value);
+      if (secs < 1 || secs > 3600) fail(fmt::format("--sleep-reclaim-timeout: {} is not between 1 and 3600 seconds", secs));
+      config.sleep_reclaim_timeout = std::chrono::seconds(secs);
     } else if (flag == "--ready-fd") {
       ready_fd = static_cast<int>(parse_unsigned(flag, value));
     } else {
       fail(fmt::format("unknown flag '{}' (see --help)", flag));
     }
   }
+  if (!config.swap_file.empty() && config.swap_file_bytes == 0) fail("--swap-file needs --swap-size (e.g. 8Gi)");
+  if (config.swap_file.empty() && config.swap_file_bytes != 0) fail("--swap-size needs --swap-file PATH");
+  if (!config.zram_algorithm.empty() && config.zram_bytes == 0) fail("--zram-algorithm needs --zram-size");
   if (config.unix_socket.empty() && config.tcp_listen.empty()) config.unix_socket = config.run_dir / "dsecd.sock";
   if (config.init_binary.empty()) config.init_binary = self_directory() / "dsec-init";
   if (config.cgroup_name.empty() || config.cgroup_name.find('/') != std::string::npos ||

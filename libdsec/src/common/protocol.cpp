@@ -362,7 +362,8 @@ json encode(const NodeInfo& n) {
               {"cgroup_version", n.cgroup_version},
               {"images", n.images},
               {"layer_mode", n.layer_mode},
-              {"cached_layers", layers}};
+              {"cached_layers", layers},
+              {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
 }
 
 NodeInfo decode_node_info(const json& j) {
@@ -395,6 +396,10 @@ NodeInfo decode_node_info(const json& j) {
   n.cgroup_version = j.value("cgroup_version", "");
   n.images = j.value("images", std::vector<std::string>{});
   n.layer_mode = j.value("layer_mode", "");
+  if (auto s = j.find("swap"); s != j.end() && s->is_object()) {
+    n.swap_bytes = s->value("total", std::uint64_t{0});
+    n.swap_free_bytes = s->value("free", std::uint64_t{0});
+  }
   if (auto c = j.find("cached_layers"); c != j.end() && c->is_array()) {
     for (const auto& l : *c) {
       if (!l.is_object()) continue;
