@@ -263,6 +263,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("memory_after_bytes", &dsec::SleepResult::memory_after_bytes)
       .def_readonly("memory_released_bytes", &dsec::SleepResult::memory_released_bytes)
       .def_readonly("seconds", &dsec::SleepResult::seconds, "How long the agent took.")
+      .def_readonly("swap_bytes", &dsec::SleepResult::swap_bytes,
+                    "The sandbox's memory in the node's swap after the call.")
       .def("__repr__", [](const dsec::SleepResult& r) {
         return "SleepResult(state='" + r.info.state + "', memory_before_bytes=" +
                std::to_string(r.memory_before_bytes) + ", memory_after_bytes=" + std::to_string(r.memory_after_bytes) +
@@ -301,6 +303,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("layer_mode", &dsec::NodeInfo::layer_mode)
       .def_readonly("cached_layers", &dsec::NodeInfo::cached_layers)
       .def_readonly("load1", &dsec::NodeInfo::load1)
+      .def_readonly("swap_bytes", &dsec::NodeInfo::swap_bytes, "The node's swap (0: none).")
+      .def_readonly("swap_free_bytes", &dsec::NodeInfo::swap_free_bytes)
       .def("__repr__", [](const dsec::NodeInfo& n) {
         std::string backends;
         for (const auto& b : n.backends) backends += (backends.empty() ? "" : ",") + b;

@@ -503,5 +503,39 @@ TEST_F(RegistryTest, SleepOfABackendWithoutItChangesNothing) {
   EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.0);
 }
 
+// A sleep or wake that repeats the request id of the sandbox's last one is answered again without asking the
+// backend (a client retrying after a lost answer); a new id, or none, is a new call and fails for the state; the id
+// of a sleep on a wake is a mistake.
+TEST_F(RegistryTest, RetriedSleepAndWakeAreAnsweredAgain) {
+  make();
+  state_->can_sleep = true;
+  std::string id = registry_->create(spec()).info.id;
+  auto first = registry_->sleep(id, "t1-sleep");
+  EXPECT_EQ(first.info.state, "sleeping");
+  EXPECT_EQ(first.report.memory_after_bytes, 1u);
+  auto again = registry_->sleep(id, "t1-sleep");
+  EXPECT_EQ(again.info.state, "sleeping");
+  EXPECT_EQ(again.report.memory_after_bytes, 1u) << "the retry was not answered with the first call's report";
+  EXPECT_EQ(state_->sleeps.load(), 1) << "the retry reached the backend";
+  EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.0);
+  std::string message;
+  EXPECT_EQ(code_of([&] { registry_->sleep(id, "t1-sleep-2"); }, &message), Code::kFailedPrecondition);
+  EXPECT_NE(message.find("already sleeping"), std::string::npos) << message;
+  EXPECT_EQ(code_of([&] { registry_->sleep(id); }), Code::kFailedPrecondition);
+  EXPECT_EQ(code_of([&] { registry_->wake(id, "t1-sleep"); }, &message), Code::kInvalidArgument);
+  EXPECT_NE(message.find("was a sleep"), std::string::npos) << message;
+  EXPECT_EQ(registry_->get(id).state, "sleeping");
+
+  EXPECT_EQ(registry_->wake(id, "t1-wake").report.memory_after_bytes, 1u);
+  EXPECT_EQ(registry_->wake(id, "t1-wake").info.state, "running");
+  EXPECT_EQ(state_->wakes.load(), 1);
+  EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.5);
+  // The sleep's id is no longer the last one: sleeping with it again is a new sleep.
+  EXPECT_EQ(registry_->sleep(id, "t1-sleep").report.memory_after_bytes, 2u);
+  EXPECT_EQ(state_->sleeps.load(), 2);
+  registry_->destroy(id);
+  EXPECT_EQ(code_of([&] { registry_->sleep(id, "t1-sleep"); }), Code::kNotFound);
+}
+
 }  // namespace
 }  // namespace dsec::agent

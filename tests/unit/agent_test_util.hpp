@@ -47,6 +47,8 @@ class ProbeBackend final : public Backend {
     std::atomic<int> create_delay_ms{0};
     std::atomic<bool> alive{true};
     std::atomic<bool> fail_leftovers{false};
+    std::atomic<bool> can_sleep{false};  // sandboxes sleep and wake (else: UNIMPLEMENTED, as the null backend)
+    std::atomic<int> sleeps{0}, wakes{0};
     std::mutex mutex;
     std::vector<std::string> leftovers_removed;
   };
@@ -82,6 +84,15 @@ class ProbeBackend final : public Backend {
     bool is_directory(std::string_view p) override { return inner_->is_directory(p); }
     bool alive() override { return state_->alive.load() && inner_->alive(); }
     void destroy() override { inner_->destroy(); }
+    // Each call reports its own number as memory_after_bytes, so a repeated answer is told from a new call.
+    SleepReport sleep() override {
+      if (!state_->can_sleep) return inner_->sleep();
+      return SleepReport{1000, static_cast<std::uint64_t>(++state_->sleeps), 0.001};
+    }
+    SleepReport wake() override {
+      if (!state_->can_sleep) return inner_->wake();
+      return SleepReport{0, static_cast<std::uint64_t>(++state_->wakes), 0.001};
+    }
 
    private:
     std::unique_ptr<BackendSandbox> inner_;

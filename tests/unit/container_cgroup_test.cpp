@@ -83,6 +83,7 @@ void exercise(CgroupDriver& driver, const std::string& name, const std::function
   } else {
     EXPECT_EQ(trim(file("memory.limit_in_bytes")), std::to_string(64ull << 20));
     EXPECT_EQ(trim(file("cpu.cfs_quota_us")), "50000");
+    EXPECT_EQ(trim(file("memory.swappiness")), "0") << "an awake sandbox may go to swap";
   }
   // The same id twice is refused: two sandboxes never share a group.
   EXPECT_THROW(driver.create("sb1", r), Error);
@@ -235,21 +236,33 @@ TEST_F(CgroupDriverTest, FreezeReclaimThawAndDestroyWhileFrozen) {
   std::uint64_t frozen_at = counter->load();
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_EQ(counter->load(), frozen_at) << "a frozen process went on counting";
-  group->reclaim_memory();
+  // A deadline that has passed stops it before the first step: nothing released, and it says so.
+  EXPECT_TRUE(group->reclaim_memory(std::chrono::steady_clock::now()));
+  EXPECT_GE(group->memory_current() + (4ull << 20), before);
+  group->restore_memory();
+  EXPECT_FALSE(group->reclaim_memory(std::chrono::steady_clock::now() + std::chrono::seconds(30)));
   const std::uint64_t after = group->memory_current();
   EXPECT_LT(after + (16ull << 20), before) << "reclaim released too little: " << before << " -> " << after;
+  // While it sleeps it may use swap; awake it may not (v1 memory.swappiness, v2 memory.swap.max).
+  auto memory_file = [&](const std::string& f) {
+    std::ifstream in(driver->version() == "v1" ? "/sys/fs/cgroup/memory/" + name_ + "/sleepy/" + f
+                                               : "/sys/fs/cgroup/" + name_ + "/sleepy/" + f);
+    std::string v;
+    in >> v;
+    return v;
+  };
   if (driver->version() == "v1") {
-    std::ifstream in("/sys/fs/cgroup/memory/" + name_ + "/sleepy/memory.limit_in_bytes");
-    std::uint64_t lowered = 0;
-    in >> lowered;
-    EXPECT_LT(lowered, r.memory_bytes);
+    EXPECT_LT(std::stoull(memory_file("memory.limit_in_bytes")), r.memory_bytes);
+    EXPECT_EQ(memory_file("memory.swappiness"), "100");
+  } else if (fs::exists("/sys/fs/cgroup/" + name_ + "/sleepy/memory.swap.max")) {
+    EXPECT_EQ(memory_file("memory.swap.max"), "max");
   }
   group->restore_memory();
   if (driver->version() == "v1") {
-    std::ifstream in("/sys/fs/cgroup/memory/" + name_ + "/sleepy/memory.limit_in_bytes");
-    std::uint64_t limit = 0;
-    in >> limit;
-    EXPECT_EQ(limit, r.memory_bytes);
+    EXPECT_EQ(std::stoull(memory_file("memory.limit_in_bytes")), r.memory_bytes);
+    EXPECT_EQ(memory_file("memory.swappiness"), "0");
+  } else if (fs::exists("/sys/fs/cgroup/" + name_ + "/sleepy/memory.swap.max")) {
+    EXPECT_EQ(memory_file("memory.swap.max"), "0");
   }
   group->thaw();
   until = std::chrono::steady_clock::now() + std::chrono::seconds(5);

@@ -296,14 +296,16 @@ class Sandbox:
 
     def sleep(self) -> SleepResult:
         """Freezes every process of the sandbox in place and releases the memory it can (page cache; anonymous
-        memory only where the node has swap). Its state becomes ``"sleeping"`` and its cpu is free on the node.
-        Files stay readable and writable; ``exec`` raises :class:`FailedPrecondition` until :meth:`wake`.
-        Sleeping a sleeping sandbox, or one with an exec running, raises :class:`FailedPrecondition`."""
+        memory only where the node has swap: dsecd --swap-file / --zram-size). Its state becomes ``"sleeping"`` and
+        its cpu is free on the node. Files stay readable and writable; ``exec`` raises :class:`FailedPrecondition`
+        until :meth:`wake`. Sleeping a sleeping sandbox, or one with an exec running, raises
+        :class:`FailedPrecondition`; a retry of this call after a lost answer does not (it carries the same
+        request id). The result's ``swap_bytes`` is the sandbox's memory in swap."""
         return self._sb.sleep()
 
     def wake(self) -> SleepResult:
-        """Lets a sleeping sandbox's processes run on where they stopped; :class:`FailedPrecondition` when it is
-        not sleeping."""
+        """Lets a sleeping sandbox's processes run on where they stopped (their pages come back from swap as they
+        touch them); :class:`FailedPrecondition` when it is not sleeping."""
         return self._sb.wake()
 
     def destroy(self) -> None:

@@ -28,6 +28,7 @@ struct SleepResult {
   std::uint64_t memory_after_bytes = 0;
   std::uint64_t memory_released_bytes = 0;
   double seconds = 0;
+  std::uint64_t swap_bytes = 0;  // the sandbox's memory in the node's swap after the call
 };
 
 class Sandbox {
@@ -68,7 +69,9 @@ class Sandbox {
   // anonymous memory only where the node has swap); its state becomes "sleeping" and its cpu is free for other
   // sandboxes on the node. Files stay readable and writable; exec is FAILED_PRECONDITION until wake(), which lets
   // the processes run on where they stopped. Sleeping a sleeping sandbox, or waking an awake one, is
-  // FAILED_PRECONDITION; so is sleeping a sandbox while one of its execs runs.
+  // FAILED_PRECONDITION; so is sleeping a sandbox while one of its execs runs. Each call carries a request id of
+  // its own, repeated on its retries, so a retry after a lost answer gets the first attempt's answer rather than
+  // FAILED_PRECONDITION. Pages in swap come back as the woken processes touch them.
   SleepResult sleep() const;
   SleepResult wake() const;
   // Destroys the sandbox; idempotent. The handle is empty afterwards.

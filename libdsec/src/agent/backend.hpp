@@ -32,6 +32,8 @@ struct SleepReport {
   std::uint64_t memory_before_bytes = 0;
   std::uint64_t memory_after_bytes = 0;
   double seconds = 0;
+  std::uint64_t swap_bytes = 0;      // the sandbox's memory in swap after the call
+  bool reclaim_timed_out = false;    // sleep: releasing memory stopped at its time limit with some left
 };
 
 // One live sandbox. Every method may be called from several threads at once; all of them throw dsec::Error.

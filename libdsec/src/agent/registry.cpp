@@ -95,6 +95,10 @@ struct Registry::Record {
   std::unique_ptr<BackendSandbox> sandbox;
   std::atomic<bool> destroying{false};
   std::mutex power_mutex;    // one sleep or wake at a time
+  // The last sleep or wake that carried a request id, and what it answered (guarded by power_mutex).
+  std::string power_request_id;
+  bool power_request_sleep = false;
+  SleepReport power_report;
   bool cpu_released = false;  // asleep: its cpu is not in live_cpu_ (guarded by the registry's mutex_)
 
   SandboxInfo snapshot() const {
@@ -509,16 +513,42 @@ std::shared_ptr<Registry::Record> Registry::find_live(const std::string& id) con
   return it->second;
 }
 
-Registry::SleepOutcome Registry::sleep(const std::string& id) {
+namespace {
+
+// A sleep or wake whose request id is that of the sandbox's last one: the answer it got, again.
+template <typename Record, typename Outcome>
+bool repeated_power_request(Record& record, std::string_view request_id, bool sleep, Outcome& out) {
+  if (request_id.empty() || record.power_request_id != request_id) return false;
+  if (record.power_request_sleep != sleep)
+    throw Error(Code::kInvalidArgument, fmt::format("request_id '{}' was a {} of sandbox {}, not a {}", request_id,
+                                                    sleep ? "wake" : "sleep", record.snapshot().id, sleep ? "sleep" : "wake"));
+  out.report = record.power_report;
+  out.info = record.snapshot();
+  return true;
+}
+
+template <typename Record>
+void remember_power_request(Record& record, std::string_view request_id, bool sleep, const SleepReport& report) {
+  if (request_id.empty()) return;
+  record.power_request_id = std::string(request_id);
+  record.power_request_sleep = sleep;
+  record.power_report = report;
+}
+
+}  // namespace
+
+Registry::SleepOutcome Registry::sleep(const std::string& id, std::string_view request_id) {
   std::shared_ptr<Record> record = find_live(id);
   check_alive(*record);
   std::lock_guard power(record->power_mutex);
+  SleepOutcome out;
+  if (repeated_power_request(*record, request_id, true, out)) return out;
   std::string state = record->snapshot().state;
   if (state == "sleeping") throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id));
   if (state != "running")
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}; only a running sandbox can sleep", id, state));
-  SleepOutcome out;
   out.report = record->sandbox->sleep();
+  remember_power_request(*record, request_id, true, out.report);
   {
     std::lock_guard lock(record->mutex);
     record->info.state = "sleeping";
@@ -540,15 +570,17 @@ Registry::SleepOutcome Registry::sleep(const std::string& id) {
   return out;
 }
 
-Registry::SleepOutcome Registry::wake(const std::string& id) {
+Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view request_id) {
   std::shared_ptr<Record> record = find_live(id);
   std::lock_guard power(record->power_mutex);
+  SleepOutcome out;
+  if (repeated_power_request(*record, request_id, false, out)) return out;
   std::string state = record->snapshot().state;
   if (state != "sleeping")
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}, not sleeping; only a sleeping sandbox can "
                                                        "wake", id, state));
-  SleepOutcome out;
   out.report = record->sandbox->wake();
+  remember_power_request(*record, request_id, false, out.report);
   {
     std::lock_guard lock(record->mutex);
     record->info.state = "running";

@@ -121,8 +121,11 @@ class Registry {
     SandboxInfo info;
     SleepReport report;
   };
-  SleepOutcome sleep(const std::string& id);
-  SleepOutcome wake(const std::string& id);
+  // A non-empty request_id makes the call idempotent: when the sandbox's last sleep or wake carried the same id, it
+  // is answered again as it was (the client retried after losing the answer) instead of failing for the state it
+  // left; the same id with the other call is INVALID_ARGUMENT.
+  SleepOutcome sleep(const std::string& id, std::string_view request_id = {});
+  SleepOutcome wake(const std::string& id, std::string_view request_id = {});
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
 

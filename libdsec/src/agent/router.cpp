@@ -292,13 +292,31 @@ HttpResponse Router::files(HttpRequest& request, const Target& target) {
 HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, bool sleep) {
   allow(request, sleep ? "/v1/sandboxes/{id}/sleep" : "/v1/sandboxes/{id}/wake", {http::verb::post});
   only_params(target.query, {});
-  Registry::SleepOutcome out = sleep ? registry_.sleep(target.sandbox_id) : registry_.wake(target.sandbox_id);
+  // An empty body, or {"request_id": "..."}: the same id again answers what the first call did (a retry).
+  json in = protocol::parse_body(request.body());
+  const char* what = sleep ? "sleep" : "wake";
+  if (!in.is_object())
+    throw Error(Code::kInvalidArgument, fmt::format("{}: the body must be empty or a JSON object such as "
+                                                    "{{\"request_id\": \"...\"}}", what));
+  std::string request_id;
+  for (const auto& [key, value] : in.items()) {
+    if (key != "request_id")
+      throw Error(Code::kInvalidArgument, fmt::format("{}: unknown field '{}' (known: request_id)", what, key));
+    if (!value.is_string() || value.get_ref<const std::string&>().size() > 128 ||
+        value.get_ref<const std::string&>().find('\0') != std::string::npos)
+      throw Error(Code::kInvalidArgument, "request_id: a string of at most 128 bytes");
+    request_id = value.get<std::string>();
+  }
+  Registry::SleepOutcome out =
+      sleep ? registry_.sleep(target.sandbox_id, request_id) : registry_.wake(target.sandbox_id, request_id);
   json body = protocol::encode(out.info);
   const auto& r = out.report;
   body["memory_before_bytes"] = r.memory_before_bytes;
   body["memory_after_bytes"] = r.memory_after_bytes;
   body["memory_released_bytes"] = r.memory_before_bytes > r.memory_after_bytes ? r.memory_before_bytes - r.memory_after_bytes : 0;
   body["seconds"] = r.seconds;
+  body["swap_bytes"] = r.swap_bytes;
+  if (sleep) body["reclaim_timed_out"] = r.reclaim_timed_out;
   return json_response(http::status::ok, body);
 }
 

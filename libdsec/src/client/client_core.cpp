@@ -691,7 +691,10 @@ void ClientCore::destroy(const std::string& id) {
 
 SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
   const char* what = sleep ? "POST /v1/sandboxes/{id}/sleep" : "POST /v1/sandboxes/{id}/wake";
-  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, sleep ? "/sleep" : "/wake"), "{}", kJson));
+  // Every attempt of this call carries the same request id: when an answer is lost and the call is retried, the
+  // agent answers the retry as it answered the first attempt instead of "already sleeping".
+  const std::string body = protocol::json{{"request_id", random_request_id()}}.dump();
+  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, sleep ? "/sleep" : "/wake"), body, kJson));
   protocol::json j = parse_json(r, what);
   SleepResult out;
   out.info = protocol::decode_sandbox_info(j);
@@ -700,6 +703,7 @@ SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
     out.memory_after_bytes = j.at("memory_after_bytes").get<std::uint64_t>();
     out.memory_released_bytes = j.at("memory_released_bytes").get<std::uint64_t>();
     out.seconds = j.at("seconds").get<double>();
+    out.swap_bytes = j.value("swap_bytes", std::uint64_t{0});
   } catch (const std::exception& e) {
     throw Error(Code::kInternal, fmt::format("{}: malformed answer: {}", what, e.what()));
   }

@@ -5,6 +5,7 @@
 // exec's whole process tree, including processes that left its session or process group, can be found and killed.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -35,11 +36,17 @@ class SandboxCgroup {
   virtual void freeze() = 0;
   virtual void thaw() = 0;
   // Pushes the sandbox's memory out, as far as the kernel can without killing anything: page cache goes; anonymous
-  // memory goes only to swap, so on a host without swap it stays. v1 does it by lowering the memory limit step by
-  // step (kept lowered until restore_memory()); v2 through memory.reclaim. Call on a frozen sandbox.
-  virtual void reclaim_memory() = 0;
-  // Puts back the memory limit reclaim_memory() lowered (v2: nothing to do).
+  // memory (and the tmpfs of its writable layer) goes only to swap, so on a host without swap it stays. First it
+  // lets the sandbox use swap (an awake sandbox may not: v1 memory.swappiness 0, v2 memory.swap.max 0); then v1
+  // lowers the memory limit in steps of at most 64 MiB (kept lowered until restore_memory()), v2 asks
+  // memory.reclaim for at most 64 MiB at a time. Between steps it checks the deadline: true when it stopped there
+  // with memory left to release. Call on a frozen sandbox.
+  virtual bool reclaim_memory(std::chrono::steady_clock::time_point deadline) = 0;
+  // Puts back the memory limit reclaim_memory() lowered and keeps the sandbox out of swap again. Pages already in
+  // swap stay there until the sandbox touches them.
   virtual void restore_memory() = 0;
+  // The sandbox's memory in swap now (0 where the host does not account swap per cgroup).
+  virtual std::uint64_t swap_current() = 0;
   // Memory charged to the sandbox now, and the number of OOM kills inside it so far.
   virtual std::uint64_t memory_current() = 0;
   virtual std::uint64_t oom_kills() = 0;

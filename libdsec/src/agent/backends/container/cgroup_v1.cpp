@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
+#include "agent/log.hpp"
 #include "common/cgroupfs.hpp"
 #include "common/syscall.hpp"
 
@@ -41,6 +42,15 @@ Hierarchies find_hierarchies() {
   };
   return Hierarchies{at("cpu"), at("memory"), at("pids"), at("freezer")};
 }
+
+// A sleeping sandbox's anonymous memory and page cache are pushed out alike (100: equal weight; the lowered limit
+// takes both in the end); an awake sandbox's memory never goes to swap through its own limit and only as a last
+// resort through the host's reclaim (0).
+constexpr int kSleepingSwappiness = 100;
+constexpr int kAwakeSwappiness = 0;
+constexpr std::uint64_t kMinReclaimStep = 256 << 10;
+constexpr std::uint64_t kMaxReclaimStep = 64 << 20;
+constexpr std::uint64_t kReclaimFloor = 1 << 20;
 
 int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
 int pidfd_send_signal(int pidfd, int sig) { return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0)); }
@@ -178,21 +188,24 @@ class SandboxCgroupV1 final : public SandboxCgroup {
   void freeze() override { set_freezer("FROZEN"); }
   void thaw() override { set_freezer("THAWED"); }
 
-  // Lowers memory.limit_in_bytes toward the usage, in steps that halve when the kernel cannot get under one (it
-  // answers EBUSY after trying to reclaim): page cache is dropped, anonymous memory only goes to swap.
-  void reclaim_memory() override {
+  // Lowers memory.limit_in_bytes toward the usage, in steps of at most kMaxReclaimStep that halve when the kernel
+  // cannot get under one (it answers EBUSY once a reclaim pass frees nothing): page cache is dropped, anonymous
+  // memory goes to swap where the host has some. Each write costs the time to push one step out, so the deadline is
+  // looked at often enough.
+  bool reclaim_memory(std::chrono::steady_clock::time_point deadline) override {
     const std::string mem = dir(h_.memory);
     std::lock_guard lock(mu_);
-    if (!saved_limit_.empty()) return;
+    if (!saved_limit_.empty()) return false;
     saved_limit_ = read_cgroup_file(mem + "/memory.limit_in_bytes");
     while (!saved_limit_.empty() && std::isspace(static_cast<unsigned char>(saved_limit_.back()))) saved_limit_.pop_back();
+    set_swappiness(kSleepingSwappiness);
+    UniqueFd fd(::open((mem + "/memory.limit_in_bytes").c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd) throw_errno_fmt(errno, "open {}/memory.limit_in_bytes", mem);
     std::uint64_t usage = memory_current();
-    std::uint64_t step = usage / 2;
-    constexpr std::uint64_t kMinStep = 1 << 20;
-    for (int round = 0; round < 64 && step >= kMinStep && usage > kMinStep; ++round) {
-      std::uint64_t target = usage > step ? usage - step : kMinStep;
-      UniqueFd fd(::open((mem + "/memory.limit_in_bytes").c_str(), O_WRONLY | O_CLOEXEC));
-      if (!fd) throw_errno_fmt(errno, "open {}/memory.limit_in_bytes", mem);
+    std::uint64_t step = std::clamp(usage / 2, kMinReclaimStep, kMaxReclaimStep);
+    while (usage > kReclaimFloor && step >= kMinReclaimStep) {
+      if (std::chrono::steady_clock::now() >= deadline) return true;
+      std::uint64_t target = usage > step + kReclaimFloor ? usage - step : kReclaimFloor;
       std::string value = std::to_string(target);
       if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0) {
         if (errno != EBUSY) throw_errno_fmt(errno, "write {} to {}/memory.limit_in_bytes", value, mem);
@@ -200,13 +213,27 @@ class SandboxCgroupV1 final : public SandboxCgroup {
       }
       usage = memory_current();
     }
+    return false;
   }
 
   void restore_memory() override {
     std::lock_guard lock(mu_);
+    set_swappiness(kAwakeSwappiness);
     if (saved_limit_.empty()) return;
     write_cgroup_file(dir(h_.memory) + "/memory.limit_in_bytes", saved_limit_);
     saved_limit_.clear();
+  }
+
+  std::uint64_t swap_current() override {
+    try {
+      std::istringstream in(read_cgroup_file(dir(h_.memory) + "/memory.stat"));
+      std::string k;
+      std::uint64_t v;
+      while (in >> k >> v)
+        if (k == "swap") return v;
+    } catch (...) {
+    }
+    return 0;
   }
 
   std::uint64_t memory_current() override {
@@ -241,6 +268,14 @@ class SandboxCgroupV1 final : public SandboxCgroup {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     throw Error(Code::kDeadlineExceeded, fmt::format("{}: not {} after 5 s", path, state));
+  }
+
+  void set_swappiness(int value) {
+    try {
+      write_cgroup_file(dir(h_.memory) + "/memory.swappiness", std::to_string(value));
+    } catch (const Error& e) {
+      log_warn("{}/memory.swappiness: {}", dir(h_.memory), e.what());
+    }
   }
 
   Hierarchies h_;
@@ -286,6 +321,11 @@ class CgroupV1Driver final : public CgroupDriver {
       write_cgroup_file(mem + "/memory.memsw.limit_in_bytes", std::to_string(r.memory_bytes));
     } catch (const Error&) {
       // no swap accounting on this host
+    }
+    // Awake, the sandbox stays out of swap; sleep raises it (reclaim_memory).
+    try {
+      write_cgroup_file(mem + "/memory.swappiness", std::to_string(kAwakeSwappiness));
+    } catch (const Error&) {
     }
     auto quota = static_cast<long long>(r.cpu * 100000);
     write_cgroup_file(h_.cpu + rel + "/cpu.cfs_period_us", "100000");

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <mutex>
@@ -19,6 +20,9 @@ namespace dsec::agent::container {
 namespace {
 
 namespace fs = std::filesystem;
+
+constexpr std::uint64_t kMaxReclaimStep = 64 << 20;
+constexpr std::uint64_t kReclaimFloor = 1 << 20;
 
 bool populated(const std::string& dir) {
   try {
@@ -116,18 +120,33 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     wait_frozen(false);
   }
 
-  void reclaim_memory() override {
-    // Asking for everything: the kernel reclaims what it can and answers EAGAIN for the rest, which is expected.
-    std::uint64_t current = memory_current();
-    if (current == 0) return;
+  // Lets the sandbox use swap, then asks memory.reclaim for at most kMaxReclaimStep at a time until it answers
+  // EAGAIN (it could not get all it was asked: nothing more to release) or the deadline passes.
+  bool reclaim_memory(std::chrono::steady_clock::time_point deadline) override {
+    set_swap_max("max");
     UniqueFd fd(::open((dir_ + "/memory.reclaim").c_str(), O_WRONLY | O_CLOEXEC));
     if (!fd) throw_errno_fmt(errno, "open {}/memory.reclaim", dir_);
-    std::string value = std::to_string(current);
-    if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0 && errno != EAGAIN)
-      throw_errno_fmt(errno, "write {} to {}/memory.reclaim", value, dir_);
+    for (;;) {
+      std::uint64_t current = memory_current();
+      if (current <= kReclaimFloor) return false;
+      if (std::chrono::steady_clock::now() >= deadline) return true;
+      std::string value = std::to_string(std::min(current, kMaxReclaimStep));
+      if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0) {
+        if (errno == EAGAIN) return false;
+        throw_errno_fmt(errno, "write {} to {}/memory.reclaim", value, dir_);
+      }
+    }
   }
 
-  void restore_memory() override {}
+  void restore_memory() override { set_swap_max("0"); }
+
+  std::uint64_t swap_current() override {
+    try {
+      return std::stoull(read_cgroup_file(dir_ + "/memory.swap.current"));
+    } catch (...) {
+      return 0;
+    }
+  }
 
   std::uint64_t memory_current() override {
     try {
@@ -146,6 +165,13 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   }
 
  private:
+  // An awake sandbox has memory.swap.max 0: it never goes to swap. Hosts without swap accounting lack the file.
+  void set_swap_max(const char* value) {
+    std::error_code ec;
+    if (!fs::exists(dir_ + "/memory.swap.max", ec)) return;
+    write_cgroup_file(dir_ + "/memory.swap.max", value);
+  }
+
   void wait_frozen(bool frozen) {
     const std::string want = frozen ? "frozen 1" : "frozen 0";
     for (int i = 0; i < 1000; ++i) {

@@ -107,8 +107,9 @@ struct Capture {
 class ContainerSandbox final : public BackendSandbox {
  public:
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
-                   std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns)
-      : id_(std::move(id)),
+                   std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout)
+      : reclaim_timeout_(reclaim_timeout),
+        id_(std::move(id)),
         spec_(std::move(spec)),
         run_dir_(std::move(run_dir)),
         socket_path_((run_dir_ / "init.sock").string()),
@@ -320,7 +321,7 @@ class ContainerSandbox final : public BackendSandbox {
     report.memory_before_bytes = cgroup_->memory_current();
     cgroup_->freeze();
     try {
-      cgroup_->reclaim_memory();
+      report.reclaim_timed_out = cgroup_->reclaim_memory(started + reclaim_timeout_);
     } catch (...) {
       try {
         cgroup_->restore_memory();
@@ -331,7 +332,11 @@ class ContainerSandbox final : public BackendSandbox {
     }
     sleeping_ = true;
     report.memory_after_bytes = cgroup_->memory_current();
+    report.swap_bytes = cgroup_->swap_current();
     report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    if (report.reclaim_timed_out)
+      log_warn("sandbox {}: sleep stopped releasing memory after {:.1f} s with {} bytes still charged", id_,
+               report.seconds, report.memory_after_bytes);
     return report;
   }
 
@@ -346,6 +351,7 @@ class ContainerSandbox final : public BackendSandbox {
     cgroup_->thaw();
     sleeping_ = false;
     report.memory_after_bytes = cgroup_->memory_current();
+    report.swap_bytes = cgroup_->swap_current();
     report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
     return report;
   }
@@ -470,6 +476,7 @@ class ContainerSandbox final : public BackendSandbox {
     }
   }
 
+  std::chrono::milliseconds reclaim_timeout_;
   std::string id_;
   SandboxSpec spec_;
   fs::path run_dir_;
@@ -574,7 +581,7 @@ class ContainerBackend final : public Backend {
     SpawnedInit init = spawn_init(req);
     cleanup.armed = false;
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
-                                              std::move(netns));
+                                              std::move(netns), config_.sleep_reclaim_timeout);
   }
 
   void remove_leftovers(const std::string& id) override {
