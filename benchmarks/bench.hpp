@@ -69,6 +69,10 @@ struct Options {
   std::size_t real_agents = 4;           // agents serving the container backend
   std::string pulse_api = "group";       // group: Client::create_group; many: Client::create_many
   std::string pulse_dir;  // where the agents' homes, records and run directories go; empty: a new dir on /dev/shm
+  // sleep: sandboxes holding anonymous memory sleep and wake in place, with swap the embedded agent sets up
+  std::vector<std::size_t> sleep_sizes_mib{64, 256, 1024};  // memory each sandbox holds
+  std::size_t sleep_rounds = 2;                             // sleep/wake cycles per size
+  std::uint64_t sleep_swap_bytes = 0;                       // the swap file's size; 0: the largest size + 512 MiB
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -250,6 +254,43 @@ struct PulseBenchResult {
   int cores = 0;
 };
 
+// One sleep/wake cycle of a sandbox that holds memory (memhold: pseudo-random anonymous pages and a checksum).
+struct SleepRound {
+  double before_bytes = 0, after_bytes = 0;  // memory charged to the sandbox before and after the sleep
+  double swap_bytes = 0;                     // its memory in swap after the sleep
+  double sleep_ms = 0;                       // the agent's time for the sleep (freeze + release)
+  double sleep_call_ms = 0;                  // Sandbox::sleep() as the client saw it
+  double wake_ms = 0;                        // the agent's time for the wake
+  double wake_call_ms = 0;                   // Sandbox::wake() as the client saw it
+  double first_exec_ms = 0;                  // the first exec after the wake (`true`)
+  double wake_to_exec_ms = 0;                // wake() called until that exec's result is back
+  double touch_ms = 0;                       // an exec that has memhold read and rewrite all of its memory
+  double touch_self_ms = 0;                  // memhold's own time for that, inside the exec
+  double after_touch_bytes = 0;              // charged once it is all back (read before the next sleep)
+  bool intact = false;                       // memhold found the same checksum
+};
+
+struct SleepSize {
+  std::size_t mib = 0;
+  std::uint64_t memory_limit = 0;  // the sandbox's memory limit
+  double fill_ms = 0;              // memhold writing its memory at the start
+  double awake_exec_ms = 0;        // median exec of `true` while awake, before any sleep
+  double awake_touch_ms = 0;       // the touch exec with everything resident: the floor of touch_ms
+  double awake_touch_self_ms = 0;
+  std::vector<SleepRound> rounds;
+};
+
+struct SleepBenchResult {
+  std::string swap;              // the swap the sleeping sandboxes used
+  std::uint64_t node_swap_bytes = 0;
+  std::string agent;             // "embedded dsecd ..." or the endpoint
+  std::string cgroup;            // the agent's cgroup driver
+  std::vector<SleepSize> sizes;
+  std::vector<std::string> notes;
+  CpuUse cpu;
+  int cores = 0;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -260,6 +301,7 @@ struct Report {
   std::optional<CgroupJoinResult> cgroup_join;
   std::optional<ImageBenchResult> image;
   std::optional<PulseBenchResult> pulse;
+  std::optional<SleepBenchResult> sleep;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -279,6 +321,10 @@ ImageBenchResult run_image(const Options& options, const std::string& home);
 // Starts a private etcd and agents (null backend, then container), and times a pulse of creates over them.
 PulseBenchResult run_pulse(const Options& options);
 
+// Starts an agent with a swap file of its own under <home> (or uses --endpoint's), and puts sandboxes holding
+// anonymous memory to sleep and wakes them; removes the swap file after.
+SleepBenchResult run_sleep(const Options& options, const std::string& home);
+
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
 void print_throughput(const ThroughputResult& r);
@@ -289,6 +335,8 @@ void print_image(const ImageBenchResult& r);
 std::string markdown_image(const ImageBenchResult& r);
 void print_pulse(const PulseBenchResult& r);
 std::string markdown_pulse(const PulseBenchResult& r);
+void print_sleep(const SleepBenchResult& r);
+std::string markdown_sleep(const SleepBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

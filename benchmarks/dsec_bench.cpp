@@ -55,7 +55,13 @@ Commands:
                then --real-sandboxes busybox containers over --real-agents agents the same way. Time until all are
                acknowledged, creates/s, the client's CPU and peak memory, the agents' CPU, sandboxes per agent,
                destroy time. Not part of `all`
-  all          all of the above but image and pulse, then a Markdown summary for docs/benchmarks.md
+  sleep        sandboxes holding --sleep-sizes MiB of anonymous memory (dsec-memhold: pseudo-random pages and a
+               checksum) sleep in place and wake, --sleep-rounds times each: memory charged before and after the
+               sleep and how much went to swap, sleep and wake times, wake to the first exec's result, and an exec
+               that touches all the memory again (next to the same exec while it was resident). The embedded agent
+               sets up a swap file of its own under the home (dsecd --swap-file) and turns it off at the end; the
+               file is removed. Not part of `all`
+  all          all of the above but image, pulse and sleep, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -87,6 +93,9 @@ Flags:
   --pulse-dir DIR        pulse: a new directory under DIR holds the agents' homes, sandbox records and run
                          directories (default: under /dev/shm, a tmpfs, so that disk writes do not decide the
                          figures; give a disk's directory to measure with them)
+  --sleep-sizes LIST     sleep: MiB each sandbox holds (default 64,256,1024)
+  --sleep-rounds N       sleep: sleep/wake cycles per size (default 2)
+  --swap-size SIZE       sleep: the embedded agent's swap file (default the largest size + 512Mi)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -220,6 +229,19 @@ Options parse_options(int argc, char** argv) {
         throw UsageError(fmt::format("--pulse-api: '{}' is not group or many", o.pulse_api));
     } else if (flag == "--pulse-dir") {
       o.pulse_dir = take();
+    } else if (flag == "--sleep-sizes") {
+      o.sleep_sizes_mib.clear();
+      for (const auto& v : split_commas(take())) o.sleep_sizes_mib.push_back(parse_count("--sleep-sizes", v, 1));
+      if (o.sleep_sizes_mib.empty()) throw UsageError("--sleep-sizes needs at least one size in MiB");
+      for (auto m : o.sleep_sizes_mib)
+        if (m > (1u << 20)) throw UsageError(fmt::format("--sleep-sizes: {} MiB is more than a TiB", m));
+    } else if (flag == "--sleep-rounds") {
+      o.sleep_rounds = parse_count(flag, take(), 1);
+    } else if (flag == "--swap-size") {
+      std::string v = take();
+      auto bytes = parse_size(v);
+      if (!bytes || *bytes < (16u << 20)) throw UsageError(fmt::format("--swap-size: '{}' is not a size of at least 16Mi", v));
+      o.sleep_swap_bytes = *bytes;
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -231,7 +253,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -321,7 +343,7 @@ int run(int argc, char** argv) {
 
   std::optional<Client> client;
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
-  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse") {
+  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse" && o.command != "sleep") {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -422,9 +444,17 @@ int run(int argc, char** argv) {
     print_pulse(*report.pulse);
     std::fflush(stdout);
   }
+  if (o.command == "sleep") {
+    report.sleep = run_sleep(o, home);
+    print_sleep(*report.sleep);
+    std::fflush(stdout);
+    // Snapshot and fork of sandboxes (`dsec-bench snapshot`) belong with sleep's figures: run_snapshot() goes here,
+    // and its Markdown after markdown_sleep() below.
+  }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}", markdown_report(report, o),
-               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string());
+    fmt::print("\n---- Markdown ----\n\n{}{}{}", markdown_report(report, o),
+               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
+               report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string());
   return 0;
 }
 
