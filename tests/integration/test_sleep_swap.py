@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -320,6 +322,95 @@ def test_a_retried_sleep_is_answered_like_the_first(swap_agent, sclient):
         s.wake()
     finally:
         s.destroy()
+
+
+class LosingProxy:
+    """A unix-socket relay in front of the agent that loses the agent's answer to the first sleep it relays: the
+    request reaches the agent, the client sees its connection close with nothing back."""
+
+    def __init__(self, upstream: str, path: str) -> None:
+        self.upstream = upstream
+        self.path = path
+        self.sleeps_relayed = 0
+        self.answers_lost = 0
+        self._lose_next = False
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(16)
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            agent.connect(self.upstream)
+            threading.Thread(target=self._up, args=(client, agent), daemon=True).start()
+            threading.Thread(target=self._down, args=(agent, client), daemon=True).start()
+
+    def _up(self, client: socket.socket, agent: socket.socket) -> None:
+        try:
+            while data := client.recv(65536):
+                if b"/sleep HTTP/1.1" in data:
+                    with self._lock:
+                        self.sleeps_relayed += 1
+                        if self.answers_lost == 0:
+                            self._lose_next = True
+                agent.sendall(data)
+        except OSError:
+            pass
+        finally:
+            agent.close()
+
+    def _down(self, agent: socket.socket, client: socket.socket) -> None:
+        try:
+            while data := agent.recv(65536):
+                with self._lock:
+                    lose = self._lose_next
+                    if lose:
+                        self._lose_next = False
+                        self.answers_lost += 1
+                if lose:
+                    client.shutdown(socket.SHUT_RDWR)
+                    break
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            client.close()
+            agent.close()
+
+
+def test_the_clients_retry_after_a_lost_answer_succeeds(swap_agent):
+    """The client's sleep reaches the agent, the answer is lost on the way back: the client retries with the same
+    request id and gets the sleep's answer, not "already sleeping"."""
+    proxy = LosingProxy(swap_agent.socket_path, os.path.join(swap_agent.tmp, "losing.sock"))
+    c = dsec.Client(endpoints=["unix:" + proxy.path])
+    s = None
+    try:
+        s = c.create(image="busybox", ttl=600, memory="64Mi")
+        r = s.sleep()
+        assert r.info.state == "sleeping", r
+        assert proxy.answers_lost == 1 and proxy.sleeps_relayed == 2, (proxy.answers_lost, proxy.sleeps_relayed)
+        assert s.info().state == "sleeping"
+        s.wake()
+    finally:
+        if s is not None:
+            s.destroy()
+        c.close()
+        proxy.close()
 
 
 def test_group_sleep_and_wake_of_holders(swap_agent, swap_home, sclient):

@@ -34,6 +34,10 @@ constexpr std::size_t kMaxBatch = 1024;
 // copies a node made of a create that timed out there and was then made elsewhere.
 constexpr std::string_view kRequestLabel = "dsec.request";
 constexpr std::string_view kPulseLabel = "dsec.pulse";
+// A sleep pushes the sandbox's memory out to swap, which takes as long as writing it (about 10 s per GiB on a
+// plain disk); the agent gives up after its --sleep-reclaim-timeout, 60 s by default. Each exchange may take that
+// much more than request_timeout.
+constexpr milliseconds kSleepTime{60'000};
 
 std::mt19937_64& thread_rng() {
   thread_local std::mt19937_64 rng = [] {
@@ -694,7 +698,19 @@ SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
   // Every attempt of this call carries the same request id: when an answer is lost and the call is retried, the
   // agent answers the retry as it answered the first attempt instead of "already sleeping".
   const std::string body = protocol::json{{"request_id", random_request_id()}}.dump();
-  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, sleep ? "/sleep" : "/wake"), body, kJson));
+  const HttpRequest request = http_request("POST", sandbox_path(id, sleep ? "/sleep" : "/wake"), body, kJson);
+  const auto deadline = deadline_after(kSleepTime);
+  auto r = retrying(deadline, [&] {
+    try {
+      return call(route(id, deadline), request, deadline, kSleepTime);
+    } catch (const TransportError& e) {
+      // An exchange that timed out is retried too: the agent answers the same request id with the first attempt's
+      // outcome (waiting for it if it still runs), so a retry cannot sleep or wake twice.
+      if (e.code() == Code::kDeadlineExceeded && SteadyClock::now() < deadline)
+        throw Error(Code::kUnavailable, std::string(e.what()) + " (retried with the same request id)", true);
+      throw;
+    }
+  });
   protocol::json j = parse_json(r, what);
   SleepResult out;
   out.info = protocol::decode_sandbox_info(j);
