@@ -168,6 +168,22 @@ class DirectoryStore final : public BlobStore {
     }
   }
 
+  bool create_ref(const std::string& tagged, const std::string& manifest_digest) override {
+    digest_hex(manifest_digest, "manifest");
+    fs::path path = ref_path(tagged);
+    fs::path tmp = tmp_path();
+    write_file(tmp, manifest_digest + "\n");
+    std::error_code ec;
+    fs::create_directories(path.parent_path(), ec);
+    // link() never replaces: of two writers of one new tag, exactly one succeeds.
+    int rc = ::link(tmp.c_str(), path.c_str());
+    int err = errno;
+    ::unlink(tmp.c_str());
+    if (rc == 0) return true;
+    if (err == EEXIST) return false;
+    throw_store_errno(err, fmt::format("link into {}", path.string()));
+  }
+
   bool remove_ref(const std::string& tagged) override {
     fs::path path = ref_path(tagged);
     if (::unlink(path.c_str()) == 0) return true;
