@@ -69,6 +69,11 @@ struct Options {
   std::size_t real_agents = 4;           // agents serving the container backend
   std::string pulse_api = "group";       // group: Client::create_group; many: Client::create_many
   std::string pulse_dir;  // where the agents' homes, records and run directories go; empty: a new dir on /dev/shm
+  // snapshot: snapshots of sandboxes that wrote this many MiB, each size `snapshot_repeat` times (256 MiB and up
+  // at most twice), then fork_count forks (0 skips them)
+  std::vector<std::size_t> snapshot_sizes{1, 16, 64, 256};
+  std::size_t snapshot_repeat = 3;
+  std::size_t fork_count = 16;
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -250,6 +255,26 @@ struct PulseBenchResult {
   int cores = 0;
 };
 
+struct SnapshotSizePoint {
+  std::size_t mib = 0;                  // written in the sandbox before the snapshots
+  std::vector<double> frozen_ms;        // per run: the sandbox's processes stood still
+  std::vector<double> agent_ms;         // per run: the whole snapshot on the agent
+  std::vector<double> client_ms;        // per run: the call as the client sees it
+  std::uint64_t stored_bytes = 0;       // the snapshot layer in the store
+  std::uint64_t file_bytes = 0;         // what the snapshot captured
+};
+
+struct SnapshotBenchResult {
+  std::string store;
+  std::vector<SnapshotSizePoint> sizes;
+  double start_from_snapshot_ms = 0;    // create from the largest snapshot to its first exec
+  std::size_t start_mib = 0;
+  std::size_t forks = 0;
+  std::vector<double> fork_call_ms;     // fork() until it returned
+  std::vector<double> fork_total_ms;    // fork() until all forks answered an exec
+  CpuUse cpu;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -260,6 +285,7 @@ struct Report {
   std::optional<CgroupJoinResult> cgroup_join;
   std::optional<ImageBenchResult> image;
   std::optional<PulseBenchResult> pulse;
+  std::optional<SnapshotBenchResult> snapshot;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -279,6 +305,10 @@ ImageBenchResult run_image(const Options& options, const std::string& home);
 // Starts a private etcd and agents (null backend, then container), and times a pulse of creates over them.
 PulseBenchResult run_pulse(const Options& options);
 
+// Snapshots of sandboxes that wrote each of options.snapshot_sizes MiB, then a fork. `snapshot_store` is the
+// agent's snapshot store when the benchmark chose it (it is emptied as the run goes), else empty.
+SnapshotBenchResult run_snapshot(const Options& options, Client& client, const std::string& snapshot_store);
+
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
 void print_throughput(const ThroughputResult& r);
@@ -289,6 +319,8 @@ void print_image(const ImageBenchResult& r);
 std::string markdown_image(const ImageBenchResult& r);
 void print_pulse(const PulseBenchResult& r);
 std::string markdown_pulse(const PulseBenchResult& r);
+void print_snapshot(const SnapshotBenchResult& r);
+std::string markdown_snapshot(const SnapshotBenchResult& r, int cores);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

@@ -55,7 +55,11 @@ Commands:
                then --real-sandboxes busybox containers over --real-agents agents the same way. Time until all are
                acknowledged, creates/s, the client's CPU and peak memory, the agents' CPU, sandboxes per agent,
                destroy time. Not part of `all`
-  all          all of the above but image and pulse, then a Markdown summary for docs/benchmarks.md
+  snapshot     Sandbox::snapshot of a sandbox that wrote --sizes MiB of random files: the time its processes
+               stood still and the whole snapshot, --repeat times per size; a create from the largest snapshot
+               to its first exec; then fork(--forks): the time until all forks answered an exec. Snapshots go to
+               a store of their own under the work directory, emptied as the run goes. Not part of `all`
+  all          all of the above but image, pulse and snapshot, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -87,6 +91,9 @@ Flags:
   --pulse-dir DIR        pulse: a new directory under DIR holds the agents' homes, sandbox records and run
                          directories (default: under /dev/shm, a tmpfs, so that disk writes do not decide the
                          figures; give a disk's directory to measure with them)
+  --sizes LIST           snapshot: MiB written before the snapshots (default 1,16,64,256)
+  --repeat N             snapshot: snapshots per size and fork rounds (default 3; 256 MiB and more at most 2)
+  --forks N              snapshot: sandboxes per fork (default 16; 0 skips the fork)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -220,6 +227,17 @@ Options parse_options(int argc, char** argv) {
         throw UsageError(fmt::format("--pulse-api: '{}' is not group or many", o.pulse_api));
     } else if (flag == "--pulse-dir") {
       o.pulse_dir = take();
+    } else if (flag == "--sizes") {
+      o.snapshot_sizes.clear();
+      for (const auto& v : split_commas(take())) o.snapshot_sizes.push_back(parse_count("--sizes", v, 1));
+      if (o.snapshot_sizes.empty()) throw UsageError("--sizes needs at least one size in MiB");
+      for (std::size_t v : o.snapshot_sizes)
+        if (v > 4096) throw UsageError(fmt::format("--sizes: {} MiB is more than this benchmark writes (4096)", v));
+    } else if (flag == "--repeat") {
+      o.snapshot_repeat = parse_count(flag, take(), 1);
+    } else if (flag == "--forks") {
+      o.fork_count = parse_count(flag, take(), 0);
+      if (o.fork_count > 1024) throw UsageError("--forks: at most 1024");
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -231,7 +249,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "snapshot", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -320,6 +338,9 @@ int run(int argc, char** argv) {
   } remove_work_dir{work_dir, own_work_dir};
 
   std::optional<Client> client;
+  // snapshot: the embedded agent commits snapshots to a store of their own, which the run empties and removes.
+  std::string snapshot_store;
+  if (o.command == "snapshot" && o.endpoints.empty()) snapshot_store = (work_dir / "snapshots").string();
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
   if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse") {
     ClientOptions copts;
@@ -339,6 +360,10 @@ int run(int argc, char** argv) {
       copts.agent_args = {"--backends",          "container,null",
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
+      if (!snapshot_store.empty()) {
+        copts.stores = {(fs::path(home) / "store").string(), snapshot_store};
+        copts.agent_args.insert(copts.agent_args.end(), {"--snapshot-store", snapshot_store});
+      }
       if (cpu_ratio > 8.0 || mem_ratio > 1.0)
         report.notes.push_back(
             fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
@@ -422,9 +447,16 @@ int run(int argc, char** argv) {
     print_pulse(*report.pulse);
     std::fflush(stdout);
   }
+  if (o.command == "snapshot") {
+    report.snapshot = run_snapshot(o, *client, snapshot_store);
+    print_snapshot(*report.snapshot);
+    print_cpu(report.snapshot->cpu, m.cores);
+    std::fflush(stdout);
+  }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}", markdown_report(report, o),
-               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string());
+    fmt::print("\n---- Markdown ----\n\n{}{}{}", markdown_report(report, o),
+               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
+               report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string());
   return 0;
 }
 

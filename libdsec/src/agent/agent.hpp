@@ -18,6 +18,7 @@
 #include "agent/registry.hpp"
 #include "agent/router.hpp"
 #include "agent/server.hpp"
+#include "agent/snapshots.hpp"
 
 namespace dsec::agent {
 
@@ -67,6 +68,7 @@ class Agent {
   std::unique_ptr<ImageSource> images_;
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;
   std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Snapshots> snapshots_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only
