@@ -302,6 +302,25 @@ def test_fork_of_16(made, client):
     print(f"fork of 16: {elapsed:.2f} s to all 16 answering")
 
 
+def test_the_cli_takes_a_snapshot(made, agent):
+    src = made(image="busybox")
+    sh(src, "echo cli > /made-by")
+    r = dsec_cli("--endpoint", agent.endpoint, "snapshot", src.id, "it/cli:1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    ref = r.stdout.strip()
+    assert ref.startswith("it/cli:1@sha256:"), ref
+    copy = made(image=ref)
+    assert sh(copy, "cat /made-by") == b"cli\n"
+    r = dsec_cli("--endpoint", agent.endpoint, "snapshot", src.id, "it/cli:2", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    answer = json.loads(r.stdout)
+    assert answer["image"].startswith("it/cli:2@sha256:") and answer["sandbox"] == src.id
+    r = dsec_cli("--endpoint", agent.endpoint, "snapshot", src.id, "it/cli:1")
+    assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr, r.stdout + r.stderr
+    r = dsec_cli("--endpoint", agent.endpoint, "snapshot", src.id)
+    assert r.returncode == 2, r.stdout + r.stderr
+
+
 def test_bad_inputs(made, client, agent, home):
     src = made(image="busybox")
     sock = agent.socket_path
