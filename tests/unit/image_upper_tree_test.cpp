@@ -34,6 +34,7 @@
 #include "image/fs_tree.hpp"
 #include "image/process.hpp"
 #include "image/store/blob_store.hpp"
+#include "image/store/catalog.hpp"
 #include "image/upper_tree.hpp"
 #include "image_test_util.hpp"
 
@@ -432,6 +433,35 @@ TEST(ErofsMeta, EntriesXattrsAndHardLinksAreReadFromTheImage) {
   // Not EROFS at all: DATA_LOSS, not a crash.
   write_text(tmp / "junk", std::string(8192, 'j'));
   expect_code([&] { read_erofs_entries(tmp / "junk"); }, Code::kDataLoss);
+}
+
+TEST(DirectoryStore, LayersAreCopiedFromTheFirstStoreThatHasThemEvenByManyThreadsAtOnce) {
+  TempDir tmp;
+  write_text(tmp / "tree/data", testing::random_bytes(3 << 20, 11));
+  auto empty = open_directory_store(tmp / "empty");
+  auto source = open_directory_store(tmp / "source");
+  auto target = open_directory_store(tmp / "target");
+  std::vector<std::string> notes;
+  fs::create_directories(tmp / "work");
+  LayerDescriptor layer = store_tree_as_layer(*source, tmp / "tree", LayerRole::kBase, tmp / "work", notes);
+  std::vector<BlobStore*> from{empty.get(), source.get()};
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&] {
+      try {
+        copy_layer_blobs(from, *target, layer);
+      } catch (const std::exception&) {
+        ++failures;
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_TRUE(target->has_blob(layer.index) && target->has_blob(layer.data));
+  EXPECT_EQ(target->read_blob(layer.data, 64u << 20), source->read_blob(layer.data, 64u << 20));
+  EXPECT_EQ(copy_layer_blobs(from, *target, layer), 0u) << "nothing to copy the second time";
+  auto elsewhere = open_directory_store(tmp / "elsewhere");
+  expect_code([&] { copy_layer_blobs({empty.get()}, *elsewhere, layer); }, Code::kNotFound);
 }
 
 TEST(DirectoryStore, CreateRefNeverMovesATag) {

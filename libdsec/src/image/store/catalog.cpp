@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -128,9 +129,12 @@ std::uint64_t copy_layer(BlobStore& from, BlobStore& to, const LayerDescriptor& 
     if (progress) progress(what + " (already there)", done, total);
     return copied;
   }
-  // The data blob goes through a local temporary file, piece by piece, and is verified by put_blob_file.
+  // The data blob goes through a local temporary file, piece by piece, and is verified by put_blob_file. Its name
+  // is this copy's own: threads of one process may copy the same layer at once (snapshots of one image).
+  static std::atomic<std::uint64_t> serial{0};
   std::filesystem::path tmp = std::filesystem::temp_directory_path() /
-                              fmt::format("dsec-copy-{}-{}", ::getpid(), digest_hex(layer.data).substr(0, 16));
+                              fmt::format("dsec-copy-{}-{}-{}", ::getpid(), serial.fetch_add(1),
+                                          digest_hex(layer.data).substr(0, 16));
   struct Remove {
     std::filesystem::path p;
     ~Remove() {
