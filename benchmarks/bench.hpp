@@ -73,6 +73,11 @@ struct Options {
   std::vector<std::size_t> sleep_sizes_mib{64, 256, 1024};  // memory each sandbox holds
   std::size_t sleep_rounds = 2;                             // sleep/wake cycles per size
   std::uint64_t sleep_swap_bytes = 0;                       // the swap file's size; 0: the largest size + 512 MiB
+  // snapshot: snapshots of sandboxes that wrote this many MiB, each size `snapshot_repeat` times (256 MiB and up
+  // at most twice), then fork_count forks (0 skips them)
+  std::vector<std::size_t> snapshot_sizes{1, 16, 64, 256};
+  std::size_t snapshot_repeat = 3;
+  std::size_t fork_count = 16;
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -291,6 +296,26 @@ struct SleepBenchResult {
   int cores = 0;
 };
 
+struct SnapshotSizePoint {
+  std::size_t mib = 0;                  // written in the sandbox before the snapshots
+  std::vector<double> frozen_ms;        // per run: the sandbox's processes stood still
+  std::vector<double> agent_ms;         // per run: the whole snapshot on the agent
+  std::vector<double> client_ms;        // per run: the call as the client sees it
+  std::uint64_t stored_bytes = 0;       // the snapshot layer in the store
+  std::uint64_t file_bytes = 0;         // what the snapshot captured
+};
+
+struct SnapshotBenchResult {
+  std::string store;
+  std::vector<SnapshotSizePoint> sizes;
+  double start_from_snapshot_ms = 0;    // create from the largest snapshot to its first exec
+  std::size_t start_mib = 0;
+  std::size_t forks = 0;
+  std::vector<double> fork_call_ms;     // fork() until it returned
+  std::vector<double> fork_total_ms;    // fork() until all forks answered an exec
+  CpuUse cpu;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -302,6 +327,7 @@ struct Report {
   std::optional<ImageBenchResult> image;
   std::optional<PulseBenchResult> pulse;
   std::optional<SleepBenchResult> sleep;
+  std::optional<SnapshotBenchResult> snapshot;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -324,6 +350,9 @@ PulseBenchResult run_pulse(const Options& options);
 // Starts an agent with a swap file of its own under <home> (or uses --endpoint's), and puts sandboxes holding
 // anonymous memory to sleep and wakes them; removes the swap file after.
 SleepBenchResult run_sleep(const Options& options, const std::string& home);
+// Snapshots of sandboxes that wrote each of options.snapshot_sizes MiB, then a fork. `snapshot_store` is the
+// agent's snapshot store when the benchmark chose it (it is emptied as the run goes), else empty.
+SnapshotBenchResult run_snapshot(const Options& options, Client& client, const std::string& snapshot_store);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
@@ -337,6 +366,8 @@ void print_pulse(const PulseBenchResult& r);
 std::string markdown_pulse(const PulseBenchResult& r);
 void print_sleep(const SleepBenchResult& r);
 std::string markdown_sleep(const SleepBenchResult& r);
+void print_snapshot(const SnapshotBenchResult& r);
+std::string markdown_snapshot(const SnapshotBenchResult& r, int cores);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

@@ -60,8 +60,13 @@ Commands:
                sleep and how much went to swap, sleep and wake times, wake to the first exec's result, and an exec
                that touches all the memory again (next to the same exec while it was resident). The embedded agent
                sets up a swap file of its own under the home (dsecd --swap-file) and turns it off at the end; the
-               file is removed. Not part of `all`
-  all          all of the above but image, pulse and sleep, then a Markdown summary for docs/benchmarks.md
+               file is removed. Then everything `snapshot` measures. Not part of `all`
+  snapshot     Sandbox::snapshot of a sandbox that wrote --sizes MiB of random files: the time its processes
+               stood still and the whole snapshot, --repeat times per size; a create from the largest snapshot
+               to its first exec; then fork(--forks): the time until all forks answered an exec. Snapshots go to
+               a store of their own under the work directory, emptied as the run goes. Not part of `all`
+  all          all of the above but image, pulse, sleep and snapshot, then a Markdown summary for
+               docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -96,6 +101,9 @@ Flags:
   --sleep-sizes LIST     sleep: MiB each sandbox holds (default 64,256,1024)
   --sleep-rounds N       sleep: sleep/wake cycles per size (default 2)
   --swap-size SIZE       sleep: the embedded agent's swap file (default the largest size + 512Mi)
+  --sizes LIST           snapshot: MiB written before the snapshots (default 1,16,64,256)
+  --repeat N             snapshot: snapshots per size and fork rounds (default 3; 256 MiB and more at most 2)
+  --forks N              snapshot: sandboxes per fork (default 16; 0 skips the fork)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -242,6 +250,17 @@ Options parse_options(int argc, char** argv) {
       auto bytes = parse_size(v);
       if (!bytes || *bytes < (16u << 20)) throw UsageError(fmt::format("--swap-size: '{}' is not a size of at least 16Mi", v));
       o.sleep_swap_bytes = *bytes;
+    } else if (flag == "--sizes") {
+      o.snapshot_sizes.clear();
+      for (const auto& v : split_commas(take())) o.snapshot_sizes.push_back(parse_count("--sizes", v, 1));
+      if (o.snapshot_sizes.empty()) throw UsageError("--sizes needs at least one size in MiB");
+      for (std::size_t v : o.snapshot_sizes)
+        if (v > 4096) throw UsageError(fmt::format("--sizes: {} MiB is more than this benchmark writes (4096)", v));
+    } else if (flag == "--repeat") {
+      o.snapshot_repeat = parse_count(flag, take(), 1);
+    } else if (flag == "--forks") {
+      o.fork_count = parse_count(flag, take(), 0);
+      if (o.fork_count > 1024) throw UsageError("--forks: at most 1024");
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -253,7 +272,9 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
+                        "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "snapshot", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -342,8 +363,12 @@ int run(int argc, char** argv) {
   } remove_work_dir{work_dir, own_work_dir};
 
   std::optional<Client> client;
+  // snapshot: the embedded agent commits snapshots to a store of their own, which the run empties and removes.
+  std::string snapshot_store;
+  const bool snapshots = o.command == "snapshot" || o.command == "sleep";
+  if (snapshots && o.endpoints.empty()) snapshot_store = (work_dir / "snapshots").string();
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
-  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse" && o.command != "sleep") {
+  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse") {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -361,6 +386,10 @@ int run(int argc, char** argv) {
       copts.agent_args = {"--backends",          "container,null",
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
+      if (!snapshot_store.empty()) {
+        copts.stores = {(fs::path(home) / "store").string(), snapshot_store};
+        copts.agent_args.insert(copts.agent_args.end(), {"--snapshot-store", snapshot_store});
+      }
       if (cpu_ratio > 8.0 || mem_ratio > 1.0)
         report.notes.push_back(
             fmt::format("the embedded agent runs with --cpu-overcommit {:.2f} --memory-overcommit "
@@ -448,13 +477,18 @@ int run(int argc, char** argv) {
     report.sleep = run_sleep(o, home);
     print_sleep(*report.sleep);
     std::fflush(stdout);
-    // Snapshot and fork of sandboxes (`dsec-bench snapshot`) belong with sleep's figures: run_snapshot() goes here,
-    // and its Markdown after markdown_sleep() below.
+  }
+  if (snapshots) {
+    report.snapshot = run_snapshot(o, *client, snapshot_store);
+    print_snapshot(*report.snapshot);
+    print_cpu(report.snapshot->cpu, m.cores);
+    std::fflush(stdout);
   }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}{}", markdown_report(report, o),
+    fmt::print("\n---- Markdown ----\n\n{}{}{}{}", markdown_report(report, o),
                report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
-               report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string());
+               report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string(),
+               report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string());
   return 0;
 }
 

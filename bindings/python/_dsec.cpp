@@ -271,6 +271,24 @@ PYBIND11_MODULE(_dsec, m) {
                ", seconds=" + std::to_string(r.seconds) + ")";
       });
 
+  py::class_<dsec::SnapshotResult>(m, "SnapshotResult", "What a snapshot made and what it took.")
+      .def_readonly("image", &dsec::SnapshotResult::image, "The new image, pinned: repo:tag@sha256:...")
+      .def_readonly("sandbox_id", &dsec::SnapshotResult::sandbox_id)
+      .def_readonly("parent", &dsec::SnapshotResult::parent, "The sandbox's image, pinned.")
+      .def_readonly("store", &dsec::SnapshotResult::store)
+      .def_readonly("layer_digest", &dsec::SnapshotResult::layer_digest)
+      .def_readonly("layer_bytes", &dsec::SnapshotResult::layer_bytes)
+      .def_readonly("stored_bytes", &dsec::SnapshotResult::stored_bytes)
+      .def_readonly("file_bytes", &dsec::SnapshotResult::file_bytes)
+      .def_readonly("entries", &dsec::SnapshotResult::entries)
+      .def_readonly("frozen_seconds", &dsec::SnapshotResult::frozen_seconds)
+      .def_readonly("seconds", &dsec::SnapshotResult::seconds)
+      .def_readonly("spec", &dsec::SnapshotResult::spec, "The sandbox's spec.")
+      .def("__repr__", [](const dsec::SnapshotResult& r) {
+        return "SnapshotResult(image='" + r.image + "', frozen_seconds=" + std::to_string(r.frozen_seconds) +
+               ", seconds=" + std::to_string(r.seconds) + ")";
+      });
+
   py::class_<dsec::CachedLayer>(m, "CachedLayer", "An image layer in a node's cache.")
       .def_readonly("digest", &dsec::CachedLayer::digest)
       .def_readonly("size", &dsec::CachedLayer::size)
@@ -391,6 +409,24 @@ PYBIND11_MODULE(_dsec, m) {
       .def(
           "wake", [](PySandbox& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>(),
           "Lets a sleeping sandbox's processes run on.")
+      .def(
+          "snapshot", [](PySandbox& self, const std::string& name) { return self.get().snapshot(name); },
+          py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+          "Captures the sandbox's files as a new image named `name`; the result's image is its pinned reference.")
+      .def(
+          "fork",
+          [](PySandbox& self, std::size_t n, const std::string& name) {
+            std::vector<PySandbox> out;
+            auto made = self.get().fork(n, name);
+            out.reserve(made.size());
+            for (auto& sb : made) {
+              out.emplace_back(sb.borrow());  // Python handles never own
+              sb.release();
+            }
+            return out;
+          },
+          py::arg("n"), py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
+          "Snapshots the sandbox and creates n sandboxes from the snapshot with its spec.")
       .def("destroy", &PySandbox::destroy, py::call_guard<py::gil_scoped_release>());
 
   py::class_<PySandboxGroup>(m, "SandboxGroup")
@@ -415,6 +451,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def("renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
       .def("sleep", [](PySandboxGroup& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>())
       .def("wake", [](PySandboxGroup& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "snapshot", [](PySandboxGroup& self, const std::string& name) { return self.get().snapshot(name); },
+          py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def("destroy", &PySandboxGroup::destroy, py::call_guard<py::gil_scoped_release>())
       .def("release", &PySandboxGroup::release, py::call_guard<py::gil_scoped_release>());
 

@@ -41,6 +41,10 @@ TEST(AgentRoutes, MatchesEveryRouteOfProtocolV1) {
   t = parse_target("/v1/sandboxes/n1-x/wake");
   EXPECT_EQ(t.route, Route::kSandboxWake);
   EXPECT_EQ(route_template(t.route), "/v1/sandboxes/{id}/wake");
+  t = parse_target("/v1/sandboxes/n1-x/snapshot");
+  EXPECT_EQ(t.route, Route::kSandboxSnapshot);
+  EXPECT_EQ(t.sandbox_id, "n1-x");
+  EXPECT_EQ(route_template(t.route), "/v1/sandboxes/{id}/snapshot");
   EXPECT_EQ(parse_target("/v1/sandboxes/n1-x/sleep/more").route, Route::kUnknown);
 }
 

@@ -107,6 +107,7 @@ class ServerTest : public ::testing::Test {
     config.node_id = "t1";
     config.unix_socket = dir_.path() / "run" / "dsecd.sock";
     config.home = dir_.path() / "home";
+    config.run_dir = dir_.path() / "run";
     config.max_header_bytes = 2048;
     config.max_body_bytes = 1 << 20;
     config.reaper_interval = std::chrono::milliseconds{50};
@@ -463,6 +464,36 @@ TEST_F(ServerTest, ASecondAgentCannotTakeALiveSocket) {
   }
   Conn c = connect();
   EXPECT_EQ(c.call("GET", "/healthz").result_int(), 200);
+}
+
+TEST_F(ServerTest, SnapshotRequestsAreCheckedAndTheNullBackendCannotSnapshot) {
+  start();
+  Conn c = connect();
+  std::string id = create_sandbox(c);
+  const std::string target = "/v1/sandboxes/" + id + "/snapshot";
+  // Bad input first: each a 400 naming what is wrong, whatever the backend.
+  expect_error(c.call("POST", target, "[1]"), 400, "INVALID_ARGUMENT", "JSON object");
+  expect_error(c.call("POST", target, "{}"), 400, "INVALID_ARGUMENT", "name: missing");
+  expect_error(c.call("POST", target, R"({"name": 7})"), 400, "INVALID_ARGUMENT", "name: must be a string");
+  expect_error(c.call("POST", target, R"({"name": "a", "tag": "b"})"), 400, "INVALID_ARGUMENT", "unknown field 'tag'");
+  expect_error(c.call("POST", target, R"({"name": "Bad Name!"})"), 400, "INVALID_ARGUMENT", "invalid image name");
+  expect_error(c.call("POST", target, R"({"name": "snap/x:-tag"})"), 400, "INVALID_ARGUMENT", "tag");
+  expect_error(c.call("POST", target, R"({"name": "snap/x:1@sha256:)" + std::string(64, 'a') + R"("})"), 400,
+               "INVALID_ARGUMENT", "pins a digest");
+  expect_error(c.call("POST", target, R"({"name": "snap/x", "request_id": ")" + std::string(200, 'r') + R"("})"), 400,
+               "INVALID_ARGUMENT", "request_id");
+  expect_error(c.call("GET", target), 501, "UNIMPLEMENTED", "POST");
+  expect_error(c.call("POST", target + "?x=1", R"({"name": "snap/x"})"), 400, "INVALID_ARGUMENT", "'x'");
+  // The null backend has no file system to capture: 501, and nothing is tagged in the store.
+  expect_error(c.call("POST", target, R"({"name": "snap/x"})"), 501, "UNIMPLEMENTED", "null backend");
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() / "home" / "store" / "refs"));
+  EXPECT_TRUE(!std::filesystem::exists(dir_.path() / "run" / ".snapshots") ||
+              std::filesystem::is_empty(dir_.path() / "run" / ".snapshots"))
+      << "no staging left";
+  // Unknown and destroyed sandboxes: 404.
+  expect_error(c.call("POST", "/v1/sandboxes/t1-000000000000/snapshot", R"({"name": "snap/x"})"), 404, "NOT_FOUND");
+  EXPECT_EQ(c.call("DELETE", "/v1/sandboxes/" + id).result_int(), 200);
+  expect_error(c.call("POST", target, R"({"name": "snap/x"})"), 404, "NOT_FOUND", "destroyed");
 }
 
 }  // namespace

@@ -33,6 +33,14 @@ class FakeImages final : public ImageSource {
     return ResolvedImage{full, {std::filesystem::path("/images") / full}, nullptr};
   }
   std::vector<std::string> names() const override { return {names_.begin(), names_.end()}; }
+  // A manifest without layers for every name it resolves (snapshots look it up before they capture anything).
+  std::shared_ptr<const image::Manifest> manifest(const std::string& reference) override {
+    if (!names_.count(reference)) throw Error(Code::kNotFound, fmt::format("image '{}' not found", reference));
+    auto m = std::make_shared<image::Manifest>();
+    m->name = reference.substr(0, reference.find(':'));
+    m->tag = reference.substr(reference.find(':') + 1);
+    return m;
+  }
 
  private:
   std::set<std::string> names_;

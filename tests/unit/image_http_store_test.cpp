@@ -615,6 +615,25 @@ TEST_F(HttpStore, WritesReadsListsAndRemovesRefs) {
   EXPECT_EQ(code_of([&] { store->write_ref("a:b@" + m1, m1); }), Code::kInvalidArgument);
 }
 
+TEST_F(HttpStore, CreateRefNeverMovesATag) {
+  auto& server = serve();
+  auto store = open(server);
+  const std::string m1 = sha256_digest("snapshot 1"), m2 = sha256_digest("snapshot 2");
+  EXPECT_TRUE(store->create_ref("snap/x:1", m1));
+  EXPECT_FALSE(store->create_ref("snap/x:1", m2));
+  EXPECT_EQ(store->read_ref("snap/x:1"), m1);
+  EXPECT_EQ(read_text(server.root() / "refs" / "snap%2Fx%3A1"), m1 + "\n");
+  // The first: a look (404), then the PUT; the second: a look (200) and nothing written.
+  auto reqs = server.wait_for_requests(4);
+  ASSERT_GE(reqs.size(), 3u);
+  EXPECT_EQ(reqs[0].method, "GET");
+  EXPECT_EQ(reqs[0].status, 404);
+  EXPECT_EQ(reqs[1].method, "PUT");
+  EXPECT_EQ(reqs[2].method, "GET");
+  EXPECT_EQ(reqs[2].status, 200);
+  for (std::size_t i = 3; i < reqs.size(); ++i) EXPECT_NE(reqs[i].method, "PUT") << "the tag is not written again";
+}
+
 TEST_F(HttpStore, ListsAndRemovesBlobs) {
   auto& server = serve();
   auto store = open(server);

@@ -57,6 +57,7 @@ from .errors import (
 ExecResult = _dsec.ExecResult
 SandboxInfo = _dsec.SandboxInfo
 SleepResult = _dsec.SleepResult
+SnapshotResult = _dsec.SnapshotResult
 NodeInfo = _dsec.NodeInfo
 CachedLayer = _dsec.CachedLayer
 Resources = _dsec.Resources
@@ -70,6 +71,8 @@ __all__ = [
     "ExecResult",
     "SandboxInfo",
     "SleepResult",
+    "Snapshot",
+    "SnapshotResult",
     "NodeInfo",
     "CachedLayer",
     "SandboxGroup",
@@ -179,6 +182,31 @@ def _spec(
     s.node_selector = _str_map(node_selector, "node_selector")
     s.anti_affinity = anti_affinity or ""
     return s
+
+
+class Snapshot(str):
+    """The image a snapshot made: a ``str``, the image's pinned reference (``"repo:tag@sha256:..."``), to pass as
+    ``image=`` to :meth:`Client.create` (on any node that reads the store it is in), with what the snapshot took.
+
+    Attributes: ``image`` (the same reference), ``sandbox_id``, ``parent`` (the sandbox's image, pinned), ``store``,
+    ``layer_digest``, ``layer_bytes``, ``stored_bytes``, ``file_bytes``, ``entries``, ``frozen_seconds`` (how long
+    the sandbox stood still), ``seconds`` (the whole snapshot), and ``result`` (the :class:`SnapshotResult`).
+    """
+
+    def __new__(cls, result: _dsec.SnapshotResult) -> "Snapshot":
+        self = super().__new__(cls, result.image)
+        self.result = result
+        for name in ("image", "sandbox_id", "parent", "store", "layer_digest", "layer_bytes", "stored_bytes",
+                     "file_bytes", "entries", "frozen_seconds", "seconds"):
+            setattr(self, name, getattr(result, name))
+        return self
+
+    def __reduce__(self):
+        return (str, (str(self),))
+
+    def __repr__(self) -> str:
+        return (f"Snapshot({str.__repr__(self)}, file_bytes={self.file_bytes}, frozen_seconds={self.frozen_seconds:.3f}, "
+                f"seconds={self.seconds:.3f})")
 
 
 class Sandbox:
@@ -307,6 +335,33 @@ class Sandbox:
         """Lets a sleeping sandbox's processes run on where they stopped (their pages come back from swap as they
         touch them); :class:`FailedPrecondition` when it is not sleeping."""
         return self._sb.wake()
+
+    def snapshot(self, name: str) -> Snapshot:
+        """Captures the sandbox's files as a new image named ``name`` (``"repo"`` or ``"repo:tag"``, tag
+        ``latest`` when none) in its node's snapshot store, and returns it as a :class:`Snapshot`: a str holding the
+        pinned reference, for ``client.create(image=...)``.
+
+        The image is the sandbox's image plus one layer of what the sandbox changed: new and changed files, and
+        files or directories it deleted or replaced stay deleted or replaced. Files only: processes, memory and open
+        files are not captured, so nothing runs in a sandbox made from it until an exec starts it. The sandbox is
+        frozen while its files are copied (a running exec pauses) and runs on; a sleeping one stays asleep.
+
+        Raises :class:`AlreadyExists` when the name is taken (a snapshot never moves a tag), :class:`InvalidArgument`
+        for a malformed name, :class:`NotFound` for a destroyed sandbox, :class:`Unimplemented` for a backend without
+        snapshots (null), :class:`ResourceExhausted` when the store is full (nothing is tagged then).
+        """
+        if not isinstance(name, str):
+            raise InvalidArgument(f"name: expected a str such as 'repo:tag', got {type(name).__name__}")
+        return Snapshot(self._sb.snapshot(name))
+
+    def fork(self, n: int, name: str | None = None) -> list["Sandbox"]:
+        """Branches the sandbox: snapshots it (under ``name``, else ``fork/<sandbox id>:<random>``) and creates
+        ``n`` sandboxes from the snapshot with this sandbox's spec (resources, env, labels, workdir, ttl; not its
+        group), placed by the client like :meth:`Client.create_many`, all or nothing. Each starts with this
+        sandbox's files as they were and diverges on its own. The snapshot stays in the store."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n: expected a positive int, got {n!r}")
+        return [Sandbox(h, self._client) for h in self._sb.fork(n, name or "")]
 
     def destroy(self) -> None:
         """Destroys the sandbox: its processes are killed and its files are gone. Idempotent."""
@@ -467,6 +522,12 @@ class SandboxGroup:
     def wake(self) -> list[SleepResult]:
         """Wakes every member, concurrently; every member is tried, then the first error is raised."""
         return self._g.wake()
+
+    def snapshot(self, name: str) -> list[Snapshot]:
+        """Snapshots every member (:meth:`Sandbox.snapshot`), concurrently; member ``i`` is named ``name`` with
+        ``-<i>`` added to its tag (``"swe/ep:step3"`` gives ``"swe/ep:step3-0"``, ...; without a tag ``"swe/ep:0"``,
+        ...). Every member is tried, then the first error is raised."""
+        return [Snapshot(r) for r in self._g.snapshot(name)]
 
     def renew(self) -> None:
         """Renews the lease now (it is renewed in the background too)."""

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dsec/exec.hpp"
@@ -48,6 +49,10 @@ class SandboxGroup {
   // tried; then the first error, if any, is thrown.
   std::vector<SleepResult> sleep() const;
   std::vector<SleepResult> wake() const;
+  // Snapshots every member (Sandbox::snapshot), concurrently; member i is named `name` with "-<i>" added to its tag
+  // ("swe/ep:step3" gives "swe/ep:step3-0", "swe/ep:step3-1", ...; without a tag, "swe/ep:0", ...). Results in member
+  // order. Every member is tried; then the first error, if any, is thrown.
+  std::vector<SnapshotResult> snapshot(std::string_view name) const;
   // Renews the lease now (it is also renewed in the background). UNAVAILABLE when a node holding members could not
   // be reached.
   void renew();

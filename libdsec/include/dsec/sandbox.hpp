@@ -10,9 +10,11 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dsec/exec.hpp"
 #include "dsec/sandbox_info.hpp"
+#include "dsec/spec.hpp"
 
 namespace dsec {
 
@@ -29,6 +31,22 @@ struct SleepResult {
   std::uint64_t memory_released_bytes = 0;
   double seconds = 0;
   std::uint64_t swap_bytes = 0;  // the sandbox's memory in the node's swap after the call
+};
+
+// What Sandbox::snapshot() made: an image holding the sandbox's files as they were, and what it took.
+struct SnapshotResult {
+  std::string image;               // the new image, pinned ("repo:tag@sha256:..."): give it to Client::create
+  std::string sandbox_id;          // the sandbox it was taken of
+  std::string parent;              // that sandbox's image, pinned; the new image is its layers plus one
+  std::string store;               // the store it is in (the node's snapshot store)
+  std::string layer_digest;        // the new layer (role "snapshot")
+  std::uint64_t layer_bytes = 0;   // its size as an EROFS image
+  std::uint64_t stored_bytes = 0;  // its size in the store, compressed
+  std::uint64_t file_bytes = 0;    // content of the files captured (sparse files counted whole)
+  std::uint64_t entries = 0;       // files, directories, links and deletions captured
+  double frozen_seconds = 0;       // how long the sandbox's processes stood still for it
+  double seconds = 0;              // the whole snapshot, on the node
+  SandboxSpec spec;                // the sandbox's spec (fork() starts its copies with it)
 };
 
 class Sandbox {
@@ -74,6 +92,23 @@ class Sandbox {
   // FAILED_PRECONDITION. Pages in swap come back as the woken processes touch them.
   SleepResult sleep() const;
   SleepResult wake() const;
+  // Captures the sandbox's files as a new image named `name` ("repo" or "repo:tag", the tag "latest" when none) in
+  // its node's snapshot store: the sandbox's image's layers plus one layer of what the sandbox changed (new and
+  // changed files, and what it deleted or replaced stays deleted or replaced). Client::create(image = result.image)
+  // then starts sandboxes with exactly those files, on any node that reads that store. Files only: processes,
+  // memory and open files are not captured, so nothing runs in a sandbox made from it until an exec starts it.
+  // The sandbox is frozen while its files are copied (a running exec pauses) and runs on; a sleeping one stays
+  // asleep. Errors: INVALID_ARGUMENT (a malformed name, or one that pins a digest), ALREADY_EXISTS (the name is
+  // taken: a snapshot never moves a tag), NOT_FOUND (a destroyed sandbox), UNIMPLEMENTED (a backend without
+  // snapshots, such as null), RESOURCE_EXHAUSTED (the store is full, or the files exceed the node's limit; nothing
+  // is tagged then).
+  SnapshotResult snapshot(std::string_view name) const;
+  // Branches the sandbox: snapshots it (under `name`, or "fork/<sandbox id>:<random>" when empty) and creates n
+  // sandboxes from the snapshot with this sandbox's spec (image aside; without its request id and group), placed by
+  // the client like Client::create_many, all or nothing. Each starts with this sandbox's files as they were at the
+  // call and diverges on its own from there. The returned handles own their sandboxes. The snapshot stays in the
+  // store (remove it with `dsec image rm` when no sandbox needs it any more).
+  std::vector<Sandbox> fork(std::size_t n, std::string_view name = {}) const;
   // Destroys the sandbox; idempotent. The handle is empty afterwards.
   void destroy();
   // Gives up ownership: the sandbox lives on (until its TTL) and the handle is empty. Returns its id.

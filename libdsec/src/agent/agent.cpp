@@ -94,7 +94,17 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
   registry_->remove_leftovers_of_earlier_run();
-  router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); });
+
+  SnapshotOptions snapshots;
+  snapshots.node_id = config_.node_id;
+  snapshots.store = config_.snapshot_store;
+  if (snapshots.store.empty())
+    snapshots.store = config_.stores.empty() ? (config_.home / "store").string() : config_.stores.front();
+  snapshots.staging_dir = config_.snapshot_staging_dir.empty() ? default_snapshot_staging_dir(config_.run_dir)
+                                                                : config_.snapshot_staging_dir;
+  snapshots.limits.max_file_bytes = config_.snapshot_max_bytes;
+  snapshots_ = std::make_unique<Snapshots>(std::move(snapshots), *registry_, *images_);
+  router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); }, snapshots_.get());
 
   ServerOptions server;
   server.unix_socket = config_.unix_socket;

@@ -19,6 +19,7 @@
 #include "agent/router.hpp"
 #include "agent/server.hpp"
 #include "agent/swap.hpp"
+#include "agent/snapshots.hpp"
 
 namespace dsec::agent {
 
@@ -69,6 +70,7 @@ class Agent {
   std::unique_ptr<ImageSource> images_;
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;
   std::unique_ptr<Registry> registry_;
+  std::unique_ptr<Snapshots> snapshots_;
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only

@@ -13,6 +13,7 @@
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
 #include "dsec/spec.hpp"
+#include "image/upper_tree.hpp"
 
 namespace dsec::agent {
 
@@ -34,6 +35,13 @@ struct SleepReport {
   double seconds = 0;
   std::uint64_t swap_bytes = 0;      // the sandbox's memory in swap after the call
   bool reclaim_timed_out = false;    // sleep: releasing memory stopped at its time limit with some left
+};
+
+// What a capture of a sandbox's files did (BackendSandbox::capture_files).
+struct FilesCapture {
+  image::UpperTreeStats stats;
+  std::vector<std::string> notes;  // what was left out (sockets, ...)
+  double frozen_seconds = 0;       // how long the sandbox's processes were stopped for it (0 if it was asleep)
 };
 
 // One live sandbox. Every method may be called from several threads at once; all of them throw dsec::Error.
@@ -59,6 +67,15 @@ class BackendSandbox {
   // sandbox and wake only on a sleeping one. Files stay readable and writable while it sleeps; exec is refused.
   virtual SleepReport sleep() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
   virtual SleepReport wake() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
+
+  // Copies what the sandbox changed in its file system, as an image layer's tree (image/upper_tree.hpp: new and
+  // changed files, whiteouts and opaque directories for what it deleted or replaced), into `dest`, which must not
+  // exist. Its processes are frozen for the copy so that nothing changes under it, and run on afterwards (a running
+  // exec only pauses); a sleeping sandbox stays frozen. Files only: processes, memory and open descriptors are not
+  // part of it. Captures of one sandbox run one at a time, and never during a sleep or a wake.
+  virtual FilesCapture capture_files(const std::filesystem::path& dest, const image::UpperTreeLimits& limits) {
+    throw Error(Code::kUnimplemented, "this backend's sandboxes cannot be snapshotted");
+  }
 
   // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
   virtual bool alive() = 0;

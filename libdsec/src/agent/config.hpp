@@ -34,6 +34,13 @@ struct AgentConfig {
   // Image stores, tried in order: directories or "http(s)://" URLs. Empty: <home>/store, where `dsec image build`
   // puts images.
   std::vector<std::string> stores;
+  // Snapshots (POST /v1/sandboxes/{id}/snapshot) are committed to this store (empty: the first of `stores`, else
+  // <home>/store) and staged in snapshot_staging_dir (empty: <run_dir>/.snapshots; it needs about twice a snapshot's
+  // files, three times at a moment, and is emptied at start). A snapshot's files may add up to snapshot_max_bytes
+  // (sparse files counted whole).
+  std::string snapshot_store;
+  std::filesystem::path snapshot_staging_dir;
+  std::uint64_t snapshot_max_bytes = 16ull << 30;
   std::filesystem::path layer_cache_dir;                // empty: <home>/cache/layers
   std::uint64_t layer_cache_bytes = 20ull << 30;        // unused layers are evicted beyond this
   std::string layer_mode = "auto";                      // auto | lazy (EROFS over FUSE) | extract

@@ -36,6 +36,11 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --run-dir DIR           per-sandbox runtime files (default /run/dsec)
   --store URL             an image store: a directory (also a shared filesystem) or http(s)://...; repeat for
                           more, tried in order (default <home>/store)
+  --snapshot-store URL    where snapshots of sandboxes are committed (default: the first --store)
+  --snapshot-staging DIR  where snapshots stage their files, about twice their size (default <run-dir>/.snapshots;
+                          emptied at start)
+  --snapshot-max-size SIZE
+                          the most file content one snapshot may hold, sparse files counted whole (default 16Gi)
   --layer-cache DIR       the local cache of image layers (default <home>/cache/layers)
   --layer-cache-size SIZE evict layers no sandbox uses beyond this, e.g. 50Gi (default 20Gi)
   --layer-mode MODE       auto: stream layers on demand (EROFS over FUSE) where the kernel can, else extract them
@@ -155,6 +160,16 @@ int main(int argc, char** argv) {
     } else if (flag == "--store") {
       if (value.empty()) fail("--store needs a directory or URL");
       config.stores.emplace_back(value);
+    } else if (flag == "--snapshot-store") {
+      if (value.empty()) fail("--snapshot-store needs a directory or URL");
+      config.snapshot_store = std::string(value);
+    } else if (flag == "--snapshot-staging") {
+      if (value.empty()) fail("--snapshot-staging needs a directory");
+      config.snapshot_staging_dir = std::string(value);
+    } else if (flag == "--snapshot-max-size") {
+      auto size = dsec::parse_size(value);
+      if (!size || *size == 0) fail(fmt::format("--snapshot-max-size: '{}' is not a size such as 16Gi", value));
+      config.snapshot_max_bytes = *size;
     } else if (flag == "--layer-cache") {
       config.layer_cache_dir = std::string(value);
     } else if (flag == "--layer-cache-size") {

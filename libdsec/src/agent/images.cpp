@@ -61,8 +61,23 @@ class LayeredImageSource final : public ImageSource {
       }
       dirs.push_back(held.back().dir);
     }
-    auto hold = std::make_shared<std::vector<MountedLayer>>(std::move(held));
+    // The hold keeps the layers mounted and the manifest known (a snapshot of the sandbox builds on it).
+    auto hold = std::make_shared<HeldImage>(HeldImage{std::move(held), manifest});
     return ResolvedImage{pinned, std::move(dirs), std::move(hold)};
+  }
+
+  std::shared_ptr<const image::Manifest> manifest(const std::string& pinned_reference) override {
+    image::ImageReference ref = image::parse_reference(pinned_reference);
+    if (ref.digest.empty())
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("'{}' is not a pinned image reference (name:tag@sha256:...)", pinned_reference));
+    return manifest_of(ref, {}).second;
+  }
+
+  std::vector<image::BlobStore*> stores() override {
+    std::vector<image::BlobStore*> out;
+    for (const auto& s : stores_) out.push_back(s.get());
+    return out;
   }
 
   std::vector<std::string> names() const override {
@@ -101,6 +116,10 @@ class LayeredImageSource final : public ImageSource {
  private:
   static constexpr std::size_t kManifestCacheSize = 1024;
   using ManifestPtr = std::shared_ptr<const image::Manifest>;
+  struct HeldImage {
+    std::vector<MountedLayer> layers;
+    ManifestPtr manifest;
+  };
 
   // The manifest's digest and contents: from the client's copy (checked against the pin), the cache of manifests
   // by digest, or the stores.
@@ -145,9 +164,18 @@ class LayeredImageSource final : public ImageSource {
     std::lock_guard lock(manifests_mutex_);
     if (!manifests_.emplace(digest, std::move(m)).second) return;
     manifest_order_.push_back(digest);
-    while (manifest_order_.size() > kManifestCacheSize) {
-      manifests_.erase(manifest_order_.front());
+    // The oldest go first, except those a sandbox still holds (its HeldImage shares the pointer): they go to the
+    // back, so that a snapshot of a long-lived sandbox finds its image's manifest without a store.
+    for (std::size_t looked = 0; manifest_order_.size() > kManifestCacheSize && looked < manifest_order_.size();
+         ++looked) {
+      std::string oldest = std::move(manifest_order_.front());
       manifest_order_.pop_front();
+      auto it = manifests_.find(oldest);
+      if (it != manifests_.end() && it->second.use_count() > 1) {
+        manifest_order_.push_back(std::move(oldest));
+        continue;
+      }
+      manifests_.erase(oldest);
     }
   }
 

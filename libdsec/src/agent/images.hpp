@@ -12,8 +12,10 @@
 #include <vector>
 
 #include "agent/metrics.hpp"
+#include "dsec/error.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "image/store/blob_store.hpp"
+#include "image/store/manifest.hpp"
 
 namespace dsec::agent {
 
@@ -46,6 +48,13 @@ class ImageSource {
   // Unmounts everything (agent shutdown): no sandbox may hold a layer any more.
   virtual void shutdown() {}
   virtual LayerStatus layer_status() const { return {}; }
+  // The manifest of a pinned reference ("name:tag@sha256:..."): the one resolve() used (kept while a sandbox holds
+  // the image), else read from the stores. NOT_FOUND when neither has it. Snapshots build on it.
+  virtual std::shared_ptr<const image::Manifest> manifest(const std::string& pinned_reference) {
+    throw Error(Code::kUnimplemented, "this image source keeps no manifests");
+  }
+  // The stores it reads (for copying an image's layers elsewhere); empty when it has none.
+  virtual std::vector<image::BlobStore*> stores() { return {}; }
 };
 
 struct ImageSourceOptions {

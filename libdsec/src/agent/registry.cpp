@@ -501,6 +501,8 @@ SandboxHandle Registry::acquire(const std::string& id) const {
   return SandboxHandle{std::shared_ptr<BackendSandbox>(record, record->sandbox.get()), record->info.kind};
 }
 
+SandboxSpec Registry::spec(const std::string& id) const { return find_live(id)->spec; }
+
 std::shared_ptr<Registry::Record> Registry::find_live(const std::string& id) const {
   std::lock_guard lock(mutex_);
   auto it = records_.find(id);

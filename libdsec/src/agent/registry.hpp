@@ -128,6 +128,9 @@ class Registry {
   SleepOutcome wake(const std::string& id, std::string_view request_id = {});
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
+  // The spec a live sandbox was created from (snapshots hand it on to the sandboxes made from them). NOT_FOUND like
+  // acquire().
+  SandboxSpec spec(const std::string& id) const;
 
   // Lease groups. A create whose spec names a group starts the group's lease on this node (now + group_ttl) or
   // extends it (never shortens it). NOT_FOUND for a group the node does not have: never had, deleted, or expired

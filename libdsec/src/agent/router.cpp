@@ -75,8 +75,8 @@ void check_group_id(const std::string& id) {
 
 }  // namespace
 
-Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info)
-    : registry_(registry), metrics_(metrics), node_info_(std::move(node_info)) {}
+Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots)
+    : registry_(registry), metrics_(metrics), node_info_(std::move(node_info)), snapshots_(snapshots) {}
 
 HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream) {
   Route route = Route::kUnknown;
@@ -109,6 +109,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxFiles: return files(request, target);
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
+    case Route::kSandboxSnapshot: return snapshot(request, target);
     case Route::kGroups: return groups(request, target);
     case Route::kGroup: return group(request, target);
     case Route::kGroupRenew: return group_renew(request, target);
@@ -318,6 +319,56 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
   body["swap_bytes"] = r.swap_bytes;
   if (sleep) body["reclaim_timed_out"] = r.reclaim_timed_out;
   return json_response(http::status::ok, body);
+}
+
+// POST {"name": "repo[:tag]", "request_id": "..."}: capture the sandbox's files as a new image (agent/snapshots.hpp).
+HttpResponse Router::snapshot(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/snapshot", {http::verb::post});
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "snapshot: the body must be a JSON object such as {\"name\": \"repo:tag\"}");
+  SnapshotRequest req;
+  req.sandbox_id = target.sandbox_id;
+  for (const auto& [key, value] : body.items()) {
+    if (key == "name" || key == "request_id") {
+      if (!value.is_string()) throw Error(Code::kInvalidArgument, fmt::format("{}: must be a string", key));
+      (key == "name" ? req.name : req.request_id) = value.get<std::string>();
+    } else {
+      throw Error(Code::kInvalidArgument, fmt::format("snapshot: unknown field '{}' (known: name, request_id)", key));
+    }
+  }
+  if (req.name.empty()) throw Error(Code::kInvalidArgument, "name: missing (the new image's repo[:tag])");
+  if (!snapshots_) throw Error(Code::kUnimplemented, "this agent takes no snapshots (it has no snapshot store)");
+  SnapshotOutcome o = snapshots_->take(req);
+  const auto& f = o.files;
+  json files{{"entries", f.entries},     {"files", f.files},
+             {"directories", f.directories}, {"symlinks", f.symlinks},
+             {"fifos", f.fifos},         {"whiteouts", f.whiteouts},
+             {"opaque_directories", f.opaque_directories}, {"hard_links", f.hard_links},
+             {"bytes", f.file_bytes},    {"data_bytes", f.data_bytes},
+             {"skipped", f.skipped}};
+  json layer{{"digest", o.layer.digest},
+             {"role", std::string(image::to_string(o.layer.role))},
+             {"size", o.layer.size},
+             {"stored_size", o.layer.stored_size},
+             {"files_size", o.layer.files_size},
+             {"existed", o.layer_existed}};
+  json answer{{"image", o.image},
+              {"digest", o.digest},
+              {"sandbox", o.sandbox_id},
+              {"node", o.node},
+              {"parent", o.parent},
+              {"store", o.store},
+              {"layer", std::move(layer)},
+              {"files", std::move(files)},
+              {"notes", o.notes},
+              {"frozen_seconds", o.frozen_seconds},
+              {"capture_seconds", o.capture_seconds},
+              {"build_seconds", o.build_seconds},
+              {"seconds", o.seconds},
+              {"spec", protocol::encode(o.spec)}};
+  return json_response(o.created ? http::status::created : http::status::ok, answer);
 }
 
 // GET: the node's lease groups.

@@ -8,6 +8,7 @@
 #include "agent/metrics.hpp"
 #include "agent/registry.hpp"
 #include "agent/routes.hpp"
+#include "agent/snapshots.hpp"
 #include "dsec/sandbox_info.hpp"
 
 namespace dsec::agent {
@@ -16,8 +17,9 @@ inline constexpr std::size_t kMaxBatch = 1024;
 
 class Router {
  public:
-  // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes).
-  Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info);
+  // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes). Without `snapshots`,
+  // snapshot requests are UNIMPLEMENTED.
+  Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots = nullptr);
 
   // Never throws: every failure becomes the dsec error JSON with its HTTP status. `stream`, when given, is where
   // a streaming exec writes its NDJSON body; without it such an exec is UNIMPLEMENTED.
@@ -31,6 +33,7 @@ class Router {
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
+  HttpResponse snapshot(HttpRequest& request, const Target& target);
   HttpResponse groups(HttpRequest& request, const Target& target);
   HttpResponse group(HttpRequest& request, const Target& target);
   HttpResponse group_renew(HttpRequest& request, const Target& target);
@@ -40,6 +43,7 @@ class Router {
   Registry& registry_;
   Metrics& metrics_;
   std::function<NodeInfo()> node_info_;
+  Snapshots* snapshots_;
 };
 
 }  // namespace dsec::agent

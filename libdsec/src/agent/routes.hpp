@@ -23,6 +23,7 @@ enum class Route {
   kSandboxFiles,    // /v1/sandboxes/{id}/files
   kSandboxSleep,    // /v1/sandboxes/{id}/sleep
   kSandboxWake,     // /v1/sandboxes/{id}/wake
+  kSandboxSnapshot, // /v1/sandboxes/{id}/snapshot
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

@@ -43,6 +43,7 @@ Sandbox commands (through a node agent):
   run IMAGE -- CMD...              create a sandbox, run CMD in it, destroy it
   exec ID -- CMD...                run CMD in an existing sandbox
   rm ID...                         destroy sandboxes
+  snapshot ID NAME                 capture a sandbox's files as a new image NAME
   node                             show the node's capacity, load and images
 
 Global options:

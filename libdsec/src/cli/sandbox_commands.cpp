@@ -1,4 +1,4 @@
-// dsec ps | run | exec | rm | node: sandboxes through a node agent (dsec::Client).
+// dsec ps | run | exec | rm | snapshot | node: sandboxes through a node agent (dsec::Client).
 #include <limits.h>
 #include <unistd.h>
 
@@ -75,6 +75,16 @@ if it timed out, 125 if dsec failed).
 constexpr std::string_view kRmHelp = R"(usage: dsec rm ID... [--endpoint URL]
 
 Destroys sandboxes. Destroying one that is already gone is not an error.
+)";
+
+constexpr std::string_view kSnapshotHelp = R"(usage: dsec snapshot ID NAME [--json] [--endpoint URL]
+
+Captures sandbox ID's files as a new image NAME ("repo" or "repo:tag") in its node's snapshot store: its image's
+layers plus one layer of what it changed. Prints the new image, pinned (NAME@sha256:...), which `dsec run` and
+creates take as an image. Files only: its processes are not part of the snapshot. A NAME that exists is an error
+(a snapshot never moves a tag).
+
+  --json    print the whole answer: the layer, what was captured, how long the sandbox was frozen
 )";
 
 constexpr std::string_view kNodeHelp = R"(usage: dsec node [--json] [--endpoint URL]
@@ -374,6 +384,34 @@ int cmd_rm(const std::vector<std::string>& args, GlobalOptions& global) {
   return status;
 }
 
+int cmd_snapshot(const std::vector<std::string>& args, GlobalOptions& global) {
+  const std::string help = with_endpoint_help(kSnapshotHelp);
+  ParsedArgs p = parse_args(args, {{"--json", false}}, global, help);
+  if (p.help) {
+    fmt::print("{}", help);
+    return 0;
+  }
+  if (p.positional.size() != 2) throw UsageError("snapshot needs a sandbox ID and an image NAME", help);
+  std::string endpoint = require_endpoint(global, "snapshot", help);
+  Client client(client_options(global, endpoint));
+  SnapshotResult r = client.attach(p.positional[0]).snapshot(p.positional[1]);
+  if (!p.has("--json")) {
+    fmt::print("{}\n", r.image);
+    return 0;
+  }
+  nlohmann::json j{{"image", r.image},
+                   {"sandbox", r.sandbox_id},
+                   {"parent", r.parent},
+                   {"store", r.store},
+                   {"layer", {{"digest", r.layer_digest}, {"size", r.layer_bytes}, {"stored_size", r.stored_bytes}}},
+                   {"file_bytes", r.file_bytes},
+                   {"entries", r.entries},
+                   {"frozen_seconds", r.frozen_seconds},
+                   {"seconds", r.seconds}};
+  fmt::print("{}\n", j.dump(2));
+  return 0;
+}
+
 int cmd_node(const std::vector<std::string>& args, GlobalOptions& global) {
   const std::string help = with_endpoint_help(kNodeHelp);
   ParsedArgs p = parse_args(args, {{"--json", false}}, global, help);
@@ -429,6 +467,7 @@ std::optional<int> sandbox_command(const std::string& command, const std::vector
   if (command == "run") return cmd_run(args, global);
   if (command == "exec") return cmd_exec(args, global);
   if (command == "rm") return cmd_rm(args, global);
+  if (command == "snapshot") return cmd_snapshot(args, global);
   if (command == "node") return cmd_node(args, global);
   return std::nullopt;
 }

@@ -3,6 +3,7 @@
 #include "client/exec_stream.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -38,6 +39,8 @@ constexpr std::string_view kPulseLabel = "dsec.pulse";
 // plain disk); the agent gives up after its --sleep-reclaim-timeout, 60 s by default. Each exchange may take that
 // much more than request_timeout.
 constexpr milliseconds kSleepTime{60'000};
+// The longest one snapshot exchange may take on top of request_timeout (a large writable layer to copy and pack).
+constexpr milliseconds kSnapshotTime{600'000};
 
 std::mt19937_64& thread_rng() {
   thread_local std::mt19937_64 rng = [] {
@@ -724,6 +727,61 @@ SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
     throw Error(Code::kInternal, fmt::format("{}: malformed answer: {}", what, e.what()));
   }
   return out;
+}
+
+SnapshotResult ClientCore::snapshot(const std::string& id, std::string_view name) {
+  const std::string body = protocol::json{{"name", std::string(name)}, {"request_id", random_request_id()}}.dump();
+  // A snapshot copies files and compresses a layer: each exchange may take far longer than request_timeout. A
+  // retry carries the same request id, so the agent answers it with the snapshot the first attempt takes.
+  auto deadline = deadline_after(kSnapshotTime);
+  auto r = retrying(deadline, [&] {
+    return call(route(id, deadline), http_request("POST", sandbox_path(id, "/snapshot"), body, kJson), deadline,
+                kSnapshotTime);
+  });
+  constexpr const char* what = "POST /v1/sandboxes/{id}/snapshot";
+  protocol::json j = parse_json(r, what);
+  SnapshotResult out;
+  try {
+    out.image = j.at("image").get<std::string>();
+    out.sandbox_id = j.at("sandbox").get<std::string>();
+    out.parent = j.at("parent").get<std::string>();
+    out.store = j.at("store").get<std::string>();
+    const auto& layer = j.at("layer");
+    out.layer_digest = layer.at("digest").get<std::string>();
+    out.layer_bytes = layer.at("size").get<std::uint64_t>();
+    out.stored_bytes = layer.at("stored_size").get<std::uint64_t>();
+    const auto& files = j.at("files");
+    out.file_bytes = files.at("bytes").get<std::uint64_t>();
+    out.entries = files.at("entries").get<std::uint64_t>();
+    out.frozen_seconds = j.at("frozen_seconds").get<double>();
+    out.seconds = j.at("seconds").get<double>();
+    out.spec = protocol::decode_spec(j.at("spec"));
+  } catch (const Error& e) {
+    throw Error(Code::kInternal, fmt::format("{}: malformed answer: {}", what, e.what()));
+  } catch (const std::exception& e) {
+    throw Error(Code::kInternal, fmt::format("{}: malformed answer: {}", what, e.what()));
+  }
+  return out;
+}
+
+std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, std::string_view name) {
+  if (n == 0) throw Error(Code::kInvalidArgument, "fork: n must be at least 1");
+  std::string snapshot_name(name);
+  if (snapshot_name.empty()) {
+    // A repository part starts with a letter or digit; sandbox ids are letters, digits, '-', '_' and '.'.
+    std::string_view head = id.empty() ? std::string_view("x") : std::string_view(id).substr(0, 1);
+    bool alnum = std::isalnum(static_cast<unsigned char>(head.front()));
+    snapshot_name = fmt::format("fork/{}{}:{}", alnum ? "" : "x", id, random_request_id().substr(0, 16));
+  }
+  SnapshotResult snap = snapshot(id, snapshot_name);
+  SandboxSpec spec = snap.spec;
+  spec.image = snap.image;
+  spec.request_id.clear();
+  spec.group.clear();
+  spec.group_ttl = std::chrono::seconds{0};
+  spec.labels.erase(std::string(kRequestLabel));
+  spec.labels.erase(std::string(kPulseLabel));
+  return create_many(n, spec);
 }
 
 ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {

@@ -117,6 +117,7 @@ void sweep_stale_dirs(const std::string& base) {
     ::unlink((d + "/dsecd.sock").c_str());
     ::unlink((d + "/dsecd.log").c_str());
     detach_layer_mounts(d + "/run");
+    ::rmdir((d + "/run/.snapshots").c_str());
     ::rmdir((d + "/run").c_str());
     ::rmdir((d + "/state").c_str());
     remove_layer_cache(d);
@@ -483,6 +484,7 @@ void EmbeddedAgent::cleanup_files() noexcept {
   if (!keep_log_ && !log_path_.empty()) ::unlink(log_path_.c_str());
   if (!run_dir_.empty()) {
     detach_layer_mounts(run_dir_);  // the agent is gone: what it left mounted (killed outright) goes too
+    ::rmdir((run_dir_ + "/.snapshots").c_str());  // snapshot staging, empty unless the agent was killed mid-snapshot
     ::rmdir(run_dir_.c_str());
   }
   if (!dir_.empty()) ::rmdir((dir_ + "/state").c_str());

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "client/client_core.hpp"
+#include "image/store/manifest.hpp"
 
 namespace dsec {
 namespace detail {
@@ -159,6 +160,38 @@ std::vector<SleepResult> SandboxGroup::sleep() const {
 
 std::vector<SleepResult> SandboxGroup::wake() const {
   return sleep_or_wake_all(members_, core_ ? core_->create_concurrency() : 1, false);
+}
+
+std::vector<SnapshotResult> SandboxGroup::snapshot(std::string_view name) const {
+  // The name is checked once, up front, so a bad one fails before any member is frozen.
+  image::ImageReference ref = image::parse_reference(name);
+  if (!ref.digest.empty())
+    throw Error(Code::kInvalidArgument,
+                fmt::format("name: '{}' pins a digest; a snapshot is named by a repository and a tag", name));
+  const bool tagged = name.find(':') != std::string_view::npos;
+  std::vector<SnapshotResult> out(members_.size());
+  std::optional<Error> first_error;
+  std::mutex error_mutex;
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t i = next.fetch_add(1); i < members_.size(); i = next.fetch_add(1)) {
+      std::string member_name = tagged ? fmt::format("{}:{}-{}", ref.name, ref.tag, i) : fmt::format("{}:{}", ref.name, i);
+      try {
+        out[i] = members_[i].snapshot(member_name);
+      } catch (const Error& e) {
+        std::lock_guard lock(error_mutex);
+        if (!first_error) first_error = e;
+      }
+    }
+  };
+  const std::size_t workers =
+      std::min(members_.size(), std::max<std::size_t>(core_ ? core_->create_concurrency() : 1, 1));
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  if (first_error) throw *first_error;
+  return out;
 }
 
 void SandboxGroup::renew() {

@@ -13,6 +13,7 @@
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
+#include "image/erofs_meta.hpp"
 #include "image/fs_tree.hpp"
 #include "image/process.hpp"
 #include "image/store/digest.hpp"
@@ -260,6 +261,14 @@ void LayerMounts::extract(Slot& slot) {
       Code code = tail.find("No space left") != std::string::npos ? Code::kResourceExhausted : Code::kInternal;
       throw Error(code, fmt::format("extracting layer {} with fsck.erofs: {}: {}", slot.digest, result.status_text(),
                                     tail));
+    }
+    // fsck.erofs (erofs-utils 1.5) writes neither xattrs (an opaque directory would no longer hide the layers
+    // below) nor hard links: both come back from the layer's own metadata.
+    try {
+      image::restore_erofs_metadata(entry.layer_file(), entry.index().meta_size, building);
+    } catch (...) {
+      image::remove_tree(building);
+      throw;
     }
     if (::rename(building.c_str(), tree.c_str()) != 0)
       throw_errno_fmt(errno, "rename {} to {}", building.string(), tree.string());

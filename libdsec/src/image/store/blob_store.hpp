@@ -71,6 +71,15 @@ class BlobStore {
   // Refs: "name:tag" (normalised) -> manifest digest.
   virtual std::optional<std::string> read_ref(const std::string& tagged) = 0;
   virtual void write_ref(const std::string& tagged, const std::string& manifest_digest) = 0;
+  // Points a tag that does not exist yet at a manifest; false (and nothing written) when the tag exists. Directory
+  // stores do this atomically. HTTP stores look first, then PUT with `If-None-Match: *`, which object stores honour
+  // and a server answers 412 to when the tag appeared meanwhile; a plain nginx ignores the header, so there a tag
+  // written by another writer between the look and the PUT is replaced. This default looks, then writes.
+  virtual bool create_ref(const std::string& tagged, const std::string& manifest_digest) {
+    if (read_ref(tagged)) return false;
+    write_ref(tagged, manifest_digest);
+    return true;
+  }
   // False when there was no such ref.
   virtual bool remove_ref(const std::string& tagged) = 0;
   // Every "name:tag", sorted.

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dsec/error.hpp"
 #include "image/store/chunk_index.hpp"
@@ -105,6 +107,64 @@ std::vector<std::string> blobs_of(const ResolvedManifest& image) {
   return out;
 }
 
+namespace {
+
+// Copies one layer's index and data blobs from `from` to `to`, skipping what `to` has. Adds the layer's stored size
+// to `done` (reporting progress as it goes); returns the bytes copied.
+std::uint64_t copy_layer(BlobStore& from, BlobStore& to, const LayerDescriptor& layer, const std::string& image,
+                         const std::string& what, const ProgressFn& progress, std::uint64_t& done,
+                         std::uint64_t total) {
+  std::uint64_t copied = 0;
+  if (!to.touch_blob(layer.index)) {
+    std::string index_json = from.read_blob(layer.index, kMaxIndexBytes);
+    ChunkIndex index = chunk_index_from_json(index_json);
+    if (index.data != layer.data || index.layer != layer.digest)
+      throw Error(Code::kDataLoss, fmt::format("image {}: the chunk index of layer {} does not match the manifest",
+                                               image, short_digest(layer.digest)));
+    to.put_blob(layer.index, index_json);
+    copied += index_json.size();
+  }
+  if (to.touch_blob(layer.data)) {
+    done += layer.stored_size;
+    if (progress) progress(what + " (already there)", done, total);
+    return copied;
+  }
+  // The data blob goes through a local temporary file, piece by piece, and is verified by put_blob_file. Its name
+  // is this copy's own: threads of one process may copy the same layer at once (snapshots of one image).
+  static std::atomic<std::uint64_t> serial{0};
+  std::filesystem::path tmp = std::filesystem::temp_directory_path() /
+                              fmt::format("dsec-copy-{}-{}-{}", ::getpid(), serial.fetch_add(1),
+                                          digest_hex(layer.data).substr(0, 16));
+  struct Remove {
+    std::filesystem::path p;
+    ~Remove() {
+      std::error_code ec;
+      std::filesystem::remove(p, ec);
+    }
+  } remove_tmp{tmp};
+  {
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw Error(Code::kInternal, fmt::format("create {}: {}", tmp.string(), std::strerror(errno)));
+    std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(f, &std::fclose);
+    for (std::uint64_t off = 0; off < layer.stored_size; off += kCopyPiece) {
+      std::uint64_t n = std::min(kCopyPiece, layer.stored_size - off);
+      std::string piece = from.read_range(layer.data, off, n);
+      if (std::fwrite(piece.data(), 1, piece.size(), f) != piece.size())
+        throw Error(errno == ENOSPC ? Code::kResourceExhausted : Code::kInternal,
+                    fmt::format("write {}: {}", tmp.string(), std::strerror(errno)));
+      done += n;
+      if (progress) progress(what, done, total);
+    }
+    if (std::fflush(f) != 0)
+      throw Error(errno == ENOSPC ? Code::kResourceExhausted : Code::kInternal,
+                  fmt::format("write {}: {}", tmp.string(), std::strerror(errno)));
+  }
+  to.put_blob_file(layer.data, tmp);
+  return copied + layer.stored_size;
+}
+
+}  // namespace
+
 std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& reference, const ProgressFn& progress) {
   ResolvedManifest image = fetch_manifest(from, reference);
   const Manifest& m = image.manifest;
@@ -114,53 +174,50 @@ std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& r
     const LayerDescriptor& layer = m.layers[i];
     std::string what = fmt::format("layer {}/{} {} ({})", i + 1, m.layers.size(), short_digest(layer.digest),
                                    to_string(layer.role));
-    if (!to.touch_blob(layer.index)) {
-      std::string index_json = from.read_blob(layer.index, kMaxIndexBytes);
-      ChunkIndex index = chunk_index_from_json(index_json);
-      if (index.data != layer.data || index.layer != layer.digest)
-        throw Error(Code::kDataLoss, fmt::format("image {}: the chunk index of layer {} does not match the manifest",
-                                                 reference.tagged(), short_digest(layer.digest)));
-      to.put_blob(layer.index, index_json);
-      copied += index_json.size();
-    }
-    if (to.touch_blob(layer.data)) {
-      done += layer.stored_size;
-      if (progress) progress(what + " (already there)", done, total);
-      continue;
-    }
-    // The data blob goes through a local temporary file, piece by piece, and is verified by put_blob_file.
-    std::filesystem::path tmp = std::filesystem::temp_directory_path() /
-                                fmt::format("dsec-copy-{}-{}", ::getpid(), digest_hex(layer.data).substr(0, 16));
-    struct Remove {
-      std::filesystem::path p;
-      ~Remove() {
-        std::error_code ec;
-        std::filesystem::remove(p, ec);
-      }
-    } remove_tmp{tmp};
-    {
-      std::FILE* f = std::fopen(tmp.c_str(), "wb");
-      if (!f) throw Error(Code::kInternal, fmt::format("create {}: {}", tmp.string(), std::strerror(errno)));
-      std::unique_ptr<std::FILE, int (*)(std::FILE*)> closer(f, &std::fclose);
-      for (std::uint64_t off = 0; off < layer.stored_size; off += kCopyPiece) {
-        std::uint64_t n = std::min(kCopyPiece, layer.stored_size - off);
-        std::string piece = from.read_range(layer.data, off, n);
-        if (std::fwrite(piece.data(), 1, piece.size(), f) != piece.size())
-          throw Error(errno == ENOSPC ? Code::kResourceExhausted : Code::kInternal,
-                      fmt::format("write {}: {}", tmp.string(), std::strerror(errno)));
-        done += n;
-        if (progress) progress(what, done, total);
-      }
-      if (std::fflush(f) != 0)
-        throw Error(errno == ENOSPC ? Code::kResourceExhausted : Code::kInternal,
-                    fmt::format("write {}: {}", tmp.string(), std::strerror(errno)));
-    }
-    to.put_blob_file(layer.data, tmp);
-    copied += layer.stored_size;
+    copied += copy_layer(from, to, layer, reference.tagged(), what, progress, done, total);
   }
   to.put_blob(image.digest, image.json);
   to.write_ref(m.reference(), image.digest);
   return copied + image.json.size();
+}
+
+std::uint64_t copy_layer_blobs(const std::vector<BlobStore*>& from, BlobStore& to, const LayerDescriptor& layer) {
+  if (to.touch_blob(layer.index) && to.touch_blob(layer.data)) return 0;
+  std::vector<std::string> urls;
+  for (BlobStore* store : from) {
+    if (store == &to) continue;
+    urls.push_back(store->url());
+    bool has = false;
+    try {
+      has = store->has_blob(layer.index) && store->has_blob(layer.data);
+    } catch (const Error& e) {
+      if (e.code() != Code::kUnavailable) throw;
+    }
+    if (!has) continue;
+    std::uint64_t done = 0;
+    return copy_layer(*store, to, layer, fmt::format("of a {} layer", to_string(layer.role)),
+                      short_digest(layer.digest), {}, done, layer.stored_size);
+  }
+  std::string others = urls.empty() ? std::string("no other store") : fmt::format("{}", fmt::join(urls, ", "));
+  throw Error(Code::kNotFound,
+              fmt::format("layer {}: its blobs are neither in store {} nor in {}", layer.digest, to.url(), others));
+}
+
+std::string commit_manifest_new_tag(BlobStore& store, const Manifest& m) {
+  for (const auto& layer : m.layers)
+    for (const std::string* blob : {&layer.index, &layer.data})
+      if (!store.touch_blob(*blob))
+        throw Error(Code::kFailedPrecondition, fmt::format("image {}: layer {} needs blob {}, which store {} lacks",
+                                                           m.reference(), short_digest(layer.digest), *blob, store.url()));
+  std::string json = manifest_to_json(m);
+  std::string digest = sha256_digest(json);
+  store.put_blob(digest, json);
+  if (!store.create_ref(m.reference(), digest))
+    throw Error(Code::kAlreadyExists,
+                fmt::format("image {} exists in store {}; a tag is never moved by a snapshot: choose another name or "
+                            "remove it first (dsec image rm)",
+                            m.reference(), store.url()));
+  return digest;
 }
 
 GcResult collect_garbage(BlobStore& store, std::chrono::seconds grace, bool dry_run) {

@@ -33,6 +33,10 @@ ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const Ima
 // names an image that cannot be read.
 std::string commit_manifest(BlobStore& store, const Manifest& m);
 
+// Like commit_manifest, but the tag must be new: ALREADY_EXISTS naming it when the store has m.name:m.tag already
+// (BlobStore::create_ref), and the tag is left as it was. The manifest blob is stored either way (gc collects it).
+std::string commit_manifest_new_tag(BlobStore& store, const Manifest& m);
+
 // Progress of long work: what is being done ("layer 2/3 sha256:ab12..."), bytes done and total (0: unknown).
 using ProgressFn = std::function<void(std::string_view what, std::uint64_t done, std::uint64_t total)>;
 
@@ -40,6 +44,11 @@ using ProgressFn = std::function<void(std::string_view what, std::uint64_t done,
 // the destination has. Used by push and pull. Returns bytes copied.
 std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& reference,
                          const ProgressFn& progress = {});
+
+// Puts a layer's blobs (its chunk index and data) into `to`, copied from the first store of `from` that has both,
+// unless `to` has them already (then they are only touched, for gc's grace). Returns the bytes copied. NOT_FOUND
+// when no store has them.
+std::uint64_t copy_layer_blobs(const std::vector<BlobStore*>& from, BlobStore& to, const LayerDescriptor& layer);
 
 struct GcResult {
   std::vector<std::string> removed;   // blob digests removed (or that would be, in a dry run)

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -98,12 +99,12 @@ class DirectoryStore final : public BlobStore {
     std::error_code ec;
     fs::create_hard_link(file, tmp, ec);
     if (ec) {
-      fs::copy_file(file, tmp, ec);
-      if (ec) {
+      try {
+        copy_file(file, tmp, fmt::format("copy {} into store {}", file.string(), url_));
+      } catch (...) {
         ::unlink(tmp.c_str());
-        throw_store_errno(ec.value(), fmt::format("copy {} into store {}", file.string(), url_));
+        throw;
       }
-      sync_file(tmp);
     }
     publish(tmp, blob_path(digest));
   }
@@ -166,6 +167,22 @@ class DirectoryStore final : public BlobStore {
       ::unlink(tmp.c_str());
       throw_store_errno(err, fmt::format("rename into {}", path.string()));
     }
+  }
+
+  bool create_ref(const std::string& tagged, const std::string& manifest_digest) override {
+    digest_hex(manifest_digest, "manifest");
+    fs::path path = ref_path(tagged);
+    fs::path tmp = tmp_path();
+    write_file(tmp, manifest_digest + "\n");
+    std::error_code ec;
+    fs::create_directories(path.parent_path(), ec);
+    // link() never replaces: of two writers of one new tag, exactly one succeeds.
+    int rc = ::link(tmp.c_str(), path.c_str());
+    int err = errno;
+    ::unlink(tmp.c_str());
+    if (rc == 0) return true;
+    if (err == EEXIST) return false;
+    throw_store_errno(err, fmt::format("link into {}", path.string()));
   }
 
   bool remove_ref(const std::string& tagged) override {
@@ -256,9 +273,38 @@ class DirectoryStore final : public BlobStore {
     return dir / random_suffix();
   }
 
-  static void sync_file(const fs::path& path) {
-    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd && ::fsync(fd.get()) != 0) throw_store_errno(errno, fmt::format("sync {}", path.string()));
+  // Copies `from` to the new file `to` and syncs it. (std::filesystem::copy_file reports a full disk as an I/O
+  // error once it falls back to streams; this says ENOSPC, which becomes RESOURCE_EXHAUSTED.)
+  static void copy_file(const fs::path& from, const fs::path& to, const std::string& what) {
+    UniqueFd in(::open(from.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!in) throw_errno_fmt(errno, "open {}", from.string());
+    UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+    if (!out) throw_store_errno(errno, fmt::format("create {}", to.string()));
+    bool plain = false;
+    for (;;) {
+      ssize_t n = ::copy_file_range(in.get(), nullptr, out.get(), nullptr, 1u << 30, 0);
+      if (n > 0) continue;
+      if (n == 0) break;
+      if (errno == EINTR) continue;
+      if (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP) {
+        plain = true;
+        break;
+      }
+      throw_store_errno(errno, what);
+    }
+    if (plain) {
+      std::vector<char> buf(1u << 20);
+      for (;;) {
+        ssize_t n = ::read(in.get(), buf.data(), buf.size());
+        if (n < 0) {
+          if (errno == EINTR) continue;
+          throw_errno_fmt(errno, "read {}", from.string());
+        }
+        if (n == 0) break;
+        write_all(out.get(), std::string_view(buf.data(), static_cast<std::size_t>(n)), to);
+      }
+    }
+    if (::fsync(out.get()) != 0) throw_store_errno(errno, fmt::format("sync {}", to.string()));
   }
 
   static void write_file(const fs::path& path, std::string_view bytes) {

@@ -154,6 +154,7 @@ struct Transfer {
   std::uint64_t max_body = 64u << 10;  // a 2xx body longer than this aborts the transfer (Outcome::overflow)
   bool abort_on_200 = false;      // a range request past offset 0: a 200 (the whole blob) is useless, stop at once
   UploadSource* upload = nullptr; // PUT body
+  bool if_none_match = false;     // PUT only if nothing is there yet (If-None-Match: *)
   std::uint64_t expected_bytes = 0;  // what the transfer moves, for its timeout
 };
 
@@ -451,6 +452,23 @@ class HttpStore final : public BlobStore {
     if (!success(o.status)) fail(t, o);
   }
 
+  bool create_ref(const std::string& tagged, const std::string& manifest_digest) override {
+    digest_hex(manifest_digest, "manifest digest");
+    if (read_ref(tagged)) return false;
+    const std::string body = manifest_digest + "\n";
+    BytesSource source(body);
+    Transfer t;
+    t.method = "PUT";
+    t.url = ref_url(tagged);
+    t.upload = &source;
+    t.expected_bytes = body.size();
+    t.if_none_match = true;
+    Outcome o = perform(t);
+    if (o.status == 412) return false;  // the server saw the tag appear since the look
+    if (!success(o.status)) fail(t, o);
+    return true;
+  }
+
   bool remove_ref(const std::string& tagged) override {
     Transfer t;
     t.method = "DELETE";
@@ -632,6 +650,7 @@ class HttpStore final : public BlobStore {
     Exchange ex{h, &t, &o};
     char errbuf[CURL_ERROR_SIZE] = {0};
     struct curl_slist* headers = curl_slist_append(nullptr, "Expect:");
+    if (t.if_none_match) headers = curl_slist_append(headers, "If-None-Match: *");
     struct SlistFree {
       curl_slist* l;
       ~SlistFree() { curl_slist_free_all(l); }

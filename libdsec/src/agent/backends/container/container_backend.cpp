@@ -356,6 +356,48 @@ class ContainerSandbox final : public BackendSandbox {
     return report;
   }
 
+  FilesCapture capture_files(const fs::path& dest, const image::UpperTreeLimits& limits) override {
+    std::lock_guard lock(power_mu_);  // one capture at a time, never during a sleep or a wake
+    check_running();
+    // The writable layer is a tmpfs in the sandbox's own mount namespace, mounted before pivot_root and reachable by
+    // no path, neither on the host nor inside. dsec-init holds it open for this (init_protocol::kScratchFd); the
+    // agent borrows that descriptor through init's pidfd, so nothing the sandbox controls is on the way.
+    UniqueFd scratch(static_cast<int>(::syscall(SYS_pidfd_getfd, init_.pidfd.get(), init_protocol::kScratchFd, 0)));
+    if (!scratch) {
+      int err = errno;
+      check_running();
+      throw_errno(err, fmt::format("sandbox {}: take its writable layer from its init", id_));
+    }
+    struct statfs sfs {};
+    if (::fstatfs(scratch.get(), &sfs) != 0 || sfs.f_type != TMPFS_MAGIC)
+      throw Error(Code::kInternal, fmt::format("sandbox {}: its init's descriptor {} is not its writable layer", id_,
+                                               init_protocol::kScratchFd));
+    UniqueFd upper(::openat(scratch.get(), "upper", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (!upper) throw_errno(errno, fmt::format("sandbox {}: open its upper directory", id_));
+
+    FilesCapture out;
+    const bool asleep = sleeping_;  // frozen already, and stays so
+    const auto started = Clock::now();
+    if (!asleep) cgroup_->freeze();
+    try {
+      out.stats = image::copy_upper_tree(upper.get(), dest, limits, out.notes);
+    } catch (...) {
+      if (!asleep) {
+        try {
+          cgroup_->thaw();
+        } catch (const std::exception& e) {
+          log_warn("sandbox {}: thaw after a failed capture: {}", id_, e.what());
+        }
+      }
+      throw;
+    }
+    if (!asleep) {
+      cgroup_->thaw();
+      out.frozen_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    }
+    return out;
+  }
+
   bool alive() override {
     if (destroyed_.load()) return false;
     pollfd p{init_.pidfd.get(), POLLIN, 0};

@@ -197,8 +197,11 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
   mkdir_step(empty_dir, 0555);
   std::string lower;
   for (const auto& l : layers_top_first) lower += (lower.empty() ? "" : ":") + l;
+  // metacopy and redirect_dir off (the kernel's defaults, said here whatever the host's module options): every file
+  // the sandbox changes is then whole in the upper directory, which a snapshot takes as a layer of its own.
   mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
-             p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile", lower, upper, work)));
+             p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile,metacopy=off,redirect_dir=off", lower,
+                                upper, work)));
 
   for (const char* d : {"/proc", "/dev", "/sys"}) mkdir_step(at(d), 0755);
   mkdir_step(at("/tmp"), 01777);

@@ -57,6 +57,13 @@ class NullSandbox final : public BackendSandbox {
     throw Error(Code::kUnimplemented, std::string(kNoExec));
   }
 
+  FilesCapture capture_files(const std::filesystem::path&, const image::UpperTreeLimits&) override {
+    std::lock_guard lock(mutex_);
+    check_live();
+    throw Error(Code::kUnimplemented,
+                "the null backend cannot snapshot: it simulates the control plane and has no file system to capture");
+  }
+
   void write_file(std::string_view path, std::string_view data, unsigned mode) override {
     std::lock_guard lock(mutex_);
     check_live();
