@@ -175,6 +175,37 @@ class HostTracker:
         return problems
 
 
+def cgroup_file(agent: lib.Agent, sid: str, v1: tuple[str, str], v2: str) -> str:
+    """A sandbox's cgroup file: v1 = (controller, file), v2 = file."""
+    d = agent.cgroup_dir(v1[0], sid)
+    path = os.path.join(d, v1[1])
+    return path if os.path.exists(path) else os.path.join(agent.cgroup_dir("", sid), v2)
+
+
+def set_frozen(agent: lib.Agent, sid: str, frozen: bool) -> None:
+    """Freezes or thaws a sandbox from the host, as a sleep, wake or snapshot cut short by a kill leaves it."""
+    path = cgroup_file(agent, sid, ("freezer", "freezer.state"), "cgroup.freeze")
+    with open(path, "w") as f:
+        f.write(("FROZEN" if frozen else "THAWED") if path.endswith("freezer.state") else ("1" if frozen else "0"))
+    assert lib.wait_for(lambda: is_frozen(agent, sid) == frozen, 5)
+
+
+def is_frozen(agent: lib.Agent, sid: str) -> bool:
+    path = cgroup_file(agent, sid, ("freezer", "freezer.state"), "cgroup.freeze")
+    with open(path) as f:
+        state = f.read().strip()
+    return state == "FROZEN" if path.endswith("freezer.state") else state == "1"
+
+
+def memory_limit_file(agent: lib.Agent, sid: str) -> str:
+    return cgroup_file(agent, sid, ("memory", "memory.limit_in_bytes"), "memory.max")
+
+
+def read_int(path: str) -> int:
+    with open(path) as f:
+        return int(f.read().strip())
+
+
 def kill_sandbox_processes(agent: lib.Agent, sid: str) -> None:
     """What the OOM killer or an operator might do while no agent runs: every process of the sandbox dies."""
     for _ in range(100):
@@ -287,6 +318,9 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
         assert call(a, "POST", f"/v1/sandboxes/{sleeper['id']}/sleep").status == 200
         grouped = create(a, labels={"role": "grouped"}, group="crash-g", group_ttl=300)
         doomed = create(a, labels={"role": "doomed"})
+        cut_sleep = create(a, labels={"role": "cut-sleep"})
+        assert sh(a, cut_sleep["id"], COUNTER)[0] == 0
+        cut_destroy = create(a, labels={"role": "cut-destroy"})
         simulated = create(a, kind="null", labels={"role": "simulated"})
         first = create(a, request_id="before-kill", labels={"role": "idempotent"})
         assert counter_runs(a, counters[0]["id"]) and counter_runs(a, counters[1]["id"])
@@ -307,6 +341,20 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
         # While no agent runs: one sandbox dies, the others run on.
         kill_sandbox_processes(a, doomed["id"])
         assert lib.processes_in_cgroup(f"{a.cgroup_name}/{counters[0]['id']}"), "a sandbox died with its agent"
+        # Operations the kill cut short, as they leave the host: a sleep that froze a sandbox and lowered its memory
+        # limit but never recorded "sleeping"; a wake that thawed the sleeping one but never recorded "running"; a
+        # destroy recorded as begun.
+        limit = read_int(memory_limit_file(a, cut_sleep["id"]))
+        set_frozen(a, cut_sleep["id"], True)
+        with open(memory_limit_file(a, cut_sleep["id"]), "w") as f:
+            f.write(str(64 << 20))
+        set_frozen(a, sleeper["id"], False)
+        path = os.path.join(home, "state", "sandboxes", cut_destroy["id"] + ".json")
+        with open(path) as f:
+            rec = json.load(f)
+        rec["info"]["state"], rec["info"]["message"] = "destroying", "destroyed by request"
+        with open(path, "w") as f:
+            json.dump(rec, f)
 
         restarted = start_agent(own_home)
         log = restarted.log_tail()
@@ -316,7 +364,7 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
 
         # Surviving sandboxes: the same info, files and background processes; exec works; the exec in flight at
         # the kill is gone with its caller.
-        for before in counters + [grouped, first]:
+        for before in counters + [grouped, first, cut_sleep]:
             now = listed[before["id"]]
             assert now["state"] == "running", now
             for k in ("labels", "group", "created_at", "expires_at", "image", "resources"):
@@ -328,12 +376,25 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
             assert sh(restarted, sb["id"], "echo alive") == (0, "alive\n")
         assert "sleep 3111" not in sh(restarted, counters[0]["id"], "ps")[1]
 
-        # The sleeping one still sleeps, and wakes with its processes.
+        # The sleep cut short is undone: thawed, its memory limit its own again.
+        assert listed[cut_sleep["id"]]["state"] == "running"
+        assert not is_frozen(restarted, cut_sleep["id"])
+        assert read_int(memory_limit_file(restarted, cut_sleep["id"])) == limit
+        assert counter_runs(restarted, cut_sleep["id"])
+        # The destroy cut short is finished.
+        assert cut_destroy["id"] not in listed
+        assert info(restarted, cut_destroy["id"])["state"] == "destroyed"
+        assert not restarted.leftovers(cut_destroy["id"]), restarted.leftovers(cut_destroy["id"])
+
+        # The sleeping one still sleeps (frozen again after the wake cut short), and wakes with its processes and
+        # its own memory limit.
         assert listed[sleeper["id"]]["state"] == "sleeping"
+        assert is_frozen(restarted, sleeper["id"])
         r = call(restarted, "POST", f"/v1/sandboxes/{sleeper['id']}/exec", {"shell": "true"})
         assert r.status == 412 and "sleeping" in r.json()["message"], r
         assert call(restarted, "POST", f"/v1/sandboxes/{sleeper['id']}/wake").status == 200
         assert counter_runs(restarted, sleeper["id"])
+        assert read_int(memory_limit_file(restarted, sleeper["id"])) == limit
 
         # The group's lease carried over, and renews.
         r = call(restarted, "GET", "/v1/groups/crash-g")
@@ -375,6 +436,12 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
         run_entries = {e for e in os.listdir(restarted.run_dir) if not e.startswith(".")}
         assert run_entries <= containers, f"run dirs of no sandbox: {sorted(run_entries - containers)}"
         assert set(records(home)) == live
+
+        # The image layers are held again, once per sandbox taken over (the failed one holds none).
+        holders = sum(1 for sid in live if info(restarted, sid)["state"] in ("running", "sleeping"))
+        def users() -> list[int]:  # the layer code keeps what it took over until the reaper's first prune
+            return [layer["users"] for layer in call(restarted, "GET", "/v1/node").json()["cached_layers"]]
+        assert users() and lib.wait_for(lambda: set(users()) == {holders}, 5), (users(), holders)
 
         metrics = call(restarted, "GET", "/metrics").body.decode()
         assert 'dsec_sandboxes_recovered_total{kind="container",outcome="adopted"}' in metrics, metrics

@@ -102,6 +102,10 @@ struct Registry::Record {
   std::shared_ptr<const void> image_hold;  // the image's files stay while the sandbox lives
   std::atomic<bool> hold_pending{false};   // adopted, but its image could not be acquired again yet
   std::unique_ptr<BackendSandbox> sandbox;
+  // One writer of the record's file at a time; once it is removed (the sandbox is gone), a late writer (a sleep, a
+  // liveness check racing the destroy) must not bring it back.
+  mutable std::mutex file_mutex;
+  mutable bool file_removed = false;
   std::atomic<bool> destroying{false};
   std::mutex power_mutex;    // one sleep or wake at a time
   bool cpu_released = false;  // asleep: its cpu is not in live_cpu_ (guarded by the registry's mutex_)
@@ -313,11 +317,11 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     try {
       record->sandbox = backend.create(params);
     } catch (...) {
-      remove_record_file(id);
+      remove_record_file(*record);
       throw;
     }
     if (!record->sandbox) {
-      remove_record_file(id);
+      remove_record_file(*record);
       throw Error(Code::kInternal, fmt::format("backend '{}' returned no sandbox", spec.kind));
     }
 
@@ -325,7 +329,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
       record->backend_state = record->sandbox->recovery_state();
     } catch (...) {
       record->sandbox->destroy();
-      remove_record_file(id);
+      remove_record_file(*record);
       throw;
     }
     double created_at = now();
@@ -341,7 +345,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
       write_record(*record);
     } catch (...) {
       record->sandbox->destroy();
-      remove_record_file(id);
+      remove_record_file(*record);
       throw;
     }
   } catch (...) {
@@ -667,12 +671,14 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
     }
     record = it->second;
   }
-  record->destroying = true;
-  // On disk first: an agent that dies from here on finishes the destroy when it starts again.
-  try {
-    write_record(*record, "destroying", reason);
-  } catch (const std::exception& e) {
-    log_warn("sandbox {}: record of its destroy: {}", id, e.what());
+  // On disk first: an agent that dies from here on finishes the destroy when it starts again. (A second destroy
+  // racing this one leaves the record to it.)
+  if (!record->destroying.exchange(true)) {
+    try {
+      write_record(*record, "destroying", reason);
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: record of its destroy: {}", id, e.what());
+    }
   }
   try {
     record->sandbox->destroy();
@@ -718,7 +724,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       record->info.state = "destroyed";
       record->info.message = info.message;
     }
-    remove_record_file(id);
+    remove_record_file(*record);
     metrics_.sandbox_destroyed(info.kind);
   }
   return info;
@@ -889,6 +895,8 @@ void Registry::evict(double t) {
 
 void Registry::write_record(const Record& record, std::string_view state, std::string_view message) const {
   if (options_.state_dir.empty()) return;
+  std::lock_guard file_lock(record.file_mutex);
+  if (record.file_removed) return;
   SandboxInfo info = record.snapshot();
   if (!state.empty()) {
     info.state = std::string(state);
@@ -1402,6 +1410,12 @@ void Registry::persist_group(const std::string& group) {
   std::filesystem::create_directories(groups_dir(), ec);
   if (ec) throw Error(code_for_errno(ec.value()), fmt::format("create {}: {}", groups_dir().string(), ec.message()));
   write_file_replacing(path, lease->dump() + "\n", "group lease");
+}
+
+void Registry::remove_record_file(const Record& record) const {
+  std::lock_guard file_lock(record.file_mutex);
+  record.file_removed = true;
+  remove_record_file(record.info.id);
 }
 
 void Registry::remove_record_file(const std::string& id) const {

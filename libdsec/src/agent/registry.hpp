@@ -205,6 +205,7 @@ class Registry {
   // Acquires the image of an adopted sandbox again; false (logged) when it cannot now: the reaper retries.
   bool hold_image(Record& record);
   void remove_record_file(const std::string& id) const;
+  void remove_record_file(const Record& record) const;  // and no later write_record brings it back
   void forget_request_id(const std::string& request_id, const std::string& sandbox_id);
   void evict(double now);                                        // caller holds mutex_
   double now() const { return options_.clock(); }

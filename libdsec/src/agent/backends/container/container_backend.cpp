@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -67,7 +68,21 @@ constexpr const char* kCgroupVersion = "cgroup_version";
 constexpr const char* kCgroup = "cgroup";
 constexpr const char* kNetnsInode = "netns_inode";
 constexpr const char* kRunDir = "run_dir";
+constexpr const char* kLayerDevices = "layer_devices";
 }  // namespace key
+
+// The device numbers of the image layers' directories, lowest first ("64:12,0:85"): each mounted layer is its own
+// file system, so a layer mounted again (after its earlier mount was detached) has another one.
+std::string layer_devices(const std::vector<fs::path>& layers) {
+  std::string out;
+  for (const auto& layer : layers) {
+    struct stat st {};
+    if (::stat(layer.c_str(), &st) != 0) return {};
+    if (!out.empty()) out += ',';
+    out += fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
+  }
+  return out;
+}
 
 int read_cap_last_cap() {
   std::ifstream in("/proc/sys/kernel/cap_last_cap");
@@ -146,6 +161,7 @@ struct Identity {
   std::string boot_id;
   std::uint64_t init_start_time = 0;
   std::uint64_t netns_inode = 0;
+  std::string layer_devices;  // of the image layers its overlay stacks
 };
 
 class ContainerSandbox final : public BackendSandbox {
@@ -410,7 +426,8 @@ class ContainerSandbox final : public BackendSandbox {
                         {key::kCgroupVersion, cgroup_version_},
                         {key::kCgroup, cgroup_->path()},
                         {key::kNetnsInode, std::to_string(identity_.netns_inode)},
-                        {key::kRunDir, run_dir_.string()}};
+                        {key::kRunDir, run_dir_.string()},
+                        {key::kLayerDevices, identity_.layer_devices}};
   }
 
   bool alive() override {
@@ -647,7 +664,7 @@ class ContainerBackend final : public Backend {
     req.cap_last_cap = cap_last_cap_;
     req.open_files = params.spec.resources.open_files;
 
-    Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get())};
+    Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers)};
     SpawnedInit init = spawn_init(req);
     cleanup.armed = false;
     // Read while the agent holds init's pidfd: the pid cannot name another process yet (init is this process's
@@ -714,6 +731,15 @@ class ContainerBackend final : public Backend {
     if (netns_inode_of_pid(pid) != netns_inode)
       throw Error(Code::kNotFound, fmt::format("pid {} is not in the sandbox's network namespace: not its init", pid));
 
+    // Its root stacks the image layers as they were mounted then: a layer whose mount did not survive the agent (the
+    // layer file system's connection was lost, the mount detached and perhaps made again) cannot serve it any more.
+    const std::string devices = layer_devices(params.image_layers);
+    if (auto it = state.find(key::kLayerDevices); it != state.end() && !it->second.empty() && it->second != devices)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("its image layers are no longer the mounts it runs on (devices {}, now {}): they did "
+                              "not survive the agent",
+                              it->second, devices.empty() ? "missing" : devices));
+
     // From here the groups are this object's: if taking the sandbox over fails, they (and its processes) go.
     std::unique_ptr<SandboxCgroup> cgroup = cgroups_->adopt(cgroup_path);
     // A freeze the record does not explain (a sleep, wake or snapshot cut short) is undone, and a sleeping sandbox
@@ -759,7 +785,7 @@ class ContainerBackend final : public Backend {
                     std::chrono::duration_cast<std::chrono::milliseconds>(kProbeTimeout), &why))
       throw Error(Code::kUnavailable, fmt::format("its init (pid {}) does not answer: {}", pid, why));
 
-    Identity identity{boot_id_, start_time, netns_inode};
+    Identity identity{boot_id_, start_time, netns_inode, devices};
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
                                               UniqueFd(), std::move(identity), version, true, params.sleeping,
                                               next_exec);
