@@ -578,10 +578,13 @@ def test_a_killed_agents_layer_mounts_keep_serving_after_a_restart(store):
             assert re.search(r"layer file system taken over from the earlier agent \(keeper pid %d, FUSE connection "
                              r"\d+\): 2 layer mounts kept" % keeper[0], log), log
             assert node(agent)["layer_mode"] == "erofs-lazy"
-            # The rest of the file, none of it fetched before, through the mount the dead agent made.
+            # The sandbox the dead agent made, taken over, reads the whole file: most of it was never fetched.
+            code, out, err = run(agent, sid, "md5sum /data/blob.bin")
+            assert code == 0 and out.split()[0].decode() == store.blob_md5, (out, err, agent.log_tail())
+            assert present_chunks(home) >= chunks_before + 4, "the new agent fetched the chunks the read wanted"
+            # The host's descriptor, opened before the kill, reads the rest as well.
             rest = pread_all(fd, len(head))
             assert hashlib.md5(head + rest).hexdigest() == store.blob_md5
-            assert present_chunks(home) >= chunks_before + 4, "the new agent fetched the chunks the read wanted"
             os.close(fd)
             fd = None
             assert keeper_of(agent) == keeper, "the first agent's keeper holds the connection for the second"
@@ -619,8 +622,14 @@ def test_a_read_in_flight_when_the_agent_dies_completes_after_the_restart(store,
     fd = None
     try:
         first.start()
-        create_ok(first, "blobby")
+        sid = create_ok(first, "blobby")
         keeper = keeper_of(first)
+        # A process in the sandbox reads 64 KiB at 4 MiB in the background (it outlives its exec and the agent)...
+        in_sandbox = 4 << 20
+        code, _, err = run(first, sid, f"(dd if=/data/blob.bin bs=65536 skip={in_sandbox >> 16} count=1 2>/dev/null "
+                                       "| md5sum > /held.tmp && mv /held.tmp /held.md5) >/dev/null 2>&1 &")
+        assert code == 0, err
+        # ... and the host 64 KiB at 3 MiB, through the layer mount the sandbox's overlay stands on.
         fd = os.open(os.path.join(task_layer_dir(first), "data", "blob.bin"), os.O_RDONLY)
         at = 3 << 20
         got: dict = {}
@@ -645,6 +654,9 @@ def test_a_read_in_flight_when_the_agent_dies_completes_after_the_restart(store,
             assert not reader.is_alive(), "the read the dead agent took was never answered"
             assert got.get("bytes") == store.blob[at:at + (1 << 16)], got.get("error")
             assert "unanswered reads resent" in agent.log_tail(20000)
+            expected = hashlib.md5(store.blob[in_sandbox:in_sandbox + (1 << 16)]).hexdigest()
+            assert lib.wait_for(lambda: run(agent, sid, "cat /held.md5")[0] == 0, timeout=30), agent.log_tail()
+            assert run(agent, sid, "cat /held.md5")[1].split()[0].decode() == expected
             # The dead agent's fetch was cut; the new one fetched the chunk again.
             wanted = [r["range"] for r in server.requests() if r["uri"].endswith(data) and r["range"]]
             assert any(wanted.count(r) >= 2 for r in wanted), wanted
