@@ -375,6 +375,15 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
             assert counter_runs(restarted, sb["id"]), f"the background counter of {sb['id']} stopped"
             assert sh(restarted, sb["id"], "echo alive") == (0, "alive\n")
         assert "sleep 3111" not in sh(restarted, counters[0]["id"], "ps")[1]
+        # Sleep and wake work on a sandbox taken over.
+        sid = counters[1]["id"]
+        own_limit = read_int(memory_limit_file(restarted, sid))
+        assert call(restarted, "POST", f"/v1/sandboxes/{sid}/sleep").status == 200
+        assert is_frozen(restarted, sid)
+        assert call(restarted, "POST", f"/v1/sandboxes/{sid}/wake").status == 200
+        assert not is_frozen(restarted, sid)
+        assert read_int(memory_limit_file(restarted, sid)) == own_limit
+        assert counter_runs(restarted, sid)
 
         # The sleep cut short is undone: thawed, its memory limit its own again.
         assert listed[cut_sleep["id"]]["state"] == "running"

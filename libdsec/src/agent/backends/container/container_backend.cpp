@@ -745,13 +745,15 @@ class ContainerBackend final : public Backend {
     // A freeze the record does not explain (a sleep, wake or snapshot cut short) is undone, and a sleeping sandbox
     // stays asleep; either way the memory limit a wake puts back is the sandbox's own.
     const bool frozen = cgroup->frozen();
-    if (params.sleeping && !frozen) {
-      cgroup->freeze();
-      cgroup->reclaim_memory();
-    }
-    cgroup->set_restore_limit(params.spec.resources.memory_bytes);
-    if (!params.sleeping && frozen) {
+    if (params.sleeping) {
+      if (!frozen) {
+        cgroup->freeze();
+        cgroup->reclaim_memory();
+      }
+      cgroup->set_restore_limit(params.spec.resources.memory_bytes);
+    } else if (frozen) {
       log_info("sandbox {}: frozen, but recorded running; thawing it", params.id);
+      cgroup->set_restore_limit(params.spec.resources.memory_bytes);
       cgroup->restore_memory();
       cgroup->thaw();
     }
