@@ -551,6 +551,7 @@ std::size_t LayerMounts::prune() {
 }
 
 void LayerMounts::shutdown() {
+  std::unique_ptr<LayerKeeper> keeper;
   {
     std::lock_guard lock(mutex_);
     if (shut_down_) return;
@@ -561,11 +562,10 @@ void LayerMounts::shutdown() {
       release_slot(*slot, true);
     }
     slots_.clear();
+    keeper = std::move(keeper_);
   }
-  if (keeper_) {
-    keeper_->stop();
-    keeper_.reset();
-  }
+  // The keeper first: once the file system is unmounted nothing may hold its connection any more.
+  if (keeper) keeper->stop();
   if (fs_) {
     fs_->stop();
     fs_.reset();
