@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "agent/backends/container/cgroup.hpp"
@@ -222,7 +223,13 @@ class ContainerSandbox final : public BackendSandbox {
     std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
     // Declared before the group's release below, so it goes after it: while the mark exists, an agent restart
     // takes the group for one whose caller is gone.
-    ExecMarker marker(run_dir_ / kExecMarkers, group);
+    std::optional<ExecMarker> marker;
+    try {
+      marker.emplace(run_dir_ / kExecMarkers, group);
+    } catch (const Error&) {
+      check_running();  // a destroy removed the run directory: say that
+      throw;
+    }
     std::vector<UniqueFd> group_fds;
     try {
       group_fds = cgroup_->create_exec_group(group);
