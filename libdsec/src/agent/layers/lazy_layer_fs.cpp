@@ -83,10 +83,11 @@ struct stat root_attr() {
 struct LazyLayerFs::Handlers {
   static LazyLayerFs& self(fuse_req_t req) { return *static_cast<LazyLayerFs*>(fuse_req_userdata(req)); }
 
-  static void init(void*, fuse_conn_info* conn) {
+  static void init(void* userdata, fuse_conn_info* conn) {
     // Reads of up to 1 MiB (a chunk) in one request, and as much readahead as the kernel allows.
     conn->max_readahead = std::min<unsigned>(conn->max_readahead, kMaxRead);
     conn->want &= ~FUSE_CAP_AUTO_INVAL_DATA;
+    static_cast<LazyLayerFs*>(userdata)->initialized_ = true;
   }
 
   static void lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
@@ -287,9 +288,9 @@ LazyLayerFs::LazyLayerFs(BlobCache& cache, fs::path mount_point, LayerMetrics& m
   const int fd = device.release();
   connection_ = connection_of(mount_point_);
 
-  // The kernel and the earlier server agreed on the connection's parameters in its INIT; libfuse must know them
-  // before it takes any other request. The same INIT (what Linux offers, FUSE_MAX_PAGES among it, so that libfuse
-  // reads with buffers as large as the kernel's requests) is handed to it here; its answer goes to no request.
+  // The kernel and the earlier server agreed on the connection's parameters in its INIT; libfuse takes no other
+  // request before an INIT. One like the kernel's is handed to it here (FUSE_MAX_PAGES among its flags, so that
+  // libfuse reads with buffers as large as the kernel's requests may be); its answer goes to no request.
   struct {
     fuse_in_header header;
     fuse_init_in init;
@@ -305,6 +306,11 @@ LazyLayerFs::LazyLayerFs(BlobCache& cache, fs::path mount_point, LayerMetrics& m
   buf.size = sizeof message;
   buf.mem = &message;
   fuse_session_process_buf(session_, &buf);
+  if (!initialized_) {
+    fuse_session_destroy(session_);  // closes the descriptor
+    session_ = nullptr;
+    throw Error(Code::kFailedPrecondition, "layer file system: libfuse did not take the INIT of a resumed connection");
+  }
 
   start_loop();
 

@@ -17,6 +17,7 @@
 // cache re-opens from disk at start.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
@@ -50,7 +51,7 @@ class LazyLayerFs {
   LazyLayerFs(BlobCache& cache, std::filesystem::path mount_point, LayerMetrics& metrics);
   // Serves the connection an earlier agent mounted at `mount_point`, through `device` (a descriptor of its
   // /dev/fuse file, taken from the layer keeper). The kernel made its INIT with the earlier server: libfuse is
-  // handed the same message, whose answer the kernel refuses (no request has its id) and libfuse ignores. Requests
+  // handed an INIT like it, whose answer the kernel refuses (no request has its id) and libfuse ignores. Requests
   // the earlier server had taken but not answered are then put back in the queue (FUSE_NOTIFY_RESEND, Linux 6.9+;
   // resent() says whether the kernel did). FAILED_PRECONDITION when libfuse refuses the descriptor.
   LazyLayerFs(BlobCache& cache, std::filesystem::path mount_point, LayerMetrics& metrics, UniqueFd device);
@@ -104,6 +105,7 @@ class LazyLayerFs {
   unsigned connection_ = 0;  // the FUSE connection's number (fusectl)
   bool resumed_ = false;
   bool resent_ = false;
+  std::atomic<bool> initialized_{false};  // libfuse took an INIT
 
   std::mutex inodes_mutex_;
   std::map<std::uint64_t, Inode> inodes_;  // by layer_inode()
