@@ -107,13 +107,15 @@ def counter_runs(agent: lib.Agent, sid: str) -> bool:
 # What the host holds of the sandboxes: read from the records (pids, start times, namespaces), checked at the end.
 
 def records(home: str) -> dict[str, dict]:
+    """The sandbox records in the agent's state directory, by id (<id>.json, or <id>.destroying during a destroy)."""
     out = {}
-    for path in glob.glob(os.path.join(home, "state", "sandboxes", "*.json")):
-        try:
-            with open(path) as f:
-                out[os.path.basename(path)[:-5]] = json.load(f)
-        except (OSError, ValueError):
-            pass
+    for pattern in ("*.json", "*.destroying"):
+        for path in glob.glob(os.path.join(home, "state", "sandboxes", pattern)):
+            try:
+                with open(path) as f:
+                    out[os.path.splitext(os.path.basename(path))[0]] = json.load(f)
+            except (OSError, ValueError):
+                pass
     return out
 
 
@@ -343,18 +345,15 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
         assert lib.processes_in_cgroup(f"{a.cgroup_name}/{counters[0]['id']}"), "a sandbox died with its agent"
         # Operations the kill cut short, as they leave the host: a sleep that froze a sandbox and lowered its memory
         # limit but never recorded "sleeping"; a wake that thawed the sleeping one but never recorded "running"; a
-        # destroy recorded as begun.
+        # destroy that renamed the record (<id>.destroying) but had not yet killed anything.
         limit = read_int(memory_limit_file(a, cut_sleep["id"]))
         set_frozen(a, cut_sleep["id"], True)
         with open(memory_limit_file(a, cut_sleep["id"]), "w") as f:
             f.write(str(64 << 20))
         set_frozen(a, sleeper["id"], False)
-        path = os.path.join(home, "state", "sandboxes", cut_destroy["id"] + ".json")
-        with open(path) as f:
-            rec = json.load(f)
-        rec["info"]["state"], rec["info"]["message"] = "destroying", "destroyed by request"
-        with open(path, "w") as f:
-            json.dump(rec, f)
+        state_dir = os.path.join(home, "state", "sandboxes")
+        os.rename(os.path.join(state_dir, cut_destroy["id"] + ".json"),
+                  os.path.join(state_dir, cut_destroy["id"] + ".destroying"))
 
         restarted = start_agent(own_home)
         log = restarted.log_tail()

@@ -673,21 +673,14 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
   }
   // On disk first: an agent that dies from here on finishes the destroy when it starts again. (A second destroy
   // racing this one leaves the record to it.)
-  if (!record->destroying.exchange(true)) {
-    try {
-      write_record(*record, "destroying", reason);
-    } catch (const std::exception& e) {
-      log_warn("sandbox {}: record of its destroy: {}", id, e.what());
-    }
-  }
+  const bool first = !record->destroying.exchange(true);
+  if (first) mark_destroying(*record, true);
   try {
     record->sandbox->destroy();
   } catch (...) {
-    record->destroying = false;
-    try {
-      write_record(*record);
-    } catch (const std::exception& e) {
-      log_warn("sandbox {}: record after a failed destroy: {}", id, e.what());
+    if (first) {
+      mark_destroying(*record, false);
+      record->destroying = false;
     }
     throw;
   }
@@ -893,15 +886,11 @@ void Registry::evict(double t) {
   }
 }
 
-void Registry::write_record(const Record& record, std::string_view state, std::string_view message) const {
+void Registry::write_record(const Record& record) const {
   if (options_.state_dir.empty()) return;
   std::lock_guard file_lock(record.file_mutex);
   if (record.file_removed) return;
-  SandboxInfo info = record.snapshot();
-  if (!state.empty()) {
-    info.state = std::string(state);
-    info.message = std::string(message);
-  }
+  const SandboxInfo info = record.snapshot();
   protocol::json layers = protocol::json::array();
   for (const auto& l : record.layers) layers.push_back(l.string());
   protocol::json j{{"version", kRecordVersion},
@@ -1003,7 +992,7 @@ Registry::Recovered Registry::recover_one(LoadedRecord& loaded, bool adopt) {
     remove_record_file(id);
     r.info.state = "destroyed";
     if (state == "destroying") {
-      if (r.info.message.empty()) r.info.message = "destroyed by request";
+      r.info.message = "destroyed (the destroy, cut short by the end of the earlier agent run, was finished at start)";
       log_info("sandbox {}: finished its destroy, cut short by the end of the earlier agent run", id);
     } else {
       r.info.message = "the agent restarted and took no sandbox over (--on-restart remove)";
@@ -1049,8 +1038,8 @@ RecoveryReport Registry::recover(bool adopt) {
   if (options_.state_dir.empty()) return report;
   const double t = now();
 
-  // 1. The records, read back.
-  std::vector<LoadedRecord> loaded;
+  // 1. The records, read back: <id>.json, or <id>.destroying for a destroy under way (which wins over the other).
+  std::map<std::string, std::filesystem::path> files;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(options_.state_dir, ec)) {
     const std::string name = entry.path().filename().string();
@@ -1058,24 +1047,31 @@ RecoveryReport Registry::recover(bool adopt) {
       std::filesystem::remove(entry.path(), ec);
       continue;
     }
-    if (name.size() <= 5 || !name.ends_with(".json")) continue;
-    const std::string id = name.substr(0, name.size() - 5);
+    std::string id;
+    if (name.size() > 5 && name.ends_with(".json")) id = name.substr(0, name.size() - 5);
+    else if (name.size() > 11 && name.ends_with(".destroying")) id = name.substr(0, name.size() - 11);
+    else continue;
+    auto& path = files[id];
+    if (path.empty() || name.ends_with(".destroying")) path = entry.path();
+  }
+  std::vector<LoadedRecord> loaded;
+  for (const auto& [id, path] : files) {
     {
       std::lock_guard lock(mutex_);
       if (records_.count(id)) continue;
     }
     try {
-      std::ifstream in(entry.path());
+      std::ifstream in(path);
       std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       std::shared_ptr<Record> record = parse_record(text);
       if (record->info.id != id)
         throw Error(Code::kInvalidArgument, fmt::format("it names sandbox {}", record->info.id));
-      std::string state = record->info.state;
+      std::string state = path.extension() == ".destroying" ? "destroying" : record->info.state;
       loaded.push_back(LoadedRecord{std::move(state), std::move(record)});
     } catch (const std::exception& e) {
       // Whatever its kind was, no backend keeps anything of an id it never made: ask them all.
-      log_warn("sandbox record {} is unreadable ({}); removing what any backend left of {}", entry.path().string(),
-               e.what(), id);
+      log_warn("sandbox record {} is unreadable ({}); removing what any backend left of {}", path.string(), e.what(),
+               id);
       bool clean = true;
       if (plausible_sandbox_id(id)) {  // a file name that is no sandbox id is not passed on
         for (const auto& [kind, backend] : backends_) {
@@ -1087,7 +1083,7 @@ RecoveryReport Registry::recover(bool adopt) {
           }
         }
       }
-      if (clean) std::filesystem::remove(entry.path(), ec);
+      if (clean) remove_record_file(id);
       ++report.unreadable;
     }
   }
@@ -1420,9 +1416,30 @@ void Registry::remove_record_file(const Record& record) const {
 
 void Registry::remove_record_file(const std::string& id) const {
   if (options_.state_dir.empty()) return;
-  auto path = options_.state_dir / (id + ".json");
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT)
-    log_warn("remove sandbox record {}: {}", path.string(), std::strerror(errno));
+  for (const char* suffix : {".json", ".destroying"}) {
+    auto path = options_.state_dir / (id + suffix);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      log_warn("remove sandbox record {}: {}", path.string(), std::strerror(errno));
+  }
+}
+
+void Registry::mark_destroying(const Record& record, bool destroying) const {
+  if (options_.state_dir.empty()) return;
+  std::lock_guard file_lock(record.file_mutex);
+  const auto live = options_.state_dir / (record.info.id + ".json");
+  const auto going = options_.state_dir / (record.info.id + ".destroying");
+  if (destroying) {
+    if (record.file_removed) return;
+    // One rename, not a rewrite: a destroy costs the node one metadata operation more than before, not a file.
+    if (::rename(live.c_str(), going.c_str()) != 0)
+      log_warn("sandbox {}: mark its record as being destroyed: {}", record.info.id, std::strerror(errno));
+    record.file_removed = true;  // nothing may write <id>.json again
+    return;
+  }
+  // The destroy failed: the sandbox lives on.
+  if (::rename(going.c_str(), live.c_str()) != 0 && errno != ENOENT)
+    log_warn("sandbox {}: restore its record after a failed destroy: {}", record.info.id, std::strerror(errno));
+  record.file_removed = false;
 }
 
 }  // namespace dsec::agent

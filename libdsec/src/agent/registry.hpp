@@ -195,9 +195,7 @@ class Registry {
   std::string new_id();                                          // caller holds mutex_
   SandboxInfo info_of(const std::string& id) const;              // caller holds mutex_
   void check_alive(Record& record);
-  // Writes the record; `state` and `message`, when given, are written instead of the info's own (a destroy under
-  // way is "destroying" on disk only).
-  void write_record(const Record& record, std::string_view state = {}, std::string_view message = {}) const;
+  void write_record(const Record& record) const;
   RecoveryReport recover(bool adopt);
   Recovered recover_one(LoadedRecord& loaded, bool adopt);
   // A record file's text, parsed; throws when it is not a record.
@@ -206,6 +204,9 @@ class Registry {
   bool hold_image(Record& record);
   void remove_record_file(const std::string& id) const;
   void remove_record_file(const Record& record) const;  // and no later write_record brings it back
+  // A destroy under way is on disk as the record renamed to <id>.destroying (destroying = true), or renamed back
+  // when the destroy failed (false).
+  void mark_destroying(const Record& record, bool destroying) const;
   void forget_request_id(const std::string& request_id, const std::string& sandbox_id);
   void evict(double now);                                        // caller holds mutex_
   double now() const { return options_.clock(); }
