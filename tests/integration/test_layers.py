@@ -40,9 +40,10 @@ SMALL_TEXT = b"a small file in the task layer\n"
 # The store and its blobs.
 
 class Store:
-    def __init__(self, root: pathlib.Path, blob_md5: str):
+    def __init__(self, root: pathlib.Path, blob_md5: str, blob: bytes = b""):
         self.root = root
         self.blob_md5 = blob_md5
+        self.blob = blob  # /data/blob.bin of "blobby"
 
     def blob_path(self, digest: str) -> pathlib.Path:
         return self.root / "blobs" / "sha256" / digest.split(":", 1)[1]
@@ -64,7 +65,7 @@ class Store:
 
     def copy(self, dest: pathlib.Path) -> "Store":
         shutil.copytree(self.root, dest, symlinks=True)
-        return Store(dest, self.blob_md5)
+        return Store(dest, self.blob_md5, self.blob)
 
 
 def dsec_image(*args: str) -> str:
@@ -87,7 +88,7 @@ def store():
         (tree / "data" / "blob.bin").write_bytes(blob)
         (tree / "data" / "small.txt").write_bytes(SMALL_TEXT)
         dsec_image("build", "blobby", "--from", str(tree), "--parent", "busybox", "--home", str(home), "-q")
-        yield Store(home / "store", hashlib.md5(blob).hexdigest())
+        yield Store(home / "store", hashlib.md5(blob).hexdigest(), blob)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -505,22 +506,193 @@ def test_extract_mode_unpacks_layers_whole(store):
         destroy(agent, sid)
 
 
-@needs_lazy
-def test_a_killed_agent_leaves_mounts_that_the_next_one_removes(store):
-    home = tempfile.mkdtemp(prefix="dsec-it-layers-home-")
+# --------------------------------------------------------------------------------------------------------------
+# Restart: a killed agent's layer mounts keep working; the next agent on the same run dir serves them again.
+
+def keeper_of(agent) -> tuple[int, int]:
+    """(pid, start time) of the layer keeper the agent's record names."""
+    with open(os.path.join(agent.run_dir, ".layers", "keeper")) as f:
+        record = dict(line.split(None, 1) for line in f.read().splitlines())
+    return int(record["pid"]), int(record["start_time"])
+
+
+def keeper_running(keeper: tuple[int, int]) -> bool:
+    """The keeper process still runs: same pid and start time, not a zombie, still dsec-layer-keeper."""
+    pid, start = keeper
     try:
-        first = lib.Agent(home, tag="lk", extra_args=["--store", str(store.root)])
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (fields[0] not in ("Z", "X") and int(fields[19]) == start
+            and stat[stat.index("(") + 1:stat.rindex(")")] == "dsec-layer-keep")
+
+
+def end_keeper(keeper: tuple[int, int] | None) -> None:
+    """After a failed test: the keeper (only if it is still that process) ends, and its connection with it."""
+    if keeper is not None and keeper_running(keeper):
+        os.kill(keeper[0], signal.SIGKILL)
+
+
+def task_layer_dir(agent) -> str:
+    return next(m for m in layer_mounts(agent) if os.path.exists(os.path.join(m, "data", "blob.bin")))
+
+
+def pread_all(fd: int, offset: int) -> bytes:
+    out = b""
+    while True:
+        chunk = os.pread(fd, 1 << 20, offset + len(out))
+        if not chunk:
+            return out
+        out += chunk
+
+
+@needs_lazy
+def test_a_killed_agents_layer_mounts_keep_serving_after_a_restart(store):
+    home = tempfile.mkdtemp(prefix="dsec-it-layers-home-")
+    first = lib.Agent(home, tag="lk", extra_args=["--store", str(store.root)])
+    keeper = None
+    fd = None
+    try:
         first.start()
-        try:
-            sid = create_ok(first, "blobby")
-            assert run(first, sid, "cat /data/small.txt")[:2] == (0, SMALL_TEXT)
-            mounts = layer_mounts(first)
-            assert len(mounts) == 2
-        finally:
-            first.proc.send_signal(signal.SIGKILL)
-            first.proc.wait()
-        assert layer_mounts(first), "a killed agent leaves its layer mounts"
+        sid = create_ok(first, "blobby")
+        assert run(first, sid, "cat /data/small.txt")[:2] == (0, SMALL_TEXT)
+        mounts = sorted(layer_mounts(first))
+        assert len(mounts) == 2
+        keeper = keeper_of(first)
+        assert keeper_running(keeper)
+        # The host reads the task layer where the sandboxes' overlays read it: the first MiB now, the rest later.
+        fd = os.open(os.path.join(task_layer_dir(first), "data", "blob.bin"), os.O_RDONLY)
+        head = os.pread(fd, 1 << 20, 0)
+        assert head == store.blob[:len(head)]
+        chunks_before = present_chunks(home)
+
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        assert keeper_running(keeper), "the keeper died with its agent"
+        assert sorted(layer_mounts(first)) == mounts, "a killed agent's layer mounts stay"
+
         with layered_agent("lk", "--store", str(store.root), home=home) as agent:
+            log = agent.log_tail(20000)
+            assert re.search(r"layer file system taken over from the earlier agent \(keeper pid %d, FUSE connection "
+                             r"\d+\): 2 layer mounts kept" % keeper[0], log), log
+            assert node(agent)["layer_mode"] == "erofs-lazy"
+            # The sandbox the dead agent made, taken over, reads the whole file: most of it was never fetched.
+            code, out, err = run(agent, sid, "md5sum /data/blob.bin")
+            assert code == 0 and out.split()[0].decode() == store.blob_md5, (out, err, agent.log_tail())
+            assert present_chunks(home) >= chunks_before + 4, "the new agent fetched the chunks the read wanted"
+            # The host's descriptor, opened before the kill, reads the rest as well.
+            rest = pread_all(fd, len(head))
+            assert hashlib.md5(head + rest).hexdigest() == store.blob_md5
+            os.close(fd)
+            fd = None
+            assert keeper_of(agent) == keeper, "the first agent's keeper holds the connection for the second"
+            # A new sandbox of the image stands on the same layer mounts (acquired again, or mounted again at the
+            # same place once the reaper pruned them).
+            sid = create_ok(agent, "blobby")
+            code, out, _ = run(agent, sid, "md5sum /data/blob.bin")
+            assert code == 0 and out.split()[0].decode() == store.blob_md5
+            assert sorted(layer_mounts(agent)) == mounts
+            destroy(agent, sid)
+        # layered_agent checked that the clean stop left no mount and no run dir entry; no keeper either.
+        assert lib.wait_for(lambda: not keeper_running(keeper), timeout=5), "the keeper outlived a clean stop"
+        shutil.rmtree(first.tmp, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        first.stop()
+        end_keeper(keeper)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@needs_lazy
+def test_a_read_in_flight_when_the_agent_dies_completes_after_the_restart(store, tmp_path):
+    if nginx_store is None or nginx_store.skip_reason():
+        pytest.skip(nginx_store.skip_reason() if nginx_store else "nginx_store.py is missing")
+    copy = store.copy(tmp_path / "store")
+    data = layers_of(copy, "blobby:latest")[-1]["data"].split(":", 1)[1]
+    # The task layer's chunks trickle (a 1 MiB chunk of random bytes takes about 3 s), so that a read is still
+    # being fetched when the agent is killed.
+    server = nginx_store.NginxStore(
+        copy.root, extra_server_config=f"    location = /blobs/sha256/{data} {{ limit_rate 320k; }}").start()
+    home = tempfile.mkdtemp(prefix="dsec-it-layers-home-")
+    first = lib.Agent(home, tag="lt", extra_args=["--store", server.url])
+    keeper = None
+    fd = None
+    try:
+        first.start()
+        sid = create_ok(first, "blobby")
+        keeper = keeper_of(first)
+        # A process in the sandbox reads 64 KiB at 4 MiB in the background (it outlives its exec and the agent)...
+        in_sandbox = 4 << 20
+        code, _, err = run(first, sid, f"(dd if=/data/blob.bin bs=65536 skip={in_sandbox >> 16} count=1 2>/dev/null "
+                                       "| md5sum > /held.tmp && mv /held.tmp /held.md5) >/dev/null 2>&1 &")
+        assert code == 0, err
+        # ... and the host 64 KiB at 3 MiB, through the layer mount the sandbox's overlay stands on.
+        fd = os.open(os.path.join(task_layer_dir(first), "data", "blob.bin"), os.O_RDONLY)
+        at = 3 << 20
+        got: dict = {}
+
+        def read():
+            try:
+                got["bytes"] = os.pread(fd, 1 << 16, at)
+            except OSError as e:
+                got["error"] = e
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(1.5)  # the agent is fetching the chunk now (it takes ~3 s)
+        assert reader.is_alive(), got
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        reader.join(1.0)
+        assert reader.is_alive(), f"the read ended with its agent: {got}"
+
+        with layered_agent("lt", "--store", server.url, home=home) as agent:
+            reader.join(30)
+            assert not reader.is_alive(), "the read the dead agent took was never answered"
+            assert got.get("bytes") == store.blob[at:at + (1 << 16)], got.get("error")
+            assert "unanswered reads resent" in agent.log_tail(20000)
+            expected = hashlib.md5(store.blob[in_sandbox:in_sandbox + (1 << 16)]).hexdigest()
+            assert lib.wait_for(lambda: run(agent, sid, "cat /held.md5")[0] == 0, timeout=30), agent.log_tail()
+            assert run(agent, sid, "cat /held.md5")[1].split()[0].decode() == expected
+            # The dead agent's fetch was cut; the new one fetched the chunk again.
+            wanted = [r["range"] for r in server.requests() if r["uri"].endswith(data) and r["range"]]
+            assert any(wanted.count(r) >= 2 for r in wanted), wanted
+            os.close(fd)
+            fd = None
+        assert lib.wait_for(lambda: not keeper_running(keeper), timeout=5), "the keeper outlived a clean stop"
+        shutil.rmtree(first.tmp, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        first.stop()
+        end_keeper(keeper)
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@needs_lazy
+def test_without_its_keeper_a_killed_agents_mounts_are_detached_by_the_next_one(store):
+    home = tempfile.mkdtemp(prefix="dsec-it-layers-home-")
+    first = lib.Agent(home, tag="lk", extra_args=["--store", str(store.root)])
+    keeper = None
+    try:
+        first.start()
+        sid = create_ok(first, "blobby")
+        assert run(first, sid, "cat /data/small.txt")[:2] == (0, SMALL_TEXT)
+        assert len(layer_mounts(first)) == 2
+        keeper = keeper_of(first)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        assert layer_mounts(first), "a killed agent leaves its layer mounts"
+        os.kill(keeper[0], signal.SIGKILL)  # and the keeper is gone too: the connection is aborted
+        assert lib.wait_for(lambda: not keeper_running(keeper), timeout=5)
+        with layered_agent("lk", "--store", str(store.root), home=home) as agent:
+            log = agent.log_tail(20000)
+            assert re.search(rf"detached, not taken over: the layer keeper \(pid {keeper[0]}\) (is gone|has ended)",
+                             log), log
             assert not layer_mounts(agent)
             sid = create_ok(agent, "blobby")
             code, out, _ = run(agent, sid, "md5sum /data/blob.bin")
@@ -528,4 +700,6 @@ def test_a_killed_agent_leaves_mounts_that_the_next_one_removes(store):
             destroy(agent, sid)
         shutil.rmtree(first.tmp, ignore_errors=True)
     finally:
+        first.stop()
+        end_keeper(keeper)
         shutil.rmtree(home, ignore_errors=True)

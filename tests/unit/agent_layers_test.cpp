@@ -3,16 +3,24 @@
 // slow, damaged or gone are the real directory store behind a wrapper. Mount tests need root, /dev/fuse and EROFS
 // and skip themselves with the reason otherwise.
 #include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -25,6 +33,7 @@
 
 #include "agent/images.hpp"
 #include "agent/layers/blob_cache.hpp"
+#include "agent/layers/layer_keeper.hpp"
 #include "agent/layers/layer_mounts.hpp"
 #include "agent/layers/lazy_layer_fs.hpp"
 #include "agent/metrics.hpp"
@@ -126,6 +135,7 @@ class TestStore final : public image::BlobStore {
   std::atomic<bool> gone{false};
   std::atomic<std::int64_t> damage_offset{-1};  // a range read starting here gets one byte flipped
   std::atomic<bool> damage_all{false};          // every range read gets one byte flipped
+  std::string hold_file;  // while this file exists, range reads wait (and say so by creating "<hold_file>.seen")
 
   int range_reads(std::uint64_t offset) {
     std::lock_guard lock(mutex_);
@@ -154,6 +164,10 @@ class TestStore final : public image::BlobStore {
       ++reads_[offset];
     }
     if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms.load()));
+    if (!hold_file.empty() && ::access(hold_file.c_str(), F_OK) == 0) {
+      write_file(hold_file + ".seen", "");
+      while (::access(hold_file.c_str(), F_OK) == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     check();
     std::string bytes = inner_->read_range(digest, offset, length);
     if ((damage_all || damage_offset.load() == static_cast<std::int64_t>(offset)) && !bytes.empty())
@@ -550,7 +564,7 @@ TEST_F(LayersTest, LazyMountsServeTheTreeAndUnmountWhenUnused) {
   TestLayer layer = make_layer("a", sample_files());
   BlobCache cache = make_cache();
   fs::path mounts_dir = tmp_ / "run" / ".layers";
-  LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kLazy}, cache, metrics_);
+  LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kLazy, {}, {}}, cache, metrics_);
   EXPECT_EQ(mounts.mode_description(), "erofs-lazy");
   {
     MountedLayer first = mounts.acquire(layer.descriptor, stores_);
@@ -581,7 +595,7 @@ TEST_F(LayersTest, ADamagedChunkReadsAsEioInsideTheMount) {
   if (std::string why = lazy_skip_reason(); !why.empty()) GTEST_SKIP() << why;
   TestLayer layer = make_layer("a", sample_files());
   BlobCache cache = make_cache();
-  LayerMounts mounts(LayerMountsOptions{tmp_ / "run" / ".layers", LayerMode::kLazy}, cache, metrics_);
+  LayerMounts mounts(LayerMountsOptions{tmp_ / "run" / ".layers", LayerMode::kLazy, {}, {}}, cache, metrics_);
   MountedLayer mounted = mounts.acquire(layer.descriptor, stores_);
   // The metadata is in; every chunk fetched from now on comes damaged.
   store_->damage_all = true;
@@ -613,7 +627,7 @@ TEST_F(LayersTest, ConcurrentAcquiresOfAColdLayerMountOnceAndFetchEachChunkOnce)
   if (std::string why = lazy_skip_reason(); !why.empty()) GTEST_SKIP() << why;
   TestLayer layer = make_layer("a", sample_files());
   BlobCache cache = make_cache();
-  LayerMounts mounts(LayerMountsOptions{tmp_ / "run" / ".layers", LayerMode::kLazy}, cache, metrics_);
+  LayerMounts mounts(LayerMountsOptions{tmp_ / "run" / ".layers", LayerMode::kLazy, {}, {}}, cache, metrics_);
   store_->delay_ms = 20;
   std::vector<std::thread> threads;
   std::mutex mutex;
@@ -640,7 +654,7 @@ TEST_F(LayersTest, ExtractModeUnpacksTheWholeLayerOnceAndKeepsIt) {
   if (::geteuid() != 0) GTEST_SKIP() << "fsck.erofs --preserve needs root";
   TestLayer layer = make_layer("a", sample_files());
   BlobCache cache = make_cache();
-  LayerMounts mounts(LayerMountsOptions{tmp_ / "run" / ".layers", LayerMode::kExtract}, cache, metrics_);
+  LayerMounts mounts(LayerMountsOptions{tmp_ / "run" / ".layers", LayerMode::kExtract, {}, {}}, cache, metrics_);
   EXPECT_EQ(mounts.mode_description(), "extract (chosen by --layer-mode extract)");
   fs::path dir;
   {
@@ -670,7 +684,7 @@ TEST_F(LayersTest, AStaleMountOfAKilledAgentIsDetachedAtStart) {
   ASSERT_EQ(::mount("dsec-stale", (mounts_dir / "0123").c_str(), "tmpfs", 0, nullptr), 0);
   BlobCache cache = make_cache();
   {
-    LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kLazy}, cache, metrics_);
+    LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kLazy, {}, {}}, cache, metrics_);
     EXPECT_FALSE(is_mounted(mounts_dir / "0123"));
     EXPECT_FALSE(fs::exists(mounts_dir / "0123"));
     EXPECT_TRUE(is_mounted(mounts_dir / "blobs"));  // its own FUSE mount now
@@ -737,6 +751,400 @@ TEST_F(LayersTest, ImageSourceResolvesNamesPinsAndClientManifests) {
   EXPECT_EQ(source->layer_status().cached_layers.at(0).users, 0u);
   source->shutdown();
   EXPECT_FALSE(mounted_below(options.mount_dir));
+}
+
+// --------------------------------------------------------------------------------------------------------------
+// Restart: the layer file system outlives its killed server (the layer keeper holds the FUSE connection) and the
+// next server takes it over, with the layer mounts on it.
+
+// A process that is `pid` started at `start_time` and has not ended (a zombie has).
+bool running(pid_t pid, std::uint64_t start_time) {
+  std::string line = read_file(fmt::format("/proc/{}/stat", pid));
+  auto close = line.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream fields(line.substr(close + 1));
+  std::vector<std::string> f;
+  for (std::string w; fields >> w;) f.push_back(w);
+  return f.size() >= 20 && f[0] != "Z" && f[0] != "X" && std::stoull(f[19]) == start_time;
+}
+
+bool wait_until(const std::function<bool()>& done, std::chrono::milliseconds limit) {
+  auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+pid_t spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env, const fs::path& log) {
+  std::vector<char*> argv, envp;
+  std::vector<std::string> a = args, e = extra_env;
+  for (auto& x : a) argv.push_back(x.data());
+  argv.push_back(nullptr);
+  for (char** p = environ; *p; ++p) e.emplace_back(*p);
+  for (auto& x : e) envp.push_back(x.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  ::posix_spawn_file_actions_init(&actions);
+  ::posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  ::posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  ::posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = 0;
+  int rc = ::posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+  ::posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) throw std::runtime_error(fmt::format("spawn {}: {}", args[0], std::strerror(rc)));
+  return pid;
+}
+
+// The layer server of LayersTest.AKilledServersLayerMountsKeepServingAfterARestart: this test binary once more,
+// running LayerServerProcess.ServesUntilTerminated on the test's directory.
+class LayerServerChild {
+ public:
+  LayerServerChild(const fs::path& dir, int run) : dir_(dir), run_(std::to_string(run)) {
+    log_ = dir_ / ("server-" + run_ + ".log");
+    pid_ = spawn({fs::read_symlink("/proc/self/exe").string(), "--gtest_filter=LayerServerProcess.ServesUntilTerminated"},
+                 {"DSEC_LAYER_SERVER_DIR=" + dir_.string(), "DSEC_LAYER_SERVER_RUN=" + run_}, log_);
+  }
+  ~LayerServerChild() { kill9(); }
+
+  // The lines of its ready file: the layer's directory, 1 when it took over an earlier server, layers adopted.
+  std::vector<std::string> wait_ready(std::chrono::seconds limit) {
+    std::vector<std::string> lines;
+    wait_until(
+        [&] {
+          lines.clear();
+          std::istringstream in(read_file(dir_ / ("ready." + run_)));
+          for (std::string l; std::getline(in, l);) lines.push_back(l);
+          return lines.size() >= 3 || ::waitpid(pid_, nullptr, WNOHANG) != 0;
+        },
+        limit);
+    return lines;
+  }
+  void kill9() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+  // SIGTERM (a clean shutdown); its exit status, -1 when it had to be killed.
+  int terminate() {
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    bool ended = wait_until([&] { return ::waitpid(pid_, &status, WNOHANG) == pid_; }, std::chrono::seconds(30));
+    if (!ended) {
+      kill9();
+      return -1;
+    }
+    pid_ = 0;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+  std::string log() const { return read_file(log_); }
+
+ private:
+  fs::path dir_, log_;
+  std::string run_;
+  pid_t pid_ = 0;
+};
+
+// Not a test of its own: the layer server process that AKilledServersLayerMountsKeepServingAfterARestart starts
+// (and kills), with the test's directory in DSEC_LAYER_SERVER_DIR.
+TEST(LayerServerProcess, ServesUntilTerminated) {
+  const char* dir_env = std::getenv("DSEC_LAYER_SERVER_DIR");
+  const char* run_env = std::getenv("DSEC_LAYER_SERVER_RUN");
+  if (dir_env == nullptr || run_env == nullptr)
+    GTEST_SKIP() << "the layer server process of LayersTest.AKilledServersLayerMountsKeepServingAfterARestart; it "
+                    "runs only when that test starts it";
+  const fs::path dir = dir_env;
+  const std::string run = run_env;
+  // SIGTERM is taken by sigwait below: blocked before any thread starts, so that no thread takes it.
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &term, nullptr);
+  LayerMetrics metrics;
+  auto store = std::make_shared<TestStore>(dir / "store");
+  store->hold_file = (dir / "hold").string();
+  Stores stores{store};
+  BlobCache cache(BlobCacheOptions{dir / "cache", 1ull << 30}, metrics);
+  LayerMounts mounts(LayerMountsOptions{dir / "run" / ".layers", LayerMode::kLazy, stores, {}}, cache, metrics);
+  image::ResolvedManifest resolved = image::fetch_manifest(*store, image::parse_reference("t/a:1"));
+  MountedLayer layer = mounts.acquire(resolved.manifest.layers.at(0), stores);
+  write_file(dir / ("ready." + run),
+             fmt::format("{}\n{}\n{}\n", layer.dir.string(), mounts.resumed() ? 1 : 0, mounts.adopted().size()));
+  int sig = 0;
+  sigwait(&term, &sig);
+  layer.hold.reset();
+  mounts.shutdown();
+}
+
+// Chunks the cache marks present for a layer.
+int present_chunks(const fs::path& cache_dir, const std::string& hex) {
+  std::string present = read_file(cache_dir / hex / "present");
+  return static_cast<int>(std::count(present.begin(), present.end(), '\1'));
+}
+
+TEST_F(LayersTest, AKilledServersLayerMountsKeepServingAfterARestart) {
+  if (std::string why = lazy_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  ASSERT_TRUE(fs::exists(default_keeper_binary())) << default_keeper_binary() << " is not built";
+  const std::string big = random_bytes(3u << 20, 7);
+  TestLayer layer = make_layer("a", {{"big.bin", big}, {"etc/hostname", "restart\n"}});
+  const std::string hex = image::digest_hex(layer.descriptor.digest);
+  const fs::path run = tmp_ / "run", mount_dir = run / ".layers";
+
+  int fd = -1;
+  std::future<std::string> held;
+  std::optional<LayerServerChild> first, second;
+  // Whatever happens, nothing stays: servers killed, the keeper ended (which ends the connection, so a read still
+  // waiting on it returns), mounts detached.
+  struct Cleanup {
+    std::optional<LayerServerChild>& first;
+    std::optional<LayerServerChild>& second;
+    fs::path run;
+    int& fd;
+    ~Cleanup() {
+      first.reset();
+      second.reset();
+      std::string why;
+      if (auto keeper = LayerKeeper::find(run / ".layers" / "keeper", why)) keeper->stop();
+      std::vector<std::string> points;
+      std::ifstream in("/proc/self/mountinfo");
+      for (std::string line; std::getline(in, line);) {
+        std::istringstream f(line);
+        std::string a, b, c, d, point;
+        f >> a >> b >> c >> d >> point;
+        if (point.rfind(run.string(), 0) == 0) points.push_back(point);
+      }
+      for (auto it = points.rbegin(); it != points.rend(); ++it) ::umount2(it->c_str(), MNT_DETACH);
+      if (fd >= 0) ::close(fd);
+    }
+  } cleanup{first, second, run, fd};
+
+  first.emplace(tmp_.path(), 1);
+  std::vector<std::string> ready = first->wait_ready(std::chrono::seconds(60));
+  ASSERT_EQ(ready.size(), 3u) << first->log();
+  const fs::path dir = ready[0];
+  EXPECT_EQ(ready[1], "0");
+  std::optional<KeeperRecord> keeper = read_keeper_record(mount_dir / "keeper");
+  ASSERT_TRUE(keeper);
+  EXPECT_TRUE(running(keeper->pid, keeper->start_time));
+
+  fd = ::open((dir / "big.bin").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  std::string head(64u << 10, '\0');
+  ASSERT_EQ(::pread(fd, head.data(), head.size(), 0), static_cast<ssize_t>(head.size()));
+  EXPECT_EQ(head, big.substr(0, head.size()));
+
+  // A read of data nobody fetched yet, held in the server's store read; then the server is killed.
+  const off_t held_at = 2 << 20;
+  write_file(tmp_ / "hold", "");
+  held = std::async(std::launch::async, [fd, held_at] {
+    std::string b(64u << 10, '\0');
+    ssize_t n = ::pread(fd, b.data(), b.size(), held_at);
+    b.resize(n < 0 ? 0 : static_cast<std::size_t>(n));
+    return b;
+  });
+  ASSERT_TRUE(wait_until([&] { return fs::exists(tmp_ / "hold.seen"); }, std::chrono::seconds(30))) << first->log();
+  first->kill9();
+  EXPECT_TRUE(running(keeper->pid, keeper->start_time)) << "the keeper ended with the server";
+  EXPECT_TRUE(is_mounted(dir));
+  EXPECT_EQ(held.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the held read ended with its server";
+  const int present_before = present_chunks(tmp_ / "cache", hex);
+  fs::remove(tmp_ / "hold");
+
+  // The next server takes the connection and the layer mount over, and answers the read the first one took.
+  second.emplace(tmp_.path(), 2);
+  ready = second->wait_ready(std::chrono::seconds(60));
+  ASSERT_EQ(ready.size(), 3u) << second->log();
+  EXPECT_EQ(ready[0], dir.string()) << "acquire() of the adopted layer gives its directory";
+  EXPECT_EQ(ready[1], "1") << second->log();
+  EXPECT_EQ(ready[2], "1");
+  ASSERT_EQ(held.wait_for(std::chrono::seconds(30)), std::future_status::ready) << second->log();
+  EXPECT_EQ(held.get(), big.substr(held_at, 64u << 10));
+
+  // The rest of the file, none of it fetched before: the new server fetches it.
+  std::string rest;
+  char buf[1 << 16];
+  for (off_t off = static_cast<off_t>(head.size());;) {
+    ssize_t n = ::pread(fd, buf, sizeof buf, off);
+    ASSERT_GE(n, 0) << std::strerror(errno);
+    if (n == 0) break;
+    rest.append(buf, static_cast<std::size_t>(n));
+    off += n;
+  }
+  EXPECT_TRUE(rest == big.substr(head.size())) << "the rest of the file differs (" << rest.size() << " bytes)";
+  EXPECT_GE(present_chunks(tmp_ / "cache", hex), present_before + 100);
+  EXPECT_EQ(read_file(dir / "etc/hostname"), "restart\n");
+  ::close(fd);
+  fd = -1;
+  std::optional<KeeperRecord> now = read_keeper_record(mount_dir / "keeper");
+  ASSERT_TRUE(now);
+  EXPECT_EQ(now->pid, keeper->pid) << "the first server's keeper holds the connection for the second";
+
+  // A clean shutdown leaves no mount, no keeper and no record.
+  EXPECT_EQ(second->terminate(), 0) << second->log();
+  EXPECT_FALSE(mounted_below(run));
+  EXPECT_TRUE(wait_until([&] { return !running(keeper->pid, keeper->start_time); }, std::chrono::seconds(5)));
+  EXPECT_FALSE(fs::exists(mount_dir));
+}
+
+TEST_F(LayersTest, CleanShutdownLeavesNoMountKeeperOrRecordAndAnEndedKeeperIsReplaced) {
+  if (std::string why = lazy_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  ASSERT_TRUE(fs::exists(default_keeper_binary())) << default_keeper_binary() << " is not built";
+  TestLayer layer = make_layer("a", sample_files());
+  BlobCache cache = make_cache();
+  fs::path mounts_dir = tmp_ / "run" / ".layers";
+  LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kLazy, {}, {}}, cache, metrics_);
+  const pid_t keeper = mounts.keeper_pid();
+  ASSERT_GT(keeper, 0);
+  const std::uint64_t started = process_start_time(keeper);
+  EXPECT_TRUE(running(keeper, started));
+  std::optional<KeeperRecord> record = read_keeper_record(mounts_dir / "keeper");
+  ASSERT_TRUE(record);
+  EXPECT_EQ(record->pid, keeper);
+  EXPECT_EQ(record->start_time, started);
+  EXPECT_EQ(record->boot_id, current_boot_id());
+  struct stat blobs {};
+  ASSERT_EQ(::stat((mounts_dir / "blobs").c_str(), &blobs), 0);
+  EXPECT_EQ(record->connection, minor(blobs.st_dev));
+  // The keeper holds the FUSE device and nothing else; it sits at / in a session of its own.
+  std::set<std::string> fds;
+  for (const auto& item : fs::directory_iterator(fmt::format("/proc/{}/fd", keeper)))
+    fds.insert(item.path().filename().string());
+  EXPECT_EQ(fds, (std::set<std::string>{"0", "1", "2", "3"}));
+  EXPECT_EQ(fs::read_symlink(fmt::format("/proc/{}/fd/3", keeper)), "/dev/fuse");
+  EXPECT_EQ(fs::read_symlink(fmt::format("/proc/{}/fd/0", keeper)), "/dev/null");
+  EXPECT_EQ(fs::read_symlink(fmt::format("/proc/{}/cwd", keeper)), "/");
+  EXPECT_EQ(::getsid(keeper), keeper);
+
+  // Node ids are a function of the digest: the same in every run of the agent.
+  MountedLayer m = mounts.acquire(layer.descriptor, stores_);
+  const std::string hex = image::digest_hex(layer.descriptor.digest);
+  struct stat meta {}, data {};
+  ASSERT_EQ(::stat((mounts_dir / "blobs" / hex).c_str(), &meta), 0);
+  ASSERT_EQ(::stat((mounts_dir / "blobs" / (hex + ".data")).c_str(), &data), 0);
+  EXPECT_EQ(meta.st_ino, layer_inode(hex, false));
+  EXPECT_EQ(data.st_ino, layer_inode(hex, true));
+  EXPECT_NE(layer_inode(hex, false), layer_inode(hex, true));
+  EXPECT_GT(layer_inode(std::string(64, '0'), false), 1u);
+  EXPECT_EQ(read_file(m.dir / "big.bin"), sample_files().at("big.bin"));
+
+  // A keeper that ends while the file system is mounted is replaced at the next prune.
+  ASSERT_EQ(::kill(keeper, SIGKILL), 0);
+  ASSERT_TRUE(wait_until([&] { return !running(keeper, started); }, std::chrono::seconds(5)));
+  mounts.prune();
+  const pid_t replacement = mounts.keeper_pid();
+  ASSERT_GT(replacement, 0);
+  EXPECT_NE(replacement, keeper);
+  const std::uint64_t replacement_started = process_start_time(replacement);
+  EXPECT_TRUE(running(replacement, replacement_started));
+  ASSERT_TRUE(read_keeper_record(mounts_dir / "keeper"));
+  EXPECT_EQ(read_keeper_record(mounts_dir / "keeper")->pid, replacement);
+
+  m.hold.reset();
+  mounts.shutdown();
+  EXPECT_FALSE(mounted_below(mounts_dir));
+  EXPECT_FALSE(fs::exists(mounts_dir));
+  EXPECT_FALSE(running(replacement, replacement_started));
+  EXPECT_EQ(mounts.keeper_pid(), 0);
+}
+
+void write_record(const fs::path& path, pid_t pid, std::uint64_t start_time, const std::string& boot_id,
+                  unsigned connection) {
+  write_file(path, fmt::format("pid {}\nstart_time {}\nboot_id {}\nconnection {}\n", pid, start_time, boot_id,
+                               connection));
+}
+
+TEST_F(LayersTest, AKeeperRecordIsTrustedOnlyForTheProcessItNames) {
+  // Another process, started here: a pid the record may name after its keeper is gone.
+  pid_t other = spawn({"sleep", "60"}, {}, tmp_ / "sleep.log");
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } reap{other};
+  ASSERT_TRUE(wait_until([&] { return read_file(fmt::format("/proc/{}/comm", other)) == "sleep\n"; },
+                         std::chrono::seconds(5)));
+  const std::uint64_t started = process_start_time(other);
+  ASSERT_GT(started, 0u);
+  const fs::path record = tmp_ / "keeper";
+  std::string why;
+
+  EXPECT_EQ(LayerKeeper::find(record, why), nullptr);
+  EXPECT_EQ(why, "") << "no record: nothing to say";
+
+  write_file(record, "pid twelve\n");
+  EXPECT_EQ(LayerKeeper::find(record, why), nullptr);
+  EXPECT_NE(why.find("cannot be read"), std::string::npos) << why;
+
+  write_record(record, other, started + 1, current_boot_id(), 7);  // the pid, reused by another process
+  EXPECT_EQ(LayerKeeper::find(record, why), nullptr);
+  EXPECT_NE(why.find("another process"), std::string::npos) << why;
+
+  write_record(record, other, started, current_boot_id(), 7);  // the right start time, but not the keeper
+  EXPECT_EQ(LayerKeeper::find(record, why), nullptr);
+  EXPECT_NE(why.find("runs 'sleep'"), std::string::npos) << why;
+
+  write_record(record, other, started, "00000000-0000-0000-0000-000000000000", 7);
+  EXPECT_EQ(LayerKeeper::find(record, why), nullptr);
+  EXPECT_NE(why.find("earlier boot"), std::string::npos) << why;
+  EXPECT_TRUE(running(other, started)) << "a process the record names but that is not the keeper was signalled";
+
+  // Layer mounts under such a record are not taken over: detached, and the other process left alone.
+  if (std::string skip = lazy_skip_reason(); !skip.empty()) GTEST_SKIP() << skip;
+  fs::path mounts_dir = tmp_ / "run" / ".layers";
+  fs::create_directories(mounts_dir / "blobs");
+  fs::create_directories(mounts_dir / "0123");
+  ASSERT_EQ(::mount("dsec-stale", (mounts_dir / "blobs").c_str(), "tmpfs", 0, nullptr), 0);
+  ASSERT_EQ(::mount("dsec-stale", (mounts_dir / "0123").c_str(), "tmpfs", 0, nullptr), 0);
+  struct stat blobs {};
+  ASSERT_EQ(::stat((mounts_dir / "blobs").c_str(), &blobs), 0);
+  write_record(mounts_dir / "keeper", other, started + 1, current_boot_id(), minor(blobs.st_dev));
+  BlobCache cache = make_cache();
+  {
+    LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kLazy, {}, {}}, cache, metrics_);
+    EXPECT_FALSE(mounts.resumed());
+    EXPECT_TRUE(mounts.adopted().empty());
+    EXPECT_FALSE(is_mounted(mounts_dir / "0123"));
+    EXPECT_TRUE(is_mounted(mounts_dir / "blobs"));  // its own FUSE mount now
+    EXPECT_NE(mounts.keeper_pid(), other);
+    ASSERT_TRUE(read_keeper_record(mounts_dir / "keeper"));
+    EXPECT_EQ(read_keeper_record(mounts_dir / "keeper")->pid, mounts.keeper_pid());
+  }
+  EXPECT_TRUE(running(other, started));
+  EXPECT_FALSE(mounted_below(mounts_dir));
+}
+
+TEST_F(LayersTest, ExtractedLayersOfAnEarlierAgentAreKeptUntilTheFirstPrune) {
+  if (::geteuid() != 0) GTEST_SKIP() << "fsck.erofs --preserve needs root";
+  TestLayer layer = make_layer("a", sample_files());
+  const fs::path mounts_dir = tmp_ / "run" / ".layers";
+  fs::path dir;
+  {
+    BlobCache cache = make_cache();
+    LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kExtract, {}, {}}, cache, metrics_);
+    MountedLayer m = mounts.acquire(layer.descriptor, stores_);
+    dir = m.dir;
+    EXPECT_TRUE(mounts.adopted().empty());
+  }
+  // The next agent, with a cache limit that every unused layer is over.
+  BlobCache cache = make_cache(1);
+  LayerMounts mounts(LayerMountsOptions{mounts_dir, LayerMode::kExtract, stores_, {}}, cache, metrics_);
+  EXPECT_EQ(mounts.adopted(), std::vector<std::string>{layer.descriptor.digest});
+  EXPECT_EQ(cache.enforce_limit(), 0u) << "an adopted layer was evicted before its sandboxes were taken over";
+  const std::uint64_t before = fetches();
+  {
+    MountedLayer again = mounts.acquire(layer.descriptor, stores_);
+    EXPECT_EQ(again.dir, dir);
+    EXPECT_EQ(read_file(again.dir / "big.bin"), sample_files().at("big.bin"));
+    EXPECT_EQ(mounts.prune(), 0u);  // held again
+  }
+  EXPECT_EQ(fetches(), before);
+  EXPECT_EQ(mounts.prune(), 1u);
+  EXPECT_TRUE(cache.layers().empty()) << "unused and over the limit once released";
 }
 
 TEST(LayerModeTest, ParsesTheThreeModes) {

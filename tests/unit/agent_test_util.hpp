@@ -46,7 +46,8 @@ class FakeImages final : public ImageSource {
   std::set<std::string> names_;
 };
 
-// Wraps the null backend: counts creates, can sleep in each, fail the n-th, and make sandboxes report dead.
+// Wraps the null backend: counts creates, can sleep in each, fail the n-th, and make sandboxes report dead. Takes
+// sandboxes over after a restart (adopt), except those named in `dead`; with `can_sleep`, its sandboxes sleep.
 class ProbeBackend final : public Backend {
  public:
   struct State {
@@ -59,6 +60,8 @@ class ProbeBackend final : public Backend {
     std::atomic<int> sleeps{0}, wakes{0};
     std::mutex mutex;
     std::vector<std::string> leftovers_removed;
+    std::set<std::string> dead;          // adopt of these ids finds them gone (NOT_FOUND)
+    std::vector<AdoptParams> adopted;    // every adopt call
   };
 
   explicit ProbeBackend(std::shared_ptr<State> state, std::string kind = "null")
@@ -71,6 +74,17 @@ class ProbeBackend final : public Backend {
     if (int ms = state_->create_delay_ms.load()) std::this_thread::sleep_for(std::chrono::milliseconds{ms});
     if (n == state_->fail_at.load()) throw Error(Code::kInternal, fmt::format("create #{} failed on purpose", n));
     return std::make_unique<Sandbox>(inner_->create(params), state_);
+  }
+
+  std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) override {
+    {
+      std::lock_guard lock(state_->mutex);
+      state_->adopted.push_back(params);
+      if (state_->dead.count(params.id)) throw Error(Code::kNotFound, "its processes are gone");
+    }
+    auto sandbox = std::make_unique<Sandbox>(inner_->adopt(params), state_);
+    sandbox->sleeping = params.sleeping;
+    return sandbox;
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -90,17 +104,22 @@ class ProbeBackend final : public Backend {
     void put_archive(std::string_view d, std::string_view t) override { inner_->put_archive(d, t); }
     std::string get_archive(std::string_view d) override { return inner_->get_archive(d); }
     bool is_directory(std::string_view p) override { return inner_->is_directory(p); }
+    BackendState recovery_state() override { return {{"made_by", "probe"}}; }
     bool alive() override { return state_->alive.load() && inner_->alive(); }
     void destroy() override { inner_->destroy(); }
     // Each call reports its own number as memory_after_bytes, so a repeated answer is told from a new call.
     SleepReport sleep() override {
       if (!state_->can_sleep) return inner_->sleep();
+      sleeping = true;
       return SleepReport{1000, static_cast<std::uint64_t>(++state_->sleeps), 0.001};
     }
     SleepReport wake() override {
       if (!state_->can_sleep) return inner_->wake();
+      sleeping = false;
       return SleepReport{0, static_cast<std::uint64_t>(++state_->wakes), 0.001};
     }
+
+    std::atomic<bool> sleeping{false};
 
    private:
     std::unique_ptr<BackendSandbox> inner_;

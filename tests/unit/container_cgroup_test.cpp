@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -187,6 +188,79 @@ TEST_F(CgroupDriverTest, RemoveEmptyGroupsLeavesPopulatedOnesAlone) {
   busy.reset();
   idle.reset();
   driver->remove_subtree_if_empty();
+}
+
+// After an agent restart: a second driver takes a sandbox's groups over as the first left them (frozen, with exec
+// groups of ended and of cut-short execs), kills the cut-short exec's processes, keeps the background ones, puts
+// back the memory limit it is told, and destroys them all in the end.
+TEST_F(CgroupDriverTest, ASecondDriverTakesASandboxsGroupsOver) {
+  Resources r;
+  r.memory_bytes = 64ull << 20;
+  auto first = make_cgroup_driver(name_);
+  auto group = first->create("sb1", r);
+  const std::string path = group->path();
+  EXPECT_EQ(path, "/" + name_ + "/sb1");
+  auto start_in = [&](const std::string& exec) {
+    auto fds = group->create_exec_group(exec);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      if (::write(fds[0].get(), "0", 1) != 1) ::_exit(3);
+      ::pause();
+      ::_exit(0);
+    }
+    return pid;
+  };
+  pid_t background = start_in("x0");  // an ended exec's background process
+  pid_t cut_short = start_in("x3");   // an exec in flight when the agent died
+  const std::string pids_dir = first->version() == "v2" ? "/sys/fs/cgroup" + path : "/sys/fs/cgroup/pids" + path;
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while ((read_pids(pids_dir + "/x0/cgroup.procs").empty() || read_pids(pids_dir + "/x3/cgroup.procs").empty()) &&
+         std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  group->freeze();
+  (void)group.release();  // the first agent dies: nothing of it runs its clean-up
+
+  auto second = make_cgroup_driver(name_);
+  EXPECT_THROW(second->adopt("/" + name_ + "/../x"), Error);
+  try {
+    second->adopt("/" + name_ + "/nope");
+    ADD_FAILURE() << "adopted groups that do not exist";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kNotFound) << e.what();
+  }
+  auto adopted = second->adopt(path);
+  EXPECT_EQ(adopted->path(), path);
+  EXPECT_TRUE(adopted->frozen());
+  adopted->thaw();
+  EXPECT_FALSE(adopted->frozen());
+  auto execs = adopted->exec_groups();
+  std::sort(execs.begin(), execs.end());
+  EXPECT_EQ(execs, (std::vector<std::string>{"x0", "x3"}));
+  adopted->adopt_exec_group("x3", true);
+  int status = 0;
+  ASSERT_EQ(::waitpid(cut_short, &status, 0), cut_short);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_FALSE(fs::exists(pids_dir + "/x3"));
+  adopted->adopt_exec_group("x0", false);
+  EXPECT_EQ(::kill(background, 0), 0) << "a background process of an ended exec was killed";
+  EXPECT_TRUE(fs::exists(pids_dir + "/x0"));  // still populated
+
+  adopted->set_restore_limit(32ull << 20);
+  adopted->restore_memory();
+  if (second->version() == "v1") {
+    std::ifstream in("/sys/fs/cgroup/memory" + path + "/memory.limit_in_bytes");
+    std::string limit;
+    in >> limit;
+    EXPECT_EQ(limit, std::to_string(32ull << 20));
+  }
+
+  ::kill(background, SIGKILL);
+  ASSERT_EQ(::waitpid(background, &status, 0), background);
+  adopted->release_exec_group("x0");  // an ended exec's group goes once empty
+  EXPECT_FALSE(fs::exists(pids_dir + "/x0"));
+  adopted->destroy();
+  EXPECT_FALSE(fs::exists(pids_dir));
+  second->remove_subtree_if_empty();
 }
 
 }  // namespace

@@ -93,7 +93,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   Registry::Backends backends;
   for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
-  registry_->remove_leftovers_of_earlier_run();
+  if (config_.adopt_sandboxes) recovery_ = registry_->recover_earlier_run();
+  else registry_->remove_leftovers_of_earlier_run();
 
   SnapshotOptions snapshots;
   snapshots.node_id = config_.node_id;
@@ -189,6 +190,7 @@ void Agent::stop() {
   // create that was in flight may have added a sandbox meanwhile, so look once more.
   server_->wait_connections();
   destroyed += registry_->destroy_all("agent shutdown");
+  registry_->forget_requests();
   if (destroyed > 0) log_info("destroyed {} sandboxes at shutdown", destroyed);
   for (auto& [kind, backend] : backends_) {
     try {
@@ -205,6 +207,19 @@ void Agent::stop() {
   }
   // No sandbox is left to use the swap the agent made: turn it off (its pages come back into RAM first).
   if (swap_) swap_->turn_off();
+}
+
+void Agent::leave() {
+  if (stopped_ || !started_) return;
+  stopped_ = true;
+  server_->stop_accepting();
+  {
+    std::lock_guard lock(reaper_mutex_);
+    stopping_ = true;
+  }
+  reaper_wake_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+  log_info("leaving {} sandboxes running for the next start to take over", registry_->load().sandboxes);
 }
 
 NodeInfo Agent::node_info() const {

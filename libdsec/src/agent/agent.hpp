@@ -50,6 +50,15 @@ class Agent {
   // The orderly shutdown: leave etcd (revoke the lease), stop accepting, destroy every sandbox, shut the backends down, remove the socket file,
   // wait for the connections to end. Idempotent.
   void stop();
+  // Stops serving and leaves every sandbox running, for the next start of the agent to take over (dsecd on
+  // SIGUSR2): leaves etcd without revoking its lease (a restart within the lease's TTL keeps the node registered),
+  // stops accepting and stops the reaper. Requests in flight are cut off when the process exits, as by a crash: a
+  // create not yet answered is rolled back and an exec still running is killed by the next start. Nothing is
+  // released, so the process must then exit without destroying this object (its sandbox objects would destroy their
+  // sandboxes): dsecd leaks it on purpose.
+  void leave();
+  // What start-up found of an earlier run (with adopt_sandboxes; zeros otherwise).
+  const RecoveryReport& recovery() const noexcept { return recovery_; }
 
   NodeInfo node_info() const;
   const AgentConfig& config() const noexcept { return config_; }
@@ -74,6 +83,7 @@ class Agent {
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only
+  RecoveryReport recovery_;
 
   std::mutex reaper_mutex_;
   std::condition_variable reaper_wake_;

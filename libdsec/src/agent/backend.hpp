@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -22,6 +23,20 @@ struct CreateParams {
   std::string id;                                   // unique on this node, also the default hostname
   SandboxSpec spec;                                 // validated
   std::vector<std::filesystem::path> image_layers;  // read-only root layers, lowest first
+};
+
+// What a backend needs to take one of its sandboxes over after an agent restart: a few named values (pids, start
+// times, cgroup paths, namespace identities), kept in the sandbox's record on disk. The registry stores them and
+// hands them back; only the backend reads them.
+using BackendState = std::map<std::string, std::string, std::less<>>;
+
+// A sandbox an earlier run of the agent made, as its record on disk describes it.
+struct AdoptParams {
+  std::string id;
+  SandboxSpec spec;
+  std::vector<std::filesystem::path> image_layers;  // as they were at create
+  BackendState state;                               // BackendSandbox::recovery_state() at create
+  bool sleeping = false;                            // the record says "sleeping": it stays asleep
 };
 
 // Receives an exec's output as it is read: fd 1 (stdout) or 2 (stderr) and the bytes. Called on the exec's thread;
@@ -76,6 +91,9 @@ class BackendSandbox {
   virtual FilesCapture capture_files(const std::filesystem::path& dest, const image::UpperTreeLimits& limits) {
     throw Error(Code::kUnimplemented, "this backend's sandboxes cannot be snapshotted");
   }
+  // What Backend::adopt needs to take this sandbox over after an agent restart; the registry writes it into the
+  // sandbox's record once create returned. Empty for backends that need nothing.
+  virtual BackendState recovery_state() { return {}; }
 
   // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
   virtual bool alive() = 0;
@@ -90,8 +108,18 @@ class Backend {
   virtual std::string_view kind() const = 0;
   // Starts a sandbox and returns once it can take an exec.
   virtual std::unique_ptr<BackendSandbox> create(const CreateParams& params) = 0;
+  // Takes over a sandbox that an earlier run of this agent made and left running (the agent was killed or crashed):
+  // checks that it is alive and verifiably the same sandbox, ends what the old agent left half done inside it
+  // (execs whose callers are gone; a freeze its recorded state does not explain) and returns it working. Throws
+  // NOT_FOUND when the sandbox is gone (its processes died while no agent watched them), another code when it cannot
+  // be taken over; the registry then marks it failed and calls remove_leftovers(id).
+  virtual std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) {
+    throw Error(Code::kUnimplemented,
+                "sandbox " + params.id + ": this backend cannot take sandboxes over after an agent restart");
+  }
   // Releases what sandbox `id` of an earlier run of this agent left behind (its processes, cgroups, run
-  // directory). The agent calls it at start-up for each sandbox in its on-disk records. Idempotent.
+  // directory). The agent calls it at start-up for each sandbox of its on-disk records that it does not take over
+  // (a create or destroy the old agent left half done, a sandbox that died or could not be adopted). Idempotent.
   virtual void remove_leftovers(const std::string& id) {}
   // Called once at agent shutdown, after every sandbox was destroyed: release pools and pre-made resources.
   virtual void shutdown() {}

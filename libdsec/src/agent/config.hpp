@@ -28,6 +28,9 @@ struct AgentConfig {
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   std::vector<std::string> backends{"container"};  // kinds this agent serves: "container", "null"
+  // At start-up, the sandboxes an earlier run left (it was killed, crashed, or left them on purpose) are taken over
+  // (true; dsecd --on-restart adopt) or destroyed (false; --on-restart remove). See Registry::recover_earlier_run.
+  bool adopt_sandboxes = true;
   // Switch the host's cgroup locking to favour migrations (see enable_cgroup_favordynmods): cuts create's tail
   // latency; a host-wide setting, so off unless asked for.
   bool cgroup_favordynmods = false;

@@ -50,6 +50,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
                           for more
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
   --backends LIST         comma-separated: container, null (default container; null simulates the control plane)
+  --on-restart MODE       what to do at start with the sandboxes an earlier run left (it was killed, crashed, or
+                          left them on SIGUSR2): adopt takes over those still alive and marks the dead ones failed;
+                          remove destroys them all (default adopt)
   --netns-pool N          network namespaces kept ready (default 32)
   --cgroup-name NAME      cgroup subtree of this agent (default dsec)
   --cgroup-favordynmods   switch the host's cgroup locking to favour migrations (remounts a cgroup hierarchy with
@@ -79,6 +82,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --ready-fd N            write "ready\n" to fd N and close it once listening
   --version               print the version
   --help                  this text
+
+Signals: SIGTERM or SIGINT stops the agent and destroys every sandbox; SIGUSR2 stops it and leaves every sandbox
+running for the next start to take over (keep --home, --state-dir, --run-dir, --cgroup-name and --node-id).
 )";
 
 [[noreturn]] void fail(std::string_view message) {
@@ -191,6 +197,10 @@ int main(int argc, char** argv) {
       config.init_binary = std::string(value);
     } else if (flag == "--backends") {
       config.backends = split_list(value);
+    } else if (flag == "--on-restart") {
+      if (value != "adopt" && value != "remove")
+        fail(fmt::format("--on-restart: '{}' is not one of adopt, remove", value));
+      config.adopt_sandboxes = value == "adopt";
     } else if (flag == "--netns-pool") {
       config.netns_pool_size = parse_unsigned(flag, value);
     } else if (flag == "--cgroup-favordynmods") {
@@ -257,10 +267,12 @@ int main(int argc, char** argv) {
   // starts background jobs with SIGINT ignored, and an ignored signal never reaches sigwait: restore the default.
   ::signal(SIGTERM, SIG_DFL);
   ::signal(SIGINT, SIG_DFL);
+  ::signal(SIGUSR2, SIG_DFL);
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
@@ -285,6 +297,14 @@ int main(int argc, char** argv) {
 
   int sig = 0;
   while (sigwait(&stop_signals, &sig) != 0) {
+  }
+  if (sig == SIGUSR2) {
+    // The sandbox objects would destroy their sandboxes with the agent: it is left undestroyed, on purpose.
+    agent->leave();
+    (void)agent.release();
+    dsec::agent::log_info("SIGUSR2: stopped; sandboxes left running");
+    std::fflush(stderr);
+    std::_Exit(0);
   }
   dsec::agent::log_info("{}: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   agent->stop();

@@ -37,7 +37,7 @@ class LayeredImageSource final : public ImageSource {
       : mode_(layers::parse_layer_mode(options.layer_mode)),
         stores_(open_stores(options)),
         cache_(layers::BlobCacheOptions{options.cache_dir, options.cache_bytes}, metrics),
-        mounts_(layers::LayerMountsOptions{options.mount_dir, mode_}, cache_, metrics) {
+        mounts_(layers::LayerMountsOptions{options.mount_dir, mode_, stores_, {}}, cache_, metrics) {
     for (const auto& url : options.stores) remote_ = remote_ || url.starts_with("http://") || url.starts_with("https://");
   }
 

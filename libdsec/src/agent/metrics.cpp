@@ -88,6 +88,11 @@ void Metrics::sandbox_failed(std::string_view kind) {
   bump(failed_, kind);
 }
 
+void Metrics::sandbox_recovered(std::string_view kind, std::string_view outcome) {
+  std::lock_guard lock(mutex_);
+  ++recovered_[{std::string(kind), std::string(outcome)}];
+}
+
 void Metrics::exec_done(std::string_view kind, double seconds) { exec_latency_.observe(seconds); }
 
 std::uint64_t Metrics::requests(std::string_view route, std::string_view method, int status) const {
@@ -106,6 +111,12 @@ std::uint64_t Metrics::destroyed(std::string_view kind) const {
   std::lock_guard lock(mutex_);
   auto it = destroyed_.find(kind);
   return it == destroyed_.end() ? 0 : it->second;
+}
+
+std::uint64_t Metrics::recovered(std::string_view kind, std::string_view outcome) const {
+  std::lock_guard lock(mutex_);
+  auto it = recovered_.find({std::string(kind), std::string(outcome)});
+  return it == recovered_.end() ? 0 : it->second;
 }
 
 std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less<>>& live) const {
@@ -127,6 +138,11 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
     for (const auto& [key, n] : create_errors_)
       out += fmt::format("dsec_sandbox_create_errors_total{{kind=\"{}\",code=\"{}\"}} {}\n", escape_label(key.first),
                          key.second, n);
+    header(out, "dsec_sandboxes_recovered_total", "counter",
+           "Sandboxes of an earlier agent run found at start-up, by what became of them.");
+    for (const auto& [key, n] : recovered_)
+      out += fmt::format("dsec_sandboxes_recovered_total{{kind=\"{}\",outcome=\"{}\"}} {}\n",
+                         escape_label(key.first), key.second, n);
   }
   header(out, "dsec_sandboxes_live", "gauge", "Sandboxes on this node now (running or failed, not yet destroyed).");
   for (const auto& [kind, n] : live) out += fmt::format("dsec_sandboxes_live{{kind=\"{}\"}} {}\n", escape_label(kind), n);

@@ -46,6 +46,8 @@ class Metrics {
   void sandbox_create_error(std::string_view kind, std::string_view code);
   void sandbox_destroyed(std::string_view kind);
   void sandbox_failed(std::string_view kind);
+  // A sandbox of an earlier agent run, at start-up: outcome "adopted", "failed", "rolled_back" or "destroyed".
+  void sandbox_recovered(std::string_view kind, std::string_view outcome);
   void exec_done(std::string_view kind, double seconds);
   void connection_opened() { connections_.fetch_add(1, std::memory_order_relaxed); }
   void connection_closed() { connections_.fetch_sub(1, std::memory_order_relaxed); }
@@ -61,6 +63,7 @@ class Metrics {
   std::uint64_t requests(std::string_view route, std::string_view method, int status) const;
   std::uint64_t created(std::string_view kind) const;
   std::uint64_t destroyed(std::string_view kind) const;
+  std::uint64_t recovered(std::string_view kind, std::string_view outcome) const;
 
  private:
   using Counters = std::map<std::string, std::uint64_t, std::less<>>;
@@ -70,6 +73,7 @@ class Metrics {
   std::map<std::tuple<std::string, std::string, int>, std::uint64_t> requests_;
   Counters created_, destroyed_, failed_;
   std::map<std::pair<std::string, std::string>, std::uint64_t> create_errors_;  // (kind, code)
+  std::map<std::pair<std::string, std::string>, std::uint64_t> recovered_;      // (kind, outcome)
   LatencyHistogram create_latency_;
   LatencyHistogram exec_latency_;
   std::atomic<std::int64_t> connections_{0};

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -17,6 +18,7 @@
 #include "common/protocol.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
+#include "image/store/digest.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -31,12 +33,15 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Two creates with one request_id must ask for the same thing; the request_id itself is not part of it.
+// Two creates with one request_id must ask for the same thing; the request_id itself is not part of it. A digest:
+// request ids are remembered by the hundred thousand, and on disk.
 std::string spec_fingerprint(const SandboxSpec& spec) {
   SandboxSpec copy = spec;
   copy.request_id.clear();
-  return protocol::encode(copy).dump();
+  return image::sha256_digest(protocol::encode(copy).dump());
 }
+
+constexpr int kRecordVersion = 2;
 
 std::string mib(std::uint64_t bytes) { return fmt::format("{:.0f}Mi", static_cast<double>(bytes) / (1 << 20)); }
 
@@ -87,12 +92,20 @@ bool selector_matches(const Labels& selector, const Labels& labels, std::string*
 }  // namespace
 
 struct Registry::Record {
-  mutable std::mutex mutex;  // guards info.state and info.message
+  mutable std::mutex mutex;  // guards info.state, info.message and image_hold
   SandboxInfo info;
   SandboxSpec spec;
   std::vector<std::filesystem::path> layers;
+  std::string image_manifest;    // as the client sent it (empty: the agent resolved the image in its stores)
+  std::string fingerprint;       // of the spec, for its request_id
+  BackendState backend_state;    // what the backend needs to take the sandbox over after a restart
   std::shared_ptr<const void> image_hold;  // the image's files stay while the sandbox lives
+  std::atomic<bool> hold_pending{false};   // adopted, but its image could not be acquired again yet
   std::unique_ptr<BackendSandbox> sandbox;
+  // One writer of the record's file at a time; once it is removed (the sandbox is gone), a late writer (a sleep, a
+  // liveness check racing the destroy) must not bring it back.
+  mutable std::mutex file_mutex;
+  mutable bool file_removed = false;
   std::atomic<bool> destroying{false};
   std::mutex power_mutex;    // one sleep or wake at a time
   // The last sleep or wake that carried a request id, and what it answered (guarded by power_mutex).
@@ -107,6 +120,55 @@ struct Registry::Record {
   }
 };
 
+// A record read back at start-up.
+struct Registry::LoadedRecord {
+  std::string disk_state;  // the state it was written with
+  std::shared_ptr<Record> record;
+};
+
+// What recover_one() made of a record.
+struct Registry::Recovered {
+  enum class Outcome { kAdopted, kFailed, kRolledBack, kDestroyed, kKept } outcome;
+  std::shared_ptr<Record> record;  // adopted, failed: goes live again; destroyed: its tombstone's info
+};
+
+namespace {
+
+// The backend object of a sandbox that an agent restart found dead or could not take over: nothing of it runs, and
+// every call but destroy fails. Destroy removes what is left of it once more.
+class GoneSandbox final : public BackendSandbox {
+ public:
+  GoneSandbox(std::string id, Backend& backend, std::string why)
+      : id_(std::move(id)), backend_(backend), why_(std::move(why)) {}
+  ExecResult exec(const ExecRequest&, const OutputSink&) override { throw gone(); }
+  void write_file(std::string_view, std::string_view, unsigned) override { throw gone(); }
+  std::string read_file(std::string_view) override { throw gone(); }
+  void put_archive(std::string_view, std::string_view) override { throw gone(); }
+  std::string get_archive(std::string_view) override { throw gone(); }
+  bool is_directory(std::string_view) override { throw gone(); }
+  SleepReport sleep() override { throw gone(); }
+  SleepReport wake() override { throw gone(); }
+  bool alive() override { return false; }
+  void destroy() override {
+    std::lock_guard lock(mutex_);
+    if (destroyed_) return;
+    backend_.remove_leftovers(id_);
+    destroyed_ = true;
+  }
+
+ private:
+  Error gone() const {
+    return Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not running: {}", id_, why_));
+  }
+  std::string id_;
+  Backend& backend_;
+  std::string why_;
+  std::mutex mutex_;
+  bool destroyed_ = false;
+};
+
+}  // namespace
+
 struct Registry::RequestEntry {
   enum class State { kPending, kDone, kFailed };
   State state = State::kPending;
@@ -117,7 +179,11 @@ struct Registry::RequestEntry {
 };
 
 Registry::Registry(RegistryOptions options, Backends backends, ImageSource& images, Metrics& metrics)
-    : options_(std::move(options)), backends_(std::move(backends)), images_(images), metrics_(metrics),
+    : options_(std::move(options)),
+      backends_(std::move(backends)),
+      images_(images),
+      metrics_(metrics),
+      request_log_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "requests.log"),
       rng_(std::random_device{}()) {
   if (!options_.clock) options_.clock = unix_now;
   if (options_.batch_parallelism == 0) options_.batch_parallelism = 1;
@@ -140,14 +206,15 @@ std::vector<std::string> Registry::kinds() const {
 
 CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_manifest) {
   std::shared_ptr<RequestEntry> entry;
+  std::string fingerprint;
   if (!spec.request_id.empty()) {
-    std::string fingerprint = spec_fingerprint(spec);
+    fingerprint = spec_fingerprint(spec);
     std::unique_lock lock(mutex_);
     evict(now());
     auto it = requests_.find(spec.request_id);
     if (it == requests_.end()) {
       entry = std::make_shared<RequestEntry>();
-      entry->fingerprint = std::move(fingerprint);
+      entry->fingerprint = fingerprint;
       entry->at = now();
       requests_.emplace(spec.request_id, entry);
       request_order_.emplace_back(entry->at, spec.request_id);
@@ -165,13 +232,18 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
   }
 
   try {
-    CreateOutcome outcome = create_new(spec, image_manifest);
+    CreateOutcome outcome = create_new(spec, image_manifest, fingerprint);
+    double at = 0;
     if (entry) {
       std::lock_guard lock(mutex_);
       entry->state = RequestEntry::State::kDone;
       entry->sandbox_id = outcome.info.id;
+      at = entry->at;
     }
     request_done_.notify_all();
+    // After the entry is done (see RequestLog::rewrite). Until this line is written, the sandbox's record holds
+    // its request id for a restart.
+    if (entry) request_log_.append(RequestLog::Entry{spec.request_id, outcome.info.id, fingerprint, at});
     return outcome;
   } catch (const std::exception& e) {
     Error error = as_error(e);
@@ -191,7 +263,8 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
   }
 }
 
-CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest) {
+CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest,
+                                   const std::string& fingerprint) {
   auto started = std::chrono::steady_clock::now();
   auto backend_it = backends_.find(spec.kind);
   if (backend_it == backends_.end())
@@ -242,18 +315,27 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     info.state = "creating";
     record->spec = spec;
     record->layers = image.layers;
+    record->image_manifest = std::string(image_manifest);
+    record->fingerprint = fingerprint;
     write_record(*record);
     try {
       record->sandbox = backend.create(params);
     } catch (...) {
-      remove_record_file(id);
+      remove_record_file(*record);
       throw;
     }
     if (!record->sandbox) {
-      remove_record_file(id);
+      remove_record_file(*record);
       throw Error(Code::kInternal, fmt::format("backend '{}' returned no sandbox", spec.kind));
     }
 
+    try {
+      record->backend_state = record->sandbox->recovery_state();
+    } catch (...) {
+      record->sandbox->destroy();
+      remove_record_file(*record);
+      throw;
+    }
     double created_at = now();
     info.state = "running";
     info.tenant = spec.tenant;
@@ -267,7 +349,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
       write_record(*record);
     } catch (...) {
       record->sandbox->destroy();
-      remove_record_file(id);
+      remove_record_file(*record);
       throw;
     }
   } catch (...) {
@@ -416,9 +498,12 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
 }
 
 void Registry::forget_request_id(const std::string& request_id, const std::string& sandbox_id) {
-  std::lock_guard lock(mutex_);
-  auto it = requests_.find(request_id);
-  if (it != requests_.end() && it->second->sandbox_id == sandbox_id) requests_.erase(it);
+  {
+    std::lock_guard lock(mutex_);
+    auto it = requests_.find(request_id);
+    if (it != requests_.end() && it->second->sandbox_id == sandbox_id) requests_.erase(it);
+  }
+  request_log_.forget(request_id, sandbox_id);
 }
 
 SandboxInfo Registry::info_of(const std::string& id) const {
@@ -446,7 +531,13 @@ void Registry::check_alive(Record& record) {
       changed = true;
     }
   }
-  if (changed) metrics_.sandbox_failed(record.info.kind);
+  if (!changed) return;
+  metrics_.sandbox_failed(record.info.kind);
+  try {
+    if (!record.destroying.load()) write_record(record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its failure: {}", record.info.id, e.what());
+  }
 }
 
 SandboxInfo Registry::get(const std::string& id) {
@@ -614,14 +705,23 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
     }
     record = it->second;
   }
-  record->destroying = true;
+  // On disk first: an agent that dies from here on finishes the destroy when it starts again. (A second destroy
+  // racing this one leaves the record to it.)
+  const bool first = !record->destroying.exchange(true);
+  if (first) mark_destroying(*record, true);
   try {
     record->sandbox->destroy();
   } catch (...) {
-    record->destroying = false;
+    if (first) {
+      mark_destroying(*record, false);
+      record->destroying = false;
+    }
     throw;
   }
-  record->image_hold.reset();
+  {
+    std::lock_guard lock(record->mutex);
+    record->image_hold.reset();
+  }
 
   SandboxInfo info = record->snapshot();
   info.state = "destroyed";
@@ -651,7 +751,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       record->info.state = "destroyed";
       record->info.message = info.message;
     }
-    remove_record_file(id);
+    remove_record_file(*record);
     metrics_.sandbox_destroyed(info.kind);
   }
   return info;
@@ -692,6 +792,31 @@ void Registry::reap() {
     records.reserve(records_.size());
     for (const auto& [id, record] : records_) records.push_back(record);
   }
+  for (const auto& record : records)
+    if (record->hold_pending.load() && !record->destroying.load()) hold_image(*record);
+  // The request log grows by a line per create: rewrite it from what is remembered once that is far behind.
+  std::size_t remembered;
+  {
+    std::lock_guard lock(mutex_);
+    remembered = requests_.size();
+  }
+  if (request_log_.appended() > std::max<std::size_t>(4096, 2 * remembered)) {
+    try {
+      request_log_.rewrite([this] {
+        std::vector<RequestLog::Entry> entries;
+        std::lock_guard lock(mutex_);
+        for (const auto& [at, request_id] : request_order_) {
+          auto it = requests_.find(request_id);
+          if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone)
+            continue;
+          entries.push_back(RequestLog::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
+        }
+        return entries;
+      });
+    } catch (const std::exception& e) {
+      log_warn("reaper: request log: {}", e.what());
+    }
+  }
   for (const auto& record : records) {
     double expires_at = record->snapshot().expires_at;
     try {
@@ -723,6 +848,17 @@ std::size_t Registry::destroy_all(std::string_view reason) {
     }
   }
   return destroyed;
+}
+
+void Registry::forget_requests() {
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = requests_.begin(); it != requests_.end();) {
+      if (it->second->state == RequestEntry::State::kPending) ++it;
+      else it = requests_.erase(it);
+    }
+  }
+  request_log_.remove();
 }
 
 std::size_t Registry::destroy_ids(const std::vector<std::string>& ids, std::string_view reason) {
@@ -786,72 +922,378 @@ void Registry::evict(double t) {
 
 void Registry::write_record(const Record& record) const {
   if (options_.state_dir.empty()) return;
+  std::lock_guard file_lock(record.file_mutex);
+  if (record.file_removed) return;
+  const SandboxInfo info = record.snapshot();
   protocol::json layers = protocol::json::array();
   for (const auto& l : record.layers) layers.push_back(l.string());
-  protocol::json j{{"version", 1},
-                   {"info", protocol::encode(record.info)},
+  protocol::json j{{"version", kRecordVersion},
+                   {"info", protocol::encode(info)},
                    {"spec", protocol::encode(record.spec)},
                    {"layers", layers}};
-  write_file_replacing(options_.state_dir / (record.info.id + ".json"), j.dump(2) + "\n", "sandbox record");
+  if (!record.image_manifest.empty()) j["image_manifest"] = record.image_manifest;
+  if (!record.fingerprint.empty()) j["request_fingerprint"] = record.fingerprint;
+  if (!record.backend_state.empty()) {
+    protocol::json backend = protocol::json::object();
+    for (const auto& [k, v] : record.backend_state) backend[k] = v;
+    j["backend"] = std::move(backend);
+  }
+  write_file_replacing(options_.state_dir / (info.id + ".json"), j.dump(2) + "\n", "sandbox record");
+}
+
+namespace {
+
+// Whether a record's file name can be a sandbox id (and so be handed to a backend): <node>-<hex>, plain characters.
+bool plausible_sandbox_id(std::string_view id) {
+  if (id.empty() || id.size() > 128 || id.front() == '.') return false;
+  for (char c : id)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) return false;
+  return true;
+}
+
+}  // namespace
+
+std::shared_ptr<Registry::Record> Registry::parse_record(const std::string& text) {
+  const protocol::json j = protocol::json::parse(text);
+  auto record = std::make_shared<Record>();
+  record->info = protocol::decode_sandbox_info(j.at("info"));
+  record->spec = protocol::decode_spec(j.at("spec"));
+  if (auto it = j.find("layers"); it != j.end())
+    for (const auto& layer : *it) record->layers.emplace_back(layer.get<std::string>());
+  record->image_manifest = j.value("image_manifest", "");
+  record->fingerprint = j.value("request_fingerprint", "");
+  if (auto it = j.find("backend"); it != j.end())
+    for (const auto& [k, v] : it->items()) record->backend_state[k] = v.get<std::string>();
+  if (record->info.id.empty() || record->info.kind.empty())
+    throw Error(Code::kInvalidArgument, "the record names no sandbox id or kind");
+  return record;
 }
 
 std::size_t Registry::remove_leftovers_of_earlier_run() {
-  if (options_.state_dir.empty()) return 0;
-  std::size_t cleaned = 0;
+  RecoveryReport report = recover(false);
+  return report.destroyed + report.rolled_back;
+}
+
+RecoveryReport Registry::recover_earlier_run() { return recover(true); }
+
+bool Registry::hold_image(Record& record) {
+  const SandboxInfo info = record.snapshot();
+  try {
+    ResolvedImage image = images_.resolve(info.image, record.image_manifest);
+    std::lock_guard lock(record.mutex);
+    record.image_hold = std::move(image.hold);
+    record.hold_pending = false;
+    return true;
+  } catch (const std::exception& e) {
+    if (!record.hold_pending.exchange(true))
+      log_warn("sandbox {}: its image {} cannot be acquired again now ({}); the reaper retries", info.id, info.image,
+               e.what());
+    return false;
+  }
+}
+
+Registry::Recovered Registry::recover_one(LoadedRecord& loaded, bool adopt) {
+  using Outcome = Recovered::Outcome;
+  Record& r = *loaded.record;
+  const std::string id = r.info.id;
+  const std::string& state = loaded.disk_state;
+  auto backend_it = backends_.find(r.info.kind);
+  if (backend_it == backends_.end()) {
+    log_warn("sandbox {} of an earlier agent run is of kind '{}', which this agent does not serve; its record is kept",
+             id, r.info.kind);
+    return {Outcome::kKept, nullptr};
+  }
+  Backend& backend = *backend_it->second;
+  auto remove_leftovers = [&] {
+    try {
+      backend.remove_leftovers(id);
+      return true;
+    } catch (const std::exception& e) {
+      log_warn("sandbox {} of an earlier agent run: removing what it left failed: {}", id, e.what());
+      return false;
+    }
+  };
+
+  if (state == "creating") {
+    // The create never answered: whatever it made goes, and a retry with its request id makes a new sandbox.
+    if (!remove_leftovers()) return {Outcome::kKept, nullptr};
+    remove_record_file(id);
+    log_info("sandbox {}: its create was cut short by the end of the earlier agent run; rolled back", id);
+    return {Outcome::kRolledBack, nullptr};
+  }
+  if (state == "destroying" || !adopt) {
+    if (!remove_leftovers()) return {Outcome::kKept, nullptr};
+    remove_record_file(id);
+    r.info.state = "destroyed";
+    if (state == "destroying") {
+      r.info.message = "destroyed (the destroy, cut short by the end of the earlier agent run, was finished at start)";
+      log_info("sandbox {}: finished its destroy, cut short by the end of the earlier agent run", id);
+    } else {
+      r.info.message = "the agent restarted and took no sandbox over (--on-restart remove)";
+      log_info("removed sandbox {} left by an earlier agent run", id);
+    }
+    return {Outcome::kDestroyed, loaded.record};
+  }
+
+  if (state == "running" || state == "sleeping") {
+    AdoptParams params{id, r.spec, r.layers, r.backend_state, state == "sleeping"};
+    try {
+      r.sandbox = backend.adopt(params);
+      if (!r.sandbox) throw Error(Code::kInternal, fmt::format("backend '{}' adopted no sandbox", r.info.kind));
+      hold_image(r);
+      return {Outcome::kAdopted, loaded.record};
+    } catch (const std::exception& e) {
+      Error error = as_error(e);
+      r.sandbox.reset();
+      r.info.message =
+          error.code() == Code::kNotFound
+              ? fmt::format("the sandbox died while the agent was down: {}", error.what())
+              : fmt::format("the sandbox could not be taken over after an agent restart: {}", error.what());
+      log_warn("sandbox {}: {}", id, r.info.message);
+    }
+  } else if (state != "failed") {
+    r.info.message = fmt::format("its record says '{}', a state an agent restart cannot take over", state);
+    log_warn("sandbox {}: {}", id, r.info.message);
+  }
+  // Failed: it stays on the node (its resources count) until its owner, its TTL or its group destroys it.
+  r.info.state = "failed";
+  remove_leftovers();  // destroy tries again if this fails
+  r.sandbox = std::make_unique<GoneSandbox>(id, backend, r.info.message);
+  try {
+    write_record(r);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its failure: {}", id, e.what());
+  }
+  return {Outcome::kFailed, loaded.record};
+}
+
+RecoveryReport Registry::recover(bool adopt) {
+  RecoveryReport report;
+  if (options_.state_dir.empty()) return report;
+  const double t = now();
+
+  // 1. The records, read back: <id>.json, or <id>.destroying for a destroy under way (which wins over the other).
+  std::map<std::string, std::filesystem::path> files;
   std::error_code ec;
-  std::set<std::string> kept_groups;  // groups of records kept for a later start (their lease files stay too)
   for (const auto& entry : std::filesystem::directory_iterator(options_.state_dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.ends_with(".json.tmp")) {  // a record never completed: its create never answered
+    if (name.ends_with(".tmp")) {  // a record or log never completed: nothing refers to it
       std::filesystem::remove(entry.path(), ec);
       continue;
     }
-    if (name.size() <= 5 || !name.ends_with(".json")) continue;
-    const std::string id = name.substr(0, name.size() - 5);
+    std::string id;
+    if (name.size() > 5 && name.ends_with(".json")) id = name.substr(0, name.size() - 5);
+    else if (name.size() > 11 && name.ends_with(".destroying")) id = name.substr(0, name.size() - 11);
+    else continue;
+    auto& path = files[id];
+    if (path.empty() || name.ends_with(".destroying")) path = entry.path();
+  }
+  std::vector<LoadedRecord> loaded;
+  for (const auto& [id, path] : files) {
     {
       std::lock_guard lock(mutex_);
       if (records_.count(id)) continue;
     }
-    std::string kind;
-    std::string group;
     try {
-      std::ifstream in(entry.path());
-      protocol::json record = protocol::json::parse(in);
-      kind = record.at("info").at("kind").get<std::string>();
-      group = record.at("info").value("group", "");
+      std::ifstream in(path);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      std::shared_ptr<Record> record = parse_record(text);
+      if (record->info.id != id)
+        throw Error(Code::kInvalidArgument, fmt::format("it names sandbox {}", record->info.id));
+      std::string state = path.extension() == ".destroying" ? "destroying" : record->info.state;
+      loaded.push_back(LoadedRecord{std::move(state), std::move(record)});
     } catch (const std::exception& e) {
-      log_warn("sandbox record {} is unreadable ({}); removed", entry.path().string(), e.what());
-      std::filesystem::remove(entry.path(), ec);
-      continue;
+      // Whatever its kind was, no backend keeps anything of an id it never made: ask them all.
+      log_warn("sandbox record {} is unreadable ({}); removing what any backend left of {}", path.string(), e.what(),
+               id);
+      bool clean = true;
+      if (plausible_sandbox_id(id)) {  // a file name that is no sandbox id is not passed on
+        for (const auto& [kind, backend] : backends_) {
+          try {
+            backend->remove_leftovers(id);
+          } catch (const std::exception& err) {
+            clean = false;
+            log_warn("sandbox {}: backend {}: {}", id, kind, err.what());
+          }
+        }
+      }
+      if (clean) remove_record_file(id);
+      ++report.unreadable;
     }
-    auto backend = backends_.find(kind);
-    if (backend == backends_.end()) {
-      log_warn("sandbox {} of an earlier agent run is of kind '{}', which this agent does not serve; its record is "
-               "kept",
-               id, kind);
-      if (!group.empty()) kept_groups.insert(group);
-      continue;
-    }
-    try {
-      backend->second->remove_leftovers(id);
-    } catch (const std::exception& e) {
-      log_warn("sandbox {} of an earlier agent run: removing what it left failed: {}; its record is kept", id,
-               e.what());
-      if (!group.empty()) kept_groups.insert(group);
-      continue;
-    }
-    log_info("removed sandbox {} left by an earlier agent run", id);
-    std::filesystem::remove(entry.path(), ec);
-    ++cleaned;
   }
-  // The sandboxes of an earlier run are not taken over, so neither are their groups' leases: a trainer that renews
-  // such a group learns (NOT_FOUND) that its sandboxes on this node are gone.
+
+  // 2. Each one taken over, rolled back or finished; adoptions check processes and sockets, so a few at a time.
+  std::vector<Recovered> results(loaded.size());
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t i = next.fetch_add(1); i < loaded.size(); i = next.fetch_add(1)) {
+      try {
+        results[i] = recover_one(loaded[i], adopt);
+      } catch (const std::exception& e) {
+        log_warn("sandbox {}: {}; its record is kept", loaded[i].record->info.id, e.what());
+        results[i] = Recovered{Recovered::Outcome::kKept, nullptr};
+      }
+    }
+  };
+  {
+    std::vector<std::thread> threads;
+    for (std::size_t w = 1; w < std::min(loaded.size(), options_.batch_parallelism); ++w) threads.emplace_back(work);
+    work();
+    for (auto& th : threads) th.join();
+  }
+
+  // 3. Into the tables: live sandboxes and their load, groups, request ids, tombstones.
+  std::set<std::string> kept_groups;  // of records kept for a later start: their lease files stay
+  std::map<std::string, double> group_ttls;
+  std::vector<std::pair<double, std::string>> new_requests;
+  {
+    std::lock_guard lock(mutex_);
+    auto remember = [&](const Record& r) {
+      if (r.spec.request_id.empty() || requests_.count(r.spec.request_id)) return;
+      auto entry = std::make_shared<RequestEntry>();
+      entry->state = RequestEntry::State::kDone;
+      entry->fingerprint = r.fingerprint.empty() ? spec_fingerprint(r.spec) : r.fingerprint;
+      entry->sandbox_id = r.info.id;
+      entry->at = r.info.created_at > 0 ? r.info.created_at : t;
+      requests_.emplace(r.spec.request_id, entry);
+      new_requests.emplace_back(entry->at, r.spec.request_id);
+    };
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      const Recovered& out = results[i];
+      switch (out.outcome) {
+        case Recovered::Outcome::kAdopted:
+        case Recovered::Outcome::kFailed: {
+          const std::shared_ptr<Record>& r = out.record;
+          const bool sleeping = r->info.state == "sleeping";
+          records_.emplace(r->info.id, r);
+          r->cpu_released = sleeping;
+          if (!sleeping) live_cpu_ += r->spec.resources.cpu;
+          live_memory_ += r->spec.resources.memory_bytes;
+          live_gpus_ += r->spec.resources.gpus;
+          if (!r->spec.group.empty()) {
+            groups_[r->spec.group].members.insert(r->info.id);
+            double& ttl = group_ttls[r->spec.group];
+            ttl = std::max(ttl, static_cast<double>(r->spec.group_ttl.count()));
+          }
+          remember(*r);
+          if (out.outcome == Recovered::Outcome::kAdopted) ++report.adopted;
+          else ++report.failed;
+          break;
+        }
+        case Recovered::Outcome::kDestroyed:
+          tombstones_[out.record->info.id] = Tombstone{out.record->info, t};
+          tombstone_order_.emplace_back(t, out.record->info.id);
+          remember(*out.record);
+          ++report.destroyed;
+          break;
+        case Recovered::Outcome::kRolledBack:
+          ++report.rolled_back;
+          break;
+        case Recovered::Outcome::kKept:
+          ++report.kept;
+          if (!loaded[i].record->spec.group.empty()) kept_groups.insert(loaded[i].record->spec.group);
+          break;
+      }
+    }
+    // Creates that finished, including those whose sandboxes are destroyed by now, from the request log.
+    const double retention = static_cast<double>(options_.request_id_retention.count());
+    for (auto& e : request_log_.load()) {
+      if (t - e.at >= retention || requests_.count(e.request_id)) continue;
+      auto entry = std::make_shared<RequestEntry>();
+      entry->state = RequestEntry::State::kDone;
+      entry->fingerprint = std::move(e.fingerprint);
+      entry->sandbox_id = std::move(e.sandbox_id);
+      entry->at = e.at;
+      requests_.emplace(e.request_id, entry);
+      new_requests.emplace_back(e.at, std::move(e.request_id));
+    }
+    std::sort(new_requests.begin(), new_requests.end());
+    for (auto& r : new_requests) request_order_.push_back(std::move(r));
+    evict(t);
+    report.request_ids = requests_.size();
+  }
+
+  // 4. Group leases, as they were on disk; a group whose lease file is missing gets a fresh lease.
+  std::vector<std::string> fresh_leases;
+  for (auto& [group_id, ttl] : group_ttls) {
+    double file_ttl = 0, expires_at = 0;
+    try {
+      std::ifstream in(groups_dir() / (group_id + ".json"));
+      protocol::json j = protocol::json::parse(in);
+      file_ttl = j.at("ttl").get<double>();
+      expires_at = j.at("expires_at").get<double>();
+    } catch (const std::exception&) {
+      file_ttl = 0;
+    }
+    std::lock_guard lock(mutex_);
+    Group& g = groups_[group_id];
+    if (file_ttl > 0) {
+      g.ttl = file_ttl;
+      g.expires_at = expires_at;
+      g.persisted_expires_at = expires_at;
+    } else {
+      g.ttl = ttl;
+      g.expires_at = t + ttl;
+      fresh_leases.push_back(group_id);
+    }
+  }
+  for (const auto& group_id : fresh_leases) {
+    log_warn("group {}: its lease file is missing; its sandboxes get a fresh lease", group_id);
+    try {
+      persist_group(group_id);
+    } catch (const std::exception& e) {
+      log_warn("group {}: {}", group_id, e.what());
+    }
+  }
+  // Lease files of groups with no sandbox left here: a trainer that renews learns (NOT_FOUND) that they are gone.
   for (const auto& entry : std::filesystem::directory_iterator(groups_dir(), ec)) {
     std::string name = entry.path().filename().string();
-    if (name.ends_with(".json") && kept_groups.count(name.substr(0, name.size() - 5))) continue;
+    if (!name.ends_with(".json")) {
+      if (name.ends_with(".tmp")) std::filesystem::remove(entry.path(), ec);
+      continue;
+    }
+    std::string group_id = name.substr(0, name.size() - 5);
+    if (kept_groups.count(group_id) || group_ttls.count(group_id)) continue;
     std::filesystem::remove(entry.path(), ec);
   }
-  return cleaned;
+  ::rmdir(groups_dir().c_str());  // only when empty
+
+  // 5. The request log, compacted to what is remembered.
+  try {
+    request_log_.rewrite([this] {
+      std::vector<RequestLog::Entry> entries;
+      std::lock_guard lock(mutex_);
+      for (const auto& [at, request_id] : request_order_) {
+        auto it = requests_.find(request_id);
+        if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone) continue;
+        entries.push_back(RequestLog::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
+      }
+      return entries;
+    });
+  } catch (const std::exception& e) {
+    log_warn("request log: {}", e.what());
+  }
+
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const std::string& kind = loaded[i].record->info.kind;
+    switch (results[i].outcome) {
+      case Recovered::Outcome::kAdopted: metrics_.sandbox_recovered(kind, "adopted"); break;
+      case Recovered::Outcome::kFailed:
+        metrics_.sandbox_recovered(kind, "failed");
+        metrics_.sandbox_failed(kind);
+        break;
+      case Recovered::Outcome::kRolledBack: metrics_.sandbox_recovered(kind, "rolled_back"); break;
+      case Recovered::Outcome::kDestroyed: metrics_.sandbox_recovered(kind, "destroyed"); break;
+      case Recovered::Outcome::kKept: break;
+    }
+  }
+  if (report.adopted + report.failed + report.rolled_back + report.destroyed + report.kept + report.unreadable > 0)
+    log_info("earlier run: {} sandbox{} taken over, {} failed, {} create{} rolled back, {} destroyed, {} kept for a "
+             "later start, {} unreadable record{}; {} request ids remembered",
+             report.adopted, report.adopted == 1 ? "" : "es", report.failed, report.rolled_back,
+             report.rolled_back == 1 ? "" : "s", report.destroyed, report.kept, report.unreadable,
+             report.unreadable == 1 ? "" : "s", report.request_ids);
+  return report;
 }
 
 double Registry::join_group(const SandboxSpec& spec, double t, bool& persist) {
@@ -1000,11 +1442,38 @@ void Registry::persist_group(const std::string& group) {
   write_file_replacing(path, lease->dump() + "\n", "group lease");
 }
 
+void Registry::remove_record_file(const Record& record) const {
+  std::lock_guard file_lock(record.file_mutex);
+  record.file_removed = true;
+  remove_record_file(record.info.id);
+}
+
 void Registry::remove_record_file(const std::string& id) const {
   if (options_.state_dir.empty()) return;
-  auto path = options_.state_dir / (id + ".json");
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT)
-    log_warn("remove sandbox record {}: {}", path.string(), std::strerror(errno));
+  for (const char* suffix : {".json", ".destroying"}) {
+    auto path = options_.state_dir / (id + suffix);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      log_warn("remove sandbox record {}: {}", path.string(), std::strerror(errno));
+  }
+}
+
+void Registry::mark_destroying(const Record& record, bool destroying) const {
+  if (options_.state_dir.empty()) return;
+  std::lock_guard file_lock(record.file_mutex);
+  const auto live = options_.state_dir / (record.info.id + ".json");
+  const auto going = options_.state_dir / (record.info.id + ".destroying");
+  if (destroying) {
+    if (record.file_removed) return;
+    // One rename, not a rewrite: a destroy costs the node one metadata operation more than before, not a file.
+    if (::rename(live.c_str(), going.c_str()) != 0)
+      log_warn("sandbox {}: mark its record as being destroyed: {}", record.info.id, std::strerror(errno));
+    record.file_removed = true;  // nothing may write <id>.json again
+    return;
+  }
+  // The destroy failed: the sandbox lives on.
+  if (::rename(going.c_str(), live.c_str()) != 0 && errno != ENOENT)
+    log_warn("sandbox {}: restore its record after a failed destroy: {}", record.info.id, std::strerror(errno));
+  record.file_removed = false;
 }
 
 }  // namespace dsec::agent

@@ -29,6 +29,7 @@
 #include "agent/backend.hpp"
 #include "agent/images.hpp"
 #include "agent/metrics.hpp"
+#include "agent/request_log.hpp"
 #include "dsec/error.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "dsec/spec.hpp"
@@ -54,6 +55,17 @@ struct RegistryOptions {
   std::size_t batch_parallelism = 4;
   // Unix time in seconds; tests pass a fake clock.
   std::function<double()> clock;
+};
+
+// What the registry found of an earlier run of the agent at start-up (Registry::recover_earlier_run).
+struct RecoveryReport {
+  std::size_t adopted = 0;       // alive and verifiably the same: running or sleeping again under this agent
+  std::size_t failed = 0;        // died while the agent was down, or could not be taken over: state "failed"
+  std::size_t rolled_back = 0;   // creates the old agent never finished: everything they made removed
+  std::size_t destroyed = 0;     // destroys the old agent never finished (or, when not adopting, every sandbox)
+  std::size_t kept = 0;          // of a kind this agent does not serve, or whose clean-up failed: record kept
+  std::size_t unreadable = 0;    // records that do not parse: removed, with what any backend knows of their id
+  std::size_t request_ids = 0;   // request ids of finished creates remembered again
 };
 
 struct CreateOutcome {
@@ -148,11 +160,24 @@ class Registry {
   void reap();
   // Destroys every sandbox and forgets every group (agent shutdown); returns how many sandboxes it destroyed.
   std::size_t destroy_all(std::string_view reason);
+  // Forgets every request id, on disk too (after destroy_all at a clean shutdown, which ends the node's state: a
+  // create retried at the next run makes a new sandbox).
+  void forget_requests();
 
-  // Sandboxes an earlier run of the agent left behind (it crashed): for each record in state_dir that is not a live
-  // sandbox of this registry, its backend removes what is left (Backend::remove_leftovers), then the record goes.
-  // A record whose cleanup fails, or whose kind this agent does not serve, is kept (and logged) for a later start.
-  // Taking such sandboxes over instead is not done yet. Returns how many were cleaned up. Call before serving.
+  // Takes over what an earlier run of the agent left (it was killed or crashed), from the records in state_dir.
+  // Call once, before serving. Per record, by the state it was written with:
+  //   running, sleeping: the backend adopts the sandbox if it is alive and verifiably the same (Backend::adopt); its
+  //     image is acquired again, its group's lease (from <state>/groups) and its TTL apply as before, it counts
+  //     toward the node's load. A sandbox that died, or cannot be taken over, turns "failed" (the message says why)
+  //     and its backend removes what is left of it.
+  //   creating: the create never answered; everything it made is removed, its request id is not remembered.
+  //   destroying: the destroy is finished; the sandbox is remembered as destroyed.
+  //   failed: stays failed (its leftovers are removed once more).
+  // Records of kinds this agent does not serve are kept for a later start. Request ids of finished creates come
+  // back from the records and the request log, so a retried create returns the sandbox the first one made.
+  RecoveryReport recover_earlier_run();
+  // The other choice (dsecd --on-restart remove): every sandbox of the earlier run is destroyed (its backend removes
+  // what is left; it is remembered as destroyed), nothing is taken over. Returns how many were cleaned up.
   std::size_t remove_leftovers_of_earlier_run();
 
   NodeLoad load() const;
@@ -162,12 +187,14 @@ class Registry {
  private:
   struct Record;
   struct RequestEntry;
+  struct LoadedRecord;
+  struct Recovered;
   struct Tombstone {
     SandboxInfo info;
     double at = 0;
   };
 
-  CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest);
+  CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint);
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
   // and the creates in flight. Caller holds mutex_.
   void admit(const Resources& resources, std::size_t count) const;
@@ -175,7 +202,17 @@ class Registry {
   SandboxInfo info_of(const std::string& id) const;              // caller holds mutex_
   void check_alive(Record& record);
   void write_record(const Record& record) const;
+  RecoveryReport recover(bool adopt);
+  Recovered recover_one(LoadedRecord& loaded, bool adopt);
+  // A record file's text, parsed; throws when it is not a record.
+  static std::shared_ptr<Record> parse_record(const std::string& text);
+  // Acquires the image of an adopted sandbox again; false (logged) when it cannot now: the reaper retries.
+  bool hold_image(Record& record);
   void remove_record_file(const std::string& id) const;
+  void remove_record_file(const Record& record) const;  // and no later write_record brings it back
+  // A destroy under way is on disk as the record renamed to <id>.destroying (destroying = true), or renamed back
+  // when the destroy failed (false).
+  void mark_destroying(const Record& record, bool destroying) const;
   void forget_request_id(const std::string& request_id, const std::string& sandbox_id);
   void evict(double now);                                        // caller holds mutex_
   double now() const { return options_.clock(); }
@@ -203,6 +240,7 @@ class Registry {
   Backends backends_;
   ImageSource& images_;
   Metrics& metrics_;
+  RequestLog request_log_;  // <state>/requests.log
 
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<Record>> records_;

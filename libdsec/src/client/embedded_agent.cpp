@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -72,11 +73,53 @@ void remove_layer_cache(const std::string& private_dir) {
          16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
-// An agent killed outright (SIGKILL) leaves its layer mounts under <run dir>/.layers: the layer file system (FUSE,
-// dead with its agent) and the EROFS mounts over it. Detached here, deepest first, with their empty mount points;
-// nothing else under the run directory is touched.
+// The layer keeper an agent killed outright leaves (agent/layers/layer_keeper.hpp: it holds the layer file system's
+// FUSE connection for a restart that never comes here): killed when its record still names it (pid, start time and
+// program checked through a pidfd), which ends the connection, so that nothing waits on it; its record goes.
+void end_layer_keeper(const std::string& layers) {
+  const std::string record = layers + "/keeper";
+  unsigned long long pid = 0, start = 0;
+  if (FILE* f = std::fopen(record.c_str(), "re")) {
+    char key[32];
+    unsigned long long value = 0;
+    while (std::fscanf(f, "%31s", key) == 1) {
+      if (std::strcmp(key, "pid") == 0 && std::fscanf(f, "%llu", &value) == 1) pid = value;
+      else if (std::strcmp(key, "start_time") == 0 && std::fscanf(f, "%llu", &value) == 1) start = value;
+      else if (std::fscanf(f, "%*s") == EOF) break;
+    }
+    std::fclose(f);
+  }
+  if (pid > 0 && pid < (1ull << 22)) {
+    UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0)));
+    char stat[512] = {};
+    if (pidfd) {
+      if (FILE* f = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "re")) {
+        std::size_t n = std::fread(stat, 1, sizeof stat - 1, f);
+        stat[n] = '\0';
+        std::fclose(f);
+      }
+    }
+    // "pid (comm) state ppid ...": starttime is the 20th field after the name.
+    const char* name = std::strchr(stat, '(');
+    const char* close = std::strrchr(stat, ')');
+    unsigned long long started = 0;
+    if (name && close && close > name &&
+        std::string_view(name + 1, static_cast<std::size_t>(close - name - 1)) == "dsec-layer-keep" &&
+        std::sscanf(close + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+                    &started) == 1 &&
+        started == start)
+      ::syscall(SYS_pidfd_send_signal, pidfd.get(), SIGKILL, nullptr, 0);
+  }
+  ::unlink(record.c_str());
+  ::unlink((record + ".tmp").c_str());
+}
+
+// An agent killed outright (SIGKILL) leaves its layer mounts under <run dir>/.layers: the layer file system (FUSE)
+// and the EROFS mounts over it, and the keeper of the FUSE connection. The keeper ends, the mounts are detached,
+// deepest first, with their empty mount points; nothing else under the run directory is touched.
 void detach_layer_mounts(const std::string& run_dir) {
   const std::string layers = run_dir + "/.layers";
+  end_layer_keeper(layers);
   std::vector<std::string> points;
   if (FILE* f = std::fopen("/proc/self/mountinfo", "re")) {
     char line[4096];

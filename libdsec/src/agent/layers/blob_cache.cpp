@@ -333,6 +333,21 @@ void BlobCache::open_new_entry(CacheEntry& entry, const image::LayerDescriptor& 
   entry.fetched_.assign(chunks, 0);
 }
 
+LayerUse BlobCache::hold(std::string_view hex) {
+  std::lock_guard lock(mutex_);
+  auto it = entries_.find(hex);
+  if (it == entries_.end())
+    throw Error(Code::kNotFound, fmt::format("layer sha256:{} is not in the cache {}", hex, options_.dir.string()));
+  ++it->second->users_;
+  it->second->last_used_ = unix_now();
+  return LayerUse(this, it->second);
+}
+
+void BlobCache::set_default_stores(Stores stores) {
+  std::lock_guard lock(mutex_);
+  default_stores_ = std::move(stores);
+}
+
 std::shared_ptr<CacheEntry> BlobCache::find(std::string_view hex) const {
   std::lock_guard lock(mutex_);
   auto it = entries_.find(hex);
@@ -384,6 +399,10 @@ void BlobCache::ensure_chunk(CacheEntry& entry, std::size_t i) {
     entry.state_[i] = State::kFetching;
     Stores stores = entry.stores_;
     lock.unlock();
+    if (stores.empty()) {
+      std::lock_guard cache_lock(mutex_);
+      stores = default_stores_;
+    }
     std::optional<Error> failure;
     bool fetched = false;
     try {

@@ -130,6 +130,13 @@ class BlobCache {
   // no chunk is fetched yet (the extract fallback fetches them all, or finds the layer's files extracted already).
   LayerUse acquire(const image::LayerDescriptor& layer, const Stores& stores, bool prefetch = true);
 
+  // A user of a layer the cache has already (a layer mount an earlier agent left, taken over at start), without its
+  // descriptor: the index is the one on disk. NOT_FOUND when the cache has no such layer.
+  LayerUse hold(std::string_view hex);
+  // Where chunks come from for layers no acquire() has named stores for yet (layers found on disk at start that a
+  // sandbox of an earlier agent still reads).
+  void set_default_stores(Stores stores);
+
   // The entry of a layer by its digest's hex, or null when the cache has none.
   std::shared_ptr<CacheEntry> find(std::string_view hex) const;
   std::vector<std::shared_ptr<CacheEntry>> entries() const;
@@ -177,6 +184,7 @@ class BlobCache {
   mutable std::mutex mutex_;
   std::map<std::string, std::shared_ptr<CacheEntry>, std::less<>> entries_;  // by hex
   std::map<std::string, std::shared_ptr<std::mutex>, std::less<>> opening_;  // one opener per layer at a time
+  Stores default_stores_;
   std::uint64_t trash_seq_ = 0;
 };
 

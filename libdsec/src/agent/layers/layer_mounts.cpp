@@ -1,11 +1,17 @@
 #include "agent/layers/layer_mounts.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -61,6 +67,61 @@ void copy_range(const fs::path& from, std::uint64_t offset, std::uint64_t length
   }
 }
 
+bool is_hex64(std::string_view s) {
+  return s.size() == 64 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// mountinfo escapes space, tab, newline and backslash as \ooo.
+std::string unescape_mountinfo(std::string_view s) {
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 3 < s.size() && std::isdigit(static_cast<unsigned char>(s[i + 1]))) {
+      out.push_back(static_cast<char>((s[i + 1] - '0') * 64 + (s[i + 2] - '0') * 8 + (s[i + 3] - '0')));
+      i += 3;
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+struct MountEntry {
+  fs::path point;
+  std::string fstype, source;
+  unsigned minor = 0;
+};
+
+// The mounts at or below `dir`, in mount order (a mount stacked on another comes after it).
+std::vector<MountEntry> mounts_below(const fs::path& dir) {
+  std::vector<MountEntry> out;
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  const std::string base = dir.string();
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, device, root, point;
+    if (!(fields >> id >> parent >> device >> root >> point)) continue;
+    point = unescape_mountinfo(point);
+    if (point != base && !point.starts_with(base + "/")) continue;
+    std::string word;
+    while (fields >> word && word != "-") {
+    }
+    MountEntry m;
+    m.point = point;
+    fields >> m.fstype >> m.source;
+    m.source = unescape_mountinfo(m.source);
+    if (auto colon = device.find(':'); colon != std::string::npos) {
+      try {
+        m.minor = static_cast<unsigned>(std::stoul(device.substr(colon + 1)));
+      } catch (const std::exception&) {
+      }
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
 }  // namespace
 
 LayerMode parse_layer_mode(std::string_view text) {
@@ -88,14 +149,30 @@ struct LayerMounts::Slot {
   bool mounted = false;  // an EROFS mount at dir; else dir is an extracted tree in the cache
   LayerUse use;
   std::atomic<std::uint32_t> users{0};
+  bool adopted = false;       // taken over from an earlier agent at start
+  bool warned_busy = false;   // prune() said once that it could not unmount it
 };
 
 LayerMounts::LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetrics& metrics)
     : options_(std::move(options)), cache_(cache), metrics_(metrics) {
   if (options_.mount_dir.empty()) throw Error(Code::kInvalidArgument, "layer mounts: no mount directory given");
-  // What a killed agent left: its FUSE mount (dead, its daemon gone) and layer mounts over it. Detached, so the
-  // sandboxes it left (removed by the registry right after) can still finish with them.
-  image::remove_tree(options_.mount_dir);
+  if (options_.keeper_binary.empty()) options_.keeper_binary = default_keeper_binary();
+  if (!options_.stores.empty()) cache_.set_default_stores(options_.stores);
+
+  std::string reason = options_.mode == LayerMode::kExtract ? std::string() : lazy_unavailable_reason();
+  // What an earlier agent left: its layer file system and the layer mounts over it, taken over while its keeper
+  // still holds the connection.
+  if (options_.mode != LayerMode::kExtract && reason.empty()) {
+    try {
+      if (resume_lazy()) return;
+    } catch (const std::exception& e) {
+      log_warn("layer mounts of the earlier agent cannot be taken over: {}; detaching them", e.what());
+      slots_.clear();
+      resumed_ = false;
+    }
+  }
+  // Otherwise detached, so that the sandboxes it left can still finish with them.
+  remove_leftovers();
   std::error_code ec;
   fs::create_directories(options_.mount_dir, ec);
   if (ec)
@@ -105,9 +182,9 @@ LayerMounts::LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetr
 
   if (options_.mode == LayerMode::kExtract) {
     description_ = "extract (chosen by --layer-mode extract)";
+    adopt_extracted();
     return;
   }
-  std::string reason = lazy_unavailable_reason();
   if (reason.empty()) {
     try {
       fs_ = std::make_unique<LazyLayerFs>(cache_, options_.mount_dir / "blobs", metrics_);
@@ -120,10 +197,151 @@ LayerMounts::LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetr
       throw Error(Code::kFailedPrecondition, fmt::format("--layer-mode lazy: this node cannot: {}", reason));
     description_ = fmt::format("extract ({})", reason);
     log_warn("image layers will be extracted whole, not streamed: {}", reason);
+    adopt_extracted();
     return;
   }
   lazy_ = true;
   description_ = "erofs-lazy";
+  start_keeper();
+}
+
+bool LayerMounts::resume_lazy() {
+  std::string why;
+  std::unique_ptr<LayerKeeper> keeper = LayerKeeper::find(keeper_record(), why);
+  if (!keeper) {
+    if (!why.empty()) log_warn("layer mounts of the earlier agent are detached, not taken over: {}", why);
+    return false;
+  }
+  const fs::path blobs = options_.mount_dir / "blobs";
+  std::vector<MountEntry> left = mounts_below(options_.mount_dir);
+  const MountEntry* fuse = nullptr;
+  for (const auto& m : left)
+    if (m.point == blobs) fuse = &m;  // the last one: a mount stacked on another hides it
+  if (fuse == nullptr || fuse->fstype != "fuse.dsec-layers" || fuse->minor != keeper->record().connection) {
+    log_warn("layer mounts of the earlier agent are detached, not taken over: its keeper (pid {}) holds FUSE "
+             "connection {}, but {} is {}",
+             keeper->pid(), keeper->record().connection, blobs.string(),
+             fuse == nullptr ? std::string("not mounted")
+                             : fmt::format("{} of connection {}", fuse->fstype, fuse->minor));
+    keeper->stop();  // its connection ends with the last descriptor of it
+    return false;
+  }
+  std::unique_ptr<LazyLayerFs> fs;
+  try {
+    fs = std::make_unique<LazyLayerFs>(cache_, blobs, metrics_, keeper->take_connection());
+  } catch (...) {
+    keeper->stop();
+    throw;
+  }
+
+  // The layer mounts over it: each an EROFS mount of its own layer's file, one level below mount_dir, of a layer
+  // the cache still has. Anything else there is detached.
+  std::map<fs::path, int> count;
+  for (const auto& m : left) ++count[m.point];
+  std::vector<fs::path> detach;
+  std::set<std::string> kept;
+  for (const auto& m : left) {
+    if (m.point == blobs) continue;
+    const std::string name = m.point.filename().string();
+    const bool usable = m.point.parent_path() == options_.mount_dir && count[m.point] == 1 && is_hex64(name) &&
+                        m.fstype == "erofs" && m.source == (blobs / name).string() && cache_.find(name) != nullptr;
+    struct statfs sfs {};
+    if (!usable || ::statfs(m.point.c_str(), &sfs) != 0 || sfs.f_type != EROFS_SUPER_MAGIC_V1) {
+      log_warn("layer mounts: detaching {} ({} from {}) that the earlier agent left: not a layer mount this agent "
+               "can serve",
+               m.point.string(), m.fstype, m.source);
+      detach.push_back(m.point);
+      continue;
+    }
+    auto slot = std::make_shared<Slot>();
+    slot->hex = name;
+    slot->digest = "sha256:" + name;
+    slot->state = Slot::State::kReady;
+    slot->dir = m.point;
+    slot->mounted = true;
+    slot->adopted = true;
+    slot->use = cache_.hold(name);
+    slots_.insert_or_assign(name, std::move(slot));
+    kept.insert(name);
+  }
+  std::sort(detach.begin(), detach.end(), [](const fs::path& a, const fs::path& b) {
+    return a.string().size() > b.string().size();
+  });
+  for (const auto& point : detach) ::umount2(point.c_str(), MNT_DETACH);
+  // Directories of layers that are not mounted any more, a half-written record: gone.
+  std::error_code ec;
+  for (const auto& item : fs::directory_iterator(options_.mount_dir, ec)) {
+    const std::string name = item.path().filename().string();
+    if (name == "blobs" || name == "keeper" || kept.count(name)) continue;
+    if (item.is_directory(ec)) ::rmdir(item.path().c_str());
+    else ::unlink(item.path().c_str());
+  }
+
+  fs_ = std::move(fs);
+  keeper_ = std::move(keeper);
+  resumed_ = true;
+  lazy_ = true;
+  description_ = "erofs-lazy";
+  log_info("layer file system taken over from the earlier agent (keeper pid {}, FUSE connection {}): {} layer "
+           "mounts kept{}",
+           keeper_->pid(), fs_->connection(), kept.size(),
+           fs_->resent() ? ", unanswered reads resent" : "");
+  return true;
+}
+
+void LayerMounts::remove_leftovers() {
+  // A keeper that is still the process recorded ends now: the connection it held ends with it, and reads still
+  // waiting on it get errors instead of waiting for good.
+  std::string why;
+  if (auto keeper = LayerKeeper::find(keeper_record(), why)) {
+    log_info("ending the layer keeper (pid {}) of the earlier agent", keeper->pid());
+    keeper->stop();
+  }
+  image::remove_tree(options_.mount_dir);
+}
+
+void LayerMounts::adopt_extracted() {
+  // Extracted layers are directories in the cache, used in place by the sandboxes' overlays: held until the first
+  // prune, so the cache does not evict one a sandbox taken over from the earlier agent still stands on.
+  for (const auto& entry : cache_.entries()) {
+    std::error_code ec;
+    if (!fs::is_directory(entry->tree_dir(), ec)) continue;
+    auto slot = std::make_shared<Slot>();
+    slot->hex = entry->hex();
+    slot->digest = entry->digest();
+    slot->state = Slot::State::kReady;
+    slot->dir = entry->tree_dir();
+    slot->mounted = false;
+    slot->adopted = true;
+    try {
+      slot->use = cache_.hold(entry->hex());
+    } catch (const Error&) {
+      continue;  // evicted meanwhile
+    }
+    slots_.insert_or_assign(entry->hex(), std::move(slot));
+  }
+}
+
+void LayerMounts::start_keeper() {
+  try {
+    keeper_ = LayerKeeper::start(options_.keeper_binary, fs_->device_fd(), fs_->connection(), keeper_record());
+  } catch (const std::exception& e) {
+    keeper_unavailable_ = true;
+    log_warn("layer mounts will not survive a restart of the agent (no layer keeper): {}", e.what());
+  }
+}
+
+void LayerMounts::check_keeper() {
+  // Caller holds mutex_.
+  if (shut_down_ || !lazy_ || !fs_ || keeper_unavailable_) return;
+  if (keeper_) {
+    if (!keeper_->exited()) return;
+    log_warn("the layer keeper (pid {}) ended while the layer file system is mounted; starting another",
+             keeper_->pid());
+    keeper_->stop();
+    keeper_.reset();
+  }
+  start_keeper();
 }
 
 LayerMounts::~LayerMounts() {
@@ -144,6 +362,19 @@ std::map<std::string, std::uint32_t> LayerMounts::users() const {
   std::map<std::string, std::uint32_t> out;
   for (const auto& [hex, slot] : slots_) out[slot->digest] = slot->users.load();
   return out;
+}
+
+std::vector<std::string> LayerMounts::adopted() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> out;
+  for (const auto& [hex, slot] : slots_)
+    if (slot->adopted) out.push_back(slot->digest);
+  return out;
+}
+
+pid_t LayerMounts::keeper_pid() const {
+  std::lock_guard lock(mutex_);
+  return keeper_ ? keeper_->pid() : 0;
 }
 
 MountedLayer LayerMounts::acquire(const image::LayerDescriptor& layer, const Stores& stores) {
@@ -314,19 +545,22 @@ std::size_t LayerMounts::prune() {
       try {
         release_slot(slot, false);
       } catch (const std::exception& e) {
-        log_warn("{}", e.what());
+        if (!slot.warned_busy) log_warn("{} (tried again at every prune)", e.what());
+        slot.warned_busy = true;
         ++it;
         continue;
       }
       it = slots_.erase(it);
       ++count;
     }
+    check_keeper();
   }
   cache_.enforce_limit();
   return count;
 }
 
 void LayerMounts::shutdown() {
+  std::unique_ptr<LayerKeeper> keeper;
   {
     std::lock_guard lock(mutex_);
     if (shut_down_) return;
@@ -337,7 +571,10 @@ void LayerMounts::shutdown() {
       release_slot(*slot, true);
     }
     slots_.clear();
+    keeper = std::move(keeper_);
   }
+  // The keeper first: once the file system is unmounted nothing may hold its connection any more.
+  if (keeper) keeper->stop();
   if (fs_) {
     fs_->stop();
     fs_.reset();

@@ -8,8 +8,21 @@
 // cache, where it stays for later sandboxes. "auto" chooses lazy when /proc/filesystems lists erofs and /dev/fuse
 // exists, and falls back to extract (saying why in mode_description()) when the first FUSE or EROFS mount fails.
 //
-// Mounts live under <run dir>/.layers: "blobs" (the FUSE mount) and one directory per layer named by its digest's
-// hex. Mounts a killed agent left there are detached at start; shutdown() leaves none.
+// Mounts live under <run dir>/.layers: "blobs" (the FUSE mount), one directory per layer named by its digest's hex,
+// and "keeper", the record of the process that holds the FUSE connection open (layer_keeper.hpp).
+//
+// Restart. An agent killed outright (kill -9, a crash, the OOM killer) leaves its layer mounts, and the sandboxes
+// on them keep running; the keeper keeps the FUSE connection alive, so their reads wait in the kernel instead of
+// failing. The next agent on the same run dir takes over: when the keeper is still the process recorded and its
+// connection is the one mounted at "blobs", it takes the connection back, serves it (requests the dead agent had
+// taken are resent, Linux 6.9+), and adopts every EROFS layer mount still there, so that acquire() of such a layer
+// returns the same directory the sandboxes' overlays use. Adopted layers are held by nobody until a sandbox
+// acquires them: the agent acquires the layers of the sandboxes it takes over before its first prune(), which
+// unmounts the adopted layers no sandbox holds. When the keeper is gone or does not match, everything the earlier
+// agent left is detached (as without a keeper) and the reason logged. In extract mode the layers are directories in
+// the cache: those extracted already are adopted the same way, so the cache keeps them until that first prune.
+//
+// shutdown() leaves nothing: no layer mount, no FUSE mount, no keeper, no record.
 #pragma once
 
 #include <atomic>
@@ -22,8 +35,10 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "agent/layers/blob_cache.hpp"
+#include "agent/layers/layer_keeper.hpp"
 #include "agent/layers/lazy_layer_fs.hpp"
 #include "agent/metrics.hpp"
 #include "dsec/error.hpp"
@@ -39,6 +54,12 @@ std::string_view to_string(LayerMode mode);
 struct LayerMountsOptions {
   std::filesystem::path mount_dir;  // <run dir>/.layers
   LayerMode mode = LayerMode::kAuto;
+  // Where the layers taken over from an earlier agent fetch the chunks they lack (the agent's stores); acquire()
+  // names the stores of the layers it mounts itself.
+  Stores stores;
+  // dsec-layer-keeper; empty: the one beside the running program. Without it layers work, but a killed agent's
+  // layer mounts stop working (logged once).
+  std::filesystem::path keeper_binary;
 };
 
 struct MountedLayer {
@@ -48,8 +69,9 @@ struct MountedLayer {
 
 class LayerMounts {
  public:
-  // Detaches what an earlier agent left under mount_dir, decides the mode and, in lazy mode, mounts the layer file
-  // system. FAILED_PRECONDITION when mode is lazy and the node cannot do it.
+  // Takes over what an earlier agent left under mount_dir (or detaches it, see above), decides the mode and, in lazy
+  // mode, mounts the layer file system (or serves the earlier one). FAILED_PRECONDITION when mode is lazy and the
+  // node cannot do it.
   LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetrics& metrics);
   LayerMounts(const LayerMounts&) = delete;
   LayerMounts& operator=(const LayerMounts&) = delete;
@@ -59,9 +81,11 @@ class LayerMounts {
   // mount. Errors are the blob cache's (NOT_FOUND, DATA_LOSS, UNAVAILABLE, RESOURCE_EXHAUSTED...), and
   // INVALID_ARGUMENT for a layer that is not a valid EROFS image.
   MountedLayer acquire(const image::LayerDescriptor& layer, const Stores& stores);
-  // Unmounts the layers no sandbox holds, then lets the cache evict beyond its limit. Returns layers unmounted.
+  // Unmounts the layers no sandbox holds, then lets the cache evict beyond its limit. Returns layers unmounted. Also
+  // starts the keeper again if it ended while the layer file system is mounted.
   std::size_t prune();
-  // Unmounts every layer (lazily when one is still busy) and the layer file system. Idempotent.
+  // Unmounts every layer (lazily when one is still busy) and the layer file system, and ends the keeper.
+  // Idempotent.
   void shutdown();
 
   bool lazy() const noexcept { return lazy_.load(); }
@@ -69,6 +93,12 @@ class LayerMounts {
   std::string mode_description() const;
   // Layer digest -> sandboxes holding it now.
   std::map<std::string, std::uint32_t> users() const;
+  // Digests of the layers taken over from an earlier agent at start (mounts, or extracted trees).
+  std::vector<std::string> adopted() const;
+  // Whether the layer file system was taken over from an earlier agent's keeper.
+  bool resumed() const noexcept { return resumed_; }
+  // The keeper holding the layer file system's connection, 0 when there is none.
+  pid_t keeper_pid() const;
 
  private:
   struct Slot;
@@ -77,11 +107,20 @@ class LayerMounts {
   void extract(Slot& slot);
   void release_slot(Slot& slot, bool force);
   void fall_back_to_extract(const std::string& reason);
+  bool resume_lazy();
+  void remove_leftovers();
+  void adopt_extracted();
+  void start_keeper();
+  void check_keeper();
+  std::filesystem::path keeper_record() const { return options_.mount_dir / "keeper"; }
 
   LayerMountsOptions options_;
   BlobCache& cache_;
   LayerMetrics& metrics_;
   std::unique_ptr<LazyLayerFs> fs_;
+  std::unique_ptr<LayerKeeper> keeper_;  // guarded by mutex_ once constructed
+  bool keeper_unavailable_ = false;
+  bool resumed_ = false;
   std::atomic<bool> lazy_{false};
 
   mutable std::mutex mutex_;

@@ -35,6 +35,17 @@ std::string read_cgroup_file(const std::string& path) {
   return out;
 }
 
+void check_adoptable_path(const std::string& path) {
+  auto bad = [&] { return Error(Code::kInvalidArgument, fmt::format("'{}' is not a sandbox's cgroup path", path)); };
+  if (path.size() < 4 || path[0] != '/') throw bad();
+  auto slash = path.find('/', 1);
+  if (slash == std::string::npos || slash == 1 || slash + 1 >= path.size()) throw bad();
+  const std::string_view view(path);
+  for (std::string_view part : {view.substr(1, slash - 1), view.substr(slash + 1)})
+    if (part == "." || part == ".." || part.find_first_of(std::string_view("/\n\0", 3)) != std::string_view::npos)
+      throw bad();
+}
+
 std::vector<int> read_pids(const std::string& procs_path) {
   std::vector<int> pids;
   std::string text;

@@ -47,9 +47,22 @@ class SandboxCgroup {
   virtual void restore_memory() = 0;
   // The sandbox's memory in swap now (0 where the host does not account swap per cgroup).
   virtual std::uint64_t swap_current() = 0;
+  // Whether the sandbox's processes are frozen, or being frozen (the freezer was asked to).
+  virtual bool frozen() = 0;
   // Memory charged to the sandbox now, and the number of OOM kills inside it so far.
   virtual std::uint64_t memory_current() = 0;
   virtual std::uint64_t oom_kills() = 0;
+
+  // Taking a sandbox over after an agent restart. path(): the group's path below each hierarchy's root
+  // ("/dsec/<id>"), which the sandbox's record keeps. exec_groups(): the exec groups that exist now (execs that were
+  // running when the old agent died, and ended ones whose background processes keep their group). adopt_exec_group:
+  // an exec group of the old agent becomes this object's, as an ended exec's; with `kill`, its processes are killed
+  // first (their exec's caller is gone). set_restore_limit: the memory limit restore_memory() puts back (what a
+  // lowered limit was before reclaim_memory() is lost with the old agent; the sandbox's own limit is in its spec).
+  virtual std::string path() const = 0;
+  virtual std::vector<std::string> exec_groups() = 0;
+  virtual void adopt_exec_group(const std::string& name, bool kill) = 0;
+  virtual void set_restore_limit(std::uint64_t bytes) = 0;
 };
 
 class CgroupDriver {
@@ -64,6 +77,9 @@ class CgroupDriver {
   virtual void remove_subtree_if_empty() = 0;
   // Kills whatever is left of sandbox `id` (an earlier run of this agent crashed) and removes its groups.
   virtual void remove_sandbox_groups(const std::string& id) = 0;
+  // The groups of a sandbox an earlier run of the agent made, at `path` (SandboxCgroup::path()), taken over as they
+  // are. NOT_FOUND when one of them is missing; INVALID_ARGUMENT for a path outside every hierarchy's dsec groups.
+  virtual std::unique_ptr<SandboxCgroup> adopt(const std::string& path) = 0;
 };
 
 // Picks v2 when /sys/fs/cgroup is a cgroup2 mount with the cpu, memory and pids controllers available, else v1 with
@@ -83,6 +99,9 @@ std::string enable_cgroup_favordynmods();
 // Small file helpers shared by both drivers.
 void write_cgroup_file(const std::string& path, const std::string& value);
 std::string read_cgroup_file(const std::string& path);
+// Throws INVALID_ARGUMENT unless `path` is "/<name>/<id>": two plain names below a hierarchy's root, as
+// SandboxCgroup::path() gives them (a record on disk names the groups to take over; it never names others).
+void check_adoptable_path(const std::string& path);
 // Reads cgroup.procs and returns the pids in it.
 std::vector<int> read_pids(const std::string& procs_path);
 

@@ -244,6 +244,35 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     }
   }
 
+  bool frozen() override {
+    // THAWED, FREEZING or FROZEN.
+    return read_cgroup_file(dir(h_.freezer) + "/freezer.state").rfind("THAWED", 0) != 0;
+  }
+
+  std::string path() const override { return rel_; }
+
+  std::vector<std::string> exec_groups() override {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir(h_.pids), ec))
+      if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
+    return out;
+  }
+
+  void adopt_exec_group(const std::string& name, bool kill) override {
+    {
+      std::lock_guard lock(mu_);
+      exec_groups_.insert(name);
+    }
+    if (kill) kill_exec_group(name);
+    release_exec_group(name);
+  }
+
+  void set_restore_limit(std::uint64_t bytes) override {
+    std::lock_guard lock(mu_);
+    saved_limit_ = std::to_string(bytes);
+  }
+
   std::uint64_t oom_kills() override {
     try {
       std::istringstream in(read_cgroup_file(dir(h_.memory) + "/memory.oom_control"));
@@ -357,6 +386,15 @@ class CgroupV1Driver final : public CgroupDriver {
   }
 
   void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV1(h_, "/" + name_ + "/" + id).destroy(); }
+
+  std::unique_ptr<SandboxCgroup> adopt(const std::string& path) override {
+    check_adoptable_path(path);
+    for (const auto* root : {&h_.cpu, &h_.memory, &h_.pids, &h_.freezer}) {
+      struct stat st {};
+      if (::stat((*root + path).c_str(), &st) != 0) throw_errno_fmt(errno, "cgroup {}{}", *root, path);
+    }
+    return std::make_unique<SandboxCgroupV1>(h_, path);
+  }
 
  private:
   Hierarchies h_;

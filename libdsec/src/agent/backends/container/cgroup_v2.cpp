@@ -53,7 +53,7 @@ std::uint64_t stat_field(const std::string& text, std::string_view key) {
 
 class SandboxCgroupV2 final : public SandboxCgroup {
  public:
-  explicit SandboxCgroupV2(std::string dir) : dir_(std::move(dir)) {}
+  SandboxCgroupV2(std::string dir, std::string path) : dir_(std::move(dir)), path_(std::move(path)) {}
   ~SandboxCgroupV2() override {
     try {
       destroy();
@@ -156,6 +156,29 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     }
   }
 
+  bool frozen() override { return read_cgroup_file(dir_ + "/cgroup.freeze").rfind("1", 0) == 0; }
+
+  std::string path() const override { return path_; }
+
+  std::vector<std::string> exec_groups() override {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir_, ec))
+      if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
+    return out;
+  }
+
+  void adopt_exec_group(const std::string& name, bool kill) override {
+    {
+      std::lock_guard lock(mu_);
+      exec_groups_.insert(name);
+    }
+    if (kill) kill_exec_group(name);
+    release_exec_group(name);
+  }
+
+  void set_restore_limit(std::uint64_t) override {}  // v2 never lowers the limit
+
   std::uint64_t oom_kills() override {
     try {
       return stat_field(read_cgroup_file(dir_ + "/memory.events"), "oom_kill");
@@ -182,6 +205,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   }
 
   std::string dir_;
+  std::string path_;  // dir_ below the cgroup2 mount: "/<name>/<id>"
   std::mutex mu_;
   std::set<std::string> exec_groups_;   // every exec group that exists
   std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
@@ -211,7 +235,7 @@ class CgroupV2Driver final : public CgroupDriver {
   std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
     std::string dir = root_ + "/" + id;
     if (::mkdir(dir.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", dir);
-    auto group = std::make_unique<SandboxCgroupV2>(dir);
+    auto group = std::make_unique<SandboxCgroupV2>(dir, dir.substr(mount_.size()));
     write_cgroup_file(dir + "/memory.max", std::to_string(r.memory_bytes));
     try {
       write_cgroup_file(dir + "/memory.swap.max", "0");
@@ -236,7 +260,16 @@ class CgroupV2Driver final : public CgroupDriver {
 
   void remove_subtree_if_empty() override { ::rmdir(root_.c_str()); }
 
-  void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV2(root_ + "/" + id).destroy(); }
+  void remove_sandbox_groups(const std::string& id) override {
+    SandboxCgroupV2(root_ + "/" + id, root_.substr(mount_.size()) + "/" + id).destroy();
+  }
+
+  std::unique_ptr<SandboxCgroup> adopt(const std::string& path) override {
+    check_adoptable_path(path);
+    struct stat st {};
+    if (::stat((mount_ + path).c_str(), &st) != 0) throw_errno_fmt(errno, "cgroup {}{}", mount_, path);
+    return std::make_unique<SandboxCgroupV2>(mount_ + path, path);
+  }
 
  private:
   std::string mount_;

@@ -9,22 +9,27 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
+#include <set>
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/init/init_protocol.hpp"
 #include "agent/backends/container/netns_pool.hpp"
+#include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/container/rootfs_files.hpp"
 #include "agent/backends/container/seccomp.hpp"
 #include "agent/backends/container/spawn.hpp"
@@ -46,6 +51,39 @@ constexpr std::size_t kMaxFileBytes = 1ull << 30;
 // After an exec's main process ends, how long to wait for its output pipes to close (a background process it left
 // may hold them open forever).
 constexpr auto kOutputGrace = std::chrono::milliseconds(50);
+// A sandbox's run directory keeps one empty file per exec in flight in this subdirectory, named like the exec's
+// cgroup: an agent that restarts kills the groups of execs whose callers went with the old agent, and leaves the
+// groups of ended execs (their background processes) alone.
+constexpr const char* kExecMarkers = "execs";
+// How long a restarted agent waits for a sandbox's init to answer its probe.
+constexpr auto kProbeTimeout = std::chrono::seconds(5);
+// How long destroy waits for an adopted sandbox's init (not the agent's child: it cannot be waited for) to go.
+constexpr int kAdoptedExitWaitMs = 10000;
+
+// The keys of a container sandbox's BackendState.
+namespace key {
+constexpr const char* kBootId = "boot_id";
+constexpr const char* kInitPid = "init_pid";
+constexpr const char* kInitStartTime = "init_start_time";
+constexpr const char* kCgroupVersion = "cgroup_version";
+constexpr const char* kCgroup = "cgroup";
+constexpr const char* kNetnsInode = "netns_inode";
+constexpr const char* kRunDir = "run_dir";
+constexpr const char* kLayerDevices = "layer_devices";
+}  // namespace key
+
+// The device numbers of the image layers' directories, lowest first ("64:12,0:85"): each mounted layer is its own
+// file system, so a layer mounted again (after its earlier mount was detached) has another one.
+std::string layer_devices(const std::vector<fs::path>& layers) {
+  std::string out;
+  for (const auto& layer : layers) {
+    struct stat st {};
+    if (::stat(layer.c_str(), &st) != 0) return {};
+    if (!out.empty()) out += ',';
+    out += fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
+  }
+  return out;
+}
 
 int read_cap_last_cap() {
   std::ifstream in("/proc/sys/kernel/cap_last_cap");
@@ -104,10 +142,35 @@ struct Capture {
   }
 };
 
+// The on-disk mark of one exec in flight (see kExecMarkers): made before its cgroup, removed after it ended.
+class ExecMarker {
+ public:
+  ExecMarker(const fs::path& dir, const std::string& group) : path_(dir / group) {
+    UniqueFd fd(::open(path_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+    if (!fd) throw_errno_fmt(errno, "create exec marker {}", path_.string());
+  }
+  ~ExecMarker() { ::unlink(path_.c_str()); }
+  ExecMarker(const ExecMarker&) = delete;
+  ExecMarker& operator=(const ExecMarker&) = delete;
+
+ private:
+  fs::path path_;
+};
+
+// What a sandbox's creator knows about it beyond its spec: the identity an agent restart checks it by.
+struct Identity {
+  std::string boot_id;
+  std::uint64_t init_start_time = 0;
+  std::uint64_t netns_inode = 0;
+  std::string layer_devices;  // of the image layers its overlay stacks
+};
+
 class ContainerSandbox final : public BackendSandbox {
  public:
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
-                   std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout)
+                   std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout,
+                   Identity identity, std::string cgroup_version, bool adopted = false, bool sleeping = false,
+                   std::uint64_t first_exec = 0)
       : reclaim_timeout_(reclaim_timeout),
         id_(std::move(id)),
         spec_(std::move(spec)),
@@ -115,7 +178,12 @@ class ContainerSandbox final : public BackendSandbox {
         socket_path_((run_dir_ / "init.sock").string()),
         init_(std::move(init)),
         cgroup_(std::move(cgroup)),
-        netns_(std::move(netns)) {}
+        netns_(std::move(netns)),
+        identity_(std::move(identity)),
+        cgroup_version_(std::move(cgroup_version)),
+        adopted_(adopted),
+        exec_counter_(first_exec),
+        sleeping_(sleeping) {}
 
   ~ContainerSandbox() override {
     try {
@@ -155,6 +223,15 @@ class ContainerSandbox final : public BackendSandbox {
       throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
 
     std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
+    // Declared before the group's release below, so it goes after it: while the mark exists, an agent restart
+    // takes the group for one whose caller is gone.
+    std::optional<ExecMarker> marker;
+    try {
+      marker.emplace(run_dir_ / kExecMarkers, group);
+    } catch (const Error&) {
+      check_running();  // a destroy removed the run directory: say that
+      throw;
+    }
     std::vector<UniqueFd> group_fds;
     try {
       group_fds = cgroup_->create_exec_group(group);
@@ -398,6 +475,17 @@ class ContainerSandbox final : public BackendSandbox {
     return out;
   }
 
+  BackendState recovery_state() override {
+    return BackendState{{key::kBootId, identity_.boot_id},
+                        {key::kInitPid, std::to_string(init_.pid)},
+                        {key::kInitStartTime, std::to_string(identity_.init_start_time)},
+                        {key::kCgroupVersion, cgroup_version_},
+                        {key::kCgroup, cgroup_->path()},
+                        {key::kNetnsInode, std::to_string(identity_.netns_inode)},
+                        {key::kRunDir, run_dir_.string()},
+                        {key::kLayerDevices, identity_.layer_devices}};
+  }
+
   bool alive() override {
     if (destroyed_.load()) return false;
     pollfd p{init_.pidfd.get(), POLLIN, 0};
@@ -424,9 +512,18 @@ class ContainerSandbox final : public BackendSandbox {
       // Killing pid 1 of the sandbox's pid namespace kills every process in it; the kernel reports init's exit
       // only after all of them are gone. Its mount namespace, with the overlay and tmpfs, goes with the last one.
       ::syscall(SYS_pidfd_send_signal, init_.pidfd.get(), SIGKILL, nullptr, 0);
-      siginfo_t info{};
-      while (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(init_.pidfd.get()), &info, WEXITED) != 0 &&
-             errno == EINTR) {
+      if (adopted_) {
+        // Not this agent's child (its parent was the old agent): it cannot be reaped here, but its pidfd turns
+        // readable once it and, being pid 1 of its namespace, everything else in the sandbox has exited.
+        pollfd p{init_.pidfd.get(), POLLIN, 0};
+        for (auto until = Clock::now() + std::chrono::milliseconds(kAdoptedExitWaitMs);
+             ::poll(&p, 1, 100) == 0 && Clock::now() < until;) {
+        }
+      } else {
+        siginfo_t info{};
+        while (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(init_.pidfd.get()), &info, WEXITED) != 0 &&
+               errno == EINTR) {
+        }
       }
       init_.pidfd.reset();
     }
@@ -525,10 +622,13 @@ class ContainerSandbox final : public BackendSandbox {
   std::string socket_path_;
   SpawnedInit init_;
   std::unique_ptr<SandboxCgroup> cgroup_;
-  UniqueFd netns_;
+  UniqueFd netns_;  // empty for an adopted sandbox: its init holds the namespace
+  Identity identity_;
+  std::string cgroup_version_;
+  bool adopted_;    // taken over after an agent restart: init is not this process's child
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
-  std::atomic<std::uint64_t> exec_counter_{0};
+  std::atomic<std::uint64_t> exec_counter_;
   std::mutex power_mu_;  // guards sleeping_ and running_execs_; held through a sleep or a wake
   bool sleeping_ = false;
   int running_execs_ = 0;
@@ -559,6 +659,7 @@ class ContainerBackend final : public Backend {
                   fmt::format("sandbox init binary {} cannot be opened: {}", init.string(), std::strerror(errno)));
     fs::create_directories(config_.run_dir);
     ::chmod(config_.run_dir.c_str(), 0700);
+    boot_id_ = boot_id();
     if (config_.cgroup_favordynmods) log_info("{}", enable_cgroup_favordynmods());
     cgroups_ = make_cgroup_driver(config_.cgroup_name);
     cgroups_->remove_empty_groups();
@@ -586,7 +687,7 @@ class ContainerBackend final : public Backend {
         if (armed) fs::remove_all(dir, ec);
       }
     } cleanup{run_dir};
-    for (const char* sub : {"rw", "root"})
+    for (const char* sub : {"rw", "root", kExecMarkers})
       if (::mkdir((run_dir / sub).c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}/{}", run_dir.string(), sub);
 
     UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -620,10 +721,134 @@ class ContainerBackend final : public Backend {
     req.cap_last_cap = cap_last_cap_;
     req.open_files = params.spec.resources.open_files;
 
+    Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers)};
     SpawnedInit init = spawn_init(req);
     cleanup.armed = false;
+    // Read while the agent holds init's pidfd: the pid cannot name another process yet (init is this process's
+    // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
+    identity.init_start_time = process_start_time(init.pid).value_or(0);
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
-                                              std::move(netns), config_.sleep_reclaim_timeout);
+                                              std::move(netns), config_.sleep_reclaim_timeout, std::move(identity),
+                                              cgroups_->version());
+  }
+
+  std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) override {
+    const BackendState& state = params.state;
+    auto value = [&](const char* name) -> const std::string& {
+      auto it = state.find(name);
+      if (it == state.end() || it->second.empty())
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("its record lacks '{}' (it was made by an agent that did not keep it)", name));
+      return it->second;
+    };
+    auto number = [&](const char* name) -> std::uint64_t {
+      const std::string& text = value(name);
+      std::uint64_t v = 0;
+      auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec != std::errc() || ptr != text.data() + text.size())
+        throw Error(Code::kFailedPrecondition, fmt::format("its record's '{}' is not a number: '{}'", name, text));
+      return v;
+    };
+    if (value(key::kBootId) != boot_id_)
+      throw Error(Code::kNotFound, "the host rebooted since it was made (another boot id)");
+    const auto pid = static_cast<pid_t>(number(key::kInitPid));
+    const std::uint64_t start_time = number(key::kInitStartTime);
+    const std::uint64_t netns_inode = number(key::kNetnsInode);
+    const std::string& version = value(key::kCgroupVersion);
+    const std::string& cgroup_path = value(key::kCgroup);
+    const fs::path run_dir = value(key::kRunDir);
+    if (!run_dir.is_absolute() || run_dir.filename() != params.id)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("its record's run directory {} is not one of a sandbox named {}", run_dir.string(),
+                              params.id));
+    if (version != cgroups_->version())
+      throw Error(Code::kFailedPrecondition, fmt::format("it runs under cgroup {}, this agent drives cgroup {}",
+                                                         version, cgroups_->version()));
+
+    // The pid alone proves nothing: open a pidfd, then check that the process it names started when init did.
+    SpawnedInit init;
+    init.pid = pid;
+    init.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+    if (!init.pidfd) {
+      if (errno == ESRCH) throw Error(Code::kNotFound, fmt::format("its init (pid {}) has exited", pid));
+      throw_errno(errno, fmt::format("pidfd_open of its init (pid {})", pid));
+    }
+    std::optional<std::uint64_t> now_started = process_start_time(pid);
+    if (!now_started) throw Error(Code::kNotFound, fmt::format("its init (pid {}) has exited", pid));
+    if (*now_started != start_time)
+      throw Error(Code::kNotFound, fmt::format("its init (pid {}) has exited; the pid names another process now "
+                                               "(started at tick {}, not {})",
+                                               pid, *now_started, start_time));
+    // An init that was killed but not yet reaped (its parent, the old agent, is gone) still has its pid and start
+    // time: the pidfd tells.
+    pollfd p{init.pidfd.get(), POLLIN, 0};
+    if (::poll(&p, 1, 0) != 0) throw Error(Code::kNotFound, fmt::format("its init (pid {}) has exited", pid));
+    if (!process_in_cgroup(pid, cgroup_path, version))
+      throw Error(Code::kNotFound, fmt::format("pid {} is not in the sandbox's cgroup {}: not its init", pid,
+                                               cgroup_path));
+    if (netns_inode_of_pid(pid) != netns_inode)
+      throw Error(Code::kNotFound, fmt::format("pid {} is not in the sandbox's network namespace: not its init", pid));
+
+    // Its root stacks the image layers as they were mounted then: a layer whose mount did not survive the agent (the
+    // layer file system's connection was lost, the mount detached and perhaps made again) cannot serve it any more.
+    const std::string devices = layer_devices(params.image_layers);
+    if (auto it = state.find(key::kLayerDevices); it != state.end() && !it->second.empty() && it->second != devices)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("its image layers are no longer the mounts it runs on (devices {}, now {}): they did "
+                              "not survive the agent",
+                              it->second, devices.empty() ? "missing" : devices));
+
+    // From here the groups are this object's: if taking the sandbox over fails, they (and its processes) go.
+    std::unique_ptr<SandboxCgroup> cgroup = cgroups_->adopt(cgroup_path);
+    // A freeze the record does not explain (a sleep, wake or snapshot cut short) is undone, and a sleeping sandbox
+    // stays asleep; either way the memory limit a wake puts back is the sandbox's own.
+    const bool frozen = cgroup->frozen();
+    if (params.sleeping) {
+      if (!frozen) {
+        cgroup->freeze();
+        cgroup->reclaim_memory(std::chrono::steady_clock::now() + config_.sleep_reclaim_timeout);
+      }
+      cgroup->set_restore_limit(params.spec.resources.memory_bytes);
+    } else if (frozen) {
+      log_info("sandbox {}: frozen, but recorded running; thawing it", params.id);
+      cgroup->set_restore_limit(params.spec.resources.memory_bytes);
+      cgroup->restore_memory();
+      cgroup->thaw();
+    }
+
+    // Execs in flight when the old agent died lost their caller with it (their output went to its pipes): their
+    // processes are killed with their groups. Groups of ended execs hold background processes, which stay.
+    const fs::path markers = run_dir / kExecMarkers;
+    std::set<std::string> in_flight;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(markers, ec)) in_flight.insert(entry.path().filename().string());
+    std::uint64_t next_exec = 0;
+    std::size_t killed = 0;
+    for (const std::string& group : cgroup->exec_groups()) {
+      if (group.size() > 1 && group[0] == 'x') {
+        std::uint64_t n = 0;
+        auto [ptr, err] = std::from_chars(group.data() + 1, group.data() + group.size(), n);
+        if (err == std::errc() && ptr == group.data() + group.size()) next_exec = std::max(next_exec, n + 1);
+      }
+      const bool kill = in_flight.count(group) > 0;
+      killed += kill;
+      cgroup->adopt_exec_group(group, kill);
+    }
+    for (const auto& name : in_flight) ::unlink((markers / name).c_str());
+    if (killed > 0)
+      log_info("sandbox {}: killed {} exec{} whose caller went with the previous agent", params.id, killed,
+               killed == 1 ? "" : "s");
+    if (::mkdir(markers.c_str(), 0700) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", markers.string());
+
+    std::string why;
+    if (!probe_init((run_dir / "init.sock").string(), !params.sleeping,
+                    std::chrono::duration_cast<std::chrono::milliseconds>(kProbeTimeout), &why))
+      throw Error(Code::kUnavailable, fmt::format("its init (pid {}) does not answer: {}", pid, why));
+
+    Identity identity{boot_id_, start_time, netns_inode, devices};
+    return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
+                                              UniqueFd(), config_.sleep_reclaim_timeout, std::move(identity), version,
+                                              true, params.sleeping, next_exec);
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -652,6 +877,7 @@ class ContainerBackend final : public Backend {
   std::unique_ptr<CgroupDriver> cgroups_;
   SeccompProgram seccomp_default_, seccomp_ptrace_;
   std::unique_ptr<NetnsPool> netns_;
+  std::string boot_id_;
 };
 
 }  // namespace

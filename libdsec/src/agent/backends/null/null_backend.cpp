@@ -246,6 +246,11 @@ class NullBackend final : public Backend {
   std::unique_ptr<BackendSandbox> create(const CreateParams& params) override {
     return std::make_unique<NullSandbox>(params.spec.resources.disk_bytes);
   }
+  // A simulated sandbox has nothing outside the agent that could have died with it: it is taken over as it was
+  // recorded. Its files lived in the old agent's memory, so it comes back with an empty root.
+  std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) override {
+    return std::make_unique<NullSandbox>(params.spec.resources.disk_bytes);
+  }
 };
 
 }  // namespace
