@@ -1,0 +1,104 @@
+// One fork server of a warm pool: the zygote (zygote.py) as pid 1 of its own sandbox, and the children it arms for
+// future calls.
+//
+// The sandbox is the container runtime's (container/spawn): new mount, pid, ipc, uts and cgroup namespaces, an
+// empty network namespace, the image's layers as a read-only root, masked /proc, a minimal /dev, read-only /sys,
+// its own cgroup. Unlike a container's init, the zygote keeps CAP_SYS_ADMIN, CAP_SETUID and CAP_SETGID (each call's
+// child needs them to make its namespaces and mounts before it drops to an unprivileged uid with none) and runs under
+// a seccomp filter that still allows mount; every call's child loads the container's strict filter on top.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/container/netns_pool.hpp"
+#include "agent/backends/container/seccomp.hpp"
+#include "agent/config.hpp"
+#include "common/unique_fd.hpp"
+
+namespace dsec::agent::fncall {
+
+// A GPU device node of the host that fork servers carry (hidden until a call is given it).
+struct DeviceNode {
+  std::string name;  // "nvidia0", "nvidiactl"
+  dev_t dev = 0;
+};
+
+// What every fork server of the node shares; made once, on first use.
+struct Runtime {
+  FnCallConfig config;
+  std::string node_id;
+  std::filesystem::path run_dir;  // <agent run dir>/fncall
+  unsigned cores = 1;
+  int cap_last_cap = 40;
+  std::unique_ptr<container::CgroupDriver> cgroups;  // servers' and calls' groups, with cpu accounting
+  std::unique_ptr<container::NetnsPool> netns;
+  container::SeccompProgram server_filter;  // the zygote's: the container filter with mount allowed
+  std::string call_filter_base64;           // the container's strict filter, loaded by every call's child
+  std::vector<DeviceNode> gpu_nodes;        // /dev/nvidia* of the host
+  std::atomic<std::uint64_t> next_id{0};
+};
+
+// A call's child, forked and waiting for its request.
+struct Slot {
+  UniqueFd sock;   // to the child (and to its parent, which reports the exit)
+  UniqueFd pidfd;  // the child: pid 1 of the call's pid namespace
+  std::unique_ptr<container::SandboxCgroup> cgroup;  // the call's group, which the child joined
+};
+
+struct ForkServerParams {
+  std::string id;                                    // unique on the node: names its cgroup and run dir
+  std::string language;                              // python, shell, c, cpp
+  std::string image;                                 // for messages
+  std::vector<std::filesystem::path> layers;         // lowest first
+};
+
+class ForkServer {
+ public:
+  // Starts the zygote and waits until it has imported its modules (throws dsec::Error naming what failed; an image
+  // without python3 is FAILED_PRECONDITION).
+  static std::unique_ptr<ForkServer> start(Runtime& runtime, const ForkServerParams& params);
+  ~ForkServer();
+  ForkServer(const ForkServer&) = delete;
+  ForkServer& operator=(const ForkServer&) = delete;
+
+  // Forks a child for one call in a fresh cgroup and returns once it is ready (UNAVAILABLE when the zygote is gone
+  // or does not answer).
+  Slot arm();
+  bool alive() const;
+  // Kills the zygote and everything in its sandbox (armed and running children too), and removes its cgroup and run
+  // directory. Idempotent.
+  void kill();
+
+  const std::string& id() const noexcept { return id_; }
+  const std::vector<std::string>& preload_failures() const noexcept { return preload_failures_; }
+
+ private:
+  ForkServer(Runtime& runtime, std::string id) : runtime_(runtime), id_(std::move(id)) {}
+
+  Runtime& runtime_;
+  std::string id_;
+  std::filesystem::path run_dir_;
+  pid_t pid_ = -1;
+  UniqueFd pidfd_;
+  UniqueFd ctl_;
+  std::mutex ctl_mu_;
+  std::unique_ptr<container::SandboxCgroup> cgroup_;
+  UniqueFd netns_;
+  std::vector<std::string> preload_failures_;
+  std::mutex kill_mu_;
+  bool killed_ = false;
+};
+
+// The script the zygote runs (zygote.py, compiled in).
+std::string_view zygote_script();
+
+}  // namespace dsec::agent::fncall
