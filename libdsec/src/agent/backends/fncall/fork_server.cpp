@@ -17,6 +17,7 @@
 
 #include "agent/backends/container/spawn.hpp"
 #include "agent/backends/fncall/wire.hpp"
+#include "dsec/fncall.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::fncall {
@@ -34,6 +35,8 @@ constexpr auto kReadyTimeout = std::chrono::seconds(10);
 constexpr std::uint64_t kServerMemory = 1ull << 30;
 constexpr std::uint32_t kServerPids = 64;
 constexpr std::uint32_t kCallOpenFiles = 1024;
+// The compile step's processes (cc1, as, ld) need a few pids beyond the program's own.
+constexpr std::uint32_t kCompilePids = 64;
 
 std::pair<UniqueFd, UniqueFd> socket_pair() {
   int fds[2];
@@ -150,13 +153,24 @@ ForkServer::~ForkServer() {
   }
 }
 
-Slot ForkServer::arm() {
+Slot ForkServer::arm(bool run_group) {
   Slot slot;
+  // A call's limits are set on its groups before it starts; groups made with the default request's limits (the
+  // compiler's, for the group a compile runs in) need no change for most calls.
+  const FnCallRequest defaults;
   Resources resources;
   resources.cpu = runtime_.config.call_cpu;
-  resources.memory_bytes = runtime_.config.compile_memory_bytes;  // each call sets its own before it starts
-  resources.pids = 1024;
-  slot.cgroup = runtime_.cgroups->create(fmt::format("{}-c{}", id_, runtime_.next_id.fetch_add(1)), resources);
+  resources.memory_bytes = run_group ? runtime_.config.compile_memory_bytes : defaults.memory_bytes;
+  resources.pids = run_group ? kCompilePids : defaults.pids;
+  const std::uint64_t n = runtime_.next_id.fetch_add(1);
+  slot.cgroup = runtime_.cgroups->create(fmt::format("{}-c{}", id_, n), resources);
+  slot.limits = {resources.memory_bytes, resources.pids};
+  if (run_group) {
+    resources.memory_bytes = defaults.memory_bytes;
+    resources.pids = defaults.pids;
+    slot.run_cgroup = runtime_.cgroups->create(fmt::format("{}-c{}-run", id_, n), resources);
+    slot.run_limits = {resources.memory_bytes, resources.pids};
+  }
   std::vector<UniqueFd> procs = slot.cgroup->open_procs();
   auto [agent_end, child_end] = socket_pair();
   std::vector<int> fds{child_end.get()};
@@ -177,11 +191,12 @@ Slot ForkServer::arm() {
     throw Error(Code::kInternal, fmt::format("fork server {}: a call's child failed at {}: {}", id_,
                                              ready.header.value("stage", std::string("?")),
                                              ready.header.value("message", std::string("?"))));
-  if (ready.type() != "ready" || ready.fds.size() != 1)
+  if (ready.type() != "ready" || ready.fds.size() != 2)
     throw Error(Code::kInternal, fmt::format("fork server {}: unexpected message '{}' from a call's child", id_,
                                              ready.type()));
   slot.sock = std::move(agent_end);
   slot.pidfd = std::move(ready.fds[0]);
+  slot.mount_ns = std::move(ready.fds[1]);
   return slot;
 }
 

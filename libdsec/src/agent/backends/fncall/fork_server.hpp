@@ -47,11 +47,24 @@ struct Runtime {
   std::atomic<std::uint64_t> next_id{0};
 };
 
+// The limits a call's group was made with: a call that asks for these needs no write to the group.
+struct GroupLimits {
+  std::uint64_t memory_bytes = 0;
+  std::uint32_t pids = 0;
+};
+
 // A call's child, forked and waiting for its request.
 struct Slot {
   UniqueFd sock;   // to the child (and to its parent, which reports the exit)
   UniqueFd pidfd;  // the child: pid 1 of the call's pid namespace
+  // The child's mount namespace: held here, so that the child's exit does not wait for its mounts to be taken
+  // down (that happens when the slot is released, off the call's path).
+  UniqueFd mount_ns;
   std::unique_ptr<container::SandboxCgroup> cgroup;  // the call's group, which the child joined
+  // C and C++: the program's own group, which the child joins after the compile, so that the program's CPU time,
+  // peak memory and OOM kills are its own and not the compiler's.
+  std::unique_ptr<container::SandboxCgroup> run_cgroup;
+  GroupLimits limits, run_limits;
 };
 
 struct ForkServerParams {
@@ -70,9 +83,9 @@ class ForkServer {
   ForkServer(const ForkServer&) = delete;
   ForkServer& operator=(const ForkServer&) = delete;
 
-  // Forks a child for one call in a fresh cgroup and returns once it is ready (UNAVAILABLE when the zygote is gone
-  // or does not answer).
-  Slot arm();
+  // Forks a child for one call in a fresh cgroup (and, with `run_group`, makes a second one for the program a
+  // compile builds) and returns once it is ready (UNAVAILABLE when the zygote is gone or does not answer).
+  Slot arm(bool run_group);
   bool alive() const;
   // Kills the zygote and everything in its sandbox (armed and running children too), and removes its cgroup and run
   // directory. Idempotent.

@@ -201,7 +201,7 @@ void Pool::arm_job(const ServerPtr& server) {
     process = server->process.get();
   }
   try {
-    Slot slot = process->arm();
+    Slot slot = process->arm(language_ == "c" || language_ == "cpp");
     std::unique_lock lock(mu_);
     server->arming = false;
     if (shut_ || server->dead) {
@@ -236,6 +236,7 @@ void Pool::retire_locked(const ServerPtr& server) {
     if (*slot) {
       (*slot)->sock.reset();
       if ((*slot)->cgroup) (*slot)->cgroup->destroy();
+      if ((*slot)->run_cgroup) (*slot)->run_cgroup->destroy();
       slot->reset();
     }
     if (server->process) server->process->kill();
@@ -250,7 +251,9 @@ void Pool::release_slot(Slot slot) {
     if (held->pidfd) ::syscall(SYS_pidfd_send_signal, held->pidfd.get(), SIGKILL, nullptr, 0);
     held->sock.reset();
     held->pidfd.reset();
+    held->mount_ns.reset();  // the call's mounts (its /tmp) go now
     if (held->cgroup) held->cgroup->destroy();
+    if (held->run_cgroup) held->run_cgroup->destroy();
   });
 }
 

@@ -21,10 +21,14 @@
 # file descriptors travel as SCM_RIGHTS with the frame's first bytes.
 
 import array
+import atexit
 import base64
+import builtins
 import ctypes
+import gc
 import io
 import json
+import linecache
 import os
 import resource
 import select
@@ -33,6 +37,8 @@ import socket
 import struct
 import sys
 import time
+import traceback
+import types
 
 CTL_FD = 3
 SCRATCH_FD = 4
@@ -168,10 +174,14 @@ def zygote():
     if sys.version_info < (3, 9):
         send(ctl, {"type": "fatal", "message": f"python {sys.version.split()[0]} is too old: fncall needs 3.9"})
         os._exit(1)
+    config["filter"] = Seccomp(config["seccomp"])
     loaded, failed = preload(config.get("preload", []))
     # A child forks from here: what the zygote holds in stdio buffers would be written by every child.
     sys.stdout.flush()
     sys.stderr.flush()
+    # The collector leaves what exists now alone, so children do not copy the zygote's pages just to scan them.
+    gc.collect()
+    gc.freeze()
     send(ctl, {"type": "hello", "python": sys.version.split()[0], "preloaded": loaded, "failed": failed,
                "pid": os.getpid()})
     while True:
@@ -266,9 +276,12 @@ def call_child(sock_fd, procs_fds, config):
         check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWCGROUP), "namespaces", "unshare")
         # Only the call's own processes, and none of /proc's host-wide files.
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid", "proc")
+        # The agent holds the mount namespace too: the child's exit then does not wait for its mounts to go.
         pidfd = os.pidfd_open(os.getpid())
-        send(sock, {"type": "ready"}, fds=[pidfd])
+        mount_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        send(sock, {"type": "ready"}, fds=[pidfd, mount_ns])
         os.close(pidfd)
+        os.close(mount_ns)
         msg = recv(sock, max_fds=2)
         if msg is None:
             os._exit(0)  # disarmed
@@ -356,7 +369,7 @@ def run_call(sock, header, blob, fds, config):
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.setsid()
-    load_seccomp(config["seccomp"])
+    config["filter"].load()
 
     args = [str(a) for a in header["args"]]
     cpu = float(header.get("cpu_seconds", 0))
@@ -379,13 +392,18 @@ def write_all(fd, data):
         data = data[n:]
 
 
-def load_seccomp(program):
-    bpf = base64.b64decode(program)
-    buf = ctypes.create_string_buffer(bpf, len(bpf))
-    prog = SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, None, 0, 0), "seccomp", "no_new_privs")
-    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.cast(ctypes.byref(prog), ctypes.c_void_p), 0, 0),
-          "seccomp", "load the filter")
+class Seccomp:
+    """The strict filter every call's child loads, decoded once in the zygote."""
+
+    def __init__(self, program):
+        bpf = base64.b64decode(program)
+        self.buffer = ctypes.create_string_buffer(bpf, len(bpf))
+        self.prog = SockFprog(len(bpf) // 8, ctypes.cast(self.buffer, ctypes.c_void_p))
+
+    def load(self):
+        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, None, 0, 0), "seccomp", "no_new_privs")
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.cast(ctypes.byref(self.prog), ctypes.c_void_p),
+                         0, 0), "seccomp", "load the filter")
 
 
 def set_cpu_limit(seconds):
@@ -406,11 +424,6 @@ def reset_signals():
 
 
 def run_python(code, args, env):
-    import builtins
-    import linecache
-    import traceback
-    import types
-
     os.environ.clear()
     os.environ.update(env)
     # A fresh process would draw new seeds; the zygote's were drawn once, so draw again here.
@@ -430,7 +443,6 @@ def run_python(code, args, env):
     sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="strict", closefd=False)
     sys.stderr = sys.__stderr__ = io.open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
                                           closefd=False)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     source = code.decode("utf-8", errors="surrogateescape")
     linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
     status = 0
@@ -469,8 +481,6 @@ def finish_python(status):
     except BaseException:
         pass
     try:
-        import atexit
-
         atexit._run_exitfuncs()
     except BaseException:
         pass
@@ -505,12 +515,13 @@ def compile_and_run(sock, language, code, args, env, cpu, config, header):
 
     ext = "c" if language == "c" else "cpp"
     os.mkdir(BUILD_DIR, 0o755)
-    source = f"{BUILD_DIR}/main.{ext}"
+    # Compiled in BUILD_DIR by relative names, so the compiler's messages say "main.c:3:5".
+    source = f"main.{ext}"
     binary = f"{BUILD_DIR}/main"
-    fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(f"{BUILD_DIR}/{source}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     write_all(fd, code)
     os.close(fd)
-    argv = [a.replace("{source}", source).replace("{binary}", binary) for a in config["compile"][language]]
+    argv = [a.replace("{source}", source).replace("{binary}", "main") for a in config["compile"][language]]
     cap = int(header.get("compile_output_cap", 65536))
     started = time.monotonic()
     compile_env = {k: v for k, v in env.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
@@ -527,9 +538,15 @@ def compile_and_run(sock, language, code, args, env, cpu, config, header):
          bytes(output[:cap]))
     if rc != 0:
         os._exit(0)
-    msg = recv(sock)
+    msg = recv(sock, max_fds=8)
     if msg is None or msg[0].get("type") != "go":
         os._exit(0)
+    # The program's own cgroup (the agent opened its cgroup.procs: writing to it needs no privilege here), so that
+    # what the compiler used is not counted as the program's.
+    for fd in msg[2]:
+        if os.write(fd, b"0") != 1:
+            raise Failure("cgroup", "short write to the program's cgroup.procs")
+        os.close(fd)
     reset_signals()
     set_cpu_limit(cpu)
     try:
