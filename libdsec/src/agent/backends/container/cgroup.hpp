@@ -54,6 +54,8 @@ class SandboxCgroup {
   // ahead of time). Lowering the memory limit below what is charged fails with RESOURCE_EXHAUSTED once the kernel
   // could not reclaim enough.
   virtual void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) = 0;
+  // Whether any process is in the group or below it.
+  virtual bool has_processes() = 0;
 };
 
 class CgroupDriver {

@@ -258,6 +258,15 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     }
   }
 
+  bool has_processes() override {
+    const std::string top = dir(h_.pids);
+    if (!read_pids(top + "/cgroup.procs").empty()) return true;
+    std::error_code ec;
+    for (const auto& entry : fs::recursive_directory_iterator(top, ec))
+      if (entry.is_directory() && !read_pids(entry.path().string() + "/cgroup.procs").empty()) return true;
+    return false;
+  }
+
   // memory.memsw.limit_in_bytes may never be below memory.limit_in_bytes: raise it first, lower it last.
   void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) override {
     const std::string mem = dir(h_.memory);

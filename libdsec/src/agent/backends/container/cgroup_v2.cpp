@@ -179,6 +179,8 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     }
   }
 
+  bool has_processes() override { return populated(dir_); }
+
   // v2 takes a lower memory.max at once and reclaims, or OOM-kills inside the group, to get under it.
   void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) override {
     write_cgroup_file(dir_ + "/memory.max", std::to_string(memory_bytes));

@@ -189,28 +189,35 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
   Phase phase = compiles ? Phase::kCompiling : Phase::kRunning;
   Clock::time_point deadline =
       compiles ? after(settings.compile_timeout_seconds) : after(req.timeout_seconds);
+  // The call's process has ended when the zygote, its parent, reports its exit status. Whatever it left running in
+  // its cgroup is killed then, before the server takes another call.
   std::optional<Clock::time_point> exited_at;
   std::optional<int> status;
   bool sock_open = true;
   bool killed = false;
   std::optional<Error> failure;
   Clock::time_point next_cpu_check = Clock::now() + kCpuPoll;
-  double rusage_cpu = 0;
+  double cpu_used = 0;
+  std::uint64_t peak = 0, ooms = 0;
 
   auto kill = [&] {
     if (!killed) kill_child(slot);
     killed = true;
   };
+  auto ended = [&] {
+    exited_at = Clock::now();
+    cpu_used = cgroup.cpu_usage_seconds() - cpu_base;
+    peak = cgroup.memory_peak();
+    ooms = cgroup.oom_kills() - oom_base;
+    for (auto* group : {slot.cgroup.get(), slot.run_cgroup.get()})
+      if (group && group->has_processes()) group->destroy();
+    cout.drain();
+    cerr.drain();
+  };
 
   for (;;) {
     auto now = Clock::now();
     if (exited_at && ((!cout.open() && !cerr.open()) || now >= *exited_at + kOutputGrace)) break;
-    if (!sock_open && !exited_at) {
-      // The child's parent went away without a report: only the server's end (it was killed) does that.
-      exited_at = now;
-      if (!killed) failure = Error(Code::kUnavailable, "function call: its fork server ended during the call");
-      continue;
-    }
     if (!exited_at && !killed && now >= deadline) {
       result.timed_out = true;
       if (phase == Phase::kCompiling) result.compile_exit_code = -1;
@@ -224,7 +231,7 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
       }
     }
     if (killed && !exited_at && now >= deadline + std::chrono::seconds(10)) {
-      // Killed, and still no report: the server is wedged. Give up on it.
+      // Killed, and its end still not reported: something is wrong with the server. Give up on it.
       *server_fault = true;
       failure = Error(Code::kUnavailable, "function call: its fork server did not report the end of a killed call");
       break;
@@ -249,16 +256,16 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
     if (i_sock >= 0 && fds[i_sock].revents) {
       Frame f;
       if (!recv_frame(slot.sock.get(), f, Clock::now() + std::chrono::seconds(5))) {
+        // Nobody holds the other end any more: the server died with the call's process.
         sock_open = false;
+        if (!killed) failure = Error(Code::kUnavailable, "function call: its fork server ended during the call");
+        ended();
         continue;
       }
       std::string type = f.type();
-      if (type == "exit") {
-        status = f.header.value("status", 0);
-        rusage_cpu = f.header.value("utime", 0.0) + f.header.value("stime", 0.0);
-        exited_at = Clock::now();
-        cout.drain();
-        cerr.drain();
+      if (type == "status") {
+        if (f.header.contains("status") && f.header["status"].is_number_integer()) status = f.header["status"].get<int>();
+        ended();
       } else if (type == "compiled") {
         result.compile_exit_code = f.header.value("exit_code", -1);
         result.compile_seconds = f.header.value("seconds", 0.0);
@@ -310,10 +317,9 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
     return result;
   }
   result.duration_seconds = std::chrono::duration<double>((exited_at ? *exited_at : Clock::now()) - started).count();
-  double cpu = cgroup.cpu_usage_seconds() - cpu_base;
-  result.cpu_seconds = cpu > 0 ? cpu : rusage_cpu;
-  result.peak_memory_bytes = cgroup.memory_peak();
-  if (cgroup.oom_kills() > oom_base) result.oom_killed = true;
+  result.cpu_seconds = std::max(0.0, cpu_used);
+  result.peak_memory_bytes = peak;
+  if (ooms > 0) result.oom_killed = true;
   return result;
 }
 

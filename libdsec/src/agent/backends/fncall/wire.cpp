@@ -37,15 +37,16 @@ void send_all(int sock, std::string_view data) {
   }
 }
 
-// Waits until the socket is readable or the deadline passes; false on the deadline.
+// Waits until the socket is readable or the deadline passes; false on the deadline (a deadline already past still
+// looks once).
 bool wait_readable(int sock, std::chrono::steady_clock::time_point deadline) {
   for (;;) {
     auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
-    if (ms < 0) return false;
     pollfd p{sock, POLLIN, 0};
-    int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(ms + 1, 1000)));
+    int rc = ::poll(&p, 1, ms <= 0 ? 0 : static_cast<int>(std::min<long long>(ms + 1, 1000)));
     if (rc > 0) return true;
     if (rc < 0 && errno != EINTR) throw_errno(errno, "poll fork server socket");
+    if (ms <= 0 && rc == 0) return false;
   }
 }
 

@@ -4,18 +4,20 @@
 # ipc, uts and cgroup namespaces over the image's read-only root), as root with CAP_SYS_ADMIN, CAP_SETUID and
 # CAP_SETGID only, under a seccomp filter that still allows mount. fd 3 is its control socket to the agent.
 #
-# It imports the configured modules once, then, for every ARM message, forks a child for one future call:
+# It imports the configured modules once, remounts the sandbox's /proc so that a process sees only its own user's
+# processes, and then, for every ARM message, forks the child of one future call:
 #
-#   zygote (pid 1 of the server's sandbox: never runs a call's code, keeps nothing of any call)
-#    `- parent: unshare(CLONE_NEWPID), forks the call's child, waits for it, reports its exit status
-#        `- child: pid 1 of a fresh pid namespace. Joins the call's cgroup, takes its own mount, ipc and cgroup
-#                  namespaces and a /proc of its own, and says READY. When the call comes: a fresh tmpfs on /tmp
-#                  (size-capped, the call's files and working directory) and on /dev/shm, the call's GPUs,
-#                  an unprivileged uid with no capabilities, rlimits, the strict seccomp filter; then it runs the
-#                  code (Python in-process in a fresh __main__, shell and C/C++ by exec) and is gone.
+#   zygote (pid 1 of the server's sandbox: never runs a call's code, keeps nothing of any call; it reaps, and
+#    |      reports each call's exit status to the agent)
+#    `- call's process: joins the call's cgroup, takes its own mount, ipc and cgroup namespaces, and says READY.
+#          When the call comes: a fresh tmpfs on /tmp (size-capped, the call's files and working directory) and on
+#          /dev/shm, the call's GPUs, an unprivileged uid with no capabilities, rlimits, the strict seccomp
+#          filter; then it runs the code (Python in-process in a fresh __main__, shell and C/C++ by exec).
 #
-# When the child ends, the kernel kills every process left in its pid namespace; its mounts and ipc objects go with
-# it. Nothing a call does reaches the zygote, the next call, or another call.
+# When the call's process has ended, the agent kills whatever is left in the call's cgroup before the server takes
+# its next call; the call's mounts and ipc objects go with its namespaces. A server runs one call at a time, and a
+# call's user sees no process of another user (hidepid), so nothing a call does reaches the zygote, the next call,
+# or another call.
 #
 # Messages on every socket are frames: u32 header length, u32 blob length (little endian), a JSON header, the blob;
 # file descriptors travel as SCM_RIGHTS with the frame's first bytes.
@@ -47,11 +49,11 @@ HEAD = struct.Struct("<II")
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWIPC = 0x08000000
-CLONE_NEWPID = 0x20000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_REMOUNT = 32
 MS_BIND = 4096
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
@@ -174,6 +176,12 @@ def zygote():
     if sys.version_info < (3, 9):
         send(ctl, {"type": "fatal", "message": f"python {sys.version.split()[0]} is too old: fncall needs 3.9"})
         os._exit(1)
+    try:
+        # A process sees only its own user's processes: a call sees neither the zygote nor armed children (root).
+        mount(None, "/proc", None, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible", "proc")
+    except Failure as e:
+        send(ctl, {"type": "fatal", "message": str(e)})
+        os._exit(1)
     config["filter"] = Seccomp(config["seccomp"])
     loaded, failed = preload(config.get("preload", []))
     # A child forks from here: what the zygote holds in stdio buffers would be written by every child.
@@ -182,12 +190,21 @@ def zygote():
     # The collector leaves what exists now alone, so children do not copy the zygote's pages just to scan them.
     gc.collect()
     gc.freeze()
-    send(ctl, {"type": "hello", "python": sys.version.split()[0], "preloaded": loaded, "failed": failed,
-               "pid": os.getpid()})
+    # Children that end wake the loop below (the zygote is their parent, and the init of every orphan).
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    send(ctl, {"type": "hello", "python": sys.version.split()[0], "preloaded": loaded, "failed": failed})
+    calls = {}  # pid of an armed or running call's process -> its socket to the agent
     while True:
-        ready, _, _ = select.select([ctl], [], [], 1.0)
-        reap()
-        if not ready:
+        ready, _, _ = select.select([ctl, wake_r], [], [])
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+            reap(calls)
+        if ctl not in ready:
             continue
         try:
             msg = recv(ctl, max_fds=16)
@@ -209,22 +226,36 @@ def zygote():
             continue
         if pid == 0:
             try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
                 ctl.close()
-                call_parent(fds[0], fds[1:], config)
+                for sock in calls.values():
+                    sock.close()
+                call_process(fds[0], fds[1:], config)
             finally:
                 os._exit(70)
-        for fd in fds:
+        calls[pid] = socket.socket(fileno=fds[0])
+        for fd in fds[1:]:
             os.close(fd)
 
 
-def reap():
+def reap(calls):
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        sock = calls.pop(pid, None)
+        if sock is not None:
+            try:
+                send(sock, {"type": "status", "status": status})
+            except OSError:
+                pass
+            sock.close()
 
 
 def report_failure(fd, failure):
@@ -237,36 +268,10 @@ def report_failure(fd, failure):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The call's parent: in the server's pid namespace, outside the call's cgroup.
+# A call's process. Everything up to "drop privileges" runs as root.
 
 
-def call_parent(sock_fd, procs_fds, config):
-    try:
-        check(libc.unshare(CLONE_NEWPID), "namespaces", "unshare pid namespace")
-        pid = os.fork()
-    except (Failure, OSError) as e:
-        report_failure(sock_fd, e if isinstance(e, Failure) else Failure("fork", str(e)))
-        os._exit(1)
-    if pid == 0:
-        call_child(sock_fd, procs_fds, config)
-        os._exit(71)
-    for fd in procs_fds:
-        os.close(fd)
-    sock = socket.socket(fileno=sock_fd)
-    _, status, usage = os.wait4(pid, 0)
-    try:
-        send(sock, {"type": "exit", "status": status, "utime": usage.ru_utime, "stime": usage.ru_stime,
-                    "maxrss": usage.ru_maxrss * 1024})
-    except OSError:
-        pass
-    os._exit(0)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The call's child: pid 1 of its own pid namespace. Everything up to "drop privileges" runs as root.
-
-
-def call_child(sock_fd, procs_fds, config):
+def call_process(sock_fd, procs_fds, config):
     sock = socket.socket(fileno=sock_fd)
     try:
         for fd in procs_fds:
@@ -274,9 +279,7 @@ def call_child(sock_fd, procs_fds, config):
                 raise Failure("cgroup", "short write to the call's cgroup.procs")
             os.close(fd)
         check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWCGROUP), "namespaces", "unshare")
-        # Only the call's own processes, and none of /proc's host-wide files.
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid", "proc")
-        # The agent holds the mount namespace too: the child's exit then does not wait for its mounts to go.
+        # The agent holds the mount namespace too: the call's end then does not wait for its mounts to go.
         pidfd = os.pidfd_open(os.getpid())
         mount_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         send(sock, {"type": "ready"}, fds=[pidfd, mount_ns])
