@@ -349,3 +349,53 @@ def test_a_retried_call_is_answered_once(fc):
     assert first == again
     other = post(fc, "/v1/fncall", {"code": body["code"]}).json()
     assert unb64(other["stdout"]) != unb64(first["stdout"])  # a fresh call draws fresh numbers
+
+
+def test_a_crashed_agent_leaves_nothing_after_its_restart(image_store):
+    home = tempfile.mkdtemp(prefix="dsec-it-fncall-crash-")
+    args = ["--backends", "fncall", "--store", image_store, "--fncall-image", IMAGE, "--fncall-warm", "python",
+            "--fncall-pool", "python=1:2"]
+    crashed = lib.Agent(home, tag="fck", extra_args=args)
+    subtree = crashed.cgroup_name + "-fncall"
+    restarted = None
+    try:
+        crashed.start(timeout=60)
+        assert run(crashed, code="print(1)")["stdout"] == "1\n"
+        assert lib.processes_in_cgroup(subtree), "no fork server processes in the fncall cgroups"
+        crashed.proc.kill()
+        crashed.proc.wait()
+        # Its fork servers end on their own: the agent's end of their control sockets closed with it.
+        assert lib.wait_for(lambda: not lib.processes_in_cgroup(subtree), 10), lib.processes_in_cgroup(subtree)
+        # What they left (empty cgroups, run directories) goes when an agent starts on the same names again.
+        restarted = lib.Agent(home, tag="fck", extra_args=["--backends", "fncall", "--store", image_store,
+                                                           "--fncall-image", IMAGE])
+        restarted.start(timeout=60)
+        def stale():
+            left = [p for p in lib.leftovers(restarted.run_dir, subtree) if "cgroup" in p or "process" in p]
+            fncall_dir = os.path.join(restarted.run_dir, "fncall")
+            return left + [f"run dir entry: {e}" for e in (os.listdir(fncall_dir) if os.path.isdir(fncall_dir) else [])]
+        assert lib.wait_for(lambda: not stale(), 10), stale()
+        assert run(restarted, code="print(2)")["stdout"] == "2\n"
+        status = restarted.stop()
+        assert status == 0, restarted.log_tail()
+        problems = restarted.leftovers() + lib.leftovers(restarted.run_dir, subtree)
+        problems += [f"fncall cgroup root left: {r}" for r in lib.cgroup_roots(subtree)]
+        assert not problems, "\n".join(problems) + "\n" + restarted.log_tail()
+    finally:
+        for a in (crashed, restarted):
+            if a is not None:
+                a.stop()
+        for pid, _ in lib.processes_in_cgroup(subtree):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        crashed.remove_husks()
+        for root in lib.cgroup_roots(subtree):
+            for dirpath, _, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
+        shutil.rmtree(crashed.run_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)

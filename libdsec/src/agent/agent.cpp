@@ -81,7 +81,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   }
   backends_ = parts.backends.empty() ? make_backends(config_) : std::move(parts.backends);
   cgroup_version_ = "none";
-  if (backends_.count("container")) cgroup_version_ = container_cgroup_version();
+  if (backends_.count("container") || fncall_) cgroup_version_ = container_cgroup_version();
 
   RegistryOptions options;
   options.node_id = config_.node_id;

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -302,7 +303,9 @@ int main(int argc, char** argv) {
     fail(e.what());
   }
   const auto& c = agent->config();
-  dsec::agent::log_info("node {} serving {} on {}{}{} (home {})", c.node_id, fmt::join(agent->registry().kinds(), ","),
+  std::vector<std::string> serving = agent->registry().kinds();
+  if (std::find(c.backends.begin(), c.backends.end(), "fncall") != c.backends.end()) serving.push_back("fncall");
+  dsec::agent::log_info("node {} serving {} on {}{}{} (home {})", c.node_id, fmt::join(serving, ","),
                         c.unix_socket.empty() ? "" : c.unix_socket.string(),
                         !c.unix_socket.empty() && !c.tcp_listen.empty() ? " and " : "",
                         c.tcp_listen.empty() ? "" : agent->tcp_endpoint(), c.home.string());

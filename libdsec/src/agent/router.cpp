@@ -96,6 +96,15 @@ json encode_fncall_status(const fncall::FnCallStatus& st) {
               {"gpu_usage", std::move(usage)}};
 }
 
+// How a function call ended, for the metrics.
+std::string_view fncall_outcome(const FnCallResult& r) {
+  if (r.compile_exit_code != 0) return "compile_error";
+  if (r.timed_out) return "timed_out";
+  if (r.oom_killed) return "oom_killed";
+  if (r.exit_code != 0 || r.signal != 0) return "failed";
+  return "ok";
+}
+
 // A call's "image_manifest": the pinned image's manifest as the client resolved it.
 std::string image_manifest_of(const json& body) {
   if (!body.is_object()) return {};
@@ -404,7 +413,14 @@ HttpResponse Router::fncall(HttpRequest& request, const Target& target) {
   json body = protocol::parse_body(request.body());
   FnCallRequest call = protocol::decode_fncall_request(body);
   std::string manifest = image_manifest_of(body);
-  FnCallResult result = fncall_service().run(call, manifest);
+  FnCallResult result;
+  try {
+    result = fncall_service().run(call, manifest);
+  } catch (const Error&) {
+    metrics_.fncall_done(call.language, "error", 0);
+    throw;
+  }
+  metrics_.fncall_done(call.language, fncall_outcome(result), result.duration_seconds);
   return json_response(http::status::ok, protocol::encode(result));
 }
 
@@ -430,11 +446,19 @@ HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target) {
     }
   }
   calls = json();  // the requests' bytes are in `batch` now
+  std::vector<std::string> languages;
+  for (const auto& b : batch) languages.push_back(b.request ? b.request->language : "unknown");
   std::vector<fncall::BatchOutcome> outcomes = service.run_batch(std::move(batch));
   json results = json::array();
-  for (const auto& o : outcomes) {
-    if (o.result) results.push_back(protocol::encode(*o.result));
-    else results.push_back(json{{"error", protocol::encode_error(*o.error)}});
+  for (std::size_t i = 0; i < outcomes.size(); ++i) {
+    const auto& o = outcomes[i];
+    if (o.result) {
+      metrics_.fncall_done(languages[i], fncall_outcome(*o.result), o.result->duration_seconds);
+      results.push_back(protocol::encode(*o.result));
+    } else {
+      metrics_.fncall_done(languages[i], "error", 0);
+      results.push_back(json{{"error", protocol::encode_error(*o.error)}});
+    }
   }
   return json_response(http::status::ok, json{{"results", std::move(results)}});
 }

@@ -129,6 +129,20 @@ Runtime& FnCallService::runtime() {
 }
 
 void FnCallService::start() {
+  // What an earlier run that crashed left (empty cgroups, run directories; its servers died with it) is removed now,
+  // not at the first call.
+  std::error_code ec;
+  bool leftovers = fs::exists(options_.run_dir / "fncall", ec);
+  const std::string subtree = options_.cgroup_name + "-fncall";
+  for (const char* root : {"", "/pids", "/memory", "/cpu", "/cpuacct", "/freezer"})
+    leftovers = leftovers || fs::exists(fs::path(std::string("/sys/fs/cgroup") + root) / subtree, ec);
+  if (leftovers) {
+    try {
+      runtime();
+    } catch (const std::exception& e) {
+      log_warn("fncall: removing what an earlier run left: {}", e.what());
+    }
+  }
   maintenance_ = std::thread([this] { maintenance_loop(); });
   const FnCallConfig& c = options_.config;
   if (c.warm.empty()) return;
