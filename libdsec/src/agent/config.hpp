@@ -67,7 +67,8 @@ struct AgentConfig {
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   // Kinds this agent serves: "container", "null" (sandboxes), and "fncall" (function calls, POST /v1/fncall).
-  std::vector<std::string> backends{"container", "fncall"};
+  // dsecd's own default (without --backends) is container and fncall.
+  std::vector<std::string> backends{"container"};
   FnCallConfig fncall;
   // Switch the host's cgroup locking to favour migrations (see enable_cgroup_favordynmods): cuts create's tail
   // latency; a host-wide setting, so off unless asked for.

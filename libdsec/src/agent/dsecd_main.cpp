@@ -139,6 +139,7 @@ std::filesystem::path self_directory() {
 int main(int argc, char** argv) {
   using dsec::agent::AgentConfig;
   AgentConfig config;
+  config.backends = {"container", "fncall"};
   std::optional<int> ready_fd;
 
   std::vector<std::string_view> args(argv + 1, argv + argc);
