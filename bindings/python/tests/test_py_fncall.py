@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -33,7 +34,9 @@ def fncall_home(short_tmp):
 @pytest.fixture(scope="module")
 def fncall_agent(short_tmp, fncall_home):
     home, image = fncall_home
-    a = Agent(os.path.join(short_tmp, "f1"), "pyf-n1", backends="container,fncall", home=home)
+    # A cgroup subtree of its own: other agents of the session must not see its fork servers as leftovers.
+    a = Agent(os.path.join(short_tmp, "f1"), "pyf-n1", backends="container,fncall", home=home,
+              extra_args=("--cgroup-name", "dsec-pyf1"))
     try:
         with dsec.Client(endpoints=[a.endpoint]) as c:
             if "fncall" not in c.nodes()[0].backends:
@@ -188,6 +191,32 @@ def test_run_code_many_order_and_per_call_errors(fc):
     with pytest.raises(dsec.InvalidArgument) as info:
         client.run_code_many([{"code": "print(1)"}, {"code": "x", "bogus": 1}])
     assert "calls[1]" in str(info.value)
+
+
+def test_run_code_many_spreads_over_nodes_and_survives_a_dead_one(fncall_agent, fncall_home, short_tmp):
+    agent, image = fncall_agent
+    home, _ = fncall_home
+    root = os.path.join(short_tmp, "f2")
+    own_home = os.path.join(root, "home")
+    os.makedirs(own_home, exist_ok=True)
+    second = Agent(root, "pyf-n2", backends="container,fncall", home=own_home,
+                   extra_args=("--store", os.path.join(home, "store"), "--cgroup-name", "dsec-pyf2"))
+    try:
+        with dsec.Client(endpoints=[agent.endpoint, second.endpoint]) as client:
+            calls = [{"code": f"print({i})", "image": image} for i in range(120)]
+            results = client.run_code_many(calls)
+            assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(120)]
+            by_node = Counter(r.node for r in results)
+            assert set(by_node) == {"pyf-n1", "pyf-n2"} and min(by_node.values()) >= 30, by_node
+            # The second node dies: its share runs on the first, nothing is lost or answered twice.
+            second.stop()
+            results = client.run_code_many(calls)
+            assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(120)], \
+                [r.error for r in results if r.error][:3]
+            assert {r.node for r in results} == {"pyf-n1"}
+            assert client.run_code("print(7)", image=image).node == "pyf-n1"
+    finally:
+        second.stop()
 
 
 def test_calls_from_many_threads(fc):
