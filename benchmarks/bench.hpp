@@ -38,7 +38,7 @@ class Latency {
 };
 
 struct Options {
-  std::string command;                 // create | throughput | exec | density | cgroup-join | image | all
+  std::string command;                 // create | throughput | exec | density | cgroup-join | image | pulse | fncall | all
   std::vector<std::string> endpoints;  // empty: an embedded agent
   std::string home;                    // image store (and embedded agent state)
   std::string agent_binary;            // embedded dsecd; empty: the library's default search
@@ -69,6 +69,8 @@ struct Options {
   std::size_t real_agents = 4;           // agents serving the container backend
   std::string pulse_api = "group";       // group: Client::create_group; many: Client::create_many
   std::string pulse_dir;  // where the agents' homes, records and run directories go; empty: a new dir on /dev/shm
+  // fncall: the image of the function calls and of the container sandbox they are compared with (needs python3)
+  std::string fncall_image = "bookworm-python";
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -250,6 +252,29 @@ struct PulseBenchResult {
   int cores = 0;
 };
 
+struct FnCallRatePoint {
+  int concurrency = 0;
+  double fncall_rate = 0, host_rate = 0, exec_rate = 0;  // completed calls per second
+  std::size_t fncall_count = 0, host_count = 0, exec_count = 0;
+  Latency fncall, host, exec;  // latency under this concurrency
+  CpuUse cpu;                  // the machine while this level ran
+};
+
+// Function calls (the fncall backend's warm pools) next to a cold host `python3 -c` and a container sandbox exec.
+struct FnCallBenchResult {
+  std::size_t n = 0, warmup = 0;
+  std::string image;        // the calls' image and the sandbox's
+  std::string host_python;  // "Python 3.11.2"
+  std::string node;         // the node that ran the calls
+  int cores = 0;
+  Latency fncall, fncall_agent, host, exec;  // sequential, the three alternating
+  CpuUse sequential_cpu;
+  double window_seconds = 0;  // per system and level, split into `rounds` turns
+  std::size_t rounds = 0;
+  std::vector<FnCallRatePoint> points;
+  CpuUse cpu;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -260,6 +285,7 @@ struct Report {
   std::optional<CgroupJoinResult> cgroup_join;
   std::optional<ImageBenchResult> image;
   std::optional<PulseBenchResult> pulse;
+  std::optional<FnCallBenchResult> fncall;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -279,6 +305,9 @@ ImageBenchResult run_image(const Options& options, const std::string& home);
 // Starts a private etcd and agents (null backend, then container), and times a pulse of creates over them.
 PulseBenchResult run_pulse(const Options& options);
 
+// A trivial python call through run_code, a cold host `python3 -c` and a sandbox exec: latency, then calls/s.
+FnCallBenchResult run_fncall(const Options& options, Client& client);
+
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
 void print_throughput(const ThroughputResult& r);
@@ -289,6 +318,8 @@ void print_image(const ImageBenchResult& r);
 std::string markdown_image(const ImageBenchResult& r);
 void print_pulse(const PulseBenchResult& r);
 std::string markdown_pulse(const PulseBenchResult& r);
+void print_fncall(const FnCallBenchResult& r);
+std::string markdown_fncall(const FnCallBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

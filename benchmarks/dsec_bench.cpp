@@ -55,7 +55,11 @@ Commands:
                then --real-sandboxes busybox containers over --real-agents agents the same way. Time until all are
                acknowledged, creates/s, the client's CPU and peak memory, the agents' CPU, sandboxes per agent,
                destroy time. Not part of `all`
-  all          all of the above but image and pulse, then a Markdown summary for docs/benchmarks.md
+  fncall       function calls: python `print(1+1)` through Client::run_code (the fncall backend's warm pools over
+               --fncall-image) next to a cold `/usr/bin/python3 -c` per call on the host and an exec of `python3 -c`
+               in a container sandbox of the same image: sequential p50/p90/p99 with the three alternating, then
+               calls per second at each --concurrency. Not part of `all`
+  all          all of the above but image, pulse and fncall, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -87,6 +91,7 @@ Flags:
   --pulse-dir DIR        pulse: a new directory under DIR holds the agents' homes, sandbox records and run
                          directories (default: under /dev/shm, a tmpfs, so that disk writes do not decide the
                          figures; give a disk's directory to measure with them)
+  --fncall-image NAME    fncall: the image of the calls and of the sandbox (default bookworm-python; needs python3)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -220,6 +225,9 @@ Options parse_options(int argc, char** argv) {
         throw UsageError(fmt::format("--pulse-api: '{}' is not group or many", o.pulse_api));
     } else if (flag == "--pulse-dir") {
       o.pulse_dir = take();
+    } else if (flag == "--fncall-image") {
+      o.fncall_image = take();
+      if (o.fncall_image.empty()) throw UsageError("--fncall-image needs an image name");
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -231,7 +239,7 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "all"})
+  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "fncall", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -336,7 +344,7 @@ int run(int argc, char** argv) {
                           max_c * 128.0 * (1 << 20) + (1 << 30);
       double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
       double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
-      copts.agent_args = {"--backends",          "container,null",
+      copts.agent_args = {"--backends",          o.command == "fncall" ? "container,fncall" : "container,null",
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
       if (cpu_ratio > 8.0 || mem_ratio > 1.0)
@@ -352,6 +360,9 @@ int run(int argc, char** argv) {
     const NodeInfo& node = nodes.front();
     if (std::find(node.backends.begin(), node.backends.end(), "container") == node.backends.end())
       throw Error(Code::kFailedPrecondition, fmt::format("node {} does not serve the container backend (it serves: {})",
+                                                         node.id, fmt::join(node.backends, ", ")));
+    if (o.command == "fncall" && std::find(node.backends.begin(), node.backends.end(), "fncall") == node.backends.end())
+      throw Error(Code::kFailedPrecondition, fmt::format("node {} does not serve the fncall backend (it serves: {})",
                                                          node.id, fmt::join(node.backends, ", ")));
     m.agent_cgroup = node.cgroup_version;
     m.agent_pid = agent_pid_for(*client);
@@ -422,9 +433,15 @@ int run(int argc, char** argv) {
     print_pulse(*report.pulse);
     std::fflush(stdout);
   }
+  if (o.command == "fncall") {
+    report.fncall = run_fncall(o, *client);
+    print_fncall(*report.fncall);
+    std::fflush(stdout);
+  }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}", markdown_report(report, o),
-               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string());
+    fmt::print("\n---- Markdown ----\n\n{}{}{}", markdown_report(report, o),
+               report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
+               report.fncall ? "\n" + markdown_fncall(*report.fncall) : std::string());
   return 0;
 }
 
