@@ -136,7 +136,8 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
     if (now.memory_bytes == memory && now.pids == pids) return true;
     try {
       group.set_limits(memory, pids);
-      now = {memory, pids};
+      now.memory_bytes = memory;
+      now.pids = pids;
       return true;
     } catch (const Error& e) {
       if (e.code() != Code::kResourceExhausted) throw;
@@ -161,13 +162,11 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
   Clock::time_point started = Clock::now();
   double cpu_base = 0;
   std::uint64_t oom_base = 0;
-  // The runner's own use of the group before the call (it joined when it was armed) is not the call's CPU time;
-  // its few pages stay in the peak. A C or C++ program's group is fresh.
+  // The call's numbers are differences: the runner used its group before the call (it joined when it was armed;
+  // its few pages stay in the peak), and groups are reused from call to call.
   auto begin_run = [&] {
-    if (&cgroup == slot.cgroup.get()) {
-      cpu_base = cgroup.cpu_usage_seconds();
-      oom_base = cgroup.oom_kills();
-    }
+    cpu_base = cgroup.cpu_usage_seconds();
+    oom_base = cgroup.oom_kills();
     started = Clock::now();
   };
   if (!compiles) begin_run();
@@ -207,7 +206,9 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
   auto ended = [&] {
     exited_at = Clock::now();
     cpu_used = cgroup.cpu_usage_seconds() - cpu_base;
+    const std::uint64_t before = &cgroup == slot.cgroup.get() ? slot.limits.charged_before : slot.run_limits.charged_before;
     peak = cgroup.memory_peak();
+    peak = peak > before ? peak - before : peak;
     ooms = cgroup.oom_kills() - oom_base;
     for (auto* group : {slot.cgroup.get(), slot.run_cgroup.get()})
       if (group && group->has_processes()) group->destroy();

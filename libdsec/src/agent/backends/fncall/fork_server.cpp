@@ -37,6 +37,8 @@ constexpr std::uint32_t kServerPids = 64;
 constexpr std::uint32_t kCallOpenFiles = 1024;
 // The compile step's processes (cc1, as, ld) need a few pids beyond the program's own.
 constexpr std::uint32_t kCompilePids = 64;
+// Emptied call groups a server keeps for its next calls (of each kind).
+constexpr std::size_t kMaxSpareGroups = 4;
 
 std::pair<UniqueFd, UniqueFd> socket_pair() {
   int fds[2];
@@ -153,24 +155,79 @@ ForkServer::~ForkServer() {
   }
 }
 
-Slot ForkServer::arm(bool run_group) {
-  Slot slot;
-  // A call's limits are set on its groups before it starts; groups made with the default request's limits (the
-  // compiler's, for the group a compile runs in) need no change for most calls.
+// The limits a call's group starts with: the default request's (the compiler's, for the group a compile runs in),
+// so that most calls need no change.
+static GroupLimits starting_limits(const FnCallConfig& config, bool run, bool compiles) {
   const FnCallRequest defaults;
+  if (compiles && !run) return {config.compile_memory_bytes, kCompilePids};
+  return {defaults.memory_bytes, defaults.pids};
+}
+
+std::unique_ptr<container::SandboxCgroup> ForkServer::take_group(bool run, bool compiles, GroupLimits& limits) {
+  {
+    std::lock_guard lock(spare_mu_);
+    auto& spares = run ? spare_run_ : spare_;
+    if (!spares.empty()) {
+      SpareGroup g = std::move(spares.back());
+      spares.pop_back();
+      limits = g.limits;
+      return std::move(g.group);
+    }
+  }
+  limits = starting_limits(runtime_.config, run, compiles);
   Resources resources;
   resources.cpu = runtime_.config.call_cpu;
-  resources.memory_bytes = run_group ? runtime_.config.compile_memory_bytes : defaults.memory_bytes;
-  resources.pids = run_group ? kCompilePids : defaults.pids;
-  const std::uint64_t n = runtime_.next_id.fetch_add(1);
-  slot.cgroup = runtime_.cgroups->create(fmt::format("{}-c{}", id_, n), resources);
-  slot.limits = {resources.memory_bytes, resources.pids};
-  if (run_group) {
-    resources.memory_bytes = defaults.memory_bytes;
-    resources.pids = defaults.pids;
-    slot.run_cgroup = runtime_.cgroups->create(fmt::format("{}-c{}-run", id_, n), resources);
-    slot.run_limits = {resources.memory_bytes, resources.pids};
+  resources.memory_bytes = limits.memory_bytes;
+  resources.pids = limits.pids;
+  return runtime_.cgroups->create(fmt::format("{}-c{}{}", id_, runtime_.next_id.fetch_add(1), run ? "-run" : ""),
+                                  resources);
+}
+
+void ForkServer::keep_group(std::unique_ptr<container::SandboxCgroup> group, GroupLimits limits, bool run,
+                            bool compiles) {
+  try {
+    if (group->has_processes()) {
+      group->destroy();
+      return;
+    }
+    GroupLimits start = starting_limits(runtime_.config, run, compiles);
+    if (limits.memory_bytes != start.memory_bytes || limits.pids != start.pids) {
+      group->set_limits(start.memory_bytes, start.pids);
+      limits = start;
+    }
+    // What the last call left charged (its page cache) stays, reclaimable; it is counted out of the next call's
+    // peak rather than reclaimed now (memory.force_empty costs more than the rest of a call's work together).
+    group->reset_memory_peak();
+    limits.charged_before = group->memory_current();
+    std::lock_guard lock(spare_mu_);
+    auto& spares = run ? spare_run_ : spare_;
+    if (!spares_closed_ && spares.size() < kMaxSpareGroups) {
+      spares.push_back({std::move(group), limits});
+      return;
+    }
+  } catch (const std::exception&) {
   }
+  try {
+    group->destroy();
+  } catch (const std::exception&) {
+  }
+}
+
+void ForkServer::recycle(Slot slot) {
+  // The child is gone already (or ends now); its mounts go with the namespace.
+  if (slot.pidfd) ::syscall(SYS_pidfd_send_signal, slot.pidfd.get(), SIGKILL, nullptr, 0);
+  slot.sock.reset();
+  slot.pidfd.reset();
+  slot.mount_ns.reset();
+  const bool compiles = static_cast<bool>(slot.run_cgroup);
+  if (slot.cgroup) keep_group(std::move(slot.cgroup), slot.limits, false, compiles);
+  if (slot.run_cgroup) keep_group(std::move(slot.run_cgroup), slot.run_limits, true, compiles);
+}
+
+Slot ForkServer::arm(bool run_group) {
+  Slot slot;
+  slot.cgroup = take_group(false, run_group, slot.limits);
+  if (run_group) slot.run_cgroup = take_group(true, run_group, slot.run_limits);
   std::vector<UniqueFd> procs = slot.cgroup->open_procs();
   auto [agent_end, child_end] = socket_pair();
   std::vector<int> fds{child_end.get()};
@@ -223,6 +280,14 @@ void ForkServer::kill() {
            errno == EINTR) {
     }
     pidfd_.reset();
+  }
+  {
+    std::lock_guard spare(spare_mu_);
+    spares_closed_ = true;
+    for (auto* spares : {&spare_, &spare_run_}) {
+      for (auto& g : *spares) g.group->destroy();
+      spares->clear();
+    }
   }
   if (cgroup_) cgroup_->destroy();
   netns_.reset();

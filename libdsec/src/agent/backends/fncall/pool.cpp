@@ -88,7 +88,7 @@ FnCallResult Pool::call(const FnCallRequest& request, const CallSettings& settin
     } catch (const std::exception& e) {
       error = Error(Code::kInternal, e.what());
     }
-    release_slot(std::move(slot));
+    release_slot(std::move(slot), server);
     {
       std::lock_guard lock(mu_);
       server->busy = false;
@@ -243,8 +243,12 @@ void Pool::retire_locked(const ServerPtr& server) {
   });
 }
 
-void Pool::release_slot(Slot slot) {
+void Pool::release_slot(Slot slot, ServerPtr server) {
   auto held = std::make_shared<Slot>(std::move(slot));
+  if (server && server->process) {
+    workers_.cleanup.post([held, server] { server->process->recycle(std::move(*held)); });
+    return;
+  }
   workers_.cleanup.post([held] {
     // The child is gone (or, for a slot never used, ends at its socket's end of file); the cgroup's removal waits
     // for its last process.

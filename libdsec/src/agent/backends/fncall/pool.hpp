@@ -86,7 +86,9 @@ class Pool : public std::enable_shared_from_this<Pool> {
   void on_started(const ServerPtr& server, std::unique_ptr<ForkServer> process);
   void on_start_failed(const ServerPtr& server, const Error& error);
   void arm_job(const ServerPtr& server);
-  void release_slot(Slot slot);  // the slot's child is ended and its cgroup removed, in the background
+  // The slot's child is ended and its cgroups removed, in the background; with its server, the groups are kept for
+  // the server's next calls.
+  void release_slot(Slot slot, ServerPtr server = nullptr);
   std::size_t live_locked() const;
 
   Runtime& rt_;

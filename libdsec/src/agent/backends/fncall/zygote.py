@@ -282,6 +282,7 @@ def call_process(sock_fd, procs_fds, config):
         # The agent holds the mount namespace too: the call's end then does not wait for its mounts to go.
         pidfd = os.pidfd_open(os.getpid())
         mount_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        prepared = prepare_python() if config["language"] == "python" else None
         send(sock, {"type": "ready"}, fds=[pidfd, mount_ns])
         os.close(pidfd)
         os.close(mount_ns)
@@ -289,7 +290,7 @@ def call_process(sock_fd, procs_fds, config):
         if msg is None:
             os._exit(0)  # disarmed
         header, blob, fds = msg
-        run_call(sock, header, blob, fds, config)
+        run_call(sock, header, blob, fds, config, prepared)
     except Failure as e:
         report(sock, e)
     except BaseException as e:
@@ -308,7 +309,7 @@ def report(sock, failure):
             pass
 
 
-def run_call(sock, header, blob, fds, config):
+def run_call(sock, header, blob, fds, config, prepared):
     if len(fds) != 2:
         raise Failure("call", "the call did not carry its stdout and stderr")
     out_fd, err_fd = fds
@@ -379,7 +380,7 @@ def run_call(sock, header, blob, fds, config):
     if language == "python":
         sock.close()
         set_cpu_limit(cpu)
-        run_python(code, args, env)
+        run_python(prepared, code, args, env)
     elif language == "shell":
         sock.close()
         set_cpu_limit(cpu)
@@ -426,9 +427,10 @@ def reset_signals():
 # The languages
 
 
-def run_python(code, args, env):
-    os.environ.clear()
-    os.environ.update(env)
+def prepare_python():
+    """What a Python call needs that does not depend on the call, done while the child is armed, so that the pages
+    it touches are copied before the call arrives rather than on its way. Every child is a new process, so this is
+    still fresh for each call."""
     # A fresh process would draw new seeds; the zygote's were drawn once, so draw again here.
     if "random" in sys.modules:
         sys.modules["random"].seed()
@@ -439,13 +441,25 @@ def run_python(code, args, env):
             pass
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
+    # The standard streams on fds 0-2 (/dev/null now; the call's pipes and stdin take those fds before the code).
+    stdio = (io.open(0, "r", encoding="utf-8", errors="strict", closefd=False),
+             io.open(1, "w", encoding="utf-8", errors="strict", closefd=False),
+             io.open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
+    # A dry run of what the call does: the code paths and objects it will touch are copied now.
+    json.loads('{"type": "call", "args": ["a"], "env": {"K": "v"}, "files": [["f", 1]], "code_size": 1}')
+    exec(compile("pass", "main.py", "exec"), {"__builtins__": builtins})
+    return main, stdio
+
+
+def run_python(prepared, code, args, env):
+    main, stdio = prepared
+    os.environ.clear()
+    os.environ.update(env)
     sys.modules["__main__"] = main
     sys.argv = ["main.py"] + args
     sys.path.insert(0, "")  # the working directory, as for `python3 -c`
-    sys.stdin = sys.__stdin__ = io.open(0, "r", encoding="utf-8", errors="strict", closefd=False)
-    sys.stdout = sys.__stdout__ = io.open(1, "w", encoding="utf-8", errors="strict", closefd=False)
-    sys.stderr = sys.__stderr__ = io.open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                                          closefd=False)
+    sys.stdin, sys.stdout, sys.stderr = stdio
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdio
     source = code.decode("utf-8", errors="surrogateescape")
     linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
     status = 0
