@@ -94,6 +94,11 @@ TEST(FnCallPlacement, RefusalsSayWhy) {
   EXPECT_TRUE(place_fncalls(nodes, 0, "s").empty());
 }
 
+detail::FnCallNeeds needs(std::string_view language, std::string_view image = {}, GpuMode mode = GpuMode::kNone,
+                          std::uint32_t gpus = 0) {
+  return detail::FnCallNeeds{language, image, mode, gpus};
+}
+
 TEST(FnCallPlacement, CandidatesFromWhatTheNodeReported) {
   auto state = detail::parse_fncall_node_state(json::parse(R"({
       "id": "n1", "cores": 8,
@@ -113,24 +118,59 @@ TEST(FnCallPlacement, CandidatesFromWhatTheNodeReported) {
   EXPECT_FALSE(detail::parse_fncall_node_state(json::parse(R"({"id": "n2"})")));
 
   const std::vector<std::string> backends{"container", "fncall"};
-  auto c = detail::fncall_candidate("n1", true, true, backends, 8, 0.5, state, "python",
-                                    "bookworm-python:latest@sha256:aa", 1);
+  auto c = detail::fncall_candidate("n1", true, true, backends, 8, 0.5, state,
+                                    needs("python", "bookworm-python:latest@sha256:aa"), 1);
   EXPECT_TRUE(c.serves);
   EXPECT_TRUE(c.warm);
   EXPECT_EQ(c.warm_idle, 3u);
   EXPECT_DOUBLE_EQ(c.capacity, 8);
   EXPECT_DOUBLE_EQ(c.load, 3 + 1);  // busy over all pools (3) over the load average, plus one in flight
   // The default image: a call naming none finds the pool of the node's default.
-  EXPECT_TRUE(detail::fncall_candidate("n1", true, true, backends, 8, 0, state, "python", "", 0).warm);
-  EXPECT_FALSE(detail::fncall_candidate("n1", true, true, backends, 8, 0, state, "python", "other", 0).warm);
-  auto cpp = detail::fncall_candidate("n1", true, true, backends, 8, 0, state, "cpp", "", 0);
+  EXPECT_TRUE(detail::fncall_candidate("n1", true, true, backends, 8, 0, state, needs("python"), 0).warm);
+  EXPECT_FALSE(detail::fncall_candidate("n1", true, true, backends, 8, 0, state, needs("python", "other"), 0).warm);
+  auto cpp = detail::fncall_candidate("n1", true, true, backends, 8, 0, state, needs("cpp"), 0);
   EXPECT_FALSE(cpp.serves);
   EXPECT_NE(cpp.refusal.find("does not serve 'cpp'"), std::string::npos) << cpp.refusal;
-  auto plain = detail::fncall_candidate("n2", true, true, {"container"}, 8, 0, std::nullopt, "python", "", 0);
+  auto plain = detail::fncall_candidate("n2", true, true, {"container"}, 8, 0, std::nullopt, needs("python"), 0);
   EXPECT_FALSE(plain.serves);
   EXPECT_NE(plain.refusal.find("does not serve function calls (serves: container)"), std::string::npos);
   // No report yet: unhealthy for placement.
-  EXPECT_FALSE(detail::fncall_candidate("n3", true, false, {}, 0, 0, std::nullopt, "python", "", 0).healthy);
+  EXPECT_FALSE(detail::fncall_candidate("n3", true, false, {}, 0, 0, std::nullopt, needs("python"), 0).healthy);
+}
+
+TEST(FnCallPlacement, CallsThatWantGpusGoWhereTheyCanHaveThem) {
+  auto state = detail::parse_fncall_node_state(json::parse(R"({"fncall": {"languages": ["python"],
+      "gpus": ["0", "1"], "gpu_shares": 4, "gpus_free": 1,
+      "gpu_usage": [{"device": "0", "exclusive": true, "shares_used": 0},
+                    {"device": "1", "exclusive": false, "shares_used": 1}]}})"));
+  ASSERT_TRUE(state);
+  EXPECT_EQ(state->gpu_shares, 4u);
+  EXPECT_EQ(state->gpus_free, 1u);
+  EXPECT_EQ(state->shares_free, 3u);  // device 1: 4 - 1; device 0 is held whole
+  const std::vector<std::string> backends{"fncall"};
+  auto gpu = [&](GpuMode mode, std::uint32_t n, const std::optional<detail::FnCallNodeState>& st) {
+    return detail::fncall_candidate("g", true, true, backends, 8, 0, st, needs("python", "", mode, n), 0);
+  };
+  EXPECT_TRUE(gpu(GpuMode::kExclusive, 1, state).serves);
+  EXPECT_TRUE(gpu(GpuMode::kExclusive, 1, state).gpus_free);
+  EXPECT_TRUE(gpu(GpuMode::kExclusive, 2, state).serves);  // queued until both are free
+  EXPECT_FALSE(gpu(GpuMode::kExclusive, 2, state).gpus_free);
+  auto three = gpu(GpuMode::kExclusive, 3, state);
+  EXPECT_FALSE(three.serves);
+  EXPECT_NE(three.refusal.find("hands 2 GPUs to calls, 3 wanted"), std::string::npos) << three.refusal;
+  EXPECT_TRUE(gpu(GpuMode::kShared, 3, state).gpus_free);
+  EXPECT_FALSE(gpu(GpuMode::kShared, 4, state).gpus_free);
+  EXPECT_FALSE(gpu(GpuMode::kShared, 5, state).serves);
+  auto none = detail::parse_fncall_node_state(json::parse(R"({"fncall": {"languages": ["python"]}})"));
+  EXPECT_FALSE(gpu(GpuMode::kShared, 1, none).serves);
+  EXPECT_FALSE(gpu(GpuMode::kExclusive, 1, none).serves);
+  EXPECT_TRUE(gpu(GpuMode::kNone, 0, none).serves);
+  // Between two otherwise equal nodes the one with the GPU free wins; a busier one still loses to it.
+  std::vector<FnCallCandidate> nodes{candidate("a", 4), candidate("b", 4)};
+  nodes[1].gpus_free = true;
+  EXPECT_EQ(place_fncalls(nodes, 1, "x"), (std::vector<std::size_t>{1}));
+  nodes[1].load = 1;
+  EXPECT_EQ(place_fncalls(nodes, 1, "x"), (std::vector<std::size_t>{1}));
 }
 
 TEST(FnCallPlacement, ImagesMatchByDigestOrName) {

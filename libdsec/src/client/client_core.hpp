@@ -94,10 +94,8 @@ class ClientCore {
   void refresh_node_info(SteadyClock::time_point deadline);
   // Records a GET /v1/node answer of `node`: its NodeInfo and its function-call pools.
   NodeInfo learn_node_info(const NodePtr& node, const HttpResponse& response);
-  // For function calls of `language` over `image` (a resolved reference, or "" for the node's default): what
-  // placement needs to know of each of `nodes` (fncall.cpp).
-  std::vector<FnCallCandidate> fncall_candidates(std::string_view language, std::string_view image,
-                                                 const std::vector<NodeView>& nodes);
+  // For function calls with `needs`: what placement needs to know of each of `nodes` (fncall.cpp).
+  std::vector<FnCallCandidate> fncall_candidates(const FnCallNeeds& needs, const std::vector<NodeView>& nodes);
   // The nodes holding `members` (by their ids); ids no node made are left out.
   std::vector<NodePtr> nodes_of(const std::vector<std::string>& members);
   // Chooses a node for each of `count` sandboxes among the healthy nodes not in `excluded`.

@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -110,7 +111,7 @@ bool another_node_may_help(const Error& e) {
 
 }  // namespace
 
-std::vector<FnCallCandidate> ClientCore::fncall_candidates(std::string_view language, std::string_view image,
+std::vector<FnCallCandidate> ClientCore::fncall_candidates(const FnCallNeeds& needs,
                                                            const std::vector<NodeView>& nodes) {
   std::vector<FnCallCandidate> out;
   out.reserve(nodes.size());
@@ -119,7 +120,7 @@ std::vector<FnCallCandidate> ClientCore::fncall_candidates(std::string_view lang
     const bool known = v.info.has_value();
     out.push_back(fncall_candidate(v.id.empty() ? v.node->endpoint : v.id, !v.ejected, known,
                                    known ? v.info->backends : kNone, known ? v.info->cores : 0,
-                                   known ? v.info->load1 : 0.0, v.fncall, language, image, v.calls_in_flight));
+                                   known ? v.info->load1 : 0.0, v.fncall, needs, v.calls_in_flight));
   }
   return out;
 }
@@ -163,7 +164,8 @@ FnCallResult ClientCore::run_code(FnCallRequest request) {
         if (std::find(excluded.begin(), excluded.end(), v.node) == excluded.end()) views.push_back(std::move(v));
       try {
         if (views.empty()) throw Error(Code::kUnavailable, "run_code: every node failed this call");
-        auto chosen = place_fncalls(fncall_candidates(request.language, image_ref, views), 1, request.request_id);
+        FnCallNeeds needs{request.language, image_ref, request.gpu_mode, request.gpus};
+        auto chosen = place_fncalls(fncall_candidates(needs, views), 1, request.request_id);
         node = views.at(chosen.front()).node;
       } catch (const Error&) {
         if (last_error) throw *last_error;
@@ -214,6 +216,8 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
     protocol::json body;
     std::string language;
     std::string image;  // the pinned reference, or the name as given (resolved by the node), or "" (its default)
+    GpuMode gpu_mode;
+    std::uint32_t gpus;
     double seconds;
     int attempts = 0;
   };
@@ -244,7 +248,8 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
         body["image_manifest"] = it->second->manifest_json;
         image_ref = it->second->reference;
       }
-      calls.push_back(Call{i, std::move(body), req.language, std::move(image_ref), call_seconds(req)});
+      calls.push_back(Call{i, std::move(body), req.language, std::move(image_ref), req.gpu_mode, req.gpus,
+                           call_seconds(req)});
     } catch (const Error& e) {
       results[i] = error_result(e.code(), e.what());
       ++own_errors;
@@ -288,7 +293,7 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
       break;
     }
 
-    // Place every pending call: grouped by language and image, which decide the warm pools.
+    // Place every pending call: grouped by what they need of a node (language and image decide the warm pools).
     auto all = nodes_.view();
     std::vector<NodeView> views;
     if (all.size() > 1) refresh_node_info(deadline);
@@ -303,12 +308,14 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
     if (all.size() == 1) {
       per_node[0] = pending;  // one node: it decides itself
     } else {
-      std::map<std::pair<std::string, std::string>, std::vector<std::size_t>> groups;
-      for (std::size_t k : pending) groups[{calls[k].language, calls[k].image}].push_back(k);
+      std::map<std::tuple<std::string, std::string, GpuMode, std::uint32_t>, std::vector<std::size_t>> groups;
+      for (std::size_t k : pending)
+        groups[{calls[k].language, calls[k].image, calls[k].gpu_mode, calls[k].gpus}].push_back(k);
       for (const auto& [key, members] : groups) {
         try {
-          auto chosen = place_fncalls(fncall_candidates(key.first, key.second, views), members.size(),
-                                      fmt::format("{}-{}-{}", base, key.first, round));
+          FnCallNeeds needs{std::get<0>(key), std::get<1>(key), std::get<2>(key), std::get<3>(key)};
+          auto chosen = place_fncalls(fncall_candidates(needs, views), members.size(),
+                                      fmt::format("{}-{}-{}", base, needs.language, round));
           for (std::size_t j = 0; j < members.size(); ++j) per_node[chosen[j]].push_back(members[j]);
         } catch (const Error& e) {
           place_error = e;

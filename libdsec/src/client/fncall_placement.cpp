@@ -57,6 +57,15 @@ std::optional<FnCallNodeState> parse_fncall_node_state(const nlohmann::json& nod
   FnCallNodeState s;
   s.languages = strings_of(f, "languages");
   s.gpus = strings_of(f, "gpus");
+  s.gpu_shares = count_of(f, "gpu_shares");
+  s.gpus_free = count_of(f, "gpus_free");
+  if (auto u = f.find("gpu_usage"); u != f.end() && u->is_array()) {
+    for (const auto& d : *u) {
+      if (!d.is_object() || d.value("exclusive", false) == true) continue;
+      std::uint32_t used = count_of(d, "shares_used");
+      if (used < s.gpu_shares) s.shares_free += s.gpu_shares - used;
+    }
+  }
   if (auto d = f.find("default_image"); d != f.end() && d->is_string()) s.default_image = d->get<std::string>();
   if (auto p = f.find("pools"); p != f.end() && p->is_array()) {
     for (const auto& x : *p) {
@@ -88,7 +97,8 @@ bool same_fncall_image(std::string_view pool_image, std::string_view call_image,
 
 FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known, const std::vector<std::string>& backends,
                                  std::uint32_t cores, double load1, const std::optional<FnCallNodeState>& state,
-                                 std::string_view language, std::string_view image, int in_flight) {
+                                 const FnCallNeeds& needs, int in_flight) {
+  const std::string_view language = needs.language, image = needs.image;
   FnCallCandidate c;
   c.id = std::move(id);
   c.healthy = healthy && info_known;
@@ -106,6 +116,19 @@ FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known, 
       c.refusal = fmt::format("language: does not serve '{}' (serves: {})", language,
                               fmt::join(state->languages, ", "));
     }
+    if (c.serves && needs.gpu_mode == GpuMode::kExclusive && state->gpus.size() < needs.gpus) {
+      c.serves = false;
+      c.refusal = fmt::format("gpus: hands {} GPUs to calls, {} wanted exclusive", state->gpus.size(), needs.gpus);
+    } else if (c.serves && needs.gpu_mode == GpuMode::kShared &&
+               (state->gpus.empty() || (state->gpu_shares > 0 && needs.gpus > state->gpu_shares))) {
+      c.serves = false;
+      c.refusal = state->gpus.empty()
+                      ? std::string("gpus: hands no GPU to calls")
+                      : fmt::format("gpus: {} shares of a GPU wanted, it cuts each into {}", needs.gpus,
+                                    state->gpu_shares);
+    }
+    if (needs.gpu_mode == GpuMode::kExclusive) c.gpus_free = state->gpus_free >= needs.gpus;
+    if (needs.gpu_mode == GpuMode::kShared) c.gpus_free = state->shares_free >= needs.gpus;
     for (const auto& p : state->pools) {
       busy += p.busy;
       if (p.language == language && same_fncall_image(p.image, image, state->default_image)) {
@@ -135,7 +158,8 @@ std::vector<std::size_t> place_fncalls(const std::vector<FnCallCandidate>& nodes
   std::vector<double> picks(n, 0);
   auto score = [&](std::size_t i) {
     const auto& c = nodes[i];
-    return (c.capacity - c.load - picks[i] - 1) / c.capacity + (c.warm ? kWarmPoolWeight : 0.0);
+    return (c.capacity - c.load - picks[i] - 1) / c.capacity + (c.warm ? kWarmPoolWeight : 0.0) +
+           (c.gpus_free ? kGpuFreeWeight : 0.0);
   };
   std::priority_queue<Entry> heap;
   std::size_t healthy = 0;
