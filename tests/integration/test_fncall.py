@@ -368,7 +368,8 @@ def test_a_crashed_agent_leaves_nothing_after_its_restart(image_store):
         assert lib.wait_for(lambda: not lib.processes_in_cgroup(subtree), 10), lib.processes_in_cgroup(subtree)
         # What they left (empty cgroups, run directories) goes when an agent starts on the same names again.
         restarted = lib.Agent(home, tag="fck", extra_args=["--backends", "fncall", "--store", image_store,
-                                                           "--fncall-image", IMAGE])
+                                                           "--fncall-image", IMAGE, "--fncall-idle", "1",
+                                                           "--fncall-pool", "python=0:3"])
         restarted.start(timeout=60)
         def stale():
             left = [p for p in lib.leftovers(restarted.run_dir, subtree) if "cgroup" in p or "process" in p]
@@ -376,6 +377,14 @@ def test_a_crashed_agent_leaves_nothing_after_its_restart(image_store):
             return left + [f"run dir entry: {e}" for e in (os.listdir(fncall_dir) if os.path.isdir(fncall_dir) else [])]
         assert lib.wait_for(lambda: not stale(), 10), stale()
         assert run(restarted, code="print(2)")["stdout"] == "2\n"
+        # A pool with no minimum gives its servers up once they idled past --fncall-idle.
+        def servers():
+            pools = lib.http_request(restarted.socket_path, "GET", "/v1/node").json()["fncall"]["pools"]
+            return sum(p["idle"] + p["busy"] + p["starting"] for p in pools)
+        assert servers() >= 1
+        assert lib.wait_for(lambda: servers() == 0, 15, 0.2), servers()
+        assert not lib.processes_in_cgroup(subtree)
+        assert run(restarted, code="print(3)")["stdout"] == "3\n"  # and starts them again on the next call
         status = restarted.stop()
         assert status == 0, restarted.log_tail()
         problems = restarted.leftovers() + lib.leftovers(restarted.run_dir, subtree)
