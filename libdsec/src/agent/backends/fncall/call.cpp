@@ -50,6 +50,7 @@ struct Pipe {
 // One output stream, capped: past the cap the pipe is closed, so a flood ends in a broken pipe for the writer
 // rather than in work for the agent.
 struct Capture {
+  Capture(UniqueFd fd_in, std::size_t cap_in) : fd(std::move(fd_in)), cap(cap_in) {}
   UniqueFd fd;
   std::size_t cap;
   std::string data;
