@@ -157,8 +157,8 @@ std::string ms_text(double v) {
 
 std::string cpu_summary(const CpuUse& c, int cores) {
   return fmt::format(
-      "{:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, kernel threads and "
-      "interrupts {:.2f}, steal {:.2f}, other processes {:.2f}",
+      "{:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children, the agent and its fork servers and sandbox "
+      "{:.2f}, kernel threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}",
       c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores);
 }
 
@@ -229,7 +229,7 @@ FnCallBenchResult run_fncall(const Options& options, Client& client) {
   };
 
   const int agent = agent_pid_for(client);
-  CpuMeter cpu({agent});
+  CpuMeter cpu({agent}, /*descendants=*/true);
   fmt::print(stderr, "dsec-bench: fncall: {} sequential rounds (after {} warm-up)\n", options.n, options.warmup);
   for (std::size_t i = 0; i < options.warmup + options.n; ++i) {
     auto t0 = Clock::now();
@@ -253,7 +253,7 @@ FnCallBenchResult run_fncall(const Options& options, Client& client) {
   for (int c : options.concurrency) {
     FnCallRatePoint point;
     point.concurrency = c;
-    CpuMeter level_cpu({agent});
+    CpuMeter level_cpu({agent}, /*descendants=*/true);
     std::size_t host_count = 0, exec_count = 0;
     for (std::size_t round = 0; round < options.rounds; ++round) {
       LoopResult f = closed_loop(c, window, warmup, [&] { fncall_once(); });
@@ -296,12 +296,13 @@ void print_fncall(const FnCallBenchResult& r) {
   row("container sandbox: exec python3 -c", r.exec);
   fmt::print("  host interpreter: {} ({}); node {}\n", kHostPython, r.host_python, r.node);
   fmt::print("\n  calls/s (closed loop, {:.1f} s per system and level in {} turns)\n", r.window_seconds, r.rounds);
-  fmt::print("  {:>11} {:>12} {:>20} {:>14} {:>18} {:>14}\n", "concurrency", "fncall/s", "fncall p50 / p99",
-             "host cold/s", "host p50 / p99", "exec/s");
+  fmt::print("  {:>11} {:>12} {:>20} {:>14} {:>18} {:>14} {:>16}\n", "concurrency", "fncall/s", "fncall p50 / p99",
+             "host cold/s", "host p50 / p99", "exec/s", "ours/others CPU");
   for (const auto& p : r.points)
-    fmt::print("  {:>11} {:>12.0f} {:>20} {:>14.1f} {:>18} {:>14.1f}\n", p.concurrency, p.fncall_rate,
+    fmt::print("  {:>11} {:>12.0f} {:>20} {:>14.1f} {:>18} {:>14.1f} {:>16}\n", p.concurrency, p.fncall_rate,
                ms_text(p.fncall.percentile(50)) + " / " + ms_text(p.fncall.percentile(99)), p.host_rate,
-               ms_text(p.host.percentile(50)) + " / " + ms_text(p.host.percentile(99)), p.exec_rate);
+               ms_text(p.host.percentile(50)) + " / " + ms_text(p.host.percentile(99)), p.exec_rate,
+               fmt::format("{:.2f} / {:.2f}", p.cpu.ours_cores, p.cpu.others_cores));
   const double p50 = r.fncall.percentile(50);
   fmt::print("  targets: p50 <= {:.0f} ms: {} ({}); >= {:.0f} calls/s on {} cores: {} (best {:.0f}/s)\n",
              kFnCallTargetP50Ms, p50 <= kFnCallTargetP50Ms ? "met" : "NOT met", ms_text(p50), kFnCallTargetRate,
@@ -328,12 +329,14 @@ std::string markdown_fncall(const FnCallBenchResult& r) {
       "and level, in {} turns with the systems alternating):\n\n",
       r.window_seconds, r.rounds);
   md += "| concurrency | dsec fncall/s | fncall p50 / p99 | cold `python3 -c`/s | its p50 / p99 | container exec/s | "
-        "exec p50 / p99 |\n| --- | --- | --- | --- | --- | --- | --- |\n";
+        "exec p50 / p99 | CPU (cores): this run's processes / other processes |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n";
   for (const auto& p : r.points)
-    md += fmt::format("| {} | {:.0f} | {} / {} | {:.1f} | {} / {} | {:.1f} | {} / {} |\n", p.concurrency, p.fncall_rate,
-                      ms_text(p.fncall.percentile(50)), ms_text(p.fncall.percentile(99)), p.host_rate,
-                      ms_text(p.host.percentile(50)), ms_text(p.host.percentile(99)), p.exec_rate,
-                      ms_text(p.exec.percentile(50)), ms_text(p.exec.percentile(99)));
+    md += fmt::format("| {} | {:.0f} | {} / {} | {:.1f} | {} / {} | {:.1f} | {} / {} | {:.2f} / {:.2f} |\n",
+                      p.concurrency, p.fncall_rate, ms_text(p.fncall.percentile(50)), ms_text(p.fncall.percentile(99)),
+                      p.host_rate, ms_text(p.host.percentile(50)), ms_text(p.host.percentile(99)), p.exec_rate,
+                      ms_text(p.exec.percentile(50)), ms_text(p.exec.percentile(99)), p.cpu.ours_cores,
+                      p.cpu.others_cores);
   const double p50 = r.fncall.percentile(50);
   md += fmt::format("\nTargets: p50 <= {:.0f} ms: **{}** ({}); >= {:.0f} calls/s on {} cores: **{}** (best {:.0f}/s).\n",
                     kFnCallTargetP50Ms, p50 <= kFnCallTargetP50Ms ? "met" : "not met", ms_text(p50), kFnCallTargetRate,
