@@ -295,6 +295,9 @@ def judge(client: dsec.Client, solutions: list[Solution], args: argparse.Namespa
             for i in batch
         ])
         calls += len(batch)
+        if t == 0 and all(r.error for r in results):
+            raise SystemExit(f"judge: no run could start: {results[0].error_code}: {results[0].error}\n"
+                             f"(is {args.image!r} an image with python3 in the store? --image and --store choose it)")
         for i, r in zip(batch, results):
             v = verdict_of(r, solutions[i].problem.tests[t][1])
             if not r.error:
