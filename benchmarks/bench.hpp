@@ -38,7 +38,7 @@ class Latency {
 };
 
 struct Options {
-  std::string command;                 // create | throughput | exec | density | cgroup-join | image | all
+  std::string command;                 // create | throughput | exec | density | cgroup-join | image | pulse | fncall | all
   std::vector<std::string> endpoints;  // empty: an embedded agent
   std::string home;                    // image store (and embedded agent state)
   std::string agent_binary;            // embedded dsecd; empty: the library's default search
@@ -78,6 +78,8 @@ struct Options {
   std::vector<std::size_t> snapshot_sizes{1, 16, 64, 256};
   std::size_t snapshot_repeat = 3;
   std::size_t fork_count = 16;
+  // fncall: the image of the function calls and of the container sandbox they are compared with (needs python3)
+  std::string fncall_image = "bookworm-python";
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
@@ -316,6 +318,29 @@ struct SnapshotBenchResult {
   CpuUse cpu;
 };
 
+struct FnCallRatePoint {
+  int concurrency = 0;
+  double fncall_rate = 0, host_rate = 0, exec_rate = 0;  // completed calls per second
+  std::size_t fncall_count = 0, host_count = 0, exec_count = 0;
+  Latency fncall, host, exec;  // latency under this concurrency
+  CpuUse cpu;                  // the machine while this level ran
+};
+
+// Function calls (the fncall backend's warm pools) next to a cold host `python3 -c` and a container sandbox exec.
+struct FnCallBenchResult {
+  std::size_t n = 0, warmup = 0;
+  std::string image;        // the calls' image and the sandbox's
+  std::string host_python;  // "Python 3.11.2"
+  std::string node;         // the node that ran the calls
+  int cores = 0;
+  Latency fncall, fncall_agent, host, exec;  // sequential, the three alternating
+  CpuUse sequential_cpu;
+  double window_seconds = 0;  // per system and level, split into `rounds` turns
+  std::size_t rounds = 0;
+  std::vector<FnCallRatePoint> points;
+  CpuUse cpu;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -328,6 +353,7 @@ struct Report {
   std::optional<PulseBenchResult> pulse;
   std::optional<SleepBenchResult> sleep;
   std::optional<SnapshotBenchResult> snapshot;
+  std::optional<FnCallBenchResult> fncall;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -353,6 +379,8 @@ SleepBenchResult run_sleep(const Options& options, const std::string& home);
 // Snapshots of sandboxes that wrote each of options.snapshot_sizes MiB, then a fork. `snapshot_store` is the
 // agent's snapshot store when the benchmark chose it (it is emptied as the run goes), else empty.
 SnapshotBenchResult run_snapshot(const Options& options, Client& client, const std::string& snapshot_store);
+// A trivial python call through run_code, a cold host `python3 -c` and a sandbox exec: latency, then calls/s.
+FnCallBenchResult run_fncall(const Options& options, Client& client);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
@@ -368,6 +396,8 @@ void print_sleep(const SleepBenchResult& r);
 std::string markdown_sleep(const SleepBenchResult& r);
 void print_snapshot(const SnapshotBenchResult& r);
 std::string markdown_snapshot(const SnapshotBenchResult& r, int cores);
+void print_fncall(const FnCallBenchResult& r);
+std::string markdown_fncall(const FnCallBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

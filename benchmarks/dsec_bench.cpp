@@ -65,8 +65,11 @@ Commands:
                stood still and the whole snapshot, --repeat times per size; a create from the largest snapshot
                to its first exec; then fork(--forks): the time until all forks answered an exec. Snapshots go to
                a store of their own under the work directory, emptied as the run goes. Not part of `all`
-  all          all of the above but image, pulse, sleep and snapshot, then a Markdown summary for
-               docs/benchmarks.md
+  fncall       function calls: python `print(1+1)` through Client::run_code (the fncall backend's warm pools over
+               --fncall-image) next to a cold `/usr/bin/python3 -c` per call on the host and an exec of `python3 -c`
+               in a container sandbox of the same image: sequential p50/p90/p99 with the three alternating, then
+               calls per second at each --concurrency. Not part of `all`
+  all          all of the above but image, pulse, sleep, snapshot and fncall, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -104,6 +107,7 @@ Flags:
   --sizes LIST           snapshot: MiB written before the snapshots (default 1,16,64,256)
   --repeat N             snapshot: snapshots per size and fork rounds (default 3; 256 MiB and more at most 2)
   --forks N              snapshot: sandboxes per fork (default 16; 0 skips the fork)
+  --fncall-image NAME    fncall: the image of the calls and of the sandbox (default bookworm-python; needs python3)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -261,6 +265,9 @@ Options parse_options(int argc, char** argv) {
     } else if (flag == "--forks") {
       o.fork_count = parse_count(flag, take(), 0);
       if (o.fork_count > 1024) throw UsageError("--forks: at most 1024");
+    } else if (flag == "--fncall-image") {
+      o.fncall_image = take();
+      if (o.fncall_image.empty()) throw UsageError("--fncall-image needs an image name");
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -273,8 +280,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "all"})
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "snapshot", "all"})
+                        "fncall", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -383,7 +389,7 @@ int run(int argc, char** argv) {
                           max_c * 128.0 * (1 << 20) + (1 << 30);
       double cpu_ratio = std::max(8.0, cpu_needed / m.cores * 1.2);
       double mem_ratio = std::max(1.0, mem_needed / static_cast<double>(m.mem_total) * 1.2);
-      copts.agent_args = {"--backends",          "container,null",
+      copts.agent_args = {"--backends",          o.command == "fncall" ? "container,fncall" : "container,null",
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
       if (!snapshot_store.empty()) {
@@ -403,6 +409,9 @@ int run(int argc, char** argv) {
     const NodeInfo& node = nodes.front();
     if (std::find(node.backends.begin(), node.backends.end(), "container") == node.backends.end())
       throw Error(Code::kFailedPrecondition, fmt::format("node {} does not serve the container backend (it serves: {})",
+                                                         node.id, fmt::join(node.backends, ", ")));
+    if (o.command == "fncall" && std::find(node.backends.begin(), node.backends.end(), "fncall") == node.backends.end())
+      throw Error(Code::kFailedPrecondition, fmt::format("node {} does not serve the fncall backend (it serves: {})",
                                                          node.id, fmt::join(node.backends, ", ")));
     m.agent_cgroup = node.cgroup_version;
     m.agent_pid = agent_pid_for(*client);
@@ -484,11 +493,17 @@ int run(int argc, char** argv) {
     print_cpu(report.snapshot->cpu, m.cores);
     std::fflush(stdout);
   }
+  if (o.command == "fncall") {
+    report.fncall = run_fncall(o, *client);
+    print_fncall(*report.fncall);
+    std::fflush(stdout);
+  }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}{}{}", markdown_report(report, o),
+    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}", markdown_report(report, o),
                report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
                report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string(),
-               report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string());
+               report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string(),
+               report.fncall ? "\n" + markdown_fncall(*report.fncall) : std::string());
   return 0;
 }
 

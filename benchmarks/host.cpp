@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -218,7 +219,22 @@ std::map<std::string, double> slab_bytes() {
   return out;
 }
 
-CpuMeter::CpuMeter(std::vector<int> pids) : pids_(std::move(pids)) { start(); }
+// utime + stime + cutime + cstime of every live descendant of `pid` (/proc/<pid>/task/<tid>/children), in ticks.
+static std::uint64_t descendant_ticks(int pid, int depth = 0) {
+  if (depth > 64) return 0;
+  std::uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+    std::istringstream children(read_text_file((task.path() / "children").string()));
+    int child = 0;
+    while (children >> child) total += process_ticks(fmt::format("/proc/{}/stat", child)) + descendant_ticks(child, depth + 1);
+  }
+  return total;
+}
+
+CpuMeter::CpuMeter(std::vector<int> pids, bool descendants) : pids_(std::move(pids)), descendants_(descendants) {
+  start();
+}
 
 void CpuMeter::start() { start_ = snapshot(); }
 
@@ -235,8 +251,11 @@ CpuMeter::Snapshot CpuMeter::snapshot() const {
   s.steal = v[7];
   s.kernel = v[5] + v[6] + kthread_ticks();
   s.ours = process_ticks("/proc/self/stat");
-  for (int pid : pids_)
-    if (pid > 0) s.ours += process_ticks(fmt::format("/proc/{}/stat", pid));
+  for (int pid : pids_) {
+    if (pid <= 0) continue;
+    s.ours += process_ticks(fmt::format("/proc/{}/stat", pid));
+    if (descendants_) s.ours += descendant_ticks(pid);
+  }
   return s;
 }
 

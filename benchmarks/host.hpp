@@ -25,9 +25,11 @@ std::map<std::string, double> meminfo_settled(int samples = 5);
 std::map<std::string, double> slab_bytes();
 
 // CPU time of the whole machine against the CPU time of dsec-bench (with its reaped children) and of `pids`.
+// With `descendants`, the live descendants of `pids` count too: long-lived children of the agent (a sandbox's init,
+// a fork server) reap what they run, and their time would otherwise show only once they exit.
 class CpuMeter {
  public:
-  explicit CpuMeter(std::vector<int> pids);
+  explicit CpuMeter(std::vector<int> pids, bool descendants = false);
   void start();
   CpuUse stop() const;
 
@@ -42,6 +44,7 @@ class CpuMeter {
   Snapshot snapshot() const;
 
   std::vector<int> pids_;
+  bool descendants_ = false;
   Snapshot start_;
 };
 

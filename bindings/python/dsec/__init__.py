@@ -16,6 +16,12 @@ to running agents instead. One client serves every thread: blocking calls releas
 A :class:`Sandbox` is *not* destroyed when Python garbage-collects it: use ``destroy()`` or a ``with`` block. A
 sandbox nobody destroys lives until its ``ttl`` (seconds, default one hour) runs out.
 
+Short stateless runs of code go to the nodes' warm pools instead of a sandbox of their own::
+
+        r = client.run_code("print(sum(map(int, input().split())))", stdin=b"1 2 3", timeout=2)
+        assert r.ok and r.stdout_text == "6\n"
+        results = client.run_code_many([{"code": src, "stdin": t} for t in tests])  # in order, spread over nodes
+
 Errors are exceptions from :mod:`dsec.errors` (``dsec.NotFound``, ``dsec.Unavailable``, ...), each with ``.code``
 and ``.retryable``. A command that runs past its timeout is a result (``timed_out=True``), not an exception.
 """
@@ -55,6 +61,8 @@ from .errors import (
 )
 
 ExecResult = _dsec.ExecResult
+FnCallRequest = _dsec.FnCallRequest
+FnCallResult = _dsec.FnCallResult
 SandboxInfo = _dsec.SandboxInfo
 SleepResult = _dsec.SleepResult
 SnapshotResult = _dsec.SnapshotResult
@@ -69,6 +77,9 @@ __all__ = [
     "Client",
     "Sandbox",
     "ExecResult",
+    "FnCallRequest",
+    "FnCallResult",
+    "fncall_request",
     "SandboxInfo",
     "SleepResult",
     "Snapshot",
@@ -207,6 +218,67 @@ class Snapshot(str):
     def __repr__(self) -> str:
         return (f"Snapshot({str.__repr__(self)}, file_bytes={self.file_bytes}, frozen_seconds={self.frozen_seconds:.3f}, "
                 f"seconds={self.seconds:.3f})")
+
+
+_LANGUAGES = ("python", "shell", "c", "cpp")
+
+
+def fncall_request(
+    code: str,
+    language: str = "python",
+    *,
+    stdin: BytesLike | None = None,
+    files: Mapping[str, BytesLike] | None = None,
+    args: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 10,
+    cpu_time: float | None = None,
+    memory: Size = "256Mi",
+    pids: int = 64,
+    max_output_bytes: Size = 1 << 20,
+    image: str | None = None,
+    gpus: int = 0,
+    gpu_mode: str | None = None,
+    request_id: str | None = None,
+) -> FnCallRequest:
+    """One function call for :meth:`Client.run_code_many` (the arguments are :meth:`Client.run_code`'s)."""
+    if not isinstance(code, str):
+        raise InvalidArgument(f"code: expected the program's source as a str, got {type(code).__name__}")
+    if language not in _LANGUAGES:
+        raise InvalidArgument(f"language: {language!r} is not a language of function calls ({', '.join(_LANGUAGES)})")
+    r = FnCallRequest()
+    r.language = language
+    r.code = code
+    if stdin is not None:
+        if not isinstance(stdin, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgument(f"stdin: expected bytes or str, got {type(stdin).__name__}")
+        r.stdin = stdin
+    if files is not None:
+        if not isinstance(files, Mapping):
+            raise InvalidArgument(f"files: expected a dict of relative path to bytes or str, got {type(files).__name__}")
+        r.files = dict(files)
+    if args is not None:
+        if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
+            raise InvalidArgument("args: expected a list of str")
+        r.args = list(args)
+    r.env = _str_map(env, "env")
+    for name, value in (("timeout", timeout), ("cpu_time", cpu_time or 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(f"{name}: expected a number of seconds, got {value!r}")
+    r.timeout = float(timeout)
+    r.cpu_time = float(cpu_time or 0)
+    r.memory = _field_size(memory, "memory")
+    if isinstance(pids, bool) or not isinstance(pids, int) or pids < 1:
+        raise InvalidArgument(f"pids: must be a positive int, got {pids!r}")
+    r.pids = pids
+    r.max_output_bytes = _field_size(max_output_bytes, "max_output_bytes")
+    r.image = image or ""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise InvalidArgument(f"gpus: must be a non-negative int, got {gpus!r}")
+    r.gpus = gpus
+    r.gpu_mode = gpu_mode if gpu_mode is not None else ("exclusive" if gpus else "none")
+    r.request_id = request_id or ""
+    return r
 
 
 class Sandbox:
@@ -740,6 +812,74 @@ class Client:
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
+
+    def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        stdin: BytesLike | None = None,
+        files: Mapping[str, BytesLike] | None = None,
+        args: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 10,
+        cpu_time: float | None = None,
+        memory: Size = "256Mi",
+        pids: int = 64,
+        max_output_bytes: Size = 1 << 20,
+        image: str | None = None,
+        gpus: int = 0,
+        gpu_mode: str | None = None,
+        request_id: str | None = None,
+    ) -> FnCallResult:
+        """Runs ``code`` once in a node's warm pool and returns what it did: no sandbox to create or destroy.
+
+        ``language`` is ``"python"`` (python3), ``"shell"`` (/bin/sh), ``"c"`` or ``"cpp"`` (compiled, then run;
+        the compiler's status and messages are ``compile_exit_code`` and ``compile_output``). The call gets a fresh
+        process of a pre-initialised server over the image's read-only root (``image``; default: the node's), a
+        private writable ``/tmp`` where ``files`` (relative path -> bytes) are written and the program runs,
+        ``stdin`` then EOF, ``args`` as its arguments and ``env`` added to a clean environment. Nothing of it is
+        left for the next call.
+
+        Limits: ``timeout`` wall seconds and ``cpu_time`` CPU seconds (``timed_out``), ``memory`` for its processes
+        together (``oom_killed``), ``pids`` processes at once, ``max_output_bytes`` of stdout and of stderr each
+        (``stdout_truncated``). ``gpus`` GPUs (or shares, with ``gpu_mode="shared"``) on a node that has them.
+
+        A program that fails, crashes, times out or runs out of memory is a result; a call that cannot run raises
+        (:class:`InvalidArgument`, :class:`NotFound` for an unknown image, :class:`Unavailable`, ...). Transient
+        failures are retried with the same ``request_id`` (the node answers it once), then on another node.
+        """
+        request = fncall_request(code, language, stdin=stdin, files=files, args=args, env=env, timeout=timeout,
+                                 cpu_time=cpu_time, memory=memory, pids=pids, max_output_bytes=max_output_bytes,
+                                 image=image, gpus=gpus, gpu_mode=gpu_mode, request_id=request_id)
+        return self._c().run_code(request)
+
+    def run_code_many(self, calls: Iterable[Union[Mapping[str, object], FnCallRequest]]) -> list[FnCallResult]:
+        """Many function calls at once, spread over the nodes; results in the order of ``calls``.
+
+        Each call is a dict of :meth:`run_code`'s arguments (``{"code": ..., "stdin": ..., "timeout": 2}``) or a
+        :class:`FnCallRequest` from :func:`fncall_request`. The calls travel as one batch per node (in chunks),
+        run concurrently within the nodes' pools, and a node that fails has its calls run elsewhere. A call that
+        could not run at all does not raise: its result has ``error`` and ``error_code`` set (``exception()``
+        gives the matching :mod:`dsec.errors` exception). Raises only when no node could take any of them.
+        """
+        requests = []
+        for i, c in enumerate(calls):
+            if isinstance(c, FnCallRequest):
+                requests.append(c)
+            elif isinstance(c, Mapping):
+                kw = dict(c)
+                if "code" not in kw:
+                    raise InvalidArgument(f"calls[{i}]: no 'code'")
+                try:
+                    requests.append(fncall_request(**kw))
+                except TypeError as e:
+                    raise InvalidArgument(f"calls[{i}]: {e}") from None
+                except InvalidArgument as e:
+                    raise InvalidArgument(f"calls[{i}]: {e.message}") from None
+            else:
+                raise InvalidArgument(f"calls[{i}]: expected a dict or a FnCallRequest, got {type(c).__name__}")
+        return self._c().run_code_many(requests)
 
     def attach(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox by id (made by any client). No call is made until it is used."""

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dsec/fncall.hpp"
 #include "dsec/group.hpp"
 #include "dsec/placement.hpp"
 #include "dsec/retry.hpp"
@@ -90,6 +91,14 @@ class Client {
   // the group's sandboxes once the lease runs out.
   SandboxGroup create_group(std::size_t n, const SandboxSpec& spec,
                             std::chrono::seconds lease = std::chrono::seconds(30));
+  // Runs code in a node's warm pool of its language (dsec/fncall.hpp; protocol POST /v1/fncall) and returns what it
+  // did. A program that fails, times out or runs out of memory is a result, not an error; errors are for calls that
+  // could not run (INVALID_ARGUMENT, NOT_FOUND for an image, RESOURCE_EXHAUSTED, UNAVAILABLE...).
+  FnCallResult run_code(const FnCallRequest& request);
+  // Many calls at once, spread over the nodes (one batch request per node, POST /v1/fncall/batch); results in the
+  // order of the requests. One call's failure to run is that result's error: it throws only when a whole batch
+  // could not be placed on any node.
+  std::vector<FnCallResult> run_code_many(const std::vector<FnCallRequest>& requests);
   // A handle on an existing sandbox (not owning: destroying it is explicit).
   Sandbox attach(const std::string& id);
   // Sandboxes on every node that carry all of `labels` (and belong to `tenant`, when given). Throws when a node

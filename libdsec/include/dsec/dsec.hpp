@@ -4,6 +4,7 @@
 #include "dsec/client.hpp"
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
+#include "dsec/fncall.hpp"
 #include "dsec/group.hpp"
 #include "dsec/placement.hpp"
 #include "dsec/retry.hpp"

@@ -2,12 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <climits>
 
 #include <fmt/format.h>
 
 #include "agent/backends/container/container_backend.hpp"
+#include "agent/backends/fncall/fncall_service.hpp"
 #include "agent/backends/null/null_backend.hpp"
 #include "agent/log.hpp"
 #include "dsec/version.hpp"
@@ -25,11 +27,12 @@ std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
-    if (out.count(name)) continue;
+    if (out.count(name) || name == "fncall") continue;
     if (name == "container") out.emplace(name, make_container_backend(config));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
-      throw Error(Code::kInvalidArgument, fmt::format("backends: unknown backend '{}' (known: container, null)", name));
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("backends: unknown backend '{}' (known: container, null, fncall)", name));
   }
   return out;
 }
@@ -77,9 +80,18 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     images.mount_dir = config_.run_dir / ".layers";
     images_ = make_layered_image_source(images, metrics_.layers());
   }
+  if (std::find(config_.backends.begin(), config_.backends.end(), "fncall") != config_.backends.end()) {
+    fncall::FnCallServiceOptions fo;
+    fo.config = config_.fncall;
+    fo.node_id = config_.node_id;
+    fo.cgroup_name = config_.cgroup_name;
+    fo.run_dir = config_.run_dir;
+    fo.cores = capacity_.cores;
+    fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
+  }
   backends_ = parts.backends.empty() ? make_backends(config_) : std::move(parts.backends);
   cgroup_version_ = "none";
-  if (backends_.count("container")) cgroup_version_ = container_cgroup_version();
+  if (backends_.count("container") || fncall_) cgroup_version_ = container_cgroup_version();
 
   RegistryOptions options;
   options.node_id = config_.node_id;
@@ -105,7 +117,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
                                                                 : config_.snapshot_staging_dir;
   snapshots.limits.max_file_bytes = config_.snapshot_max_bytes;
   snapshots_ = std::make_unique<Snapshots>(std::move(snapshots), *registry_, *images_);
-  router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); }, snapshots_.get());
+  router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); }, snapshots_.get(),
+                                     fncall_.get());
 
   ServerOptions server;
   server.unix_socket = config_.unix_socket;
@@ -125,6 +138,7 @@ void Agent::start() {
   server_->start();
   started_ = true;
   reaper_ = std::thread([this] { reaper_loop(); });
+  if (fncall_) fncall_->start();
   if (!config_.etcd_endpoints.empty()) {
     try {
       start_registration();
@@ -192,6 +206,13 @@ void Agent::stop() {
   destroyed += registry_->destroy_all("agent shutdown");
   registry_->forget_requests();
   if (destroyed > 0) log_info("destroyed {} sandboxes at shutdown", destroyed);
+  if (fncall_) {
+    try {
+      fncall_->shutdown();
+    } catch (const std::exception& e) {
+      log_warn("fncall shutdown: {}", e.what());
+    }
+  }
   for (auto& [kind, backend] : backends_) {
     try {
       backend->shutdown();
@@ -228,6 +249,7 @@ NodeInfo Agent::node_info() const {
   n.version = kVersion;
   n.protocol = kProtocolVersion;
   n.backends = registry_->kinds();
+  if (fncall_) n.backends.push_back("fncall");
   n.cores = capacity_.cores;
   n.memory_bytes = capacity_.memory_bytes;
   try {

@@ -23,7 +23,12 @@
 
 namespace dsec::agent {
 
-// The backends named in config.backends ("container", "null"). Unknown names are INVALID_ARGUMENT; a backend the
+namespace fncall {
+class FnCallService;
+}
+
+// The backends named in config.backends ("container", "null"; "fncall" is not a sandbox backend: the Agent makes
+// its FnCallService itself). Unknown names are INVALID_ARGUMENT; a backend the
 // host cannot run throws what its factory throws.
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const AgentConfig& config);
 
@@ -80,6 +85,7 @@ class Agent {
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> backends_;
   std::unique_ptr<Registry> registry_;
   std::unique_ptr<Snapshots> snapshots_;
+  std::unique_ptr<fncall::FnCallService> fncall_;  // with "fncall" among config.backends
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only

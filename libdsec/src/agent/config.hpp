@@ -12,6 +12,45 @@
 
 namespace dsec::agent {
 
+// The fncall backend (docs/fncall.md): warm pools of fork servers for function calls.
+struct FnCallConfig {
+  // The image of calls that name none (a name in the agent's stores, or pinned); empty: such calls are refused.
+  std::string default_image;
+  // Fork servers per pool, by language ("python", "shell", "c", "cpp"): a pool of the default image keeps at least
+  // `min` and grows with load up to `max`; pools of other images start on first use and go when idle. max 0: the
+  // node does not serve that language.
+  struct Bounds {
+    std::uint32_t min = 1;
+    std::uint32_t max = 8;
+  };
+  std::map<std::string, Bounds, std::less<>> pools{
+      {"python", {1, 8}}, {"shell", {1, 8}}, {"c", {1, 4}}, {"cpp", {1, 4}}};
+  // Languages whose pools of the default image start with the agent (the others start on first use).
+  std::vector<std::string> warm;
+  // Modules the Python fork servers import before forking calls; missing ones are skipped (and reported).
+  std::vector<std::string> python_preload{"json", "re", "math", "collections", "itertools", "functools", "heapq",
+                                          "bisect", "random", "string", "typing", "dataclasses", "decimal",
+                                          "fractions", "datetime", "statistics", "copy", "operator"};
+  // Calls run as this unprivileged user and group.
+  std::uint32_t uid = 65534;
+  std::uint32_t gid = 65534;
+  // GPUs the node hands to calls ("0", "1", ... for /dev/nvidia0, ...), each cut into `gpu_shares` shares for
+  // calls that share one.
+  std::vector<std::string> gpus;
+  std::uint32_t gpu_shares = 4;
+  // Calls that may wait for a fork server at once (beyond: RESOURCE_EXHAUSTED), and how long one may wait.
+  std::size_t queue_limit = 4096;
+  std::chrono::seconds queue_wait{60};
+  // A fork server idle this long is stopped (down to the pool's min); a pool of another image than the default
+  // with no server left is removed.
+  std::chrono::seconds idle_timeout{60};
+  // C and C++: the compiler's own limits (the call's are applied to the program it built).
+  std::chrono::seconds compile_timeout{60};
+  std::uint64_t compile_memory_bytes = 1ull << 30;
+  // CPU (cores, a CFS quota) each call may use.
+  double call_cpu = 1.0;
+};
+
 struct AgentConfig {
   std::string node_id;                        // default: hostname; prefixes every sandbox id
   std::filesystem::path unix_socket;          // listen here (empty: no unix socket)
@@ -27,7 +66,10 @@ struct AgentConfig {
   std::size_t netns_pool_size = 32;           // pre-created network namespaces
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
-  std::vector<std::string> backends{"container"};  // kinds this agent serves: "container", "null"
+  // Kinds this agent serves: "container", "null" (sandboxes), and "fncall" (function calls, POST /v1/fncall).
+  // dsecd's own default (without --backends) is container and fncall.
+  std::vector<std::string> backends{"container"};
+  FnCallConfig fncall;
   // At start-up, the sandboxes an earlier run left (it was killed, crashed, or left them on purpose) are taken over
   // (true; dsecd --on-restart adopt) or destroyed (false; --on-restart remove). See Registry::recover_earlier_run.
   bool adopt_sandboxes = true;

@@ -4,7 +4,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -49,7 +51,8 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --label KEY=VALUE       a label of this node, reported in GET /v1/node for placement (node_selector); repeat
                           for more
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
-  --backends LIST         comma-separated: container, null (default container; null simulates the control plane)
+  --backends LIST         comma-separated: container, null, fncall (default container,fncall; null simulates
+                          the control plane; fncall serves function calls, POST /v1/fncall)
   --on-restart MODE       what to do at start with the sandboxes an earlier run left (it was killed, crashed, or
                           left them on SIGUSR2): adopt takes over those still alive and marks the dead ones failed;
                           remove destroys them all (default adopt)
@@ -79,6 +82,28 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --zram-algorithm NAME   the zram device's compression (default lz4 where the kernel offers it)
   --sleep-reclaim-timeout SECS
                           how long a sleep may spend pushing a sandbox's memory out (default 60)
+  --fncall-image REF      the image of function calls that name none (needs python3; gcc and g++ for C and C++)
+  --fncall-pool LANG=MIN:MAX
+                          fork servers per pool of language LANG (python, shell, c, cpp): pools of the default
+                          image keep MIN, all grow with load up to MAX; MAX 0 turns the language off; repeat per
+                          language (defaults python=1:8, shell=1:8, c=1:4, cpp=1:4)
+  --fncall-warm LIST      languages whose pools of the default image start with the agent (e.g. python,shell)
+  --fncall-python-preload LIST
+                          modules the Python fork servers import before forking calls (default json,re,math,
+                          collections,itertools,functools,heapq,bisect,random,string,typing,dataclasses,decimal,
+                          fractions,datetime,statistics,copy,operator; "" for none)
+  --fncall-uid UID[:GID]  the unprivileged user calls run as (default 65534:65534)
+  --fncall-gpus LIST      GPUs handed to calls: 0,1 for /dev/nvidia0, /dev/nvidia1 (default none)
+  --fncall-gpu-shares N   shares each GPU is cut into for calls that share one (default 4)
+  --fncall-queue N        calls that may wait for a fork server at once; more are RESOURCE_EXHAUSTED (default 4096)
+  --fncall-queue-wait SECS
+                          how long a call may wait for a fork server (default 60)
+  --fncall-idle SECS      fork servers idle this long stop, down to their pool's minimum (default 60)
+  --fncall-compile-timeout SECS
+                          C and C++: the compiler's time limit (default 60)
+  --fncall-compile-memory SIZE
+                          C and C++: the compiler's memory limit (default 1Gi)
+  --fncall-call-cpu CORES CPU each call may use (default 1)
   --ready-fd N            write "ready\n" to fd N and close it once listening
   --version               print the version
   --help                  this text
@@ -134,6 +159,7 @@ std::filesystem::path self_directory() {
 int main(int argc, char** argv) {
   using dsec::agent::AgentConfig;
   AgentConfig config;
+  config.backends = {"container", "fncall"};
   std::optional<int> ready_fd;
 
   std::vector<std::string_view> args(argv + 1, argv + argc);
@@ -248,6 +274,53 @@ int main(int argc, char** argv) {
       auto secs = parse_unsigned(flag, value);
       if (secs < 1 || secs > 3600) fail(fmt::format("--sleep-reclaim-timeout: {} is not between 1 and 3600 seconds", secs));
       config.sleep_reclaim_timeout = std::chrono::seconds(secs);
+    } else if (flag == "--fncall-image") {
+      config.fncall.default_image = std::string(value);
+    } else if (flag == "--fncall-pool") {
+      auto eq = value.find('=');
+      auto colon = value.find(':', eq == std::string_view::npos ? 0 : eq);
+      if (eq == std::string_view::npos || colon == std::string_view::npos)
+        fail(fmt::format("--fncall-pool: '{}' is not LANG=MIN:MAX (e.g. python=1:8)", value));
+      std::string language(value.substr(0, eq));
+      auto min = parse_unsigned(flag, value.substr(eq + 1, colon - eq - 1));
+      auto max = parse_unsigned(flag, value.substr(colon + 1));
+      if (min > max || max > 1024) fail(fmt::format("--fncall-pool: '{}': MIN <= MAX <= 1024", value));
+      config.fncall.pools[language] = {static_cast<std::uint32_t>(min), static_cast<std::uint32_t>(max)};
+    } else if (flag == "--fncall-warm") {
+      config.fncall.warm = split_list(value);
+    } else if (flag == "--fncall-python-preload") {
+      config.fncall.python_preload = split_list(value);
+    } else if (flag == "--fncall-uid") {
+      auto colon = value.find(':');
+      auto uid = parse_unsigned(flag, value.substr(0, colon));
+      auto gid = colon == std::string_view::npos ? uid : parse_unsigned(flag, value.substr(colon + 1));
+      if (uid == 0 || gid == 0 || uid > 0xfffffffe || gid > 0xfffffffe)
+        fail(fmt::format("--fncall-uid: '{}': calls run as an unprivileged user (not 0)", value));
+      config.fncall.uid = static_cast<std::uint32_t>(uid);
+      config.fncall.gid = static_cast<std::uint32_t>(gid);
+    } else if (flag == "--fncall-gpus") {
+      config.fncall.gpus = split_list(value);
+    } else if (flag == "--fncall-gpu-shares") {
+      auto n = parse_unsigned(flag, value);
+      if (n < 1 || n > 1024) fail(fmt::format("--fncall-gpu-shares: {} is not from 1 to 1024", n));
+      config.fncall.gpu_shares = static_cast<std::uint32_t>(n);
+    } else if (flag == "--fncall-queue") {
+      config.fncall.queue_limit = parse_unsigned(flag, value);
+      if (config.fncall.queue_limit == 0) fail("--fncall-queue: at least 1");
+    } else if (flag == "--fncall-queue-wait") {
+      config.fncall.queue_wait = std::chrono::seconds(parse_unsigned(flag, value));
+    } else if (flag == "--fncall-idle") {
+      config.fncall.idle_timeout = std::chrono::seconds(parse_unsigned(flag, value));
+    } else if (flag == "--fncall-compile-timeout") {
+      auto secs = parse_unsigned(flag, value);
+      if (secs < 1) fail("--fncall-compile-timeout: at least 1 second");
+      config.fncall.compile_timeout = std::chrono::seconds(secs);
+    } else if (flag == "--fncall-compile-memory") {
+      auto size = dsec::parse_size(value);
+      if (!size || *size < (16u << 20)) fail(fmt::format("--fncall-compile-memory: '{}' is not a size of 16Mi or more", value));
+      config.fncall.compile_memory_bytes = *size;
+    } else if (flag == "--fncall-call-cpu") {
+      config.fncall.call_cpu = parse_ratio(flag, value);
     } else if (flag == "--ready-fd") {
       ready_fd = static_cast<int>(parse_unsigned(flag, value));
     } else {
@@ -284,7 +357,9 @@ int main(int argc, char** argv) {
     fail(e.what());
   }
   const auto& c = agent->config();
-  dsec::agent::log_info("node {} serving {} on {}{}{} (home {})", c.node_id, fmt::join(agent->registry().kinds(), ","),
+  std::vector<std::string> serving = agent->registry().kinds();
+  if (std::find(c.backends.begin(), c.backends.end(), "fncall") != c.backends.end()) serving.push_back("fncall");
+  dsec::agent::log_info("node {} serving {} on {}{}{} (home {})", c.node_id, fmt::join(serving, ","),
                         c.unix_socket.empty() ? "" : c.unix_socket.string(),
                         !c.unix_socket.empty() && !c.tcp_listen.empty() ? " and " : "",
                         c.tcp_listen.empty() ? "" : agent->tcp_endpoint(), c.home.string());

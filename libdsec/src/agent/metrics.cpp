@@ -95,6 +95,20 @@ void Metrics::sandbox_recovered(std::string_view kind, std::string_view outcome)
 
 void Metrics::exec_done(std::string_view kind, double seconds) { exec_latency_.observe(seconds); }
 
+void Metrics::fncall_done(std::string_view language, std::string_view outcome, double seconds) {
+  {
+    std::lock_guard lock(mutex_);
+    ++fncalls_[{std::string(language), std::string(outcome)}];
+  }
+  if (outcome != "error") fncall_latency_.observe(seconds);
+}
+
+std::uint64_t Metrics::fncalls(std::string_view language, std::string_view outcome) const {
+  std::lock_guard lock(mutex_);
+  auto it = fncalls_.find({std::string(language), std::string(outcome)});
+  return it == fncalls_.end() ? 0 : it->second;
+}
+
 std::uint64_t Metrics::requests(std::string_view route, std::string_view method, int status) const {
   std::lock_guard lock(mutex_);
   auto it = requests_.find({std::string(route), std::string(method), status});
@@ -143,7 +157,13 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
     for (const auto& [key, n] : recovered_)
       out += fmt::format("dsec_sandboxes_recovered_total{{kind=\"{}\",outcome=\"{}\"}} {}\n",
                          escape_label(key.first), key.second, n);
+    header(out, "dsec_fncalls_total", "counter", "Function calls answered, by language and how they ended.");
+    for (const auto& [key, n] : fncalls_)
+      out += fmt::format("dsec_fncalls_total{{language=\"{}\",outcome=\"{}\"}} {}\n", escape_label(key.first),
+                         escape_label(key.second), n);
   }
+  header(out, "dsec_fncall_seconds", "histogram", "Wall time of function calls' runs (compiles excluded).");
+  fncall_latency_.render(out, "dsec_fncall_seconds", "");
   header(out, "dsec_sandboxes_live", "gauge", "Sandboxes on this node now (running or failed, not yet destroyed).");
   for (const auto& [kind, n] : live) out += fmt::format("dsec_sandboxes_live{{kind=\"{}\"}} {}\n", escape_label(kind), n);
   header(out, "dsec_sandbox_create_seconds", "histogram", "Time from a create request to a ready sandbox.");

@@ -49,6 +49,10 @@ class Metrics {
   // A sandbox of an earlier agent run, at start-up: outcome "adopted", "failed", "rolled_back" or "destroyed".
   void sandbox_recovered(std::string_view kind, std::string_view outcome);
   void exec_done(std::string_view kind, double seconds);
+  // A function call answered: its language, how it ended ("ok", "failed", "timed_out", "oom_killed",
+  // "compile_error", or "error" when it could not run) and its run's wall time (0 for "error").
+  void fncall_done(std::string_view language, std::string_view outcome, double seconds);
+  std::uint64_t fncalls(std::string_view language, std::string_view outcome) const;
   void connection_opened() { connections_.fetch_add(1, std::memory_order_relaxed); }
   void connection_closed() { connections_.fetch_sub(1, std::memory_order_relaxed); }
   void connection_refused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
@@ -76,6 +80,8 @@ class Metrics {
   std::map<std::pair<std::string, std::string>, std::uint64_t> recovered_;      // (kind, outcome)
   LatencyHistogram create_latency_;
   LatencyHistogram exec_latency_;
+  std::map<std::pair<std::string, std::string>, std::uint64_t> fncalls_;  // (language, outcome)
+  LatencyHistogram fncall_latency_;
   std::atomic<std::int64_t> connections_{0};
   std::atomic<std::uint64_t> connections_refused_{0};
   LayerMetrics layers_;

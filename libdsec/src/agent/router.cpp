@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "agent/backends/fncall/fncall_service.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
@@ -67,6 +68,52 @@ json encode_group(const GroupInfo& g, double now) {
               {"sandbox_count", g.sandbox_count}};
 }
 
+// GET /v1/node's "fncall": what placement needs to prefer nodes with warm pools of a call's image and language.
+json encode_fncall_status(const fncall::FnCallStatus& st) {
+  json pools = json::array();
+  for (const auto& p : st.pools)
+    pools.push_back(json{{"image", p.image},
+                         {"language", p.language},
+                         {"idle", p.idle},
+                         {"busy", p.busy},
+                         {"starting", p.starting},
+                         {"waiting", p.waiting},
+                         {"min", p.min},
+                         {"max", p.max},
+                         {"calls", p.calls}});
+  json gpus = json::array();
+  json usage = json::array();
+  for (const auto& g : st.gpus) {
+    gpus.push_back(g.device);
+    usage.push_back(json{{"device", g.device}, {"exclusive", g.exclusive}, {"shares_used", g.shares_used}});
+  }
+  return json{{"languages", st.languages},
+              {"default_image", st.default_image},
+              {"pools", std::move(pools)},
+              {"gpus", std::move(gpus)},
+              {"gpu_shares", st.gpu_shares},
+              {"gpus_free", st.gpus_free},
+              {"gpu_usage", std::move(usage)}};
+}
+
+// How a function call ended, for the metrics.
+std::string_view fncall_outcome(const FnCallResult& r) {
+  if (r.compile_exit_code != 0) return "compile_error";
+  if (r.timed_out) return "timed_out";
+  if (r.oom_killed) return "oom_killed";
+  if (r.exit_code != 0 || r.signal != 0) return "failed";
+  return "ok";
+}
+
+// A call's "image_manifest": the pinned image's manifest as the client resolved it.
+std::string image_manifest_of(const json& body) {
+  if (!body.is_object()) return {};
+  auto it = body.find("image_manifest");
+  if (it == body.end() || it->is_null()) return {};
+  if (!it->is_string()) throw Error(Code::kInvalidArgument, "image_manifest: must be the manifest's JSON as a string");
+  return it->get<std::string>();
+}
+
 void check_group_id(const std::string& id) {
   if (!protocol::valid_group_id(id))
     throw Error(Code::kInvalidArgument,
@@ -75,8 +122,13 @@ void check_group_id(const std::string& id) {
 
 }  // namespace
 
-Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots)
-    : registry_(registry), metrics_(metrics), node_info_(std::move(node_info)), snapshots_(snapshots) {}
+Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots,
+               fncall::FnCallService* fncall)
+    : registry_(registry),
+      metrics_(metrics),
+      node_info_(std::move(node_info)),
+      snapshots_(snapshots),
+      fncall_(fncall) {}
 
 HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream) {
   Route route = Route::kUnknown;
@@ -113,10 +165,12 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kGroups: return groups(request, target);
     case Route::kGroup: return group(request, target);
     case Route::kGroupRenew: return group_renew(request, target);
+    case Route::kFnCall: return fncall(request, target);
+    case Route::kFnCallBatch: return fncall_batch(request, target);
     case Route::kUnknown: break;
   }
   throw Error(Code::kNotFound, fmt::format("no route {} {} (protocol v1: /v1/node, /v1/sandboxes, /v1/groups, "
-                                           "/metrics, /healthz)",
+                                           "/v1/fncall, /metrics, /healthz)",
                                            std_view(request.method_string()), target.path));
 }
 
@@ -132,7 +186,9 @@ HttpResponse Router::metrics_text(HttpRequest& request) {
 
 HttpResponse Router::node(HttpRequest& request) {
   allow(request, "/v1/node", {http::verb::get});
-  return json_response(http::status::ok, protocol::encode(node_info_()));
+  json body = protocol::encode(node_info_());
+  if (fncall_) body["fncall"] = encode_fncall_status(fncall_->status());
+  return json_response(http::status::ok, body);
 }
 
 // POST: create one sandbox, or `count` of them. GET: list, filtered by labels and tenant.
@@ -414,6 +470,70 @@ HttpResponse Router::group_renew(HttpRequest& request, const Target& target) {
     if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("renew: unknown field '{}' (known: ttl)", key));
   GroupInfo g = registry_.renew_group(target.group_id, ttl);
   return json_response(http::status::ok, encode_group(g, registry_.options().clock()));
+}
+
+fncall::FnCallService& Router::fncall_service() {
+  if (!fncall_)
+    throw Error(Code::kFailedPrecondition,
+                "this node does not serve function calls (start dsecd with fncall among --backends)");
+  return *fncall_;
+}
+
+// POST: run one function call; the answer is its result (a program that fails is a result, not an error).
+HttpResponse Router::fncall(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/fncall", {http::verb::post});
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  FnCallRequest call = protocol::decode_fncall_request(body);
+  std::string manifest = image_manifest_of(body);
+  FnCallResult result;
+  try {
+    result = fncall_service().run(call, manifest);
+  } catch (const Error&) {
+    metrics_.fncall_done(call.language, "error", 0);
+    throw;
+  }
+  metrics_.fncall_done(call.language, fncall_outcome(result), result.duration_seconds);
+  return json_response(http::status::ok, protocol::encode(result));
+}
+
+// POST {"calls": [...]}: run them concurrently; the answer has one result or {"error": ...} per call, in order.
+HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/fncall/batch", {http::verb::post});
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  if (!body.is_object() || !body.contains("calls") || !body["calls"].is_array())
+    throw Error(Code::kInvalidArgument, "calls: the body must be {\"calls\": [<function call>, ...]}");
+  json& calls = body["calls"];
+  if (calls.empty() || calls.size() > protocol::kMaxFnCallBatch)
+    throw Error(Code::kInvalidArgument, fmt::format("calls: from 1 to {} calls per batch (got {})",
+                                                    protocol::kMaxFnCallBatch, calls.size()));
+  fncall::FnCallService& service = fncall_service();
+  std::vector<fncall::BatchCall> batch(calls.size());
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    try {
+      batch[i].request = protocol::decode_fncall_request(calls[i]);
+      batch[i].image_manifest = image_manifest_of(calls[i]);
+    } catch (const Error& e) {
+      batch[i].error = Error(e.code(), fmt::format("calls[{}]: {}", i, e.what()), e.retryable());
+    }
+  }
+  calls = json();  // the requests' bytes are in `batch` now
+  std::vector<std::string> languages;
+  for (const auto& b : batch) languages.push_back(b.request ? b.request->language : "unknown");
+  std::vector<fncall::BatchOutcome> outcomes = service.run_batch(std::move(batch));
+  json results = json::array();
+  for (std::size_t i = 0; i < outcomes.size(); ++i) {
+    const auto& o = outcomes[i];
+    if (o.result) {
+      metrics_.fncall_done(languages[i], fncall_outcome(*o.result), o.result->duration_seconds);
+      results.push_back(protocol::encode(*o.result));
+    } else {
+      metrics_.fncall_done(languages[i], "error", 0);
+      results.push_back(json{{"error", protocol::encode_error(*o.error)}});
+    }
+  }
+  return json_response(http::status::ok, json{{"results", std::move(results)}});
 }
 
 }  // namespace dsec::agent

@@ -13,13 +13,19 @@
 
 namespace dsec::agent {
 
+namespace fncall {
+class FnCallService;
+}
+
 inline constexpr std::size_t kMaxBatch = 1024;
 
 class Router {
  public:
   // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes). Without `snapshots`,
-  // snapshot requests are UNIMPLEMENTED.
-  Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots = nullptr);
+  // snapshot requests are UNIMPLEMENTED. `fncall` serves POST /v1/fncall and /v1/fncall/batch; without it (a node
+  // that does not serve function calls) they are FAILED_PRECONDITION.
+  Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots = nullptr,
+         fncall::FnCallService* fncall = nullptr);
 
   // Never throws: every failure becomes the dsec error JSON with its HTTP status. `stream`, when given, is where
   // a streaming exec writes its NDJSON body; without it such an exec is UNIMPLEMENTED.
@@ -37,6 +43,9 @@ class Router {
   HttpResponse groups(HttpRequest& request, const Target& target);
   HttpResponse group(HttpRequest& request, const Target& target);
   HttpResponse group_renew(HttpRequest& request, const Target& target);
+  HttpResponse fncall(HttpRequest& request, const Target& target);
+  HttpResponse fncall_batch(HttpRequest& request, const Target& target);
+  fncall::FnCallService& fncall_service();
   HttpResponse metrics_text(HttpRequest& request);
   HttpResponse healthz(HttpRequest& request);
 
@@ -44,6 +53,7 @@ class Router {
   Metrics& metrics_;
   std::function<NodeInfo()> node_info_;
   Snapshots* snapshots_;
+  fncall::FnCallService* fncall_;
 };
 
 }  // namespace dsec::agent

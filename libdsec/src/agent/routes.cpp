@@ -43,6 +43,8 @@ std::string_view route_template(Route route) noexcept {
     case Route::kGroups: return "/v1/groups";
     case Route::kGroup: return "/v1/groups/{id}";
     case Route::kGroupRenew: return "/v1/groups/{id}/renew";
+    case Route::kFnCall: return "/v1/fncall";
+    case Route::kFnCallBatch: return "/v1/fncall/batch";
     case Route::kUnknown: break;
   }
   return "unknown";
@@ -123,6 +125,10 @@ Target parse_target(std::string_view target) {
   } else if (is(0, "v1")) {
     if (parts.size() == 2 && is(1, "node")) {
       out.route = Route::kNode;
+    } else if (parts.size() == 2 && is(1, "fncall")) {
+      out.route = Route::kFnCall;
+    } else if (parts.size() == 3 && is(1, "fncall") && is(2, "batch")) {
+      out.route = Route::kFnCallBatch;
     } else if (parts.size() >= 2 && is(1, "sandboxes")) {
       if (parts.size() == 2) {
         out.route = Route::kSandboxes;

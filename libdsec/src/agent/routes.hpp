@@ -27,6 +27,8 @@ enum class Route {
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew
+  kFnCall,          // /v1/fncall
+  kFnCallBatch,     // /v1/fncall/batch
 };
 
 // The route's template, as used in metrics labels: "/v1/sandboxes/{id}/exec"; "unknown" for kUnknown.

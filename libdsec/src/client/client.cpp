@@ -55,6 +55,12 @@ SandboxGroup Client::create_group(std::size_t n, const SandboxSpec& spec, std::c
   return SandboxGroup(core_, std::move(group), std::move(members), lease);
 }
 
+FnCallResult Client::run_code(const FnCallRequest& request) { return open_core(core_).run_code(request); }
+
+std::vector<FnCallResult> Client::run_code_many(const std::vector<FnCallRequest>& requests) {
+  return open_core(core_).run_code_many(requests);
+}
+
 Sandbox Client::attach(const std::string& id) {
   open_core(core_);
   if (!detail::valid_sandbox_id(id))

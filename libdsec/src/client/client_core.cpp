@@ -264,13 +264,20 @@ void ClientCore::refresh_node_info(SteadyClock::time_point deadline) {
     for (std::size_t i = next.fetch_add(1); i < stale.size(); i = next.fetch_add(1)) {
       try {
         auto d = std::min(deadline, SteadyClock::now() + kDiscoveryTimeout);
-        auto r = call(stale[i], http_request("GET", "/v1/node"), d);
-        nodes_.set_info(stale[i], protocol::decode_node_info(parse_json(r, "GET /v1/node")));
+        learn_node_info(stale[i], call(stale[i], http_request("GET", "/v1/node"), d));
       } catch (const Error&) {
         // Counted against the node's health by call(); placement skips it while it is ejected.
       }
     }
   });
+}
+
+NodeInfo ClientCore::learn_node_info(const NodePtr& node, const HttpResponse& response) {
+  protocol::json j = parse_json(response, "GET /v1/node");
+  NodeInfo info = protocol::decode_node_info(j);
+  nodes_.set_info(node, info);
+  nodes_.set_fncall(node, parse_fncall_node_state(j));
+  return info;
 }
 
 std::vector<NodePtr> ClientCore::place(const SandboxSpec& spec, std::size_t count, const ResolvedImageRef* image,
@@ -682,8 +689,7 @@ std::vector<NodeInfo> ClientCore::nodes() {
   for (const auto& v : nodes_.view()) {
     auto deadline = deadline_after();
     auto r = retrying(deadline, [&] { return call(v.node, http_request("GET", "/v1/node"), deadline); });
-    out.push_back(protocol::decode_node_info(parse_json(r, "GET /v1/node")));
-    nodes_.set_info(v.node, out.back());
+    out.push_back(learn_node_info(v.node, r));
   }
   return out;
 }

@@ -20,6 +20,7 @@
 #include "client/transport.hpp"
 #include "dsec/client.hpp"
 #include "dsec/exec.hpp"
+#include "dsec/fncall.hpp"
 #include "dsec/placement.hpp"
 #include "dsec/sandbox.hpp"
 #include "dsec/sandbox_info.hpp"
@@ -63,6 +64,12 @@ class ClientCore {
   // connection is dropped; the command runs on in the sandbox to its end or timeout) and is rethrown as it was.
   ExecResult exec_stream(const std::string& id, const ExecRequest& request,
                          const std::function<void(int fd, std::string_view data)>& on_output);
+  // Function calls (client/fncall.cpp): one call on a node chosen for its warm pools and load, retried there on
+  // transient errors with the same request id and moved to another node when that one fails; many calls split
+  // into one batch request per node and chunk, results in request order.
+  FnCallResult run_code(FnCallRequest request);
+  std::vector<FnCallResult> run_code_many(const std::vector<FnCallRequest>& requests);
+
   void write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode);
   std::string read_file(const std::string& id, std::string_view path);
   void upload_tar(const std::string& id, std::string_view dir, std::string_view tar_bytes);
@@ -89,6 +96,10 @@ class ClientCore {
   NodePtr route(const std::string& id, SteadyClock::time_point deadline);
   // GET /v1/node of every node whose information is older than kInfoMaxAge (concurrently), for placement.
   void refresh_node_info(SteadyClock::time_point deadline);
+  // Records a GET /v1/node answer of `node`: its NodeInfo and its function-call pools.
+  NodeInfo learn_node_info(const NodePtr& node, const HttpResponse& response);
+  // For function calls with `needs`: what placement needs to know of each of `nodes` (fncall.cpp).
+  std::vector<FnCallCandidate> fncall_candidates(const FnCallNeeds& needs, const std::vector<NodeView>& nodes);
   // The nodes holding `members` (by their ids); ids no node made are left out.
   std::vector<NodePtr> nodes_of(const std::vector<std::string>& members);
   // Chooses a node for each of `count` sandboxes among the healthy nodes not in `excluded`.

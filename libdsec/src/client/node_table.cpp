@@ -51,7 +51,8 @@ void NodeTable::down(const std::string& id) {
 
 NodeView NodeTable::view_locked(const NodePtr& n, SteadyClock::time_point now) const {
   return NodeView{n,        n->id,   n->info,       n->info_at,     n->failures, n->ejected_until > now,
-                  n->gone,  n->cpu_placed, n->memory_placed, n->sandboxes_placed};
+                  n->gone,  n->cpu_placed, n->memory_placed, n->sandboxes_placed, n->fncall,
+                  n->calls_in_flight.load()};
 }
 
 std::vector<NodeView> NodeTable::view() const {
@@ -88,6 +89,11 @@ void NodeTable::set_info(const NodePtr& node, NodeInfo info) {
   node->cpu_placed = 0;
   node->memory_placed = 0;
   node->sandboxes_placed = 0;
+}
+
+void NodeTable::set_fncall(const NodePtr& node, std::optional<FnCallNodeState> state) {
+  std::lock_guard lock(mu_);
+  node->fncall = std::move(state);
 }
 
 void NodeTable::placed(const NodePtr& node, double cpu, std::uint64_t memory, std::size_t count) {

@@ -4,6 +4,7 @@
 // discovery (etcd), and leave when discovery says so.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "client/fncall_placement.hpp"
 #include "client/transport.hpp"
 #include "dsec/sandbox_info.hpp"
 
@@ -34,6 +36,10 @@ struct Node {
   double cpu_placed = 0;                 // placed by this client since info_at
   std::uint64_t memory_placed = 0;
   std::size_t sandboxes_placed = 0;
+  std::optional<FnCallNodeState> fncall;  // the "fncall" part of the last GET /v1/node, when it had one
+
+  // Function calls this client has sent there and not yet had answered (run_code and run_code_many's chunks).
+  std::atomic<int> calls_in_flight{0};
 };
 using NodePtr = std::shared_ptr<Node>;
 
@@ -49,6 +55,8 @@ struct NodeView {
   double cpu_placed = 0;
   std::uint64_t memory_placed = 0;
   std::size_t sandboxes_placed = 0;
+  std::optional<FnCallNodeState> fncall;
+  int calls_in_flight = 0;
 };
 
 class NodeTable {
@@ -72,6 +80,8 @@ class NodeTable {
   void learn(const NodePtr& node, const std::string& id);
   // A fresh GET /v1/node: its numbers include what was placed before, so the client's own tally starts over.
   void set_info(const NodePtr& node, NodeInfo info);
+  // The node's function-call pools from the same answer (nullopt: it reported none).
+  void set_fncall(const NodePtr& node, std::optional<FnCallNodeState> state);
   void placed(const NodePtr& node, double cpu, std::uint64_t memory, std::size_t count);
 
   void succeeded(const NodePtr& node);

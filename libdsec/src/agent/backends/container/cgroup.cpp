@@ -103,12 +103,12 @@ std::string enable_cgroup_favordynmods() {
   return fmt::format("cgroup favordynmods on (remounted {} with {})", v1_point, v1_opts);
 }
 
-std::unique_ptr<CgroupDriver> make_cgroup_driver(const std::string& name) {
+std::unique_ptr<CgroupDriver> make_cgroup_driver(const std::string& name, bool cpu_accounting) {
   struct statfs st {};
   if (::statfs("/sys/fs/cgroup", &st) == 0 && st.f_type == CGROUP2_SUPER_MAGIC) {
     return make_cgroup_v2_driver("/sys/fs/cgroup", name);
   }
-  return make_cgroup_v1_driver("/sys/fs/cgroup", name);
+  return make_cgroup_v1_driver("/sys/fs/cgroup", name, cpu_accounting);
 }
 
 }  // namespace dsec::agent::container

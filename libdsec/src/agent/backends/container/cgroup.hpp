@@ -63,6 +63,19 @@ class SandboxCgroup {
   virtual std::vector<std::string> exec_groups() = 0;
   virtual void adopt_exec_group(const std::string& name, bool kill) = 0;
   virtual void set_restore_limit(std::uint64_t bytes) = 0;
+  // The most memory charged to the group at once since it was made or since reset_memory_peak() (v2 kernels
+  // without memory.peak: the current charge); 0 when unknown.
+  virtual std::uint64_t memory_peak() = 0;
+  virtual void reset_memory_peak() = 0;
+  // CPU time used by the group's processes so far, in seconds (v2: cpu.stat; v1: cpuacct when the driver was made
+  // with cpu accounting, else 0).
+  virtual double cpu_usage_seconds() = 0;
+  // Changes the memory and pids limits of a live group (the fncall backend sets each call's own on a group made
+  // ahead of time). Lowering the memory limit below what is charged fails with RESOURCE_EXHAUSTED once the kernel
+  // could not reclaim enough.
+  virtual void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) = 0;
+  // Whether any process is in the group or below it.
+  virtual bool has_processes() = 0;
 };
 
 class CgroupDriver {
@@ -85,8 +98,11 @@ class CgroupDriver {
 // Picks v2 when /sys/fs/cgroup is a cgroup2 mount with the cpu, memory and pids controllers available, else v1 with
 // cpu, memory, pids and freezer hierarchies. `name` is the agent's subtree ("dsec"). Throws FAILED_PRECONDITION when
 // neither is usable.
-std::unique_ptr<CgroupDriver> make_cgroup_driver(const std::string& name);
-std::unique_ptr<CgroupDriver> make_cgroup_v1_driver(const std::string& root_mount, const std::string& name);
+// `cpu_accounting`: v1 groups are also made in the cpuacct hierarchy (when it is not the cpu one), so that
+// cpu_usage_seconds() can read them; v2 has it in every group.
+std::unique_ptr<CgroupDriver> make_cgroup_driver(const std::string& name, bool cpu_accounting = false);
+std::unique_ptr<CgroupDriver> make_cgroup_v1_driver(const std::string& root_mount, const std::string& name,
+                                                    bool cpu_accounting = false);
 std::unique_ptr<CgroupDriver> make_cgroup_v2_driver(const std::string& root_mount, const std::string& name);
 
 // Puts the kernel's cgroup locking in favour of frequent migrations (the favordynmods mount option, Linux 6.0+):

@@ -29,18 +29,28 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The controllers dsec uses, and where the host mounts each (from /proc/self/mounts).
+// The controllers dsec uses, and where the host mounts each (from /proc/self/mounts). cpuacct is set only for a
+// driver with cpu accounting, and only when it is a hierarchy of its own (co-mounted with cpu, the cpu groups have
+// its files already).
 struct Hierarchies {
-  std::string cpu, memory, pids, freezer;
+  std::string cpu, memory, pids, freezer, cpuacct;
+  // Every hierarchy a sandbox has a group in: pids first (where its processes are found and killed).
+  std::vector<const std::string*> all() const {
+    std::vector<const std::string*> out{&pids, &freezer, &cpu, &memory};
+    if (!cpuacct.empty()) out.push_back(&cpuacct);
+    return out;
+  }
 };
 
-Hierarchies find_hierarchies() {
+Hierarchies find_hierarchies(bool cpu_accounting) {
   auto mounts = cgroup_v1_mounts();
   auto at = [&](const char* controller) {
     auto it = mounts.find(controller);
     return it == mounts.end() ? std::string() : it->second;
   };
-  return Hierarchies{at("cpu"), at("memory"), at("pids"), at("freezer")};
+  Hierarchies h{at("cpu"), at("memory"), at("pids"), at("freezer"), {}};
+  if (cpu_accounting && at("cpuacct") != h.cpu) h.cpuacct = at("cpuacct");
+  return h;
 }
 
 // A sleeping sandbox's anonymous memory and page cache are pushed out alike (100: equal weight; the lowered limit
@@ -135,7 +145,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
   std::vector<UniqueFd> open_procs() override {
     std::vector<UniqueFd> fds;
-    for (const auto* root : {&h_.cpu, &h_.memory, &h_.pids, &h_.freezer}) {
+    for (const auto* root : h_.all()) {
       std::string path = dir(*root) + "/cgroup.procs";
       fds.emplace_back(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
       if (!fds.back()) throw_errno_fmt(errno, "open {}", path);
@@ -181,7 +191,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     } catch (const Error&) {
     }
     kill_group_tree(h_.pids, dir(h_.pids));
-    for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) remove_tree(dir(*root));
+    for (const auto* root : h_.all()) remove_tree(dir(*root));
     destroyed_ = true;
   }
 
@@ -285,6 +295,67 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     return 0;
   }
 
+  std::uint64_t memory_peak() override {
+    try {
+      return std::stoull(read_cgroup_file(dir(h_.memory) + "/memory.max_usage_in_bytes"));
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  void reset_memory_peak() override { write_cgroup_file(dir(h_.memory) + "/memory.max_usage_in_bytes", "0"); }
+
+  double cpu_usage_seconds() override {
+    const std::string& acct = h_.cpuacct.empty() ? h_.cpu : h_.cpuacct;
+    try {
+      return static_cast<double>(std::stoull(read_cgroup_file(dir(acct) + "/cpuacct.usage"))) / 1e9;
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  bool has_processes() override {
+    const std::string top = dir(h_.pids);
+    if (!read_pids(top + "/cgroup.procs").empty()) return true;
+    std::error_code ec;
+    for (const auto& entry : fs::recursive_directory_iterator(top, ec))
+      if (entry.is_directory() && !read_pids(entry.path().string() + "/cgroup.procs").empty()) return true;
+    return false;
+  }
+
+  // memory.memsw.limit_in_bytes may never be below memory.limit_in_bytes: raise it first, lower it last.
+  void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) override {
+    const std::string mem = dir(h_.memory);
+    auto write_limit = [&](const std::string& file) {
+      UniqueFd fd(::open((mem + "/" + file).c_str(), O_WRONLY | O_CLOEXEC));
+      if (!fd) {
+        if (errno == ENOENT && file == "memory.memsw.limit_in_bytes") return;  // no swap accounting
+        throw_errno_fmt(errno, "open {}/{}", mem, file);
+      }
+      std::string value = std::to_string(memory_bytes);
+      if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0) {
+        if (errno == EBUSY)
+          throw Error(Code::kResourceExhausted,
+                      fmt::format("{}/{}: more than {} bytes are charged and cannot be reclaimed", mem, file,
+                                  memory_bytes));
+        throw_errno_fmt(errno, "write {} to {}/{}", value, mem, file);
+      }
+    };
+    std::uint64_t now = 0;
+    try {
+      now = std::stoull(read_cgroup_file(mem + "/memory.limit_in_bytes"));
+    } catch (...) {
+    }
+    if (memory_bytes >= now) {
+      write_limit("memory.memsw.limit_in_bytes");
+      write_limit("memory.limit_in_bytes");
+    } else {
+      write_limit("memory.limit_in_bytes");
+      write_limit("memory.memsw.limit_in_bytes");
+    }
+    write_cgroup_file(dir(h_.pids) + "/pids.max", std::to_string(pids));
+  }
+
  private:
   void set_freezer(const char* state) {
     const std::string path = dir(h_.freezer) + "/freezer.state";
@@ -318,7 +389,9 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
 class CgroupV1Driver final : public CgroupDriver {
  public:
-  explicit CgroupV1Driver(std::string name) : h_(find_hierarchies()), name_(std::move(name)) {
+  CgroupV1Driver(std::string name, bool cpu_accounting)
+      : h_(find_hierarchies(cpu_accounting)), name_(std::move(name)) {
+    if (!h_.cpuacct.empty()) make_dir(h_.cpuacct + "/" + name_);
     for (auto [root, what] : {std::pair{&h_.cpu, "cpu"}, {&h_.memory, "memory"}, {&h_.pids, "pids"},
                               {&h_.freezer, "freezer"}}) {
       if (root->empty())
@@ -339,7 +412,7 @@ class CgroupV1Driver final : public CgroupDriver {
 
   std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
     std::string rel = "/" + name_ + "/" + id;
-    for (const auto* root : {&h_.cpu, &h_.memory, &h_.pids, &h_.freezer}) {
+    for (const auto* root : h_.all()) {
       std::string d = *root + rel;
       if (::mkdir(d.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", d);
     }
@@ -372,7 +445,7 @@ class CgroupV1Driver final : public CgroupDriver {
         if (sub.is_directory()) empty = empty && read_pids(sub.path().string() + "/cgroup.procs").empty();
       if (!empty) continue;
       std::string id = entry.path().filename().string();
-      for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) {
+      for (const auto* root : h_.all()) {
         try {
           remove_tree(*root + "/" + name_ + "/" + id);
         } catch (const Error&) {
@@ -382,7 +455,7 @@ class CgroupV1Driver final : public CgroupDriver {
   }
 
   void remove_subtree_if_empty() override {
-    for (const auto* root : {&h_.pids, &h_.freezer, &h_.cpu, &h_.memory}) ::rmdir((*root + "/" + name_).c_str());
+    for (const auto* root : h_.all()) ::rmdir((*root + "/" + name_).c_str());
   }
 
   void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV1(h_, "/" + name_ + "/" + id).destroy(); }
@@ -403,8 +476,9 @@ class CgroupV1Driver final : public CgroupDriver {
 
 }  // namespace
 
-std::unique_ptr<CgroupDriver> make_cgroup_v1_driver(const std::string& /*root_mount*/, const std::string& name) {
-  return std::make_unique<CgroupV1Driver>(name);
+std::unique_ptr<CgroupDriver> make_cgroup_v1_driver(const std::string& /*root_mount*/, const std::string& name,
+                                                    bool cpu_accounting) {
+  return std::make_unique<CgroupV1Driver>(name, cpu_accounting);
 }
 
 }  // namespace dsec::agent::container

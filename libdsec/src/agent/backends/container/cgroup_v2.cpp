@@ -187,6 +187,47 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     }
   }
 
+  // memory.peak (Linux 5.19+) counts from the group's creation: a reset only remembers where to start from, and
+  // the peak after it is the larger of that point's charge and what memory.peak says when it rose later.
+  std::uint64_t memory_peak() override {
+    std::uint64_t peak = 0;
+    try {
+      peak = std::stoull(read_cgroup_file(dir_ + "/memory.peak"));
+    } catch (...) {
+      return memory_current();
+    }
+    std::lock_guard lock(mu_);
+    return peak > peak_at_reset_ ? peak : std::max(current_at_reset_, memory_current());
+  }
+
+  void reset_memory_peak() override {
+    std::uint64_t peak = 0;
+    try {
+      peak = std::stoull(read_cgroup_file(dir_ + "/memory.peak"));
+    } catch (...) {
+    }
+    std::uint64_t current = memory_current();
+    std::lock_guard lock(mu_);
+    peak_at_reset_ = peak;
+    current_at_reset_ = current;
+  }
+
+  double cpu_usage_seconds() override {
+    try {
+      return static_cast<double>(stat_field(read_cgroup_file(dir_ + "/cpu.stat"), "usage_usec")) / 1e6;
+    } catch (...) {
+      return 0;
+    }
+  }
+
+  bool has_processes() override { return populated(dir_); }
+
+  // v2 takes a lower memory.max at once and reclaims, or OOM-kills inside the group, to get under it.
+  void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) override {
+    write_cgroup_file(dir_ + "/memory.max", std::to_string(memory_bytes));
+    write_cgroup_file(dir_ + "/pids.max", std::to_string(pids));
+  }
+
  private:
   // An awake sandbox has memory.swap.max 0: it never goes to swap. Hosts without swap accounting lack the file.
   void set_swap_max(const char* value) {
@@ -210,6 +251,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   std::set<std::string> exec_groups_;   // every exec group that exists
   std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
   bool destroyed_ = false;
+  std::uint64_t peak_at_reset_ = 0, current_at_reset_ = 0;  // see memory_peak()
 };
 
 class CgroupV2Driver final : public CgroupDriver {

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <memory>
+#include <string_view>
 
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
@@ -40,7 +41,7 @@ void add_rule(scmp_filter_ctx ctx, std::uint32_t action, const char* name, unsig
 
 }  // namespace
 
-SeccompProgram build_seccomp_program(bool allow_ptrace) {
+SeccompProgram build_seccomp_program(bool allow_ptrace, bool allow_mount) {
   std::unique_ptr<void, CtxDeleter> ctx(seccomp_init(SCMP_ACT_ALLOW));
   if (!ctx) throw Error(Code::kInternal, "seccomp_init failed");
   // Any other ABI (x32 on x86_64, i386 via int 0x80) kills the process.
@@ -48,7 +49,11 @@ SeccompProgram build_seccomp_program(bool allow_ptrace) {
   // The filter is loaded with no_new_privs set; do not ask libseccomp to set it itself.
   seccomp_attr_set(ctx.get(), SCMP_FLTATR_CTL_NNP, 0);
   const auto eperm = SCMP_ACT_ERRNO(EPERM);
-  for (const char* name : kDenied) add_rule(ctx.get(), eperm, name);
+  for (const char* name : kDenied) {
+    std::string_view n = name;
+    if (allow_mount && (n == "mount" || n == "umount" || n == "umount2")) continue;
+    add_rule(ctx.get(), eperm, name);
+  }
   if (!allow_ptrace)
     for (const char* name : kPtrace) add_rule(ctx.get(), eperm, name);
   add_rule(ctx.get(), eperm, "unshare", 1, SCMP_A0(SCMP_CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER));

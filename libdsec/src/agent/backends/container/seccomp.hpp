@@ -21,6 +21,8 @@ struct SeccompProgram {
   }
 };
 
-SeccompProgram build_seccomp_program(bool allow_ptrace);
+// `allow_mount` lets mount and umount through (the fncall backend's fork servers mount each call's /tmp and /proc
+// before the call's child loads the strict filter on top of this one).
+SeccompProgram build_seccomp_program(bool allow_ptrace, bool allow_mount = false);
 
 }  // namespace dsec::agent::container

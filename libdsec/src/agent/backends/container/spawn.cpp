@@ -126,34 +126,50 @@ int child_main(void* arg) {
   }
 
   // Descriptors: 0-2 /dev/null, 3 init.sock, 4 the scratch tmpfs, 5 the dsec-init binary; nothing else survives.
+  // Another program (exec_path) gets 0-4 alike and no 5.
+  const bool own_program = r.exec_path != nullptr;
   int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
   if (devnull < 0) fail(a, "open", "/dev/null");
   int listen_hi = fcntl(r.listen_fd, F_DUPFD_CLOEXEC, 10);
   int scratch_hi = fcntl(scratch, F_DUPFD_CLOEXEC, 10);
-  int init_hi = fcntl(r.init_binary_fd, F_DUPFD_CLOEXEC, 10);
-  if (listen_hi < 0 || scratch_hi < 0 || init_hi < 0) fail(a, "dup", nullptr);
+  int init_hi = own_program ? -1 : fcntl(r.init_binary_fd, F_DUPFD_CLOEXEC, 10);
+  if (listen_hi < 0 || scratch_hi < 0 || (!own_program && init_hi < 0)) fail(a, "dup", nullptr);
   if (dup2(devnull, 0) < 0 || dup2(devnull, 1) < 0 || dup2(devnull, 2) < 0 ||
       dup2(listen_hi, init_protocol::kListenFd) < 0 || dup2(scratch_hi, init_protocol::kScratchFd) < 0 ||
-      dup3(init_hi, 5, O_CLOEXEC) < 0)
+      (!own_program && dup3(init_hi, 5, O_CLOEXEC) < 0))
     fail(a, "dup2", nullptr);
-  if (close_range(6, ~0u, 0) != 0) fail(a, "close_range", nullptr);
+  if (close_range(own_program ? 5 : 6, ~0u, 0) != 0) fail(a, "close_range", nullptr);
 
   rlimit files{r.open_files, r.open_files};
   if (setrlimit(RLIMIT_NOFILE, &files) != 0) fail(a, "setrlimit NOFILE", nullptr);
   rlimit core{0, 0};
   setrlimit(RLIMIT_CORE, &core);
 
-  // Drop every capability for good: uid 0 inside gains none on exec (NOROOT), none can come back.
-  if (prctl(PR_SET_SECUREBITS, SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_SETUID_FIXUP | SECBIT_NO_SETUID_FIXUP_LOCKED |
-                                   SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
-                                   SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
-            0, 0, 0) != 0)
-    fail(a, "set securebits", nullptr);
-  for (int cap = 0; cap <= r.cap_last_cap; ++cap)
+  const std::uint64_t keep = r.keep_capabilities;
+  if (keep == 0) {
+    // Drop every capability for good: uid 0 inside gains none on exec (NOROOT), none can come back.
+    if (prctl(PR_SET_SECUREBITS, SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_SETUID_FIXUP | SECBIT_NO_SETUID_FIXUP_LOCKED |
+                                     SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
+                                     SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
+              0, 0, 0) != 0)
+      fail(a, "set securebits", nullptr);
+  } else {
+    // Keep some: uid 0 keeps exactly those across the exec (bounding set); a later change to another uid drops
+    // them all (the setuid fixup stays on), and none can be raised as ambient.
+    if (prctl(PR_SET_SECUREBITS, SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
+                                     SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
+              0, 0, 0) != 0)
+      fail(a, "set securebits", nullptr);
+  }
+  for (int cap = 0; cap <= r.cap_last_cap; ++cap) {
+    if (cap < 64 && (keep >> cap) & 1) continue;
     if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) fail(a, "drop bounding capability", nullptr);
+  }
   prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
   __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
   __user_cap_data_struct data[2]{};
+  data[0].permitted = data[0].effective = static_cast<std::uint32_t>(keep);
+  data[1].permitted = data[1].effective = static_cast<std::uint32_t>(keep >> 32);
   if (syscall(SYS_capset, &hdr, data) != 0) fail(a, "capset", nullptr);
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(a, "no_new_privs", nullptr);
   if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, r.seccomp) != 0) fail(a, "load seccomp filter", nullptr);
@@ -163,6 +179,10 @@ int child_main(void* arg) {
   sigset_t empty;
   sigemptyset(&empty);
   sigprocmask(SIG_SETMASK, &empty, nullptr);
+  if (own_program) {
+    execve(r.exec_path, const_cast<char* const*>(r.exec_argv), const_cast<char* const*>(r.exec_envp));
+    fail(a, "exec", r.exec_path);
+  }
   static char init_name[] = "dsec-init";
   char* argv[] = {init_name, nullptr};
   char* envp[] = {nullptr};
@@ -173,7 +193,7 @@ int child_main(void* arg) {
 }  // namespace
 
 RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
-                       const Resources& resources) {
+                       const Resources& resources, bool read_only_root) {
   RootfsPlan p;
   p.scratch = run_dir + "/rw";
   p.root = run_dir + "/root";
@@ -186,23 +206,34 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
     p.steps.push_back({Kind::kMkdir, nullptr, target, nullptr, 0, nullptr, mode, 0, false});
   };
 
-  // The writable layer: a tmpfs as large as the disk limit, so the kernel enforces it (ENOSPC past it).
-  std::uint64_t inodes = std::max<std::uint64_t>(16384, resources.disk_bytes / 8192);
-  mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
-             p.keep(fmt::format("size={},nr_inodes={},mode=0755", resources.disk_bytes, inodes)));
-  std::string upper = p.scratch + "/upper", work = p.scratch + "/work";
-  mkdir_step(p.keep(upper), 0755);
-  mkdir_step(p.keep(work), 0755);
-  const char* empty_dir = p.keep(p.scratch + "/empty");
-  mkdir_step(empty_dir, 0555);
   std::string lower;
   for (const auto& l : layers_top_first) lower += (lower.empty() ? "" : ":") + l;
-  // metacopy and redirect_dir off (the kernel's defaults, said here whatever the host's module options): every file
-  // the sandbox changes is then whole in the upper directory, which a snapshot takes as a layer of its own.
-  mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
-             p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile,metacopy=off,redirect_dir=off", lower,
-                                upper, work)));
+  const char* empty_dir = p.keep(p.scratch + "/empty");
+  if (read_only_root) {
+    // No writable layer: the scratch tmpfs only holds the empty directory, and the overlay has lower layers alone
+    // (the kernel wants two of them then: an image of one layer gets the empty directory as its second).
+    mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=64,mode=0755");
+    mkdir_step(empty_dir, 0555);
+    if (layers_top_first.size() == 1) lower += ":" + p.scratch + "/empty";
+    mount_step("dsec-root", p.keep(p.root), "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
+               p.keep(fmt::format("lowerdir={}", lower)));
+  } else {
+    // The writable layer: a tmpfs as large as the disk limit, so the kernel enforces it (ENOSPC past it).
+    std::uint64_t inodes = std::max<std::uint64_t>(16384, resources.disk_bytes / 8192);
+    mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
+               p.keep(fmt::format("size={},nr_inodes={},mode=0755", resources.disk_bytes, inodes)));
+    std::string upper = p.scratch + "/upper", work = p.scratch + "/work";
+    mkdir_step(p.keep(upper), 0755);
+    mkdir_step(p.keep(work), 0755);
+    mkdir_step(empty_dir, 0555);
+    // metacopy and redirect_dir off (the kernel's defaults, said here whatever the host's module options): every
+    // file the sandbox changes is then whole in the upper directory, which a snapshot takes as a layer of its own.
+    mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
+               p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile,metacopy=off,redirect_dir=off", lower,
+                                  upper, work)));
+  }
 
+  // On a read-only root these find the image's own directories (EEXIST); a missing one fails the start.
   for (const char* d : {"/proc", "/dev", "/sys"}) mkdir_step(at(d), 0755);
   mkdir_step(at("/tmp"), 01777);
   mount_step("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);

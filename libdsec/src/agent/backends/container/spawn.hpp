@@ -46,8 +46,11 @@ struct RootfsPlan {
 };
 
 // Lays out the steps for a sandbox whose run directory is `run_dir` (it must exist, with empty rw/ and root/ in it).
+// With `read_only_root` the root is the image layers alone, mounted read-only (an overlay without an upper layer;
+// the fncall backend's fork servers): rw/ is then a small tmpfs for the plan's own use, and the image must have
+// the /proc, /dev, /sys and /tmp directories, as a read-only root cannot get them.
 RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
-                       const Resources& resources);
+                       const Resources& resources, bool read_only_root = false);
 
 struct SpawnRequest {
   const RootfsPlan* rootfs = nullptr;
@@ -59,6 +62,15 @@ struct SpawnRequest {
   const sock_fprog* seccomp = nullptr;
   int cap_last_cap = 40;
   std::uint32_t open_files = 4096;
+  // Another program to start instead of dsec-init (the fncall backend's fork servers): a path inside the new root,
+  // executed with these argv and envp (null-terminated arrays). Its fds are then 0-2 /dev/null, 3 listen_fd, 4 the
+  // scratch tmpfs; init_binary_fd is not used.
+  const char* exec_path = nullptr;
+  const char* const* exec_argv = nullptr;
+  const char* const* exec_envp = nullptr;
+  // Capabilities the started program keeps (bit n is capability n) in its bounding, permitted and effective sets;
+  // uid 0 then keeps exactly these across the exec. 0: none at all, and uid 0 gains none on exec (dsec-init).
+  std::uint64_t keep_capabilities = 0;
 };
 
 struct SpawnedInit {
