@@ -1,8 +1,11 @@
 // Syscall failures as dsec::Error with errno and context ("mkdir /sys/fs/cgroup/pids/dsec/x: Permission denied").
 #pragma once
 
+#include <sys/types.h>
+
 #include <cerrno>
 #include <cstring>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -34,5 +37,11 @@ auto retry_eintr(F&& f) {
   } while (r == -1 && errno == EINTR);
   return r;
 }
+
+// One sendmsg(2) of `data` with `fds` attached (SCM_RIGHTS; at most kMaxFdsPerMessage), retried on EINTR, without
+// SIGPIPE. Returns what sendmsg returns: the bytes sent (perhaps fewer than data.size(); send the rest plainly), or
+// -1 with errno set.
+inline constexpr std::size_t kMaxFdsPerMessage = 64;
+ssize_t send_with_fds(int sock, std::string_view data, std::span<const int> fds);
 
 }  // namespace dsec

@@ -554,19 +554,7 @@ class ContainerSandbox final : public BackendSandbox {
   }
 
   static void send_request(int conn, const std::string& message, const std::vector<int>& fds) {
-    char cbuf[CMSG_SPACE(sizeof(int) * init_protocol::kMaxPassedFds)]{};
-    iovec iov{const_cast<char*>(message.data()), message.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf;
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    ssize_t sent = retry_eintr([&] { return ::sendmsg(conn, &msg, MSG_NOSIGNAL); });
+    ssize_t sent = send_with_fds(conn, message, fds);
     if (sent < 0) throw_errno(errno, "send exec request to init");
     std::string_view rest(message);
     rest.remove_prefix(static_cast<std::size_t>(sent));

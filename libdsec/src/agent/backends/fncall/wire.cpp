@@ -75,19 +75,7 @@ void send_frame(int sock, const json& header, std::string_view blob, const std::
   data += head;
   std::string_view rest(data);
   if (!fds.empty()) {
-    char cbuf[CMSG_SPACE(sizeof(int) * kMaxFds)]{};
-    iovec iov{data.data(), data.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf;
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    ssize_t sent = retry_eintr([&] { return ::sendmsg(sock, &msg, MSG_NOSIGNAL); });
+    ssize_t sent = send_with_fds(sock, data, fds);
     if (sent < 0) {
       if (errno == EPIPE || errno == ECONNRESET) throw Error(Code::kUnavailable, "fork server: the peer is gone");
       throw_errno(errno, "send to fork server");
