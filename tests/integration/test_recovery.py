@@ -509,3 +509,73 @@ def test_sigusr2_leaves_the_sandboxes_for_the_next_start(own_home):
             kill_everything_left(agent)
             agent.remove_husks()
         shutil.rmtree(a.run_dir, ignore_errors=True)
+
+
+def test_kill_9_during_a_snapshot(own_home):
+    """An agent killed while it snapshots a sandbox (frozen for the copy of its writable layer, or packing the copy
+    into a layer) leaves no tag, no staging file and no frozen sandbox: the next start takes the sandbox over awake,
+    and a snapshot of the same name then succeeds."""
+    home = own_home[0]
+    snap_store = os.path.join(home, "snapshots")
+    a = start_agent(own_home, "--snapshot-store", snap_store, "--store", snap_store)
+    restarted = None
+    tracker = HostTracker(home, a.run_dir, a.cgroup_name)
+    staging = os.path.join(a.run_dir, ".snapshots")
+    try:
+        sb = create(a, resources={"memory": "512Mi", "cpu": 0.5})
+        sid = sb["id"]
+        # 192 MiB of random files in its writable layer: the copy takes long enough to be caught frozen.
+        code, out = sh(a, sid, "for i in 1 2 3 4 5 6; do head -c 33554432 /dev/urandom > /f$i || exit 1; done; "
+                               "md5sum /f1 /f6", timeout=120)
+        assert code == 0, out
+        assert sh(a, sid, COUNTER)[0] == 0
+        tracker.collect()
+
+        answer: dict = {}
+
+        def snapshot() -> None:
+            try:
+                answer["r"] = call(a, "POST", f"/v1/sandboxes/{sid}/snapshot", {"name": "cut/short:1"}, timeout=300)
+            except Exception as e:  # the agent dies under it
+                answer["error"] = e
+
+        t = threading.Thread(target=snapshot, daemon=True)
+        t.start()
+        # Kill it while the sandbox is frozen for the copy; failing that, once the copy is on the staging disk.
+        caught_frozen = lib.wait_for(lambda: is_frozen(a, sid), 20, interval=0.002)
+        if not caught_frozen:
+            assert lib.wait_for(lambda: os.path.isdir(staging) and os.listdir(staging), 20, interval=0.005), \
+                "the snapshot never started"
+        a.proc.kill()
+        a.proc.wait(15)
+        t.join(60)
+        assert "r" not in answer or answer["r"].status >= 300, "the snapshot finished before the kill"
+
+        restarted = start_agent(own_home, "--snapshot-store", snap_store, "--store", snap_store)
+        got = info(restarted, sid)
+        assert got["state"] == "running", got
+        assert not is_frozen(restarted, sid), "the sandbox was left frozen"
+        assert counter_runs(restarted, sid)
+        assert not os.path.isdir(staging) or os.listdir(staging) == [], os.listdir(staging)
+        code, again = sh(restarted, sid, "md5sum /f1 /f6")
+        assert code == 0 and again == out, (again, out)
+
+        # No tag was written by the snapshot cut short: the same name is free, and the sandbox taken over snapshots.
+        r = call(restarted, "POST", f"/v1/sandboxes/{sid}/snapshot", {"name": "cut/short:1"}, timeout=300)
+        assert r.status == 201, r
+        made = create(restarted, image=r.json()["image"], resources={"memory": "512Mi", "cpu": 0.5})
+        code, copy = sh(restarted, made["id"], "md5sum /f1 /f6")
+        assert code == 0 and copy == out, (copy, out)
+
+        tracker.collect()
+        for s in (sid, made["id"]):
+            assert call(restarted, "DELETE", f"/v1/sandboxes/{s}").status == 200
+        assert restarted.stop() == 0, restarted.log_tail()
+        assert lib.wait_for(lambda: not tracker.leftovers(), 10), "\n".join(tracker.leftovers())
+    finally:
+        for agent in (a, restarted):
+            if agent is not None:
+                agent.stop()
+                kill_everything_left(agent)
+                agent.remove_husks()
+        shutil.rmtree(a.run_dir, ignore_errors=True)
