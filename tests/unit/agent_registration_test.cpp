@@ -1,6 +1,7 @@
 // An agent's registration in a real etcd: the key and its record, refreshed with the node's load, revoked at stop,
 // left to expire when renewal stops, and written again after etcd lost everything.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -76,6 +77,31 @@ TEST(Registration, RefusesBadOptions) {
   r.endpoint = "http://10.0.0.1:7070";
   r.etcd_endpoints = {"10.0.0.2:2379"};
   EXPECT_THROW(Registration(r, [] { return NodeInfo{}; }), Error);
+}
+
+// The function-call pools go into the record with the node's info, and follow their changes.
+TEST_F(RegistrationTest, TheRecordCarriesTheFunctionCallPools) {
+  std::atomic<int> idle{1};
+  Registration reg(options(), node_info("n1"), [&] {
+    return R"({"languages":["python"],"pools":[{"image":"py","language":"python","idle":)" +
+           std::to_string(idle.load()) + "}]}";
+  });
+  reg.start();
+  auto idle_in_etcd = [&]() -> int {
+    auto rec = stored();
+    if (!rec || rec->fncall.empty()) return -1;
+    return nlohmann::json::parse(rec->fncall)["pools"][0]["idle"].get<int>();
+  };
+  ASSERT_TRUE(wait_until([&] { return idle_in_etcd() == 1; }, seconds(5)));
+  idle = 4;
+  ASSERT_TRUE(wait_until([&] { return idle_in_etcd() == 4; }, seconds(3)));
+  reg.stop();
+
+  Registration plain(options("n2"), node_info("n2"));
+  plain.start();
+  ASSERT_TRUE(wait_until([&] { return stored("n2").has_value(); }, seconds(5)));
+  EXPECT_EQ(stored("n2")->fncall, "");
+  plain.stop();
 }
 
 TEST_F(RegistrationTest, RegistersRefreshesAndRevokesAtStop) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "client/discovery.hpp"
 #include "cluster/etcd_client.hpp"
 #include "cluster/node_record.hpp"
@@ -161,6 +163,47 @@ TEST_F(DiscoveryTest, WaitsForEtcdThenLists) {
   ASSERT_EQ(nodes.size(), 1u);
   EXPECT_EQ(nodes[0].node_id, "a");
   EXPECT_EQ(ev.size(), 1u);
+}
+
+// A node's function-call pools travel in its record, so clients see warm pools without asking each node.
+TEST(NodeRecordCodec, CarriesTheFunctionCallPools) {
+  cluster::NodeRecord r;
+  r.endpoint = "http://10.1.0.1:7070";
+  r.node.id = "a";
+  r.fncall = R"({"languages":["python","shell"],"pools":[{"image":"py","language":"python","idle":2,"busy":1}]})";
+  cluster::NodeRecord back = cluster::decode_node_record(cluster::encode_node_record(r));
+  EXPECT_EQ(nlohmann::json::parse(back.fncall), nlohmann::json::parse(r.fncall));
+  EXPECT_EQ(back.node.id, "a");
+
+  r.fncall.clear();
+  EXPECT_EQ(cluster::decode_node_record(cluster::encode_node_record(r)).fncall, "");
+  try {
+    cluster::decode_node_record(R"({"endpoint":"http://x:1","node":{"id":"a","fncall":[1]}})");
+    FAIL() << "a fncall that is not an object was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("fncall"), std::string::npos) << e.what();
+  }
+  r.fncall = "not json";
+  EXPECT_THROW(cluster::encode_node_record(r), Error);
+}
+
+TEST_F(DiscoveryTest, ReportsTheFunctionCallPoolsOfARecord) {
+  cluster::NodeRecord r;
+  r.endpoint = "http://10.1.0.2:7070";
+  r.node.id = "b";
+  r.fncall = R"({"languages":["python"],"pools":[{"image":"py","language":"python","idle":3,"busy":0}]})";
+  etcd_->put("/dsec/nodes/b", cluster::encode_node_record(r));
+  etcd_->put("/dsec/nodes/c", record("c", "http://10.1.0.3:7070"));
+  Events ev;
+  EtcdDiscovery d({server_->url()}, "/dsec/", ev.callback());
+  d.start();
+  auto nodes = d.snapshot(seconds(10));
+  ASSERT_EQ(nodes.size(), 2u);
+  for (const auto& n : nodes) {
+    if (n.node_id == "b") EXPECT_EQ(nlohmann::json::parse(n.fncall)["pools"][0]["idle"], 3);
+    else EXPECT_EQ(n.fncall, "") << n.node_id;
+  }
 }
 
 // The callback may look at the table: for the first listing's events too, without waiting for itself.

@@ -167,7 +167,9 @@ void Agent::start_registration() {
                                                       "give --advertise with the URL clients should use", bound));
     r.endpoint = "http://" + bound;
   }
-  registration_ = std::make_unique<Registration>(std::move(r), [this] { return node_info(); });
+  std::function<std::string()> fncall_status;
+  if (fncall_) fncall_status = [this] { return fncall_status_json(*fncall_); };
+  registration_ = std::make_unique<Registration>(std::move(r), [this] { return node_info(); }, std::move(fncall_status));
   registration_->start();
 }
 

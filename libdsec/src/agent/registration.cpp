@@ -19,8 +19,9 @@ constexpr std::chrono::seconds kRepeatWarning{30};
 
 }  // namespace
 
-Registration::Registration(RegistrationOptions options, std::function<NodeInfo()> node_info)
-    : options_(std::move(options)), node_info_(std::move(node_info)) {
+Registration::Registration(RegistrationOptions options, std::function<NodeInfo()> node_info,
+                           std::function<std::string()> fncall_status)
+    : options_(std::move(options)), node_info_(std::move(node_info)), fncall_status_(std::move(fncall_status)) {
   if (options_.lease_ttl.count() < 2)
     throw Error(Code::kInvalidArgument,
                 fmt::format("etcd lease TTL {} s: use at least 2 s", options_.lease_ttl.count()));
@@ -85,7 +86,7 @@ void Registration::loop() {
         lease_ = lease;
       }
       // Written every time, not only when the load changed: a key deleted by hand comes back within a period.
-      cluster::NodeRecord record{options_.endpoint, node_info_()};
+      cluster::NodeRecord record{options_.endpoint, node_info_(), fncall_status_ ? fncall_status_() : std::string()};
       try {
         etcd_->put(key_, cluster::encode_node_record(record), lease);
       } catch (const Error& e) {

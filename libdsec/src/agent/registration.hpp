@@ -38,7 +38,10 @@ struct RegistrationOptions {
 class Registration {
  public:
   // Throws INVALID_ARGUMENT for a bad endpoint list, prefix, or TTL. Contacts nobody until start().
-  Registration(RegistrationOptions options, std::function<NodeInfo()> node_info);
+  // `fncall_status`, when given, is the "fncall" object of GET /v1/node as JSON text (empty: none), written into
+  // the record beside the node's info.
+  Registration(RegistrationOptions options, std::function<NodeInfo()> node_info,
+               std::function<std::string()> fncall_status = {});
   ~Registration();
   Registration(const Registration&) = delete;
   Registration& operator=(const Registration&) = delete;
@@ -58,6 +61,7 @@ class Registration {
 
   RegistrationOptions options_;
   std::function<NodeInfo()> node_info_;
+  std::function<std::string()> fncall_status_;
   std::string key_;
   std::unique_ptr<cluster::EtcdClient> etcd_;
 

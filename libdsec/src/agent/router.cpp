@@ -122,6 +122,8 @@ void check_group_id(const std::string& id) {
 
 }  // namespace
 
+std::string fncall_status_json(fncall::FnCallService& service) { return encode_fncall_status(service.status()).dump(); }
+
 Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots,
                fncall::FnCallService* fncall)
     : registry_(registry),

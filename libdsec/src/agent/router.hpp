@@ -19,6 +19,9 @@ class FnCallService;
 
 inline constexpr std::size_t kMaxBatch = 1024;
 
+// The "fncall" object of GET /v1/node for this service's state, as JSON text (the etcd registration carries it too).
+std::string fncall_status_json(fncall::FnCallService& service);
+
 class Router {
  public:
   // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes). Without `snapshots`,

@@ -118,14 +118,14 @@ ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)) {
   if (!options_.etcd_endpoints.empty()) {
     discovery_ = std::make_unique<EtcdDiscovery>(options_.etcd_endpoints, options_.etcd_prefix,
                                                  [this](const NodeEvent& e) {
-                                                   if (e.kind == NodeEvent::Kind::kUp) nodes_.up(e.node_id, e.endpoint, e.info);
+                                                   if (e.kind == NodeEvent::Kind::kUp) node_up(e);
                                                    else nodes_.down(e.node_id);
                                                  });
     discovery_->start();
     // The first listing, so that a create right after construction has nodes to choose from. An etcd that cannot
     // be read yet is not fatal: discovery keeps trying and creates fail with UNAVAILABLE until nodes appear.
     try {
-      for (const auto& e : discovery_->snapshot()) nodes_.up(e.node_id, e.endpoint, e.info);
+      for (const auto& e : discovery_->snapshot()) node_up(e);
     } catch (const Error&) {
     }
   }
@@ -270,6 +270,13 @@ void ClientCore::refresh_node_info(SteadyClock::time_point deadline) {
       }
     }
   });
+}
+
+void ClientCore::node_up(const NodeEvent& event) {
+  NodePtr node = nodes_.up(event.node_id, event.endpoint, event.info);
+  protocol::json j = protocol::json::object();
+  if (!event.fncall.empty()) j["fncall"] = protocol::json::parse(event.fncall, nullptr, false);
+  nodes_.set_fncall(node, parse_fncall_node_state(j));
 }
 
 NodeInfo ClientCore::learn_node_info(const NodePtr& node, const HttpResponse& response) {

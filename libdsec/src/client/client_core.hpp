@@ -98,6 +98,8 @@ class ClientCore {
   void refresh_node_info(SteadyClock::time_point deadline);
   // Records a GET /v1/node answer of `node`: its NodeInfo and its function-call pools.
   NodeInfo learn_node_info(const NodePtr& node, const HttpResponse& response);
+  // A node discovery reports up (new, or its record changed): its info and function-call pools as registered.
+  void node_up(const NodeEvent& event);
   // For function calls with `needs`: what placement needs to know of each of `nodes` (fncall.cpp).
   std::vector<FnCallCandidate> fncall_candidates(const FnCallNeeds& needs, const std::vector<NodeView>& nodes);
   // The nodes holding `members` (by their ids); ids no node made are left out.

@@ -85,6 +85,7 @@ bool EtcdDiscovery::decode(const std::string& key, const std::string& value, Nod
     out.node_id = std::move(id);
     out.endpoint = std::move(record.endpoint);
     out.info = std::move(record.node);
+    out.fncall = std::move(record.fncall);
     return true;
   } catch (const Error& e) {
     std::lock_guard lock(mu_);

@@ -35,6 +35,7 @@ struct NodeEvent {
   std::string node_id;
   std::string endpoint;  // "http://10.0.0.7:7070": what the agent advertised
   NodeInfo info;         // the node's GET /v1/node, as of its last renewal
+  std::string fncall;    // its "fncall" object (function-call pools) as JSON text; empty: it serves none
 };
 
 struct DiscoveryOptions {

@@ -17,7 +17,13 @@ std::string node_key(std::string_view prefix, std::string_view node_id) {
 }
 
 std::string encode_node_record(const NodeRecord& record) {
-  return nlohmann::json{{"endpoint", record.endpoint}, {"node", protocol::encode(record.node)}}.dump();
+  nlohmann::json node = protocol::encode(record.node);
+  if (!record.fncall.empty()) {
+    auto fncall = nlohmann::json::parse(record.fncall, nullptr, false);
+    if (!fncall.is_object()) throw Error(Code::kInternal, "node record: the fncall status is not a JSON object");
+    node["fncall"] = std::move(fncall);
+  }
+  return nlohmann::json{{"endpoint", record.endpoint}, {"node", std::move(node)}}.dump();
 }
 
 NodeRecord decode_node_record(std::string_view value) {
@@ -37,6 +43,10 @@ NodeRecord decode_node_record(std::string_view value) {
     throw Error(Code::kInvalidArgument, fmt::format("node record: 'node': {}", x.what()));
   }
   if (r.node.id.empty()) throw Error(Code::kInvalidArgument, "node record: 'node.id' is missing");
+  if (auto f = n->find("fncall"); f != n->end()) {
+    if (!f->is_object()) throw Error(Code::kInvalidArgument, "node record: 'node.fncall' is not an object");
+    r.fncall = f->dump();
+  }
   return r;
 }
 

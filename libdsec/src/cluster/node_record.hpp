@@ -13,6 +13,10 @@ namespace dsec::cluster {
 struct NodeRecord {
   std::string endpoint;  // where clients reach the agent
   NodeInfo node;
+  // The "fncall" object of GET /v1/node (the node's function-call pools, warm or not), as JSON text; empty for a
+  // node that serves no function calls. Kept in the record so that clients placing calls see warm pools without
+  // asking each node.
+  std::string fncall;
 };
 
 // "<prefix>nodes/": every registration lives under it ("/dsec/" by default; a prefix without a trailing '/' gets
