@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs every Debian package dsec needs to build, test and run on Debian 12 (bookworm). Idempotent: when all are
-# present it only checks (well under a second) and never touches the network; otherwise it runs apt-get update once
-# and installs what is missing. Needs root.
+# Installs every Debian package dsec needs to build, test and run on Debian 12 (bookworm), then the microVM backend's
+# guest kernel (scripts/guest-kernel.sh). Idempotent: when all are present it only checks (well under a second) and
+# never touches the network; otherwise it runs apt-get update once and installs what is missing. Needs root.
 set -euo pipefail
 
 PACKAGES=(
@@ -25,7 +25,13 @@ PACKAGES=(
   # discovery: agents register in etcd and clients watch it; the tests start their own etcd (/usr/bin/etcd) on
   # free loopback ports, so the packaged service is stopped and disabled below
   etcd-server
+  # the microVM backend: QEMU (microvm machine, direct kernel boot), qemu-img for its disk images, and lz4 to unpack
+  # the guest kernel's bzImage into the vmlinux QEMU boots (scripts/guest-kernel.sh; the kernel is Debian's
+  # linux-image-cloud-amd64, unpacked into /var/cache/dsec/guest-kernel, never installed as the host's kernel)
+  qemu-system-x86 qemu-utils lz4
 )
+
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # One dpkg query for all of them; a package dpkg has never heard of is simply absent from its answer.
 declare -A installed=()
@@ -37,29 +43,36 @@ for p in "${PACKAGES[@]}"; do
   [[ -n "${installed[$p]:-}" ]] || missing+=("$p")
 done
 
+install_missing() {
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing packages: ${missing[*]}" >&2
+    echo "install-deps: run as root (sudo scripts/install-deps.sh) to install them" >&2
+    exit 1
+  fi
+
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null
+
+  # The etcd package starts a system-wide etcd on the default ports where the init system lets it; dsec needs only
+  # the binary (its tests start their own), so leave no such service running.
+  if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
+    if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
+      systemctl disable --now etcd.service >/dev/null 2>&1 || true
+    elif [[ -x /etc/init.d/etcd ]]; then
+      /etc/init.d/etcd stop >/dev/null 2>&1 || true
+      update-rc.d etcd disable >/dev/null 2>&1 || true
+    fi
+  fi
+}
+
 if [[ ${#missing[@]} -eq 0 ]]; then
   echo "install-deps: all ${#PACKAGES[@]} packages are installed"
-  exit 0
+else
+  install_missing
 fi
 
-if [[ $(id -u) -ne 0 ]]; then
-  echo "install-deps: missing packages: ${missing[*]}" >&2
-  echo "install-deps: run as root (sudo scripts/install-deps.sh) to install them" >&2
-  exit 1
-fi
-
-echo "install-deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
-apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null
-
-# The etcd package starts a system-wide etcd on the default ports where the init system lets it; dsec needs only the
-# binary (its tests start their own), so leave no such service running.
-if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
-  if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
-    systemctl disable --now etcd.service >/dev/null 2>&1 || true
-  elif [[ -x /etc/init.d/etcd ]]; then
-    /etc/init.d/etcd stop >/dev/null 2>&1 || true
-    update-rc.d etcd disable >/dev/null 2>&1 || true
-  fi
-fi
+# The guest kernel, after the packages either way (it needs apt-get download, dpkg-deb and lz4). When it is already
+# unpacked this is one check of a directory, so the fast path stays fast.
+"$SCRIPT_DIR/guest-kernel.sh"

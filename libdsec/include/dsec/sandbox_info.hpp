@@ -32,6 +32,17 @@ struct CachedLayer {
   std::uint32_t users = 0;        // sandboxes using it now
 };
 
+// The node's microvm backend (GET /v1/node "microvm"): whether it offers microVMs, and on what.
+struct MicroVmNodeInfo {
+  bool offered = false;            // the node serves kind "microvm"
+  std::string unavailable;         // why it does not, or why its VMs cannot start (empty when they can)
+  bool ready = false;              // the accelerator probe is done
+  std::string accelerator;         // "kvm" or "tcg"
+  std::string accelerator_reason;  // why this accelerator (e.g. why KVM was not usable)
+  std::string kernel;              // the guest kernel's release
+  std::uint32_t vms = 0;           // running microVMs
+};
+
 struct NodeInfo {
   std::string id;
   std::string version;
@@ -59,6 +70,7 @@ struct NodeInfo {
   // The node's swap (every swap area of the host): where sleeping sandboxes' anonymous memory goes. 0: none.
   std::uint64_t swap_bytes = 0;
   std::uint64_t swap_free_bytes = 0;
+  MicroVmNodeInfo microvm;
 };
 
 }  // namespace dsec

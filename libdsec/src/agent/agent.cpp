@@ -10,6 +10,7 @@
 
 #include "agent/backends/container/container_backend.hpp"
 #include "agent/backends/fncall/fncall_service.hpp"
+#include "agent/backends/microvm/microvm_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
 #include "agent/log.hpp"
 #include "dsec/version.hpp"
@@ -27,12 +28,12 @@ std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
-    if (out.count(name) || name == "fncall") continue;
+    if (out.count(name) || name == "fncall" || name == "microvm") continue;
     if (name == "container") out.emplace(name, make_container_backend(config));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
       throw Error(Code::kInvalidArgument,
-                  fmt::format("backends: unknown backend '{}' (known: container, null, fncall)", name));
+                  fmt::format("backends: unknown backend '{}' (known: container, microvm, null, fncall)", name));
   }
   return out;
 }
@@ -89,7 +90,20 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     fo.cores = capacity_.cores;
     fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
   }
-  backends_ = parts.backends.empty() ? make_backends(config_) : std::move(parts.backends);
+  const bool backends_from_config = parts.backends.empty();
+  backends_ = backends_from_config ? make_backends(config_) : std::move(parts.backends);
+  if (backends_from_config &&
+      std::find(config_.backends.begin(), config_.backends.end(), "microvm") != config_.backends.end()) {
+    // A node without QEMU or a guest kernel still serves its other backends; GET /v1/node says why not this one.
+    try {
+      auto microvm = make_microvm_backend(config_);
+      microvm_ = microvm.get();
+      backends_.emplace("microvm", std::move(microvm));
+    } catch (const Error& e) {
+      microvm_unavailable_ = e.what();
+      log_warn("microvm backend not offered: {}", microvm_unavailable_);
+    }
+  }
   cgroup_version_ = "none";
   if (backends_.count("container") || fncall_) cgroup_version_ = container_cgroup_version();
 
@@ -287,6 +301,18 @@ NodeInfo Agent::node_info() const {
   n.swap_bytes = swap.total_bytes;
   n.swap_free_bytes = swap.free_bytes;
   n.load1 = load_average_1m();
+  if (microvm_) {
+    MicroVmStatus m = microvm_->status();
+    n.microvm.offered = true;
+    n.microvm.ready = m.ready;
+    n.microvm.unavailable = m.unavailable;
+    n.microvm.accelerator = m.accelerator;
+    n.microvm.accelerator_reason = m.accelerator_reason;
+    n.microvm.kernel = m.kernel;
+    n.microvm.vms = m.vms;
+  } else {
+    n.microvm.unavailable = microvm_unavailable_;
+  }
   return n;
 }
 

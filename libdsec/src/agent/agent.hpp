@@ -23,6 +23,8 @@
 
 namespace dsec::agent {
 
+class MicroVmBackend;
+
 namespace fncall {
 class FnCallService;
 }
@@ -86,6 +88,8 @@ class Agent {
   std::unique_ptr<Registry> registry_;
   std::unique_ptr<Snapshots> snapshots_;
   std::unique_ptr<fncall::FnCallService> fncall_;  // with "fncall" among config.backends
+  MicroVmBackend* microvm_ = nullptr;              // in backends_, when "microvm" is among config.backends
+  std::string microvm_unavailable_;                // why it is not, when it was asked for
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only

@@ -14,6 +14,7 @@
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
 #include "dsec/spec.hpp"
+#include "agent/layers/layer_image.hpp"
 #include "image/upper_tree.hpp"
 
 namespace dsec::agent {
@@ -23,6 +24,8 @@ struct CreateParams {
   std::string id;                                   // unique on this node, also the default hostname
   SandboxSpec spec;                                 // validated
   std::vector<std::filesystem::path> image_layers;  // read-only root layers, lowest first
+  // The same layers as EROFS images (virtual machines attach them as disks); empty where the node has none.
+  std::vector<layers::LayerImage> layer_images;
 };
 
 // What a backend needs to take one of its sandboxes over after an agent restart: a few named values (pids, start

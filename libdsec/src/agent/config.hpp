@@ -51,6 +51,24 @@ struct FnCallConfig {
   double call_cpu = 1.0;
 };
 
+// The microvm backend (docs/microvm.md): one QEMU microvm per sandbox.
+struct MicroVmConfig {
+  std::filesystem::path qemu;    // qemu-system-x86_64; empty: found on PATH
+  std::filesystem::path kernel;  // the guest kernel (a file or a directory as scripts/guest-kernel.sh lays it
+                                 // out); empty: /var/cache/dsec/guest-kernel/current
+  std::string accelerator = "auto";  // auto (KVM where it really runs the guest, else TCG) | kvm | tcg
+  std::uint32_t tcg_tb_size_mib = 32;  // TCG's translation cache per VM
+  // QEMU processes run as uid_base + n (gid the same), n < uid_count: a uid of its own per VM.
+  std::uint32_t uid_base = 2000000000u;
+  std::uint32_t uid_count = 65536;
+  // Host memory a VM may use beyond its guest RAM (QEMU's heap, TCG's translation cache): part of its cgroup limit.
+  std::uint64_t overhead_bytes = 160ull << 20;
+  // How long a guest may take from QEMU's start to its agent's first answer (under TCG, on a loaded node, a boot
+  // takes seconds), and how often a boot that did not answer is tried again.
+  std::chrono::milliseconds boot_timeout{30000};
+  std::uint32_t boot_attempts = 2;
+};
+
 struct AgentConfig {
   std::string node_id;                        // default: hostname; prefixes every sandbox id
   std::filesystem::path unix_socket;          // listen here (empty: no unix socket)
@@ -70,6 +88,7 @@ struct AgentConfig {
   // dsecd's own default (without --backends) is container and fncall.
   std::vector<std::string> backends{"container"};
   FnCallConfig fncall;
+  MicroVmConfig microvm;
   // At start-up, the sandboxes an earlier run left (it was killed, crashed, or left them on purpose) are taken over
   // (true; dsecd --on-restart adopt) or destroyed (false; --on-restart remove). See Registry::recover_earlier_run.
   bool adopt_sandboxes = true;

@@ -51,8 +51,17 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --label KEY=VALUE       a label of this node, reported in GET /v1/node for placement (node_selector); repeat
                           for more
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
-  --backends LIST         comma-separated: container, null, fncall (default container,fncall; null simulates
-                          the control plane; fncall serves function calls, POST /v1/fncall)
+  --backends LIST         comma-separated: container, microvm, null, fncall (default container,fncall,microvm;
+                          null simulates the control plane; fncall serves function calls, POST /v1/fncall;
+                          microvm is left out, and GET /v1/node says why, where QEMU or the guest kernel is missing)
+  --microvm-kernel PATH   the microVMs' guest kernel: a vmlinux/bzImage file (modules from a "modules" directory
+                          beside it) or a directory as scripts/guest-kernel.sh lays it out (default
+                          /var/cache/dsec/guest-kernel/current)
+  --microvm-qemu PATH     qemu-system-x86_64 (default: found on PATH)
+  --microvm-accelerator A auto: KVM where it really runs the guest (probed at start), else TCG; kvm; tcg
+                          (default auto)
+  --microvm-boot-timeout SECS
+                          how long a guest may take to answer after QEMU starts (default 30)
   --on-restart MODE       what to do at start with the sandboxes an earlier run left (it was killed, crashed, or
                           left them on SIGUSR2): adopt takes over those still alive and marks the dead ones failed;
                           remove destroys them all (default adopt)
@@ -159,7 +168,7 @@ std::filesystem::path self_directory() {
 int main(int argc, char** argv) {
   using dsec::agent::AgentConfig;
   AgentConfig config;
-  config.backends = {"container", "fncall"};
+  config.backends = {"container", "fncall", "microvm"};
   std::optional<int> ready_fd;
 
   std::vector<std::string_view> args(argv + 1, argv + argc);
@@ -223,6 +232,18 @@ int main(int argc, char** argv) {
       config.init_binary = std::string(value);
     } else if (flag == "--backends") {
       config.backends = split_list(value);
+    } else if (flag == "--microvm-kernel") {
+      config.microvm.kernel = std::string(value);
+    } else if (flag == "--microvm-qemu") {
+      config.microvm.qemu = std::string(value);
+    } else if (flag == "--microvm-accelerator") {
+      if (value != "auto" && value != "kvm" && value != "tcg")
+        fail(fmt::format("--microvm-accelerator: '{}' is not one of auto, kvm, tcg", value));
+      config.microvm.accelerator = std::string(value);
+    } else if (flag == "--microvm-boot-timeout") {
+      std::size_t secs = parse_unsigned(flag, value);
+      if (secs == 0) fail("--microvm-boot-timeout: must be at least 1");
+      config.microvm.boot_timeout = std::chrono::seconds(secs);
     } else if (flag == "--on-restart") {
       if (value != "adopt" && value != "remove")
         fail(fmt::format("--on-restart: '{}' is not one of adopt, remove", value));

@@ -49,6 +49,7 @@ class LayeredImageSource final : public ImageSource {
 
     std::vector<MountedLayer> held;
     std::vector<std::filesystem::path> dirs;
+    std::vector<layers::LayerImage> images;
     const std::string pinned = ref.tagged() + "@" + digest;
     for (std::size_t i = 0; i < manifest->layers.size(); ++i) {
       const image::LayerDescriptor& layer = manifest->layers[i];
@@ -60,10 +61,12 @@ class LayeredImageSource final : public ImageSource {
                                           e.what()));
       }
       dirs.push_back(held.back().dir);
+      images.push_back(held.back().image);
     }
     // The hold keeps the layers mounted and the manifest known (a snapshot of the sandbox builds on it).
     auto hold = std::make_shared<HeldImage>(HeldImage{std::move(held), manifest});
-    return ResolvedImage{pinned, std::move(dirs), std::move(hold)};
+    if (std::any_of(images.begin(), images.end(), [](const auto& i) { return i.file.empty(); })) images.clear();
+    return ResolvedImage{pinned, std::move(dirs), std::move(images), std::move(hold)};
   }
 
   std::shared_ptr<const image::Manifest> manifest(const std::string& pinned_reference) override {

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "agent/layers/layer_image.hpp"
 #include "agent/metrics.hpp"
 #include "dsec/error.hpp"
 #include "dsec/sandbox_info.hpp"
@@ -22,6 +23,8 @@ namespace dsec::agent {
 struct ResolvedImage {
   std::string name;                                 // the reference, pinned: "busybox:latest@sha256:..."
   std::vector<std::filesystem::path> layers;        // lowest first
+  // The same layers as EROFS images for virtual machines (empty where the source has none, or in extract mode).
+  std::vector<layers::LayerImage> layer_images;
   // Keeps the layers mounted while held: the registry holds it for as long as the sandbox lives. Empty for sources
   // whose layers never go away.
   std::shared_ptr<const void> hold;

@@ -304,7 +304,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   try {
     if (persist_lease) persist_group(spec.group);
     ResolvedImage image = images_.resolve(spec.image, image_manifest);
-    CreateParams params{id, spec, image.layers};
+    CreateParams params{id, spec, image.layers, image.layer_images};
     SandboxInfo& info = record->info;
     info.id = id;
     info.node = options_.node_id;

@@ -530,7 +530,7 @@ json encode(const NodeInfo& n) {
   json layers = json::array();
   for (const auto& l : n.cached_layers)
     layers.push_back(json{{"digest", l.digest}, {"size", l.size}, {"cached_bytes", l.cached_bytes}, {"users", l.users}});
-  return json{{"id", n.id},
+  json out{{"id", n.id},
               {"version", n.version},
               {"protocol", n.protocol},
               {"backends", n.backends},
@@ -548,6 +548,13 @@ json encode(const NodeInfo& n) {
               {"layer_mode", n.layer_mode},
               {"cached_layers", layers},
               {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
+  const MicroVmNodeInfo& m = n.microvm;
+  if (m.offered || !m.unavailable.empty())
+    out["microvm"] = json{{"offered", m.offered},          {"unavailable", m.unavailable},
+                          {"ready", m.ready},              {"accelerator", m.accelerator},
+                          {"accelerator_reason", m.accelerator_reason}, {"kernel", m.kernel},
+                          {"vms", m.vms}};
+  return out;
 }
 
 NodeInfo decode_node_info(const json& j) {
@@ -583,6 +590,15 @@ NodeInfo decode_node_info(const json& j) {
   if (auto s = j.find("swap"); s != j.end() && s->is_object()) {
     n.swap_bytes = s->value("total", std::uint64_t{0});
     n.swap_free_bytes = s->value("free", std::uint64_t{0});
+  }
+  if (auto m = j.find("microvm"); m != j.end() && m->is_object()) {
+    n.microvm.offered = m->value("offered", false);
+    n.microvm.unavailable = m->value("unavailable", "");
+    n.microvm.ready = m->value("ready", false);
+    n.microvm.accelerator = m->value("accelerator", "");
+    n.microvm.accelerator_reason = m->value("accelerator_reason", "");
+    n.microvm.kernel = m->value("kernel", "");
+    n.microvm.vms = m->value("vms", 0u);
   }
   if (auto c = j.find("cached_layers"); c != j.end() && c->is_array()) {
     for (const auto& l : *c) {

@@ -425,7 +425,12 @@ MountedLayer LayerMounts::acquire(const image::LayerDescriptor& layer, const Sto
   }
   // The hold only counts down: prune() unmounts a layer whose count is 0, under the lock acquire() counts up in.
   std::shared_ptr<const void> hold(slot.get(), [slot](const void*) { --slot->users; });
-  return MountedLayer{slot->dir, std::move(hold)};
+  LayerImage image;
+  if (slot->mounted && fs_) {
+    image.file = fs_->file_of(hex);
+    if (slot->use.entry().index().meta_size > 0) image.data_file = fs_->data_file_of(hex);
+  }
+  return MountedLayer{slot->dir, std::move(hold), std::move(image)};
 }
 
 void LayerMounts::prepare(Slot& slot, const image::LayerDescriptor& layer, const Stores& stores) {

@@ -39,6 +39,7 @@
 
 #include "agent/layers/blob_cache.hpp"
 #include "agent/layers/layer_keeper.hpp"
+#include "agent/layers/layer_image.hpp"
 #include "agent/layers/lazy_layer_fs.hpp"
 #include "agent/metrics.hpp"
 #include "dsec/error.hpp"
@@ -65,6 +66,7 @@ struct LayerMountsOptions {
 struct MountedLayer {
   std::filesystem::path dir;          // the layer's files
   std::shared_ptr<const void> hold;   // keeps the layer mounted while held
+  LayerImage image;
 };
 
 class LayerMounts {

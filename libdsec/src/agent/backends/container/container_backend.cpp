@@ -27,7 +27,9 @@
 #include <set>
 
 #include "agent/backends/container/cgroup.hpp"
-#include "agent/backends/container/init/init_protocol.hpp"
+#include "agent/init/init_protocol.hpp"
+#include "agent/exec_command.hpp"
+#include "agent/init/start_error.hpp"
 #include "agent/backends/container/netns_pool.hpp"
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/container/rootfs_files.hpp"
@@ -46,7 +48,6 @@ using init_protocol::FailStage;
 using init_protocol::Reply;
 using init_protocol::ReplyType;
 
-constexpr const char* kDefaultPath = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 constexpr std::size_t kMaxFileBytes = 1ull << 30;
 // After an exec's main process ends, how long to wait for its output pipes to close (a background process it left
 // may hold them open forever).
@@ -207,17 +208,15 @@ class ContainerSandbox final : public BackendSandbox {
       }
     } exec_count{*this};
     auto started = Clock::now();
-    std::vector<std::string> argv = req.shell.empty() ? req.argv : std::vector<std::string>{"/bin/sh", "-c", req.shell};
-    std::map<std::string, std::string> env{{"PATH", kDefaultPath + 5}, {"HOME", "/root"}, {"HOSTNAME", hostname()}};
-    for (const auto& [k, v] : spec_.env) env[k] = v;
-    for (const auto& [k, v] : req.env) env[k] = v;
-    std::string cwd = req.cwd.empty() ? spec_.workdir : req.cwd;
+    ExecCommand command = exec_command(spec_, req, hostname());
+    const std::vector<std::string>& argv = command.argv;
+    const std::string& cwd = command.cwd;
 
     std::string payload;
     append_u32(payload, static_cast<std::uint32_t>(argv.size()));
     for (const auto& a : argv) append_str(payload, a);
-    append_u32(payload, static_cast<std::uint32_t>(env.size()));
-    for (const auto& [k, v] : env) append_str(payload, k + "=" + v);
+    append_u32(payload, static_cast<std::uint32_t>(command.env.size()));
+    for (const auto& kv : command.env_strings()) append_str(payload, kv);
     append_str(payload, cwd);
     if (payload.size() > init_protocol::kMaxRequestBytes)
       throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
@@ -280,7 +279,7 @@ class ContainerSandbox final : public BackendSandbox {
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
     if (reply.type == ReplyType::kFailed) {
-      throw start_error(reply, argv[0], cwd);
+      throw init::start_error(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd);
     }
 
     ExecResult result;
@@ -581,26 +580,6 @@ class ContainerSandbox final : public BackendSandbox {
       got += static_cast<std::size_t>(n);
     }
     return true;
-  }
-
-  static Error start_error(const Reply& r, const std::string& argv0, const std::string& cwd) {
-    auto stage = static_cast<FailStage>(r.b);
-    int err = r.a;
-    switch (stage) {
-      case FailStage::kExec:
-        if (err == ENOENT) return Error(Code::kNotFound, fmt::format("executable not found in the sandbox: {}", argv0));
-        if (err == EACCES)
-          return Error(Code::kPermissionDenied, fmt::format("cannot execute {}: permission denied", argv0));
-        return Error(Code::kInvalidArgument, fmt::format("cannot execute {}: {}", argv0, std::strerror(err)));
-      case FailStage::kChdir:
-        if (err == ENOENT) return Error(Code::kNotFound, fmt::format("working directory {} does not exist", cwd));
-        return Error(Code::kInvalidArgument, fmt::format("cannot enter working directory {}: {}", cwd, std::strerror(err)));
-      case FailStage::kFork:
-        return Error(Code::kResourceExhausted,
-                     fmt::format("cannot start a process in the sandbox: {} (pids limit reached?)", std::strerror(err)));
-      default:
-        return Error(Code::kInternal, fmt::format("sandbox init could not start the command: {}", std::strerror(err)));
-    }
   }
 
   std::chrono::milliseconds reclaim_timeout_;

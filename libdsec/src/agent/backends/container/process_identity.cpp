@@ -13,7 +13,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/backends/container/init/init_protocol.hpp"
+#include "agent/init/init_protocol.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
 

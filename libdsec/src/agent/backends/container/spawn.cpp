@@ -18,7 +18,7 @@
 
 #include <cstring>
 
-#include "agent/backends/container/init/init_protocol.hpp"
+#include "agent/init/init_protocol.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::container {

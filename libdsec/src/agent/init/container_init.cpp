@@ -1,9 +1,7 @@
-// dsec-init: pid 1 of every container sandbox.
-//
-// It does two things: reaps every process that ends inside the sandbox (orphans re-parent to pid 1), and starts a
-// command each time the agent asks over init.sock, so an exec costs one message and one fork+exec instead of a
-// namespace entry. It is linked statically so that it needs nothing from the sandbox's image, and it is entered
-// already confined: no capabilities, no_new_privs, the seccomp filter. See init_protocol.hpp for the wire.
+// dsec-init in a container sandbox: pid 1 of its pid namespace, entered already confined (no capabilities,
+// no_new_privs, the seccomp filter). It reaps every process that ends inside the sandbox (orphans re-parent to it)
+// and starts a command each time the agent asks over init.sock, so an exec costs one message and one fork+exec
+// instead of a namespace entry. See init_protocol.hpp for the wire.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -21,28 +19,16 @@
 #include <unordered_map>
 #include <vector>
 
-#include "agent/backends/container/init/init_protocol.hpp"
+#include "agent/init/command_start.hpp"
+#include "agent/init/init_main.hpp"
+#include "agent/init/init_protocol.hpp"
 
+namespace dsec::init {
 namespace {
 
-using dsec::init_protocol::FailStage;
-using dsec::init_protocol::Reply;
-using dsec::init_protocol::ReplyType;
-
-constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
-struct StartRequest {
-  std::vector<std::string> argv;
-  std::vector<std::string> env;
-  std::string cwd;
-  std::vector<int> fds;  // stdin, stdout, stderr, cgroup.procs...
-};
-
-void close_all(std::vector<int>& fds) {
-  for (int fd : fds)
-    if (fd >= 0) close(fd);
-  fds.clear();
-}
+using init_protocol::FailStage;
+using init_protocol::Reply;
+using init_protocol::ReplyType;
 
 void send_reply(int conn, ReplyType type, std::int32_t a, std::int32_t b) {
   Reply r{type, a, b};
@@ -117,109 +103,9 @@ bool read_request(int conn, StartRequest& req) {
   return str(req.cwd) && pos == payload.size();
 }
 
-// execve with a PATH search that uses the command's own PATH (execvpe would use dsec-init's). Runs in the vfork
-// child, so it allocates nothing.
-void exec_search(const char* file, char* const argv[], char* const envp[], const char* path) {
-  if (std::strchr(file, '/')) {
-    execve(file, argv, envp);
-    return;
-  }
-  int first_error = ENOENT;
-  char candidate[4096];
-  std::size_t flen = std::strlen(file);
-  const char* p = path;
-  while (true) {
-    const char* end = std::strchr(p, ':');
-    std::size_t dlen = end ? static_cast<std::size_t>(end - p) : std::strlen(p);
-    if (dlen + 1 + flen + 1 <= sizeof candidate) {
-      std::size_t n = 0;
-      if (dlen == 0) {
-        candidate[n++] = '.';
-      } else {
-        std::memcpy(candidate, p, dlen);
-        n = dlen;
-      }
-      candidate[n++] = '/';
-      std::memcpy(candidate + n, file, flen + 1);
-      execve(candidate, argv, envp);
-      // Keep looking past "not here"; remember the first more telling error (EACCES: exists but not executable).
-      if (errno != ENOENT && errno != ENOTDIR && first_error == ENOENT) first_error = errno;
-    }
-    if (!end) break;
-    p = end + 1;
-  }
-  errno = first_error;
-}
-
-// Starts the command; returns its pid, or -1 with `err` and `stage` saying why not.
-pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, FailStage& stage) {
-  std::vector<char*> argv, envp;
-  for (auto& a : req.argv) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  // volatile: read in the vfork child, which shares this frame.
-  const char* volatile path = kDefaultPath;
-  for (auto& e : req.env) {
-    envp.push_back(e.data());
-    if (e.rfind("PATH=", 0) == 0) path = e.c_str() + 5;
-  }
-  envp.push_back(nullptr);
-
-  volatile int child_err = 0;
-  volatile int child_stage = 0;
-  pid_t pid = vfork();
-  if (pid == 0) {
-    setsid();
-    for (std::size_t i = 3; i < req.fds.size(); ++i) {
-      if (write(req.fds[i], "0", 1) != 1) {
-        child_err = errno;
-        child_stage = static_cast<int>(FailStage::kCgroup);
-        _exit(127);
-      }
-    }
-    // dsec-init is shielded from the OOM killer; its commands are not.
-    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-    if (oom >= 0) {
-      (void)write(oom, "0", 1);
-      close(oom);
-    }
-    if (dup2(req.fds[0], 0) < 0 || dup2(req.fds[1], 1) < 0 || dup2(req.fds[2], 2) < 0) {
-      child_err = errno;
-      child_stage = static_cast<int>(FailStage::kRequest);
-      _exit(127);
-    }
-    close_range(3, ~0u, 0);
-    for (int sig = 1; sig < NSIG; ++sig) signal(sig, SIG_DFL);
-    sigprocmask(SIG_SETMASK, &original_mask, nullptr);
-    if (chdir(req.cwd.c_str()) != 0) {
-      child_err = errno;
-      child_stage = static_cast<int>(FailStage::kChdir);
-      _exit(127);
-    }
-    exec_search(argv[0], argv.data(), envp.data(), path);
-    child_err = errno;
-    child_stage = static_cast<int>(FailStage::kExec);
-    _exit(127);
-  }
-  if (pid < 0) {
-    err = errno;
-    stage = FailStage::kFork;
-    return -1;
-  }
-  if (child_stage != 0) {
-    // The child failed before exec and has exited; reap it here so no kExited is reported for it.
-    int status;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    err = child_err;
-    stage = static_cast<FailStage>(child_stage);
-    return -1;
-  }
-  return pid;
-}
-
 }  // namespace
 
-int main() {
+int run_container_init() {
   using namespace dsec::init_protocol;
   // Nothing inside the sandbox may open our descriptors through /proc/1/fd.
   prctl(PR_SET_DUMPABLE, 0);
@@ -283,3 +169,5 @@ int main() {
     }
   }
 }
+
+}  // namespace dsec::init

@@ -1,0 +1,529 @@
+#include "agent/backends/microvm/microvm_backend.hpp"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/microvm/guest_kernel.hpp"
+#include "agent/backends/microvm/vm_instance.hpp"
+#include "agent/backends/microvm/writable_disk.hpp"
+#include "agent/exec_command.hpp"
+#include "agent/host.hpp"
+#include "agent/log.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent {
+namespace microvm {
+namespace {
+
+namespace fs = std::filesystem;
+namespace gp = guest_protocol;
+
+constexpr std::size_t kMaxFileBytes = 1ull << 30;
+constexpr auto kFileTimeout = std::chrono::seconds(300);
+constexpr std::uint64_t kMinGuestMemory = 128ull << 20;
+constexpr std::uint64_t kProbeMemory = 128ull << 20;
+constexpr std::uint32_t kQemuPids = 256;  // QEMU's threads: vCPUs, I/O, RCU, workers
+
+std::string find_on_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  dirs += ":/usr/bin:/usr/local/bin";
+  std::size_t pos = 0;
+  while (pos <= dirs.size()) {
+    auto next = dirs.find(':', pos);
+    if (next == std::string::npos) next = dirs.size();
+    std::string dir = dirs.substr(pos, next - pos);
+    if (!dir.empty()) {
+      fs::path candidate = fs::path(dir) / name;
+      if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    }
+    pos = next + 1;
+  }
+  return {};
+}
+
+std::string qemu_binary(const MicroVmConfig& config) {
+  if (!config.qemu.empty()) return config.qemu.string();
+  return find_on_path("qemu-system-x86_64");
+}
+
+fs::path init_binary(const AgentConfig& config) {
+  if (!config.init_binary.empty()) return config.init_binary;
+  std::error_code ec;
+  fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return self.parent_path() / "dsec-init";
+}
+
+// Runs `fn`, turning what a malformed answer of a guest throws (the code inside a VM may take its init over) into
+// UNAVAILABLE, so it never reaches a caller as an internal error.
+template <typename F>
+auto guarded(const std::string& id, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(Code::kUnavailable, fmt::format("sandbox {}: its guest answered with a malformed message ({})", id,
+                                                e.what()));
+  }
+}
+
+// The uids QEMU processes run as: one per VM, never two VMs at once.
+class UidPool {
+ public:
+  UidPool(std::uint32_t base, std::uint32_t count) : base_(base), count_(count) {}
+  std::uint32_t take() {
+    std::lock_guard lock(mu_);
+    for (std::uint32_t i = 0; i < count_; ++i) {
+      std::uint32_t n = (next_ + i) % count_;
+      if (!used_.count(n)) {
+        used_.insert(n);
+        next_ = n + 1;
+        return base_ + n;
+      }
+    }
+    throw Error(Code::kResourceExhausted, fmt::format("all {} microVM uids are in use", count_));
+  }
+  void give_back(std::uint32_t uid) {
+    std::lock_guard lock(mu_);
+    used_.erase(uid - base_);
+  }
+  std::size_t in_use() const {
+    std::lock_guard lock(mu_);
+    return used_.size();
+  }
+
+ private:
+  std::uint32_t base_, count_;
+  mutable std::mutex mu_;
+  std::set<std::uint32_t> used_;
+  std::uint32_t next_ = 0;
+};
+
+// What the backend shares with its sandboxes.
+struct Shared {
+  AgentConfig config;
+  std::string qemu;
+  GuestKernel kernel;
+  fs::path initramfs;
+  std::uint32_t tsc_khz = 0;
+  fs::path work_dir;  // <run dir>/.microvm
+  std::unique_ptr<container::CgroupDriver> cgroups;
+  WritableDisks disks;
+  UidPool uids;
+  std::uint32_t host_cores = 1;
+  std::uint64_t host_memory = 0;
+  std::atomic<std::uint32_t> vms{0};
+
+  explicit Shared(const AgentConfig& c)
+      : config(c), disks(c.run_dir / ".microvm" / "disks"), uids(c.microvm.uid_base, c.microvm.uid_count) {}
+};
+
+class MicroVmSandbox final : public BackendSandbox {
+ public:
+  MicroVmSandbox(Shared& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
+                 std::unique_ptr<container::SandboxCgroup> cgroup, std::unique_ptr<VmInstance> vm)
+      : shared_(shared),
+        id_(std::move(id)),
+        spec_(std::move(spec)),
+        run_dir_(std::move(run_dir)),
+        uid_(uid),
+        cgroup_(std::move(cgroup)),
+        vm_(std::move(vm)) {
+    ++shared_.vms;
+  }
+
+  ~MicroVmSandbox() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  ExecResult exec(const ExecRequest& req, const OutputSink& sink) override {
+    check_running();
+    ExecCommand command = exec_command(spec_, req, hostname());
+    gp::ExecStart start{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false};
+    try {
+      return guarded(id_, [&] { return vm_->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
+    } catch (const Error& e) {
+      if (e.code() == Code::kUnavailable) check_running();
+      throw;
+    }
+  }
+
+  void write_file(std::string_view path, std::string_view data, unsigned mode) override {
+    with_guest([&](guest::GuestChannel& g) { g.write_file(path, data, mode, Clock::now() + kFileTimeout); });
+  }
+  std::string read_file(std::string_view path) override {
+    return with_guest([&](guest::GuestChannel& g) { return g.read_file(path, kMaxFileBytes, Clock::now() + kFileTimeout); });
+  }
+  void put_archive(std::string_view dir, std::string_view tar_bytes) override {
+    with_guest([&](guest::GuestChannel& g) { g.put_archive(dir, tar_bytes, Clock::now() + kFileTimeout); });
+  }
+  std::string get_archive(std::string_view dir) override {
+    return with_guest(
+        [&](guest::GuestChannel& g) { return g.get_archive(dir, kMaxFileBytes, Clock::now() + kFileTimeout); });
+  }
+  bool is_directory(std::string_view path) override {
+    return with_guest([&](guest::GuestChannel& g) { return S_ISDIR(g.mode_of(path, Clock::now() + kFileTimeout)); });
+  }
+
+  bool alive() override {
+    if (destroyed_.load()) return false;
+    if (!vm_->exited() && vm_->guest().connected()) return true;
+    // The VM stopped by itself (the guest panicked or powered off, QEMU crashed or was killed): what it held goes
+    // at once, not when the sandbox is destroyed.
+    release_once();
+    return false;
+  }
+
+  void destroy() override {
+    std::lock_guard lock(destroy_mu_);
+    if (destroyed_.exchange(true)) return;
+    release_once();
+    std::error_code ec;
+    fs::remove_all(run_dir_, ec);
+  }
+
+ private:
+  std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
+
+  template <typename F>
+  auto with_guest(F&& fn) -> decltype(fn(std::declval<guest::GuestChannel&>())) {
+    check_running();
+    try {
+      return guarded(id_, [&] { return fn(vm_->guest()); });
+    } catch (const Error& e) {
+      if (e.code() == Code::kUnavailable) check_running();
+      throw;
+    }
+  }
+
+  void check_running() {
+    if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
+    if (!alive()) {
+      std::lock_guard lock(release_mu_);
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is not running: its VM stopped{}", id_, last_words_));
+    }
+  }
+
+  // Kills QEMU (if it still runs) and hands back its cgroup, writable disk and uid. Idempotent.
+  void release_once() {
+    std::lock_guard lock(release_mu_);
+    if (released_) return;
+    released_ = true;
+    bool was_running = !vm_->exited();
+    vm_->kill();
+    if (!was_running) last_words_ = vm_->last_words();
+    try {
+      cgroup_->destroy();
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: remove its cgroup: {}", id_, e.what());
+    }
+    ::unlink((run_dir_ / "disk.ext4").c_str());
+    shared_.uids.give_back(uid_);
+    --shared_.vms;
+  }
+
+  Shared& shared_;
+  std::string id_;
+  SandboxSpec spec_;
+  fs::path run_dir_;
+  std::uint32_t uid_;
+  std::unique_ptr<container::SandboxCgroup> cgroup_;
+  std::unique_ptr<VmInstance> vm_;
+  std::atomic<bool> destroyed_{false};
+  std::mutex destroy_mu_;
+  std::mutex release_mu_;
+  bool released_ = false;
+  std::string last_words_;
+};
+
+class MicroVmBackendImpl final : public MicroVmBackend {
+ public:
+  explicit MicroVmBackendImpl(const AgentConfig& config) : shared_(config) {
+    if (::geteuid() != 0)
+      throw Error(Code::kFailedPrecondition, "the microvm backend needs root (cgroups, uids for QEMU)");
+    shared_.qemu = qemu_binary(config.microvm);
+    if (shared_.qemu.empty())
+      throw Error(Code::kFailedPrecondition,
+                  "the microvm backend needs qemu-system-x86_64 (Debian package qemu-system-x86; scripts/install-deps.sh)");
+    shared_.kernel = find_guest_kernel(config.microvm.kernel);
+    fs::path init = init_binary(config);
+    if (::access(init.c_str(), R_OK) != 0)
+      throw Error(Code::kFailedPrecondition, fmt::format("the microvm backend needs dsec-init at {}", init.string()));
+    shared_.work_dir = config.run_dir / ".microvm";
+    fs::create_directories(shared_.work_dir);
+    std::vector<fs::path> modules;
+    if (!shared_.kernel.modules_dir.empty())
+      modules = module_load_order(shared_.kernel.modules_dir, guest_modules(), optional_guest_modules());
+    shared_.initramfs = shared_.work_dir / "initramfs.cpio";
+    write_initramfs(shared_.initramfs, init, modules);
+    ::chmod(shared_.initramfs.c_str(), 0644);
+    shared_.tsc_khz = static_cast<std::uint32_t>(host_tsc_khz());
+    shared_.cgroups = container::make_cgroup_driver(config.cgroup_name);
+    HostCapacity host = probe_host();
+    shared_.host_cores = std::max<std::uint32_t>(1, host.cores);
+    shared_.host_memory = host.memory_bytes;
+    {
+      std::lock_guard lock(mu_);
+      status_.kernel = shared_.kernel.release;
+    }
+    prober_ = std::thread([this] { probe(); });
+  }
+
+  ~MicroVmBackendImpl() override {
+    stopping_ = true;
+    if (prober_.joinable()) prober_.join();
+  }
+
+  std::string_view kind() const override { return "microvm"; }
+
+  MicroVmStatus status() const override {
+    std::lock_guard lock(mu_);
+    MicroVmStatus s = status_;
+    s.vms = shared_.vms.load();
+    return s;
+  }
+
+  std::unique_ptr<BackendSandbox> create(const CreateParams& params) override {
+    const auto started = Clock::now();
+    wait_probe(started + shared_.config.microvm.boot_timeout);
+    const SandboxSpec& spec = params.spec;
+    if (spec.resources.memory_bytes < kMinGuestMemory)
+      throw Error(Code::kInvalidArgument, fmt::format("a microvm needs at least {} MiB of memory (asked for {} bytes)",
+                                                      kMinGuestMemory >> 20, spec.resources.memory_bytes));
+    const std::uint64_t overhead = shared_.config.microvm.overhead_bytes;
+    if (spec.resources.memory_bytes + overhead > shared_.host_memory)
+      throw Error(Code::kResourceExhausted,
+                  fmt::format("a microvm of {} MiB (plus {} MiB for QEMU) does not fit in this node's {} MiB",
+                              spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20));
+    if (params.layer_images.size() != params.image_layers.size())
+      throw Error(Code::kFailedPrecondition,
+                  "the microvm backend attaches an image's layers as disks, which needs the node's lazy layer mode "
+                  "(this node keeps layers extracted)");
+
+    std::uint32_t uid = shared_.uids.take();
+    fs::path run_dir = shared_.config.run_dir / params.id;
+    std::unique_ptr<container::SandboxCgroup> cgroup;
+    try {
+      fs::create_directories(run_dir);
+      ::chmod(run_dir.c_str(), 0700);
+      Resources limits = spec.resources;
+      limits.memory_bytes += overhead;
+      limits.pids = kQemuPids;
+      cgroup = shared_.cgroups->create(params.id, limits);
+      shared_.disks.make(run_dir / "disk.ext4", spec.resources.disk_bytes);
+
+      VmBootSpec boot = boot_spec(params.id, run_dir, uid);
+      boot.vcpus = std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
+                                             shared_.host_cores);
+      boot.memory_bytes = spec.resources.memory_bytes;
+      boot.layers = params.layer_images;
+      boot.disk = run_dir / "disk.ext4";
+      boot.hostname = spec.hostname.empty() ? params.id : spec.hostname;
+      std::unique_ptr<VmInstance> vm;
+      const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
+      for (std::uint32_t attempt = 1;; ++attempt) {
+        std::vector<UniqueFd> procs = cgroup->open_procs();
+        for (const auto& fd : procs) boot.cgroup_procs.push_back(fd.get());
+        try {
+          vm = VmInstance::boot(boot, Clock::now() + shared_.config.microvm.boot_timeout);
+          break;
+        } catch (const Error& e) {
+          boot.cgroup_procs.clear();
+          // A guest that stayed silent is booted once more (a boot can stall early under a loaded TCG host); any
+          // other failure would only repeat.
+          if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
+          log_warn("sandbox {}: boot attempt {} failed ({}); trying again", params.id, attempt, e.what());
+          for (const char* log : {"console.log", "qemu.log"}) ::unlink((run_dir / log).c_str());
+        }
+      }
+      return std::make_unique<MicroVmSandbox>(shared_, params.id, spec, run_dir, uid, std::move(cgroup),
+                                              std::move(vm));
+    } catch (...) {
+      if (cgroup) {
+        try {
+          cgroup->destroy();
+        } catch (...) {
+        }
+      }
+      std::error_code ec;
+      fs::remove_all(run_dir, ec);
+      shared_.uids.give_back(uid);
+      throw;
+    }
+  }
+
+  void remove_leftovers(const std::string& id) override {
+    std::error_code ec;
+    fs::remove_all(shared_.config.run_dir / id, ec);
+    try {
+      shared_.cgroups->remove_sandbox_groups(id);
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: remove leftover cgroups: {}", id, e.what());
+    }
+  }
+
+  void shutdown() override {
+    stopping_ = true;
+    if (prober_.joinable()) prober_.join();
+  }
+
+ private:
+  VmBootSpec boot_spec(const std::string& id, const fs::path& run_dir, std::uint32_t uid) {
+    VmBootSpec b;
+    b.id = id;
+    b.run_dir = run_dir;
+    b.qemu = shared_.qemu;
+    {
+      std::lock_guard lock(mu_);
+      b.accelerator = accelerator_;
+      b.kvm_group = kvm_group_;
+    }
+    b.tcg_tb_size_mib = shared_.config.microvm.tcg_tb_size_mib;
+    b.tsc_khz = shared_.tsc_khz;
+    b.kernel = shared_.kernel.kernel;
+    b.initrd = shared_.initramfs;
+    b.uid = uid;
+    b.gid = uid;
+    return b;
+  }
+
+  void wait_probe(Clock::time_point deadline) {
+    std::unique_lock lock(mu_);
+    if (!probed_.wait_until(lock, deadline, [&] { return status_.ready; }))
+      throw Error(Code::kUnavailable, "the microvm backend is still probing its accelerator", true);
+    if (!status_.unavailable.empty())
+      throw Error(Code::kFailedPrecondition, "this node cannot run microVMs: " + status_.unavailable);
+  }
+
+  // Boots one small guest with the given accelerator; the boot's seconds, or the reason it failed.
+  std::pair<double, std::string> probe_boot(Accelerator accel) {
+    fs::path dir = shared_.work_dir / (accel == Accelerator::kKvm ? "probe-kvm" : "probe-tcg");
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::create_directories(dir);
+    ::chmod(dir.c_str(), 0700);
+    std::uint32_t uid = shared_.uids.take();
+    struct GiveBack {
+      UidPool& pool;
+      std::uint32_t uid;
+      ~GiveBack() { pool.give_back(uid); }
+    } give_back{shared_.uids, uid};
+    VmBootSpec b = boot_spec("probe", dir, uid);
+    b.accelerator = accel;
+    b.memory_bytes = kProbeMemory;
+    auto started = Clock::now();
+    try {
+      auto vm = VmInstance::boot(b, started + shared_.config.microvm.boot_timeout);
+      double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+      vm->kill();
+      fs::remove_all(dir, ec);
+      return {seconds, {}};
+    } catch (const std::exception& e) {
+      std::string why = e.what();
+      fs::remove_all(dir, ec);
+      return {0, why};
+    }
+  }
+
+  // Why QEMU, running as an unprivileged uid, cannot use /dev/kvm; "" when it can (kvm_group_ set if needed).
+  std::string kvm_access() {
+    struct stat st {};
+    if (::stat("/dev/kvm", &st) != 0) return "no /dev/kvm";
+    if ((st.st_mode & 0006) == 0006) return {};
+    if ((st.st_mode & 0060) == 0060) {
+      std::lock_guard lock(mu_);
+      kvm_group_ = st.st_gid;
+      return {};
+    }
+    return fmt::format("/dev/kvm (mode {:04o}, owner uid {} gid {}) is closed to QEMU's unprivileged uid; a mode "
+                       "of 0660 with a group lets it in",
+                       st.st_mode & 07777, st.st_uid, st.st_gid);
+  }
+
+  void probe() {
+    const std::string wanted = shared_.config.microvm.accelerator;
+    std::string reason;
+    Accelerator chosen = Accelerator::kTcg;
+    double boot_seconds = 0;
+    std::string unavailable;
+    if (wanted != "tcg") {
+      std::string access = kvm_access();
+      if (!access.empty()) {
+        reason = access;
+      } else {
+        auto [seconds, why] = probe_boot(Accelerator::kKvm);
+        if (why.empty()) {
+          chosen = Accelerator::kKvm;
+          boot_seconds = seconds;
+        } else {
+          reason = "KVM did not run the guest: " + why;
+        }
+      }
+      if (chosen != Accelerator::kKvm && fs::exists("/sys/module/kvm_pvm"))
+        reason += " (this host's KVM is kvm_pvm, which runs only guest kernels built for PVM)";
+      if (wanted == "kvm" && chosen != Accelerator::kKvm) unavailable = "--microvm-accelerator kvm: " + reason;
+    } else {
+      reason = "configured (--microvm-accelerator tcg)";
+    }
+    // TCG needs no probe: it runs any guest kernel; whether this one boots, the first create says (with the
+    // guest console's last lines when it does not).
+    {
+      std::lock_guard lock(mu_);
+      accelerator_ = chosen;
+      status_.ready = true;
+      status_.accelerator = chosen == Accelerator::kKvm ? "kvm" : "tcg";
+      status_.accelerator_reason = chosen == Accelerator::kKvm ? "KVM runs the guest" : reason;
+      status_.unavailable = unavailable;
+      status_.probe_boot_seconds = boot_seconds;
+    }
+    probed_.notify_all();
+    if (unavailable.empty())
+      log_info("microvm: {} (guest kernel {}, probe boot {:.2f} s){}", status_.accelerator, shared_.kernel.release,
+               boot_seconds, chosen == Accelerator::kKvm ? std::string() : "; not KVM: " + reason);
+    else
+      log_warn("microvm: cannot run VMs: {}", unavailable);
+  }
+
+  Shared shared_;
+  mutable std::mutex mu_;
+  std::condition_variable probed_;
+  MicroVmStatus status_;
+  Accelerator accelerator_ = Accelerator::kTcg;
+  std::optional<gid_t> kvm_group_;
+  std::atomic<bool> stopping_{false};
+  std::thread prober_;
+};
+
+}  // namespace
+}  // namespace microvm
+
+std::unique_ptr<MicroVmBackend> make_microvm_backend(const AgentConfig& config) {
+  return std::make_unique<microvm::MicroVmBackendImpl>(config);
+}
+
+std::string microvm_unavailable_reason(const AgentConfig& config) {
+  if (microvm::qemu_binary(config.microvm).empty()) return "qemu-system-x86_64 is not installed";
+  try {
+    (void)microvm::find_guest_kernel(config.microvm.kernel);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace dsec::agent

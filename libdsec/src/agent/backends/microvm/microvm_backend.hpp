@@ -1,0 +1,40 @@
+// The microvm backend: every sandbox a QEMU microvm with its own kernel (Debian's cloud kernel, booted directly),
+// the image's EROFS layers attached read-only as virtio-blk disks (lazily streamed like a container's), a writable
+// ext4 disk on local disk stacked over them with overlayfs inside the guest, and dsec-init as the guest's pid 1
+// serving exec and files over a virtio-serial port. The same API and errors as containers. See docs/microvm.md.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "agent/backend.hpp"
+#include "agent/config.hpp"
+
+namespace dsec::agent {
+
+// What the microvm backend runs on, for GET /v1/node: the accelerator it chose (probed at start), why not KVM, the
+// guest kernel. `ready` is false while the probe runs; `unavailable` says why the backend cannot create anything.
+struct MicroVmStatus {
+  bool ready = false;
+  std::string accelerator;         // "kvm" or "tcg" once probed
+  std::string accelerator_reason;  // why this one (e.g. why KVM was not usable)
+  std::string kernel;              // the guest kernel's release
+  std::string unavailable;         // empty when VMs can be made
+  double probe_boot_seconds = 0;   // KVM: how long the probe's boot took, QEMU start to the guest's first answer
+  std::uint32_t vms = 0;           // running VMs
+};
+
+class MicroVmBackend : public Backend {
+ public:
+  virtual MicroVmStatus status() const = 0;
+};
+
+// FAILED_PRECONDITION (naming what is missing: QEMU, the guest kernel, dsec-init, root) when this node cannot run
+// microVMs; the accelerator probe then runs in the background.
+std::unique_ptr<MicroVmBackend> make_microvm_backend(const AgentConfig& config);
+
+// Why this node cannot run microVMs (QEMU or the guest kernel missing), or "" when it has what they need; cheap,
+// for dsecd's default of serving microvm only where it can.
+std::string microvm_unavailable_reason(const AgentConfig& config);
+
+}  // namespace dsec::agent

@@ -1,0 +1,302 @@
+#include "agent/backends/microvm/qemu_command.hpp"
+
+#include <charconv>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "dsec/error.hpp"
+
+namespace dsec::agent::microvm {
+
+namespace {
+
+constexpr std::uint64_t kMiB = 1u << 20;
+constexpr std::size_t kMaxKernelCmdline = 2047;  // x86 COMMAND_LINE_SIZE (2048) with its NUL
+constexpr std::uint32_t kMaxVcpus = 255;
+constexpr std::string_view kFdsetPrefix = "/dev/fdset/";
+
+[[noreturn]] void invalid(std::string_view field, std::string_view why) {
+  throw Error(Code::kInvalidArgument, fmt::format("QemuSpec.{}: {}", field, why));
+}
+
+bool has_control_char(std::string_view s) {
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) return true;
+  }
+  return false;
+}
+
+// A string QEMU gets in one argv word: not empty, no newline, NUL or other control character.
+void check_text(std::string_view field, std::string_view value) {
+  if (value.empty()) invalid(field, "must not be empty");
+  if (has_control_char(value)) invalid(field, "contains a control character (newline, NUL, ...)");
+}
+
+// The set id of "/dev/fdset/S", or -1 when `path` is not such a name.
+long fdset_of(std::string_view path) {
+  if (path.substr(0, kFdsetPrefix.size()) != kFdsetPrefix) return -1;
+  std::string_view digits = path.substr(kFdsetPrefix.size());
+  long id = -1;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), id);
+  if (ec != std::errc() || end != digits.data() + digits.size() || digits.empty() || id < 0) return -2;
+  return id;
+}
+
+// The N of "/proc/self/fd/N", or -1.
+int proc_fd_of(std::string_view path) {
+  constexpr std::string_view kPrefix = "/proc/self/fd/";
+  if (path.substr(0, kPrefix.size()) != kPrefix) return -1;
+  std::string_view digits = path.substr(kPrefix.size());
+  int fd = -1;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), fd);
+  if (ec != std::errc() || end != digits.data() + digits.size() || digits.empty()) return -1;
+  return fd;
+}
+
+// A path QEMU re-opens must not be /proc/self/fd/N of a descriptor QEMU takes in another role: -add-fd closes the
+// original (so N is gone, or reused: QEMU 7.2 said ENXIO for the socket it found there), and a socket cannot be
+// re-opened at all.
+void check_not_taken(std::string_view field, std::string_view path, const std::set<int>& taken) {
+  int fd = proc_fd_of(path);
+  if (fd >= 0 && taken.count(fd)) {
+    invalid(field, fmt::format("'{}' is fd {}, which QEMU also gets in fds or as a socket", path, fd));
+  }
+}
+
+void check_path(std::string_view field, std::string_view path, const std::set<int>& fdsets) {
+  check_text(field, path);
+  long set = fdset_of(path);
+  if (set == -2) invalid(field, fmt::format("'{}' is not /dev/fdset/<number>", path));
+  if (set >= 0 && !fdsets.count(static_cast<int>(set))) {
+    invalid(field, fmt::format("'{}' names fd set {}, which is not among fds", path, set));
+  }
+}
+
+// QEMU's node names (block.c): a letter first, then letters, digits, '-', '.', '_'; at most 31 bytes.
+bool valid_node_name(std::string_view n) {
+  if (n.empty() || n.size() > 31) return false;
+  auto alpha = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); };
+  if (!alpha(n[0])) return false;
+  for (char c : n) {
+    if (!alpha(c) && !(c >= '0' && c <= '9') && c != '-' && c != '.' && c != '_') return false;
+  }
+  return true;
+}
+
+bool valid_serial(std::string_view s) {
+  if (s.size() > 20) return false;  // virtio-blk's ID field
+  for (char c : s) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '.' ||
+              c == '_';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+std::string blockdev_options(const BlockDevice& d) {
+  std::string o = fmt::format("driver={},node-name={}", d.format, d.node_name);
+  if (d.offset != 0) o += fmt::format(",offset={}", d.offset);
+  if (d.size != 0) o += fmt::format(",size={}", d.size);
+  if (d.read_only) {
+    o += ",read-only=on";
+  } else {
+    o += ",discard=unmap,detect-zeroes=unmap";
+  }
+  // No image locks: the agent alone decides which VM opens which file (a read-only base is shared by many).
+  o += fmt::format(",file.driver=file,file.filename={},file.locking=off", qemu_opt_escape(d.filename));
+  return o;
+}
+
+void check_fd(std::string_view field, int fd, std::set<int>& seen) {
+  if (fd < 3) invalid(field, fmt::format("fd {} is not an inherited descriptor (must be >= 3)", fd));
+  if (!seen.insert(fd).second) invalid(field, fmt::format("fd {} is given twice", fd));
+}
+
+}  // namespace
+
+std::string qemu_opt_escape(std::string_view value) {
+  std::string out;
+  out.reserve(value.size());
+  for (char c : value) {
+    out += c;
+    if (c == ',') out += ',';
+  }
+  return out;
+}
+
+std::vector<std::string> qemu_argv(const QemuSpec& spec) {
+  // --- validation, field by field ---
+  check_text("name", spec.name);
+  check_text("binary", spec.binary);
+  if (spec.vcpus < 1 || spec.vcpus > kMaxVcpus) invalid("vcpus", fmt::format("{} is not in [1, {}]", spec.vcpus, kMaxVcpus));
+  if (spec.memory_bytes == 0) invalid("memory_bytes", "must be > 0");
+  if (spec.memory_bytes > (std::uint64_t{1} << 50)) invalid("memory_bytes", "is absurdly large");
+  if (spec.accelerator == Accelerator::kTcg && (spec.tcg_tb_size_mib < 1 || spec.tcg_tb_size_mib > 65536)) {
+    invalid("tcg_tb_size_mib", fmt::format("{} is not in [1, 65536]", spec.tcg_tb_size_mib));
+  }
+  if (!spec.cpu_model.empty()) {
+    check_text("cpu_model", spec.cpu_model);
+    if (spec.cpu_model.find(',') != std::string::npos) invalid("cpu_model", "must be a bare model name");
+  }
+
+  std::set<int> seen_fds;
+  std::set<int> fdsets;
+  for (std::size_t i = 0; i < spec.fds.size(); ++i) {
+    const FdSetMember& m = spec.fds[i];
+    check_fd(fmt::format("fds[{}].fd", i), m.fd, seen_fds);
+    if (m.fdset_id < 0) invalid(fmt::format("fds[{}].fdset_id", i), "must be >= 0");
+    fdsets.insert(m.fdset_id);
+  }
+  if (spec.qmp_listen_fd < 0) invalid("qmp_listen_fd", "required (a listening unix socket)");
+  check_fd("qmp_listen_fd", spec.qmp_listen_fd, seen_fds);
+  if (spec.agent_listen_fd >= 0) check_fd("agent_listen_fd", spec.agent_listen_fd, seen_fds);
+
+  // seen_fds now holds every descriptor QEMU takes over (fd sets, sockets).
+  for (auto [field, path] : {std::pair<std::string_view, std::string_view>{"memory_path", spec.memory_path},
+                             {"kernel", spec.kernel},
+                             {"initrd", spec.initrd},
+                             {"console_path", spec.console_path}}) {
+    check_not_taken(field, path, seen_fds);
+  }
+  for (std::size_t i = 0; i < spec.block_devices.size(); ++i) {
+    check_not_taken(fmt::format("block_devices[{}].filename", i), spec.block_devices[i].filename, seen_fds);
+  }
+  check_text("memory_path", spec.memory_path);
+  if (fdset_of(spec.memory_path) != -1) {
+    invalid("memory_path", "QEMU opens mem-path with open(2), so /dev/fdset does not work: use /proc/self/fd/N");
+  }
+  check_text("kernel", spec.kernel);
+  if (fdset_of(spec.kernel) != -1) invalid("kernel", "/dev/fdset does not work for -kernel: use /proc/self/fd/N");
+  if (!spec.initrd.empty()) {
+    check_text("initrd", spec.initrd);
+    if (fdset_of(spec.initrd) != -1) invalid("initrd", "/dev/fdset does not work for -initrd: use /proc/self/fd/N");
+  }
+  check_text("kernel_cmdline", spec.kernel_cmdline);
+  if (spec.kernel_cmdline.size() > kMaxKernelCmdline) {
+    invalid("kernel_cmdline", fmt::format("{} bytes, the kernel takes at most {}", spec.kernel_cmdline.size(),
+                                          kMaxKernelCmdline));
+  }
+
+  if (!spec.console_path.empty() && spec.console_ringbuf_bytes != 0) {
+    invalid("console_path", "give console_path or console_ringbuf_bytes, not both");
+  }
+  if (!spec.console_path.empty()) check_path("console_path", spec.console_path, fdsets);
+  if (spec.console_ringbuf_bytes != 0 &&
+      ((spec.console_ringbuf_bytes & (spec.console_ringbuf_bytes - 1)) != 0 || spec.console_ringbuf_bytes > (1u << 30))) {
+    invalid("console_ringbuf_bytes", fmt::format("{} is not a power of two up to 1 GiB", spec.console_ringbuf_bytes));
+  }
+
+  std::set<std::string> node_names;
+  std::set<std::string> serials;
+  for (std::size_t i = 0; i < spec.block_devices.size(); ++i) {
+    const BlockDevice& d = spec.block_devices[i];
+    std::string f = fmt::format("block_devices[{}]", i);
+    if (!valid_node_name(d.node_name)) {
+      invalid(f + ".node_name",
+              fmt::format("'{}' is not a letter followed by at most 30 of [A-Za-z0-9._-]", d.node_name));
+    }
+    // "ram", "qmp", "agent" and "console" are chardev and object ids, a separate name space; only nodes clash.
+    if (!node_names.insert(d.node_name).second) invalid(f + ".node_name", fmt::format("'{}' is used twice", d.node_name));
+    check_path(f + ".filename", d.filename, fdsets);
+    if (d.format != "raw" && d.format != "qcow2") invalid(f + ".format", fmt::format("'{}' is not raw or qcow2", d.format));
+    if (d.format != "raw" && (d.offset != 0 || d.size != 0)) invalid(f + ".offset", "offset and size are for raw only");
+    if (!valid_serial(d.serial)) invalid(f + ".serial", fmt::format("'{}' is not at most 20 of [A-Za-z0-9._-]", d.serial));
+    if (!d.serial.empty() && !serials.insert(d.serial).second) {
+      invalid(f + ".serial", fmt::format("'{}' is used twice", d.serial));
+    }
+  }
+
+  // --- the command line ---
+  const bool kvm = spec.accelerator == Accelerator::kKvm;
+  const std::uint64_t mib = (spec.memory_bytes + kMiB - 1) / kMiB;
+  std::vector<std::string> a;
+  auto add = [&a](std::initializer_list<std::string> words) { a.insert(a.end(), words); };
+
+  a.push_back(spec.binary);
+  add({"-name", fmt::format("{},debug-threads=on", qemu_opt_escape(spec.name))});
+  add({"-nodefaults", "-no-user-config", "-nographic", "-display", "none", "-no-reboot"});
+  add({"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"});
+  add({"-machine", "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram"});
+  add({"-accel", kvm ? std::string("kvm") : fmt::format("tcg,tb-size={}", spec.tcg_tb_size_mib)});
+  add({"-cpu", !spec.cpu_model.empty() ? spec.cpu_model : std::string(kvm ? "host" : "max")});
+  add({"-smp", std::to_string(spec.vcpus)});
+  add({"-m", fmt::format("{}M", mib)});
+  add({"-object", fmt::format("memory-backend-file,id=ram,size={}M,mem-path={},share={}", mib,
+                              qemu_opt_escape(spec.memory_path), spec.memory_share ? "on" : "off")});
+  // -kernel, -initrd and -append are taken whole (not split at commas): no escaping.
+  add({"-kernel", spec.kernel});
+  if (!spec.initrd.empty()) add({"-initrd", spec.initrd});
+  add({"-append", spec.kernel_cmdline});
+
+  for (const FdSetMember& m : spec.fds) add({"-add-fd", fmt::format("fd={},set={}", m.fd, m.fdset_id)});
+
+  add({"-chardev", fmt::format("socket,id=qmp,fd={},server=on,wait=off", spec.qmp_listen_fd)});
+  add({"-mon", "chardev=qmp,mode=control"});
+
+  if (!spec.console_path.empty()) {
+    add({"-chardev", fmt::format("file,id=console,path={},append=on", qemu_opt_escape(spec.console_path))});
+    add({"-serial", "chardev:console"});
+  } else if (spec.console_ringbuf_bytes != 0) {
+    add({"-chardev", fmt::format("ringbuf,id=console,size={}", spec.console_ringbuf_bytes)});
+    add({"-serial", "chardev:console"});
+  }
+
+  if (spec.agent_listen_fd >= 0) {
+    add({"-device", "virtio-serial-device,max_ports=2"});
+    add({"-chardev", fmt::format("socket,id=agent,fd={},server=on,wait=off", spec.agent_listen_fd)});
+    add({"-device", "virtserialport,chardev=agent,name=dsec.agent"});
+  }
+
+  for (const BlockDevice& d : spec.block_devices) {
+    add({"-blockdev", blockdev_options(d)});
+    add({"-device", d.serial.empty() ? fmt::format("virtio-blk-device,drive={}", d.node_name)
+                                     : fmt::format("virtio-blk-device,drive={},serial={}", d.node_name, d.serial)});
+  }
+
+  if (spec.balloon) add({"-device", "virtio-balloon-device,free-page-reporting=on"});
+  if (spec.start_paused) a.push_back("-S");
+  if (spec.incoming) add({"-incoming", "defer"});
+  return a;
+}
+
+std::string kernel_cmdline(const CmdlineOptions& options) {
+  auto bad = [](std::string_view field, std::string_view why) {
+    throw Error(Code::kInvalidArgument, fmt::format("CmdlineOptions.{}: {}", field, why));
+  };
+  std::string line = "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1";
+  if (options.accelerator == Accelerator::kTcg) {
+    // microvm under TCG: the kernel has no reliable clock to calibrate the TSC against; give it the rate.
+    if (options.tsc_khz == 0) bad("tsc_khz", "required under TCG");
+    line += fmt::format(" tsc_early_khz={} tsc=reliable", options.tsc_khz);
+  }
+  for (std::size_t i = 0; i < options.extra.size(); ++i) {
+    const std::string& w = options.extra[i];
+    std::string field = fmt::format("extra[{}]", i);
+    if (w.empty()) bad(field, "is empty");
+    auto eq = w.find('=');
+    if (eq == 0) bad(field, fmt::format("'{}' has no key", w));
+    for (std::size_t j = 0; j < w.size(); ++j) {
+      unsigned char c = static_cast<unsigned char>(w[j]);
+      if (c <= 0x20 || c >= 0x7f || c == '"' || c == '\'' || c == '\\') {
+        bad(field, fmt::format("'{}' contains a space, quote, backslash or non-printable character", w));
+      }
+      // The key: letters, digits and . _ - (the kernel treats - and _ alike); no "--" (that starts init's args).
+      if (j < (eq == std::string::npos ? w.size() : eq)) {
+        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                  c == '_' || c == '-';
+        if (!ok) bad(field, fmt::format("'{}' has a key that is not [A-Za-z0-9._-]", w));
+      }
+    }
+    if (w[0] == '-') bad(field, fmt::format("'{}' starts with '-'", w));
+    line += ' ';
+    line += w;
+  }
+  if (line.size() > kMaxKernelCmdline) {
+    bad("extra", fmt::format("the command line is {} bytes, the kernel takes at most {}", line.size(),
+                                 kMaxKernelCmdline));
+  }
+  return line;
+}
+
+}  // namespace dsec::agent::microvm

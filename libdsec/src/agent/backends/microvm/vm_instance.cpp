@@ -1,0 +1,221 @@
+#include "agent/backends/microvm/vm_instance.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <ctime>
+
+#include <fmt/format.h>
+
+#include "agent/log.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent::microvm {
+namespace fs = std::filesystem;
+namespace gp = guest_protocol;
+
+namespace {
+
+sockaddr_un unix_address(const fs::path& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.string().size() >= sizeof addr.sun_path)
+    throw Error(Code::kInvalidArgument, fmt::format("socket path {} is too long", path.string()));
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  return addr;
+}
+
+UniqueFd open_or_throw(const fs::path& path, int flags, mode_t mode = 0) {
+  UniqueFd fd(::open(path.c_str(), flags | O_CLOEXEC, mode));
+  if (!fd) throw_errno_fmt(errno, "open {}", path.string());
+  return fd;
+}
+
+std::uint64_t realtime_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<std::uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<std::uint64_t>(ts.tv_nsec);
+}
+
+}  // namespace
+
+UniqueFd listen_unix(const fs::path& path) {
+  sockaddr_un addr = unix_address(path);
+  ::unlink(path.c_str());
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) throw_errno(errno, "socket");
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+    throw_errno_fmt(errno, "bind {}", path.string());
+  ::chmod(path.c_str(), 0600);
+  if (::listen(fd.get(), 4) != 0) throw_errno_fmt(errno, "listen on {}", path.string());
+  return fd;
+}
+
+UniqueFd connect_unix(const fs::path& path) {
+  sockaddr_un addr = unix_address(path);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) throw_errno(errno, "socket");
+  if (retry_eintr([&] { return ::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr); }) != 0)
+    throw_errno_fmt(errno, "connect to {}", path.string());
+  return fd;
+}
+
+std::unique_ptr<VmInstance> VmInstance::boot(const VmBootSpec& spec, Clock::time_point deadline) {
+  std::unique_ptr<VmInstance> vm(new VmInstance());
+  vm->id_ = spec.id;
+  vm->run_dir_ = spec.run_dir;
+  const fs::path& dir = spec.run_dir;
+
+  // Guest RAM: a memfd of the guest's size (sealable: a frozen copy becomes a template clones map).
+  vm->memory_.reset(::memfd_create(("dsec-ram-" + spec.id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!vm->memory_) throw_errno(errno, "memfd_create for guest RAM");
+  if (::ftruncate(vm->memory_.get(), static_cast<off_t>(spec.memory_bytes)) != 0)
+    throw_errno(errno, "size guest RAM");
+
+  UniqueFd kernel = open_or_throw(spec.kernel, O_RDONLY);
+  UniqueFd initrd = open_or_throw(spec.initrd, O_RDONLY);
+  UniqueFd console = open_or_throw(dir / "console.log", O_WRONLY | O_CREAT | O_APPEND, 0600);
+  UniqueFd qemu_log = open_or_throw(dir / "qemu.log", O_WRONLY | O_CREAT | O_APPEND, 0600);
+  UniqueFd qmp_listen = listen_unix(dir / "qmp.sock");
+  UniqueFd agent_listen = listen_unix(dir / "agent.sock");
+
+  QemuSpec q;
+  q.name = spec.id;
+  q.binary = spec.qemu;
+  q.accelerator = spec.accelerator;
+  q.tcg_tb_size_mib = spec.tcg_tb_size_mib;
+  q.vcpus = spec.vcpus;
+  q.memory_bytes = spec.memory_bytes;
+  q.memory_share = true;
+  q.balloon = true;
+
+  VmLaunch launch;
+  std::vector<UniqueFd> held;  // every descriptor handed to QEMU, closed here once it runs
+  int next_fd = 3;
+  auto pass = [&](int fd) {
+    launch.fds.push_back({fd, next_fd});
+    return next_fd++;
+  };
+  int fdset = 0;
+  auto pass_in_set = [&](int fd) {
+    int target = pass(fd);
+    q.fds.push_back({target, ++fdset});
+    return fmt::format("/dev/fdset/{}", fdset);
+  };
+  q.memory_path = fmt::format("/proc/self/fd/{}", pass(vm->memory_.get()));
+  q.kernel = fmt::format("/proc/self/fd/{}", pass(kernel.get()));
+  q.initrd = fmt::format("/proc/self/fd/{}", pass(initrd.get()));
+  q.qmp_listen_fd = pass(qmp_listen.get());
+  q.agent_listen_fd = pass(agent_listen.get());
+  q.console_path = pass_in_set(console.get());
+
+  gp::Setup setup;
+  for (std::size_t i = 0; i < spec.layers.size(); ++i) {
+    const auto& layer = spec.layers[i];
+    held.push_back(open_or_throw(layer.file, O_RDONLY));
+    BlockDevice meta;
+    meta.node_name = fmt::format("layer{}", i);
+    meta.filename = pass_in_set(held.back().get());
+    meta.serial = fmt::format("dsec-layer-{}", i);
+    q.block_devices.push_back(meta);
+    gp::SetupLayer sl{meta.serial, {}};
+    if (!layer.data_file.empty()) {
+      held.push_back(open_or_throw(layer.data_file, O_RDONLY));
+      BlockDevice data;
+      data.node_name = fmt::format("layer{}data", i);
+      data.filename = pass_in_set(held.back().get());
+      data.serial = fmt::format("dsec-data-{}", i);
+      q.block_devices.push_back(data);
+      sl.data_serial = data.serial;
+    }
+    setup.layers.push_back(sl);
+  }
+  if (!spec.disk.empty()) {
+    held.push_back(open_or_throw(spec.disk, O_RDWR));
+    BlockDevice disk;
+    disk.node_name = "disk";
+    disk.filename = pass_in_set(held.back().get());
+    disk.read_only = false;
+    disk.serial = "dsec-disk";
+    q.block_devices.push_back(disk);
+    setup.disk_serial = disk.serial;
+  }
+  CmdlineOptions cmdline;
+  cmdline.accelerator = spec.accelerator;
+  cmdline.tsc_khz = spec.tsc_khz;
+  q.kernel_cmdline = kernel_cmdline(cmdline);
+
+  launch.argv = qemu_argv(q);
+  launch.uid = spec.uid;
+  launch.gid = spec.gid;
+  launch.extra_group = spec.kvm_group;
+  launch.cgroup_procs = spec.cgroup_procs;
+  launch.log_fd = qemu_log.get();
+  vm->process_ = launch_vm(launch);
+  // QEMU holds its copies now. The agent keeps none of the listening sockets: with a copy here, a connection to a
+  // QEMU that died would wait in the backlog forever instead of failing.
+  qmp_listen.reset();
+  agent_listen.reset();
+
+  try {
+    vm->qmp_.emplace(QmpClient::connect(dir / "qmp.sock", deadline));
+    vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(dir / "agent.sock"), spec.id);
+    gp::Hello hello;
+    hello.realtime_ns = realtime_ns();
+    hello.entropy.resize(32);
+    if (::getrandom(hello.entropy.data(), hello.entropy.size(), 0) != static_cast<ssize_t>(hello.entropy.size()))
+      hello.entropy.clear();
+    hello.hostname = spec.hostname;
+    (void)vm->guest_->hello(hello, deadline);
+    if (!spec.layers.empty() || !spec.disk.empty()) vm->guest_->setup(setup, deadline);
+  } catch (const Error& e) {
+    // Give QEMU a moment to finish writing why it stopped.
+    if (!vm->exited()) vm->kill();
+    std::string words = vm->last_words();
+    Code code = e.code();
+    if (code == Code::kDeadlineExceeded)
+      throw Error(code, fmt::format("sandbox {}: the guest did not come up in time ({}){}", spec.id, e.what(), words));
+    throw Error(code == Code::kInternal ? Code::kUnavailable : code,
+                fmt::format("sandbox {}: the guest did not come up: {}{}", spec.id, e.what(), words));
+  }
+  return vm;
+}
+
+VmInstance::~VmInstance() {
+  try {
+    kill();
+  } catch (...) {
+  }
+}
+
+bool VmInstance::exited() const { return !process_.pidfd || process_exited(process_.pidfd.get()); }
+
+void VmInstance::kill() {
+  if (guest_) guest_->close();
+  if (killed_ || !process_.pidfd) return;
+  killed_ = true;
+  if (!kill_and_wait(process_.pidfd.get(), process_.pid, std::chrono::seconds(10)))
+    log_warn("sandbox {}: QEMU (pid {}) did not exit 10 s after SIGKILL", id_, process_.pid);
+}
+
+std::string VmInstance::last_words() const {
+  std::string out;
+  std::string console = file_tail(run_dir_ / "console.log", 6);
+  std::string qemu = file_tail(run_dir_ / "qemu.log", 4);
+  if (!console.empty()) out += "; guest console: " + console;
+  if (!qemu.empty()) out += "; qemu: " + qemu;
+  return out;
+}
+
+nlohmann::json VmInstance::qmp(std::string_view command, const nlohmann::json& arguments) {
+  std::lock_guard lock(qmp_mu_);
+  if (!qmp_) throw Error(Code::kUnavailable, fmt::format("sandbox {}: no QMP connection", id_));
+  return qmp_->execute(command, arguments);
+}
+
+}  // namespace dsec::agent::microvm

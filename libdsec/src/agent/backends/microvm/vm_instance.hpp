@@ -1,0 +1,96 @@
+// One running microVM: its QEMU process, its QMP monitor and the line to dsec-init inside (guest::GuestChannel).
+//
+// Everything QEMU reads comes as descriptors the agent opened (guest RAM, kernel, initramfs, the image's layer
+// files, the writable disk, the console log, two listening sockets), so QEMU's own uid needs access to no file of
+// the node. The sockets are bound in the sandbox's run directory, where a restarted agent finds them again.
+//
+// Guest RAM is a memfd the agent holds too (memory-backend-file share=on over /proc/self/fd/N): its pages are
+// QEMU's, charged to the sandbox's cgroup, and the agent can save, seal or map them for sleep, snapshots and forks.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "agent/backends/microvm/qemu_command.hpp"
+#include "agent/backends/microvm/qmp.hpp"
+#include "agent/backends/microvm/vm_process.hpp"
+#include "agent/guest/guest_channel.hpp"
+#include "agent/layers/layer_image.hpp"
+#include "common/unique_fd.hpp"
+
+namespace dsec::agent::microvm {
+
+using Clock = std::chrono::steady_clock;
+
+struct VmBootSpec {
+  std::string id;                // the sandbox id (QEMU's -name)
+  std::filesystem::path run_dir;  // exists; qmp.sock, agent.sock, console.log, qemu.log go here
+  std::string qemu;
+  Accelerator accelerator = Accelerator::kTcg;
+  std::uint32_t tcg_tb_size_mib = 32;
+  std::uint32_t tsc_khz = 0;
+  std::uint32_t vcpus = 1;
+  std::uint64_t memory_bytes = 256ull << 20;
+  std::filesystem::path kernel;
+  std::filesystem::path initrd;
+  std::vector<layers::LayerImage> layers;  // lowest first; none: the guest boots without a root (the probe)
+  std::filesystem::path disk;              // the writable disk; required with layers
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::optional<gid_t> kvm_group;
+  std::vector<int> cgroup_procs;  // joined by QEMU before it runs
+  std::string hostname;
+};
+
+class VmInstance {
+ public:
+  // Starts QEMU and waits until dsec-init inside answers (and, with layers, has made its root), all before
+  // `deadline`. A guest that stays silent is DEADLINE_EXCEEDED; a QEMU that exits or a guest that fails its setup
+  // is UNAVAILABLE or FAILED_PRECONDITION; each message ends with the guest console's and QEMU's last lines. On any
+  // failure the QEMU is killed.
+  static std::unique_ptr<VmInstance> boot(const VmBootSpec& spec, Clock::time_point deadline);
+
+  ~VmInstance();
+  VmInstance(const VmInstance&) = delete;
+  VmInstance& operator=(const VmInstance&) = delete;
+
+  guest::GuestChannel& guest() { return *guest_; }
+  pid_t pid() const noexcept { return process_.pid; }
+  int pidfd() const noexcept { return process_.pidfd.get(); }
+  const std::filesystem::path& run_dir() const noexcept { return run_dir_; }
+  // QEMU has exited.
+  bool exited() const;
+  // Kills QEMU and waits for it (idempotent).
+  void kill();
+  // "console: ...\nqemu: ..." from the last lines of both logs, for error messages.
+  std::string last_words() const;
+  // Runs a QMP command (one at a time).
+  nlohmann::json qmp(std::string_view command, const nlohmann::json& arguments = nlohmann::json::object());
+
+ private:
+  VmInstance() = default;
+
+  std::string id_;
+  std::filesystem::path run_dir_;
+  VmProcess process_;
+  UniqueFd memory_;
+  std::mutex qmp_mu_;
+  std::optional<QmpClient> qmp_;
+  std::unique_ptr<guest::GuestChannel> guest_;
+  bool killed_ = false;
+};
+
+// A unix stream socket bound at `path` (replacing a stale one) and listening.
+UniqueFd listen_unix(const std::filesystem::path& path);
+// A connection to the unix socket at `path`.
+UniqueFd connect_unix(const std::filesystem::path& path);
+
+}  // namespace dsec::agent::microvm

@@ -1,0 +1,23 @@
+#include "agent/exec_command.hpp"
+
+namespace dsec::agent {
+
+std::vector<std::string> ExecCommand::env_strings() const {
+  std::vector<std::string> out;
+  out.reserve(env.size());
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+ExecCommand exec_command(const SandboxSpec& spec, const ExecRequest& request, const std::string& hostname) {
+  ExecCommand c;
+  c.argv = request.shell.empty() ? request.argv : std::vector<std::string>{"/bin/sh", "-c", request.shell};
+  c.env = {{"PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, {"HOME", "/root"},
+           {"HOSTNAME", hostname}};
+  for (const auto& [k, v] : spec.env) c.env[k] = v;
+  for (const auto& [k, v] : request.env) c.env[k] = v;
+  c.cwd = request.cwd.empty() ? spec.workdir : request.cwd;
+  return c;
+}
+
+}  // namespace dsec::agent

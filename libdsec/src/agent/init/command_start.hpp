@@ -1,0 +1,32 @@
+// How dsec-init starts a command, in a container and in a virtual machine alike: vfork, a new session, the
+// command's cgroup joined (by writing "0" to the cgroup.procs descriptors it is given), its standard streams, its
+// signals and OOM score reset, its directory, and an exec that searches the command's own PATH.
+#pragma once
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "agent/init/init_protocol.hpp"
+
+namespace dsec::init {
+
+inline constexpr const char* kDefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+struct StartRequest {
+  std::vector<std::string> argv;
+  std::vector<std::string> env;
+  std::string cwd;
+  std::vector<int> fds;  // stdin, stdout, stderr, then cgroup.procs descriptors the command joins
+};
+
+// Starts the command; returns its pid, or -1 with `err` and `stage` saying why not. `original_mask` is the signal
+// mask the command starts with (dsec-init blocks SIGCHLD for its signalfd).
+pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, init_protocol::FailStage& stage);
+
+// Closes every descriptor in fds (skipping -1) and empties it.
+void close_all(std::vector<int>& fds);
+
+}  // namespace dsec::init

@@ -1,0 +1,799 @@
+// dsec-init as pid 1 of a virtual machine (guest_protocol.hpp has the wire).
+//
+// Boot: mount /dev, /proc and /sys of the initramfs, load the kernel modules the initramfs carries (in the order of
+// their names), find the virtio-serial port named "dsec.agent" and serve the agent on it. The agent's kSetup names
+// the image's layers and the writable disk by their virtio-blk serials: the layers are mounted read-only as EROFS,
+// the disk as ext4, overlayfs stacks them, and the overlay becomes the root (the initramfs's /dev, /proc and /sys
+// move into it; cgroup2, devpts and /dev/shm are mounted there). From then on every command and every file
+// operation happens in that root.
+//
+// Serving: one poll loop over the port, a signalfd for SIGCHLD, and the pipes of every running exec. An exec gets a
+// cgroup of its own (/sys/fs/cgroup/dsec/x<channel>), so a kill (a timeout) ends its whole process tree, and its
+// output is read here and sent as frames, capped per stream. The port reads EOF while no agent is connected to the
+// host side (a restart of the agent, a restore from a snapshot): execs whose caller is gone are killed, and the loop
+// waits for the next agent's kHello.
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/random.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/reboot.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "agent/files/sandbox_tree.hpp"
+#include "agent/init/command_start.hpp"
+#include "agent/init/guest_protocol.hpp"
+#include "agent/init/init_main.hpp"
+#include "dsec/error.hpp"
+
+namespace dsec::init {
+namespace {
+
+namespace gp = guest_protocol;
+namespace files = agent::files;
+using gp::Type;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kOutputGrace = std::chrono::milliseconds(50);
+constexpr std::size_t kOutputBackpressure = 4u << 20;  // stop reading commands' output while this much waits
+constexpr const char* kModulesDir = "/lib/dsec/modules";
+constexpr const char* kExecCgroups = "/sys/fs/cgroup/dsec";
+
+void log_line(const std::string& line) {
+  std::string out = "dsec-init: " + line + "\n";
+  (void)::write(2, out.data(), out.size());
+}
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+std::string read_small_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  char buf[512];
+  ssize_t n = ::read(fd, buf, sizeof buf);
+  ::close(fd);
+  if (n <= 0) return {};
+  std::string s(buf, static_cast<std::size_t>(n));
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
+  return s;
+}
+
+bool write_small_file(const std::string& path, std::string_view value) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  bool ok = ::write(fd, value.data(), value.size()) == static_cast<ssize_t>(value.size());
+  ::close(fd);
+  return ok;
+}
+
+void mount_or_log(const char* source, const char* target, const char* type, unsigned long flags, const char* data) {
+  ::mkdir(target, 0755);
+  if (::mount(source, target, type, flags, data) != 0 && errno != EBUSY)
+    log_line(std::string("mount ") + type + " on " + target + ": " + errno_text(errno));
+}
+
+// Loads the initramfs's modules in the order of their names, then removes the files (their memory is the guest's).
+void load_modules() {
+  DIR* dir = ::opendir(kModulesDir);
+  if (!dir) return;
+  std::vector<std::string> names;
+  while (dirent* d = ::readdir(dir))
+    if (std::strstr(d->d_name, ".ko")) names.emplace_back(d->d_name);
+  ::closedir(dir);
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    std::string path = std::string(kModulesDir) + "/" + name;
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    if (::syscall(SYS_finit_module, fd, "", 0) != 0 && errno != EEXIST)
+      log_line("load module " + name + ": " + errno_text(errno));
+    ::close(fd);
+    ::unlink(path.c_str());
+  }
+}
+
+// The /dev node of the virtio-serial port named `name`, waiting for it to appear; empty after the wait.
+std::string find_port(const char* name, std::chrono::milliseconds wait) {
+  auto until = Clock::now() + wait;
+  for (;;) {
+    if (DIR* dir = ::opendir("/sys/class/virtio-ports")) {
+      std::string found;
+      while (dirent* d = ::readdir(dir)) {
+        if (d->d_name[0] == '.') continue;
+        if (read_small_file(std::string("/sys/class/virtio-ports/") + d->d_name + "/name") == name) {
+          found = std::string("/dev/") + d->d_name;
+          break;
+        }
+      }
+      ::closedir(dir);
+      if (!found.empty() && ::access(found.c_str(), F_OK) == 0) return found;
+    }
+    if (Clock::now() >= until) return {};
+    ::usleep(2000);
+  }
+}
+
+// /dev/vdX by virtio-blk serial, waiting until all wanted serials are there.
+std::map<std::string, std::string> find_disks(const std::set<std::string>& serials, std::chrono::milliseconds wait) {
+  auto until = Clock::now() + wait;
+  for (;;) {
+    std::map<std::string, std::string> found;
+    if (DIR* dir = ::opendir("/sys/block")) {
+      while (dirent* d = ::readdir(dir)) {
+        if (std::strncmp(d->d_name, "vd", 2) != 0) continue;
+        std::string serial = read_small_file(std::string("/sys/block/") + d->d_name + "/serial");
+        if (serials.count(serial)) found[serial] = std::string("/dev/") + d->d_name;
+      }
+      ::closedir(dir);
+    }
+    bool complete = found.size() == serials.size();
+    for (const auto& [serial, dev] : found)
+      if (::access(dev.c_str(), F_OK) != 0) complete = false;
+    if (complete || Clock::now() >= until) return found;
+    ::usleep(2000);
+  }
+}
+
+[[noreturn]] void fail_setup(int err, const std::string& what) {
+  throw Error(err == ENOSPC ? Code::kResourceExhausted : Code::kFailedPrecondition,
+              "guest setup: " + what + (err ? ": " + errno_text(err) : std::string()));
+}
+
+struct Exec {
+  std::uint32_t channel = 0;
+  pid_t pid = -1;
+  int out = -1, err = -1, in = -1;
+  std::string cgroup;
+  std::uint64_t cap = 0;
+  std::uint64_t out_kept = 0, err_kept = 0;
+  bool out_truncated = false, err_truncated = false;
+  std::string stdin_pending;
+  bool stdin_closing = false;  // close once stdin_pending is written
+  bool exited = false;
+  int status = 0;
+  Clock::time_point exited_at{};
+};
+
+// A write of a file or a tree coming from the agent, frame by frame.
+struct Upload {
+  UniqueFd file;                                           // kWriteFile
+  std::unique_ptr<files::SandboxTree::Extraction> tree;     // kPutTree
+  std::string path;
+  std::uint64_t bytes = 0, entries = 0;
+  bool failed = false;  // an error was sent: the rest of the upload is read and dropped
+};
+
+class GuestInit {
+ public:
+  GuestInit() {
+    sigset_t mask;
+    sigprocmask(SIG_SETMASK, nullptr, &original_mask_);
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, nullptr);
+    sigdelset(&original_mask_, SIGCHLD);
+    sigchld_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    utsname u{};
+    ::uname(&u);
+    release_ = u.release;
+  }
+
+  [[noreturn]] void serve(const std::string& port_path) {
+    port_path_ = port_path;
+    for (;;) {
+      try {
+        loop_once();
+      } catch (const std::exception& e) {
+        log_line(std::string("serving: ") + e.what());
+        disconnect();
+        ::usleep(10000);
+      }
+    }
+  }
+
+ private:
+  // ---- the port ----
+  void open_port() {
+    if (port_ >= 0) return;
+    port_ = ::open(port_path_.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (port_ < 0) {
+      log_line("open " + port_path_ + ": " + errno_text(errno));
+      ::usleep(100000);
+    }
+  }
+
+  // The agent went away: execs whose caller it was cannot be answered any more.
+  void disconnect() {
+    out_.clear();
+    reader_ = gp::FrameReader();
+    uploads_.clear();
+    for (auto& [channel, exec] : execs_) kill_exec(exec);
+    if (port_ >= 0) {
+      ::close(port_);
+      port_ = -1;
+    }
+    connected_ = false;
+  }
+
+  void send(Type type, std::uint32_t channel, std::string_view payload = {}) {
+    if (!connected_) return;
+    gp::append_frame(out_, type, channel, payload);
+  }
+  void send_error(std::uint32_t channel, const Error& e) {
+    send(Type::kError, channel, gp::encode(gp::ErrorReply{static_cast<std::uint32_t>(e.code()), e.what()}));
+  }
+  void send_error(std::uint32_t channel, Code code, const std::string& message) {
+    send(Type::kError, channel, gp::encode(gp::ErrorReply{static_cast<std::uint32_t>(code), message}));
+  }
+
+  // Writes what it can of the output queue; false when the port is closed.
+  bool flush() {
+    while (!out_.empty() && port_ >= 0) {
+      ssize_t n = ::write(port_, out_.data(), out_.size());
+      if (n > 0) {
+        out_.erase(0, static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) return true;
+      return false;
+    }
+    return true;
+  }
+
+  // Waits until the queue is below `limit` (a large file or tree is sent in steps, not queued whole).
+  void flush_below(std::size_t limit) {
+    while (out_.size() > limit) {
+      if (!flush()) throw Error(Code::kUnavailable, "the agent went away");
+      if (out_.size() <= limit) break;
+      pollfd p{port_, POLLOUT, 0};
+      int rc = ::poll(&p, 1, 1000);
+      if (rc > 0 && (p.revents & (POLLHUP | POLLERR))) throw Error(Code::kUnavailable, "the agent went away");
+    }
+  }
+
+  // ---- one turn of the loop ----
+  void loop_once() {
+    open_port();
+    if (port_ < 0) return;
+    std::vector<pollfd> fds;
+    fds.push_back({port_, static_cast<short>(POLLIN | (out_.empty() ? 0 : POLLOUT)), 0});
+    fds.push_back({sigchld_, POLLIN, 0});
+    std::vector<std::pair<std::uint32_t, int>> watched;  // (channel, which: 1 out, 2 err, 0 stdin)
+    bool room = out_.size() < kOutputBackpressure;
+    for (auto& [channel, exec] : execs_) {
+      if (room && exec.out >= 0) {
+        fds.push_back({exec.out, POLLIN, 0});
+        watched.emplace_back(channel, 1);
+      }
+      if (room && exec.err >= 0) {
+        fds.push_back({exec.err, POLLIN, 0});
+        watched.emplace_back(channel, 2);
+      }
+      if (exec.in >= 0 && !exec.stdin_pending.empty()) {
+        fds.push_back({exec.in, POLLOUT, 0});
+        watched.emplace_back(channel, 0);
+      }
+    }
+    int timeout = -1;
+    auto now = Clock::now();
+    for (auto& [channel, exec] : execs_) {
+      if (!exec.exited) continue;
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(exec.exited_at + kOutputGrace - now).count();
+      int t = static_cast<int>(std::max<long long>(0, left) + 1);
+      timeout = timeout < 0 ? t : std::min(timeout, t);
+    }
+    if (!connected_) timeout = timeout < 0 ? 10 : std::min(timeout, 10);
+    int rc = ::poll(fds.data(), fds.size(), timeout);
+    if (rc < 0 && errno != EINTR) throw Error(Code::kInternal, "poll: " + errno_text(errno));
+    if (rc > 0) {
+      if (fds[1].revents) reap();
+      for (std::size_t i = 0; i < watched.size(); ++i) {
+        if (!fds[i + 2].revents) continue;
+        auto it = execs_.find(watched[i].first);
+        if (it == execs_.end()) continue;
+        if (watched[i].second == 0) feed_stdin(it->second);
+        else read_output(it->second, watched[i].second);
+      }
+      if (fds[0].revents & POLLIN) read_port();
+      else if (fds[0].revents & (POLLHUP | POLLERR)) {
+        // No agent on the host side. Drop what was queued for the one that left, and look again shortly.
+        if (connected_) disconnect();
+      }
+      if (port_ >= 0 && !out_.empty() && !flush()) disconnect();
+    }
+    finish_exits();
+    if (port_ >= 0 && !out_.empty() && !flush()) disconnect();
+  }
+
+  void read_port() {
+    char buf[65536];
+    for (;;) {
+      ssize_t n = ::read(port_, buf, sizeof buf);
+      if (n > 0) {
+        connected_ = true;
+        reader_.feed(std::string_view(buf, static_cast<std::size_t>(n)));
+        while (auto frame = reader_.next()) handle(*frame);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) return;
+      // EOF: the host side is not connected.
+      if (connected_) disconnect();
+      return;
+    }
+  }
+
+  void handle(const gp::Frame& f) {
+    try {
+      switch (f.type) {
+        case Type::kHello: return on_hello(f);
+        case Type::kSetup: return on_setup(f);
+        case Type::kSync:
+          ::sync();
+          return send(Type::kOk, f.channel);
+        case Type::kPowerOff:
+          ::sync();
+          send(Type::kOk, f.channel);
+          flush();
+          ::reboot(RB_POWER_OFF);
+          return;
+        case Type::kExec: return on_exec(f);
+        case Type::kStdin: return on_stdin(f);
+        case Type::kKill: {
+          auto it = execs_.find(f.channel);
+          if (it != execs_.end()) kill_exec(it->second);
+          return;
+        }
+        case Type::kReadFile: return on_read_file(f);
+        case Type::kWriteFile:
+        case Type::kPutTree: return on_upload_start(f);
+        case Type::kEntry:
+        case Type::kData:
+        case Type::kEnd: return on_upload_part(f);
+        case Type::kStat: {
+          gp::Reader r(f.payload);
+          std::string path = r.str();
+          r.finish();
+          return send(Type::kStatReply, f.channel, gp::Writer().u32(tree().mode_of(path)).take());
+        }
+        case Type::kGetTree: return on_get_tree(f);
+        default: return send_error(f.channel, Code::kInvalidArgument, "unknown frame type");
+      }
+    } catch (const Error& e) {
+      send_error(f.channel, e);
+    } catch (const std::out_of_range& e) {
+      send_error(f.channel, Code::kInvalidArgument, e.what());
+    }
+  }
+
+  // ---- control ----
+  void on_hello(const gp::Frame& f) {
+    gp::Hello h = gp::decode_hello(f.payload);
+    // A new agent: what the earlier connection ran in the foreground has nobody to report to.
+    for (auto& [channel, exec] : execs_) kill_exec(exec);
+    uploads_.clear();
+    if (h.realtime_ns) {
+      timespec ts{static_cast<time_t>(h.realtime_ns / 1000000000ull), static_cast<long>(h.realtime_ns % 1000000000ull)};
+      ::clock_settime(CLOCK_REALTIME, &ts);
+    }
+    if (!h.entropy.empty()) add_entropy(h.entropy);
+    if (!h.hostname.empty()) ::sethostname(h.hostname.data(), h.hostname.size());
+    gp::HelloReply reply{release_, root_ready_, static_cast<std::uint32_t>(execs_.size())};
+    send(Type::kHelloReply, f.channel, gp::encode(reply));
+  }
+
+  static void add_entropy(const std::string& bytes) {
+    int fd = ::open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    std::vector<char> buf(sizeof(rand_pool_info) + bytes.size());
+    auto* info = reinterpret_cast<rand_pool_info*>(buf.data());
+    info->entropy_count = static_cast<int>(bytes.size() * 8);
+    info->buf_size = static_cast<int>(bytes.size());
+    std::memcpy(info->buf, bytes.data(), bytes.size());
+    ::ioctl(fd, RNDADDENTROPY, info);
+    ::ioctl(fd, RNDRESEEDCRNG);
+    ::close(fd);
+  }
+
+  void on_setup(const gp::Frame& f) {
+    if (root_ready_) throw Error(Code::kFailedPrecondition, "guest setup: the root is set up already");
+    gp::Setup s = gp::decode_setup(f.payload);
+    std::set<std::string> serials{s.disk_serial};
+    for (const auto& l : s.layers) {
+      serials.insert(l.serial);
+      if (!l.data_serial.empty()) serials.insert(l.data_serial);
+    }
+    auto disks = find_disks(serials, std::chrono::seconds(10));
+    for (const auto& serial : serials)
+      if (!disks.count(serial)) fail_setup(0, "no virtio-blk disk with serial " + serial);
+    std::string lower;
+    for (std::size_t i = 0; i < s.layers.size(); ++i) {
+      std::string dir = "/layers/" + std::to_string(i);
+      ::mkdir("/layers", 0755);
+      ::mkdir(dir.c_str(), 0755);
+      std::string options;
+      if (!s.layers[i].data_serial.empty()) options = "device=" + disks[s.layers[i].data_serial];
+      if (::mount(disks[s.layers[i].serial].c_str(), dir.c_str(), "erofs", MS_RDONLY | MS_NODEV,
+                  options.empty() ? nullptr : options.c_str()) != 0)
+        fail_setup(errno, "mount layer " + std::to_string(i) + " (EROFS on " + disks[s.layers[i].serial] + ")");
+      lower = lower.empty() ? dir : dir + ":" + lower;  // overlayfs lists the top layer first
+    }
+    ::mkdir("/rw", 0755);
+    if (::mount(disks[s.disk_serial].c_str(), "/rw", "ext4", MS_NOATIME | MS_NODEV, nullptr) != 0)
+      fail_setup(errno, "mount the writable disk (ext4 on " + disks[s.disk_serial] + ")");
+    ::mkdir("/rw/upper", 0755);
+    ::mkdir("/rw/work", 0755);
+    ::mkdir("/newroot", 0755);
+    std::string options = "lowerdir=" + (lower.empty() ? std::string("/rw/empty") : lower) +
+                          ",upperdir=/rw/upper,workdir=/rw/work,metacopy=off,redirect_dir=off";
+    if (lower.empty()) ::mkdir("/rw/empty", 0755);
+    if (::mount("overlay", "/newroot", "overlay", MS_NODEV, options.c_str()) != 0)
+      fail_setup(errno, "mount overlay");
+    for (const char* d : {"/newroot/dev", "/newroot/proc", "/newroot/sys", "/newroot/tmp"}) ::mkdir(d, 0755);
+    for (const char* d : {"/dev", "/proc", "/sys"}) {
+      std::string target = std::string("/newroot") + d;
+      if (::mount(d, target.c_str(), nullptr, MS_MOVE, nullptr) != 0) fail_setup(errno, std::string("move ") + d);
+    }
+    upper_ = UniqueFd(::open("/rw/upper", O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (::chdir("/newroot") != 0) fail_setup(errno, "chdir /newroot");
+    if (::mount(".", "/", nullptr, MS_MOVE, nullptr) != 0) fail_setup(errno, "move the overlay to /");
+    if (::chroot(".") != 0) fail_setup(errno, "chroot");
+    if (::chdir("/") != 0) fail_setup(errno, "chdir /");
+    mount_or_log("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+    mount_or_log("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    mount_or_log("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+    ::mkdir(kExecCgroups, 0755);
+    tree_.emplace(UniqueFd(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC)));
+    root_ready_ = true;
+    send(Type::kOk, f.channel);
+  }
+
+  files::SandboxTree& tree() {
+    if (!tree_) throw Error(Code::kFailedPrecondition, "the guest's root is not set up yet");
+    return *tree_;
+  }
+
+  // ---- execs ----
+  void on_exec(const gp::Frame& f) {
+    if (!root_ready_) throw Error(Code::kFailedPrecondition, "the guest's root is not set up yet");
+    if (execs_.count(f.channel)) throw Error(Code::kInvalidArgument, "channel in use");
+    gp::ExecStart m = gp::decode_exec_start(f.payload);
+    Exec exec;
+    exec.channel = f.channel;
+    exec.cap = m.max_output;
+    exec.cgroup = std::string(kExecCgroups) + "/x" + std::to_string(f.channel);
+    if (::mkdir(exec.cgroup.c_str(), 0755) != 0 && errno != EEXIST)
+      throw Error(Code::kInternal, "mkdir " + exec.cgroup + ": " + errno_text(errno));
+    int procs = ::open((exec.cgroup + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
+    int in[2], out[2], err[2];
+    if (::pipe2(in, O_CLOEXEC) != 0) throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
+    if (::pipe2(out, O_CLOEXEC) != 0) {
+      ::close(in[0]);
+      ::close(in[1]);
+      throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
+    }
+    if (::pipe2(err, O_CLOEXEC) != 0) {
+      for (int fd : {in[0], in[1], out[0], out[1]}) ::close(fd);
+      throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
+    }
+    StartRequest req{std::move(m.argv), std::move(m.env), std::move(m.cwd), {in[0], out[1], err[1]}};
+    if (procs >= 0) req.fds.push_back(procs);
+    int error = 0;
+    init_protocol::FailStage stage = init_protocol::FailStage::kRequest;
+    pid_t pid = start_command(req, original_mask_, error, stage);
+    close_all(req.fds);
+    if (pid < 0) {
+      for (int fd : {in[1], out[0], err[0]}) ::close(fd);
+      ::rmdir(exec.cgroup.c_str());
+      send(Type::kFailed, f.channel, gp::Writer().i32(error).i32(static_cast<std::int32_t>(stage)).take());
+      return;
+    }
+    exec.pid = pid;
+    exec.out = out[0];
+    exec.err = err[0];
+    exec.in = in[1];
+    for (int fd : {exec.out, exec.err, exec.in}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+    if (!m.stdin_follows) {
+      ::close(exec.in);
+      exec.in = -1;
+    }
+    send(Type::kStarted, f.channel, gp::Writer().i32(pid).take());
+    execs_.emplace(f.channel, std::move(exec));
+  }
+
+  void on_stdin(const gp::Frame& f) {
+    auto it = execs_.find(f.channel);
+    if (it == execs_.end() || it->second.in < 0) return;  // ended, or its stdin closed: dropped like a pipe would
+    gp::Reader r(f.payload);
+    std::string data = r.str();
+    Exec& exec = it->second;
+    if (data.empty()) exec.stdin_closing = true;
+    else exec.stdin_pending += data;
+    feed_stdin(exec);
+  }
+
+  void feed_stdin(Exec& exec) {
+    while (exec.in >= 0 && !exec.stdin_pending.empty()) {
+      ssize_t n = ::write(exec.in, exec.stdin_pending.data(), exec.stdin_pending.size());
+      if (n > 0) {
+        exec.stdin_pending.erase(0, static_cast<std::size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) return;
+      // The command closed its stdin: the rest is dropped.
+      exec.stdin_pending.clear();
+      ::close(exec.in);
+      exec.in = -1;
+    }
+    if (exec.in >= 0 && exec.stdin_pending.empty() && exec.stdin_closing) {
+      ::close(exec.in);
+      exec.in = -1;
+    }
+  }
+
+  // Reads what is there; closes the stream at EOF.
+  void read_output(Exec& exec, int stream) {
+    int& fd = stream == 1 ? exec.out : exec.err;
+    std::uint64_t& kept = stream == 1 ? exec.out_kept : exec.err_kept;
+    bool& truncated = stream == 1 ? exec.out_truncated : exec.err_truncated;
+    char buf[65536];
+    for (int rounds = 0; fd >= 0 && rounds < 16; ++rounds) {
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n > 0) {
+        std::uint64_t room = exec.cap > kept ? exec.cap - kept : 0;
+        std::uint64_t take = std::min<std::uint64_t>(room, static_cast<std::uint64_t>(n));
+        if (take < static_cast<std::uint64_t>(n)) truncated = true;
+        if (take > 0) {
+          kept += take;
+          gp::Writer w;
+          w.u8(static_cast<std::uint8_t>(stream)).str(std::string_view(buf, take));
+          send(Type::kOutput, exec.channel, w.bytes());
+        }
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) return;
+      ::close(fd);
+      fd = -1;
+    }
+  }
+
+  void reap() {
+    signalfd_siginfo info;
+    while (::read(sigchld_, &info, sizeof info) == sizeof info) {
+    }
+    int status;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      for (auto& [channel, exec] : execs_) {
+        if (exec.pid == pid && !exec.exited) {
+          exec.exited = true;
+          exec.status = status;
+          exec.exited_at = Clock::now();
+        }
+      }
+      // Any other pid: an orphan or a background process, reaped with nobody to tell.
+    }
+  }
+
+  // Execs whose command ended and whose output is drained (or whose grace passed) are reported and forgotten.
+  void finish_exits() {
+    auto now = Clock::now();
+    for (auto it = execs_.begin(); it != execs_.end();) {
+      Exec& exec = it->second;
+      if (!exec.exited) {
+        ++it;
+        continue;
+      }
+      if (out_.size() < kOutputBackpressure) {
+        if (exec.out >= 0) read_output(exec, 1);
+        if (exec.err >= 0) read_output(exec, 2);
+      }
+      bool drained = exec.out < 0 && exec.err < 0;
+      if (!drained && now < exec.exited_at + kOutputGrace) {
+        ++it;
+        continue;
+      }
+      for (int fd : {exec.out, exec.err, exec.in})
+        if (fd >= 0) ::close(fd);
+      send(Type::kExited, exec.channel, gp::encode(gp::Exited{exec.status, exec.out_truncated, exec.err_truncated}));
+      // Background processes keep the group; it is removed once they are gone.
+      if (::rmdir(exec.cgroup.c_str()) != 0) lingering_groups_.insert(exec.cgroup);
+      it = execs_.erase(it);
+    }
+    for (auto it = lingering_groups_.begin(); it != lingering_groups_.end();) {
+      if (::rmdir(it->c_str()) == 0 || errno == ENOENT) it = lingering_groups_.erase(it);
+      else ++it;
+    }
+  }
+
+  void kill_exec(Exec& exec) {
+    if (!write_small_file(exec.cgroup + "/cgroup.kill", "1") && exec.pid > 0) ::kill(-exec.pid, SIGKILL);
+  }
+
+  // ---- files ----
+  void on_read_file(const gp::Frame& f) {
+    gp::Reader r(f.payload);
+    std::string path = r.str();
+    std::uint64_t max = r.u64();
+    r.finish();
+    UniqueFd fd = tree().open_for_reading(path);
+    struct stat st {};
+    if (::fstat(fd.get(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) > max)
+      throw Error(Code::kResourceExhausted,
+                  "read " + files::normalize_sandbox_path(path) + ": larger than the " + std::to_string(max) +
+                      " byte limit");
+    std::uint64_t total = 0;
+    std::string buf(gp::kMaxDataChunk, '\0');
+    for (;;) {
+      ssize_t n = ::read(fd.get(), buf.data(), buf.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw Error(Code::kInternal, "read " + path + ": " + errno_text(errno));
+      if (n == 0) break;
+      total += static_cast<std::uint64_t>(n);
+      if (total > max) throw Error(Code::kResourceExhausted, "read " + path + ": larger than the limit");
+      send(Type::kData, f.channel, gp::Writer().str(std::string_view(buf.data(), static_cast<std::size_t>(n))).bytes());
+      flush_below(2u << 20);
+    }
+    send(Type::kDone, f.channel, gp::Writer().u64(total).take());
+  }
+
+  void on_get_tree(const gp::Frame& f) {
+    gp::Reader r(f.payload);
+    std::string dir = r.str();
+    std::uint64_t max = r.u64();
+    r.finish();
+    std::uint64_t entries = 0;
+    tree().walk(
+        dir, max,
+        [&](const files::TreeEntry& e) {
+          ++entries;
+          send(Type::kEntry, f.channel, gp::encode(e));
+          flush_below(2u << 20);
+        },
+        [&](std::string_view bytes) {
+          while (!bytes.empty()) {
+            auto piece = bytes.substr(0, gp::kMaxDataChunk);
+            send(Type::kData, f.channel, gp::Writer().str(piece).bytes());
+            flush_below(2u << 20);
+            bytes.remove_prefix(piece.size());
+          }
+        });
+    send(Type::kDone, f.channel, gp::Writer().u64(entries).take());
+  }
+
+  void on_upload_start(const gp::Frame& f) {
+    Upload& up = uploads_[f.channel];
+    up = Upload{};
+    gp::Reader r(f.payload);
+    up.path = r.str();
+    try {
+      if (f.type == Type::kWriteFile) {
+        std::uint32_t mode = r.u32();
+        r.finish();
+        up.file = tree().open_for_writing(up.path, mode);
+      } else {
+        r.finish();
+        up.tree = std::make_unique<files::SandboxTree::Extraction>(tree(), up.path);
+      }
+    } catch (...) {
+      up.failed = true;
+      throw;
+    }
+  }
+
+  void on_upload_part(const gp::Frame& f) {
+    auto it = uploads_.find(f.channel);
+    if (it == uploads_.end()) throw Error(Code::kInvalidArgument, "upload data without an upload");
+    Upload& up = it->second;
+    if (f.type == Type::kEnd) {
+      bool failed = up.failed;
+      std::uint64_t count = up.tree ? up.entries : up.bytes;
+      if (!failed && up.tree) up.tree->finish();
+      uploads_.erase(it);
+      if (!failed) send(Type::kDone, f.channel, gp::Writer().u64(count).take());
+      return;
+    }
+    if (up.failed) return;
+    try {
+      if (f.type == Type::kEntry) {
+        if (!up.tree) throw Error(Code::kInvalidArgument, "a tree entry in a file upload");
+        up.tree->entry(gp::decode_entry(f.payload));
+        ++up.entries;
+        return;
+      }
+      gp::Reader r(f.payload);
+      std::string data = r.str();
+      r.finish();
+      up.bytes += data.size();
+      if (up.tree) {
+        up.tree->write_data(data);
+        return;
+      }
+      std::string_view left = data;
+      while (!left.empty()) {
+        ssize_t n = ::write(up.file.get(), left.data(), left.size());
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+          int err = errno;
+          throw Error(err == ENOSPC || err == EDQUOT || err == EFBIG ? Code::kResourceExhausted : Code::kInternal,
+                      "write " + files::normalize_sandbox_path(up.path) + ": " + errno_text(err));
+        }
+        left.remove_prefix(static_cast<std::size_t>(n));
+      }
+    } catch (...) {
+      up.failed = true;
+      throw;
+    }
+  }
+
+  std::string port_path_;
+  int port_ = -1;
+  bool connected_ = false;
+  int sigchld_ = -1;
+  sigset_t original_mask_{};
+  std::string release_;
+  bool root_ready_ = false;
+  std::optional<files::SandboxTree> tree_;
+  UniqueFd upper_;
+  std::string out_;
+  gp::FrameReader reader_;
+  std::map<std::uint32_t, Exec> execs_;
+  std::map<std::uint32_t, Upload> uploads_;
+  std::set<std::string> lingering_groups_;
+};
+
+}  // namespace
+
+int run_guest_init() {
+  mount_or_log("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+  mount_or_log("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  mount_or_log("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  write_small_file("/proc/self/oom_score_adj", "-1000");
+  // The guest's console is where its kernel and this init log; the agent keeps its last lines for errors.
+  int console = ::open("/dev/console", O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (console >= 0) {
+    ::dup2(console, 1);
+    ::dup2(console, 2);
+    ::close(console);
+  }
+  int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null >= 0) {
+    ::dup2(null, 0);
+    ::close(null);
+  }
+  load_modules();
+  std::string port = find_port(guest_protocol::kPortName, std::chrono::seconds(30));
+  if (port.empty()) {
+    log_line("no virtio-serial port named dsec.agent: powering off");
+    ::reboot(RB_POWER_OFF);
+    for (;;) ::pause();
+  }
+  GuestInit init;
+  init.serve(port);
+}
+
+}  // namespace dsec::init

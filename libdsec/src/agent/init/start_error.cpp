@@ -1,0 +1,29 @@
+#include "agent/init/start_error.hpp"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace dsec::init {
+
+Error start_error(int err, init_protocol::FailStage stage, const std::string& argv0, const std::string& cwd) {
+  using init_protocol::FailStage;
+  switch (stage) {
+    case FailStage::kExec:
+      if (err == ENOENT) return Error(Code::kNotFound, fmt::format("executable not found in the sandbox: {}", argv0));
+      if (err == EACCES)
+        return Error(Code::kPermissionDenied, fmt::format("cannot execute {}: permission denied", argv0));
+      return Error(Code::kInvalidArgument, fmt::format("cannot execute {}: {}", argv0, std::strerror(err)));
+    case FailStage::kChdir:
+      if (err == ENOENT) return Error(Code::kNotFound, fmt::format("working directory {} does not exist", cwd));
+      return Error(Code::kInvalidArgument, fmt::format("cannot enter working directory {}: {}", cwd, std::strerror(err)));
+    case FailStage::kFork:
+      return Error(Code::kResourceExhausted,
+                   fmt::format("cannot start a process in the sandbox: {} (pids limit reached?)", std::strerror(err)));
+    default:
+      return Error(Code::kInternal, fmt::format("sandbox init could not start the command: {}", std::strerror(err)));
+  }
+}
+
+}  // namespace dsec::init
