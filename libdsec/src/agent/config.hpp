@@ -67,6 +67,9 @@ struct MicroVmConfig {
   // takes seconds), and how often a boot that did not answer is tried again.
   std::chrono::milliseconds boot_timeout{30000};
   std::uint32_t boot_attempts = 2;
+  // Creates start from a template (a guest of the same image, memory, vCPUs and disk booted once and frozen) instead
+  // of booting: a restore, its RAM shared copy-on-write with the template. The first create of a shape boots it.
+  bool templates = true;
 };
 
 struct AgentConfig {

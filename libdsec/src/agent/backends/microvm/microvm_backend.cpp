@@ -1,5 +1,6 @@
 #include "agent/backends/microvm/microvm_backend.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
 #include "agent/backends/microvm/vm_instance.hpp"
+#include "agent/backends/microvm/vm_template.hpp"
 #include "agent/backends/microvm/writable_disk.hpp"
 #include "agent/exec_command.hpp"
 #include "agent/host.hpp"
@@ -33,6 +35,7 @@ constexpr auto kFileTimeout = std::chrono::seconds(300);
 constexpr std::uint64_t kMinGuestMemory = 128ull << 20;
 constexpr std::uint64_t kProbeMemory = 128ull << 20;
 constexpr std::uint32_t kQemuPids = 256;  // QEMU's threads: vCPUs, I/O, RCU, workers
+constexpr auto kSaveTimeout = std::chrono::seconds(120);
 
 std::string find_on_path(const std::string& name) {
   const char* path = std::getenv("PATH");
@@ -124,6 +127,7 @@ struct Shared {
   std::uint32_t host_cores = 1;
   std::uint64_t host_memory = 0;
   std::atomic<std::uint32_t> vms{0};
+  TemplateCache templates;
 
   explicit Shared(const AgentConfig& c)
       : config(c), disks(c.run_dir / ".microvm" / "disks"), uids(c.microvm.uid_base, c.microvm.uid_count) {}
@@ -132,14 +136,16 @@ struct Shared {
 class MicroVmSandbox final : public BackendSandbox {
  public:
   MicroVmSandbox(Shared& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
-                 std::unique_ptr<container::SandboxCgroup> cgroup, std::unique_ptr<VmInstance> vm)
+                 std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm)
       : shared_(shared),
         id_(std::move(id)),
         spec_(std::move(spec)),
         run_dir_(std::move(run_dir)),
         uid_(uid),
         cgroup_(std::move(cgroup)),
+        boot_(std::move(boot)),
         vm_(std::move(vm)) {
+    boot_.cgroup_procs.clear();
     ++shared_.vms;
   }
 
@@ -152,14 +158,83 @@ class MicroVmSandbox final : public BackendSandbox {
 
   ExecResult exec(const ExecRequest& req, const OutputSink& sink) override {
     check_running();
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is sleeping; wake it first", id_));
+      ++running_execs_;
+      vm = vm_;
+    }
+    struct ExecCount {
+      MicroVmSandbox& self;
+      ~ExecCount() {
+        std::lock_guard lock(self.power_mu_);
+        --self.running_execs_;
+      }
+    } exec_count{*this};
     ExecCommand command = exec_command(spec_, req, hostname());
     gp::ExecStart start{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false};
     try {
-      return guarded(id_, [&] { return vm_->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
+      return guarded(id_, [&] { return vm->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
     } catch (const Error& e) {
       if (e.code() == Code::kUnavailable) check_running();
       throw;
     }
+  }
+
+  // Sleep saves the guest's RAM and device state to the sandbox's run directory on local disk and ends QEMU, so
+  // every byte of its memory goes back to the node; wake starts a QEMU from that state and the guest's processes
+  // go on. Its files are out of reach while it sleeps (they live inside the stopped guest).
+  SleepReport sleep() override {
+    const auto started = Clock::now();
+    check_running();  // (takes power_mu_ itself)
+    std::lock_guard lock(power_mu_);
+    if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id_));
+    if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    if (running_execs_ > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} has {} exec{} running; it can sleep once they end", id_, running_execs_,
+                              running_execs_ == 1 ? "" : "s"));
+    SleepReport report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    fs::path state = run_dir_ / "sleep.state";
+    try {
+      vm_->save(state, /*ignore_shared=*/false, kSaveTimeout);
+    } catch (...) {
+      ::unlink(state.c_str());
+      try {
+        vm_->qmp("cont");
+      } catch (...) {
+      }
+      throw;
+    }
+    vm_->kill();
+    vm_.reset();  // the last hold on its RAM
+    drop_disk_cache();
+    sleeping_ = true;
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
+  }
+
+  SleepReport wake() override {
+    const auto started = Clock::now();
+    std::lock_guard lock(power_mu_);
+    if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
+    if (!sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not sleeping", id_));
+    SleepReport report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    fs::path state = run_dir_ / "sleep.state";
+    VmBootSpec boot = boot_;
+    std::vector<UniqueFd> procs = cgroup_->open_procs();
+    for (const auto& fd : procs) boot.cgroup_procs.push_back(fd.get());
+    for (const char* log : {"console.log", "qemu.log"}) ::truncate((run_dir_ / log).c_str(), 0);
+    vm_ = VmInstance::restore(boot, VmRestore{state, nullptr}, Clock::now() + shared_.config.microvm.boot_timeout);
+    ::unlink(state.c_str());
+    sleeping_ = false;
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
   }
 
   void write_file(std::string_view path, std::string_view data, unsigned mode) override {
@@ -181,7 +256,13 @@ class MicroVmSandbox final : public BackendSandbox {
 
   bool alive() override {
     if (destroyed_.load()) return false;
-    if (!vm_->exited() && vm_->guest().connected()) return true;
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_) return true;
+      vm = vm_;
+    }
+    if (!vm || (!vm->exited() && vm->guest().connected())) return true;
     // The VM stopped by itself (the guest panicked or powered off, QEMU crashed or was killed): what it held goes
     // at once, not when the sandbox is destroyed.
     release_once();
@@ -199,11 +280,27 @@ class MicroVmSandbox final : public BackendSandbox {
  private:
   std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
 
+  // The host's page cache of the writable disk is charged to the sandbox; while it sleeps the disk is only a file.
+  void drop_disk_cache() {
+    UniqueFd disk(::open((run_dir_ / "disk.ext4").c_str(), O_RDONLY | O_CLOEXEC));
+    if (!disk) return;
+    ::fdatasync(disk.get());
+    ::posix_fadvise(disk.get(), 0, 0, POSIX_FADV_DONTNEED);
+  }
+
   template <typename F>
   auto with_guest(F&& fn) -> decltype(fn(std::declval<guest::GuestChannel&>())) {
     check_running();
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_)
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("sandbox {} is sleeping: a microVM's files are reachable once it is woken", id_));
+      vm = vm_;
+    }
     try {
-      return guarded(id_, [&] { return fn(vm_->guest()); });
+      return guarded(id_, [&] { return fn(vm->guest()); });
     } catch (const Error& e) {
       if (e.code() == Code::kUnavailable) check_running();
       throw;
@@ -221,12 +318,19 @@ class MicroVmSandbox final : public BackendSandbox {
 
   // Kills QEMU (if it still runs) and hands back its cgroup, writable disk and uid. Idempotent.
   void release_once() {
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard power(power_mu_);
+      vm = vm_;
+    }
     std::lock_guard lock(release_mu_);
     if (released_) return;
     released_ = true;
-    bool was_running = !vm_->exited();
-    vm_->kill();
-    if (!was_running) last_words_ = vm_->last_words();
+    if (vm) {
+      bool was_running = !vm->exited();
+      vm->kill();
+      if (!was_running) last_words_ = vm->last_words();
+    }
     try {
       cgroup_->destroy();
     } catch (const std::exception& e) {
@@ -243,7 +347,11 @@ class MicroVmSandbox final : public BackendSandbox {
   fs::path run_dir_;
   std::uint32_t uid_;
   std::unique_ptr<container::SandboxCgroup> cgroup_;
-  std::unique_ptr<VmInstance> vm_;
+  VmBootSpec boot_;  // how its QEMU was started: a wake starts the next one the same way
+  std::mutex power_mu_;  // guards vm_, sleeping_ and running_execs_; held through a sleep or a wake
+  std::shared_ptr<VmInstance> vm_;  // null while it sleeps
+  bool sleeping_ = false;
+  int running_execs_ = 0;
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
   std::mutex release_mu_;
@@ -266,6 +374,9 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       throw Error(Code::kFailedPrecondition, fmt::format("the microvm backend needs dsec-init at {}", init.string()));
     shared_.work_dir = config.run_dir / ".microvm";
     fs::create_directories(shared_.work_dir);
+    // Templates of an earlier run: VMs started from them (taken over after a restart) hold their RAM themselves.
+    std::error_code ec;
+    fs::remove_all(shared_.work_dir / "templates", ec);
     std::vector<fs::path> modules;
     if (!shared_.kernel.modules_dir.empty())
       modules = module_load_order(shared_.kernel.modules_dir, guest_modules(), optional_guest_modules());
@@ -325,8 +436,6 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       limits.memory_bytes += overhead;
       limits.pids = kQemuPids;
       cgroup = shared_.cgroups->create(params.id, limits);
-      shared_.disks.make(run_dir / "disk.ext4", spec.resources.disk_bytes);
-
       VmBootSpec boot = boot_spec(params.id, run_dir, uid);
       boot.vcpus = std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
                                              shared_.host_cores);
@@ -334,25 +443,9 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       boot.layers = params.layer_images;
       boot.disk = run_dir / "disk.ext4";
       boot.hostname = spec.hostname.empty() ? params.id : spec.hostname;
-      std::unique_ptr<VmInstance> vm;
-      const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
-      for (std::uint32_t attempt = 1;; ++attempt) {
-        std::vector<UniqueFd> procs = cgroup->open_procs();
-        for (const auto& fd : procs) boot.cgroup_procs.push_back(fd.get());
-        try {
-          vm = VmInstance::boot(boot, Clock::now() + shared_.config.microvm.boot_timeout);
-          break;
-        } catch (const Error& e) {
-          boot.cgroup_procs.clear();
-          // A guest that stayed silent is booted once more (a boot can stall early under a loaded TCG host); any
-          // other failure would only repeat.
-          if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
-          log_warn("sandbox {}: boot attempt {} failed ({}); trying again", params.id, attempt, e.what());
-          for (const char* log : {"console.log", "qemu.log"}) ::unlink((run_dir / log).c_str());
-        }
-      }
+      std::unique_ptr<VmInstance> vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
       return std::make_unique<MicroVmSandbox>(shared_, params.id, spec, run_dir, uid, std::move(cgroup),
-                                              std::move(vm));
+                                              std::move(boot), std::move(vm));
     } catch (...) {
       if (cgroup) {
         try {
@@ -363,6 +456,96 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       std::error_code ec;
       fs::remove_all(run_dir, ec);
       shared_.uids.give_back(uid);
+      throw;
+    }
+  }
+
+  // A VM for a create: a clone of the template of its shape (made on first use), or a boot of its own.
+  std::unique_ptr<VmInstance> start_vm(VmBootSpec& boot, container::SandboxCgroup& cgroup,
+                                       const std::vector<layers::LayerImage>& layers, std::uint64_t disk_bytes) {
+    if (shared_.config.microvm.templates) {
+      std::string key = template_key(boot, layers, disk_bytes);
+      // A template that cannot be made fails the create with what a boot of this shape says.
+      TemplatePtr t = shared_.templates.get(key, [&] { return make_template(key, boot, disk_bytes); });
+      try {
+        copy_sparse(t->disk, boot.disk);
+        std::vector<UniqueFd> procs = cgroup.open_procs();
+        VmBootSpec b = boot;
+        for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
+        return VmInstance::restore(b, VmRestore{t->state, t->memory}, Clock::now() + shared_.config.microvm.boot_timeout);
+      } catch (const Error& e) {
+        log_warn("sandbox {}: start from template failed ({}); booting instead, and the template is made anew",
+                 boot.id, e.what());
+        shared_.templates.invalidate(key, t);
+        ::unlink(boot.disk.c_str());
+      }
+    }
+    shared_.disks.make(boot.disk, disk_bytes);
+    const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
+    for (std::uint32_t attempt = 1;; ++attempt) {
+      std::vector<UniqueFd> procs = cgroup.open_procs();
+      VmBootSpec b = boot;
+      for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
+      try {
+        return VmInstance::boot(b, Clock::now() + shared_.config.microvm.boot_timeout);
+      } catch (const Error& e) {
+        // A guest that stayed silent is booted once more (a boot can stall early under a loaded TCG host); any
+        // other failure would only repeat.
+        if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
+        log_warn("sandbox {}: boot attempt {} failed ({}); trying again", boot.id, attempt, e.what());
+        for (const char* log : {"console.log", "qemu.log"}) ::unlink((boot.run_dir / log).c_str());
+      }
+    }
+  }
+
+  static std::string template_key(const VmBootSpec& boot, const std::vector<layers::LayerImage>& layers,
+                                  std::uint64_t disk_bytes) {
+    std::string key = fmt::format("m{}-c{}-d{}", boot.memory_bytes, boot.vcpus, disk_bytes);
+    for (const auto& l : layers) key += "|" + l.file.string() + ":" + l.data_file.string();
+    return key;
+  }
+
+  // Boots a guest of the create's shape under a template name, lets it set up its root, and freezes it.
+  TemplatePtr make_template(const std::string& key, const VmBootSpec& like, std::uint64_t disk_bytes) {
+    const auto started = Clock::now();
+    fs::path dir = shared_.work_dir / "templates" / fmt::format("{:016x}", std::hash<std::string>{}(key));
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::create_directories(dir);
+    ::chmod(dir.c_str(), 0700);
+    std::uint32_t uid = shared_.uids.take();
+    struct GiveBack {
+      UidPool& pool;
+      std::uint32_t uid;
+      ~GiveBack() { pool.give_back(uid); }
+    } give_back{shared_.uids, uid};
+    VmBootSpec b = like;
+    b.id = "template-" + dir.filename().string();
+    b.run_dir = dir;
+    b.uid = uid;
+    b.gid = uid;
+    b.cgroup_procs.clear();
+    b.disk = dir / "disk";
+    b.hostname = "dsec-template";
+    try {
+      shared_.disks.make(b.disk, disk_bytes);
+      std::unique_ptr<VmInstance> vm;
+      const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
+      for (std::uint32_t attempt = 1;; ++attempt) {
+        try {
+          vm = VmInstance::boot(b, Clock::now() + shared_.config.microvm.boot_timeout);
+          break;
+        } catch (const Error& e) {
+          if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
+          log_warn("template {}: boot attempt {} failed ({}); trying again", b.id, attempt, e.what());
+        }
+      }
+      TemplatePtr t = freeze_vm(*vm, key, dir, b.disk, b.memory_bytes);
+      log_info("microvm template {} ready in {:.2f} s ({} MiB RAM, {} layers)", b.id,
+               std::chrono::duration<double>(Clock::now() - started).count(), b.memory_bytes >> 20, like.layers.size());
+      return t;
+    } catch (...) {
+      fs::remove_all(dir, ec);
       throw;
     }
   }
@@ -380,6 +563,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   void shutdown() override {
     stopping_ = true;
     if (prober_.joinable()) prober_.join();
+    shared_.templates.clear();
   }
 
  private:

@@ -129,7 +129,9 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   // --- validation, field by field ---
   check_text("name", spec.name);
   check_text("binary", spec.binary);
-  if (spec.vcpus < 1 || spec.vcpus > kMaxVcpus) invalid("vcpus", fmt::format("{} is not in [1, {}]", spec.vcpus, kMaxVcpus));
+  if (spec.vcpus < 1 || spec.vcpus > kMaxVcpus) {
+    invalid("vcpus", fmt::format("{} is not in [1, {}]", spec.vcpus, kMaxVcpus));
+  }
   if (spec.memory_bytes == 0) invalid("memory_bytes", "must be > 0");
   if (spec.memory_bytes > (std::uint64_t{1} << 50)) invalid("memory_bytes", "is absurdly large");
   if (spec.accelerator == Accelerator::kTcg && (spec.tcg_tb_size_mib < 1 || spec.tcg_tb_size_mib > 65536)) {
@@ -182,8 +184,8 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
     invalid("console_path", "give console_path or console_ringbuf_bytes, not both");
   }
   if (!spec.console_path.empty()) check_path("console_path", spec.console_path, fdsets);
-  if (spec.console_ringbuf_bytes != 0 &&
-      ((spec.console_ringbuf_bytes & (spec.console_ringbuf_bytes - 1)) != 0 || spec.console_ringbuf_bytes > (1u << 30))) {
+  const std::uint64_t ring = spec.console_ringbuf_bytes;
+  if (ring != 0 && ((ring & (ring - 1)) != 0 || ring > (1u << 30))) {
     invalid("console_ringbuf_bytes", fmt::format("{} is not a power of two up to 1 GiB", spec.console_ringbuf_bytes));
   }
 
@@ -196,12 +198,17 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
       invalid(f + ".node_name",
               fmt::format("'{}' is not a letter followed by at most 30 of [A-Za-z0-9._-]", d.node_name));
     }
-    // "ram", "qmp", "agent" and "console" are chardev and object ids, a separate name space; only nodes clash.
-    if (!node_names.insert(d.node_name).second) invalid(f + ".node_name", fmt::format("'{}' is used twice", d.node_name));
+    if (!node_names.insert(d.node_name).second) {
+      invalid(f + ".node_name", fmt::format("'{}' is used twice", d.node_name));
+    }
     check_path(f + ".filename", d.filename, fdsets);
-    if (d.format != "raw" && d.format != "qcow2") invalid(f + ".format", fmt::format("'{}' is not raw or qcow2", d.format));
+    if (d.format != "raw" && d.format != "qcow2") {
+      invalid(f + ".format", fmt::format("'{}' is not raw or qcow2", d.format));
+    }
     if (d.format != "raw" && (d.offset != 0 || d.size != 0)) invalid(f + ".offset", "offset and size are for raw only");
-    if (!valid_serial(d.serial)) invalid(f + ".serial", fmt::format("'{}' is not at most 20 of [A-Za-z0-9._-]", d.serial));
+    if (!valid_serial(d.serial)) {
+      invalid(f + ".serial", fmt::format("'{}' is not at most 20 of [A-Za-z0-9._-]", d.serial));
+    }
     if (!d.serial.empty() && !serials.insert(d.serial).second) {
       invalid(f + ".serial", fmt::format("'{}' is used twice", d.serial));
     }

@@ -16,6 +16,9 @@
 //    QEMU opens mem-path with plain open() ("can't open backing store /dev/fdset/3 for guest RAM").
 //  - -kernel and -initrd given as /proc/self/fd/N; not /dev/fdset/S ("could not open kernel file"). Neither they nor
 //    -append are split at commas, so they are passed as they are.
+//  - -add-fd takes its descriptor over: the original number is closed (and reused: "/proc/self/fd/8: No such device
+//    or address" when a socket got it). So one descriptor is either an fd set member or a /proc/self/fd/N path,
+//    never both; qemu_argv refuses /proc/self/fd/N of any fd it hands QEMU (fds, the QMP and agent sockets).
 //  - -blockdev filename=/dev/fdset/S: the set needs an fd of the matching access mode (O_RDONLY for a read-only
 //    device, O_RDWR for a writable one). raw with offset=/size=, read-only=on, file.locking=off; writable devices with
 //    discard=unmap,detect-zeroes=unmap; qcow2.

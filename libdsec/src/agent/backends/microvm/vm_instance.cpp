@@ -66,16 +66,35 @@ UniqueFd connect_unix(const fs::path& path) {
 }
 
 std::unique_ptr<VmInstance> VmInstance::boot(const VmBootSpec& spec, Clock::time_point deadline) {
+  return start(spec, nullptr, deadline);
+}
+
+std::unique_ptr<VmInstance> VmInstance::restore(const VmBootSpec& spec, const VmRestore& from,
+                                                Clock::time_point deadline) {
+  return start(spec, &from, deadline);
+}
+
+std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRestore* from,
+                                              Clock::time_point deadline) {
   std::unique_ptr<VmInstance> vm(new VmInstance());
   vm->id_ = spec.id;
   vm->run_dir_ = spec.run_dir;
   const fs::path& dir = spec.run_dir;
 
-  // Guest RAM: a memfd of the guest's size (sealable: a frozen copy becomes a template clones map).
-  vm->memory_.reset(::memfd_create(("dsec-ram-" + spec.id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!vm->memory_) throw_errno(errno, "memfd_create for guest RAM");
-  if (::ftruncate(vm->memory_.get(), static_cast<off_t>(spec.memory_bytes)) != 0)
-    throw_errno(errno, "size guest RAM");
+  int memory_fd = -1;
+  if (from && from->template_memory) {
+    vm->template_ = from->template_memory;
+    memory_fd = vm->template_->get();
+  } else {
+    // Guest RAM: a memfd of the guest's size (sealable: a frozen copy becomes a template clones map).
+    UniqueFd memfd(::memfd_create(("dsec-ram-" + spec.id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (!memfd) throw_errno(errno, "memfd_create for guest RAM");
+    if (::ftruncate(memfd.get(), static_cast<off_t>(spec.memory_bytes)) != 0) throw_errno(errno, "size guest RAM");
+    memory_fd = memfd.get();
+    vm->memory_ = std::make_shared<const UniqueFd>(std::move(memfd));
+  }
+  UniqueFd state;
+  if (from) state = open_or_throw(from->state_file, O_RDONLY);
 
   UniqueFd kernel = open_or_throw(spec.kernel, O_RDONLY);
   UniqueFd initrd = open_or_throw(spec.initrd, O_RDONLY);
@@ -91,8 +110,9 @@ std::unique_ptr<VmInstance> VmInstance::boot(const VmBootSpec& spec, Clock::time
   q.tcg_tb_size_mib = spec.tcg_tb_size_mib;
   q.vcpus = spec.vcpus;
   q.memory_bytes = spec.memory_bytes;
-  q.memory_share = true;
+  q.memory_share = !vm->template_;
   q.balloon = true;
+  q.incoming = from != nullptr;
 
   VmLaunch launch;
   std::vector<UniqueFd> held;  // every descriptor handed to QEMU, closed here once it runs
@@ -107,7 +127,7 @@ std::unique_ptr<VmInstance> VmInstance::boot(const VmBootSpec& spec, Clock::time
     q.fds.push_back({target, ++fdset});
     return fmt::format("/dev/fdset/{}", fdset);
   };
-  q.memory_path = fmt::format("/proc/self/fd/{}", pass(vm->memory_.get()));
+  q.memory_path = fmt::format("/proc/self/fd/{}", pass(memory_fd));
   q.kernel = fmt::format("/proc/self/fd/{}", pass(kernel.get()));
   q.initrd = fmt::format("/proc/self/fd/{}", pass(initrd.get()));
   q.qmp_listen_fd = pass(qmp_listen.get());
@@ -164,15 +184,10 @@ std::unique_ptr<VmInstance> VmInstance::boot(const VmBootSpec& spec, Clock::time
 
   try {
     vm->qmp_.emplace(QmpClient::connect(dir / "qmp.sock", deadline));
+    if (from) vm->load_state(state, !!vm->template_, deadline);
     vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(dir / "agent.sock"), spec.id);
-    gp::Hello hello;
-    hello.realtime_ns = realtime_ns();
-    hello.entropy.resize(32);
-    if (::getrandom(hello.entropy.data(), hello.entropy.size(), 0) != static_cast<ssize_t>(hello.entropy.size()))
-      hello.entropy.clear();
-    hello.hostname = spec.hostname;
-    (void)vm->guest_->hello(hello, deadline);
-    if (!spec.layers.empty() || !spec.disk.empty()) vm->guest_->setup(setup, deadline);
+    vm->greet(spec.hostname, deadline, from != nullptr);
+    if (!from && (!spec.layers.empty() || !spec.disk.empty())) vm->guest_->setup(setup, deadline);
   } catch (const Error& e) {
     // Give QEMU a moment to finish writing why it stopped.
     if (!vm->exited()) vm->kill();
@@ -184,6 +199,73 @@ std::unique_ptr<VmInstance> VmInstance::boot(const VmBootSpec& spec, Clock::time
                 fmt::format("sandbox {}: the guest did not come up: {}{}", spec.id, e.what(), words));
   }
   return vm;
+}
+
+void VmInstance::greet(const std::string& hostname, Clock::time_point deadline, bool restored) {
+  gp::Hello hello;
+  hello.realtime_ns = realtime_ns();
+  hello.entropy.resize(32);
+  if (::getrandom(hello.entropy.data(), hello.entropy.size(), 0) != static_cast<ssize_t>(hello.entropy.size()))
+    hello.entropy.clear();
+  hello.hostname = hostname;
+  if (!restored) {
+    (void)guest_->hello(hello, deadline);
+    return;
+  }
+  // A restored guest learns only after it runs again that its port's peer changed, and then reopens the port,
+  // which can drop a hello sent before: ask again until one is answered.
+  for (;;) {
+    auto attempt = std::min(deadline, Clock::now() + std::chrono::milliseconds(500));
+    try {
+      (void)guest_->hello(hello, attempt);
+      return;
+    } catch (const Error& e) {
+      if (e.code() != Code::kDeadlineExceeded || Clock::now() >= deadline) throw;
+    }
+  }
+}
+
+void VmInstance::load_state(const UniqueFd& state, bool ignore_shared, Clock::time_point deadline) {
+  std::lock_guard lock(qmp_mu_);
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  };
+  qmp_->execute("migrate-set-capabilities",
+                {{"capabilities", nlohmann::json::array({{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}})}},
+                left());
+  qmp_->execute_with_fds("getfd", {{"fdname", "state"}}, {state.get()}, left());
+  qmp_->execute("migrate-incoming", {{"uri", "fd:state"}}, left());
+  // QEMU runs the guest on its own once the stream is loaded (no -S).
+  for (;;) {
+    std::string status = qmp_status(*qmp_);
+    if (status == "running") return;
+    if (status == "paused" || status == "postmigrate") {
+      qmp_->execute("cont", nlohmann::json::object(), left());
+      return;
+    }
+    if (status != "inmigrate" && status != "prelaunch")
+      throw Error(Code::kUnavailable, fmt::format("restoring the VM ended in state '{}'", status));
+    if (Clock::now() >= deadline) throw Error(Code::kDeadlineExceeded, "restoring the VM's state took too long");
+    ::usleep(1000);
+  }
+}
+
+void VmInstance::save(const fs::path& state_file, bool ignore_shared, std::chrono::milliseconds timeout) {
+  std::lock_guard lock(qmp_mu_);
+  if (!qmp_) throw Error(Code::kUnavailable, fmt::format("sandbox {}: no QMP connection", id_));
+  UniqueFd out = open_or_throw(state_file, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  qmp_->execute("stop");
+  qmp_->execute("migrate-set-capabilities",
+                {{"capabilities", nlohmann::json::array({{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}})}});
+  // QEMU throttles migration to 32 MiB/s unless told otherwise; a file takes what the disk gives.
+  qmp_->execute("migrate-set-parameters", {{"max-bandwidth", std::int64_t{1} << 40}});
+  qmp_->execute_with_fds("getfd", {{"fdname", "save"}}, {out.get()});
+  qmp_->execute("migrate", {{"uri", "fd:save"}});
+  qmp_wait_migration(*qmp_, timeout);
+  if (::fsync(out.get()) != 0) throw_errno_fmt(errno, "fsync {}", state_file.string());
+  // The page cache of what QEMU wrote is charged to the sandbox: on disk now, it need not stay in memory.
+  ::posix_fadvise(out.get(), 0, 0, POSIX_FADV_DONTNEED);
 }
 
 VmInstance::~VmInstance() {

@@ -50,6 +50,18 @@ struct VmBootSpec {
   std::string hostname;
 };
 
+// Guest RAM: a memfd, shared by a frozen template with the clones that map it copy-on-write.
+using GuestMemory = std::shared_ptr<const UniqueFd>;
+
+// A VM started from saved state instead of booted: QEMU's device state (a migration stream in a file) and where its
+// RAM comes from.
+struct VmRestore {
+  std::filesystem::path state_file;
+  // A frozen template's sealed RAM, mapped privately (copy-on-write): the stream holds no RAM (saved with
+  // ignore_shared). Null: the stream holds the RAM, restored into a new memfd of the VM's own.
+  GuestMemory template_memory;
+};
+
 class VmInstance {
  public:
   // Starts QEMU and waits until dsec-init inside answers (and, with layers, has made its root), all before
@@ -57,6 +69,17 @@ class VmInstance {
   // is UNAVAILABLE or FAILED_PRECONDITION; each message ends with the guest console's and QEMU's last lines. On any
   // failure the QEMU is killed.
   static std::unique_ptr<VmInstance> boot(const VmBootSpec& spec, Clock::time_point deadline);
+  // Starts QEMU from saved state (the same devices as the VM it was saved from) and waits until dsec-init inside
+  // answers the hello that renews its clock, entropy and hostname. The guest's processes go on where they were.
+  static std::unique_ptr<VmInstance> restore(const VmBootSpec& spec, const VmRestore& from, Clock::time_point deadline);
+
+  // Stops the guest and writes QEMU's device state (and, unless `ignore_shared`, the guest's RAM) to `state_file`.
+  // The guest stays stopped; end this QEMU afterwards. With ignore_shared the RAM stays in memory(): freeze it
+  // (seal it) before anything maps it for a clone.
+  void save(const std::filesystem::path& state_file, bool ignore_shared, std::chrono::milliseconds timeout);
+  // The guest's RAM (null for a clone, whose RAM is a private mapping of its template).
+  const GuestMemory& memory() const noexcept { return memory_; }
+  const GuestMemory& template_memory() const noexcept { return template_; }
 
   ~VmInstance();
   VmInstance(const VmInstance&) = delete;
@@ -77,11 +100,15 @@ class VmInstance {
 
  private:
   VmInstance() = default;
+  static std::unique_ptr<VmInstance> start(const VmBootSpec& spec, const VmRestore* from, Clock::time_point deadline);
+  void load_state(const UniqueFd& state, bool ignore_shared, Clock::time_point deadline);
+  void greet(const std::string& hostname, Clock::time_point deadline, bool restored);
 
   std::string id_;
   std::filesystem::path run_dir_;
   VmProcess process_;
-  UniqueFd memory_;
+  GuestMemory memory_;    // this VM's own RAM (shared with QEMU)
+  GuestMemory template_;  // or the template its RAM is a copy-on-write view of
   std::mutex qmp_mu_;
   std::optional<QmpClient> qmp_;
   std::unique_ptr<guest::GuestChannel> guest_;

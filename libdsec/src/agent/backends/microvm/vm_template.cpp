@@ -1,0 +1,85 @@
+#include "agent/backends/microvm/vm_template.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <fmt/format.h>
+
+#include "agent/backends/microvm/writable_disk.hpp"
+#include "common/syscall.hpp"
+
+namespace dsec::agent::microvm {
+namespace fs = std::filesystem;
+
+VmTemplate::~VmTemplate() {
+  std::error_code ec;
+  if (!dir.empty()) fs::remove_all(dir, ec);
+}
+
+void seal_memory(int memfd) {
+  if (::fcntl(memfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+    throw_errno(errno, "seal the template's guest RAM");
+}
+
+TemplatePtr freeze_vm(VmInstance& vm, std::string key, const fs::path& dir, const fs::path& disk,
+                      std::uint64_t memory_bytes) {
+  if (!vm.memory()) throw Error(Code::kFailedPrecondition, "a clone of a template cannot itself be frozen");
+  const auto started = Clock::now();
+  fs::create_directories(dir);
+  ::chmod(dir.c_str(), 0700);
+  auto t = std::make_shared<VmTemplate>();
+  t->key = std::move(key);
+  t->dir = dir;
+  t->state = dir / "state";
+  t->disk = dir / "disk";
+  t->memory_bytes = memory_bytes;
+  vm.save(t->state, /*ignore_shared=*/true, std::chrono::seconds(60));
+  GuestMemory memory = vm.memory();
+  vm.kill();
+  // The disk as the stopped guest left it: it and the RAM are one consistent machine.
+  if (disk != t->disk) copy_sparse(disk, t->disk);
+  seal_memory(memory->get());
+  t->memory = std::move(memory);
+  t->build_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  return t;
+}
+
+TemplatePtr TemplateCache::get(const std::string& key, const std::function<TemplatePtr()>& make) {
+  std::shared_ptr<Slot> slot;
+  {
+    std::lock_guard lock(mu_);
+    auto& s = slots_[key];
+    if (!s) s = std::make_shared<Slot>();
+    slot = s;
+  }
+  std::lock_guard making(slot->making);
+  {
+    std::lock_guard lock(mu_);
+    if (slot->current) return slot->current;
+  }
+  TemplatePtr made = make();
+  std::lock_guard lock(mu_);
+  slot->current = made;
+  return made;
+}
+
+void TemplateCache::invalidate(const std::string& key, const TemplatePtr& which) {
+  std::lock_guard lock(mu_);
+  auto it = slots_.find(key);
+  if (it != slots_.end() && it->second->current == which) it->second->current.reset();
+}
+
+void TemplateCache::clear() {
+  std::lock_guard lock(mu_);
+  slots_.clear();
+}
+
+std::size_t TemplateCache::size() const {
+  std::lock_guard lock(mu_);
+  std::size_t n = 0;
+  for (const auto& [key, slot] : slots_)
+    if (slot->current) ++n;
+  return n;
+}
+
+}  // namespace dsec::agent::microvm

@@ -1,0 +1,68 @@
+// Frozen microVMs that new ones start from instead of booting: a template is a guest booted once (its root made
+// from an image's layers) and stopped, kept as QEMU's device state in a file, its RAM in a sealed memfd and its
+// writable disk in a file. A VM started from it maps that RAM privately (copy-on-write: pages it never writes stay
+// shared with every other VM of the template, in host memory once), gets a copy of the disk, and runs on from the
+// instant the template stopped, under its own hostname, clock and entropy (the hello after a restore renews them).
+//
+// Sealing (F_SEAL_WRITE, SHRINK, GROW, SEAL) makes the RAM immutable for everyone, QEMU processes and the agent
+// alike: a VM whose QEMU the guest took over still cannot change what its siblings map.
+//
+// Templates serve creates (a template per image, memory, vCPUs and disk size, made by the first create of that
+// shape) and forks (a template made from a running sandbox, which then runs on as one of its own clones).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "agent/backends/microvm/vm_instance.hpp"
+
+namespace dsec::agent::microvm {
+
+struct VmTemplate {
+  std::string key;
+  std::filesystem::path dir;    // holds `state` and `disk`; removed when the last user of the template goes
+  std::filesystem::path state;  // QEMU's device state (no RAM: saved with x-ignore-shared)
+  std::filesystem::path disk;   // the writable disk as it was when the template stopped
+  GuestMemory memory;           // sealed
+  std::uint64_t memory_bytes = 0;
+  double build_seconds = 0;     // boot (or the running VM's save) to frozen
+
+  ~VmTemplate();
+};
+using TemplatePtr = std::shared_ptr<const VmTemplate>;
+
+// Freezes a running VM into a template in `dir` (created): saves its device state without RAM, ends its QEMU, seals
+// its RAM, and keeps its writable disk `disk` as the template's (moved when it is in `dir` already as "disk", else
+// copied). The VM must be one with RAM of its own (not a clone); it is gone afterwards.
+TemplatePtr freeze_vm(VmInstance& vm, std::string key, const std::filesystem::path& dir,
+                      const std::filesystem::path& disk, std::uint64_t memory_bytes);
+
+// Seals a memfd against every write, resize and further seal (F_SEAL_WRITE needs no writable shared mapping of it to
+// exist: the QEMU that had one must have exited).
+void seal_memory(int memfd);
+
+// Templates for creates, by key. get() returns the template for `key`, making it with `make` the first time (one
+// maker per key at a time; other callers of the key wait for it). A template is kept while it works; invalidate()
+// drops one that could not start a VM (its layers left the node, say) so the next create makes it anew.
+class TemplateCache {
+ public:
+  TemplatePtr get(const std::string& key, const std::function<TemplatePtr()>& make);
+  void invalidate(const std::string& key, const TemplatePtr& which);
+  void clear();
+  std::size_t size() const;
+
+ private:
+  struct Slot {
+    std::mutex making;
+    TemplatePtr current;
+  };
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Slot>, std::less<>> slots_;
+};
+
+}  // namespace dsec::agent::microvm
