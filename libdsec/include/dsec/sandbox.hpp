@@ -103,11 +103,13 @@ class Sandbox {
   // snapshots, such as null), RESOURCE_EXHAUSTED (the store is full, or the files exceed the node's limit; nothing
   // is tagged then).
   SnapshotResult snapshot(std::string_view name) const;
-  // Branches the sandbox: snapshots it (under `name`, or "fork/<sandbox id>:<random>" when empty) and creates n
-  // sandboxes from the snapshot with this sandbox's spec (image aside; without its request id and group), placed by
-  // the client like Client::create_many, all or nothing. Each starts with this sandbox's files as they were at the
-  // call and diverges on its own from there. The returned handles own their sandboxes. The snapshot stays in the
-  // store (remove it with `dsec image rm` when no sandbox needs it any more).
+  // Branches the sandbox into n copies, all or nothing, with this sandbox's spec (without its request id and group).
+  // A microVM (with `name` empty) is copied whole on its node: every copy runs on from the moment of the fork with
+  // the same processes, memory and files, and so does this sandbox. Other kinds, or with a `name`: the sandbox is
+  // snapshotted (under `name`, or "fork/<sandbox id>:<random>" when empty) and n sandboxes are created from the
+  // snapshot, placed by the client like Client::create_many; each starts with this sandbox's files as they were at
+  // the call (not its processes). The returned handles own their sandboxes. A snapshot stays in the store (remove
+  // it with `dsec image rm` when no sandbox needs it any more).
   std::vector<Sandbox> fork(std::size_t n, std::string_view name = {}) const;
   // Destroys the sandbox; idempotent. The handle is empty afterwards.
   void destroy();

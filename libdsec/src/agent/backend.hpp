@@ -19,6 +19,13 @@
 
 namespace dsec::agent {
 
+// A running sandbox frozen so that copies of it, processes and all, can start from it (BackendSandbox::
+// fork_source). Only the backend that made it reads it.
+class ForkSource {
+ public:
+  virtual ~ForkSource() = default;
+};
+
 // What a backend needs to start one sandbox.
 struct CreateParams {
   std::string id;                                   // unique on this node, also the default hostname
@@ -26,6 +33,8 @@ struct CreateParams {
   std::vector<std::filesystem::path> image_layers;  // read-only root layers, lowest first
   // The same layers as EROFS images (virtual machines attach them as disks); empty where the node has none.
   std::vector<layers::LayerImage> layer_images;
+  // A copy of a running sandbox of this backend (its fork_source()), not a new one from the image.
+  std::shared_ptr<const ForkSource> fork_of;
 };
 
 // What a backend needs to take one of its sandboxes over after an agent restart: a few named values (pids, start
@@ -93,6 +102,13 @@ class BackendSandbox {
   // part of it. Captures of one sandbox run one at a time, and never during a sleep or a wake.
   virtual FilesCapture capture_files(const std::filesystem::path& dest, const image::UpperTreeLimits& limits) {
     throw Error(Code::kUnimplemented, "this backend's sandboxes cannot be snapshotted");
+  }
+  // Freezes the sandbox, processes and memory, into a source that Backend::create starts copies from
+  // (CreateParams::fork_of): each copy runs on from this instant with the same processes, files and memory, and so
+  // does this sandbox. Refused while execs run (their callers would lose them) or while it sleeps.
+  virtual std::shared_ptr<const ForkSource> fork_source() {
+    throw Error(Code::kUnimplemented,
+                "this backend cannot fork a running sandbox (fork copies its files through a snapshot instead)");
   }
   // What Backend::adopt needs to take this sandbox over after an agent restart; the registry writes it into the
   // sandbox's record once create returned. Empty for backends that need nothing.

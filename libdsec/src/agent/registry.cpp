@@ -264,7 +264,7 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
 }
 
 CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest,
-                                   const std::string& fingerprint) {
+                                   const std::string& fingerprint, std::shared_ptr<const ForkSource> fork_of) {
   auto started = std::chrono::steady_clock::now();
   auto backend_it = backends_.find(spec.kind);
   if (backend_it == backends_.end())
@@ -304,7 +304,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   try {
     if (persist_lease) persist_group(spec.group);
     ResolvedImage image = images_.resolve(spec.image, image_manifest);
-    CreateParams params{id, spec, image.layers, image.layer_images};
+    CreateParams params{id, spec, image.layers, image.layer_images, std::move(fork_of)};
     SandboxInfo& info = record->info;
     info.id = id;
     info.node = options_.node_id;
@@ -494,6 +494,54 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
   std::vector<CreateOutcome> out;
   out.reserve(count);
   for (auto& r : results) out.push_back(std::move(*r));
+  return out;
+}
+
+std::vector<CreateOutcome> Registry::fork(const std::string& id, std::size_t count, const Labels& labels) {
+  constexpr std::size_t kMaxForks = 256;
+  if (count == 0 || count > kMaxForks)
+    throw Error(Code::kInvalidArgument, fmt::format("count: {} copies asked; a fork makes 1 to {}", count, kMaxForks));
+  std::shared_ptr<Record> parent = find_live(id);
+  check_alive(*parent);
+  SandboxSpec spec;
+  std::string manifest;
+  {
+    std::lock_guard lock(parent->mutex);
+    if (parent->info.state != "running")
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is {}; only a running sandbox can be forked", id, parent->info.state));
+    spec = parent->spec;
+    spec.image = parent->info.image;  // pinned: the copies hold the same layers
+    manifest = parent->image_manifest;
+  }
+  spec.request_id.clear();
+  spec.group.clear();
+  spec.group_ttl = std::chrono::seconds{0};
+  spec.hostname.clear();
+  for (const auto& [k, v] : labels) spec.labels[k] = v;
+  // Refuse copies that cannot fit before stopping the sandbox for them.
+  if (backends_.count(spec.kind)) {
+    std::lock_guard lock(mutex_);
+    admit(spec.resources, count);
+  }
+  std::shared_ptr<const ForkSource> source;
+  {
+    std::lock_guard power(parent->power_mutex);  // not during a sleep or a wake
+    source = parent->sandbox->fork_source();
+  }
+  std::vector<CreateOutcome> out;
+  try {
+    for (std::size_t i = 0; i < count; ++i) out.push_back(create_new(spec, manifest, {}, source));
+  } catch (...) {
+    for (const auto& made : out) {
+      try {
+        destroy(made.info.id, "fork failed");
+      } catch (const std::exception& e) {
+        log_warn("fork rollback: destroy {}: {}", made.info.id, e.what());
+      }
+    }
+    throw;
+  }
   return out;
 }
 

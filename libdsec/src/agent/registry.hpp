@@ -138,6 +138,11 @@ class Registry {
   // left; the same id with the other call is INVALID_ARGUMENT.
   SleepOutcome sleep(const std::string& id, std::string_view request_id = {});
   SleepOutcome wake(const std::string& id, std::string_view request_id = {});
+  // Copies a running sandbox, processes and memory and all, into `count` new sandboxes on this node (the backend's
+  // fork_source; UNIMPLEMENTED for backends that cannot). The copies have the sandbox's spec (new ids, and without
+  // its request id and group), `labels` added, and run on from the moment of the fork, as does the sandbox itself.
+  // All or nothing: when one copy fails, those made are destroyed and the error is thrown.
+  std::vector<CreateOutcome> fork(const std::string& id, std::size_t count, const Labels& labels = {});
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
   // The spec a live sandbox was created from (snapshots hand it on to the sandboxes made from them). NOT_FOUND like
@@ -194,7 +199,8 @@ class Registry {
     double at = 0;
   };
 
-  CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint);
+  CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint,
+                           std::shared_ptr<const ForkSource> fork_of = nullptr);
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
   // and the creates in flight. Caller holds mutex_.
   void admit(const Resources& resources, std::size_t count) const;

@@ -164,6 +164,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kSandboxSnapshot: return snapshot(request, target);
+    case Route::kSandboxFork: return fork(request, target);
     case Route::kGroups: return groups(request, target);
     case Route::kGroup: return group(request, target);
     case Route::kGroupRenew: return group_renew(request, target);
@@ -377,6 +378,35 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
   body["swap_bytes"] = r.swap_bytes;
   if (sleep) body["reclaim_timed_out"] = r.reclaim_timed_out;
   return json_response(http::status::ok, body);
+}
+
+// POST {"count": n, "labels": {...}}: n copies of a running sandbox, processes and memory included, on this node
+// (Registry::fork). Answers like a batch create: {"sandboxes": [...]}.
+HttpResponse Router::fork(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/fork", {http::verb::post});
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  if (!body.is_object()) throw Error(Code::kInvalidArgument, "fork: the body must be a JSON object such as {\"count\": 4}");
+  std::size_t count = 0;
+  Labels labels;
+  for (const auto& [key, value] : body.items()) {
+    if (key == "count") {
+      if (!value.is_number_unsigned()) throw Error(Code::kInvalidArgument, "count: must be a positive integer");
+      count = value.get<std::size_t>();
+    } else if (key == "labels") {
+      if (!value.is_object()) throw Error(Code::kInvalidArgument, "labels: must be an object of strings");
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) throw Error(Code::kInvalidArgument, fmt::format("labels.{}: must be a string", k));
+        labels[k] = v.get<std::string>();
+      }
+    } else {
+      throw Error(Code::kInvalidArgument, fmt::format("fork: unknown field '{}' (known: count, labels)", key));
+    }
+  }
+  std::vector<CreateOutcome> outcomes = registry_.fork(target.sandbox_id, count, labels);
+  std::vector<SandboxInfo> infos;
+  for (auto& o : outcomes) infos.push_back(std::move(o.info));
+  return json_response(http::status::created, sandbox_list(infos));
 }
 
 // POST {"name": "repo[:tag]", "request_id": "..."}: capture the sandbox's files as a new image (agent/snapshots.hpp).

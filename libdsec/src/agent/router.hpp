@@ -43,6 +43,7 @@ class Router {
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
   HttpResponse snapshot(HttpRequest& request, const Target& target);
+  HttpResponse fork(HttpRequest& request, const Target& target);
   HttpResponse groups(HttpRequest& request, const Target& target);
   HttpResponse group(HttpRequest& request, const Target& target);
   HttpResponse group_renew(HttpRequest& request, const Target& target);

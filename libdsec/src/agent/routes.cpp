@@ -40,6 +40,7 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandboxSleep: return "/v1/sandboxes/{id}/sleep";
     case Route::kSandboxWake: return "/v1/sandboxes/{id}/wake";
     case Route::kSandboxSnapshot: return "/v1/sandboxes/{id}/snapshot";
+    case Route::kSandboxFork: return "/v1/sandboxes/{id}/fork";
     case Route::kGroups: return "/v1/groups";
     case Route::kGroup: return "/v1/groups/{id}";
     case Route::kGroupRenew: return "/v1/groups/{id}/renew";
@@ -140,6 +141,7 @@ Target parse_target(std::string_view target) {
         else if (parts.size() == 4 && parts[3] == "sleep") out.route = Route::kSandboxSleep;
         else if (parts.size() == 4 && parts[3] == "wake") out.route = Route::kSandboxWake;
         else if (parts.size() == 4 && parts[3] == "snapshot") out.route = Route::kSandboxSnapshot;
+        else if (parts.size() == 4 && parts[3] == "fork") out.route = Route::kSandboxFork;
         if (out.route != Route::kUnknown) out.sandbox_id = std::move(id);
       }
     } else if (parts.size() >= 2 && is(1, "groups")) {

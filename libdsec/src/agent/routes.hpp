@@ -24,6 +24,7 @@ enum class Route {
   kSandboxSleep,    // /v1/sandboxes/{id}/sleep
   kSandboxWake,     // /v1/sandboxes/{id}/wake
   kSandboxSnapshot, // /v1/sandboxes/{id}/snapshot
+  kSandboxFork,     // /v1/sandboxes/{id}/fork
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

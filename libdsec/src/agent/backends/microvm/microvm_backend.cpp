@@ -133,6 +133,14 @@ struct Shared {
       : config(c), disks(c.run_dir / ".microvm" / "disks"), uids(c.microvm.uid_base, c.microvm.uid_count) {}
 };
 
+// A running microVM frozen for its copies: its RAM sealed, its device state and disk in files.
+class MicroVmForkSource final : public ForkSource {
+ public:
+  MicroVmForkSource(TemplatePtr t, VmBootSpec boot) : frozen(std::move(t)), parent_boot(std::move(boot)) {}
+  TemplatePtr frozen;
+  VmBootSpec parent_boot;
+};
+
 class MicroVmSandbox final : public BackendSandbox {
  public:
   MicroVmSandbox(Shared& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
@@ -225,9 +233,7 @@ class MicroVmSandbox final : public BackendSandbox {
     SleepReport report;
     report.memory_before_bytes = cgroup_->memory_current();
     fs::path state = run_dir_ / "sleep.state";
-    VmBootSpec boot = boot_;
-    std::vector<UniqueFd> procs = cgroup_->open_procs();
-    for (const auto& fd : procs) boot.cgroup_procs.push_back(fd.get());
+    VmBootSpec boot = with_cgroup(boot_);
     for (const char* log : {"console.log", "qemu.log"}) ::truncate((run_dir_ / log).c_str(), 0);
     vm_ = VmInstance::restore(boot, VmRestore{state, nullptr}, Clock::now() + shared_.config.microvm.boot_timeout);
     ::unlink(state.c_str());
@@ -254,6 +260,54 @@ class MicroVmSandbox final : public BackendSandbox {
     return with_guest([&](guest::GuestChannel& g) { return S_ISDIR(g.mode_of(path, Clock::now() + kFileTimeout)); });
   }
 
+  // The VM stops, its RAM becomes a sealed template, and it runs on as the first of that template's clones; its
+  // copies start from the same template. A VM that is itself a clone (of an image's template, or of an earlier
+  // fork) first takes its RAM as its own: saved whole and loaded into a memfd of its own.
+  std::shared_ptr<const ForkSource> fork_source() override {
+    check_running();
+    std::lock_guard lock(power_mu_);
+    if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is sleeping; wake it first", id_));
+    if (running_execs_ > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} has {} exec{} running; it can be forked once they end", id_, running_execs_,
+                              running_execs_ == 1 ? "" : "s"));
+    if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    const auto deadline = Clock::now() + shared_.config.microvm.boot_timeout;
+    if (vm_->template_memory()) {
+      fs::path whole = run_dir_ / "fork.state";
+      vm_->save(whole, /*ignore_shared=*/false, kSaveTimeout);
+      vm_->kill();
+      vm_.reset();
+      VmBootSpec b = with_cgroup(boot_);
+      // Loading the RAM into a memfd allocates all of it before the zero pages are given back: room for that.
+      cgroup_->set_limits(2 * boot_.memory_bytes + shared_.config.microvm.overhead_bytes, kQemuPids);
+      struct Limits {
+        MicroVmSandbox& self;
+        ~Limits() {
+          try {
+            self.cgroup_->set_limits(self.spec_.resources.memory_bytes + self.shared_.config.microvm.overhead_bytes,
+                                     kQemuPids);
+          } catch (const std::exception& e) {
+            log_warn("sandbox {}: memory limit after a fork: {}", self.id_, e.what());
+          }
+        }
+      } limits{*this};
+      VmRestore whole_ram;
+      whole_ram.state_file = whole;
+      whole_ram.into_memfd = true;
+      whole_ram.paused = true;
+      vm_ = VmInstance::restore(b, whole_ram, deadline);
+      ::unlink(whole.c_str());
+      vm_->punch_zero_pages();
+    }
+    fs::path dir = shared_.work_dir / "forks" / fmt::format("{}-{}", id_, ++forks_);
+    TemplatePtr t = freeze_vm(*vm_, "fork:" + id_, dir, run_dir_ / "disk.ext4", boot_.memory_bytes);
+    vm_.reset();
+    VmBootSpec b = with_cgroup(boot_);
+    vm_ = VmInstance::restore(b, VmRestore{t->state, t->memory}, deadline);
+    return std::make_shared<MicroVmForkSource>(std::move(t), boot_);
+  }
+
   bool alive() override {
     if (destroyed_.load()) return false;
     std::shared_ptr<VmInstance> vm;
@@ -262,7 +316,8 @@ class MicroVmSandbox final : public BackendSandbox {
       if (sleeping_) return true;
       vm = vm_;
     }
-    if (!vm || (!vm->exited() && vm->guest().connected())) return true;
+    // No VM while awake: a fork or a wake that failed half way left none.
+    if (vm && !vm->exited() && vm->guest().connected()) return true;
     // The VM stopped by itself (the guest panicked or powered off, QEMU crashed or was killed): what it held goes
     // at once, not when the sandbox is destroyed.
     release_once();
@@ -279,6 +334,15 @@ class MicroVmSandbox final : public BackendSandbox {
 
  private:
   std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
+
+  // The boot spec with this sandbox's cgroup to join (its descriptors live as long as procs_).
+  VmBootSpec with_cgroup(const VmBootSpec& boot) {
+    procs_ = cgroup_->open_procs();
+    VmBootSpec b = boot;
+    b.cgroup_procs.clear();
+    for (const auto& fd : procs_) b.cgroup_procs.push_back(fd.get());
+    return b;
+  }
 
   // The host's page cache of the writable disk is charged to the sandbox; while it sleeps the disk is only a file.
   void drop_disk_cache() {
@@ -352,6 +416,8 @@ class MicroVmSandbox final : public BackendSandbox {
   std::shared_ptr<VmInstance> vm_;  // null while it sleeps
   bool sleeping_ = false;
   int running_execs_ = 0;
+  std::vector<UniqueFd> procs_;
+  std::uint32_t forks_ = 0;
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
   std::mutex release_mu_;
@@ -443,7 +509,22 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       boot.layers = params.layer_images;
       boot.disk = run_dir / "disk.ext4";
       boot.hostname = spec.hostname.empty() ? params.id : spec.hostname;
-      std::unique_ptr<VmInstance> vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
+      std::unique_ptr<VmInstance> vm;
+      if (params.fork_of) {
+        const auto* source = dynamic_cast<const MicroVmForkSource*>(params.fork_of.get());
+        if (!source) throw Error(Code::kInvalidArgument, "fork: the source is not a microVM");
+        boot.layers = source->parent_boot.layers;
+        boot.memory_bytes = source->parent_boot.memory_bytes;
+        boot.vcpus = source->parent_boot.vcpus;
+        copy_sparse(source->frozen->disk, boot.disk);
+        std::vector<UniqueFd> procs = cgroup->open_procs();
+        VmBootSpec b = boot;
+        for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
+        vm = VmInstance::restore(b, VmRestore{source->frozen->state, source->frozen->memory},
+                                 Clock::now() + shared_.config.microvm.boot_timeout);
+      } else {
+        vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
+      }
       return std::make_unique<MicroVmSandbox>(shared_, params.id, spec, run_dir, uid, std::move(cgroup),
                                               std::move(boot), std::move(vm));
     } catch (...) {

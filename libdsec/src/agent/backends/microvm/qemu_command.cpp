@@ -164,9 +164,11 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   for (std::size_t i = 0; i < spec.block_devices.size(); ++i) {
     check_not_taken(fmt::format("block_devices[{}].filename", i), spec.block_devices[i].filename, seen_fds);
   }
-  check_text("memory_path", spec.memory_path);
-  if (fdset_of(spec.memory_path) != -1) {
-    invalid("memory_path", "QEMU opens mem-path with open(2), so /dev/fdset does not work: use /proc/self/fd/N");
+  if (!spec.memory_path.empty()) {
+    check_text("memory_path", spec.memory_path);
+    if (fdset_of(spec.memory_path) != -1) {
+      invalid("memory_path", "QEMU opens mem-path with open(2), so /dev/fdset does not work: use /proc/self/fd/N");
+    }
   }
   check_text("kernel", spec.kernel);
   if (fdset_of(spec.kernel) != -1) invalid("kernel", "/dev/fdset does not work for -kernel: use /proc/self/fd/N");
@@ -229,8 +231,11 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   add({"-cpu", !spec.cpu_model.empty() ? spec.cpu_model : std::string(kvm ? "host" : "max")});
   add({"-smp", std::to_string(spec.vcpus)});
   add({"-m", fmt::format("{}M", mib)});
-  add({"-object", fmt::format("memory-backend-file,id=ram,size={}M,mem-path={},share={}", mib,
-                              qemu_opt_escape(spec.memory_path), spec.memory_share ? "on" : "off")});
+  if (spec.memory_path.empty())
+    add({"-object", fmt::format("memory-backend-ram,id=ram,size={}M", mib)});
+  else
+    add({"-object", fmt::format("memory-backend-file,id=ram,size={}M,mem-path={},share={}", mib,
+                                qemu_opt_escape(spec.memory_path), spec.memory_share ? "on" : "off")});
   // -kernel, -initrd and -append are taken whole (not split at commas): no escaping.
   add({"-kernel", spec.kernel});
   if (!spec.initrd.empty()) add({"-initrd", spec.initrd});

@@ -68,7 +68,8 @@ struct QemuSpec {
 
   std::uint32_t vcpus = 1;
   std::uint64_t memory_bytes = 0;  // rounded up to a MiB
-  // Guest RAM is always a memory-backend-file (id "ram") on this path, e.g. "/proc/self/fd/7" (never /dev/fdset).
+  // Guest RAM is a memory-backend-file (id "ram") on this path, e.g. "/proc/self/fd/7" (never /dev/fdset); empty:
+  // anonymous memory (memory-backend-ram), whose pages the guest never wrote cost nothing even when read.
   std::string memory_path;
   bool memory_share = true;  // true for a VM of its own; false for a copy-on-write clone of a frozen template
 

@@ -85,6 +85,8 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   if (from && from->template_memory) {
     vm->template_ = from->template_memory;
     memory_fd = vm->template_->get();
+  } else if (from && !from->into_memfd) {
+    // Anonymous RAM: memory_fd stays -1.
   } else {
     // Guest RAM: a memfd of the guest's size (sealable: a frozen copy becomes a template clones map).
     UniqueFd memfd(::memfd_create(("dsec-ram-" + spec.id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
@@ -113,6 +115,7 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   q.memory_share = !vm->template_;
   q.balloon = true;
   q.incoming = from != nullptr;
+  q.start_paused = from && from->paused;
 
   VmLaunch launch;
   std::vector<UniqueFd> held;  // every descriptor handed to QEMU, closed here once it runs
@@ -127,7 +130,7 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     q.fds.push_back({target, ++fdset});
     return fmt::format("/dev/fdset/{}", fdset);
   };
-  q.memory_path = fmt::format("/proc/self/fd/{}", pass(memory_fd));
+  if (memory_fd >= 0) q.memory_path = fmt::format("/proc/self/fd/{}", pass(memory_fd));
   q.kernel = fmt::format("/proc/self/fd/{}", pass(kernel.get()));
   q.initrd = fmt::format("/proc/self/fd/{}", pass(initrd.get()));
   q.qmp_listen_fd = pass(qmp_listen.get());
@@ -184,7 +187,8 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
 
   try {
     vm->qmp_.emplace(QmpClient::connect(dir / "qmp.sock", deadline));
-    if (from) vm->load_state(state, !!vm->template_, deadline);
+    if (from) vm->load_state(state, !!vm->template_, from->paused, deadline);
+    if (from && from->paused) return vm;
     vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(dir / "agent.sock"), spec.id);
     vm->greet(spec.hostname, deadline, from != nullptr);
     if (!from && (!spec.layers.empty() || !spec.disk.empty())) vm->guest_->setup(setup, deadline);
@@ -225,7 +229,7 @@ void VmInstance::greet(const std::string& hostname, Clock::time_point deadline, 
   }
 }
 
-void VmInstance::load_state(const UniqueFd& state, bool ignore_shared, Clock::time_point deadline) {
+void VmInstance::load_state(const UniqueFd& state, bool ignore_shared, bool paused, Clock::time_point deadline) {
   std::lock_guard lock(qmp_mu_);
   auto left = [&] {
     return std::max(std::chrono::milliseconds(1),
@@ -241,7 +245,7 @@ void VmInstance::load_state(const UniqueFd& state, bool ignore_shared, Clock::ti
     std::string status = qmp_status(*qmp_);
     if (status == "running") return;
     if (status == "paused" || status == "postmigrate") {
-      qmp_->execute("cont", nlohmann::json::object(), left());
+      if (!paused) qmp_->execute("cont", nlohmann::json::object(), left());
       return;
     }
     if (status != "inmigrate" && status != "prelaunch")
@@ -266,6 +270,30 @@ void VmInstance::save(const fs::path& state_file, bool ignore_shared, std::chron
   if (::fsync(out.get()) != 0) throw_errno_fmt(errno, "fsync {}", state_file.string());
   // The page cache of what QEMU wrote is charged to the sandbox: on disk now, it need not stay in memory.
   ::posix_fadvise(out.get(), 0, 0, POSIX_FADV_DONTNEED);
+}
+
+std::uint64_t VmInstance::punch_zero_pages() {
+  if (!memory_) return 0;
+  int fd = memory_->get();
+  off_t size = ::lseek(fd, 0, SEEK_END);
+  constexpr std::size_t kChunk = 1u << 20, kPage = 4096;
+  std::vector<char> buf(kChunk);
+  std::uint64_t freed = 0;
+  for (off_t pos = 0; pos < size;) {
+    off_t data = ::lseek(fd, pos, SEEK_DATA);
+    if (data < 0) break;
+    ssize_t n = ::pread(fd, buf.data(), kChunk, data);
+    if (n <= 0) break;
+    for (std::size_t off = 0; off + kPage <= static_cast<std::size_t>(n); off += kPage) {
+      const char* p = buf.data() + off;
+      if (p[0] == 0 && std::memcmp(p, p + 1, kPage - 1) == 0) {
+        if (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, data + static_cast<off_t>(off), kPage) == 0)
+          freed += kPage;
+      }
+    }
+    pos = data + n;
+  }
+  return freed;
 }
 
 VmInstance::~VmInstance() {

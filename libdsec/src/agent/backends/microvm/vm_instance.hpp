@@ -58,8 +58,13 @@ using GuestMemory = std::shared_ptr<const UniqueFd>;
 struct VmRestore {
   std::filesystem::path state_file;
   // A frozen template's sealed RAM, mapped privately (copy-on-write): the stream holds no RAM (saved with
-  // ignore_shared). Null: the stream holds the RAM, restored into a new memfd of the VM's own.
+  // ignore_shared). Null: the stream holds the RAM, loaded into anonymous memory of the VM's own (pages the guest
+  // never wrote stay unallocated), or, with `into_memfd`, into a memfd (every page gets allocated: QEMU reads each
+  // page it loads a zero for; punch_zero_pages() gives them back) so the VM can be frozen afterwards.
   GuestMemory template_memory;
+  bool into_memfd = false;
+  // Stay stopped once loaded (no guest runs, nothing greets it): to save it again at once.
+  bool paused = false;
 };
 
 class VmInstance {
@@ -77,7 +82,10 @@ class VmInstance {
   // The guest stays stopped; end this QEMU afterwards. With ignore_shared the RAM stays in memory(): freeze it
   // (seal it) before anything maps it for a clone.
   void save(const std::filesystem::path& state_file, bool ignore_shared, std::chrono::milliseconds timeout);
-  // The guest's RAM (null for a clone, whose RAM is a private mapping of its template).
+  // Gives back the pages of the VM's memfd that hold only zeros (call while the guest is stopped).
+  std::uint64_t punch_zero_pages();
+  // The guest's RAM when it is a memfd of its own (null for a clone, whose RAM is a private mapping of its template,
+  // and for a VM restored into anonymous memory).
   const GuestMemory& memory() const noexcept { return memory_; }
   const GuestMemory& template_memory() const noexcept { return template_; }
 
@@ -85,7 +93,11 @@ class VmInstance {
   VmInstance(const VmInstance&) = delete;
   VmInstance& operator=(const VmInstance&) = delete;
 
-  guest::GuestChannel& guest() { return *guest_; }
+  // The line to dsec-init (not for a VM restored paused).
+  guest::GuestChannel& guest() {
+    if (!guest_) throw Error(Code::kFailedPrecondition, "this VM is stopped: nothing inside answers");
+    return *guest_;
+  }
   pid_t pid() const noexcept { return process_.pid; }
   int pidfd() const noexcept { return process_.pidfd.get(); }
   const std::filesystem::path& run_dir() const noexcept { return run_dir_; }
@@ -101,7 +113,7 @@ class VmInstance {
  private:
   VmInstance() = default;
   static std::unique_ptr<VmInstance> start(const VmBootSpec& spec, const VmRestore* from, Clock::time_point deadline);
-  void load_state(const UniqueFd& state, bool ignore_shared, Clock::time_point deadline);
+  void load_state(const UniqueFd& state, bool ignore_shared, bool paused, Clock::time_point deadline);
   void greet(const std::string& hostname, Clock::time_point deadline, bool restored);
 
   std::string id_;
