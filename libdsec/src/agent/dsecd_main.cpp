@@ -60,6 +60,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --microvm-qemu PATH     qemu-system-x86_64 (default: found on PATH)
   --microvm-accelerator A auto: KVM where it really runs the guest (probed at start), else TCG; kvm; tcg
                           (default auto)
+  --microvm-templates on|off
+                          start microVMs from templates (a guest of the same image and shape booted once and
+                          frozen; its RAM shared copy-on-write) instead of booting each (default on)
   --microvm-boot-timeout SECS
                           how long a guest may take to answer after QEMU starts (default 30)
   --on-restart MODE       what to do at start with the sandboxes an earlier run left (it was killed, crashed, or
@@ -240,6 +243,9 @@ int main(int argc, char** argv) {
       if (value != "auto" && value != "kvm" && value != "tcg")
         fail(fmt::format("--microvm-accelerator: '{}' is not one of auto, kvm, tcg", value));
       config.microvm.accelerator = std::string(value);
+    } else if (flag == "--microvm-templates") {
+      if (value != "on" && value != "off") fail(fmt::format("--microvm-templates: '{}' is not on or off", value));
+      config.microvm.templates = value == "on";
     } else if (flag == "--microvm-boot-timeout") {
       std::size_t secs = parse_unsigned(flag, value);
       if (secs == 0) fail("--microvm-boot-timeout: must be at least 1");

@@ -497,6 +497,16 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
   return out;
 }
 
+void Registry::refresh_backend_state(Record& record) {
+  try {
+    BackendState state = record.sandbox->recovery_state();
+    std::lock_guard lock(record.mutex);
+    record.backend_state = std::move(state);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: {}", record.info.id, e.what());
+  }
+}
+
 std::vector<CreateOutcome> Registry::fork(const std::string& id, std::size_t count, const Labels& labels) {
   constexpr std::size_t kMaxForks = 256;
   if (count == 0 || count > kMaxForks)
@@ -528,6 +538,13 @@ std::vector<CreateOutcome> Registry::fork(const std::string& id, std::size_t cou
   {
     std::lock_guard power(parent->power_mutex);  // not during a sleep or a wake
     source = parent->sandbox->fork_source();
+    // The sandbox runs on in a new process of its backend's: its record says which.
+    refresh_backend_state(*parent);
+    try {
+      write_record(*parent);
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: record after its fork: {}", id, e.what());
+    }
   }
   std::vector<CreateOutcome> out;
   try {
@@ -690,6 +707,7 @@ Registry::SleepOutcome Registry::sleep(const std::string& id, std::string_view r
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}; only a running sandbox can sleep", id, state));
   out.report = record->sandbox->sleep();
   remember_power_request(*record, request_id, true, out.report);
+  refresh_backend_state(*record);
   {
     std::lock_guard lock(record->mutex);
     record->info.state = "sleeping";
@@ -722,6 +740,7 @@ Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view re
                                                        "wake", id, state));
   out.report = record->sandbox->wake();
   remember_power_request(*record, request_id, false, out.report);
+  refresh_backend_state(*record);
   {
     std::lock_guard lock(record->mutex);
     record->info.state = "running";

@@ -199,6 +199,8 @@ class Registry {
     double at = 0;
   };
 
+  // Asks the backend again what its record must say (a VM's QEMU changes at a wake or a fork).
+  void refresh_backend_state(Record& record);
   CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint,
                            std::shared_ptr<const ForkSource> fork_of = nullptr);
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones

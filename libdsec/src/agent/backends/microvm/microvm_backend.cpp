@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
 #include "agent/backends/microvm/vm_instance.hpp"
 #include "agent/backends/microvm/vm_template.hpp"
@@ -22,6 +23,8 @@
 #include "agent/host.hpp"
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
+
+#include <sys/syscall.h>
 
 namespace dsec::agent {
 namespace microvm {
@@ -81,6 +84,60 @@ auto guarded(const std::string& id, F&& fn) -> decltype(fn()) {
   }
 }
 
+// What a sandbox's record keeps for a restarted agent (BackendState).
+namespace key {
+constexpr const char* kBootId = "boot_id";
+constexpr const char* kQemuPid = "qemu_pid";
+constexpr const char* kQemuStart = "qemu_start_time";
+constexpr const char* kUid = "uid";
+constexpr const char* kCgroup = "cgroup";
+constexpr const char* kMemory = "memory";
+constexpr const char* kVcpus = "vcpus";
+constexpr const char* kHostname = "hostname";
+constexpr const char* kLayers = "layer_images";  // "file\tdata file" per line
+constexpr const char* kRam = "ram";              // "own" (a memfd), "clone" (of a template), "anonymous"
+constexpr const char* kAccelerator = "accelerator";
+}  // namespace key
+
+std::string encode_layers(const std::vector<layers::LayerImage>& images) {
+  std::string out;
+  for (const auto& l : images) out += l.file.string() + "\t" + l.data_file.string() + "\n";
+  return out;
+}
+
+std::vector<layers::LayerImage> decode_layers(const std::string& text) {
+  std::vector<layers::LayerImage> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    auto nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    std::string line = text.substr(pos, nl - pos);
+    auto tab = line.find('\t');
+    if (tab == std::string::npos) throw Error(Code::kInvalidArgument, "microvm record: malformed layer line");
+    out.push_back({line.substr(0, tab), line.substr(tab + 1)});
+    pos = nl + 1;
+  }
+  return out;
+}
+
+const std::string& state_value(const BackendState& state, const char* name) {
+  auto it = state.find(name);
+  if (it == state.end()) throw Error(Code::kInvalidArgument, fmt::format("microvm record: no {}", name));
+  return it->second;
+}
+
+std::uint64_t state_number(const BackendState& state, const char* name) {
+  const std::string& v = state_value(state, name);
+  try {
+    std::size_t used = 0;
+    std::uint64_t n = std::stoull(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    return n;
+  } catch (const std::exception&) {
+    throw Error(Code::kInvalidArgument, fmt::format("microvm record: {} is not a number", name));
+  }
+}
+
 // The uids QEMU processes run as: one per VM, never two VMs at once.
 class UidPool {
  public:
@@ -96,6 +153,11 @@ class UidPool {
       }
     }
     throw Error(Code::kResourceExhausted, fmt::format("all {} microVM uids are in use", count_));
+  }
+  // A uid a VM taken over after a restart has.
+  void claim(std::uint32_t uid) {
+    std::lock_guard lock(mu_);
+    if (uid >= base_ && uid - base_ < count_) used_.insert(uid - base_);
   }
   void give_back(std::uint32_t uid) {
     std::lock_guard lock(mu_);
@@ -144,7 +206,8 @@ class MicroVmForkSource final : public ForkSource {
 class MicroVmSandbox final : public BackendSandbox {
  public:
   MicroVmSandbox(Shared& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
-                 std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm)
+                 std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm,
+                 bool sleeping = false)
       : shared_(shared),
         id_(std::move(id)),
         spec_(std::move(spec)),
@@ -152,7 +215,8 @@ class MicroVmSandbox final : public BackendSandbox {
         uid_(uid),
         cgroup_(std::move(cgroup)),
         boot_(std::move(boot)),
-        vm_(std::move(vm)) {
+        vm_(std::move(vm)),
+        sleeping_(sleeping) {
     boot_.cgroup_procs.clear();
     ++shared_.vms;
   }
@@ -258,6 +322,24 @@ class MicroVmSandbox final : public BackendSandbox {
   }
   bool is_directory(std::string_view path) override {
     return with_guest([&](guest::GuestChannel& g) { return S_ISDIR(g.mode_of(path, Clock::now() + kFileTimeout)); });
+  }
+
+  BackendState recovery_state() override {
+    std::lock_guard lock(power_mu_);
+    BackendState out{{key::kBootId, container::boot_id()},
+                     {key::kUid, std::to_string(uid_)},
+                     {key::kCgroup, cgroup_->path()},
+                     {key::kMemory, std::to_string(boot_.memory_bytes)},
+                     {key::kVcpus, std::to_string(boot_.vcpus)},
+                     {key::kHostname, boot_.hostname},
+                     {key::kLayers, encode_layers(boot_.layers)},
+                     {key::kAccelerator, boot_.accelerator == Accelerator::kKvm ? "kvm" : "tcg"}};
+    if (vm_) {
+      out[key::kQemuPid] = std::to_string(vm_->pid());
+      out[key::kQemuStart] = std::to_string(container::process_start_time(vm_->pid()).value_or(0));
+      out[key::kRam] = vm_->template_memory() ? "clone" : vm_->memory() ? "own" : "anonymous";
+    }
+    return out;
   }
 
   // The VM stops, its RAM becomes a sealed template, and it runs on as the first of that template's clones; its
@@ -498,10 +580,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     try {
       fs::create_directories(run_dir);
       ::chmod(run_dir.c_str(), 0700);
-      Resources limits = spec.resources;
-      limits.memory_bytes += overhead;
-      limits.pids = kQemuPids;
-      cgroup = shared_.cgroups->create(params.id, limits);
+      cgroup = shared_.cgroups->create(params.id, vm_limits(spec));
       VmBootSpec boot = boot_spec(params.id, run_dir, uid);
       boot.vcpus = std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
                                              shared_.host_cores);
@@ -631,6 +710,52 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     }
   }
 
+  // Takes over a VM an earlier run of the agent started: its QEMU must be the process the record names (pid, start
+  // time, boot), in the sandbox's cgroup, answering on its sockets; a sleeping one needs only its saved state.
+  std::unique_ptr<BackendSandbox> adopt(const AdoptParams& p) override {
+    const BackendState& st = p.state;
+    fs::path run_dir = shared_.config.run_dir / p.id;
+    if (state_value(st, key::kBootId) != container::boot_id())
+      throw Error(Code::kNotFound, fmt::format("sandbox {}: the host rebooted since its VM started", p.id));
+    VmBootSpec boot = boot_spec(p.id, run_dir, static_cast<std::uint32_t>(state_number(st, key::kUid)));
+    boot.accelerator = state_value(st, key::kAccelerator) == "kvm" ? Accelerator::kKvm : Accelerator::kTcg;
+    boot.memory_bytes = state_number(st, key::kMemory);
+    boot.vcpus = static_cast<std::uint32_t>(state_number(st, key::kVcpus));
+    boot.hostname = state_value(st, key::kHostname);
+    boot.layers = decode_layers(state_value(st, key::kLayers));
+    boot.disk = run_dir / "disk.ext4";
+    const std::string cgroup_path = state_value(st, key::kCgroup);
+    container::check_adoptable_path(cgroup_path);
+    std::unique_ptr<container::SandboxCgroup> cgroup;
+    try {
+      cgroup = shared_.cgroups->adopt(cgroup_path);
+    } catch (const Error& e) {
+      // A sleeping VM has no process in its cgroup, which an agent's start removes as empty: made again.
+      if (e.code() != Code::kNotFound || !p.sleeping) throw;
+      cgroup = shared_.cgroups->create(p.id, vm_limits(p.spec));
+    }
+    std::unique_ptr<VmInstance> vm;
+    if (p.sleeping) {
+      if (!fs::exists(run_dir / "sleep.state"))
+        throw Error(Code::kNotFound, fmt::format("sandbox {}: its saved state is gone", p.id));
+    } else {
+      auto pid = static_cast<pid_t>(state_number(st, key::kQemuPid));
+      UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+      if (!pidfd) throw Error(Code::kNotFound, fmt::format("sandbox {}: its QEMU (pid {}) is gone", p.id, pid));
+      auto start = container::process_start_time(pid);
+      if (!start || std::to_string(*start) != state_value(st, key::kQemuStart))
+        throw Error(Code::kNotFound, fmt::format("sandbox {}: its QEMU (pid {}) is gone", p.id, pid));
+      if (!container::process_in_cgroup(pid, cgroup_path, shared_.cgroups->version()))
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("sandbox {}: pid {} is not in the sandbox's cgroup", p.id, pid));
+      vm = VmInstance::attach(p.id, run_dir, pid, std::move(pidfd), state_value(st, key::kRam) == "clone",
+                              boot.hostname, Clock::now() + std::chrono::seconds(10));
+    }
+    shared_.uids.claim(boot.uid);
+    return std::make_unique<MicroVmSandbox>(shared_, p.id, p.spec, run_dir, boot.uid, std::move(cgroup),
+                                            std::move(boot), std::move(vm), p.sleeping);
+  }
+
   void remove_leftovers(const std::string& id) override {
     std::error_code ec;
     fs::remove_all(shared_.config.run_dir / id, ec);
@@ -648,6 +773,14 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   }
 
  private:
+  // A VM's cgroup: its cores, its guest RAM plus QEMU's own overhead, QEMU's threads.
+  Resources vm_limits(const SandboxSpec& spec) const {
+    Resources limits = spec.resources;
+    limits.memory_bytes += shared_.config.microvm.overhead_bytes;
+    limits.pids = kQemuPids;
+    return limits;
+  }
+
   VmBootSpec boot_spec(const std::string& id, const fs::path& run_dir, std::uint32_t uid) {
     VmBootSpec b;
     b.id = id;

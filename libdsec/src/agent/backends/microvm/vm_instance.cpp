@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -202,6 +203,29 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     throw Error(code == Code::kInternal ? Code::kUnavailable : code,
                 fmt::format("sandbox {}: the guest did not come up: {}{}", spec.id, e.what(), words));
   }
+  return vm;
+}
+
+std::unique_ptr<VmInstance> VmInstance::attach(const std::string& id, const fs::path& run_dir, pid_t pid,
+                                               UniqueFd pidfd, bool clone, const std::string& hostname,
+                                               Clock::time_point deadline) {
+  std::unique_ptr<VmInstance> vm(new VmInstance());
+  vm->id_ = id;
+  vm->run_dir_ = run_dir;
+  vm->process_.pid = pid;
+  vm->process_.pidfd = std::move(pidfd);
+  vm->adopted_ = true;
+  // QEMU keeps the descriptor it was given for guest RAM (number 3, see start()); the agent takes a copy back.
+  // A VM restored into anonymous memory has no such descriptor (its 3 is another file): only a memfd counts.
+  UniqueFd memory(static_cast<int>(::syscall(SYS_pidfd_getfd, vm->process_.pidfd.get(), 3, 0)));
+  if (memory && ::fcntl(memory.get(), F_GET_SEALS) >= 0)
+    (clone ? vm->template_ : vm->memory_) = std::make_shared<const UniqueFd>(std::move(memory));
+  vm->qmp_.emplace(QmpClient::connect(run_dir / "qmp.sock", deadline));
+  std::string status = qmp_status(*vm->qmp_);
+  if (status != "running")
+    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM is {}, not running", id, status));
+  vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(run_dir / "agent.sock"), id);
+  vm->greet(hostname, deadline, /*restored=*/true);
   return vm;
 }
 

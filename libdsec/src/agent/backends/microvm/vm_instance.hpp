@@ -77,6 +77,13 @@ class VmInstance {
   // Starts QEMU from saved state (the same devices as the VM it was saved from) and waits until dsec-init inside
   // answers the hello that renews its clock, entropy and hostname. The guest's processes go on where they were.
   static std::unique_ptr<VmInstance> restore(const VmBootSpec& spec, const VmRestore& from, Clock::time_point deadline);
+  // Takes over a QEMU an earlier run of the agent started (after a restart): `pidfd` names it (checked by the
+  // caller), its QMP and agent sockets are connected again at their paths in the run directory, and the guest is
+  // greeted (which ends the execs the old agent ran: nobody can read their output any more). The guest's RAM comes
+  // back from QEMU's own descriptor 3 (its own memfd, or the template a clone maps; `clone` says which).
+  static std::unique_ptr<VmInstance> attach(const std::string& id, const std::filesystem::path& run_dir, pid_t pid,
+                                            UniqueFd pidfd, bool clone, const std::string& hostname,
+                                            Clock::time_point deadline);
 
   // Stops the guest and writes QEMU's device state (and, unless `ignore_shared`, the guest's RAM) to `state_file`.
   // The guest stays stopped; end this QEMU afterwards. With ignore_shared the RAM stays in memory(): freeze it
@@ -125,6 +132,7 @@ class VmInstance {
   std::optional<QmpClient> qmp_;
   std::unique_ptr<guest::GuestChannel> guest_;
   bool killed_ = false;
+  bool adopted_ = false;
 };
 
 // A unix stream socket bound at `path` (replacing a stale one) and listening.
