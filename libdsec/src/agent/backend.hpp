@@ -116,6 +116,9 @@ class BackendSandbox {
 
   // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
   virtual bool alive() = 0;
+  // Once alive() said false: what the backend knows of why (a VM's console's last lines), or "" when it knows
+  // nothing more than that the processes are gone.
+  virtual std::string stopped_reason() { return {}; }
   // Kills everything inside and releases every host resource (cgroups, namespaces, mounts, directories).
   // Idempotent and safe to call concurrently with other methods, which then fail with NOT_FOUND or UNAVAILABLE.
   virtual void destroy() = 0;

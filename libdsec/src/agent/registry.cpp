@@ -592,7 +592,9 @@ void Registry::check_alive(Record& record) {
     std::lock_guard lock(record.mutex);
     if (record.info.state == "running") {
       record.info.state = "failed";
-      record.info.message = "the sandbox's processes are gone (its init exited or it was killed as a whole)";
+      std::string why = record.sandbox->stopped_reason();
+      record.info.message = why.empty() ? "the sandbox's processes are gone (its init exited or it was killed as a whole)"
+                                        : "the sandbox stopped: " + why;
       changed = true;
     }
   }

@@ -264,13 +264,6 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
       }
     }
   } kill_on_unwind{*this, call.id()};
-  while (!stdin_data.empty()) {
-    auto piece = stdin_data.substr(0, gp::kMaxDataChunk);
-    send(Type::kStdin, call.id(), data_payload(piece));
-    stdin_data.remove_prefix(piece.size());
-  }
-  if (start.stdin_follows) send(Type::kStdin, call.id(), data_payload({}));
-
   gp::Frame first = answer(call.id(), started + kStartTimeout, "an exec");
   if (first.type == Type::kFailed) {
     gp::Reader r(first.payload);
@@ -279,6 +272,25 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
     throw init::start_error(err, stage, argv0, cwd);
   }
   if (first.type != Type::kStarted) throw Error(Code::kInternal, "guest: unexpected answer to exec");
+
+  // Stdin goes as the guest's window allows (it acknowledges what it wrote into the command's pipe), so a command
+  // that does not read it holds it here, not in guest memory.
+  std::uint64_t stdin_window = gp::kWindowBytes;
+  bool stdin_open = start.stdin_follows;
+  auto feed_stdin = [&] {
+    while (stdin_open && stdin_window > 0 && !stdin_data.empty()) {
+      auto piece = stdin_data.substr(0, std::min<std::size_t>(gp::kMaxDataChunk, stdin_window));
+      send(Type::kStdin, call.id(), data_payload(piece));
+      stdin_data.remove_prefix(piece.size());
+      stdin_window -= piece.size();
+    }
+    if (stdin_open && stdin_data.empty()) {
+      send(Type::kStdin, call.id(), data_payload({}));
+      stdin_open = false;
+    }
+  };
+  feed_stdin();
+  std::uint64_t delivered = 0;  // output taken since the last acknowledgement
 
   ExecResult result;
   const auto deadline = started + std::chrono::microseconds(static_cast<std::int64_t>(timeout_seconds * 1e6));
@@ -307,6 +319,8 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
       gp::Reader r(f->payload);
       int stream = r.u8() == 2 ? 2 : 1;
       std::string data = r.str();
+      r.finish();
+      const std::uint64_t received = data.size();
       // The guest caps output already; the agent does not rely on it.
       std::uint64_t& kept = stream == 2 ? stderr_kept : stdout_kept;
       std::uint64_t room = start.max_output > kept ? start.max_output - kept : 0;
@@ -315,9 +329,23 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
         (stream == 2 ? result.stderr_truncated : result.stdout_truncated) = true;
       }
       kept += data.size();
-      if (data.empty()) continue;
-      if (sink) sink(stream, data);
-      else (stream == 2 ? result.stderr_data : result.stdout_data) += data;
+      if (!data.empty()) {
+        if (sink) sink(stream, data);
+        else (stream == 2 ? result.stderr_data : result.stdout_data) += data;
+      }
+      // Acknowledged once delivered: a caller that reads slowly keeps the command waiting on its pipe.
+      delivered += received;
+      if (delivered >= gp::kCreditStep) {
+        send(Type::kCredit, call.id(), gp::Writer().u64(delivered).take());
+        delivered = 0;
+      }
+      continue;
+    }
+    if (f->type == Type::kCredit) {
+      gp::Reader r(f->payload);
+      stdin_window += std::min<std::uint64_t>(r.u64(), gp::kWindowBytes);
+      stdin_window = std::min<std::uint64_t>(stdin_window, gp::kWindowBytes);
+      feed_stdin();
       continue;
     }
     if (f->type == Type::kExited) {

@@ -15,6 +15,9 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/random.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>
@@ -155,6 +158,19 @@ std::map<std::string, std::string> find_disks(const std::set<std::string>& seria
   }
 }
 
+// The guest's only network: loopback, up (as a container's namespace has it).
+void loopback_up() {
+  int sock = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) return;
+  ifreq ifr{};
+  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+  if (::ioctl(sock, SIOCGIFFLAGS, &ifr) == 0) {
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (::ioctl(sock, SIOCSIFFLAGS, &ifr) != 0) log_line("bring loopback up: " + errno_text(errno));
+  }
+  ::close(sock);
+}
+
 [[noreturn]] void fail_setup(int err, const std::string& what) {
   throw Error(err == ENOSPC ? Code::kResourceExhausted : Code::kFailedPrecondition,
               "guest setup: " + what + (err ? ": " + errno_text(err) : std::string()));
@@ -170,6 +186,8 @@ struct Exec {
   bool out_truncated = false, err_truncated = false;
   std::string stdin_pending;
   bool stdin_closing = false;  // close once stdin_pending is written
+  std::uint64_t stdin_taken = 0;  // written into the pipe since the last kCredit
+  std::uint64_t out_credit = gp::kWindowBytes;  // output the agent will take before it acknowledges more
   bool exited = false;
   int status = 0;
   Clock::time_point exited_at{};
@@ -283,11 +301,11 @@ class GuestInit {
     std::vector<std::pair<std::uint32_t, int>> watched;  // (channel, which: 1 out, 2 err, 0 stdin)
     bool room = out_.size() < kOutputBackpressure;
     for (auto& [channel, exec] : execs_) {
-      if (room && exec.out >= 0) {
+      if (room && exec.out >= 0 && may_read(exec, 1)) {
         fds.push_back({exec.out, POLLIN, 0});
         watched.emplace_back(channel, 1);
       }
-      if (room && exec.err >= 0) {
+      if (room && exec.err >= 0 && may_read(exec, 2)) {
         fds.push_back({exec.err, POLLIN, 0});
         watched.emplace_back(channel, 2);
       }
@@ -364,6 +382,14 @@ class GuestInit {
         case Type::kKill: {
           auto it = execs_.find(f.channel);
           if (it != execs_.end()) kill_exec(it->second);
+          return;
+        }
+        case Type::kCredit: {
+          auto it = execs_.find(f.channel);
+          if (it == execs_.end()) return;
+          gp::Reader r(f.payload);
+          it->second.out_credit += std::min<std::uint64_t>(r.u64(), gp::kWindowBytes);
+          it->second.out_credit = std::min<std::uint64_t>(it->second.out_credit, gp::kWindowBytes);
           return;
         }
         case Type::kReadFile: return on_read_file(f);
@@ -539,6 +565,11 @@ class GuestInit {
       ssize_t n = ::write(exec.in, exec.stdin_pending.data(), exec.stdin_pending.size());
       if (n > 0) {
         exec.stdin_pending.erase(0, static_cast<std::size_t>(n));
+        exec.stdin_taken += static_cast<std::uint64_t>(n);
+        if (exec.stdin_taken >= gp::kCreditStep || exec.stdin_pending.empty()) {
+          send(Type::kCredit, exec.channel, gp::Writer().u64(exec.stdin_taken).take());
+          exec.stdin_taken = 0;
+        }
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
@@ -554,20 +585,30 @@ class GuestInit {
     }
   }
 
-  // Reads what is there; closes the stream at EOF.
+  // Output may be read while the agent's window has room, or once the stream's cap is reached (the rest is read and
+  // dropped, costing no window).
+  static bool may_read(const Exec& exec, int stream) {
+    std::uint64_t kept = stream == 1 ? exec.out_kept : exec.err_kept;
+    return exec.out_credit > 0 || kept >= exec.cap;
+  }
+
+  // Reads what is there (within the window); closes the stream at EOF.
   void read_output(Exec& exec, int stream) {
     int& fd = stream == 1 ? exec.out : exec.err;
     std::uint64_t& kept = stream == 1 ? exec.out_kept : exec.err_kept;
     bool& truncated = stream == 1 ? exec.out_truncated : exec.err_truncated;
     char buf[65536];
-    for (int rounds = 0; fd >= 0 && rounds < 16; ++rounds) {
-      ssize_t n = ::read(fd, buf, sizeof buf);
+    for (int rounds = 0; fd >= 0 && rounds < 16 && may_read(exec, stream); ++rounds) {
+      std::size_t want = sizeof buf;
+      if (kept < exec.cap) want = static_cast<std::size_t>(std::min<std::uint64_t>(want, exec.out_credit));
+      ssize_t n = ::read(fd, buf, want);
       if (n > 0) {
         std::uint64_t room = exec.cap > kept ? exec.cap - kept : 0;
         std::uint64_t take = std::min<std::uint64_t>(room, static_cast<std::uint64_t>(n));
         if (take < static_cast<std::uint64_t>(n)) truncated = true;
         if (take > 0) {
           kept += take;
+          exec.out_credit -= std::min(exec.out_credit, take);
           gp::Writer w;
           w.u8(static_cast<std::uint8_t>(stream)).str(std::string_view(buf, take));
           send(Type::kOutput, exec.channel, w.bytes());
@@ -613,7 +654,9 @@ class GuestInit {
         if (exec.err >= 0) read_output(exec, 2);
       }
       bool drained = exec.out < 0 && exec.err < 0;
-      if (!drained && now < exec.exited_at + kOutputGrace) {
+      // Past the grace the pipes are closed even if a background process holds them, unless output written before
+      // is still in them and the agent's window has no room for it yet (a slow reader): that output waits.
+      if (!drained && (now < exec.exited_at + kOutputGrace || (exec.out_credit == 0 && output_waiting(exec)))) {
         ++it;
         continue;
       }
@@ -628,6 +671,15 @@ class GuestInit {
       if (::rmdir(it->c_str()) == 0 || errno == ENOENT) it = lingering_groups_.erase(it);
       else ++it;
     }
+  }
+
+  static bool output_waiting(const Exec& exec) {
+    for (int fd : {exec.out, exec.err}) {
+      if (fd < 0) continue;
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 0) > 0 && (p.revents & POLLIN)) return true;
+    }
+    return false;
   }
 
   void kill_exec(Exec& exec) {
@@ -786,6 +838,7 @@ int run_guest_init() {
     ::close(null);
   }
   load_modules();
+  loopback_up();
   std::string port = find_port(guest_protocol::kPortName, std::chrono::seconds(30));
   if (port.empty()) {
     log_line("no virtio-serial port named dsec.agent: powering off");

@@ -34,6 +34,10 @@
 //                   dropped), and one kExited {i32 wait status, u8 stdout truncated, u8 stderr truncated} once the
 //                   main process ended and its output is drained (at most 50 ms after the exit when a background
 //                   process keeps the pipes open).
+//   Both ways, windows: the guest sends at most kWindowBytes of output the agent has not acknowledged, and the
+//   agent at most kWindowBytes of stdin the guest has not; kCredit {u64 bytes} acknowledges bytes taken (output
+//   delivered to the caller; stdin written into the command's pipe). A caller that reads slowly holds its command
+//   (its pipe fills), not the guest's memory or the line; stdin waits in the agent, not in the guest.
 // Files (channel c), paths absolute inside the guest's root, resolved in it (never following a symlink out of it,
 // never crossing into /proc, /dev or /sys):
 //   kReadFile {str path, u64 max} -> kData {bytes}... then kDone {u64 total} | kError
@@ -61,6 +65,8 @@ namespace files = agent::files;
 inline constexpr std::uint32_t kMaxFrameBytes = (1u << 20) + 64;
 inline constexpr std::size_t kMaxDataChunk = 256u << 10;  // file and output bytes per frame
 inline constexpr std::size_t kHeaderBytes = 9;            // u32 size, u8 type, u32 channel
+inline constexpr std::uint64_t kWindowBytes = 4u << 20;   // unacknowledged output or stdin per exec
+inline constexpr std::uint64_t kCreditStep = 1u << 20;    // acknowledged once this much was taken
 inline constexpr const char* kPortName = "dsec.agent";    // the virtio-serial port's name
 
 enum class Type : std::uint8_t {
@@ -78,6 +84,7 @@ enum class Type : std::uint8_t {
   kExited = 14,
   kStdin = 15,
   kKill = 16,
+  kCredit = 17,
   kReadFile = 20,
   kWriteFile = 21,
   kStat = 22,

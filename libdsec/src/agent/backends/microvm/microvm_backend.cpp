@@ -401,15 +401,23 @@ class MicroVmSandbox final : public BackendSandbox {
     // No VM while awake: a fork or a wake that failed half way left none.
     if (vm && !vm->exited() && vm->guest().connected()) return true;
     // The VM stopped by itself (the guest panicked or powered off, QEMU crashed or was killed): what it held goes
-    // at once, not when the sandbox is destroyed.
-    release_once();
+    // at once, not when the sandbox is destroyed. A guest that powered off closes its port a moment before QEMU
+    // exits: QEMU gets that moment, so the console's last lines say why.
+    if (vm && !vm->exited()) wait_exit(vm->pidfd(), vm->pid(), std::chrono::seconds(2));
+    release_once(/*stopped_by_itself=*/true);
     return false;
+  }
+
+  std::string stopped_reason() override {
+    std::lock_guard lock(release_mu_);
+    if (!released_) return {};
+    return "its VM stopped" + last_words_;
   }
 
   void destroy() override {
     std::lock_guard lock(destroy_mu_);
     if (destroyed_.exchange(true)) return;
-    release_once();
+    release_once(/*stopped_by_itself=*/false);
     std::error_code ec;
     fs::remove_all(run_dir_, ec);
   }
@@ -463,7 +471,7 @@ class MicroVmSandbox final : public BackendSandbox {
   }
 
   // Kills QEMU (if it still runs) and hands back its cgroup, writable disk and uid. Idempotent.
-  void release_once() {
+  void release_once(bool stopped_by_itself) {
     std::shared_ptr<VmInstance> vm;
     {
       std::lock_guard power(power_mu_);
@@ -473,9 +481,8 @@ class MicroVmSandbox final : public BackendSandbox {
     if (released_) return;
     released_ = true;
     if (vm) {
-      bool was_running = !vm->exited();
       vm->kill();
-      if (!was_running) last_words_ = vm->last_words();
+      if (stopped_by_itself) last_words_ = vm->last_words();
     }
     try {
       cgroup_->destroy();
@@ -562,13 +569,16 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     wait_probe(started + shared_.config.microvm.boot_timeout);
     const SandboxSpec& spec = params.spec;
     if (spec.resources.memory_bytes < kMinGuestMemory)
-      throw Error(Code::kInvalidArgument, fmt::format("a microvm needs at least {} MiB of memory (asked for {} bytes)",
-                                                      kMinGuestMemory >> 20, spec.resources.memory_bytes));
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("resources.memory: a microvm needs at least {} MiB (asked for {} bytes)",
+                              kMinGuestMemory >> 20, spec.resources.memory_bytes));
     const std::uint64_t overhead = shared_.config.microvm.overhead_bytes;
     if (spec.resources.memory_bytes + overhead > shared_.host_memory)
       throw Error(Code::kResourceExhausted,
-                  fmt::format("a microvm of {} MiB (plus {} MiB for QEMU) does not fit in this node's {} MiB",
-                              spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20));
+                  fmt::format("resources.memory: a microvm of {} MiB (plus {} MiB for QEMU) does not fit in this "
+                              "node's {} MiB",
+                              spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20),
+                  /*retryable=*/false);
     if (params.layer_images.size() != params.image_layers.size())
       throw Error(Code::kFailedPrecondition,
                   "the microvm backend attaches an image's layers as disks, which needs the node's lazy layer mode "
@@ -770,6 +780,8 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     stopping_ = true;
     if (prober_.joinable()) prober_.join();
     shared_.templates.clear();
+    std::error_code ec;
+    fs::remove_all(shared_.work_dir, ec);
   }
 
  private:
