@@ -703,7 +703,7 @@ std::optional<fs::path> find_qemu() {
 }
 
 std::optional<fs::path> find_guest_kernel() {
-  for (const char* p : {"/var/cache/dsec/guest-kernel/current/vmlinux", "/tmp/kern/vmlinux"}) {
+  for (const char* p : {"/var/cache/dsec/guest-kernel/current/vmlinux"}) {
     if (::access(p, R_OK) == 0) return fs::path(p);
   }
   return std::nullopt;
@@ -907,7 +907,7 @@ TEST(MicrovmQemuRealArgv, StartsPausedWithItsDevicesThenBootsToTheConsole) {
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
   if (!vmlinux) {
-    GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux or /tmp/kern/vmlinux): QEMU loads "
+    GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux): QEMU loads "
                     "-kernel at machine init, so the microvm argv cannot be checked without one";
   }
   MicrovmRig rig(*qemu, *vmlinux, /*with_qcow2=*/true);
@@ -959,7 +959,7 @@ TEST(MicrovmQemuRealArgv, RingBufferConsoleReadOverQmp) {
   auto qemu = find_qemu();
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
-  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux or /tmp/kern/vmlinux)";
+  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
   MicrovmRig rig(*qemu, *vmlinux, false);
   rig.spec.console_path.clear();
   rig.spec.console_ringbuf_bytes = 1 << 16;
@@ -1002,7 +1002,7 @@ TEST(MicrovmQemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
   auto qemu = find_qemu();
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
-  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux or /tmp/kern/vmlinux)";
+  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
   TempDir state_dir;
   fs::path state = state_dir.path() / "vm.state";
   const json ignore_shared = {{"capabilities", {{{"capability", "x-ignore-shared"}, {"state", true}}}}};

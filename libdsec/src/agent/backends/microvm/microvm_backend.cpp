@@ -167,6 +167,12 @@ class UidPool {
     std::lock_guard lock(mu_);
     return used_.size();
   }
+  // A uid held for as long as the lease lives (a probe's or a template's QEMU).
+  struct Lease {
+    UidPool& pool;
+    std::uint32_t uid;
+    ~Lease() { pool.give_back(uid); }
+  };
 
  private:
   std::uint32_t base_, count_;
@@ -651,21 +657,34 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       }
     }
     shared_.disks.make(boot.disk, disk_bytes);
+    return boot_with_retries(boot, &cgroup);
+  }
+
+  // Boots; a guest that stays silent is booted once more (a boot can stall early under a loaded TCG host), any
+  // other failure would only repeat.
+  std::unique_ptr<VmInstance> boot_with_retries(const VmBootSpec& boot, container::SandboxCgroup* cgroup) {
     const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
     for (std::uint32_t attempt = 1;; ++attempt) {
-      std::vector<UniqueFd> procs = cgroup.open_procs();
+      std::vector<UniqueFd> procs;
+      if (cgroup) procs = cgroup->open_procs();
       VmBootSpec b = boot;
       for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
       try {
         return VmInstance::boot(b, Clock::now() + shared_.config.microvm.boot_timeout);
       } catch (const Error& e) {
-        // A guest that stayed silent is booted once more (a boot can stall early under a loaded TCG host); any
-        // other failure would only repeat.
         if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
-        log_warn("sandbox {}: boot attempt {} failed ({}); trying again", boot.id, attempt, e.what());
+        log_warn("{}: boot attempt {} failed ({}); trying again", boot.id, attempt, e.what());
         for (const char* log : {"console.log", "qemu.log"}) ::unlink((boot.run_dir / log).c_str());
       }
     }
+  }
+
+  static fs::path fresh_dir(const fs::path& dir) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::create_directories(dir);
+    ::chmod(dir.c_str(), 0700);
+    return dir;
   }
 
   static std::string template_key(const VmBootSpec& boot, const std::vector<layers::LayerImage>& layers,
@@ -678,38 +697,21 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   // Boots a guest of the create's shape under a template name, lets it set up its root, and freezes it.
   TemplatePtr make_template(const std::string& key, const VmBootSpec& like, std::uint64_t disk_bytes) {
     const auto started = Clock::now();
-    fs::path dir = shared_.work_dir / "templates" / fmt::format("{:016x}", std::hash<std::string>{}(key));
+    fs::path dir = fresh_dir(shared_.work_dir / "templates" /
+                             fmt::format("{:016x}", std::hash<std::string>{}(key)));
     std::error_code ec;
-    fs::remove_all(dir, ec);
-    fs::create_directories(dir);
-    ::chmod(dir.c_str(), 0700);
-    std::uint32_t uid = shared_.uids.take();
-    struct GiveBack {
-      UidPool& pool;
-      std::uint32_t uid;
-      ~GiveBack() { pool.give_back(uid); }
-    } give_back{shared_.uids, uid};
+    UidPool::Lease uid{shared_.uids, shared_.uids.take()};
     VmBootSpec b = like;
     b.id = "template-" + dir.filename().string();
     b.run_dir = dir;
-    b.uid = uid;
-    b.gid = uid;
+    b.uid = uid.uid;
+    b.gid = uid.uid;
     b.cgroup_procs.clear();
     b.disk = dir / "disk";
     b.hostname = "dsec-template";
     try {
       shared_.disks.make(b.disk, disk_bytes);
-      std::unique_ptr<VmInstance> vm;
-      const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
-      for (std::uint32_t attempt = 1;; ++attempt) {
-        try {
-          vm = VmInstance::boot(b, Clock::now() + shared_.config.microvm.boot_timeout);
-          break;
-        } catch (const Error& e) {
-          if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
-          log_warn("template {}: boot attempt {} failed ({}); trying again", b.id, attempt, e.what());
-        }
-      }
+      std::unique_ptr<VmInstance> vm = boot_with_retries(b, nullptr);
       TemplatePtr t = freeze_vm(*vm, key, dir, b.disk, b.memory_bytes);
       log_info("microvm template {} ready in {:.2f} s ({} MiB RAM, {} layers)", b.id,
                std::chrono::duration<double>(Clock::now() - started).count(), b.memory_bytes >> 20, like.layers.size());
@@ -822,18 +824,10 @@ class MicroVmBackendImpl final : public MicroVmBackend {
 
   // Boots one small guest with the given accelerator; the boot's seconds, or the reason it failed.
   std::pair<double, std::string> probe_boot(Accelerator accel) {
-    fs::path dir = shared_.work_dir / (accel == Accelerator::kKvm ? "probe-kvm" : "probe-tcg");
+    fs::path dir = fresh_dir(shared_.work_dir / (accel == Accelerator::kKvm ? "probe-kvm" : "probe-tcg"));
     std::error_code ec;
-    fs::remove_all(dir, ec);
-    fs::create_directories(dir);
-    ::chmod(dir.c_str(), 0700);
-    std::uint32_t uid = shared_.uids.take();
-    struct GiveBack {
-      UidPool& pool;
-      std::uint32_t uid;
-      ~GiveBack() { pool.give_back(uid); }
-    } give_back{shared_.uids, uid};
-    VmBootSpec b = boot_spec("probe", dir, uid);
+    UidPool::Lease uid{shared_.uids, shared_.uids.take()};
+    VmBootSpec b = boot_spec("probe", dir, uid.uid);
     b.accelerator = accel;
     b.memory_bytes = kProbeMemory;
     auto started = Clock::now();
