@@ -22,7 +22,15 @@
 
 namespace dsec::agent::files {
 
-enum class EntryKind : std::uint8_t { kDirectory = 1, kRegular = 2, kSymlink = 3, kHardlink = 4 };
+enum class EntryKind : std::uint8_t {
+  kDirectory = 1,
+  kRegular = 2,
+  kSymlink = 3,
+  kHardlink = 4,
+  // Only in a VM's writable layer as a snapshot takes it (guest::capture_upper): never in the files API.
+  kFifo = 5,
+  kWhiteout = 6,  // an overlayfs whiteout: a character device 0/0 hiding a lower layer's entry
+};
 
 // One entry of a tree, with its path relative to the tree's directory (no leading '/', may contain "..", which is
 // applied lexically and cannot climb above that directory).
@@ -35,6 +43,9 @@ struct TreeEntry {
   // What a walk saw (a tar download carries them); an extraction leaves ownership to the writer and times to now.
   std::uint32_t uid = 0, gid = 0;
   std::int64_t mtime = 0;
+  // Snapshots of a VM's writable layer only: nanosecond times, and trusted.overlay.opaque="y" on a directory.
+  std::int64_t atime_ns = 0, mtime_ns = 0;
+  bool opaque = false;
 };
 
 // What receives a tree entry by entry (extraction into a sandbox).

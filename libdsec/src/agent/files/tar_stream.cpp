@@ -124,6 +124,9 @@ void TarWriter::entry(const TreeEntry& e) {
       archive_entry_set_filetype(ae.get(), AE_IFREG);
       archive_entry_set_hardlink(ae.get(), e.link.c_str());
       break;
+    case EntryKind::kFifo:
+    case EntryKind::kWhiteout:
+      return;  // not files to download
   }
   archive_check(archive_, archive_write_header(archive_, ae.get()), "tar header");
 }

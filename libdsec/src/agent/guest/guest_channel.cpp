@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "agent/files/tar_stream.hpp"
+#include "agent/guest/upper_capture.hpp"
 #include "agent/init/start_error.hpp"
 #include "common/syscall.hpp"
 
@@ -451,6 +452,20 @@ std::string GuestChannel::get_archive(std::string_view dir, std::size_t max_byte
     if (f.type == Type::kEntry) tar.entry(gp::decode_entry(f.payload));
     else if (f.type == Type::kData) tar.data(decode_data(f));
     else throw Error(Code::kInternal, "guest: unexpected frame in a tar download");
+  }
+}
+
+image::UpperTreeStats GuestChannel::capture_upper(const std::filesystem::path& dest,
+                                                  const image::UpperTreeLimits& limits, Clock::time_point deadline) {
+  Call call(*this);
+  send(Type::kCaptureUpper, call.id(), gp::Writer().u64(limits.max_file_bytes).take());
+  UpperTreeWriter tree(dest, limits);
+  for (;;) {
+    gp::Frame f = answer(call.id(), deadline, "a snapshot");
+    if (f.type == Type::kDone) return tree.finish();
+    if (f.type == Type::kEntry) tree.entry(gp::decode_entry(f.payload));
+    else if (f.type == Type::kData) tree.data(decode_data(f));
+    else throw Error(Code::kInternal, "guest: unexpected frame in a snapshot");
   }
 }
 

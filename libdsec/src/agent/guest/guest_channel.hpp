@@ -22,6 +22,7 @@
 
 #include "agent/backend.hpp"
 #include "agent/init/guest_protocol.hpp"
+#include "image/upper_tree.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/exec.hpp"
 
@@ -61,6 +62,10 @@ class GuestChannel {
   // A tar stream extracted into `dir` inside the guest, and a pax tar of `dir`.
   void put_archive(std::string_view dir, std::string_view tar_bytes, Clock::time_point deadline);
   std::string get_archive(std::string_view dir, std::size_t max_bytes, Clock::time_point deadline);
+  // The guest's writable layer (every command frozen while it is read) written into `dest` as a layer's tree
+  // (upper_capture.hpp).
+  image::UpperTreeStats capture_upper(const std::filesystem::path& dest, const image::UpperTreeLimits& limits,
+                                      Clock::time_point deadline);
 
  private:
   struct Mailbox {

@@ -29,6 +29,7 @@
 #include <sys/syscall.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -405,6 +406,7 @@ class GuestInit {
           return send(Type::kStatReply, f.channel, gp::Writer().u32(tree().mode_of(path)).take());
         }
         case Type::kGetTree: return on_get_tree(f);
+        case Type::kCaptureUpper: return on_capture_upper(f);
         default: return send_error(f.channel, Code::kInvalidArgument, "unknown frame type");
       }
     } catch (const Error& e) {
@@ -735,6 +737,139 @@ class GuestInit {
           }
         });
     send(Type::kDone, f.channel, gp::Writer().u64(entries).take());
+  }
+
+  // ---- snapshot: the writable layer as it is, every command frozen meanwhile ----
+  void on_capture_upper(const gp::Frame& f) {
+    gp::Reader r(f.payload);
+    std::uint64_t max = r.u64();
+    r.finish();
+    if (!upper_) throw Error(Code::kFailedPrecondition, "the guest's root is not set up yet");
+    UniqueFd top(::openat(upper_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!top) throw Error(Code::kInternal, "open the upper directory: " + errno_text(errno));
+    struct stat st {};
+    ::fstat(top.get(), &st);
+    const std::string freeze = std::string(kExecCgroups) + "/cgroup.freeze";
+    write_small_file(freeze, "1");
+    struct Thaw {
+      std::string path;
+      ~Thaw() { write_small_file(path, "0"); }
+    } thaw{freeze};
+    wait_frozen();
+    ::sync();
+    Capture c{f.channel, max, st.st_dev, 0, 0, {}};
+    capture_dir(top.get(), "", c);
+    send(Type::kDone, f.channel, gp::Writer().u64(c.entries).take());
+  }
+
+  struct Capture {
+    std::uint32_t channel;
+    std::uint64_t max;
+    dev_t dev;
+    std::uint64_t bytes = 0, entries = 0;
+    std::map<std::pair<dev_t, ino_t>, std::string> links;
+  };
+
+  static void wait_frozen() {
+    const std::string events = std::string(kExecCgroups) + "/cgroup.events";
+    for (int i = 0; i < 200; ++i) {
+      if (read_small_file(events).find("frozen 1") != std::string::npos) return;
+      ::usleep(5000);
+    }
+  }
+
+  static std::string xattr_of(int fd, const char* name) {
+    char buf[256];
+    ssize_t n = ::fgetxattr(fd, name, buf, sizeof buf);
+    return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+  }
+
+  void emit(const files::TreeEntry& e, Capture& c) {
+    ++c.entries;
+    send(Type::kEntry, c.channel, gp::encode(e));
+    flush_below(2u << 20);
+  }
+
+  void capture_dir(int dirfd, const std::string& rel, Capture& c) {
+    UniqueFd iter(::dup(dirfd));
+    DIR* dir = iter ? ::fdopendir(iter.release()) : nullptr;
+    if (!dir) throw Error(Code::kInternal, "opendir " + rel + ": " + errno_text(errno));
+    std::unique_ptr<DIR, int (*)(DIR*)> closer(dir, ::closedir);
+    while (dirent* d = ::readdir(dir)) {
+      std::string name = d->d_name;
+      if (name == "." || name == "..") continue;
+      std::string path = rel.empty() ? name : rel + "/" + name;
+      struct stat st {};
+      if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      files::TreeEntry e;
+      e.path = path;
+      e.mode = st.st_mode & 07777;
+      e.uid = st.st_uid;
+      e.gid = st.st_gid;
+      e.atime_ns = st.st_atim.tv_sec * 1000000000ll + st.st_atim.tv_nsec;
+      e.mtime_ns = st.st_mtim.tv_sec * 1000000000ll + st.st_mtim.tv_nsec;
+      e.mtime = st.st_mtim.tv_sec;
+      if (S_ISDIR(st.st_mode)) {
+        if (st.st_dev != c.dev) continue;
+        UniqueFd sub(::openat(dirfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+        if (!sub) continue;
+        if (!xattr_of(sub.get(), "trusted.overlay.redirect").empty())
+          throw Error(Code::kFailedPrecondition, "/" + path + " carries an overlayfs redirect: it cannot be copied alone");
+        e.kind = files::EntryKind::kDirectory;
+        e.opaque = xattr_of(sub.get(), "trusted.overlay.opaque") == "y";
+        emit(e, c);
+        capture_dir(sub.get(), path, c);
+      } else if (S_ISREG(st.st_mode)) {
+        if (st.st_nlink > 1) {
+          auto [it, fresh] = c.links.try_emplace({st.st_dev, st.st_ino}, path);
+          if (!fresh) {
+            e.kind = files::EntryKind::kHardlink;
+            e.link = it->second;
+            emit(e, c);
+            continue;
+          }
+        }
+        UniqueFd file(::openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+        if (!file) continue;
+        if (!xattr_of(file.get(), "trusted.overlay.metacopy").empty() ||
+            ::fgetxattr(file.get(), "trusted.overlay.metacopy", nullptr, 0) >= 0)
+          throw Error(Code::kFailedPrecondition, "/" + path + " is an overlayfs metacopy: its data is in a lower layer");
+        if (c.bytes + static_cast<std::uint64_t>(st.st_size) > c.max)
+          throw Error(Code::kResourceExhausted, "the writable layer holds more than the snapshot's limit", false);
+        c.bytes += static_cast<std::uint64_t>(st.st_size);
+        e.kind = files::EntryKind::kRegular;
+        e.size = static_cast<std::uint64_t>(st.st_size);
+        emit(e, c);
+        std::string buf(gp::kMaxDataChunk, '\0');
+        std::uint64_t left = e.size;
+        while (left > 0) {
+          ssize_t n = ::read(file.get(), buf.data(), std::min<std::uint64_t>(left, buf.size()));
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) {
+            // Shrunk under us (it cannot: everything is frozen, but the entry promised its size): zeros.
+            std::fill(buf.begin(), buf.end(), '\0');
+            n = static_cast<ssize_t>(std::min<std::uint64_t>(left, buf.size()));
+          }
+          send(Type::kData, c.channel, gp::Writer().str(std::string_view(buf.data(), static_cast<std::size_t>(n))).bytes());
+          flush_below(2u << 20);
+          left -= static_cast<std::uint64_t>(n);
+        }
+      } else if (S_ISLNK(st.st_mode)) {
+        char target[4096];
+        ssize_t n = ::readlinkat(dirfd, name.c_str(), target, sizeof target);
+        if (n < 0) continue;
+        e.kind = files::EntryKind::kSymlink;
+        e.link.assign(target, static_cast<std::size_t>(n));
+        emit(e, c);
+      } else if (S_ISFIFO(st.st_mode)) {
+        e.kind = files::EntryKind::kFifo;
+        emit(e, c);
+      } else if (S_ISCHR(st.st_mode) && st.st_rdev == 0) {
+        e.kind = files::EntryKind::kWhiteout;
+        emit(e, c);
+      }
+      // Sockets and other devices are not part of a layer.
+    }
   }
 
   void on_upload_start(const gp::Frame& f) {

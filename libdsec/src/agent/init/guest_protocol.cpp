@@ -202,13 +202,14 @@ std::string encode(const files::TreeEntry& m) {
   Writer w;
   w.u8(static_cast<std::uint8_t>(m.kind)).str(m.path).u32(m.mode).str(m.link).u64(m.size).u32(m.uid).u32(m.gid);
   w.u64(static_cast<std::uint64_t>(m.mtime));
+  w.u64(static_cast<std::uint64_t>(m.atime_ns)).u64(static_cast<std::uint64_t>(m.mtime_ns)).u8(m.opaque ? 1 : 0);
   return w.take();
 }
 files::TreeEntry decode_entry(std::string_view payload) {
   Reader r(payload);
   files::TreeEntry m;
   std::uint8_t kind = r.u8();
-  if (kind < 1 || kind > 4) throw std::out_of_range("guest protocol: bad entry kind");
+  if (kind < 1 || kind > 6) throw std::out_of_range("guest protocol: bad entry kind");
   m.kind = static_cast<files::EntryKind>(kind);
   m.path = r.str();
   m.mode = r.u32();
@@ -217,6 +218,9 @@ files::TreeEntry decode_entry(std::string_view payload) {
   m.uid = r.u32();
   m.gid = r.u32();
   m.mtime = static_cast<std::int64_t>(r.u64());
+  m.atime_ns = static_cast<std::int64_t>(r.u64());
+  m.mtime_ns = static_cast<std::int64_t>(r.u64());
+  m.opaque = r.u8() != 0;
   r.finish();
   if (m.path.find('\0') != std::string::npos || m.link.find('\0') != std::string::npos)
     throw std::out_of_range("guest protocol: NUL in an entry");

@@ -46,6 +46,10 @@
 //   kPutTree {str dir} then, per entry, kEntry {files::TreeEntry, below} (a regular file's bytes, exactly its
 //     size, follow as kData frames), and kEnd {} -> kDone {u64 entries} | kError (the first error ends it)
 //   kGetTree {str dir, u64 max} -> kEntry {...} (+ kData for files)... then kDone {u64 entries} | kError
+// Snapshot (channel c): kCaptureUpper {u64 max file bytes} -> the writable layer (the overlay's upper directory)
+//   walked with every process of the guest's commands frozen: kEntry frames of every kind (whiteouts, FIFOs,
+//   opaque directories, hard links by their first name), a regular file's bytes as kData, then kDone {u64 entries}
+//   | kError. An upper with metacopy or redirect xattrs is FAILED_PRECONDITION.
 // kError is {u32 code (dsec::Code), str message}: the guest's file operations throw the same dsec::Error the
 // container tier's do, and the agent rethrows it.
 #pragma once
@@ -91,6 +95,7 @@ enum class Type : std::uint8_t {
   kStatReply = 23,
   kPutTree = 24,
   kGetTree = 25,
+  kCaptureUpper = 30,
   kEntry = 26,
   kData = 27,
   kEnd = 28,
@@ -200,7 +205,8 @@ struct Exited {
 std::string encode(const Exited& m);
 Exited decode_exited(std::string_view payload);
 
-// A tree entry: files::TreeEntry {u8 kind, str path, u32 mode, str link, u64 size, u32 uid, u32 gid, u64 mtime}.
+// A tree entry: files::TreeEntry {u8 kind, str path, u32 mode, str link, u64 size, u32 uid, u32 gid, u64 mtime,
+// u64 atime ns, u64 mtime ns, u8 opaque}.
 std::string encode(const files::TreeEntry& m);
 files::TreeEntry decode_entry(std::string_view payload);
 

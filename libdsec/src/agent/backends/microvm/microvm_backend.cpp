@@ -330,6 +330,24 @@ class MicroVmSandbox final : public BackendSandbox {
     return with_guest([&](guest::GuestChannel& g) { return S_ISDIR(g.mode_of(path, Clock::now() + kFileTimeout)); });
   }
 
+  // The writable layer as the guest sees it, read by dsec-init inside with every command frozen (the guest walks
+  // its own file system: the agent never mounts what the guest wrote), and written here as a layer's tree.
+  FilesCapture capture_files(const fs::path& dest, const image::UpperTreeLimits& limits) override {
+    check_running();  // (takes power_mu_ itself)
+    std::lock_guard lock(power_mu_);  // one capture at a time, never during a sleep, a wake or a fork
+    if (sleeping_)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is sleeping: a microVM is snapshotted awake (its files live in the guest)",
+                              id_));
+    std::shared_ptr<VmInstance> vm = vm_;
+    if (!vm) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    FilesCapture out;
+    const auto started = Clock::now();
+    out.stats = guarded(id_, [&] { return vm->guest().capture_upper(dest, limits, Clock::now() + kFileTimeout); });
+    out.frozen_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return out;
+  }
+
   BackendState recovery_state() override {
     std::lock_guard lock(power_mu_);
     BackendState out{{key::kBootId, container::boot_id()},
