@@ -15,6 +15,7 @@
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/process_identity.hpp"
+#include "agent/backends/microvm/accelerator.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
 #include "agent/backends/microvm/vm_instance.hpp"
 #include "agent/backends/microvm/vm_template.hpp"
@@ -862,45 +863,30 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     }
   }
 
-  // Why QEMU, running as an unprivileged uid, cannot use /dev/kvm; "" when it can (kvm_group_ set if needed).
-  std::string kvm_access() {
-    struct stat st {};
-    if (::stat("/dev/kvm", &st) != 0) return "no /dev/kvm";
-    if ((st.st_mode & 0006) == 0006) return {};
-    if ((st.st_mode & 0060) == 0060) {
-      std::lock_guard lock(mu_);
-      kvm_group_ = st.st_gid;
-      return {};
-    }
-    return fmt::format("/dev/kvm (mode {:04o}, owner uid {} gid {}) is closed to QEMU's unprivileged uid; a mode "
-                       "of 0660 with a group lets it in",
-                       st.st_mode & 07777, st.st_uid, st.st_gid);
-  }
-
   void probe() {
     const std::string wanted = shared_.config.microvm.accelerator;
-    std::string reason;
-    Accelerator chosen = Accelerator::kTcg;
+    KvmAccess access = host_kvm_access();
+    std::string failure;
     double boot_seconds = 0;
-    std::string unavailable;
-    if (wanted != "tcg") {
-      std::string access = kvm_access();
-      if (!access.empty()) {
-        reason = access;
-      } else {
-        auto [seconds, why] = probe_boot(Accelerator::kKvm);
-        if (why.empty()) {
-          chosen = Accelerator::kKvm;
-          boot_seconds = seconds;
-        } else {
-          reason = "KVM did not run the guest: " + why;
-        }
+    bool probed = false;
+    if (wanted != "tcg" && access.usable) {
+      {
+        std::lock_guard lock(mu_);
+        kvm_group_ = access.group;
       }
-      if (chosen != Accelerator::kKvm && fs::exists("/sys/module/kvm_pvm"))
-        reason += " (this host's KVM is kvm_pvm, which runs only guest kernels built for PVM)";
-      if (wanted == "kvm" && chosen != Accelerator::kKvm) unavailable = "--microvm-accelerator kvm: " + reason;
-    } else {
-      reason = "configured (--microvm-accelerator tcg)";
+      auto [seconds, why] = probe_boot(Accelerator::kKvm);
+      probed = true;
+      failure = why;
+      boot_seconds = seconds;
+    }
+    AcceleratorChoice choice = choose_accelerator(wanted, access, failure, probed, fs::exists("/sys/module/kvm_pvm"));
+    const Accelerator chosen = choice.kvm ? Accelerator::kKvm : Accelerator::kTcg;
+    const std::string& reason = choice.reason;
+    const std::string& unavailable = choice.unavailable;
+    if (!choice.kvm) {
+      boot_seconds = 0;
+      std::lock_guard lock(mu_);
+      kvm_group_.reset();
     }
     // TCG needs no probe: it runs any guest kernel; whether this one boots, the first create says (with the
     // guest console's last lines when it does not).
@@ -909,14 +895,15 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       accelerator_ = chosen;
       status_.ready = true;
       status_.accelerator = chosen == Accelerator::kKvm ? "kvm" : "tcg";
-      status_.accelerator_reason = chosen == Accelerator::kKvm ? "KVM runs the guest" : reason;
+      status_.accelerator_reason = reason;
       status_.unavailable = unavailable;
       status_.probe_boot_seconds = boot_seconds;
     }
     probed_.notify_all();
     if (unavailable.empty())
-      log_info("microvm: {} (guest kernel {}, probe boot {:.2f} s){}", status_.accelerator, shared_.kernel.release,
-               boot_seconds, chosen == Accelerator::kKvm ? std::string() : "; not KVM: " + reason);
+      log_info("microvm: {} (guest kernel {}){}", status_.accelerator, shared_.kernel.release,
+               chosen == Accelerator::kKvm ? fmt::format(", probe boot {:.2f} s", boot_seconds)
+                                           : "; not KVM: " + reason);
     else
       log_warn("microvm: cannot run VMs: {}", unavailable);
   }
