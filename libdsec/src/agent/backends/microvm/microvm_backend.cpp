@@ -59,8 +59,9 @@ std::string find_on_path(const std::string& name) {
   return {};
 }
 
+// The QEMU to run, "" when there is none (a configured path that is not an executable counts as none).
 std::string qemu_binary(const MicroVmConfig& config) {
-  if (!config.qemu.empty()) return config.qemu.string();
+  if (!config.qemu.empty()) return ::access(config.qemu.c_str(), X_OK) == 0 ? config.qemu.string() : std::string();
   return find_on_path("qemu-system-x86_64");
 }
 
@@ -547,7 +548,11 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     shared_.qemu = qemu_binary(config.microvm);
     if (shared_.qemu.empty())
       throw Error(Code::kFailedPrecondition,
-                  "the microvm backend needs qemu-system-x86_64 (Debian package qemu-system-x86; scripts/install-deps.sh)");
+                  config.microvm.qemu.empty()
+                      ? "the microvm backend needs qemu-system-x86_64 (Debian package qemu-system-x86; "
+                        "scripts/install-deps.sh)"
+                      : fmt::format("the microvm backend needs QEMU: {} is not an executable",
+                                    config.microvm.qemu.string()));
     shared_.kernel = find_guest_kernel(config.microvm.kernel);
     fs::path init = init_binary(config);
     if (::access(init.c_str(), R_OK) != 0)
@@ -926,7 +931,9 @@ std::unique_ptr<MicroVmBackend> make_microvm_backend(const AgentConfig& config) 
 }
 
 std::string microvm_unavailable_reason(const AgentConfig& config) {
-  if (microvm::qemu_binary(config.microvm).empty()) return "qemu-system-x86_64 is not installed";
+  if (microvm::qemu_binary(config.microvm).empty())
+    return config.microvm.qemu.empty() ? "qemu-system-x86_64 is not installed"
+                                       : config.microvm.qemu.string() + " is not an executable";
   try {
     (void)microvm::find_guest_kernel(config.microvm.kernel);
   } catch (const Error& e) {
