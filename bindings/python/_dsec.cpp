@@ -428,6 +428,19 @@ PYBIND11_MODULE(_dsec, m) {
                ", cached_bytes=" + std::to_string(l.cached_bytes) + ", users=" + std::to_string(l.users) + ")";
       });
 
+  py::class_<dsec::MicroVmNodeInfo>(m, "MicroVmNodeInfo", "The node's microVM backend: offered or why not, on what.")
+      .def_readonly("offered", &dsec::MicroVmNodeInfo::offered)
+      .def_readonly("unavailable", &dsec::MicroVmNodeInfo::unavailable)
+      .def_readonly("ready", &dsec::MicroVmNodeInfo::ready)
+      .def_readonly("accelerator", &dsec::MicroVmNodeInfo::accelerator, "'kvm' or 'tcg'.")
+      .def_readonly("accelerator_reason", &dsec::MicroVmNodeInfo::accelerator_reason)
+      .def_readonly("kernel", &dsec::MicroVmNodeInfo::kernel)
+      .def_readonly("vms", &dsec::MicroVmNodeInfo::vms)
+      .def("__repr__", [](const dsec::MicroVmNodeInfo& v) {
+        return "MicroVmNodeInfo(offered=" + std::string(v.offered ? "True" : "False") + ", accelerator='" +
+               v.accelerator + "', vms=" + std::to_string(v.vms) + ")";
+      });
+
   py::class_<dsec::NodeInfo>(m, "NodeInfo", "A node agent: its capacity, load and images.")
       .def_readonly("id", &dsec::NodeInfo::id)
       .def_readonly("version", &dsec::NodeInfo::version)
@@ -452,6 +465,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("load1", &dsec::NodeInfo::load1)
       .def_readonly("swap_bytes", &dsec::NodeInfo::swap_bytes, "The node's swap (0: none).")
       .def_readonly("swap_free_bytes", &dsec::NodeInfo::swap_free_bytes)
+      .def_readonly("microvm", &dsec::NodeInfo::microvm, "The microVM backend (offered, accelerator, ...).")
       .def("__repr__", [](const dsec::NodeInfo& n) {
         std::string backends;
         for (const auto& b : n.backends) backends += (backends.empty() ? "" : ",") + b;

@@ -354,6 +354,10 @@ TEST(GuestProtocol, TreeEntryRoundTripsAndIsStrict) {
       {files::EntryKind::kRegular, "d/f", 0640, "", 1ull << 40, 0, 0, -5},
       {files::EntryKind::kSymlink, "d/l", 0777, "../../etc/passwd", 0, 1, 2, 3},
       {files::EntryKind::kHardlink, "d/h", 0640, "d/f", 0, 0, 0, 0},
+      // A VM snapshot's kinds, with nanosecond times and the opaque mark.
+      {files::EntryKind::kFifo, "d/p", 0600, "", 0, 0, 0, 0, 1700000000123456789, 1700000001987654321, false},
+      {files::EntryKind::kWhiteout, "gone", 0, "", 0, 0, 0, 0, 0, 0, false},
+      {files::EntryKind::kDirectory, "replaced", 0755, "", 0, 0, 0, 0, 5, 6, true},
   };
   for (const auto& e : entries) {
     std::string p = gp::encode(e);
@@ -366,6 +370,9 @@ TEST(GuestProtocol, TreeEntryRoundTripsAndIsStrict) {
     EXPECT_EQ(back.uid, e.uid);
     EXPECT_EQ(back.gid, e.gid);
     EXPECT_EQ(back.mtime, e.mtime);
+    EXPECT_EQ(back.atime_ns, e.atime_ns);
+    EXPECT_EQ(back.mtime_ns, e.mtime_ns);
+    EXPECT_EQ(back.opaque, e.opaque);
     expect_strict(p, gp::decode_entry, "TreeEntry");
   }
   files::TreeEntry bad = entries[1];
@@ -374,7 +381,7 @@ TEST(GuestProtocol, TreeEntryRoundTripsAndIsStrict) {
   bad = entries[2];
   bad.link = std::string("x\0", 2);
   EXPECT_THROW(gp::decode_entry(gp::encode(bad)), std::out_of_range);
-  for (std::uint8_t kind : {0, 5, 255}) {
+  for (std::uint8_t kind : {0, 7, 255}) {
     std::string p = gp::encode(entries[0]);
     p[0] = static_cast<char>(kind);
     EXPECT_THROW(gp::decode_entry(p), std::out_of_range) << int(kind);

@@ -381,7 +381,8 @@ class MicroVmSandbox final : public BackendSandbox {
                               running_execs_ == 1 ? "" : "s"));
     if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
     const auto deadline = Clock::now() + shared_.config.microvm.boot_timeout;
-    if (vm_->template_memory()) {
+    if (!vm_->memory()) {
+      // A clone of a template, or a VM woken into anonymous memory: its RAM is not a memfd of its own yet.
       fs::path whole = run_dir_ / "fork.state";
       vm_->save(whole, /*ignore_shared=*/false, kSaveTimeout);
       vm_->kill();

@@ -38,6 +38,12 @@ TemplatePtr freeze_vm(VmInstance& vm, std::string key, const fs::path& dir, cons
   vm.kill();
   // The disk as the stopped guest left it: it and the RAM are one consistent machine.
   if (disk != t->disk) copy_sparse(disk, t->disk);
+  // Every page of the template exists before it is sealed: a clone's fault on a page the template never touched
+  // (a read of never-written memory, a migration save reading all of it) would otherwise add the page to the
+  // template's memfd, charged to that clone and kept until the template goes. Allocated, the template costs its
+  // size once, and clones only ever copy the pages they write.
+  if (::fallocate(memory->get(), 0, 0, static_cast<off_t>(memory_bytes)) != 0)
+    throw_errno(errno, "allocate the template's guest RAM");
   seal_memory(memory->get());
   t->memory = std::move(memory);
   t->build_seconds = std::chrono::duration<double>(Clock::now() - started).count();

@@ -3,6 +3,8 @@
 // writable disk in a file. A VM started from it maps that RAM privately (copy-on-write: pages it never writes stay
 // shared with every other VM of the template, in host memory once), gets a copy of the disk, and runs on from the
 // instant the template stopped, under its own hostname, clock and entropy (the hello after a restore renews them).
+// The template's RAM is allocated whole before it is sealed (a template costs its guest's RAM once), so clones
+// never add pages to it.
 //
 // Sealing (F_SEAL_WRITE, SHRINK, GROW, SEAL) makes the RAM immutable for everyone, QEMU processes and the agent
 // alike: a VM whose QEMU the guest took over still cannot change what its siblings map.
