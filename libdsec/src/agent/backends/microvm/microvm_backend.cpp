@@ -190,7 +190,10 @@ struct Shared {
   GuestKernel kernel;
   fs::path initramfs;
   std::uint32_t tsc_khz = 0;
-  fs::path work_dir;  // <run dir>/.microvm
+  fs::path work_dir;  // <run dir>/.microvm: the initramfs, probes
+  // <home>/microvm/<cgroup name>: what is large and must be on local disk (never a tmpfs /run): writable disks,
+  // saved state of sleeping VMs, templates' files; a directory per sandbox and per template.
+  fs::path data_dir;
   std::unique_ptr<container::CgroupDriver> cgroups;
   WritableDisks disks;
   UidPool uids;
@@ -200,7 +203,10 @@ struct Shared {
   TemplateCache templates;
 
   explicit Shared(const AgentConfig& c)
-      : config(c), disks(c.run_dir / ".microvm" / "disks"), uids(c.microvm.uid_base, c.microvm.uid_count) {}
+      : config(c),
+        data_dir(c.home / "microvm" / c.cgroup_name),
+        disks(data_dir / "disks"),
+        uids(c.microvm.uid_base, c.microvm.uid_count) {}
 };
 
 // A running microVM frozen for its copies: its RAM sealed, its device state and disk in files.
@@ -220,6 +226,7 @@ class MicroVmSandbox final : public BackendSandbox {
         id_(std::move(id)),
         spec_(std::move(spec)),
         run_dir_(std::move(run_dir)),
+        data_dir_(shared.data_dir / id_),
         uid_(uid),
         cgroup_(std::move(cgroup)),
         boot_(std::move(boot)),
@@ -277,7 +284,7 @@ class MicroVmSandbox final : public BackendSandbox {
                               running_execs_ == 1 ? "" : "s"));
     SleepReport report;
     report.memory_before_bytes = cgroup_->memory_current();
-    fs::path state = run_dir_ / "sleep.state";
+    fs::path state = data_dir_ / "sleep.state";
     try {
       vm_->save(state, /*ignore_shared=*/false, kSaveTimeout);
     } catch (...) {
@@ -304,7 +311,7 @@ class MicroVmSandbox final : public BackendSandbox {
     if (!sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not sleeping", id_));
     SleepReport report;
     report.memory_before_bytes = cgroup_->memory_current();
-    fs::path state = run_dir_ / "sleep.state";
+    fs::path state = data_dir_ / "sleep.state";
     VmBootSpec boot = with_cgroup(boot_);
     for (const char* log : {"console.log", "qemu.log"}) ::truncate((run_dir_ / log).c_str(), 0);
     vm_ = VmInstance::restore(boot, VmRestore{state, nullptr}, Clock::now() + shared_.config.microvm.boot_timeout);
@@ -383,7 +390,7 @@ class MicroVmSandbox final : public BackendSandbox {
     const auto deadline = Clock::now() + shared_.config.microvm.boot_timeout;
     if (!vm_->memory()) {
       // A clone of a template, or a VM woken into anonymous memory: its RAM is not a memfd of its own yet.
-      fs::path whole = run_dir_ / "fork.state";
+      fs::path whole = data_dir_ / "fork.state";
       vm_->save(whole, /*ignore_shared=*/false, kSaveTimeout);
       vm_->kill();
       vm_.reset();
@@ -409,8 +416,8 @@ class MicroVmSandbox final : public BackendSandbox {
       ::unlink(whole.c_str());
       vm_->punch_zero_pages();
     }
-    fs::path dir = shared_.work_dir / "forks" / fmt::format("{}-{}", id_, ++forks_);
-    TemplatePtr t = freeze_vm(*vm_, "fork:" + id_, dir, run_dir_ / "disk.ext4", boot_.memory_bytes);
+    fs::path dir = shared_.data_dir / "forks" / fmt::format("{}-{}", id_, ++forks_);
+    TemplatePtr t = freeze_vm(*vm_, "fork:" + id_, dir, boot_.disk, boot_.memory_bytes);
     vm_.reset();
     VmBootSpec b = with_cgroup(boot_);
     vm_ = VmInstance::restore(b, VmRestore{t->state, t->memory}, deadline);
@@ -463,7 +470,7 @@ class MicroVmSandbox final : public BackendSandbox {
 
   // The host's page cache of the writable disk is charged to the sandbox; while it sleeps the disk is only a file.
   void drop_disk_cache() {
-    UniqueFd disk(::open((run_dir_ / "disk.ext4").c_str(), O_RDONLY | O_CLOEXEC));
+    UniqueFd disk(::open(boot_.disk.c_str(), O_RDONLY | O_CLOEXEC));
     if (!disk) return;
     ::fdatasync(disk.get());
     ::posix_fadvise(disk.get(), 0, 0, POSIX_FADV_DONTNEED);
@@ -516,7 +523,8 @@ class MicroVmSandbox final : public BackendSandbox {
     } catch (const std::exception& e) {
       log_warn("sandbox {}: remove its cgroup: {}", id_, e.what());
     }
-    ::unlink((run_dir_ / "disk.ext4").c_str());
+    std::error_code ec;
+    fs::remove_all(data_dir_, ec);
     shared_.uids.give_back(uid_);
     --shared_.vms;
   }
@@ -524,7 +532,8 @@ class MicroVmSandbox final : public BackendSandbox {
   Shared& shared_;
   std::string id_;
   SandboxSpec spec_;
-  fs::path run_dir_;
+  fs::path run_dir_;   // sockets and logs
+  fs::path data_dir_;  // the writable disk, saved state: on local disk
   std::uint32_t uid_;
   std::unique_ptr<container::SandboxCgroup> cgroup_;
   VmBootSpec boot_;  // how its QEMU was started: a wake starts the next one the same way
@@ -562,7 +571,10 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     fs::create_directories(shared_.work_dir);
     // Templates of an earlier run: VMs started from them (taken over after a restart) hold their RAM themselves.
     std::error_code ec;
-    fs::remove_all(shared_.work_dir / "templates", ec);
+    fs::remove_all(shared_.data_dir / "templates", ec);
+    fs::remove_all(shared_.data_dir / "forks", ec);
+    fs::create_directories(shared_.data_dir);
+    ::chmod(shared_.data_dir.c_str(), 0700);
     std::vector<fs::path> modules;
     if (!shared_.kernel.modules_dir.empty())
       modules = module_load_order(shared_.kernel.modules_dir, guest_modules(), optional_guest_modules());
@@ -619,15 +631,17 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     fs::path run_dir = shared_.config.run_dir / params.id;
     std::unique_ptr<container::SandboxCgroup> cgroup;
     try {
-      fs::create_directories(run_dir);
-      ::chmod(run_dir.c_str(), 0700);
+      for (const fs::path& d : {run_dir, shared_.data_dir / params.id}) {
+        fs::create_directories(d);
+        ::chmod(d.c_str(), 0700);
+      }
       cgroup = shared_.cgroups->create(params.id, vm_limits(spec));
       VmBootSpec boot = boot_spec(params.id, run_dir, uid);
       boot.vcpus = std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
                                              shared_.host_cores);
       boot.memory_bytes = spec.resources.memory_bytes;
       boot.layers = params.layer_images;
-      boot.disk = run_dir / "disk.ext4";
+      boot.disk = shared_.data_dir / params.id / "disk.ext4";
       boot.hostname = spec.hostname.empty() ? params.id : spec.hostname;
       std::unique_ptr<VmInstance> vm;
       if (params.fork_of) {
@@ -656,6 +670,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       }
       std::error_code ec;
       fs::remove_all(run_dir, ec);
+      fs::remove_all(shared_.data_dir / params.id, ec);
       shared_.uids.give_back(uid);
       throw;
     }
@@ -722,7 +737,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   // Boots a guest of the create's shape under a template name, lets it set up its root, and freezes it.
   TemplatePtr make_template(const std::string& key, const VmBootSpec& like, std::uint64_t disk_bytes) {
     const auto started = Clock::now();
-    fs::path dir = fresh_dir(shared_.work_dir / "templates" /
+    fs::path dir = fresh_dir(shared_.data_dir / "templates" /
                              fmt::format("{:016x}", std::hash<std::string>{}(key)));
     std::error_code ec;
     UidPool::Lease uid{shared_.uids, shared_.uids.take()};
@@ -760,7 +775,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     boot.vcpus = static_cast<std::uint32_t>(state_number(st, key::kVcpus));
     boot.hostname = state_value(st, key::kHostname);
     boot.layers = decode_layers(state_value(st, key::kLayers));
-    boot.disk = run_dir / "disk.ext4";
+    boot.disk = shared_.data_dir / p.id / "disk.ext4";
     const std::string cgroup_path = state_value(st, key::kCgroup);
     container::check_adoptable_path(cgroup_path);
     std::unique_ptr<container::SandboxCgroup> cgroup;
@@ -773,7 +788,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     }
     std::unique_ptr<VmInstance> vm;
     if (p.sleeping) {
-      if (!fs::exists(run_dir / "sleep.state"))
+      if (!fs::exists(shared_.data_dir / p.id / "sleep.state"))
         throw Error(Code::kNotFound, fmt::format("sandbox {}: its saved state is gone", p.id));
     } else {
       auto pid = static_cast<pid_t>(state_number(st, key::kQemuPid));
@@ -796,6 +811,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   void remove_leftovers(const std::string& id) override {
     std::error_code ec;
     fs::remove_all(shared_.config.run_dir / id, ec);
+    fs::remove_all(shared_.data_dir / id, ec);
     try {
       shared_.cgroups->remove_sandbox_groups(id);
     } catch (const std::exception& e) {
@@ -809,6 +825,14 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     shared_.templates.clear();
     std::error_code ec;
     fs::remove_all(shared_.work_dir, ec);
+    for (const char* d : {"templates", "forks", "disks"}) fs::remove_all(shared_.data_dir / d, ec);
+    fs::remove(shared_.data_dir, ec);  // when no sleeping VM's state is left in it
+    fs::remove(shared_.data_dir.parent_path(), ec);
+    try {
+      shared_.cgroups->remove_subtree_if_empty();
+    } catch (const std::exception& e) {
+      log_warn("microvm: remove the agent's cgroup subtree: {}", e.what());
+    }
   }
 
  private:

@@ -114,7 +114,10 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   q.vcpus = spec.vcpus;
   q.memory_bytes = spec.memory_bytes;
   q.memory_share = !vm->template_;
-  q.balloon = true;
+  // No balloon. Its free page reporting gives pages back by punching holes in the RAM's file, and a clone's file is
+  // its template's sealed memfd, which refuses (and must); the devices of a template, its clones, a fork's parent
+  // and copies, a VM and its woken self must be the same, so no VM has one.
+  q.balloon = false;
   q.incoming = from != nullptr;
   q.start_paused = from && from->paused;
 
