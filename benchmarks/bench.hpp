@@ -3,9 +3,11 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,7 +82,14 @@ struct Options {
   std::size_t fork_count = 16;
   // fncall: the image of the function calls and of the container sandbox they are compared with (needs python3)
   std::string fncall_image = "bookworm-python";
+  // microvm: N sequential creates per kind (-n, default 20 for this command), idle VMs measured for memory
+  // (--idle clones, --idle-cold cold boots), and the density run's target (--density; 0 skips it)
+  std::size_t microvm_idle = 16;
+  std::size_t microvm_idle_cold = 4;
+  std::size_t microvm_density = 200;
+  std::size_t microvm_batch = 10;  // density: creates per create_many batch
   bool markdown = false;      // print the Markdown summary after a single benchmark too
+  std::set<std::string> given;  // the flags given on the command line (a command's own defaults yield to them)
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
                               // the control plane (client, HTTP, registry), no sandbox made
 };
@@ -341,6 +350,107 @@ struct FnCallBenchResult {
   CpuUse cpu;
 };
 
+// dsec-bench microvm: QEMU microVMs (templates on, and cold boots of a second agent with --microvm-templates off)
+// next to a plain QEMU boot of the same guest kernel and a container.
+struct MicroVmIdleMemory {
+  std::string what;              // "template clones" or "cold boots"
+  std::size_t count = 0;         // VMs measured
+  double create_seconds = 0;     // making all of them
+  double settle_seconds = 0;
+  // Per VM, the mean over the VMs' QEMU processes (/proc/<pid>/smaps_rollup), in bytes.
+  double rss = 0, pss = 0, pss_anon = 0, pss_file = 0, pss_shmem = 0;
+  double pss_min = 0, pss_max = 0;
+  // The guest-RAM mapping (a memfd: the template's for a clone, its own for a cold boot), per VM: its PSS, and its
+  // pages that are the VM's own (Anonymous: copied on write; for a memfd of its own, its Private pages).
+  double ram_pss = 0, ram_rss = 0, ram_private = 0;
+  double template_resident = 0;  // the templates' memfds' pages on the node, counted once (held by the agent)
+  double cgroup_charge = 0;      // per VM, the VM's memory cgroup
+  double mem_available_per_vm = 0;  // MemAvailable before - after, over count
+  double agent_rss_delta = 0;
+  double others_rss_delta = 0;   // RSS change of every other process over the same window: a noise gauge
+  double vm_cpu_pct = 0;         // % of one core per idle VM while settling
+  double load1 = 0;
+  std::size_t found = 0;         // QEMU processes found for the VMs
+  std::size_t discard_failures = 0;  // VMs whose qemu.log says ram_block_discard_range failed (free page reporting)
+  std::string discard_example;
+};
+
+struct MicroVmDensityRun {
+  std::size_t target = 0, ran = 0;
+  std::string stop_reason;
+  double create_seconds = 0;
+  Latency batch_per_vm;           // ms per VM, per batch (create_many of a batch / its size)
+  double mem_available_start = 0, mem_available_end = 0;
+  double pss_per_vm = 0, rss_per_vm = 0, mem_available_per_vm = 0, cgroup_per_vm = 0;
+  double others_rss_delta = 0;    // every other process's RSS change meanwhile (noise gauge for MemAvailable)
+  std::size_t qemu_found = 0;
+  // CPU while they idle, over `cpu_window` seconds.
+  double cpu_window = 0;
+  double vms_cores = 0, vm_cpu_pct = 0, agent_cores = 0, node_busy_cores = 0;
+  double load1 = 0, load5 = 0, load15 = 0;
+  std::size_t exec_ok = 0, exec_failed = 0;
+  std::vector<std::string> exec_errors;
+  Latency exec_check;
+  double exec_check_seconds = 0;
+  double destroy_seconds = 0;
+  std::size_t qemu_left = 0;      // QEMU processes of the agent's cgroup after the teardown
+  std::uint32_t vms_reported_left = 0;
+  std::size_t sandboxes_listed_left = 0;
+};
+
+struct MicroVmSleepRun {
+  std::size_t mib = 0;            // memory held by memhold
+  std::uint64_t guest_memory = 0;
+  double fill_ms = 0;
+  bool intact_before = false, intact_after = false;
+  double before_bytes = 0, after_bytes = 0;  // SleepReport: charged before and after the sleep
+  double sleep_seconds = 0, sleep_call_ms = 0;
+  double state_file_bytes = -1;   // <run dir>/<id>/sleep.state while asleep; -1: not found
+  double wake_seconds = 0, wake_call_ms = 0, first_exec_ms = 0, wake_to_exec_ms = 0;
+  double charged_after_wake = 0;  // the VM's cgroup after the wake and the touch
+  double shmem_before_sleep = std::nan(""), shmem_after_sleep = std::nan("");  // of the charge (memory.stat shmem)
+  double template_growth = std::nan("");  // the templates' memfds' resident pages: after the run less before
+  double touch_ms = 0, awake_touch_ms = 0;
+  std::string error;
+};
+
+struct MicroVmForkRun {
+  std::size_t count = 0;
+  double call_ms = 0, all_answered_ms = 0;
+  std::size_t answered = 0, alive = 0, inherited = 0;
+  bool parent_alive = false;
+  std::vector<std::string> details;
+};
+
+struct MicroVmBenchResult {
+  std::string accelerator, accelerator_reason, kernel_release, kernel_path, qemu_version, agent_version;
+  std::uint64_t tsc_khz = 0;
+  std::string peer_command;
+  std::size_t n = 0, warmup = 0;
+  // 1. create to first exec (ms): the template-making first create; clones; cold boots; the plain QEMU; container.
+  double first_create_ms = 0, first_exec_ms = 0;
+  Latency tmpl_total, tmpl_create, tmpl_exec, tmpl_second_exec;
+  Latency cold_total, cold_create, cold_exec;
+  Latency peer_marker, peer_exit;
+  Latency ct_total, ct_create, ct_exec;
+  CpuUse create_cpu;
+  // 2. exec round trips of `true` (ms)
+  std::size_t exec_n = 0, think_n = 0;
+  Latency vm_exec, vm_exec_agent, ct_exec_b2b, vm_think, vm_think_agent, ct_think;
+  CpuUse exec_cpu;
+  std::vector<MicroVmIdleMemory> memory;
+  std::optional<MicroVmDensityRun> density;
+  std::vector<MicroVmSleepRun> sleeps;
+  std::optional<MicroVmForkRun> fork;
+  std::vector<std::pair<std::string, std::string>> section_load;  // section -> its load and CPU
+  std::vector<std::pair<std::string, double>> template_resident;  // when -> the templates' memfds' resident bytes
+  // when -> memory charged to the agent's cgroup subtree (its VMs' groups, live and removed), with no VM running
+  std::vector<std::pair<std::string, double>> subtree_charge;
+  std::vector<std::string> notes;
+  std::vector<std::string> problems;  // what went wrong in the backend (a section that failed, VMs not answering)
+  int cores = 0;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -354,6 +464,7 @@ struct Report {
   std::optional<SleepBenchResult> sleep;
   std::optional<SnapshotBenchResult> snapshot;
   std::optional<FnCallBenchResult> fncall;
+  std::optional<MicroVmBenchResult> microvm;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -381,6 +492,9 @@ SleepBenchResult run_sleep(const Options& options, const std::string& home);
 SnapshotBenchResult run_snapshot(const Options& options, Client& client, const std::string& snapshot_store);
 // A trivial python call through run_code, a cold host `python3 -c` and a sandbox exec: latency, then calls/s.
 FnCallBenchResult run_fncall(const Options& options, Client& client);
+// QEMU microVMs: starts its own agents (templates on, serving container and microvm; and one with
+// --microvm-templates off), builds the image in <home>/store when missing.
+MicroVmBenchResult run_microvm(const Options& options, const std::string& home);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
@@ -398,6 +512,8 @@ void print_snapshot(const SnapshotBenchResult& r);
 std::string markdown_snapshot(const SnapshotBenchResult& r, int cores);
 void print_fncall(const FnCallBenchResult& r);
 std::string markdown_fncall(const FnCallBenchResult& r);
+void print_microvm(const MicroVmBenchResult& r);
+std::string markdown_microvm(const MicroVmBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

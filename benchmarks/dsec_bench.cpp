@@ -69,7 +69,17 @@ Commands:
                --fncall-image) next to a cold `/usr/bin/python3 -c` per call on the host and an exec of `python3 -c`
                in a container sandbox of the same image: sequential p50/p90/p99 with the three alternating, then
                calls per second at each --concurrency. Not part of `all`
-  all          all of the above but image, pulse, sleep, snapshot and fncall, then a Markdown summary for docs/benchmarks.md
+  microvm      QEMU microVMs (kind "microvm"), every figure naming the accelerator (GET /v1/node): create to the
+               first exec of `true` (-n sequential each; default 20) from a template, cold (a second agent with
+               --microvm-templates off), next to a plain qemu-system-x86_64 boot of the same guest kernel to a marker
+               on its console and a container; exec round trips back to back and after 1 s of think time; host
+               memory per idle VM (--idle clones, --idle-cold cold boots: PSS with its anon/file/shmem breakdown and
+               the template's share, MemAvailable per VM); density (clones in batches up to --density, stopping when
+               MemAvailable < 2 GiB or creates fail: memory, CPU of the idle VMs, an exec in every one, teardown);
+               sleep and wake of VMs holding 64 and 192 MiB (dsec-memhold; --sleep-sizes); fork(8) of a VM running a
+               background process (--forks). Starts its own agents; builds the image with the dsec CLI when missing.
+               Not part of `all`
+  all          all of the above but image, pulse, sleep, snapshot, fncall and microvm, then a Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -80,8 +90,8 @@ Flags:
   --rootfs DIR           the peers' root instead of the image's directory in the store
   --work-dir DIR         where the OCI bundle, crun's state and the peers' logs go (default: a new /tmp dir)
   --peers LIST           crun,bwrap (default); "none" for dsec alone. Explicit peers that cannot run are an error
-  -n N                   samples per latency measure (default 200)
-  --warmup N             discarded iterations before measuring (default 10)
+  -n N                   samples per latency measure (default 200; microvm: 20)
+  --warmup N             discarded iterations before measuring (default 10; microvm: 1)
   --concurrency LIST     throughput levels (default 1,2,4,8,16)
   --duration SECONDS     throughput: measured time per system and level (default 5)
   --rounds N             throughput: the systems take turns in N windows of SECONDS/N each (default 5)
@@ -101,13 +111,17 @@ Flags:
   --pulse-dir DIR        pulse: a new directory under DIR holds the agents' homes, sandbox records and run
                          directories (default: under /dev/shm, a tmpfs, so that disk writes do not decide the
                          figures; give a disk's directory to measure with them)
-  --sleep-sizes LIST     sleep: MiB each sandbox holds (default 64,256,1024)
+  --sleep-sizes LIST     sleep: MiB each sandbox holds (default 64,256,1024; microvm: 64,192)
   --sleep-rounds N       sleep: sleep/wake cycles per size (default 2)
   --swap-size SIZE       sleep: the embedded agent's swap file (default the largest size + 512Mi)
   --sizes LIST           snapshot: MiB written before the snapshots (default 1,16,64,256)
   --repeat N             snapshot: snapshots per size and fork rounds (default 3; 256 MiB and more at most 2)
-  --forks N              snapshot: sandboxes per fork (default 16; 0 skips the fork)
+  --forks N              snapshot, microvm: sandboxes per fork (default 16, microvm 8; 0 skips the fork)
   --fncall-image NAME    fncall: the image of the calls and of the sandbox (default bookworm-python; needs python3)
+  --idle K               microvm: idle template clones measured for memory (default 16; 0 skips)
+  --idle-cold K          microvm: idle cold-booted VMs measured for memory (default 4; 0 skips)
+  --density N            microvm: idle clones to reach in the density run (default 200; 0 skips it)
+  --density-batch N      microvm: creates per batch in the density run (default 10)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -152,6 +166,7 @@ Options parse_options(int argc, char** argv) {
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     std::string flag = a, value;
+    if (!a.empty() && a[0] == '-') o.given.insert(a.substr(0, a.find('=')));
     bool inline_value = false;
     if (a.rfind("--", 0) == 0) {
       if (auto eq = a.find('='); eq != std::string::npos) {
@@ -268,6 +283,14 @@ Options parse_options(int argc, char** argv) {
     } else if (flag == "--fncall-image") {
       o.fncall_image = take();
       if (o.fncall_image.empty()) throw UsageError("--fncall-image needs an image name");
+    } else if (flag == "--idle") {
+      o.microvm_idle = parse_count(flag, take(), 0);
+    } else if (flag == "--idle-cold") {
+      o.microvm_idle_cold = parse_count(flag, take(), 0);
+    } else if (flag == "--density") {
+      o.microvm_density = parse_count(flag, take(), 0);
+    } else if (flag == "--density-batch") {
+      o.microvm_batch = parse_count(flag, take(), 1);
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -280,7 +303,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "all"})
+                        "fncall", "microvm", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -374,7 +397,7 @@ int run(int argc, char** argv) {
   const bool snapshots = o.command == "snapshot" || o.command == "sleep";
   if (snapshots && o.endpoints.empty()) snapshot_store = (work_dir / "snapshots").string();
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
-  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse") {
+  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse" && o.command != "microvm") {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -493,17 +516,23 @@ int run(int argc, char** argv) {
     print_cpu(report.snapshot->cpu, m.cores);
     std::fflush(stdout);
   }
+  if (o.command == "microvm") {
+    report.microvm = run_microvm(o, home);
+    print_microvm(*report.microvm);
+    std::fflush(stdout);
+  }
   if (o.command == "fncall") {
     report.fncall = run_fncall(o, *client);
     print_fncall(*report.fncall);
     std::fflush(stdout);
   }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}", markdown_report(report, o),
+    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}", markdown_report(report, o),
                report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
                report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string(),
                report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string(),
-               report.fncall ? "\n" + markdown_fncall(*report.fncall) : std::string());
+               report.fncall ? "\n" + markdown_fncall(*report.fncall) : std::string(),
+               report.microvm ? "\n" + markdown_microvm(*report.microvm) : std::string());
   return 0;
 }
 

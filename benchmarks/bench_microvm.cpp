@@ -1,0 +1,1632 @@
+// dsec-bench microvm: QEMU microVMs (kind "microvm"), measured in one run, every figure naming the accelerator the
+// node chose (GET /v1/node: microvm.accelerator).
+//
+//  1. create to the first exec's result (`true`), sequential: from a template (the first create of the shape makes
+//     it and is reported apart), cold boots (a second agent with --microvm-templates off), next to a plain
+//     qemu-system-x86_64 boot of the same guest kernel with the same machine options and a minimal initramfs
+//     (busybox as /init: mount /proc, print a marker, poweroff -f) timed to the marker on its console, and a
+//     container of the same image. The four take turns within every iteration, so a change in the machine's load
+//     reaches all of them alike.
+//  2. exec round trip of `true` in a warm VM, back to back and after 1 s of think time, next to a container's.
+//  3. host memory per idle VM: K clones, then a few cold boots, settled: PSS of each QEMU (anon / file / shmem, and
+//     the guest-RAM memfd mapping: the template's share), the VM's cgroup charge, MemAvailable per VM.
+//  4. density: clones in batches up to a target (or until a create fails, or MemAvailable < 2 GiB): memory, CPU of
+//     the idle VMs, an exec in every one, teardown, and nothing of them left behind.
+//  5. sleep and wake of VMs whose memhold holds 64 and 192 MiB: memory before and after, the state file, wake to the
+//     first exec, the checksum.
+//  6. fork(8) of a VM running a background counter: until all copies answer, and each copy's counter runs on.
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "agent/backends/microvm/guest_kernel.hpp"
+#include "agent/backends/microvm/qemu_command.hpp"
+#include "bench.hpp"
+#include "common/syscall.hpp"
+#include "common/unique_fd.hpp"
+#include "dsec/error.hpp"
+#include "dsec/sandbox.hpp"
+#include "host.hpp"
+#include "image/store/blob_store.hpp"
+#include "image/store/catalog.hpp"
+#include "image/store/manifest.hpp"
+
+extern char** environ;
+
+namespace dsec::bench {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kGiB = kMiB * 1024.0;
+constexpr std::uint64_t kVmMemory = 128ull << 20;  // the backend's smallest guest
+constexpr const char* kPeerMarker = "DSEC-BENCH-PEER-UP";
+constexpr auto kSettle = std::chrono::seconds(10);
+constexpr auto kCpuWindow = std::chrono::seconds(10);
+constexpr double kDensityMemoryFloor = 2 * kGiB;
+constexpr auto kThink = std::chrono::seconds(1);
+constexpr const char* kHoldDir = "/tmp/h";
+
+fs::path beside_self(const char* name) {
+  std::error_code ec;
+  fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::path(name) : self.parent_path() / name;
+}
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  return s;
+}
+
+std::string mib(double bytes) {
+  if (std::isnan(bytes)) return "n/a";
+  double m = bytes / kMiB;
+  if (std::fabs(m) < 10) return fmt::format("{:.2f} MiB", m);
+  return fmt::format("{:.1f} MiB", m);
+}
+
+std::string ms(double v) {
+  if (std::isnan(v)) return "n/a";
+  if (v < 10) return fmt::format("{:.2f} ms", v);
+  if (v < 100) return fmt::format("{:.1f} ms", v);
+  return fmt::format("{:.0f} ms", v);
+}
+
+std::vector<int> proc_pids() {
+  std::vector<int> pids;
+  DIR* d = ::opendir("/proc");
+  if (!d) return pids;
+  while (dirent* e = ::readdir(d)) {
+    const char* s = e->d_name;
+    if (*s < '1' || *s > '9') continue;
+    char* end = nullptr;
+    long pid = std::strtol(s, &end, 10);
+    if (*end == '\0') pids.push_back(static_cast<int>(pid));
+  }
+  ::closedir(d);
+  return pids;
+}
+
+std::vector<std::string> cmdline_of(int pid) {
+  std::string text = read_text_file(fmt::format("/proc/{}/cmdline", pid));
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t end = text.find('\0', pos);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(text.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return out;
+}
+
+std::string arg_after(const std::vector<std::string>& argv, const std::string& flag) {
+  for (std::size_t i = 0; i + 1 < argv.size(); ++i)
+    if (argv[i] == flag) return argv[i + 1];
+  return {};
+}
+
+// utime + stime of one process (not its children), in clock ticks; 0 when it is gone.
+std::uint64_t own_ticks(int pid) {
+  std::string text = read_text_file(fmt::format("/proc/{}/stat", pid));
+  auto close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream in(text.substr(close + 2));
+  std::string field;
+  std::uint64_t total = 0;
+  for (int i = 3; i <= 15 && in >> field; ++i)
+    if (i >= 14) total += std::strtoull(field.c_str(), nullptr, 10);
+  return total;
+}
+
+// Busy ticks of all CPUs (/proc/stat: user nice system irq softirq steal).
+std::uint64_t node_busy_ticks() {
+  std::ifstream in("/proc/stat");
+  std::string label;
+  in >> label;
+  std::uint64_t v[8] = {};
+  for (auto& x : v) in >> x;
+  return v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+}
+
+double ticks_per_second() { return static_cast<double>(::sysconf(_SC_CLK_TCK)); }
+
+std::string load_text() {
+  double l1 = 0, l5 = 0, l15 = 0;
+  read_loadavg(l1, l5, l15);
+  return fmt::format("{:.2f} {:.2f} {:.2f}", l1, l5, l15);
+}
+
+double load1_now() {
+  double l1 = 0, l5 = 0, l15 = 0;
+  read_loadavg(l1, l5, l15);
+  return l1;
+}
+
+// Every "Key: N kB" of a /proc file, in bytes.
+std::map<std::string, double> kb_fields(const std::string& path) {
+  std::map<std::string, double> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::istringstream v(line.substr(colon + 1));
+    double kb = 0;
+    std::string unit;
+    if (v >> kb >> unit && unit == "kB") out[line.substr(0, colon)] = kb * 1024;
+  }
+  return out;
+}
+
+// The guest RAM mapping of a QEMU (a memfd "dsec-ram-..."), from /proc/<pid>/smaps.
+struct RamMapping {
+  bool found = false;
+  double rss = 0, pss = 0, anonymous = 0, private_bytes = 0;
+};
+
+RamMapping ram_mapping(int pid) {
+  RamMapping r;
+  std::ifstream in(fmt::format("/proc/{}/smaps", pid));
+  std::string line;
+  bool inside = false;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string first;
+    ls >> first;
+    if (first.empty()) continue;
+    if (first.back() != ':') {  // a mapping's header: "start-end perms offset dev inode [path]"
+      inside = line.find("memfd:dsec-ram-") != std::string::npos;
+      r.found |= inside;
+      continue;
+    }
+    if (!inside) continue;
+    double kb = 0;
+    ls >> kb;
+    double bytes = kb * 1024;
+    if (first == "Rss:") r.rss += bytes;
+    else if (first == "Pss:") r.pss += bytes;
+    else if (first == "Anonymous:") r.anonymous += bytes;
+    else if (first == "Private_Clean:" || first == "Private_Dirty:") r.private_bytes += bytes;
+  }
+  return r;
+}
+
+// The pages of the templates' memfds the agent holds (descriptors named memfd:dsec-ram-template-...), each once.
+double template_resident_bytes(int agent_pid) {
+  double total = 0;
+  std::set<ino_t> seen;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fmt::format("/proc/{}/fd", agent_pid), ec)) {
+    std::error_code lec;
+    std::string target = fs::read_symlink(e.path(), lec).string();
+    if (lec || target.find("memfd:dsec-ram-template") == std::string::npos) continue;
+    struct stat st {};
+    if (::stat(e.path().c_str(), &st) != 0 || !seen.insert(st.st_ino).second) continue;
+    total += static_cast<double>(st.st_blocks) * 512;
+  }
+  return total;
+}
+
+// Memory charged to an agent's cgroup subtree (v1 memory.usage_in_bytes, v2 memory.current); NaN when not found.
+double subtree_charge(const std::string& cgroup_name) {
+  for (const std::string dir : {"/sys/fs/cgroup/memory/" + cgroup_name, "/sys/fs/cgroup/" + cgroup_name,
+                                "/sys/fs/cgroup/unified/" + cgroup_name}) {
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) continue;
+    std::string text = read_text_file(dir + "/memory.usage_in_bytes");
+    if (text.empty()) text = read_text_file(dir + "/memory.current");
+    if (!text.empty()) return std::strtod(text.c_str(), nullptr);
+  }
+  return std::nan("");
+}
+
+// The cgroup directories named `cgroup_name` directly under the hierarchies' roots (an agent's subtree).
+std::vector<fs::path> subtree_dirs(const std::string& cgroup_name) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& h : fs::directory_iterator("/sys/fs/cgroup", ec)) {
+    fs::path d = h.path() / cgroup_name;
+    std::error_code e2;
+    if (fs::is_directory(d, e2)) out.push_back(d);
+  }
+  if (fs::is_directory(fs::path("/sys/fs/cgroup") / cgroup_name, ec)) out.push_back(fs::path("/sys/fs/cgroup") / cgroup_name);
+  return out;
+}
+
+// The QEMU processes in an agent's cgroup subtree, by the sandbox id their -name gives.
+std::map<std::string, int> agent_qemus(const std::string& cgroup_name) {
+  std::map<std::string, int> out;
+  const std::string needle = "/" + cgroup_name + "/";
+  for (int pid : proc_pids()) {
+    std::string comm = trim(read_text_file(fmt::format("/proc/{}/comm", pid)));
+    if (comm.rfind("qemu-system", 0) != 0) continue;
+    std::string cg = read_text_file(fmt::format("/proc/{}/cgroup", pid));
+    if (cg.find(needle) == std::string::npos) continue;
+    std::string name = arg_after(cmdline_of(pid), "-name");
+    name = name.substr(0, name.find(','));
+    out[name.empty() ? fmt::format("pid-{}", pid) : name] = pid;
+  }
+  return out;
+}
+
+ExecRequest true_request(double timeout = 60) {
+  ExecRequest r;
+  r.argv = {"true"};
+  r.timeout_seconds = timeout;
+  return r;
+}
+
+void check_ok(const ExecResult& r, const std::string& what) {
+  if (r.exit_code != 0 || r.timed_out)
+    throw Error(Code::kInternal, fmt::format("{}: exit code {} (signal {}){}: {}", what, r.exit_code, r.signal,
+                                             r.timed_out ? ", timed out" : "", r.stderr_data));
+}
+
+ExecResult run_shell(const Sandbox& sb, const std::string& command, double timeout_seconds = 300) {
+  ExecRequest request;
+  request.shell = command;
+  request.timeout_seconds = timeout_seconds;
+  ExecResult r = sb.exec(request);
+  check_ok(r, fmt::format("`{}` in {}", command, sb.id()));
+  return r;
+}
+
+std::string wait_for_file(const Sandbox& sb, const std::string& path, std::chrono::seconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    try {
+      std::string s = sb.read_file(path);
+      if (!s.empty()) return s;
+    } catch (const Error& e) {
+      if (e.code() != Code::kNotFound || Clock::now() > deadline) throw;
+    }
+    if (Clock::now() > deadline) throw Error(Code::kDeadlineExceeded, fmt::format("{} stayed empty", path));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- the agents
+
+struct Agent {
+  std::string label;
+  std::unique_ptr<Client> client;
+  int pid = -1;
+  fs::path run_dir;
+  std::string cgroup_name;
+  NodeInfo node;
+
+  ~Agent() {
+    if (client) {
+      try {
+        client->close();
+      } catch (...) {
+      }
+    }
+  }
+};
+
+std::unique_ptr<Agent> start_agent(const Options& o, const std::string& home, const std::string& label,
+                                   std::vector<std::string> args) {
+  auto a = std::make_unique<Agent>();
+  a->label = label;
+  ClientOptions c;
+  c.home = home;
+  c.agent_binary = o.agent_binary;
+  c.agent_args = std::move(args);
+  c.call_deadline = std::chrono::minutes(10);
+  c.request_timeout = std::chrono::minutes(3);
+  c.create_concurrency = 8;
+  c.agent_start_timeout = std::chrono::seconds(90);
+  std::string line;
+  for (const auto& w : c.agent_args) line += " " + w;
+  fmt::print(stderr, "dsec-bench microvm: starting the {} agent (dsecd{})\n", label, line);
+  a->client = std::make_unique<Client>(c);
+  const auto deadline = Clock::now() + std::chrono::seconds(90);
+  for (;;) {
+    a->node = a->client->nodes().front();
+    if (!a->node.microvm.offered)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("the {} agent does not serve microvm: {}", label, a->node.microvm.unavailable));
+    if (a->node.microvm.ready) break;
+    if (Clock::now() > deadline)
+      throw Error(Code::kDeadlineExceeded, fmt::format("the {} agent's accelerator probe did not finish", label));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!a->node.microvm.unavailable.empty())
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("the {} agent cannot run microVMs: {}", label, a->node.microvm.unavailable));
+  a->pid = agent_pid_for(*a->client);
+  if (a->pid > 0) {
+    auto argv = cmdline_of(a->pid);
+    a->run_dir = arg_after(argv, "--run-dir");
+    a->cgroup_name = arg_after(argv, "--cgroup-name");
+  }
+  return a;
+}
+
+SandboxSpec vm_spec(const Options& o, std::uint64_t memory = kVmMemory) {
+  SandboxSpec spec = bench_spec(o);
+  spec.kind = "microvm";
+  spec.resources.cpu = 1;
+  spec.resources.memory_bytes = memory;
+  spec.ttl = std::chrono::seconds(3600);
+  spec.labels["dsec-bench-microvm"] = "1";
+  return spec;
+}
+
+void ensure_image(const Options& o, const std::string& home, std::vector<std::string>& notes) {
+  auto store = image::open_directory_store(fs::path(home) / "store");
+  try {
+    image::fetch_manifest(*store, image::parse_reference(o.image));
+    return;
+  } catch (const Error& e) {
+    if (e.code() != Code::kNotFound) throw;
+  }
+  if (o.image != "busybox")
+    throw Error(Code::kNotFound, fmt::format("image {} is not in {}/store (this benchmark builds only busybox)",
+                                             o.image, home));
+  const std::string cli = o.dsec_cli.empty() ? beside_self("dsec").string() : o.dsec_cli;
+  std::vector<std::string> argv{cli, "--home", home, "image", "build", "busybox", "--from", "busybox-static", "-q"};
+  std::string line;
+  for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
+  fmt::print(stderr, "dsec-bench: {}\n", line);
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  int err = ::posix_spawn(&pid, args[0], nullptr, nullptr, args.data(), environ);
+  if (err != 0) throw_errno_fmt(err, "run {}", argv[0]);
+  int status = 0;
+  if (retry_eintr([&] { return ::waitpid(pid, &status, 0); }) < 0) throw_errno_fmt(errno, "wait for {}", argv[0]);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw Error(Code::kInternal, fmt::format("`{}` failed", line));
+  notes.push_back(fmt::format("built: `{}`", line));
+}
+
+// ---------------------------------------------------------------------------------------------- the QEMU peer
+
+void cpio_entry(std::string& out, unsigned ino, const std::string& name, unsigned mode, const std::string& data,
+                unsigned rdev_major = 0, unsigned rdev_minor = 0) {
+  auto pad = [&out] {
+    while (out.size() % 4) out.push_back('\0');
+  };
+  const bool dir = (mode & 0170000) == 0040000;
+  out += fmt::format("070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}", ino, mode,
+                     0, 0, dir ? 2 : 1, 0, data.size(), 0, 0, rdev_major, rdev_minor, name.size() + 1, 0);
+  out += name;
+  out.push_back('\0');
+  pad();
+  out += data;
+  pad();
+}
+
+// A plain qemu-system-x86_64 of the same guest kernel and machine options as dsec's VMs (qemu_command.cpp), with an
+// initramfs of busybox whose /init prints a marker on the console and powers off.
+class QemuPeer {
+ public:
+  QemuPeer(const fs::path& dir, bool kvm, std::uint32_t tsc_khz, const fs::path& kernel) : dir_(dir) {
+    fs::create_directories(dir);
+    std::ifstream bb("/bin/busybox", std::ios::binary);
+    if (!bb) throw Error(Code::kFailedPrecondition, "the QEMU peer needs /bin/busybox (busybox-static)");
+    const std::string busybox((std::istreambuf_iterator<char>(bb)), std::istreambuf_iterator<char>());
+    std::string cpio;
+    unsigned ino = 1;
+    cpio_entry(cpio, ino++, "dev", 0040755, "");
+    cpio_entry(cpio, ino++, "dev/console", 0020600, "", 5, 1);
+    cpio_entry(cpio, ino++, "proc", 0040755, "");
+    cpio_entry(cpio, ino++, "bin", 0040755, "");
+    cpio_entry(cpio, ino++, "bin/busybox", 0100755, busybox);
+    cpio_entry(cpio, ino++, "init", 0100755,
+               fmt::format("#!/bin/busybox sh\n/bin/busybox mount -t proc proc /proc\necho {}\n"
+                           "/bin/busybox poweroff -f\n",
+                           kPeerMarker));
+    cpio_entry(cpio, ino++, "TRAILER!!!", 0, "");
+    initrd_ = dir / "peer-initramfs.cpio";
+    std::ofstream out(initrd_, std::ios::binary | std::ios::trunc);
+    out << cpio;
+    if (!out) throw Error(Code::kInternal, fmt::format("cannot write {}", initrd_.string()));
+    out.close();
+    log_ = dir / "peer-qemu.log";
+
+    agent::microvm::CmdlineOptions co;
+    co.accelerator = kvm ? agent::microvm::Accelerator::kKvm : agent::microvm::Accelerator::kTcg;
+    co.tsc_khz = tsc_khz;
+    const std::string append = agent::microvm::kernel_cmdline(co);
+    argv_ = {"/usr/bin/qemu-system-x86_64",
+             "-name",
+             "dsec-bench-peer,debug-threads=on",
+             "-nodefaults",
+             "-no-user-config",
+             "-nographic",
+             "-display",
+             "none",
+             "-no-reboot",
+             "-sandbox",
+             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+             "-machine",
+             "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram",
+             "-accel",
+             kvm ? "kvm" : "tcg,tb-size=32",
+             "-cpu",
+             kvm ? "host" : "max",
+             "-smp",
+             "1",
+             "-m",
+             "128M",
+             "-object",
+             "memory-backend-memfd,id=ram,size=128M,share=on",
+             "-kernel",
+             kernel.string(),
+             "-initrd",
+             initrd_.string(),
+             "-append",
+             append,
+             "-chardev",
+             "stdio,id=console,signal=off",
+             "-serial",
+             "chardev:console"};
+  }
+
+  std::string command() const {
+    std::string s;
+    for (const auto& a : argv_) s += (s.empty() ? "" : " ") + (a.find(' ') != std::string::npos ? "'" + a + "'" : a);
+    return s;
+  }
+
+  struct Run {
+    double marker_ms = std::nan("");
+    double exit_ms = std::nan("");
+  };
+
+  // Spawn to the marker on the console, and to QEMU's exit (the guest's poweroff).
+  Run run() {
+    int p[2];
+    if (::pipe2(p, O_CLOEXEC) != 0) throw_errno(errno, "pipe");
+    UniqueFd rd(p[0]), wr(p[1]);
+    UniqueFd log(::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_adddup2(&fa, wr.get(), 1);
+    posix_spawn_file_actions_adddup2(&fa, log ? log.get() : wr.get(), 2);
+    std::vector<char*> args;
+    for (auto& a : argv_) args.push_back(a.data());
+    args.push_back(nullptr);
+    Run r;
+    const auto t0 = Clock::now();
+    pid_t pid = -1;
+    int err = ::posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (err != 0) throw_errno(err, "spawn qemu-system-x86_64");
+    wr.reset();
+    std::string seen;
+    const auto deadline = t0 + std::chrono::seconds(60);
+    bool eof = false;
+    while (!eof && Clock::now() < deadline) {
+      pollfd pfd{rd.get(), POLLIN, 0};
+      int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+      int n = ::poll(&pfd, 1, std::max(1, left));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      char buf[4096];
+      ssize_t got = ::read(rd.get(), buf, sizeof buf);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        eof = true;
+        break;
+      }
+      seen.append(buf, static_cast<std::size_t>(got));
+      if (std::isnan(r.marker_ms) && seen.find(kPeerMarker) != std::string::npos) r.marker_ms = ms_since(t0);
+    }
+    int status = 0;
+    const auto exit_deadline = Clock::now() + std::chrono::seconds(10);
+    for (;;) {
+      pid_t w = ::waitpid(pid, &status, WNOHANG);
+      if (w == pid) {
+        if (eof) r.exit_ms = ms_since(t0);
+        break;
+      }
+      if (Clock::now() > exit_deadline) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    if (std::isnan(r.marker_ms))
+      throw Error(Code::kInternal, fmt::format("the QEMU peer printed no marker in 60 s; console: {}; log {}",
+                                               seen.substr(seen.size() > 400 ? seen.size() - 400 : 0), log_.string()));
+    return r;
+  }
+
+ private:
+  fs::path dir_, initrd_, log_;
+  std::vector<std::string> argv_;
+};
+
+std::string qemu_version() {
+  std::string out;
+  if (FILE* f = ::popen("/usr/bin/qemu-system-x86_64 --version 2>/dev/null", "r")) {
+    char buf[256];
+    if (std::fgets(buf, sizeof buf, f)) out = trim(buf);
+    ::pclose(f);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------- measures
+
+struct Lifecycle {
+  double create_ms = 0, exec_ms = 0, total_ms = 0, second_exec_ms = 0;
+};
+
+Lifecycle create_exec_destroy(Client& client, const SandboxSpec& spec) {
+  Lifecycle l;
+  auto t0 = Clock::now();
+  Sandbox sb = client.create(spec);
+  auto t1 = Clock::now();
+  check_ok(sb.exec(true_request()), fmt::format("the first exec in {}", sb.id()));
+  auto t2 = Clock::now();
+  l.create_ms = ms_between(t0, t1);
+  l.exec_ms = ms_between(t1, t2);
+  l.total_ms = ms_between(t0, t2);
+  // The second exec (not part of the total): what the first one pays beyond a warm exec.
+  check_ok(sb.exec(true_request()), fmt::format("the second exec in {}", sb.id()));
+  l.second_exec_ms = ms_since(t2);
+  sb.destroy();
+  return l;
+}
+
+// A key of a cgroup's memory.stat ("shmem"), in bytes; NaN when unreadable.
+double memory_stat(const std::string& dir, const std::string& key) {
+  std::ifstream in(dir + "/memory.stat");
+  std::string k;
+  double v = 0;
+  while (in >> k >> v)
+    if (k == key) return v;
+  return std::nan("");
+}
+
+// How many of the VMs' QEMU logs report a failed ram_block_discard_range (the balloon's free page reporting could
+// not give guest pages back), and one such line.
+std::size_t discard_failures(const Agent& agent, const std::vector<Sandbox>& vms, std::string& example) {
+  std::size_t n = 0;
+  for (const auto& v : vms) {
+    std::string log = read_text_file((agent.run_dir / v.id() / "qemu.log").string());
+    auto pos = log.find("ram_block_discard_range");
+    if (pos == std::string::npos) continue;
+    ++n;
+    if (example.empty()) {
+      auto start = log.rfind('\n', pos);
+      auto end = log.find('\n', pos);
+      example = log.substr(start == std::string::npos ? 0 : start + 1,
+                           end == std::string::npos ? std::string::npos : end - (start == std::string::npos ? 0 : start + 1));
+    }
+  }
+  return n;
+}
+
+// The figures of K idle VMs (their QEMUs found by sandbox id in the agent's cgroup).
+void measure_vms(const Agent& agent, const std::vector<Sandbox>& vms, MicroVmIdleMemory& m) {
+  std::set<std::string> ids;
+  for (const auto& v : vms) ids.insert(v.id());
+  auto qemus = agent_qemus(agent.cgroup_name);
+  std::vector<double> pss;
+  for (const auto& [id, pid] : qemus) {
+    if (!ids.count(id)) continue;
+    auto f = kb_fields(fmt::format("/proc/{}/smaps_rollup", pid));
+    m.rss += f["Rss"];
+    m.pss += f["Pss"];
+    m.pss_anon += f["Pss_Anon"];
+    m.pss_file += f["Pss_File"];
+    m.pss_shmem += f["Pss_Shmem"];
+    pss.push_back(f["Pss"]);
+    RamMapping ram = ram_mapping(pid);
+    m.ram_pss += ram.pss;
+    m.ram_rss += ram.rss;
+    // A clone's RAM is a private mapping of the template: its own pages are the ones copied on write (Anonymous). A
+    // VM of its own maps its memfd shared: every page in it is its own.
+    m.ram_private += ram.anonymous > 0 ? ram.anonymous : ram.private_bytes;
+  }
+  m.found = pss.size();
+  const double k = m.found ? static_cast<double>(m.found) : std::nan("");
+  for (double* v : {&m.rss, &m.pss, &m.pss_anon, &m.pss_file, &m.pss_shmem, &m.ram_pss, &m.ram_rss, &m.ram_private})
+    *v /= k;
+  if (!pss.empty()) {
+    m.pss_min = *std::min_element(pss.begin(), pss.end());
+    m.pss_max = *std::max_element(pss.begin(), pss.end());
+  }
+  SandboxProcesses found = find_sandbox_processes(ids);
+  double charge = 0;
+  for (const auto& [id, dir] : found.memory_cgroup) charge += static_cast<double>(cgroup_memory_bytes(dir));
+  m.cgroup_charge = found.memory_cgroup.empty() ? std::nan("") : charge / static_cast<double>(found.memory_cgroup.size());
+  if (agent.pid > 0) m.template_resident = template_resident_bytes(agent.pid);
+}
+
+// CPU of the agent's QEMUs over `window`: % of one core per VM.
+double idle_cpu_pct(const Agent& agent, std::chrono::seconds window, std::size_t* vms_seen = nullptr,
+                    double* agent_cores = nullptr, double* node_cores = nullptr) {
+  auto before = agent_qemus(agent.cgroup_name);
+  std::map<int, std::uint64_t> t0;
+  for (const auto& [id, pid] : before) t0[pid] = own_ticks(pid);
+  std::uint64_t a0 = agent.pid > 0 ? own_ticks(agent.pid) : 0;
+  std::uint64_t n0 = node_busy_ticks();
+  auto start = Clock::now();
+  std::this_thread::sleep_for(window);
+  double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  std::uint64_t total = 0;
+  for (const auto& [pid, t] : t0) {
+    std::uint64_t now = own_ticks(pid);
+    if (now >= t) total += now - t;
+  }
+  const double hz = ticks_per_second();
+  if (vms_seen) *vms_seen = t0.size();
+  if (agent_cores && agent.pid > 0) *agent_cores = static_cast<double>(own_ticks(agent.pid) - a0) / hz / secs;
+  if (node_cores) *node_cores = static_cast<double>(node_busy_ticks() - n0) / hz / secs;
+  if (t0.empty()) return std::nan("");
+  return static_cast<double>(total) / hz / secs / static_cast<double>(t0.size()) * 100;
+}
+
+void destroy_all(std::vector<Sandbox>& vms, std::size_t threads, std::vector<std::string>* errors = nullptr) {
+  std::atomic<std::size_t> next{0};
+  std::mutex mu;
+  std::vector<std::thread> pool;
+  for (std::size_t t = 0; t < std::min(threads, vms.size()); ++t)
+    pool.emplace_back([&] {
+      for (std::size_t i = next++; i < vms.size(); i = next++) {
+        try {
+          vms[i].destroy();
+        } catch (const std::exception& e) {
+          std::lock_guard lock(mu);
+          if (errors) errors->push_back(e.what());
+        }
+      }
+    });
+  for (auto& t : pool) t.join();
+  vms.clear();
+}
+
+std::string cpu_line(const CpuUse& c, int cores) {
+  return fmt::format("{:.1f} s; CPU busy {:.2f} of {} cores (dsec-bench, agents and their QEMUs {:.2f}, kernel {:.2f}, "
+                     "steal {:.2f}, other processes {:.2f}); load average at the end {}",
+                     c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores,
+                     load_text());
+}
+
+// Memory of K idle VMs made by `make`.
+MicroVmIdleMemory idle_memory(const Agent& agent, const std::string& what, std::size_t k,
+                              const std::function<std::vector<Sandbox>()>& make) {
+  MicroVmIdleMemory m;
+  m.what = what;
+  fmt::print(stderr, "dsec-bench microvm: memory of {} idle {} ({} agent)\n", k, what, agent.label);
+  const double before = static_cast<double>(mem_available_settled());
+  const double agent_before = agent.pid > 0 ? static_cast<double>(rss_bytes(agent.pid)) : 0;
+  const int self = static_cast<int>(::getpid());
+  auto others_now = [&] {
+    std::set<int> exclude{self, agent.pid};
+    for (const auto& [id, pid] : agent_qemus(agent.cgroup_name)) exclude.insert(pid);
+    return static_cast<double>(rss_of_all_but(exclude));
+  };
+  const double others_before = others_now();
+  auto t0 = Clock::now();
+  std::vector<Sandbox> vms = make();
+  m.create_seconds = ms_since(t0) / 1000;
+  m.count = vms.size();
+  // Settling: the CPU the idle VMs use is measured meanwhile.
+  auto s0 = Clock::now();
+  m.vm_cpu_pct = idle_cpu_pct(agent, kSettle);
+  m.settle_seconds = ms_since(s0) / 1000;
+  m.load1 = load1_now();
+  const double after = static_cast<double>(mem_available_settled());
+  m.others_rss_delta = others_now() - others_before;
+  measure_vms(agent, vms, m);
+  m.discard_failures = discard_failures(agent, vms, m.discard_example);
+  m.mem_available_per_vm = (before - after) / static_cast<double>(std::max<std::size_t>(1, m.count));
+  m.agent_rss_delta = agent.pid > 0 ? static_cast<double>(rss_bytes(agent.pid)) - agent_before : std::nan("");
+  destroy_all(vms, 8);
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------- density
+
+MicroVmDensityRun density_run(const Options& o, Agent& agent, std::vector<std::string>& problems) {
+  MicroVmDensityRun d;
+  d.target = o.microvm_density;
+  const SandboxSpec spec = vm_spec(o);
+  d.mem_available_start = static_cast<double>(mem_available_settled(3));
+  const int self = static_cast<int>(::getpid());
+  auto others_now = [&] {
+    std::set<int> exclude{self, agent.pid};
+    for (const auto& [id, pid] : agent_qemus(agent.cgroup_name)) exclude.insert(pid);
+    return static_cast<double>(rss_of_all_but(exclude));
+  };
+  const double others_before = others_now();
+  std::vector<Sandbox> vms;
+  auto t0 = Clock::now();
+  while (vms.size() < d.target) {
+    const double avail = static_cast<double>(meminfo_bytes("MemAvailable"));
+    if (avail < kDensityMemoryFloor) {
+      d.stop_reason = fmt::format("MemAvailable {:.2f} GiB fell below 2 GiB", avail / kGiB);
+      break;
+    }
+    const std::size_t batch = std::min(o.microvm_batch, d.target - vms.size());
+    auto b0 = Clock::now();
+    try {
+      std::vector<Sandbox> made = agent.client->create_many(batch, spec);
+      d.batch_per_vm.add(ms_since(b0) / static_cast<double>(batch));
+      for (auto& s : made) vms.push_back(std::move(s));
+    } catch (const std::exception& e) {
+      d.stop_reason = fmt::format("a create failed at {} VMs: {}", vms.size(), e.what());
+      problems.push_back(fmt::format("density: a create_many of {} failed with {} VMs running (load {}): {}", batch,
+                                     vms.size(), load_text(), e.what()));
+      break;
+    }
+    fmt::print(stderr, "  density: {}/{} VMs, MemAvailable {:.2f} GiB, load {}, last batch {:.0f} ms per VM\n",
+               vms.size(), d.target, static_cast<double>(meminfo_bytes("MemAvailable")) / kGiB, load_text(),
+               ms_since(b0) / static_cast<double>(batch));
+  }
+  if (d.stop_reason.empty()) d.stop_reason = "reached the target";
+  d.create_seconds = ms_since(t0) / 1000;
+  d.ran = vms.size();
+  if (vms.empty()) return d;
+
+  fmt::print(stderr, "  density: {} VMs up; settling {} s, then CPU over {} s\n", vms.size(), kSettle.count(),
+             kCpuWindow.count());
+  std::this_thread::sleep_for(kSettle);
+  d.cpu_window = static_cast<double>(kCpuWindow.count());
+  d.vm_cpu_pct = idle_cpu_pct(agent, kCpuWindow, &d.qemu_found, &d.agent_cores, &d.node_busy_cores);
+  d.vms_cores = d.vm_cpu_pct * static_cast<double>(d.qemu_found) / 100;
+  read_loadavg(d.load1, d.load5, d.load15);
+  d.mem_available_end = static_cast<double>(mem_available_settled(3));
+  d.others_rss_delta = others_now() - others_before;
+  MicroVmIdleMemory m;
+  measure_vms(agent, vms, m);
+  d.pss_per_vm = m.pss;
+  d.rss_per_vm = m.rss;
+  d.cgroup_per_vm = m.cgroup_charge;
+  d.mem_available_per_vm = (d.mem_available_start - d.mem_available_end) / static_cast<double>(d.ran);
+
+  // An exec in every one.
+  fmt::print(stderr, "  density: an exec of `true` in each of the {} VMs\n", vms.size());
+  std::atomic<std::size_t> next{0};
+  std::mutex mu;
+  auto e0 = Clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < 4; ++t)
+    pool.emplace_back([&] {
+      for (std::size_t i = next++; i < vms.size(); i = next++) {
+        auto s = Clock::now();
+        std::string err;
+        try {
+          ExecResult r = vms[i].exec(true_request(60));
+          if (r.exit_code != 0 || r.timed_out)
+            err = fmt::format("exit {} signal {}{}", r.exit_code, r.signal, r.timed_out ? " (timed out)" : "");
+        } catch (const std::exception& e) {
+          err = e.what();
+        }
+        double took = ms_since(s);
+        std::lock_guard lock(mu);
+        d.exec_check.add(took);
+        if (err.empty()) {
+          ++d.exec_ok;
+        } else {
+          ++d.exec_failed;
+          if (d.exec_errors.size() < 10) d.exec_errors.push_back(fmt::format("{}: {}", vms[i].id(), err));
+        }
+      }
+    });
+  for (auto& t : pool) t.join();
+  d.exec_check_seconds = ms_since(e0) / 1000;
+  if (d.exec_failed)
+    problems.push_back(fmt::format("density: {} of {} idle VMs did not answer an exec of `true` (first: {})",
+                                   d.exec_failed, d.ran, d.exec_errors.front()));
+
+  fmt::print(stderr, "  density: destroying {} VMs\n", vms.size());
+  std::vector<std::string> destroy_errors;
+  auto x0 = Clock::now();
+  destroy_all(vms, 8, &destroy_errors);
+  d.destroy_seconds = ms_since(x0) / 1000;
+  if (!destroy_errors.empty())
+    problems.push_back(fmt::format("density: {} destroys failed (first: {})", destroy_errors.size(),
+                                   destroy_errors.front()));
+  // Nothing left: no QEMU of the agent's cgroup, no VM the node counts, no sandbox of the run listed.
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    d.qemu_left = agent_qemus(agent.cgroup_name).size();
+    d.vms_reported_left = agent.client->nodes().front().microvm.vms;
+    if ((d.qemu_left == 0 && d.vms_reported_left == 0) || Clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  d.sandboxes_listed_left = agent.client->list({{"dsec-bench-microvm", "1"}}).size();
+  if (d.qemu_left || d.vms_reported_left || d.sandboxes_listed_left)
+    problems.push_back(fmt::format("density: after the teardown {} QEMU processes of the agent's cgroup, {} VMs in "
+                                   "GET /v1/node and {} sandboxes listed remain",
+                                   d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left));
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------------- sleep
+
+struct Touch {
+  double ms = 0;
+  bool intact = false;
+};
+
+Touch touch_all(const Sandbox& sb, int pid, const std::string& sum) {
+  auto t0 = Clock::now();
+  ExecResult r = run_shell(sb, fmt::format("rm -f {0}/check; kill -USR1 {1}; while [ ! -s {0}/check ]; do usleep 2000; "
+                                           "done; cat {0}/check",
+                                           kHoldDir, pid),
+                           600);
+  Touch t;
+  t.ms = ms_since(t0);
+  std::istringstream in(r.stdout_data);
+  std::string verdict, got;
+  in >> verdict >> got;
+  t.intact = verdict == "ok" && got == sum;
+  return t;
+}
+
+double vm_charged(const std::string& id) {
+  SandboxProcesses found = find_sandbox_processes({id});
+  auto it = found.memory_cgroup.find(id);
+  return it == found.memory_cgroup.end() ? std::nan("") : static_cast<double>(cgroup_memory_bytes(it->second));
+}
+
+MicroVmSleepRun sleep_run(const Options& o, Agent& agent, const std::string& memhold, std::size_t held) {
+  MicroVmSleepRun r;
+  r.mib = held;
+  r.guest_memory = (static_cast<std::uint64_t>(held) + 128) << 20;
+  Sandbox sb = agent.client->create(vm_spec(o, r.guest_memory));
+  // From here (its shape's template made) to its destroy: what this VM adds to the templates' RAM.
+  const double templates_before = agent.pid > 0 ? template_resident_bytes(agent.pid) : std::nan("");
+  fmt::print(stderr, "dsec-bench microvm: sleep of a VM holding {} MiB ({} MiB guest): {}\n", held,
+             r.guest_memory >> 20, sb.id());
+  sb.write_file("/usr/local/bin/memhold", memhold, 0755);
+  run_shell(sb, fmt::format("mkdir -p {0} && memhold {1} {0} >/dev/null 2>&1 &", kHoldDir, held));
+  std::istringstream ready(wait_for_file(sb, fmt::format("{}/ready", kHoldDir), std::chrono::seconds(600)));
+  std::size_t ready_mib = 0;
+  ready >> ready_mib >> r.fill_ms;
+  const std::string sum = trim(sb.read_file(fmt::format("{}/sum", kHoldDir)));
+  const int pid = std::stoi(sb.read_file(fmt::format("{}/pid", kHoldDir)));
+  Touch before = touch_all(sb, pid, sum);
+  r.intact_before = before.intact;
+  r.awake_touch_ms = before.ms;
+  std::string cgroup_dir;
+  {
+    SandboxProcesses found = find_sandbox_processes({sb.id()});
+    if (auto it = found.memory_cgroup.find(sb.id()); it != found.memory_cgroup.end()) cgroup_dir = it->second;
+  }
+  if (!cgroup_dir.empty()) r.shmem_before_sleep = memory_stat(cgroup_dir, "shmem");
+
+  auto t0 = Clock::now();
+  SleepResult s = sb.sleep();
+  r.sleep_call_ms = ms_since(t0);
+  r.before_bytes = static_cast<double>(s.memory_before_bytes);
+  r.after_bytes = static_cast<double>(s.memory_after_bytes);
+  r.sleep_seconds = s.seconds;
+  if (!cgroup_dir.empty()) r.shmem_after_sleep = memory_stat(cgroup_dir, "shmem");
+  std::error_code ec;
+  fs::path state = agent.run_dir / sb.id() / "sleep.state";
+  auto size = fs::file_size(state, ec);
+  if (!ec) {
+    struct stat st {};
+    r.state_file_bytes = static_cast<double>(size);
+    if (::stat(state.c_str(), &st) == 0 && static_cast<double>(st.st_blocks) * 512 < r.state_file_bytes)
+      r.state_file_bytes = static_cast<double>(st.st_blocks) * 512;  // sparse: what it takes on disk
+  }
+  std::this_thread::sleep_for(kThink);
+  auto t1 = Clock::now();
+  SleepResult w;
+  try {
+    w = sb.wake();
+  } catch (const Error& e) {
+    // Why: the VM's memory cgroup, and whether a second wake does any better.
+    std::string why = e.what();
+    if (!cgroup_dir.empty()) {
+      std::string oom = read_text_file(cgroup_dir + "/memory.oom_control");
+      auto pos = oom.find("oom_kill ");
+      why += fmt::format(" [its memory cgroup: {} charged of a {} limit, shmem {}, oom_kill {}]",
+                         mib(static_cast<double>(cgroup_memory_bytes(cgroup_dir))),
+                         mib(std::strtod(read_text_file(cgroup_dir + "/memory.limit_in_bytes").c_str(), nullptr)),
+                         mib(memory_stat(cgroup_dir, "shmem")),
+                         pos == std::string::npos ? "n/a" : trim(oom.substr(pos + 9, oom.find('\n', pos) - pos - 9)));
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    try {
+      sb.wake();
+      why += "; a second wake 2 s later worked";
+    } catch (const std::exception& e2) {
+      why += fmt::format("; a second wake 2 s later failed too: {}", e2.what());
+    }
+    throw Error(e.code(), why);
+  }
+  r.wake_call_ms = ms_since(t1);
+  r.wake_seconds = w.seconds;
+  auto t2 = Clock::now();
+  check_ok(sb.exec(true_request()), "the first exec after the wake");
+  r.first_exec_ms = ms_since(t2);
+  r.wake_to_exec_ms = ms_since(t1);
+  Touch after = touch_all(sb, pid, sum);
+  r.intact_after = after.intact;
+  r.touch_ms = after.ms;
+  r.charged_after_wake = vm_charged(sb.id());
+  sb.destroy();
+  if (agent.pid > 0) r.template_growth = template_resident_bytes(agent.pid) - templates_before;
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------- fork
+
+long read_count(const Sandbox& sb) {
+  ExecRequest r;
+  r.argv = {"cat", "/tmp/count"};
+  r.timeout_seconds = 60;
+  ExecResult out = sb.exec(r);
+  check_ok(out, fmt::format("cat /tmp/count in {}", sb.id()));
+  return std::stol(trim(out.stdout_data));
+}
+
+MicroVmForkRun fork_run(const Options& o, Agent& agent, std::size_t count, std::vector<std::string>& problems) {
+  MicroVmForkRun f;
+  f.count = count;
+  Sandbox sb = agent.client->create(vm_spec(o));
+  fmt::print(stderr, "dsec-bench microvm: fork({}) of {}, which runs a counter in the background\n", count, sb.id());
+  run_shell(sb,
+            "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.t && mv /tmp/count.t /tmp/count; "
+            "usleep 100000; done' </dev/null >/dev/null 2>&1 &");
+  wait_for_file(sb, "/tmp/count", std::chrono::seconds(60));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const long c0 = read_count(sb);
+
+  auto t0 = Clock::now();
+  std::vector<Sandbox> forks = sb.fork(count);
+  f.call_ms = ms_since(t0);
+  std::vector<long> first(forks.size(), -1);
+  std::vector<std::string> errs(forks.size());
+  {
+    std::vector<std::thread> pool;
+    for (std::size_t i = 0; i < forks.size(); ++i)
+      pool.emplace_back([&, i] {
+        try {
+          first[i] = read_count(forks[i]);
+        } catch (const std::exception& e) {
+          errs[i] = e.what();
+        }
+      });
+    for (auto& t : pool) t.join();
+  }
+  f.all_answered_ms = ms_since(t0);
+  std::this_thread::sleep_for(kThink);
+  for (std::size_t i = 0; i < forks.size(); ++i) {
+    if (first[i] < 0) {
+      f.details.push_back(fmt::format("{}: no answer: {}", forks[i].id(), errs[i]));
+      continue;
+    }
+    ++f.answered;
+    long again = -1;
+    try {
+      again = read_count(forks[i]);
+    } catch (const std::exception& e) {
+      f.details.push_back(fmt::format("{}: second read failed: {}", forks[i].id(), e.what()));
+    }
+    if (again > first[i]) ++f.alive;
+    if (first[i] >= c0) ++f.inherited;
+    f.details.push_back(fmt::format("{}: counter {} -> {} a second later", forks[i].id(), first[i], again));
+  }
+  try {
+    long p1 = read_count(sb);
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    long p2 = read_count(sb);
+    f.parent_alive = p2 > p1;
+    f.details.push_back(fmt::format("parent {}: counter {} at the fork, {} -> {} after", sb.id(), c0, p1, p2));
+  } catch (const std::exception& e) {
+    f.details.push_back(fmt::format("parent {}: {}", sb.id(), e.what()));
+  }
+  if (f.answered < count || f.alive < count || !f.parent_alive)
+    problems.push_back(fmt::format("fork({}): {} copies answered, {} with their background process alive; parent {}",
+                                   count, f.answered, f.alive, f.parent_alive ? "alive" : "NOT alive"));
+  destroy_all(forks, 8);
+  sb.destroy();
+  return f;
+}
+
+template <typename F>
+void section(MicroVmBenchResult& r, const std::string& name, int cores, const std::vector<int>& pids, F&& body) {
+  fmt::print(stderr, "dsec-bench microvm: == {} (load {}) ==\n", name, load_text());
+  CpuMeter cpu(pids, /*descendants=*/true);
+  try {
+    body();
+  } catch (const std::exception& e) {
+    r.problems.push_back(fmt::format("{}: failed (load {}): {}", name, load_text(), e.what()));
+    fmt::print(stderr, "dsec-bench microvm: {} failed: {}\n", name, e.what());
+  }
+  r.section_load.emplace_back(name, cpu_line(cpu.stop(), cores));
+}
+
+}  // namespace
+
+MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
+  MicroVmBenchResult r;
+  r.cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
+  r.n = o.given.count("-n") ? o.n : 20;
+  r.warmup = o.given.count("--warmup") ? o.warmup : 1;
+  const std::vector<std::size_t> sleep_sizes =
+      o.given.count("--sleep-sizes") ? o.sleep_sizes_mib : std::vector<std::size_t>{64, 192};
+  const std::size_t fork_count = o.given.count("--forks") ? o.fork_count : 8;
+  if (!o.endpoints.empty())
+    r.notes.push_back("--endpoint is ignored: this benchmark starts agents of its own (one with templates, one without)");
+
+  ensure_image(o, home, r.notes);
+  const fs::path memhold_path = beside_self("dsec-memhold");
+  std::string memhold;
+  {
+    std::ifstream in(memhold_path, std::ios::binary);
+    if (in) memhold.assign((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+
+  std::string templ = "/tmp/dsec-bench-microvm-XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) throw_errno(errno, "mkdtemp /tmp/dsec-bench-microvm-XXXXXX");
+  struct RemoveDir {
+    fs::path dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } work{templ};
+
+  // Admission: the density run's VMs (1 core, 128 MiB each) must be let in.
+  const double cpu_ratio = std::max(32.0, static_cast<double>(o.microvm_density + o.microvm_idle + 16) / r.cores * 1.5);
+  auto tmpl_agent = start_agent(o, home, "templates",
+                                {"--backends", "container,microvm", "--microvm-templates", "on", "--cpu-overcommit",
+                                 fmt::format("{:.0f}", cpu_ratio), "--memory-overcommit", "4"});
+  std::unique_ptr<Agent> cold_agent;
+  try {
+    cold_agent = start_agent(o, home, "cold", {"--backends", "microvm", "--microvm-templates", "off"});
+  } catch (const std::exception& e) {
+    r.problems.push_back(fmt::format("the agent with --microvm-templates off did not start: {}", e.what()));
+  }
+  Agent& A = *tmpl_agent;
+  const NodeInfo& node = A.node;
+  r.accelerator = node.microvm.accelerator;
+  r.accelerator_reason = node.microvm.accelerator_reason;
+  r.kernel_release = node.microvm.kernel;
+  r.agent_version = node.version;
+  r.qemu_version = qemu_version();
+  const std::string acc = r.accelerator;
+  const bool kvm = acc == "kvm";
+  std::vector<int> pids{A.pid};
+  if (cold_agent) pids.push_back(cold_agent->pid);
+
+  // 1. create to the first exec's result.
+  section(r, fmt::format("create to first exec [{}]", acc), r.cores, pids, [&] {
+    std::unique_ptr<QemuPeer> peer;
+    try {
+      agent::microvm::GuestKernel k = agent::microvm::find_guest_kernel({});
+      r.kernel_path = k.kernel.string();
+      r.tsc_khz = kvm ? 0 : agent::microvm::host_tsc_khz();
+      peer = std::make_unique<QemuPeer>(fs::path(work.dir) / "peer", kvm, static_cast<std::uint32_t>(r.tsc_khz),
+                                        k.kernel);
+      r.peer_command = peer->command();
+    } catch (const std::exception& e) {
+      r.problems.push_back(fmt::format("the QEMU peer cannot run: {}", e.what()));
+    }
+    const SandboxSpec vspec = vm_spec(o);
+    const SandboxSpec cspec = bench_spec(o);
+    fmt::print(stderr, "dsec-bench microvm: the first create of the shape (it makes the template)\n");
+    Lifecycle first = create_exec_destroy(*A.client, vspec);
+    r.first_create_ms = first.create_ms;
+    r.first_exec_ms = first.exec_ms;
+    r.template_resident.emplace_back("after the first create (the template frozen)", template_resident_bytes(A.pid));
+    const std::size_t total = r.warmup + r.n;
+    bool cold_ok = cold_agent != nullptr;
+    for (std::size_t i = 0; i < total; ++i) {
+      const bool keep = i >= r.warmup;
+      Lifecycle t = create_exec_destroy(*A.client, vspec);
+      if (keep) {
+        r.tmpl_total.add(t.total_ms);
+        r.tmpl_create.add(t.create_ms);
+        r.tmpl_exec.add(t.exec_ms);
+        r.tmpl_second_exec.add(t.second_exec_ms);
+      }
+      if (cold_ok) {
+        try {
+          Lifecycle c = create_exec_destroy(*cold_agent->client, vspec);
+          if (keep) {
+            r.cold_total.add(c.total_ms);
+            r.cold_create.add(c.create_ms);
+            r.cold_exec.add(c.exec_ms);
+          }
+        } catch (const std::exception& e) {
+          r.problems.push_back(fmt::format("a cold boot failed (iteration {}, load {}): {}", i, load_text(), e.what()));
+        }
+      }
+      if (peer) {
+        try {
+          QemuPeer::Run p = peer->run();
+          if (keep) {
+            r.peer_marker.add(p.marker_ms);
+            if (!std::isnan(p.exit_ms)) r.peer_exit.add(p.exit_ms);
+          }
+        } catch (const std::exception& e) {
+          r.problems.push_back(fmt::format("the QEMU peer failed: {}", e.what()));
+          peer.reset();
+        }
+      }
+      Lifecycle c = create_exec_destroy(*A.client, cspec);
+      if (keep) {
+        r.ct_total.add(c.total_ms);
+        r.ct_create.add(c.create_ms);
+        r.ct_exec.add(c.exec_ms);
+      }
+      if ((i + 1) % 5 == 0 || i + 1 == total)
+        fmt::print(stderr, "  create: {}/{} iterations (load {})\n", i + 1, total, load_text());
+    }
+    r.template_resident.emplace_back(fmt::format("after {} clones made, exec'd and destroyed", total),
+                                     template_resident_bytes(A.pid));
+  });
+
+  // 2. exec round trips.
+  section(r, fmt::format("exec round trip [{}]", acc), r.cores, pids, [&] {
+    struct Log {
+      MicroVmBenchResult& r;
+      int pid;
+      ~Log() { r.template_resident.emplace_back("after the exec round trips", template_resident_bytes(pid)); }
+    } log{r, A.pid};
+    Sandbox vm = A.client->create(vm_spec(o));
+    Sandbox ct = A.client->create(bench_spec(o));
+    const ExecRequest req = true_request();
+    for (int i = 0; i < 5; ++i) {
+      check_ok(vm.exec(req), "warm-up exec in the VM");
+      check_ok(ct.exec(req), "warm-up exec in the container");
+    }
+    r.exec_n = r.n * 10;
+    r.think_n = r.n;
+    for (std::size_t i = 0; i < r.exec_n; ++i) {
+      auto t0 = Clock::now();
+      ExecResult x = vm.exec(req);
+      r.vm_exec.add(ms_since(t0));
+      r.vm_exec_agent.add(x.duration_seconds * 1000);
+      check_ok(x, "exec in the VM");
+      auto t1 = Clock::now();
+      check_ok(ct.exec(req), "exec in the container");
+      r.ct_exec_b2b.add(ms_since(t1));
+    }
+    fmt::print(stderr, "  exec: {} back to back each; now {} after {} s of think time\n", r.exec_n, r.think_n,
+               std::chrono::duration<double>(kThink).count());
+    for (std::size_t i = 0; i < r.think_n; ++i) {
+      std::this_thread::sleep_for(kThink);
+      auto vm_call = [&] {
+        auto t0 = Clock::now();
+        ExecResult x = vm.exec(req);
+        r.vm_think.add(ms_since(t0));
+        r.vm_think_agent.add(x.duration_seconds * 1000);
+        check_ok(x, "exec in the VM");
+      };
+      auto ct_call = [&] {
+        auto t0 = Clock::now();
+        check_ok(ct.exec(req), "exec in the container");
+        r.ct_think.add(ms_since(t0));
+      };
+      if (i % 2 == 0) {
+        vm_call();
+        ct_call();
+      } else {
+        ct_call();
+        vm_call();
+      }
+    }
+    vm.destroy();
+    ct.destroy();
+  });
+
+  // 3. memory per idle VM.
+  if (o.microvm_idle > 0)
+    section(r, fmt::format("memory per idle VM, template clones [{}]", acc), r.cores, pids, [&] {
+      r.memory.push_back(idle_memory(A, "template clones", o.microvm_idle,
+                                     [&] { return A.client->create_many(o.microvm_idle, vm_spec(o)); }));
+      r.template_resident.emplace_back(fmt::format("after {} idle clones", o.microvm_idle),
+                                       template_resident_bytes(A.pid));
+    });
+  if (o.microvm_idle_cold > 0 && cold_agent)
+    section(r, fmt::format("memory per idle VM, cold boots [{}]", acc), r.cores, pids, [&] {
+      r.memory.push_back(idle_memory(*cold_agent, "cold boots", o.microvm_idle_cold, [&] {
+        std::vector<Sandbox> v;
+        for (std::size_t i = 0; i < o.microvm_idle_cold; ++i) v.push_back(cold_agent->client->create(vm_spec(o)));
+        return v;
+      }));
+    });
+  auto check_subtree_gone = [&](const std::string& label, const std::string& name) {
+    if (name.empty()) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    auto left = subtree_dirs(name);
+    if (left.empty()) return;
+    std::string list;
+    for (const auto& d : left) {
+      list += (list.empty() ? "" : ", ") + d.string();
+      ::rmdir(d.c_str());  // empty groups of this run's own agent
+    }
+    r.problems.push_back(fmt::format("the {} agent left its cgroup subtree behind after a clean shutdown: {} "
+                                     "(dsec-bench removed them)",
+                                     label, list));
+  };
+  if (cold_agent) {
+    const std::string name = cold_agent->cgroup_name;
+    cold_agent.reset();  // its VMs are gone; it stops
+    pids = {A.pid};
+    check_subtree_gone("cold (--backends microvm)", name);
+  }
+
+  // 4. density.
+  if (o.microvm_density > 0)
+    section(r, fmt::format("density [{}]", acc), r.cores, pids, [&] {
+      r.density = density_run(o, A, r.problems);
+      r.template_resident.emplace_back("after the density run", template_resident_bytes(A.pid));
+      r.subtree_charge.emplace_back("after the density run's teardown", subtree_charge(A.cgroup_name));
+    });
+
+  // 5. sleep and wake.
+  if (!sleep_sizes.empty())
+    section(r, fmt::format("sleep and wake [{}]", acc), r.cores, pids, [&] {
+      if (memhold.empty())
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("{} is missing: build the dsec-memhold target", memhold_path.string()));
+      for (std::size_t held : sleep_sizes) {
+        try {
+          r.sleeps.push_back(sleep_run(o, A, memhold, held));
+          const auto& s = r.sleeps.back();
+          if (!s.intact_after || !s.intact_before)
+            r.problems.push_back(fmt::format("sleep {} MiB: memhold's checksum came back wrong ({} before the sleep, {} "
+                                             "after the wake)",
+                                             held, s.intact_before ? "right" : "wrong", s.intact_after ? "right" : "wrong"));
+        } catch (const std::exception& e) {
+          MicroVmSleepRun failed;
+          failed.mib = held;
+          failed.error = e.what();
+          r.sleeps.push_back(failed);
+          r.problems.push_back(fmt::format("sleep {} MiB failed (load {}): {}", held, load_text(), e.what()));
+        }
+        r.subtree_charge.emplace_back(fmt::format("after the {} MiB sleep VM was destroyed", held),
+                                      subtree_charge(A.cgroup_name));
+      }
+    });
+
+  // 6. fork.
+  if (fork_count > 0)
+    section(r, fmt::format("fork({}) [{}]", fork_count, acc), r.cores, pids,
+            [&] { r.fork = fork_run(o, A, fork_count, r.problems); });
+  r.template_resident.emplace_back("at the end (templates of every shape used)", template_resident_bytes(A.pid));
+  r.subtree_charge.emplace_back("at the end, no VM running", subtree_charge(A.cgroup_name));
+
+  const std::string tmpl_cgroup = A.cgroup_name;
+  tmpl_agent.reset();
+  check_subtree_gone("templates (--backends container,microvm)", tmpl_cgroup);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------- output
+
+namespace {
+
+std::string lat(const Latency& l, double p) { return l.empty() ? "n/a" : ms(l.percentile(p)); }
+
+std::string verdict(bool met) { return met ? "**met**" : "**not met**"; }
+
+struct TargetRow {
+  std::string target, measured, verdict;
+};
+
+std::vector<TargetRow> targets(const MicroVmBenchResult& r) {
+  std::vector<TargetRow> t;
+  const std::string& a = r.accelerator;
+  const bool kvm = a == "kvm";
+  auto lat_pair = [](const Latency& l) { return fmt::format("p50 {}, p99 {}", lat(l, 50), lat(l, 99)); };
+  auto pass_pair = [](const Latency& l, double limit) {
+    if (l.empty()) return std::string("not measured");
+    return fmt::format("p50 {}, p99 {}", l.percentile(50) <= limit ? "met" : "NOT met",
+                       l.percentile(99) <= limit ? "met" : "NOT met");
+  };
+  if (!kvm) {
+    t.push_back({fmt::format("[{}] create to first exec from a template <= 150 ms", a), lat_pair(r.tmpl_total),
+                 pass_pair(r.tmpl_total, 150)});
+    t.push_back({fmt::format("[{}] cold create to first exec: measured, no target", a), lat_pair(r.cold_total),
+                 "reported"});
+    t.push_back({"[kvm] cold <= 125 ms; from a snapshot <= 50 ms", fmt::format("not measurable: accelerator is {}", a),
+                 "n/a"});
+  } else {
+    t.push_back({"[kvm] cold create to first exec <= 125 ms", lat_pair(r.cold_total), pass_pair(r.cold_total, 125)});
+    t.push_back({"[kvm] create to first exec from a template (snapshot) <= 50 ms", lat_pair(r.tmpl_total),
+                 pass_pair(r.tmpl_total, 50)});
+  }
+  const double mem_limit = kvm ? 30 : 60;
+  for (const auto& m : r.memory) {
+    if (m.what != "template clones") continue;
+    t.push_back({fmt::format("[{}] host memory per idle microVM (PSS, {} clones) <= {:.0f} MiB", a, m.count, mem_limit),
+                 fmt::format("{} PSS; node MemAvailable drop {} per VM", mib(m.pss), mib(m.mem_available_per_vm)),
+                 m.found ? (m.pss <= mem_limit * kMiB ? "**met** (PSS)" : "**not met** (PSS)") +
+                               std::string(m.mem_available_per_vm <= mem_limit * kMiB ? "; met by MemAvailable"
+                                                                                      : "; not met by MemAvailable")
+                         : "not measured"});
+  }
+  for (const auto& s : r.sleeps) {
+    if (!s.error.empty() || s.before_bytes <= 0) continue;
+    double released = (s.before_bytes - s.after_bytes) / s.before_bytes * 100;
+    t.push_back({fmt::format("[{}] sleep of a VM holding {} MiB gives its memory back (protocol.md: nothing of QEMU's "
+                             "stays charged)",
+                             a, s.mib),
+                 fmt::format("{:.1f}% released, {} left charged", released, mib(s.after_bytes)),
+                 verdict(released >= 90)});
+  }
+  if (r.density)
+    t.push_back({fmt::format("[{}] idle microVMs on this node >= 200", a),
+                 fmt::format("{} ran (target {}; {}); {} answered an exec", r.density->ran, r.density->target,
+                             r.density->stop_reason, r.density->exec_ok),
+                 verdict(r.density->ran >= 200 && r.density->exec_failed == 0)});
+  return t;
+}
+
+}  // namespace
+
+void print_microvm(const MicroVmBenchResult& r) {
+  const std::string& a = r.accelerator;
+  fmt::print("\n== microvm [{}]: QEMU microVMs; accelerator {} ({}) ==\n", a, a, r.accelerator_reason);
+  fmt::print("  [{}] guest kernel {} ({}); {}; dsecd {}; tsc {} kHz\n", a, r.kernel_release, r.kernel_path,
+             r.qemu_version, r.agent_version, r.tsc_khz);
+  fmt::print("\n  -- [{}] create to first exec of `true`, sequential, n={} (after {} warm-up), taking turns --\n", a, r.n,
+             r.warmup);
+  fmt::print("  {:<62} {:>9} {:>9} {:>9} {:>9}\n", "", "p50", "p90", "p99", "max");
+  auto row = [&](const std::string& name, const Latency& l) {
+    if (l.empty()) {
+      fmt::print("  {:<62} {:>9}\n", name, "n/a");
+      return;
+    }
+    fmt::print("  {:<62} {:>9} {:>9} {:>9} {:>9}\n", name, ms(l.percentile(50)), ms(l.percentile(90)),
+               ms(l.percentile(99)), ms(l.max()));
+  };
+  fmt::print("  [{}] first create of the shape (boots and freezes the template): create {}, first exec {}\n", a,
+             ms(r.first_create_ms), ms(r.first_exec_ms));
+  row(fmt::format("[{}] microVM from a template: create + first exec", a), r.tmpl_total);
+  row(fmt::format("[{}]   of which create", a), r.tmpl_create);
+  row(fmt::format("[{}]   of which the first exec", a), r.tmpl_exec);
+  row(fmt::format("[{}]   the second exec, for comparison (not in the total)", a), r.tmpl_second_exec);
+  row(fmt::format("[{}] microVM cold boot: create + first exec", a), r.cold_total);
+  row(fmt::format("[{}]   of which create", a), r.cold_create);
+  row(fmt::format("[{}]   of which the first exec", a), r.cold_exec);
+  row(fmt::format("[{}] plain QEMU, same kernel: spawn to console marker", a), r.peer_marker);
+  row(fmt::format("[{}] plain QEMU: spawn to exit (poweroff -f)", a), r.peer_exit);
+  row(fmt::format("[{}] container (same agent): create + first exec", a), r.ct_total);
+  row(fmt::format("[{}]   of which create", a), r.ct_create);
+  if (!r.peer_command.empty()) fmt::print("  [{}] plain QEMU: {}\n", a, r.peer_command);
+
+  fmt::print("\n  -- [{}] exec round trip of `true` in a warm sandbox --\n", a);
+  fmt::print("  {:<62} {:>9} {:>9} {:>9} {:>9}\n", "", "p50", "p90", "p99", "max");
+  row(fmt::format("[{}] microVM, back to back (n={})", a, r.vm_exec.count()), r.vm_exec);
+  row(fmt::format("[{}]   of which in the agent (ExecResult.duration)", a), r.vm_exec_agent);
+  row(fmt::format("[{}] container, back to back (n={})", a, r.ct_exec_b2b.count()), r.ct_exec_b2b);
+  row(fmt::format("[{}] microVM, after 1 s of think time (n={})", a, r.vm_think.count()), r.vm_think);
+  row(fmt::format("[{}]   of which in the agent", a), r.vm_think_agent);
+  row(fmt::format("[{}] container, after 1 s of think time (n={})", a, r.ct_think.count()), r.ct_think);
+
+  for (const auto& m : r.memory) {
+    fmt::print("\n  -- [{}] host memory per idle microVM: {} {} (made in {:.1f} s, settled {:.0f} s) --\n", a, m.count,
+               m.what, m.create_seconds, m.settle_seconds);
+    fmt::print("  [{}] QEMU processes found: {}; PSS per VM {} (min {}, max {}); RSS {}\n", a, m.found, mib(m.pss),
+               mib(m.pss_min), mib(m.pss_max), mib(m.rss));
+    fmt::print("  [{}]   Pss_Anon {}, Pss_File {}, Pss_Shmem {}\n", a, mib(m.pss_anon), mib(m.pss_file),
+               mib(m.pss_shmem));
+    fmt::print("  [{}]   guest RAM mapping (memfd): RSS {}, PSS {}, the VM's own pages {}; templates' memfds resident "
+               "on the node {} (counted once)\n",
+               a, mib(m.ram_rss), mib(m.ram_pss), mib(m.ram_private), mib(m.template_resident));
+    fmt::print("  [{}]   memory cgroup charge per VM {}; node MemAvailable drop per VM {} (other processes' RSS changed "
+               "by {} meanwhile: noise); agent RSS growth {}\n",
+               a, mib(m.cgroup_charge), mib(m.mem_available_per_vm), mib(m.others_rss_delta), mib(m.agent_rss_delta));
+    fmt::print("  [{}]   idle CPU per VM {:.2f}% of a core; load average (1 min) {:.2f}\n", a, m.vm_cpu_pct, m.load1);
+    if (m.discard_failures)
+      fmt::print("  [{}]   {} of {} QEMU logs report a failed discard (free page reporting gave nothing back): {}\n", a,
+                 m.discard_failures, m.count, m.discard_example);
+  }
+
+  if (r.density) {
+    const auto& d = *r.density;
+    fmt::print("\n  -- [{}] density: idle template clones (128 MiB, 1 vCPU) in batches of create_many --\n", a);
+    fmt::print("  [{}] ran {} of {} ({}); creates took {:.1f} s, {} per VM per batch (p50), {} (max)\n", a, d.ran,
+               d.target, d.stop_reason, d.create_seconds, lat(d.batch_per_vm, 50),
+               d.batch_per_vm.empty() ? "n/a" : ms(d.batch_per_vm.max()));
+    fmt::print("  [{}] at the end: PSS per VM {}, RSS {}, cgroup charge {}, node MemAvailable drop per VM {} "
+               "(MemAvailable {:.2f} -> {:.2f} GiB; other processes' RSS changed by {} meanwhile)\n",
+               a, mib(d.pss_per_vm), mib(d.rss_per_vm), mib(d.cgroup_per_vm), mib(d.mem_available_per_vm),
+               d.mem_available_start / kGiB, d.mem_available_end / kGiB, mib(d.others_rss_delta));
+    fmt::print("  [{}] idle CPU over {:.0f} s: {} QEMUs use {:.2f} cores ({:.2f}% of a core per VM), the agent {:.3f}, "
+               "the node {:.2f} of {}; load average {:.2f} {:.2f} {:.2f}\n",
+               a, d.cpu_window, d.qemu_found, d.vms_cores, d.vm_cpu_pct, d.agent_cores, d.node_busy_cores, r.cores,
+               d.load1, d.load5, d.load15);
+    fmt::print("  [{}] exec of `true` in every one: {} answered, {} failed, in {:.1f} s (4 at a time; p50 {}, p99 {}, "
+               "max {})\n",
+               a, d.exec_ok, d.exec_failed, d.exec_check_seconds, lat(d.exec_check, 50), lat(d.exec_check, 99),
+               d.exec_check.empty() ? "n/a" : ms(d.exec_check.max()));
+    for (const auto& e : d.exec_errors) fmt::print("  [{}]   failed: {}\n", a, e);
+    fmt::print("  [{}] destroyed in {:.1f} s; left: {} QEMU processes in the agent's cgroup, {} VMs in GET /v1/node, "
+               "{} sandboxes listed\n",
+               a, d.destroy_seconds, d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left);
+  }
+
+  if (!r.sleeps.empty()) {
+    fmt::print("\n  -- [{}] sleep (RAM and device state to disk, QEMU ends) and wake of a VM holding memory --\n", a);
+    fmt::print("  {:>6} {:>6} {:>24} {:>9} {:>8} {:>11} {:>11} {:>17} {:>12} {:>9} {:>8}\n", "held", "guest",
+               "charged before -> after", "released", "sleep", "state file", "wake", "wake->1st exec", "charged now",
+               "touch", "intact");
+    for (const auto& s : r.sleeps) {
+      if (!s.error.empty()) {
+        fmt::print("  [{}] {:>3} MiB: failed: {}\n", a, s.mib, s.error);
+        continue;
+      }
+      double released = s.before_bytes > 0 ? (s.before_bytes - s.after_bytes) / s.before_bytes * 100 : 0;
+      fmt::print("  {:>6} {:>6} {:>24} {:>8.1f}% {:>6.2f} s {:>11} {:>9.2f} s {:>14} {:>12} {:>9} {:>8}  [{}]\n",
+                 fmt::format("{}M", s.mib), fmt::format("{}M", s.guest_memory >> 20),
+                 mib(s.before_bytes) + " -> " + mib(s.after_bytes), released, s.sleep_seconds,
+                 s.state_file_bytes < 0 ? "n/a" : mib(s.state_file_bytes), s.wake_seconds, ms(s.wake_to_exec_ms),
+                 mib(s.charged_after_wake), ms(s.touch_ms), s.intact_after && s.intact_before ? "yes" : "NO", a);
+      fmt::print("  [{}]   memhold filled {} MiB in {:.0f} ms; sleep call {}, wake call {}, first exec after the wake "
+                 "{}; touching all the memory awake before: {}\n",
+                 a, s.mib, s.fill_ms, ms(s.sleep_call_ms), ms(s.wake_call_ms), ms(s.first_exec_ms),
+                 ms(s.awake_touch_ms));
+      fmt::print("  [{}]   shmem in the VM's charge: {} before the sleep, {} after it (QEMU gone); the templates' "
+                 "memfds grew by {} from this VM's create (its shape's template made) to its destroy\n",
+                 a, mib(s.shmem_before_sleep), mib(s.shmem_after_sleep), mib(s.template_growth));
+    }
+  }
+
+  if (r.fork) {
+    const auto& f = *r.fork;
+    fmt::print("\n  -- [{}] fork({}) of a VM running a background counter --\n", a, f.count);
+    fmt::print("  [{}] fork() returned after {}; all {} copies answered an exec after {}\n", a, ms(f.call_ms), f.count,
+               ms(f.all_answered_ms));
+    fmt::print("  [{}] copies answering {}, background process alive in {}, counter inherited in {}; parent alive: {}\n",
+               a, f.answered, f.alive, f.inherited, f.parent_alive ? "yes" : "NO");
+    for (const auto& d : f.details) fmt::print("  [{}]   {}\n", a, d);
+  }
+
+  if (!r.template_resident.empty()) {
+    fmt::print("\n  -- [{}] the templates' RAM (sealed memfds held by the agent), resident pages --\n", a);
+    for (const auto& [when, bytes] : r.template_resident) fmt::print("  [{}] {}: {}\n", a, when, mib(bytes));
+    for (const auto& [when, bytes] : r.subtree_charge)
+      fmt::print("  [{}] charged to the agent's cgroup subtree {}: {}\n", a, when, mib(bytes));
+  }
+  fmt::print("\n  -- [{}] targets --\n", a);
+  for (const auto& t : targets(r)) fmt::print("  {:<70} {:<56} {}\n", t.target, t.measured, t.verdict);
+  fmt::print("\n  -- [{}] load per section --\n", a);
+  for (const auto& [name, text] : r.section_load) fmt::print("  {}: {}\n", name, text);
+  for (const auto& n : r.notes) fmt::print("  note: {}\n", n);
+  for (const auto& p : r.problems) fmt::print("  PROBLEM [{}]: {}\n", a, p);
+}
+
+std::string markdown_microvm(const MicroVmBenchResult& r) {
+  const std::string& a = r.accelerator;
+  std::string md = fmt::format("### microVMs [{}]\n\n", a);
+  md += fmt::format("Accelerator **{}** ({}). Guest kernel {}, {}, dsecd {}. VMs of 128 MiB and 1 vCPU unless said; "
+                    "image busybox.\n\n",
+                    a, r.accelerator_reason, r.kernel_release, r.qemu_version, r.agent_version);
+  md += fmt::format("#### [{}] Create to the first exec of `true` (sequential, n = {}, {} warm-up, taking turns)\n\n", a,
+                    r.n, r.warmup);
+  md += "| system | p50 | p90 | p99 | max |\n| --- | --- | --- | --- | --- |\n";
+  auto row = [&](const std::string& name, const Latency& l) {
+    if (l.empty()) return fmt::format("| {} | n/a | | | |\n", name);
+    return fmt::format("| {} | {} | {} | {} | {} |\n", name, ms(l.percentile(50)), ms(l.percentile(90)),
+                       ms(l.percentile(99)), ms(l.max()));
+  };
+  md += fmt::format("| [{}] first create of the shape (boots and freezes the template) | {} (create {}, exec {}) | | | |\n",
+                    a, ms(r.first_create_ms + r.first_exec_ms), ms(r.first_create_ms), ms(r.first_exec_ms));
+  md += row(fmt::format("[{}] microVM from a template: create + first exec", a), r.tmpl_total);
+  md += row(fmt::format("[{}] … of which create", a), r.tmpl_create);
+  md += row(fmt::format("[{}] … of which the first exec", a), r.tmpl_exec);
+  md += row(fmt::format("[{}] the second exec in the same clone (not in the total)", a), r.tmpl_second_exec);
+  md += row(fmt::format("[{}] microVM cold boot (`--microvm-templates off`): create + first exec", a), r.cold_total);
+  md += row(fmt::format("[{}] … of which create", a), r.cold_create);
+  md += row(fmt::format("[{}] plain `qemu-system-x86_64`, same kernel and machine: spawn to console marker", a),
+            r.peer_marker);
+  md += row(fmt::format("[{}] plain `qemu-system-x86_64`: spawn to exit (`poweroff -f`)", a), r.peer_exit);
+  md += row(fmt::format("[{}] container of the same image: create + first exec", a), r.ct_total);
+
+  md += fmt::format("\n#### [{}] Exec round trip of `true` in a warm sandbox\n\n", a);
+  md += "| system | p50 | p90 | p99 | max |\n| --- | --- | --- | --- | --- |\n";
+  md += row(fmt::format("[{}] microVM, back to back (n = {})", a, r.vm_exec.count()), r.vm_exec);
+  md += row(fmt::format("[{}] … of which in the agent", a), r.vm_exec_agent);
+  md += row(fmt::format("[{}] container, back to back (n = {})", a, r.ct_exec_b2b.count()), r.ct_exec_b2b);
+  md += row(fmt::format("[{}] microVM, after 1 s of think time (n = {})", a, r.vm_think.count()), r.vm_think);
+  md += row(fmt::format("[{}] container, after 1 s of think time (n = {})", a, r.ct_think.count()), r.ct_think);
+
+  if (!r.memory.empty()) {
+    md += fmt::format("\n#### [{}] Host memory per idle microVM (settled {:.0f} s)\n\n", a,
+                      std::chrono::duration<double>(kSettle).count());
+    md += "| VMs | PSS (min–max) | Pss_Anon | Pss_File | Pss_Shmem | guest RAM memfd: PSS / own pages | template "
+          "memfd on the node | cgroup charge | MemAvailable drop | idle CPU |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    for (const auto& m : r.memory)
+      md += fmt::format("| [{}] {} {} | {} ({}–{}) | {} | {} | {} | {} / {} | {} | {} | {} | {:.2f}% |\n", a, m.count,
+                        m.what, mib(m.pss), mib(m.pss_min), mib(m.pss_max), mib(m.pss_anon), mib(m.pss_file),
+                        mib(m.pss_shmem), mib(m.ram_pss), mib(m.ram_private), mib(m.template_resident),
+                        mib(m.cgroup_charge), mib(m.mem_available_per_vm), m.vm_cpu_pct);
+  }
+  if (r.density) {
+    const auto& d = *r.density;
+    md += fmt::format("\n#### [{}] Density: idle template clones\n\n", a);
+    md += fmt::format("- [{}] ran **{}** of {} ({}); creates {:.1f} s in all, {} per VM per batch (p50)\n", a, d.ran,
+                      d.target, d.stop_reason, d.create_seconds, lat(d.batch_per_vm, 50));
+    md += fmt::format("- [{}] per VM at the end: PSS {}, cgroup charge {}, node MemAvailable drop {} ({:.2f} → {:.2f} "
+                      "GiB available)\n",
+                      a, mib(d.pss_per_vm), mib(d.cgroup_per_vm), mib(d.mem_available_per_vm),
+                      d.mem_available_start / kGiB, d.mem_available_end / kGiB);
+    md += fmt::format("- [{}] idle over {:.0f} s: the QEMUs {:.2f} cores ({:.2f}% of a core per VM), the agent {:.3f}, "
+                      "the node {:.2f} of {}; load average {:.2f} {:.2f} {:.2f}\n",
+                      a, d.cpu_window, d.vms_cores, d.vm_cpu_pct, d.agent_cores, d.node_busy_cores, r.cores, d.load1,
+                      d.load5, d.load15);
+    md += fmt::format("- [{}] exec in every one: {} answered, {} failed ({:.1f} s, p50 {}, p99 {})\n", a, d.exec_ok,
+                      d.exec_failed, d.exec_check_seconds, lat(d.exec_check, 50), lat(d.exec_check, 99));
+    md += fmt::format("- [{}] teardown {:.1f} s; left after it: {} QEMU processes, {} VMs in GET /v1/node, {} sandboxes\n",
+                      a, d.destroy_seconds, d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left);
+  }
+  if (!r.sleeps.empty()) {
+    md += fmt::format("\n#### [{}] Sleep and wake (RAM and device state to a file, QEMU ends; wake restores)\n\n", a);
+    md += "| held | guest | charged before → after | released | sleep | state file | wake | wake → first exec result "
+          "| intact |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    for (const auto& s : r.sleeps) {
+      if (!s.error.empty()) {
+        md += fmt::format("| [{}] {} MiB | failed: {} | | | | | | | |\n", a, s.mib, s.error);
+        continue;
+      }
+      double released = s.before_bytes > 0 ? (s.before_bytes - s.after_bytes) / s.before_bytes * 100 : 0;
+      md += fmt::format("| [{}] {} MiB | {} MiB | {} → {} (shmem {} → {}) | {:.1f}% | {:.2f} s | {} | {:.2f} s | {} | "
+                        "{} |\n",
+                        a, s.mib, s.guest_memory >> 20, mib(s.before_bytes), mib(s.after_bytes),
+                        mib(s.shmem_before_sleep), mib(s.shmem_after_sleep), released, s.sleep_seconds,
+                        s.state_file_bytes < 0 ? "n/a" : mib(s.state_file_bytes), s.wake_seconds, ms(s.wake_to_exec_ms),
+                        s.intact_after && s.intact_before ? "yes" : "**no**");
+    }
+  }
+  if (r.fork) {
+    const auto& f = *r.fork;
+    md += fmt::format("\n#### [{}] Fork\n\n`fork({})` of a VM running a background counter: `fork()` returned after "
+                      "{}, all {} copies answered an exec after {}; {} copies with the counter still running, {} "
+                      "carrying the parent's count; parent still running: {}.\n",
+                      a, f.count, ms(f.call_ms), f.count, ms(f.all_answered_ms), f.alive, f.inherited,
+                      f.parent_alive ? "yes" : "**no**");
+  }
+  if (!r.template_resident.empty()) {
+    md += fmt::format("\n#### [{}] Templates' RAM (sealed memfds held by the agent), resident\n\n", a);
+    for (const auto& [when, bytes] : r.template_resident) md += fmt::format("- [{}] {}: {}\n", a, when, mib(bytes));
+    for (const auto& [when, bytes] : r.subtree_charge)
+      md += fmt::format("- [{}] charged to the agent's cgroup subtree {}: {}\n", a, when, mib(bytes));
+  }
+  md += fmt::format("\n#### [{}] Targets\n\n| target | measured | verdict |\n| --- | --- | --- |\n", a);
+  for (const auto& t : targets(r)) md += fmt::format("| {} | {} | {} |\n", t.target, t.measured, t.verdict);
+  md += fmt::format("\n#### [{}] Load per section\n\n", a);
+  for (const auto& [name, text] : r.section_load) md += fmt::format("- {}: {}\n", name, text);
+  for (const auto& n : r.notes) md += fmt::format("- note: {}\n", n);
+  if (!r.problems.empty()) {
+    md += "\nProblems seen:\n\n";
+    for (const auto& p : r.problems) md += fmt::format("- [{}] {}\n", a, p);
+  }
+  return md;
+}
+
+}  // namespace dsec::bench
