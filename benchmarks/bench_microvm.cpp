@@ -67,12 +67,6 @@ constexpr double kDensityMemoryFloor = 2 * kGiB;
 constexpr auto kThink = std::chrono::seconds(1);
 constexpr const char* kHoldDir = "/tmp/h";
 
-fs::path beside_self(const char* name) {
-  std::error_code ec;
-  fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::path(name) : self.parent_path() / name;
-}
-
 std::string trim(std::string s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
   return s;
@@ -90,21 +84,6 @@ std::string ms(double v) {
   if (v < 10) return fmt::format("{:.2f} ms", v);
   if (v < 100) return fmt::format("{:.1f} ms", v);
   return fmt::format("{:.0f} ms", v);
-}
-
-std::vector<int> proc_pids() {
-  std::vector<int> pids;
-  DIR* d = ::opendir("/proc");
-  if (!d) return pids;
-  while (dirent* e = ::readdir(d)) {
-    const char* s = e->d_name;
-    if (*s < '1' || *s > '9') continue;
-    char* end = nullptr;
-    long pid = std::strtol(s, &end, 10);
-    if (*end == '\0') pids.push_back(static_cast<int>(pid));
-  }
-  ::closedir(d);
-  return pids;
 }
 
 std::vector<std::string> cmdline_of(int pid) {
@@ -230,7 +209,7 @@ double template_resident_bytes(int agent_pid) {
 
 // Memory charged to an agent's cgroup subtree (v1 memory.usage_in_bytes, v2 memory.current); NaN when not found.
 double subtree_charge(const std::string& cgroup_name) {
-  for (const std::string dir : {"/sys/fs/cgroup/memory/" + cgroup_name, "/sys/fs/cgroup/" + cgroup_name,
+  for (const std::string& dir : {"/sys/fs/cgroup/memory/" + cgroup_name, "/sys/fs/cgroup/" + cgroup_name,
                                 "/sys/fs/cgroup/unified/" + cgroup_name}) {
     std::error_code ec;
     if (!fs::is_directory(dir, ec)) continue;
@@ -258,7 +237,7 @@ std::vector<fs::path> subtree_dirs(const std::string& cgroup_name) {
 std::map<std::string, int> agent_qemus(const std::string& cgroup_name) {
   std::map<std::string, int> out;
   const std::string needle = "/" + cgroup_name + "/";
-  for (int pid : proc_pids()) {
+  for (int pid : all_pids()) {
     std::string comm = trim(read_text_file(fmt::format("/proc/{}/comm", pid)));
     if (comm.rfind("qemu-system", 0) != 0) continue;
     std::string cg = read_text_file(fmt::format("/proc/{}/cgroup", pid));

@@ -65,12 +65,6 @@ std::string human_bytes(double bytes) {
   return fmt::format("{:.1f} MiB", bytes / (1 << 20));
 }
 
-fs::path beside_self(const std::string& name) {
-  std::error_code ec;
-  fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::path(name) : self.parent_path() / name;
-}
-
 // Free TCP ports on 127.0.0.1: all bound at once (so they differ), then released for the servers to take.
 std::vector<int> free_ports(std::size_t n) {
   std::vector<UniqueFd> held;

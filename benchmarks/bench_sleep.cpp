@@ -33,12 +33,6 @@ constexpr double kMiB = 1024.0 * 1024.0;
 constexpr auto kAsleepFor = std::chrono::seconds(1);
 constexpr const char* kHoldDir = "/tmp/h";
 
-fs::path beside_self(const char* name) {
-  std::error_code ec;
-  fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? fs::path(name) : self.parent_path() / name;
-}
-
 std::string trim(std::string s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
   return s;

@@ -19,23 +19,10 @@
 #include "dsec/error.hpp"
 
 namespace dsec::bench {
+
+namespace fs = std::filesystem;
 namespace {
 
-// Numeric entries of /proc.
-std::vector<int> all_pids() {
-  std::vector<int> pids;
-  DIR* d = ::opendir("/proc");
-  if (!d) return pids;
-  while (dirent* e = ::readdir(d)) {
-    const char* s = e->d_name;
-    if (*s < '1' || *s > '9') continue;
-    char* end = nullptr;
-    long pid = std::strtol(s, &end, 10);
-    if (*end == '\0') pids.push_back(static_cast<int>(pid));
-  }
-  ::closedir(d);
-  return pids;
-}
 
 // utime + stime + cutime + cstime of a process, in clock ticks (0 when it is gone).
 std::uint64_t process_ticks(const std::string& stat_path) {
@@ -116,6 +103,28 @@ std::string cgroup_v2_mount() {
 }
 
 }  // namespace
+
+// Numeric entries of /proc.
+std::vector<int> all_pids() {
+  std::vector<int> pids;
+  DIR* d = ::opendir("/proc");
+  if (!d) return pids;
+  while (dirent* e = ::readdir(d)) {
+    const char* s = e->d_name;
+    if (*s < '1' || *s > '9') continue;
+    char* end = nullptr;
+    long pid = std::strtol(s, &end, 10);
+    if (*end == '\0') pids.push_back(static_cast<int>(pid));
+  }
+  ::closedir(d);
+  return pids;
+}
+
+fs::path beside_self(const char* name) {
+  std::error_code ec;
+  fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::path(name) : self.parent_path() / name;
+}
 
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -1,6 +1,8 @@
 // What dsec-bench reads about the host: the machine, its load and memory, and the processes of sandboxes.
 #pragma once
 
+#include <filesystem>
+
 #include <cstdint>
 #include <map>
 #include <set>
@@ -66,5 +68,9 @@ std::uint64_t rss_of_all_but(const std::set<int>& exclude);
 int find_pid_with_arg(const std::string& arg);
 
 std::string read_text_file(const std::string& path);
+
+// The numeric entries of /proc; a file named `name` beside this program (dsec, dsecd, dsec-memhold...).
+std::vector<int> all_pids();
+std::filesystem::path beside_self(const char* name);
 
 }  // namespace dsec::bench
