@@ -1,0 +1,386 @@
+#include "agent/backends/microvm/microvm_sandbox.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "agent/backends/container/process_identity.hpp"
+#include "agent/backends/microvm/vm_record.hpp"
+#include "agent/exec_command.hpp"
+#include "agent/host.hpp"
+#include "agent/log.hpp"
+
+namespace dsec::agent::microvm {
+namespace {
+
+namespace fs = std::filesystem;
+namespace gp = guest_protocol;
+namespace key = record_key;
+
+constexpr std::size_t kMaxFileBytes = 1ull << 30;
+constexpr auto kFileTimeout = std::chrono::seconds(300);
+constexpr auto kSaveTimeout = std::chrono::seconds(120);
+
+// Runs `fn`, turning what a malformed answer of a guest throws (the code inside a VM may take its init over) into
+// UNAVAILABLE, so it never reaches a caller as an internal error.
+template <typename F>
+auto guarded(const std::string& id, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(Code::kUnavailable, fmt::format("sandbox {}: its guest answered with a malformed message ({})", id,
+                                                e.what()));
+  }
+}
+
+class MicroVmSandbox final : public BackendSandbox {
+ public:
+  MicroVmSandbox(BackendContext& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
+                 std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm,
+                 bool sleeping = false)
+      : shared_(shared),
+        id_(std::move(id)),
+        spec_(std::move(spec)),
+        run_dir_(std::move(run_dir)),
+        data_dir_(shared.data_dir / id_),
+        uid_(uid),
+        cgroup_(std::move(cgroup)),
+        boot_(std::move(boot)),
+        vm_(std::move(vm)),
+        sleeping_(sleeping) {
+    boot_.cgroup_procs.clear();
+    ++shared_.vms;
+  }
+
+  ~MicroVmSandbox() override {
+    try {
+      destroy();
+    } catch (...) {
+    }
+  }
+
+  ExecResult exec(const ExecRequest& req, const OutputSink& sink) override {
+    check_running();
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is sleeping; wake it first", id_));
+      ++running_execs_;
+      vm = vm_;
+    }
+    struct ExecCount {
+      MicroVmSandbox& self;
+      ~ExecCount() {
+        std::lock_guard lock(self.power_mu_);
+        --self.running_execs_;
+      }
+    } exec_count{*this};
+    ExecCommand command = exec_command(spec_, req, hostname());
+    gp::ExecStart start{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false};
+    try {
+      return guarded(id_, [&] { return vm->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
+    } catch (const Error& e) {
+      if (e.code() == Code::kUnavailable) check_running();
+      throw;
+    }
+  }
+
+  // Sleep saves the guest's RAM and device state to the sandbox's run directory on local disk and ends QEMU, so
+  // every byte of its memory goes back to the node; wake starts a QEMU from that state and the guest's processes
+  // go on. Its files are out of reach while it sleeps (they live inside the stopped guest).
+  SleepReport sleep() override {
+    const auto started = Clock::now();
+    check_running();  // (takes power_mu_ itself)
+    std::lock_guard lock(power_mu_);
+    if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id_));
+    if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    if (running_execs_ > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} has {} exec{} running; it can sleep once they end", id_, running_execs_,
+                              running_execs_ == 1 ? "" : "s"));
+    SleepReport report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    fs::path state = data_dir_ / "sleep.state";
+    try {
+      vm_->save(state, /*ignore_shared=*/false, kSaveTimeout);
+    } catch (...) {
+      ::unlink(state.c_str());
+      try {
+        vm_->qmp("cont");
+      } catch (...) {
+      }
+      throw;
+    }
+    vm_->kill();
+    vm_.reset();  // the last hold on its RAM
+    drop_disk_cache();
+    sleeping_ = true;
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
+  }
+
+  SleepReport wake() override {
+    const auto started = Clock::now();
+    std::lock_guard lock(power_mu_);
+    if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
+    if (!sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not sleeping", id_));
+    SleepReport report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    fs::path state = data_dir_ / "sleep.state";
+    VmBootSpec boot = with_cgroup(boot_);
+    for (const char* log : {"console.log", "qemu.log"}) ::truncate((run_dir_ / log).c_str(), 0);
+    vm_ = VmInstance::restore(boot, VmRestore{state, nullptr}, Clock::now() + shared_.config.microvm.boot_timeout);
+    ::unlink(state.c_str());
+    sleeping_ = false;
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
+  }
+
+  void write_file(std::string_view path, std::string_view data, unsigned mode) override {
+    with_guest([&](guest::GuestChannel& g) { g.write_file(path, data, mode, Clock::now() + kFileTimeout); });
+  }
+  std::string read_file(std::string_view path) override {
+    return with_guest([&](guest::GuestChannel& g) { return g.read_file(path, kMaxFileBytes, Clock::now() + kFileTimeout); });
+  }
+  void put_archive(std::string_view dir, std::string_view tar_bytes) override {
+    with_guest([&](guest::GuestChannel& g) { g.put_archive(dir, tar_bytes, Clock::now() + kFileTimeout); });
+  }
+  std::string get_archive(std::string_view dir) override {
+    return with_guest(
+        [&](guest::GuestChannel& g) { return g.get_archive(dir, kMaxFileBytes, Clock::now() + kFileTimeout); });
+  }
+  bool is_directory(std::string_view path) override {
+    return with_guest([&](guest::GuestChannel& g) { return S_ISDIR(g.mode_of(path, Clock::now() + kFileTimeout)); });
+  }
+
+  // The writable layer as the guest sees it, read by dsec-init inside with every command frozen (the guest walks
+  // its own file system: the agent never mounts what the guest wrote), and written here as a layer's tree.
+  FilesCapture capture_files(const fs::path& dest, const image::UpperTreeLimits& limits) override {
+    check_running();  // (takes power_mu_ itself)
+    std::lock_guard lock(power_mu_);  // one capture at a time, never during a sleep, a wake or a fork
+    if (sleeping_)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is sleeping: a microVM is snapshotted awake (its files live in the guest)",
+                              id_));
+    std::shared_ptr<VmInstance> vm = vm_;
+    if (!vm) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    FilesCapture out;
+    const auto started = Clock::now();
+    out.stats = guarded(id_, [&] { return vm->guest().capture_upper(dest, limits, Clock::now() + kFileTimeout); });
+    out.frozen_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return out;
+  }
+
+  BackendState recovery_state() override {
+    std::lock_guard lock(power_mu_);
+    BackendState out{{key::kBootId, container::boot_id()},
+                     {key::kUid, std::to_string(uid_)},
+                     {key::kCgroup, cgroup_->path()},
+                     {key::kMemory, std::to_string(boot_.memory_bytes)},
+                     {key::kVcpus, std::to_string(boot_.vcpus)},
+                     {key::kHostname, boot_.hostname},
+                     {key::kLayers, encode_layers(boot_.layers)},
+                     {key::kAccelerator, boot_.accelerator == Accelerator::kKvm ? "kvm" : "tcg"}};
+    if (vm_) {
+      out[key::kQemuPid] = std::to_string(vm_->pid());
+      out[key::kQemuStart] = std::to_string(container::process_start_time(vm_->pid()).value_or(0));
+      out[key::kRam] = vm_->template_memory() ? "clone" : vm_->memory() ? "own" : "anonymous";
+    }
+    return out;
+  }
+
+  // The VM stops, its RAM becomes a sealed template, and it runs on as the first of that template's clones; its
+  // copies start from the same template. A VM that is itself a clone (of an image's template, or of an earlier
+  // fork) first takes its RAM as its own: saved whole and loaded into a memfd of its own.
+  std::shared_ptr<const ForkSource> fork_source() override {
+    check_running();
+    std::lock_guard lock(power_mu_);
+    if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is sleeping; wake it first", id_));
+    if (running_execs_ > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} has {} exec{} running; it can be forked once they end", id_, running_execs_,
+                              running_execs_ == 1 ? "" : "s"));
+    if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    const auto deadline = Clock::now() + shared_.config.microvm.boot_timeout;
+    if (!vm_->memory()) {
+      // A clone of a template, or a VM woken into anonymous memory: its RAM is not a memfd of its own yet.
+      fs::path whole = data_dir_ / "fork.state";
+      vm_->save(whole, /*ignore_shared=*/false, kSaveTimeout);
+      vm_->kill();
+      vm_.reset();
+      VmBootSpec b = with_cgroup(boot_);
+      // Loading the RAM into a memfd allocates all of it before the zero pages are given back: room for that.
+      cgroup_->set_limits(2 * boot_.memory_bytes + shared_.config.microvm.overhead_bytes, kQemuPids);
+      struct Limits {
+        MicroVmSandbox& self;
+        ~Limits() {
+          try {
+            self.cgroup_->set_limits(self.spec_.resources.memory_bytes + self.shared_.config.microvm.overhead_bytes,
+                                     kQemuPids);
+          } catch (const std::exception& e) {
+            log_warn("sandbox {}: memory limit after a fork: {}", self.id_, e.what());
+          }
+        }
+      } limits{*this};
+      VmRestore whole_ram;
+      whole_ram.state_file = whole;
+      whole_ram.into_memfd = true;
+      whole_ram.paused = true;
+      vm_ = VmInstance::restore(b, whole_ram, deadline);
+      ::unlink(whole.c_str());
+      vm_->punch_zero_pages();
+    }
+    fs::path dir = shared_.data_dir / "forks" / fmt::format("{}-{}", id_, ++forks_);
+    TemplatePtr t = freeze_vm(*vm_, "fork:" + id_, dir, boot_.disk, boot_.memory_bytes);
+    vm_.reset();
+    VmBootSpec b = with_cgroup(boot_);
+    vm_ = VmInstance::restore(b, VmRestore{t->state, t->memory}, deadline);
+    return std::make_shared<MicroVmForkSource>(std::move(t), boot_);
+  }
+
+  bool alive() override {
+    if (destroyed_.load()) return false;
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_) return true;
+      vm = vm_;
+    }
+    // No VM while awake: a fork or a wake that failed half way left none.
+    if (vm && !vm->exited() && vm->guest().connected()) return true;
+    // The VM stopped by itself (the guest panicked or powered off, QEMU crashed or was killed): what it held goes
+    // at once, not when the sandbox is destroyed. A guest that powered off closes its port a moment before QEMU
+    // exits: QEMU gets that moment, so the console's last lines say why.
+    if (vm && !vm->exited()) wait_exit(vm->pidfd(), vm->pid(), std::chrono::seconds(2));
+    release_once(/*stopped_by_itself=*/true);
+    return false;
+  }
+
+  std::string stopped_reason() override {
+    std::lock_guard lock(release_mu_);
+    if (!released_) return {};
+    return "its VM stopped" + last_words_;
+  }
+
+  void destroy() override {
+    std::lock_guard lock(destroy_mu_);
+    if (destroyed_.exchange(true)) return;
+    release_once(/*stopped_by_itself=*/false);
+    std::error_code ec;
+    fs::remove_all(run_dir_, ec);
+  }
+
+ private:
+  std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
+
+  // The boot spec with this sandbox's cgroup to join (its descriptors live as long as procs_).
+  VmBootSpec with_cgroup(const VmBootSpec& boot) {
+    procs_ = cgroup_->open_procs();
+    VmBootSpec b = boot;
+    b.cgroup_procs.clear();
+    for (const auto& fd : procs_) b.cgroup_procs.push_back(fd.get());
+    return b;
+  }
+
+  // The host's page cache of the writable disk is charged to the sandbox; while it sleeps the disk is only a file.
+  void drop_disk_cache() {
+    UniqueFd disk(::open(boot_.disk.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!disk) return;
+    ::fdatasync(disk.get());
+    ::posix_fadvise(disk.get(), 0, 0, POSIX_FADV_DONTNEED);
+  }
+
+  template <typename F>
+  auto with_guest(F&& fn) -> decltype(fn(std::declval<guest::GuestChannel&>())) {
+    check_running();
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard lock(power_mu_);
+      if (sleeping_)
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("sandbox {} is sleeping: a microVM's files are reachable once it is woken", id_));
+      vm = vm_;
+    }
+    try {
+      return guarded(id_, [&] { return fn(vm->guest()); });
+    } catch (const Error& e) {
+      if (e.code() == Code::kUnavailable) check_running();
+      throw;
+    }
+  }
+
+  void check_running() {
+    if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
+    if (!alive()) {
+      std::lock_guard lock(release_mu_);
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is not running: its VM stopped{}", id_, last_words_));
+    }
+  }
+
+  // Kills QEMU (if it still runs) and hands back its cgroup, writable disk and uid. Idempotent.
+  void release_once(bool stopped_by_itself) {
+    std::shared_ptr<VmInstance> vm;
+    {
+      std::lock_guard power(power_mu_);
+      vm = vm_;
+    }
+    std::lock_guard lock(release_mu_);
+    if (released_) return;
+    released_ = true;
+    if (vm) {
+      vm->kill();
+      if (stopped_by_itself) last_words_ = vm->last_words();
+    }
+    try {
+      cgroup_->destroy();
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: remove its cgroup: {}", id_, e.what());
+    }
+    std::error_code ec;
+    fs::remove_all(data_dir_, ec);
+    shared_.uids.give_back(uid_);
+    --shared_.vms;
+  }
+
+  BackendContext& shared_;
+  std::string id_;
+  SandboxSpec spec_;
+  fs::path run_dir_;   // sockets and logs
+  fs::path data_dir_;  // the writable disk, saved state: on local disk
+  std::uint32_t uid_;
+  std::unique_ptr<container::SandboxCgroup> cgroup_;
+  VmBootSpec boot_;  // how its QEMU was started: a wake starts the next one the same way
+  std::mutex power_mu_;  // guards vm_, sleeping_ and running_execs_; held through a sleep or a wake
+  std::shared_ptr<VmInstance> vm_;  // null while it sleeps
+  bool sleeping_ = false;
+  int running_execs_ = 0;
+  std::vector<UniqueFd> procs_;
+  std::uint32_t forks_ = 0;
+  std::atomic<bool> destroyed_{false};
+  std::mutex destroy_mu_;
+  std::mutex release_mu_;
+  bool released_ = false;
+  std::string last_words_;
+};
+
+}  // namespace
+
+std::unique_ptr<BackendSandbox> make_microvm_sandbox(BackendContext& shared, std::string id, SandboxSpec spec,
+                                                     fs::path run_dir, std::uint32_t uid,
+                                                     std::unique_ptr<container::SandboxCgroup> cgroup,
+                                                     VmBootSpec boot, std::unique_ptr<VmInstance> vm, bool sleeping) {
+  return std::make_unique<MicroVmSandbox>(shared, std::move(id), std::move(spec), std::move(run_dir), uid,
+                                          std::move(cgroup), std::move(boot), std::move(vm), sleeping);
+}
+
+}  // namespace dsec::agent::microvm

@@ -1,0 +1,36 @@
+// A microVM sandbox: one QEMU process (VmInstance) with its cgroup, uid, writable disk and directories, serving
+// exec and files through dsec-init inside the guest, sleeping by saving the VM to local disk, forking by freezing
+// it into a template its copies start from.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "agent/backend.hpp"
+#include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/microvm/backend_context.hpp"
+#include "agent/backends/microvm/vm_instance.hpp"
+#include "agent/backends/microvm/vm_template.hpp"
+
+namespace dsec::agent::microvm {
+
+// A running microVM frozen for its copies: its RAM sealed, its device state and disk in files.
+class MicroVmForkSource final : public ForkSource {
+ public:
+  MicroVmForkSource(TemplatePtr t, VmBootSpec boot) : frozen(std::move(t)), parent_boot(std::move(boot)) {}
+  TemplatePtr frozen;
+  VmBootSpec parent_boot;
+};
+
+// The sandbox `id` around a VM that runs (or, with `sleeping`, whose saved state is in its data directory). `boot`
+// says how its QEMU was started (a wake or a fork starts the next one the same way); the sandbox owns the uid, the
+// cgroup and both directories from now on and releases them when it is destroyed or its VM stops by itself.
+std::unique_ptr<BackendSandbox> make_microvm_sandbox(BackendContext& shared, std::string id, SandboxSpec spec,
+                                                     std::filesystem::path run_dir, std::uint32_t uid,
+                                                     std::unique_ptr<container::SandboxCgroup> cgroup,
+                                                     VmBootSpec boot, std::unique_ptr<VmInstance> vm,
+                                                     bool sleeping = false);
+
+}  // namespace dsec::agent::microvm
