@@ -430,6 +430,11 @@ struct MicroVmBenchResult {
   // 1. create to first exec (ms): the template-making first create; clones; cold boots; the plain QEMU; container.
   double first_create_ms = 0, first_exec_ms = 0;
   Latency tmpl_total, tmpl_create, tmpl_exec, tmpl_second_exec;
+  // From a pre-booted pool (a third agent with --microvm-pool pool_size): claims and misses as its node info
+  // counted them (a miss starts from the template instead).
+  Latency pool_total, pool_create, pool_exec, pool_second_exec;
+  std::uint32_t pool_size = 0;
+  std::uint64_t pool_claims = 0, pool_misses = 0;
   Latency cold_total, cold_create, cold_exec;
   Latency peer_marker, peer_exit;
   Latency ct_total, ct_create, ct_exec;

@@ -436,6 +436,13 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("accelerator_reason", &dsec::MicroVmNodeInfo::accelerator_reason)
       .def_readonly("kernel", &dsec::MicroVmNodeInfo::kernel)
       .def_readonly("vms", &dsec::MicroVmNodeInfo::vms)
+      .def_readonly("pool_size", &dsec::MicroVmNodeInfo::pool_size, "VMs kept ready per shape in use (0: no pools).")
+      .def_readonly("pool_ready", &dsec::MicroVmNodeInfo::pool_ready, "Pooled VMs waiting now.")
+      .def_readonly("pool_claims", &dsec::MicroVmNodeInfo::pool_claims, "Creates served from a pool.")
+      .def_readonly("pool_misses", &dsec::MicroVmNodeInfo::pool_misses,
+                    "Creates of a pooled shape that found its pool empty.")
+      .def_readonly("templates", &dsec::MicroVmNodeInfo::templates, "Templates (frozen guests) kept now.")
+      .def_readonly("template_bytes", &dsec::MicroVmNodeInfo::template_bytes, "Guest RAM the templates hold.")
       .def("__repr__", [](const dsec::MicroVmNodeInfo& v) {
         return "MicroVmNodeInfo(offered=" + std::string(v.offered ? "True" : "False") + ", accelerator='" +
                v.accelerator + "', vms=" + std::to_string(v.vms) + ")";

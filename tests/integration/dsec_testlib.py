@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PROGRAMS = pathlib.Path(__file__).resolve().parent / "programs"
@@ -233,6 +234,19 @@ def leftovers(run_dir: str, cgroup_name: str, sandbox_id: str | None = None) -> 
     return problems
 
 
+def process_argvs():
+    """(pid, argv as a list of bytes) of every process on the host but this one."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        yield int(pid), argv
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05):
     """Polls until predicate() is truthy; returns its last value."""
     deadline = time.monotonic() + timeout
@@ -316,6 +330,19 @@ class Agent:
 
     def leftovers(self, sandbox_id: str | None = None) -> list[str]:
         return leftovers(self.run_dir, self.cgroup_name, sandbox_id)
+
+    def stop_and_check(self, problems: Sequence[str] = ()) -> None:
+        """SIGTERM; then the agent must have exited with 0 and left nothing on the host (nor any of `problems`, what
+        the caller found itself). Removes the husks when it is clean. Nothing to check when it never started."""
+        status = self.stop()
+        found = self.leftovers() + list(problems)
+        log = self.log_tail()
+        if not found:
+            self.remove_husks()
+        if self.proc is None:
+            return
+        assert status == 0, f"dsecd exited with {status} on SIGTERM:\n{log}"
+        assert not found, "dsecd left things behind:\n  " + "\n  ".join(found) + f"\nlog:\n{log}"
 
     def cgroup_dir(self, controller: str, sandbox_id: str) -> str:
         """A sandbox's cgroup directory for a v1 controller, or its v2 directory."""

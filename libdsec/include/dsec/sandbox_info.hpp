@@ -41,6 +41,15 @@ struct MicroVmNodeInfo {
   std::string accelerator_reason;  // why this accelerator (e.g. why KVM was not usable)
   std::string kernel;              // the guest kernel's release
   std::uint32_t vms = 0;           // running microVMs
+  // Pre-booted pools (dsecd --microvm-pool): VMs kept ready per shape in use, ready now, creates served from a
+  // pool and creates of a pooled shape that found it empty.
+  std::uint32_t pool_size = 0;
+  std::uint32_t pool_ready = 0;
+  std::uint64_t pool_claims = 0;
+  std::uint64_t pool_misses = 0;
+  // Templates (frozen guests creates start from) kept now and the guest RAM they hold.
+  std::uint32_t templates = 0;
+  std::uint64_t template_bytes = 0;
 };
 
 struct NodeInfo {

@@ -310,6 +310,12 @@ NodeInfo Agent::node_info() const {
     n.microvm.accelerator_reason = m.accelerator_reason;
     n.microvm.kernel = m.kernel;
     n.microvm.vms = m.vms;
+    n.microvm.pool_size = m.pool_size;
+    n.microvm.pool_ready = m.pool_ready;
+    n.microvm.pool_claims = m.pool_claims;
+    n.microvm.pool_misses = m.pool_misses;
+    n.microvm.templates = m.templates;
+    n.microvm.template_bytes = m.template_bytes;
   } else {
     n.microvm.unavailable = microvm_unavailable_;
   }

@@ -70,6 +70,14 @@ struct MicroVmConfig {
   // Creates start from a template (a guest of the same image, memory, vCPUs and disk booted once and frozen) instead
   // of booting: a restore, its RAM shared copy-on-write with the template. The first create of a shape boots it.
   bool templates = true;
+  // Guest RAM the templates may hold together (each holds its guest's RAM whole); past it the least recently used
+  // go. 0: a quarter of the node's memory.
+  std::uint64_t template_memory_bytes = 0;
+  // Pre-booted pools (with templates): this many VMs of each shape in use kept restored, warmed up and idle, so a
+  // create of the shape claims one instead of starting a VM. A shape's pool starts with its first create and goes
+  // once no create of it came for pool_idle. Pooled VMs cost memory and CPU while they wait; 0: no pools.
+  std::uint32_t pool_size = 0;
+  std::chrono::milliseconds pool_idle{600000};
 };
 
 struct AgentConfig {

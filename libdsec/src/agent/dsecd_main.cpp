@@ -63,6 +63,13 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --microvm-templates on|off
                           start microVMs from templates (a guest of the same image and shape booted once and
                           frozen; its RAM shared copy-on-write) instead of booting each (default on)
+  --microvm-template-memory SIZE
+                          guest RAM the templates may hold together; past it the least recently used template
+                          is dropped (default: a quarter of the node's memory)
+  --microvm-pool N        keep N microVMs of each shape in use (image, memory, CPUs, disk) restored from its
+                          template, warmed up and idle, so that a create claims one (default 0: no pools)
+  --microvm-pool-idle SECS
+                          a shape's pool is stopped once no create of it came for this long (default 600)
   --microvm-boot-timeout SECS
                           how long a guest may take to answer after QEMU starts (default 30)
   --on-restart MODE       what to do at start with the sandboxes an earlier run left (it was killed, crashed, or
@@ -246,6 +253,18 @@ int main(int argc, char** argv) {
     } else if (flag == "--microvm-templates") {
       if (value != "on" && value != "off") fail(fmt::format("--microvm-templates: '{}' is not on or off", value));
       config.microvm.templates = value == "on";
+    } else if (flag == "--microvm-template-memory") {
+      auto size = dsec::parse_size(value);
+      if (!size || *size == 0) fail(fmt::format("--microvm-template-memory: '{}' is not a size such as 4Gi", value));
+      config.microvm.template_memory_bytes = *size;
+    } else if (flag == "--microvm-pool") {
+      std::size_t n = parse_unsigned(flag, value);
+      if (n > 1000) fail("--microvm-pool: at most 1000 VMs per shape");
+      config.microvm.pool_size = static_cast<std::uint32_t>(n);
+    } else if (flag == "--microvm-pool-idle") {
+      std::size_t secs = parse_unsigned(flag, value);
+      if (secs == 0) fail("--microvm-pool-idle: must be at least 1");
+      config.microvm.pool_idle = std::chrono::seconds(secs);
     } else if (flag == "--microvm-boot-timeout") {
       std::size_t secs = parse_unsigned(flag, value);
       if (secs == 0) fail("--microvm-boot-timeout: must be at least 1");

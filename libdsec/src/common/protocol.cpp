@@ -553,7 +553,13 @@ json encode(const NodeInfo& n) {
     out["microvm"] = json{{"offered", m.offered},          {"unavailable", m.unavailable},
                           {"ready", m.ready},              {"accelerator", m.accelerator},
                           {"accelerator_reason", m.accelerator_reason}, {"kernel", m.kernel},
-                          {"vms", m.vms}};
+                          {"vms", m.vms},
+                          {"pool",
+                           {{"size", m.pool_size},
+                            {"ready", m.pool_ready},
+                            {"claims", m.pool_claims},
+                            {"misses", m.pool_misses}}},
+                          {"templates", {{"count", m.templates}, {"bytes", m.template_bytes}}}};
   return out;
 }
 
@@ -599,6 +605,16 @@ NodeInfo decode_node_info(const json& j) {
     n.microvm.accelerator_reason = m->value("accelerator_reason", "");
     n.microvm.kernel = m->value("kernel", "");
     n.microvm.vms = m->value("vms", 0u);
+    if (auto p = m->find("pool"); p != m->end() && p->is_object()) {
+      n.microvm.pool_size = p->value("size", 0u);
+      n.microvm.pool_ready = p->value("ready", 0u);
+      n.microvm.pool_claims = p->value("claims", std::uint64_t{0});
+      n.microvm.pool_misses = p->value("misses", std::uint64_t{0});
+    }
+    if (auto t = m->find("templates"); t != m->end() && t->is_object()) {
+      n.microvm.templates = t->value("count", 0u);
+      n.microvm.template_bytes = t->value("bytes", std::uint64_t{0});
+    }
   }
   if (auto c = j.find("cached_layers"); c != j.end() && c->is_array()) {
     for (const auto& l : *c) {

@@ -38,6 +38,9 @@ class GuestChannel {
   GuestChannel(const GuestChannel&) = delete;
   GuestChannel& operator=(const GuestChannel&) = delete;
 
+  // Names another sandbox in errors from now on (a pooled VM claimed by a create); only while no call runs.
+  void relabel(std::string label) { label_ = std::move(label); }
+
   // False once the stream broke (the VM died, or its QEMU closed the port).
   bool connected() const;
   // Ends the stream: every call waiting gets UNAVAILABLE.

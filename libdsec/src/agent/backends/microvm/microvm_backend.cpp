@@ -1,6 +1,7 @@
 #include "agent/backends/microvm/microvm_backend.hpp"
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,7 +9,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <mutex>
-#include <set>
+#include <fstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -19,6 +20,7 @@
 #include "agent/backends/microvm/guest_kernel.hpp"
 #include "agent/backends/microvm/microvm_sandbox.hpp"
 #include "agent/backends/microvm/vm_instance.hpp"
+#include "agent/backends/microvm/vm_pool.hpp"
 #include "agent/backends/microvm/vm_record.hpp"
 #include "agent/backends/microvm/vm_template.hpp"
 #include "agent/backends/microvm/writable_disk.hpp"
@@ -34,6 +36,7 @@ namespace microvm {
 namespace {
 
 namespace fs = std::filesystem;
+namespace gp = guest_protocol;
 namespace key = record_key;
 
 constexpr std::uint64_t kMinGuestMemory = 128ull << 20;
@@ -73,7 +76,8 @@ fs::path init_binary(const AgentConfig& config) {
 
 class MicroVmBackendImpl final : public MicroVmBackend {
  public:
-  explicit MicroVmBackendImpl(const AgentConfig& config) : shared_(config) {
+  explicit MicroVmBackendImpl(const AgentConfig& config)
+      : shared_(config), pool_(config.microvm.templates ? config.microvm.pool_size : 0, config.microvm.pool_idle) {
     if (::geteuid() != 0)
       throw Error(Code::kFailedPrecondition, "the microvm backend needs root (cgroups, uids for QEMU)");
     shared_.qemu = qemu_binary(config.microvm);
@@ -104,9 +108,12 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     ::chmod(shared_.initramfs.c_str(), 0644);
     shared_.tsc_khz = static_cast<std::uint32_t>(host_tsc_khz());
     shared_.cgroups = container::make_cgroup_driver(config.cgroup_name);
+    remove_pool_leftovers(shared_);
     HostCapacity host = probe_host();
     shared_.host_cores = std::max<std::uint32_t>(1, host.cores);
     shared_.host_memory = host.memory_bytes;
+    shared_.templates.set_budget(config.microvm.template_memory_bytes ? config.microvm.template_memory_bytes
+                                                                      : shared_.host_memory / 4);
     {
       std::lock_guard lock(mu_);
       status_.kernel = shared_.kernel.release;
@@ -115,6 +122,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   }
 
   ~MicroVmBackendImpl() override {
+    pool_.stop();  // its filler runs this object's code
     stopping_ = true;
     if (prober_.joinable()) prober_.join();
   }
@@ -125,6 +133,16 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     std::lock_guard lock(mu_);
     MicroVmStatus s = status_;
     s.vms = shared_.vms.load();
+    VmPoolStatus pool = pool_.status();
+    s.pool_size = pool.size;
+    s.pool_ready = pool.ready;
+    s.pool_shapes = pool.shapes;
+    s.pool_claims = pool.claims;
+    s.pool_misses = pool.misses;
+    s.pool_failures = pool.failures;
+    s.templates = static_cast<std::uint32_t>(shared_.templates.size());
+    s.template_bytes = shared_.templates.bytes();
+    s.template_evictions = shared_.templates.evictions();
     return s;
   }
 
@@ -148,6 +166,40 @@ class MicroVmBackendImpl final : public MicroVmBackend {
                   "the microvm backend attaches an image's layers as disks, which needs the node's lazy layer mode "
                   "(this node keeps layers extracted)");
 
+    const std::string hostname = spec.hostname.empty() ? params.id : spec.hostname;
+    if (!params.fork_of && shared_.config.microvm.templates && shared_.config.microvm.pool_size > 0) {
+      VmBootSpec shape;
+      shape.vcpus = vcpus_for(spec);
+      shape.memory_bytes = spec.resources.memory_bytes;
+      shape.layers = params.layer_images;
+      const std::uint64_t disk_bytes = spec.resources.disk_bytes;
+      const std::string template_name = template_key(shape, shape.layers, disk_bytes);
+      const Resources limits = vm_limits(spec);
+      std::unique_ptr<PooledVm> pooled =
+          pool_.take(fmt::format("{}|cpu{}", template_name, spec.resources.cpu),
+                     [this, template_name, shape, limits, disk_bytes] {
+                       return make_pooled(template_name, shape, limits, disk_bytes);
+                     });
+      if (pooled) {
+        try {
+          fs::path run_dir = shared_.config.run_dir / params.id;
+          std::unique_ptr<VmInstance> vm =
+              pooled->claim_into(params.id, run_dir, hostname, Clock::now() + shared_.config.microvm.boot_timeout);
+          // The sandbox owns its cgroup, uid and directories from here on.
+          pooled->has_uid = false;
+          return make_microvm_sandbox(shared_, params.id, spec, run_dir, pooled->uid, std::move(pooled->cgroup),
+                                      pooled->boot, std::move(vm));
+        } catch (const std::exception& e) {
+          log_warn("sandbox {}: claiming pooled VM {} failed ({}); starting one instead", params.id, pooled->name,
+                   e.what());
+          pooled.reset();
+          std::error_code ec;
+          fs::remove_all(shared_.config.run_dir / params.id, ec);
+          fs::remove_all(shared_.data_dir / params.id, ec);
+        }
+      }
+    }
+
     std::uint32_t uid = shared_.uids.take();
     fs::path run_dir = shared_.config.run_dir / params.id;
     std::unique_ptr<container::SandboxCgroup> cgroup;
@@ -158,12 +210,11 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       }
       cgroup = shared_.cgroups->create(params.id, vm_limits(spec));
       VmBootSpec boot = boot_spec(params.id, run_dir, uid);
-      boot.vcpus = std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
-                                             shared_.host_cores);
+      boot.vcpus = vcpus_for(spec);
       boot.memory_bytes = spec.resources.memory_bytes;
       boot.layers = params.layer_images;
       boot.disk = shared_.data_dir / params.id / "disk.ext4";
-      boot.hostname = spec.hostname.empty() ? params.id : spec.hostname;
+      boot.hostname = hostname;
       std::unique_ptr<VmInstance> vm;
       if (params.fork_of) {
         const auto* source = dynamic_cast<const MicroVmForkSource*>(params.fork_of.get());
@@ -283,6 +334,65 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     }
   }
 
+  // A VM for the pool of a shape: a clone of the shape's template (made when there is none), in a cgroup of its own
+  // name with the shape's limits, warmed up with one command.
+  std::unique_ptr<PooledVm> make_pooled(const std::string& template_name, const VmBootSpec& shape,
+                                        const Resources& limits, std::uint64_t disk_bytes) {
+    if (stopping_) throw Error(Code::kUnavailable, "the agent is stopping");
+    TemplatePtr t =
+        shared_.templates.get(template_name, [&] { return make_template(template_name, shape, disk_bytes); });
+    auto p = std::make_unique<PooledVm>(shared_);
+    p->name = "pool-" + random_hex(8);
+    p->uid = shared_.uids.take();
+    p->has_uid = true;
+    p->run_dir = PooledVm::run_dir_of(shared_, p->name);
+    p->data_dir = PooledVm::data_dir_of(shared_, p->name);
+    for (const fs::path& d : {p->run_dir, p->data_dir}) {
+      fs::create_directories(d);
+      ::chmod(d.c_str(), 0700);
+    }
+    {
+      // Whichever sandbox this VM becomes, its data directory names the cgroup it runs in.
+      std::ofstream out(p->data_dir / "cgroup");
+      out << p->name;
+      if (!out.flush()) throw Error(Code::kResourceExhausted, "pooled VM: cannot write into " + p->data_dir.string());
+    }
+    p->cgroup = shared_.cgroups->create(p->name, limits);
+    VmBootSpec b = boot_spec(p->name, p->run_dir, p->uid);
+    b.vcpus = shape.vcpus;
+    b.memory_bytes = shape.memory_bytes;
+    b.layers = shape.layers;
+    b.disk = p->data_dir / "disk.ext4";
+    b.hostname = "dsec-pool";
+    copy_sparse(t->disk, b.disk);
+    {
+      std::vector<UniqueFd> procs = p->cgroup->open_procs();
+      VmBootSpec with_procs = b;
+      for (const auto& fd : procs) with_procs.cgroup_procs.push_back(fd.get());
+      p->vm = VmInstance::restore(with_procs, VmRestore{t->state, t->memory},
+                                  Clock::now() + shared_.config.microvm.boot_timeout);
+    }
+    p->boot = b;
+    // The first command in a fresh QEMU runs through code TCG has not translated yet (a quarter of a second): run
+    // one here, so that the sandbox's first exec is as fast as its next ones. What it exits with does not matter.
+    gp::ExecStart warm{{"/bin/sh", "-c", "true"}, {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}, "/", 4096,
+                       false};
+    try {
+      (void)p->vm->guest().exec(std::move(warm), "", 30, OutputSink{});
+    } catch (const Error& e) {
+      if (e.code() == Code::kUnavailable || e.code() == Code::kDeadlineExceeded) throw;
+    }
+    return p;
+  }
+
+  static std::string random_hex(std::size_t bytes) {
+    std::string raw(bytes, '\0');
+    if (::getrandom(raw.data(), raw.size(), 0) != static_cast<ssize_t>(raw.size())) throw_errno(errno, "getrandom");
+    std::string out;
+    for (unsigned char c : raw) out += fmt::format("{:02x}", c);
+    return out;
+  }
+
   // Takes over a VM an earlier run of the agent started: its QEMU must be the process the record names (pid, start
   // time, boot), in the sandbox's cgroup, answering on its sockets; a sleeping one needs only its saved state.
   std::unique_ptr<BackendSandbox> adopt(const AdoptParams& p) override {
@@ -330,6 +440,17 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   }
 
   void remove_leftovers(const std::string& id) override {
+    // A sandbox that was a pooled VM runs in the cgroup of that VM's name.
+    std::string cgroup_name;
+    if (std::ifstream in(shared_.data_dir / id / "cgroup"); in) std::getline(in, cgroup_name);
+    if (!cgroup_name.empty() && cgroup_name.find('/') == std::string::npos && cgroup_name != "." &&
+        cgroup_name != "..") {
+      try {
+        shared_.cgroups->remove_sandbox_groups(cgroup_name);
+      } catch (const std::exception& e) {
+        log_warn("sandbox {}: remove leftover cgroup {}: {}", id, cgroup_name, e.what());
+      }
+    }
     std::error_code ec;
     fs::remove_all(shared_.config.run_dir / id, ec);
     fs::remove_all(shared_.data_dir / id, ec);
@@ -341,12 +462,13 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   }
 
   void shutdown() override {
+    pool_.stop();
     stopping_ = true;
     if (prober_.joinable()) prober_.join();
     shared_.templates.clear();
     std::error_code ec;
     fs::remove_all(shared_.work_dir, ec);
-    for (const char* d : {"templates", "forks", "disks"}) fs::remove_all(shared_.data_dir / d, ec);
+    for (const char* d : {"templates", "forks", "disks", "pool"}) fs::remove_all(shared_.data_dir / d, ec);
     fs::remove(shared_.data_dir, ec);  // when no sleeping VM's state is left in it
     fs::remove(shared_.data_dir.parent_path(), ec);
     try {
@@ -363,6 +485,11 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     limits.memory_bytes += shared_.config.microvm.overhead_bytes;
     limits.pids = kQemuPids;
     return limits;
+  }
+
+  std::uint32_t vcpus_for(const SandboxSpec& spec) const {
+    return std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
+                                     shared_.host_cores);
   }
 
   VmBootSpec boot_spec(const std::string& id, const fs::path& run_dir, std::uint32_t uid) {
@@ -460,6 +587,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   }
 
   BackendContext shared_;
+  VmPool pool_;
   mutable std::mutex mu_;
   std::condition_variable probed_;
   MicroVmStatus status_;

@@ -22,6 +22,18 @@ struct MicroVmStatus {
   std::string unavailable;         // empty when VMs can be made
   double probe_boot_seconds = 0;   // KVM: how long the probe's boot took, QEMU start to the guest's first answer
   std::uint32_t vms = 0;           // running VMs
+  // Pre-booted pools (vm_pool.hpp): VMs kept per shape, waiting now, shapes pooled, creates served from a pool,
+  // creates of a pooled shape that found it empty, pooled VMs that could not be made.
+  std::uint32_t pool_size = 0;
+  std::uint32_t pool_ready = 0;
+  std::uint32_t pool_shapes = 0;
+  std::uint64_t pool_claims = 0;
+  std::uint64_t pool_misses = 0;
+  std::uint64_t pool_failures = 0;
+  // Templates kept now, the guest RAM they hold, templates dropped for the memory budget so far.
+  std::uint32_t templates = 0;
+  std::uint64_t template_bytes = 0;
+  std::uint64_t template_evictions = 0;
 };
 
 class MicroVmBackend : public Backend {

@@ -339,7 +339,20 @@ class MicroVmSandbox final : public BackendSandbox {
     released_ = true;
     if (vm) {
       vm->kill();
-      if (stopped_by_itself) last_words_ = vm->last_words();
+      if (stopped_by_itself) {
+        // QEMU's guest RAM and its own heap are charged to the cgroup: a guest that fills its RAM while QEMU needs
+        // more than the overhead allowed gets the whole VM killed by the kernel's OOM killer.
+        std::uint64_t ooms = 0;
+        try {
+          ooms = cgroup_->oom_kills();
+        } catch (...) {
+        }
+        last_words_ = (ooms > 0 ? fmt::format(": QEMU was killed by the out-of-memory killer (its cgroup's limit: "
+                                              "the guest's {} MiB of RAM plus {} MiB for QEMU)",
+                                              boot_.memory_bytes >> 20, shared_.config.microvm.overhead_bytes >> 20)
+                                : std::string()) +
+                      vm->last_words();
+      }
     }
     try {
       cgroup_->destroy();

@@ -232,6 +232,14 @@ std::unique_ptr<VmInstance> VmInstance::attach(const std::string& id, const fs::
   return vm;
 }
 
+void VmInstance::become(const std::string& id, const fs::path& run_dir, const std::string& hostname,
+                        Clock::time_point deadline) {
+  id_ = id;
+  run_dir_ = run_dir;
+  guest().relabel(id);
+  greet(hostname, deadline, /*restored=*/false);
+}
+
 void VmInstance::greet(const std::string& hostname, Clock::time_point deadline, bool restored) {
   gp::Hello hello;
   hello.realtime_ns = realtime_ns();

@@ -85,6 +85,11 @@ class VmInstance {
                                             UniqueFd pidfd, bool clone, const std::string& hostname,
                                             Clock::time_point deadline);
 
+  // The VM becomes sandbox `id` (a pooled VM claimed by a create): its run directory has been moved to `run_dir`,
+  // and its guest is greeted again, as `hostname`, with a fresh clock and entropy. Only while nothing else uses it.
+  void become(const std::string& id, const std::filesystem::path& run_dir, const std::string& hostname,
+              Clock::time_point deadline);
+
   // Stops the guest and writes QEMU's device state (and, unless `ignore_shared`, the guest's RAM) to `state_file`.
   // The guest stays stopped; end this QEMU afterwards. With ignore_shared the RAM stays in memory(): freeze it
   // (seal it) before anything maps it for a clone.

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "agent/backends/microvm/writable_disk.hpp"
+#include "agent/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::microvm {
@@ -50,6 +51,12 @@ TemplatePtr freeze_vm(VmInstance& vm, std::string key, const fs::path& dir, cons
   return t;
 }
 
+void TemplateCache::set_budget(std::uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  budget_ = bytes;
+  evict_over_budget(nullptr);
+}
+
 TemplatePtr TemplateCache::get(const std::string& key, const std::function<TemplatePtr()>& make) {
   std::shared_ptr<Slot> slot;
   {
@@ -57,6 +64,8 @@ TemplatePtr TemplateCache::get(const std::string& key, const std::function<Templ
     auto& s = slots_[key];
     if (!s) s = std::make_shared<Slot>();
     slot = s;
+    slot->last_used = ++use_clock_;
+    if (slot->current) return slot->current;
   }
   std::lock_guard making(slot->making);
   {
@@ -66,7 +75,32 @@ TemplatePtr TemplateCache::get(const std::string& key, const std::function<Templ
   TemplatePtr made = make();
   std::lock_guard lock(mu_);
   slot->current = made;
+  slot->last_used = ++use_clock_;
+  evict_over_budget(slot.get());
   return made;
+}
+
+void TemplateCache::evict_over_budget(const Slot* keep) {
+  if (budget_ == 0) return;
+  for (;;) {
+    std::uint64_t total = 0;
+    Slot* oldest = nullptr;
+    std::string oldest_key;
+    for (const auto& [key, slot] : slots_) {
+      if (!slot->current) continue;
+      total += slot->current->memory_bytes;
+      if (slot.get() != keep && (!oldest || slot->last_used < oldest->last_used)) {
+        oldest = slot.get();
+        oldest_key = key;
+      }
+    }
+    if (total <= budget_ || !oldest) return;
+    log_info("microvm: template {} dropped ({} MiB of templates over the budget of {} MiB; the least recently used "
+             "goes)",
+             oldest->current->dir.filename().string(), total >> 20, budget_ >> 20);
+    oldest->current.reset();
+    ++evictions_;
+  }
 }
 
 void TemplateCache::invalidate(const std::string& key, const TemplatePtr& which) {
@@ -86,6 +120,19 @@ std::size_t TemplateCache::size() const {
   for (const auto& [key, slot] : slots_)
     if (slot->current) ++n;
   return n;
+}
+
+std::uint64_t TemplateCache::bytes() const {
+  std::lock_guard lock(mu_);
+  std::uint64_t n = 0;
+  for (const auto& [key, slot] : slots_)
+    if (slot->current) n += slot->current->memory_bytes;
+  return n;
+}
+
+std::uint64_t TemplateCache::evictions() const {
+  std::lock_guard lock(mu_);
+  return evictions_;
 }
 
 }  // namespace dsec::agent::microvm

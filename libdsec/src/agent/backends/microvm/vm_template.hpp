@@ -49,21 +49,38 @@ TemplatePtr freeze_vm(VmInstance& vm, std::string key, const std::filesystem::pa
 void seal_memory(int memfd);
 
 // Templates for creates, by key. get() returns the template for `key`, making it with `make` the first time (one
-// maker per key at a time; other callers of the key wait for it). A template is kept while it works; invalidate()
-// drops one that could not start a VM (its layers left the node, say) so the next create makes it anew.
+// maker per key at a time; other callers of the key wait for it). invalidate() drops one that could not start a VM
+// (its layers left the node, say) so the next create makes it anew.
+//
+// Each template holds its guest's RAM whole, so the cache keeps them within a memory budget: once a new template
+// takes the total past it, the least recently used others are dropped (their files go once no VM started from them
+// still needs them; VMs running from one keep its RAM mapped). A node serving many images (a task per image) thus
+// keeps templates of the shapes in use, not of every image it ever ran.
 class TemplateCache {
  public:
+  // `budget_bytes` 0: no budget (every template is kept).
+  explicit TemplateCache(std::uint64_t budget_bytes = 0) : budget_(budget_bytes) {}
+  void set_budget(std::uint64_t bytes);
   TemplatePtr get(const std::string& key, const std::function<TemplatePtr()>& make);
   void invalidate(const std::string& key, const TemplatePtr& which);
   void clear();
   std::size_t size() const;
+  std::uint64_t bytes() const;     // guest RAM of the templates kept
+  std::uint64_t evictions() const;  // templates dropped for the budget so far
 
  private:
   struct Slot {
     std::mutex making;
     TemplatePtr current;
+    std::uint64_t last_used = 0;  // use_clock_ at the last get
   };
+  // Drops least recently used templates but `keep` while the total is over the budget (mu_ held).
+  void evict_over_budget(const Slot* keep);
+
   mutable std::mutex mu_;
+  std::uint64_t budget_ = 0;
+  std::uint64_t use_clock_ = 0;
+  std::uint64_t evictions_ = 0;
   std::map<std::string, std::shared_ptr<Slot>, std::less<>> slots_;
 };
 
