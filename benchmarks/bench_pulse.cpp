@@ -595,6 +595,7 @@ PulseRun run_cluster(const Options& o, const fs::path& scratch, const std::strin
     std::vector<std::string> argv{dsecd,
                                   "--listen",
                                   fmt::format("127.0.0.1:{}", ports[i]),
+                                  "--insecure-no-tls",
                                   "--node-id",
                                   fmt::format("pulse-{}-{}", backend, i),
                                   "--home",

@@ -613,8 +613,14 @@ PYBIND11_MODULE(_dsec, m) {
                        double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
                        double max_backoff, double agent_start_timeout, double agent_stop_grace,
                        std::vector<std::string> stores, double image_cache_ttl, double request_timeout,
-                       std::vector<std::string> etcd, std::string etcd_prefix, std::string placement) {
+                       std::vector<std::string> etcd, std::string etcd_prefix, std::string placement,
+                       std::string token, std::string tls_ca_file, std::string tls_client_cert,
+                       std::string tls_client_key) {
              dsec::ClientOptions o;
+             o.token = std::move(token);
+             o.tls_ca_file = std::move(tls_ca_file);
+             o.tls_client_cert = std::move(tls_client_cert);
+             o.tls_client_key = std::move(tls_client_key);
              o.endpoints = std::move(endpoints);
              o.stores = std::move(stores);
              o.image_cache_ttl = to_ms(image_cache_ttl, "image_cache_ttl");
@@ -647,7 +653,8 @@ PYBIND11_MODULE(_dsec, m) {
            py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0,
            py::arg("request_timeout") = 15.0, py::arg("etcd") = std::vector<std::string>{},
            py::arg("etcd_prefix") = "/dsec/",
-           py::arg("placement") = "spread")
+           py::arg("placement") = "spread", py::arg("token") = "", py::arg("tls_ca_file") = "",
+           py::arg("tls_client_cert") = "", py::arg("tls_client_key") = "")
       .def(
           "create",
           [](PyClient& self, const dsec::SandboxSpec& spec) {

@@ -203,7 +203,7 @@ class FakeAgent {
     agent::ServerOptions options;
     options.unix_socket = dir / (id_ + ".sock");
     server_ = std::make_unique<agent::Server>(
-        options, [this](agent::HttpRequest& req, agent::ResponseStream&) { return handle(req); }, metrics_);
+        options, [this](agent::HttpRequest& req, agent::ResponseStream&, const agent::Peer&) { return handle(req); }, metrics_);
     server_->start();
     endpoint_ = "unix:" + options.unix_socket.string();
   }

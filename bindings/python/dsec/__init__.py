@@ -644,6 +644,10 @@ class Client:
     register under ``etcd_prefix``) and follows them as they come and go. ``request_timeout`` bounds one exchange
     with a node: a create whose node does not answer in time moves to another node with the same request id.
 
+    ``token`` is the bearer token sent to every agent (default ``$DSEC_TOKEN``; agents started with ``dsecd
+    --tokens``), ``tls_ca_file`` the CA bundle that signed ``https://`` agents' certificates (default: the
+    system's), ``tls_client_cert`` and ``tls_client_key`` a client certificate for agents that ask for one.
+
     ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
     go to the node that made it. ``placement`` chooses the node for each new sandbox: ``"spread"`` (most free
     capacity first, so sandboxes spread over the nodes) or ``"pack"`` (the fullest node that still fits, so nodes
@@ -672,6 +676,10 @@ class Client:
         request_timeout: float = 15.0,
         etcd: Union[str, Iterable[str], None] = None,
         etcd_prefix: str = "/dsec/",
+        token: str | None = None,
+        tls_ca_file: str | os.PathLike | None = None,
+        tls_client_cert: str | os.PathLike | None = None,
+        tls_client_key: str | os.PathLike | None = None,
     ) -> None:
         if endpoints is None:
             eps: list[str] = []
@@ -698,6 +706,10 @@ class Client:
             placement=str(placement),
             request_timeout=float(request_timeout),
             etcd=[etcd] if isinstance(etcd, str) else list(etcd or ()),
+            token=str(token or ""),
+            tls_ca_file=os.fspath(tls_ca_file) if tls_ca_file else "",
+            tls_client_cert=os.fspath(tls_client_cert) if tls_client_cert else "",
+            tls_client_key=os.fspath(tls_client_key) if tls_client_key else "",
             etcd_prefix=str(etcd_prefix),
         )
         self._pid = os.getpid()

@@ -342,6 +342,10 @@ class Client:
         etcd: Sequence[str] = ...,
         etcd_prefix: str = "/dsec/",
         placement: str = "spread",
+        token: str = "",
+        tls_ca_file: str = "",
+        tls_client_cert: str = "",
+        tls_client_key: str = "",
     ) -> None: ...
     def create(self, spec: SandboxSpec) -> Sandbox: ...
     def create_many(self, n: int, spec: SandboxSpec) -> list[Sandbox]: ...

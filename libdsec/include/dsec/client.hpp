@@ -66,6 +66,13 @@ struct ClientOptions {
   std::string placement = "spread";
   // A policy of the caller's own; when set it is used and `placement` is ignored. Called concurrently.
   std::shared_ptr<PlacementPolicy> placement_policy;
+  // Access (docs/security.md): the bearer token sent to every agent (empty: $DSEC_TOKEN, if set); the CA bundle
+  // that signed https:// agents' certificates (empty: the system's); a client certificate and its key for agents
+  // that ask for one (dsecd --tls-client-ca).
+  std::string token;
+  std::string tls_ca_file;
+  std::string tls_client_cert;
+  std::string tls_client_key;
 };
 
 // Thread-safe: one Client serves every thread of a trainer. Sandbox handles share its connections and are usable

@@ -38,6 +38,49 @@ std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const
   return out;
 }
 
+namespace {
+
+// Who may call, from the config, checked before anything starts: a TCP listener speaks TLS unless told not to, and
+// one with TLS must know its callers (tokens or client certificates). Loads the TLS context into `tls`.
+AccessPolicy access_policy(const AgentConfig& c, std::shared_ptr<auth::TlsServerContext>& tls) {
+  const bool tls_asked = !c.tls_cert.empty() || !c.tls_key.empty() || !c.tls_client_ca.empty();
+  if (tls_asked && (c.tls_cert.empty() || c.tls_key.empty()))
+    throw Error(Code::kInvalidArgument, "TLS needs both --tls-cert and --tls-key");
+  if (tls_asked && c.insecure_no_tls)
+    throw Error(Code::kInvalidArgument, "--insecure-no-tls contradicts --tls-cert/--tls-key");
+  if (tls_asked && c.tcp_listen.empty())
+    throw Error(Code::kInvalidArgument, "--tls-cert/--tls-key secure the TCP listener: give --listen too");
+  AccessPolicy access;
+  if (!c.tokens_file.empty()) access.tokens = std::make_shared<auth::TokenTable>(auth::TokenTable::load(c.tokens_file));
+  else if (c.tokens_on_unix) throw Error(Code::kInvalidArgument, "--tokens-on-unix needs --tokens FILE");
+  access.tokens_on_unix = c.tokens_on_unix;
+  if (!c.tcp_listen.empty()) {
+    if (!tls_asked && !c.insecure_no_tls)
+      throw Error(Code::kInvalidArgument,
+                  "--listen on TCP needs TLS (--tls-cert FILE --tls-key FILE) and callers it knows (--tokens FILE "
+                  "or --tls-client-ca FILE); --insecure-no-tls serves plain HTTP (for tests and trusted networks "
+                  "only)");
+    if (tls_asked) {
+      tls = auth::TlsServerContext::load(c.tls_cert, c.tls_key, c.tls_client_ca);
+      if (!access.tokens && !tls->requires_client_certificate())
+        throw Error(Code::kInvalidArgument,
+                    "TLS alone lets anyone who reaches --listen control this node: give --tokens FILE or "
+                    "--tls-client-ca FILE");
+    } else if (!access.tokens) {
+      log_warn("--insecure-no-tls without --tokens: anyone who reaches {} controls this node", c.tcp_listen);
+    }
+  }
+  std::filesystem::path audit = c.audit_log;
+  if (audit.empty() && access.tokens) audit = c.home / "audit" / "dsecd.log";
+  if (!audit.empty()) access.audit = std::make_shared<auth::AuditLog>(audit);
+  if (access.tokens)
+    log_info("tokens: {} from {}{}", access.tokens->size(), c.tokens_file.string(),
+             c.tokens_on_unix ? " (the unix socket asks for them too)" : "");
+  return access;
+}
+
+}  // namespace
+
 Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) {
   if (config_.node_id.empty()) {
     char host[HOST_NAME_MAX + 1] = {};
@@ -57,6 +100,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   std::error_code ec;
   std::filesystem::create_directories(config_.home, ec);
   if (ec) throw Error(Code::kFailedPrecondition, fmt::format("home {}: {}", config_.home.string(), ec.message()));
+  AccessPolicy access = access_policy(config_, tls_);
 
   if (!config_.swap_file.empty() || config_.zram_bytes > 0) {
     SwapOptions swap;
@@ -132,7 +176,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   snapshots.limits.max_file_bytes = config_.snapshot_max_bytes;
   snapshots_ = std::make_unique<Snapshots>(std::move(snapshots), *registry_, *images_);
   router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); }, snapshots_.get(),
-                                     fncall_.get());
+                                     fncall_.get(), std::move(access));
 
   ServerOptions server;
   server.unix_socket = config_.unix_socket;
@@ -141,7 +185,10 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   server.max_header_bytes = config_.max_header_bytes;
   server.max_body_bytes = config_.max_body_bytes;
   server.idle_timeout = config_.idle_timeout;
-  server_ = std::make_unique<Server>(std::move(server), [this](HttpRequest& r, ResponseStream& s) { return router_->handle(r, &s); }, metrics_);
+  server.tls = tls_;
+  server_ = std::make_unique<Server>(
+      std::move(server),
+      [this](HttpRequest& r, ResponseStream& s, const Peer& peer) { return router_->handle(r, &s, peer); }, metrics_);
 }
 
 Agent::~Agent() {
@@ -179,7 +226,7 @@ void Agent::start_registration() {
     if (bound.rfind("0.0.0.0:", 0) == 0 || bound.rfind("[::]:", 0) == 0)
       throw Error(Code::kInvalidArgument, fmt::format("etcd registration: the agent listens on every address ({}); "
                                                       "give --advertise with the URL clients should use", bound));
-    r.endpoint = "http://" + bound;
+    r.endpoint = (tls_ ? "https://" : "http://") + bound;
   }
   std::function<std::string()> fncall_status;
   if (fncall_) fncall_status = [this] { return fncall_status_json(*fncall_); };

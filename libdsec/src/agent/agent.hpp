@@ -90,6 +90,7 @@ class Agent {
   std::unique_ptr<fncall::FnCallService> fncall_;  // with "fncall" among config.backends
   MicroVmBackend* microvm_ = nullptr;              // in backends_, when "microvm" is among config.backends
   std::string microvm_unavailable_;                // why it is not, when it was asked for
+  std::shared_ptr<auth::TlsServerContext> tls_;  // the TCP listener's, when it speaks TLS
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only

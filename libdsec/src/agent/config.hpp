@@ -84,6 +84,17 @@ struct AgentConfig {
   std::string node_id;                        // default: hostname; prefixes every sandbox id
   std::filesystem::path unix_socket;          // listen here (empty: no unix socket)
   std::string tcp_listen;                     // "127.0.0.1:7070" (empty: no TCP)
+  // Security of the listeners (docs/security.md). TCP speaks TLS with tls_cert/tls_key (and, with tls_client_ca,
+  // asks every client for a certificate that CA signed); plain HTTP on TCP needs insecure_no_tls (tests, a trusted
+  // network). With TLS, TCP also needs tokens or client certificates: a listener anyone can drive is refused.
+  std::filesystem::path tls_cert, tls_key, tls_client_ca;
+  bool insecure_no_tls = false;
+  // Bearer tokens (auth/tokens.hpp): every call over TCP needs one; with tokens_on_unix, calls over the unix
+  // socket too (else the socket file's mode is its access control, and its callers are the operator).
+  std::filesystem::path tokens_file;
+  bool tokens_on_unix = false;
+  // One JSON line per call (auth/audit_log.hpp); empty: <home>/audit/dsecd.log when tokens are used, else none.
+  std::filesystem::path audit_log;
   std::filesystem::path home = "/var/lib/dsec";   // store/ (images), cache/layers/, state/ (sandbox records)
   std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
   std::filesystem::path state_dir;            // sandbox records; empty: <home>/state/sandboxes

@@ -32,7 +32,18 @@ constexpr std::string_view kUsage = R"(usage: dsecd [flags]
 The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix socket and/or TCP.
 
   --socket PATH           listen on this unix socket (default <run-dir>/dsecd.sock when --listen is not given)
-  --listen HOST:PORT      listen on TCP ("127.0.0.1:7070", "[::1]:7070", ":7070" for all addresses)
+  --listen HOST:PORT      listen on TCP ("127.0.0.1:7070", "[::1]:7070", ":7070" for all addresses); needs TLS
+                          and --tokens or --tls-client-ca, or --insecure-no-tls (docs/security.md)
+  --tls-cert FILE         the TCP listener's certificate chain (PEM)
+  --tls-key FILE          its private key (PEM)
+  --tls-client-ca FILE    ask every TCP client for a certificate this CA signed (mutual TLS)
+  --insecure-no-tls       plain HTTP on TCP: for tests and trusted networks only (without --tokens, anyone who
+                          reaches the port controls the node)
+  --tokens FILE           bearer tokens, one per line: TENANT ROLE SHA256-HEX (role tenant or admin; `dsec token
+                          new` makes one); every call over TCP needs one, and a tenant's reaches only its sandboxes
+  --tokens-on-unix        calls over the unix socket need a token too (else the socket file's mode decides)
+  --audit-log FILE        a JSON line per call (who, what, which sandbox, outcome), rotated at 64 MiB (default
+                          <home>/audit/dsecd.log with --tokens, else none)
   --home DIR              image store (<home>/store), layer cache and sandbox records (default /var/lib/dsec)
   --state-dir DIR         sandbox records, re-read at start-up (default <home>/state/sandboxes)
   --run-dir DIR           per-sandbox runtime files (default /run/dsec)
@@ -188,7 +199,8 @@ int main(int argc, char** argv) {
     if (auto eq = flag.find('='); flag.substr(0, 2) == "--" && eq != std::string_view::npos) {
       value = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
-    } else if (flag != "--help" && flag != "-h" && flag != "--version" && flag != "--cgroup-favordynmods") {
+    } else if (flag != "--help" && flag != "-h" && flag != "--version" && flag != "--cgroup-favordynmods" &&
+               flag != "--insecure-no-tls" && flag != "--tokens-on-unix") {
       if (i + 1 >= args.size()) fail(fmt::format("{} needs a value (see --help)", flag));
       value = args[++i];
     }
@@ -202,6 +214,20 @@ int main(int argc, char** argv) {
       config.unix_socket = std::string(value);
     } else if (flag == "--listen") {
       config.tcp_listen = std::string(value);
+    } else if (flag == "--tls-cert") {
+      config.tls_cert = std::string(value);
+    } else if (flag == "--tls-key") {
+      config.tls_key = std::string(value);
+    } else if (flag == "--tls-client-ca") {
+      config.tls_client_ca = std::string(value);
+    } else if (flag == "--insecure-no-tls") {
+      config.insecure_no_tls = true;
+    } else if (flag == "--tokens") {
+      config.tokens_file = std::string(value);
+    } else if (flag == "--tokens-on-unix") {
+      config.tokens_on_unix = true;
+    } else if (flag == "--audit-log") {
+      config.audit_log = std::string(value);
     } else if (flag == "--state-dir") {
       config.state_dir = std::string(value);
     } else if (flag == "--home") {

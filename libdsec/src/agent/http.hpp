@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <string>
 #include <string_view>
 
 #include <boost/asio/buffer.hpp>
@@ -17,6 +18,8 @@
 #include <boost/beast/http/string_body.hpp>
 #include <boost/system/error_code.hpp>
 #include <boost/system/system_error.hpp>
+
+typedef struct ssl_st SSL;
 
 namespace dsec::agent {
 
@@ -42,10 +45,24 @@ class ResponseStream {
 inline std::string_view std_view(boost::beast::string_view s) noexcept { return {s.data(), s.size()}; }
 inline boost::beast::string_view beast_view(std::string_view s) noexcept { return {s.data(), s.size()}; }
 
-// A connected socket as a Beast SyncReadStream and SyncWriteStream. Does not own the descriptor.
+// Where a request came from: the unix socket (access by the socket file's mode) or TCP, through TLS or not, and the
+// client certificate's subject when the client presented one.
+struct Peer {
+  bool tcp = false;
+  bool tls = false;
+  std::string address;         // "10.0.0.7:51234" for TCP, "unix" for the socket
+  std::string client_subject;  // "/CN=trainer-3/O=lab" with mutual TLS, else empty
+};
+
+// Reading and writing through a TLS session over a blocking socket (agent/auth/tls.cpp): bytes moved, with `ec`
+// set as for the plain socket (eof once the peer closed, ETIMEDOUT when the socket's timeout passed).
+std::size_t tls_read(SSL* ssl, void* data, std::size_t size, boost::system::error_code& ec);
+std::size_t tls_write(SSL* ssl, const void* data, std::size_t size, boost::system::error_code& ec);
+
+// A connected socket as a Beast SyncReadStream and SyncWriteStream, plain or through a TLS session. Owns neither.
 class FdStream {
  public:
-  explicit FdStream(int fd) noexcept : fd_(fd) {}
+  explicit FdStream(int fd, SSL* tls = nullptr) noexcept : fd_(fd), tls_(tls) {}
   int fd() const noexcept { return fd_; }
 
   template <typename MutableBufferSequence>
@@ -60,6 +77,7 @@ class FdStream {
     }
     ec = {};
     if (n == 0) return 0;
+    if (tls_) return tls_read(tls_, iov[0].iov_base, iov[0].iov_len, ec);
     ssize_t r;
     do {
       r = ::readv(fd_, iov, n);
@@ -95,6 +113,7 @@ class FdStream {
     }
     ec = {};
     if (n == 0) return 0;
+    if (tls_) return tls_write(tls_, iov[0].iov_base, iov[0].iov_len, ec);
     msghdr msg{};
     msg.msg_iov = iov;
     msg.msg_iovlen = static_cast<std::size_t>(n);
@@ -127,6 +146,7 @@ class FdStream {
   }
 
   int fd_;
+  SSL* tls_;
 };
 
 }  // namespace dsec::agent

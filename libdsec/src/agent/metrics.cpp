@@ -178,6 +178,10 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
     header(out, name, "counter", help);
     out += fmt::format("{} {}\n", name, value.load(std::memory_order_relaxed));
   };
+  counter("dsec_tls_handshakes_failed_total", "TCP connections whose TLS handshake failed (no or a wrong client "
+          "certificate, a client that is not speaking TLS, a stalled handshake).", tls_handshakes_failed_);
+  counter("dsec_requests_unauthenticated_total", "Requests refused for their credentials (401 UNAUTHENTICATED).",
+          unauthenticated_);
   counter("dsec_layer_chunk_fetches_total", "Layer chunks fetched from a store, checked and cached.",
           layers_.chunk_fetches);
   counter("dsec_layer_chunk_refetches_total",

@@ -56,6 +56,9 @@ class Metrics {
   void connection_opened() { connections_.fetch_add(1, std::memory_order_relaxed); }
   void connection_closed() { connections_.fetch_sub(1, std::memory_order_relaxed); }
   void connection_refused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
+  void tls_handshake_failed() { tls_handshakes_failed_.fetch_add(1, std::memory_order_relaxed); }
+  // A request refused for its credentials (no token, a token that is not the node's: 401).
+  void unauthenticated() { unauthenticated_.fetch_add(1, std::memory_order_relaxed); }
 
   // `live` maps kind -> live sandboxes (the registry's gauge, read when rendering).
   std::string render(const std::map<std::string, std::uint64_t, std::less<>>& live) const;
@@ -84,6 +87,8 @@ class Metrics {
   LatencyHistogram fncall_latency_;
   std::atomic<std::int64_t> connections_{0};
   std::atomic<std::uint64_t> connections_refused_{0};
+  std::atomic<std::uint64_t> tls_handshakes_failed_{0};
+  std::atomic<std::uint64_t> unauthenticated_{0};
   LayerMetrics layers_;
 };
 

@@ -125,39 +125,100 @@ void check_group_id(const std::string& id) {
 std::string fncall_status_json(fncall::FnCallService& service) { return encode_fncall_status(service.status()).dump(); }
 
 Router::Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots,
-               fncall::FnCallService* fncall)
+               fncall::FnCallService* fncall, AccessPolicy access)
     : registry_(registry),
       metrics_(metrics),
       node_info_(std::move(node_info)),
       snapshots_(snapshots),
-      fncall_(fncall) {}
+      fncall_(fncall),
+      access_(std::move(access)) {}
 
-HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream) {
+HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream, const Peer& peer) {
   Route route = Route::kUnknown;
   HttpResponse res;
+  std::string_view code = "OK";
+  std::string who_name = "operator";
+  std::string target_id;
+  auto answer_error = [&](const Error& e) {
+    res = error_response(e);
+    code = code_name(e.code());
+  };
   try {
     Target target = parse_target(std_view(request.target()));
     route = target.route;
-    res = dispatch(request, target, stream);
+    target_id = !target.sandbox_id.empty() ? target.sandbox_id : target.group_id;
+    auth::Principal who = authenticate(request, peer, route);
+    if (access_.tokens && (peer.tcp || access_.tokens_on_unix))
+      who_name = who.admin ? (who.tenant.empty() ? "admin" : "admin:" + who.tenant) : "tenant:" + who.tenant;
+    res = dispatch(request, target, stream, who);
   } catch (const Error& e) {
-    res = error_response(e);
+    answer_error(e);
   } catch (const std::exception& e) {
-    res = error_response(Error(Code::kInternal, e.what()));
+    answer_error(Error(Code::kInternal, e.what()));
   } catch (...) {
-    res = error_response(Error(Code::kInternal, "unknown exception"));
+    answer_error(Error(Code::kInternal, "unknown exception"));
   }
   // Methods outside HTTP's known set are counted as one label value, so clients cannot grow the metrics at will.
   std::string_view method = request.method() == http::verb::unknown ? "other" : std_view(request.method_string());
   metrics_.count_request(route_template(route), method, res.result_int());
+  if (access_.audit && route != Route::kHealthz && route != Route::kMetrics && route != Route::kNode)
+    access_.audit->record(auth::AuditEntry{who_name, peer.address, method, route_template(route), target_id,
+                                           static_cast<int>(res.result_int()), code});
   return res;
 }
 
-HttpResponse Router::dispatch(HttpRequest& request, const Target& target, ResponseStream* stream) {
+auth::Principal Router::authenticate(const HttpRequest& request, const Peer& peer, Route route) {
+  if (!access_.tokens || (!peer.tcp && !access_.tokens_on_unix)) return auth::operator_principal();
+  // A load balancer's health check carries no token.
+  if (route == Route::kHealthz) return auth::operator_principal();
+  auto header = request.find(http::field::authorization);
+  if (header == request.end()) {
+    metrics_.unauthenticated();
+    throw Error(Code::kUnauthenticated, "this node needs a bearer token: send 'Authorization: Bearer <token>' "
+                                        "(ClientOptions::token, dsec.Client(token=...), $DSEC_TOKEN)");
+  }
+  std::optional<auth::Principal> who = access_.tokens->authenticate(std_view(header->value()));
+  if (!who) {
+    metrics_.unauthenticated();
+    throw Error(Code::kUnauthenticated, "the bearer token is not one of this node's");
+  }
+  return *who;
+}
+
+void Router::check_sandbox_access(const auth::Principal& who, const std::string& id) {
+  if (who.admin) return;
+  // Another tenant's sandbox answers exactly as one that does not exist: no way to learn which ids are in use.
+  if (!who.may_see(registry_.spec(id).tenant))
+    throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, registry_.options().node_id));
+}
+
+void Router::check_group_access(const auth::Principal& who, const std::string& group) {
+  if (who.admin) return;
+  auto not_found = [&] {
+    return Error(Code::kNotFound, fmt::format("group '{}' not found on node '{}' (it has no sandboxes here, was "
+                                              "deleted, or its lease expired)",
+                                              group, registry_.options().node_id));
+  };
+  GroupInfo g = registry_.get_group(group);
+  // A tenant's group is one whose sandboxes are all that tenant's.
+  if (g.sandboxes.empty()) throw not_found();
+  for (const auto& sb : g.sandboxes)
+    if (!who.may_see(sb.tenant)) throw not_found();
+}
+
+HttpResponse Router::dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
+                              const auth::Principal& who) {
+  if (!target.sandbox_id.empty()) check_sandbox_access(who, target.sandbox_id);
+  if (!who.admin && !target.group_id.empty() &&
+      (target.route == Route::kGroup || target.route == Route::kGroupRenew)) {
+    check_group_id(target.group_id);
+    check_group_access(who, target.group_id);
+  }
   switch (target.route) {
     case Route::kHealthz: return healthz(request);
     case Route::kMetrics: return metrics_text(request);
     case Route::kNode: return node(request);
-    case Route::kSandboxes: return sandboxes(request, target);
+    case Route::kSandboxes: return sandboxes(request, target, who);
     case Route::kSandbox: return sandbox(request, target);
     case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
@@ -165,7 +226,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kSandboxSnapshot: return snapshot(request, target);
     case Route::kSandboxFork: return fork(request, target);
-    case Route::kGroups: return groups(request, target);
+    case Route::kGroups: return groups(request, target, who);
     case Route::kGroup: return group(request, target);
     case Route::kGroupRenew: return group_renew(request, target);
     case Route::kFnCall: return fncall(request, target);
@@ -195,12 +256,17 @@ HttpResponse Router::node(HttpRequest& request) {
 }
 
 // POST: create one sandbox, or `count` of them. GET: list, filtered by labels and tenant.
-HttpResponse Router::sandboxes(HttpRequest& request, const Target& target) {
+HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/sandboxes", {http::verb::get, http::verb::post});
   if (request.method() == http::verb::get) {
     only_params(target.query, {"label", "tenant"});
     Labels labels = parse_label_filters(target.query.get_all("label"));
     std::string tenant = target.query.get("tenant").value_or("");
+    // A tenant lists its own sandboxes, whatever tenant it asked for.
+    if (!who.admin) {
+      if (!tenant.empty() && tenant != who.tenant) return json_response(http::status::ok, sandbox_list({}));
+      tenant = who.tenant;
+    }
     return json_response(http::status::ok, sandbox_list(registry_.list(labels, tenant)));
   }
 
@@ -224,6 +290,32 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target) {
     }
   }
   SandboxSpec spec = protocol::decode_spec(body);
+  if (!spec.tenant.empty()) auth::check_tenant_name(spec.tenant);
+  if (!who.admin) {
+    // A tenant's sandboxes are its own: the spec names that tenant or none.
+    if (!spec.tenant.empty() && spec.tenant != who.tenant)
+      throw Error(Code::kPermissionDenied,
+                  fmt::format("tenant: this token is tenant '{}'s and cannot create sandboxes of tenant '{}'",
+                              who.tenant, spec.tenant));
+    spec.tenant = who.tenant;
+    if (!spec.group.empty()) {
+      try {
+        check_group_access(who, spec.group);
+      } catch (const Error& e) {
+        // A group the tenant has no sandbox in yet is fine while it is nobody's; one of another tenant is not.
+        if (e.code() != Code::kNotFound) throw;
+        bool others = false;
+        try {
+          for (const auto& sb : registry_.get_group(spec.group).sandboxes) others = others || sb.tenant != who.tenant;
+        } catch (const Error&) {
+        }
+        if (others)
+          throw Error(Code::kPermissionDenied,
+                      fmt::format("group: '{}' is in use by another tenant on this node; choose another group id",
+                                  spec.group));
+      }
+    }
+  }
   if (!count) {
     CreateOutcome outcome = registry_.create(spec, image_manifest);
     return json_response(outcome.created ? http::status::created : http::status::ok, protocol::encode(outcome.info));
@@ -460,12 +552,21 @@ HttpResponse Router::snapshot(HttpRequest& request, const Target& target) {
 }
 
 // GET: the node's lease groups.
-HttpResponse Router::groups(HttpRequest& request, const Target& target) {
+HttpResponse Router::groups(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/groups", {http::verb::get});
   only_params(target.query, {});
   const double now = registry_.options().clock();
   json list = json::array();
-  for (const auto& g : registry_.list_groups()) list.push_back(encode_group(g, now));
+  for (const auto& g : registry_.list_groups()) {
+    if (!who.admin) {
+      try {
+        check_group_access(who, g.id);
+      } catch (const Error&) {
+        continue;
+      }
+    }
+    list.push_back(encode_group(g, now));
+  }
   return json_response(http::status::ok, json{{"groups", std::move(list)}});
 }
 

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 
+#include "agent/auth/audit_log.hpp"
+#include "agent/auth/tokens.hpp"
 #include "agent/http.hpp"
 #include "agent/metrics.hpp"
 #include "agent/registry.hpp"
@@ -22,29 +25,45 @@ inline constexpr std::size_t kMaxBatch = 1024;
 // The "fncall" object of GET /v1/node for this service's state, as JSON text (the etcd registration carries it too).
 std::string fncall_status_json(fncall::FnCallService& service);
 
+// Who may call: with `tokens`, a call over TCP (and, with tokens_on_unix, over the unix socket too) needs a bearer
+// token of the table, and a tenant token reaches only its tenant's sandboxes and groups (others' answer NOT_FOUND,
+// as if they did not exist). Without tokens every caller is the node's operator. `audit`, when set, gets a line
+// per call.
+struct AccessPolicy {
+  std::shared_ptr<const auth::TokenTable> tokens;
+  bool tokens_on_unix = false;
+  std::shared_ptr<auth::AuditLog> audit;
+};
+
 class Router {
  public:
   // `node_info` answers GET /v1/node (the agent knows the host; the router only encodes). Without `snapshots`,
   // snapshot requests are UNIMPLEMENTED. `fncall` serves POST /v1/fncall and /v1/fncall/batch; without it (a node
   // that does not serve function calls) they are FAILED_PRECONDITION.
   Router(Registry& registry, Metrics& metrics, std::function<NodeInfo()> node_info, Snapshots* snapshots = nullptr,
-         fncall::FnCallService* fncall = nullptr);
+         fncall::FnCallService* fncall = nullptr, AccessPolicy access = {});
 
   // Never throws: every failure becomes the dsec error JSON with its HTTP status. `stream`, when given, is where
   // a streaming exec writes its NDJSON body; without it such an exec is UNIMPLEMENTED.
-  HttpResponse handle(HttpRequest& request, ResponseStream* stream = nullptr);
+  HttpResponse handle(HttpRequest& request, ResponseStream* stream = nullptr, const Peer& peer = Peer{false, false, "unix", ""});
 
  private:
-  HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream);
+  // The caller of `request`; UNAUTHENTICATED when a token is needed and missing or not the node's.
+  auth::Principal authenticate(const HttpRequest& request, const Peer& peer, Route route);
+  // NOT_FOUND, worded as for a sandbox that does not exist, unless `who` may reach sandbox `id`.
+  void check_sandbox_access(const auth::Principal& who, const std::string& id);
+  void check_group_access(const auth::Principal& who, const std::string& group);
+  HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
+                        const auth::Principal& who);
   HttpResponse node(HttpRequest& request);
-  HttpResponse sandboxes(HttpRequest& request, const Target& target);
+  HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
   HttpResponse snapshot(HttpRequest& request, const Target& target);
   HttpResponse fork(HttpRequest& request, const Target& target);
-  HttpResponse groups(HttpRequest& request, const Target& target);
+  HttpResponse groups(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse group(HttpRequest& request, const Target& target);
   HttpResponse group_renew(HttpRequest& request, const Target& target);
   HttpResponse fncall(HttpRequest& request, const Target& target);
@@ -58,6 +77,7 @@ class Router {
   std::function<NodeInfo()> node_info_;
   Snapshots* snapshots_;
   fncall::FnCallService* fncall_;
+  AccessPolicy access_;
 };
 
 }  // namespace dsec::agent

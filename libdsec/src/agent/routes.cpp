@@ -2,17 +2,11 @@
 
 #include <fmt/format.h>
 
+#include "common/hex.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec::agent {
 namespace {
-
-int hex_value(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
 
 std::vector<std::string_view> split_path(std::string_view path) {
   std::vector<std::string_view> parts;

@@ -229,6 +229,7 @@ void Server::listen_unix() {
     socket_ino_ = st.st_ino;
   }
   listeners_.push_back(std::move(fd));
+  listener_tcp_.push_back(false);
 }
 
 void Server::listen_tcp() {
@@ -277,6 +278,7 @@ void Server::listen_tcp() {
     socklen_t len = sizeof bound;
     if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len) == 0) tcp_endpoint_ = endpoint_string(bound);
     listeners_.push_back(std::move(fd));
+    listener_tcp_.push_back(true);
     return;
   }
   throw_errno_fmt(last_errno ? last_errno : EADDRNOTAVAIL, "listen on {}", spec);
@@ -296,7 +298,9 @@ void Server::accept_loop() {
     if (fds.back().revents) return;
     for (std::size_t i = 0; i + 1 < fds.size(); ++i) {
       if (!fds[i].revents) continue;
-      UniqueFd conn(::accept4(fds[i].fd, nullptr, nullptr, SOCK_CLOEXEC));
+      sockaddr_storage from{};
+      socklen_t from_len = sizeof from;
+      UniqueFd conn(::accept4(fds[i].fd, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC));
       if (!conn) {
         if (errno == EMFILE || errno == ENFILE) {
           log_warn("accept: {}; waiting for connections to close", std::strerror(errno));
@@ -305,19 +309,23 @@ void Server::accept_loop() {
         continue;
       }
       int fd = conn.get();
+      Peer peer;
+      peer.tcp = listener_tcp_[i];
+      peer.tls = peer.tcp && options_.tls != nullptr;
+      peer.address = peer.tcp ? endpoint_string(from) : "unix";
       {
         std::lock_guard lock(mutex_);
         if (stopping_) return;
         if (open_.size() >= options_.max_connections) {
           metrics_.connection_refused();
-          refuse(std::move(conn));
+          refuse(std::move(conn), peer.tls);
           continue;
         }
         open_.insert(fd);
       }
       metrics_.connection_opened();
       try {
-        std::thread([this, fd] { serve(fd); }).detach();
+        std::thread([this, fd, peer] { serve(fd, peer); }).detach();
         conn.release();  // the connection thread closes it
       } catch (const std::system_error& e) {
         log_warn("cannot start a connection thread: {}", e.what());
@@ -326,14 +334,16 @@ void Server::accept_loop() {
           open_.erase(fd);
         }
         metrics_.connection_closed();
-        refuse(std::move(conn));
+        refuse(std::move(conn), peer.tls);
       }
     }
   }
 }
 
 // Beyond max_connections: one short answer from the accept thread, which must not block on a slow client.
-void Server::refuse(UniqueFd fd) {
+void Server::refuse(UniqueFd fd, bool tls) {
+  // A TLS client would read a plain answer as a broken handshake; it gets the connection closed instead.
+  if (tls) return;
   set_timeouts(fd.get(), std::chrono::milliseconds{100});
   Error error(Code::kUnavailable,
               fmt::format("the agent is serving its maximum of {} connections; retry later", options_.max_connections));
@@ -350,12 +360,29 @@ void Server::refuse(UniqueFd fd) {
   metrics_.count_request("unrouted", "-", res.result_int());
 }
 
-void Server::serve(int fd) {
+void Server::serve(int fd, Peer peer) {
   set_timeouts(fd, std::chrono::duration_cast<std::chrono::milliseconds>(options_.idle_timeout));
-  FdStream stream(fd);
+  std::unique_ptr<auth::TlsSession> tls;
+  bool serving = true;
+  if (peer.tls) {
+    try {
+      tls = std::make_unique<auth::TlsSession>(*options_.tls, fd);
+      std::string why;
+      if (tls->accept(why)) {
+        peer.client_subject = tls->peer_subject();
+      } else {
+        metrics_.tls_handshake_failed();
+        serving = false;
+      }
+    } catch (const std::exception& e) {
+      log_warn("TLS connection from {}: {}", peer.address, e.what());
+      serving = false;
+    }
+  }
+  FdStream stream(fd, tls ? tls->get() : nullptr);
   boost::beast::flat_buffer buffer;
   bool linger = false;
-  for (;;) {
+  while (serving) {
     http::request_parser<http::string_body> parser;
     parser.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_header_bytes, UINT32_MAX)));
     parser.body_limit(static_cast<std::uint64_t>(options_.max_body_bytes));
@@ -407,7 +434,7 @@ void Server::serve(int fd) {
                            std::chrono::duration_cast<std::chrono::milliseconds>(options_.idle_timeout), keep_alive);
     HttpResponse res;
     try {
-      res = handler_(request, streamed);
+      res = handler_(request, streamed, peer);
     } catch (const std::exception& e) {
       if (streamed.begun()) {
         // Too late for an error status: cut the body short, which the client sees as a broken response.
@@ -428,7 +455,9 @@ void Server::serve(int fd) {
     http::write(stream, res, ec);
     if (ec || !keep) break;
   }
+  if (tls && serving) tls->shutdown();
   if (linger) linger_close(fd);
+  tls.reset();
   {
     std::lock_guard lock(mutex_);
     open_.erase(fd);

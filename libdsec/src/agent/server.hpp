@@ -19,6 +19,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "agent/auth/tls.hpp"
 #include "agent/http.hpp"
 #include "agent/metrics.hpp"
 #include "common/unique_fd.hpp"
@@ -32,11 +33,13 @@ struct ServerOptions {
   std::size_t max_header_bytes = 16u << 10;
   std::size_t max_body_bytes = 256u << 20;
   std::chrono::seconds idle_timeout{120};
+  // TLS on the TCP listener (null: plain HTTP there, which dsecd allows only with --insecure-no-tls).
+  std::shared_ptr<auth::TlsServerContext> tls;
 };
 
 // Answers one request, with a returned response or through the stream. The server catches what escapes it
 // (INTERNAL, or the end of the connection once a stream began), but the router answers its own errors.
-using HttpHandler = std::function<HttpResponse(HttpRequest&, ResponseStream&)>;
+using HttpHandler = std::function<HttpResponse(HttpRequest&, ResponseStream&, const Peer&)>;
 
 class Server {
  public:
@@ -65,15 +68,16 @@ class Server {
   void listen_unix();
   void listen_tcp();
   void accept_loop();
-  void refuse(UniqueFd fd);
+  void refuse(UniqueFd fd, bool tls);
   void remove_socket_file();  // only if the path is still the socket this server bound
-  void serve(int fd);
+  void serve(int fd, Peer peer);
 
   ServerOptions options_;
   HttpHandler handler_;
   Metrics& metrics_;
 
   std::vector<UniqueFd> listeners_;
+  std::vector<bool> listener_tcp_;     // per listener: TCP (else the unix socket)
   UniqueFd wake_;                      // eventfd: wakes the accept loop to stop
   std::thread accept_thread_;
   std::string tcp_endpoint_;

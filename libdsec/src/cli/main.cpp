@@ -38,6 +38,10 @@ Image commands (on an image store: --store, else $DSEC_STORE, else the directory
   image rm NAME...                 remove image tags
   image gc                         remove blobs no image needs
 
+Node access:
+  token new TENANT [--admin]       make a bearer token and its line for dsecd --tokens
+  token hash                       the SHA-256 of a token read on stdin
+
 Sandbox commands (through a node agent):
   ps                               list sandboxes
   run IMAGE -- CMD...              create a sandbox, run CMD in it, destroy it
@@ -89,6 +93,7 @@ int main_impl(int argc, char** argv) {
   std::vector<std::string> rest(args.begin() + static_cast<std::ptrdiff_t>(i + 1), args.end());
 
   if (command == "image") return image_command(rest, global);
+  if (command == "token") return token_command(rest);
   if (command == "version") return print_version();
   if (command == "help") {
     fmt::print("{}", kUsage);

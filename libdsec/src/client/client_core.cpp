@@ -100,7 +100,28 @@ std::string random_request_id() {
   return fmt::format("{:016x}{:016x}", rng(), rng());
 }
 
-ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)) {
+namespace {
+
+std::shared_ptr<const Credentials> credentials_of(const ClientOptions& o) {
+  auto c = std::make_shared<Credentials>();
+  c->token = o.token;
+  if (c->token.empty())
+    if (const char* env = std::getenv("DSEC_TOKEN")) c->token = env;
+  for (char ch : c->token)
+    if (static_cast<unsigned char>(ch) < 0x21 || static_cast<unsigned char>(ch) > 0x7e)
+      throw Error(Code::kInvalidArgument, "token: only printable characters without spaces (as dsec token new makes)");
+  c->ca_file = o.tls_ca_file;
+  c->client_cert = o.tls_client_cert;
+  c->client_key = o.tls_client_key;
+  if (c->client_cert.empty() != c->client_key.empty())
+    throw Error(Code::kInvalidArgument, "tls_client_cert and tls_client_key go together");
+  return c;
+}
+
+}  // namespace
+
+ClientCore::ClientCore(ClientOptions options)
+    : options_(std::move(options)), nodes_(credentials_of(options_)) {
   std::vector<std::string> endpoints = options_.endpoints;
   if (endpoints.empty() && options_.etcd_endpoints.empty()) {
     EmbeddedAgentOptions ao;

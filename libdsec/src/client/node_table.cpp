@@ -7,7 +7,8 @@
 
 namespace dsec::detail {
 
-Node::Node(std::string endpoint_text) : endpoint(std::move(endpoint_text)), transport(parse_endpoint(endpoint)) {}
+Node::Node(std::string endpoint_text, std::shared_ptr<const Credentials> credentials)
+    : endpoint(std::move(endpoint_text)), transport(parse_endpoint(endpoint), std::move(credentials)) {}
 
 NodePtr NodeTable::add(const std::string& endpoint) {
   std::lock_guard lock(mu_);
@@ -16,7 +17,7 @@ NodePtr NodeTable::add(const std::string& endpoint) {
       n->gone = false;
       return n;
     }
-  nodes_.push_back(std::make_shared<Node>(endpoint));
+  nodes_.push_back(std::make_shared<Node>(endpoint, credentials_));
   return nodes_.back();
 }
 
@@ -30,7 +31,7 @@ NodePtr NodeTable::up(const std::string& id, const std::string& endpoint, const 
     node = nullptr;
   }
   if (!node) {
-    nodes_.push_back(std::make_shared<Node>(endpoint));
+    nodes_.push_back(std::make_shared<Node>(endpoint, credentials_));
     node = nodes_.back();
   }
   node->gone = false;

@@ -22,7 +22,7 @@
 namespace dsec::detail {
 
 struct Node {
-  explicit Node(std::string endpoint_text);
+  Node(std::string endpoint_text, std::shared_ptr<const Credentials> credentials);
   const std::string endpoint;
   Transport transport;
 
@@ -61,6 +61,10 @@ struct NodeView {
 
 class NodeTable {
  public:
+  // Every node's transport presents `credentials` (none: no token, the system's CAs).
+  explicit NodeTable(std::shared_ptr<const Credentials> credentials = nullptr)
+      : credentials_(std::move(credentials)) {}
+
   // Ejection: after kEjectAfter consecutive failures a node gets no new sandboxes and calls about its sandboxes fail
   // fast with NodeLost, for kEjectBase doubling with each further failure up to kEjectMax.
   static constexpr int kEjectAfter = 3;
@@ -97,6 +101,7 @@ class NodeTable {
  private:
   NodeView view_locked(const NodePtr& node, SteadyClock::time_point now) const;
 
+  std::shared_ptr<const Credentials> credentials_;
   mutable std::mutex mu_;
   std::vector<NodePtr> nodes_;
 };

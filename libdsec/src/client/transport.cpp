@@ -112,8 +112,8 @@ TransportError to_error(CURLcode rc, const char* detail, int os_errno, const End
 
 }  // namespace
 
-Transport::Transport(Endpoint endpoint, std::size_t max_idle_handles)
-    : endpoint_(std::move(endpoint)), max_idle_handles_(max_idle_handles) {
+Transport::Transport(Endpoint endpoint, std::shared_ptr<const Credentials> credentials, std::size_t max_idle_handles)
+    : endpoint_(std::move(endpoint)), credentials_(std::move(credentials)), max_idle_handles_(max_idle_handles) {
   global_init_once();
 }
 
@@ -179,6 +179,7 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
   headers.add("Expect:");  // no 100-continue round trip before uploads
   headers.add("Accept: application/json");
   if (!req.content_type.empty()) headers.add(fmt::format("Content-Type: {}", req.content_type));
+  if (credentials_ && !credentials_->token.empty()) headers.add("Authorization: Bearer " + credentials_->token);
 
   set(h, CURLOPT_URL, url.c_str());
   if (!endpoint_.unix_path.empty()) set(h, CURLOPT_UNIX_SOCKET_PATH, endpoint_.unix_path.c_str());
@@ -200,6 +201,11 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
     set(h, CURLOPT_WRITEDATA, static_cast<void*>(&resp.body));
   }
   set(h, CURLOPT_PROTOCOLS_STR, "http,https");
+  if (credentials_) {
+    if (!credentials_->ca_file.empty()) set(h, CURLOPT_CAINFO, credentials_->ca_file.c_str());
+    if (!credentials_->client_cert.empty()) set(h, CURLOPT_SSLCERT, credentials_->client_cert.c_str());
+    if (!credentials_->client_key.empty()) set(h, CURLOPT_SSLKEY, credentials_->client_key.c_str());
+  }
 
   if (req.method == "GET") {
     set(h, CURLOPT_HTTPGET, 1L);

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -65,9 +66,20 @@ struct TransportStats {
   std::size_t idle_handles = 0;   // handles in the pool now
 };
 
+// Who the client is to the agents and whom it trusts: a bearer token sent on every request, the CA bundle that
+// verifies an https:// agent's certificate (empty: the system's), a client certificate and key for agents that ask
+// for one (mutual TLS).
+struct Credentials {
+  std::string token;
+  std::string ca_file;
+  std::string client_cert;
+  std::string client_key;
+};
+
 class Transport {
  public:
-  explicit Transport(Endpoint endpoint, std::size_t max_idle_handles = 64);
+  explicit Transport(Endpoint endpoint, std::shared_ptr<const Credentials> credentials = nullptr,
+                     std::size_t max_idle_handles = 64);
   ~Transport();
   Transport(const Transport&) = delete;
   Transport& operator=(const Transport&) = delete;
@@ -84,6 +96,7 @@ class Transport {
   void give_back(void* handle);
 
   Endpoint endpoint_;
+  std::shared_ptr<const Credentials> credentials_;
   std::size_t max_idle_handles_;
   mutable std::mutex mu_;
   std::vector<void*> idle_;  // CURL* easy handles, each with its live connection

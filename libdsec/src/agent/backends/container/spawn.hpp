@@ -15,6 +15,7 @@
 
 #include <deque>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/unique_fd.hpp"
@@ -49,6 +50,23 @@ struct RootfsPlan {
 // With `read_only_root` the root is the image layers alone, mounted read-only (an overlay without an upper layer;
 // the fncall backend's fork servers): rw/ is then a small tmpfs for the plan's own use, and the image must have
 // the /proc, /dev, /sys and /tmp directories, as a read-only root cannot get them.
+// What a sandbox sees masked in /proc and /sys: files that expose the host's physical memory and its page state
+// (kcore, kpage*, iomem, vmallocinfo, page and slab statistics), kernel keys and symbols, timers and scheduler
+// internals, the kernel log, energy counters (powercap: a side channel), and directories of firmware, debugging,
+// tracing and memory management (DAMON, page_idle). A masked file reads as empty (/dev/null bound over it), a masked
+// directory is empty; paths this kernel lacks are skipped.
+inline constexpr std::string_view kMaskedFiles[] = {
+    "/proc/kcore",        "/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount", "/proc/iomem",
+    "/proc/ioports",      "/proc/vmallocinfo", "/proc/pagetypeinfo", "/proc/zoneinfo", "/proc/buddyinfo",
+    "/proc/slabinfo",     "/proc/keys",        "/proc/key-users",  "/proc/kallsyms",   "/proc/kmsg",
+    "/proc/timer_list",   "/proc/timer_stats", "/proc/sched_debug", "/proc/latency_stats", "/proc/config.gz",
+    "/proc/mtrr",         "/sys/kernel/vmcoreinfo"};
+inline constexpr std::string_view kMaskedDirectories[] = {
+    "/proc/acpi",          "/proc/scsi",          "/proc/asound",        "/proc/driver",
+    "/sys/firmware",       "/sys/kernel/debug",   "/sys/kernel/tracing", "/sys/kernel/security",
+    "/sys/kernel/mm",      "/sys/kernel/btf",     "/sys/kernel/slab",    "/sys/kernel/config",
+    "/sys/devices/virtual/powercap", "/sys/fs/bpf", "/sys/fs/pstore"};
+
 RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
                        const Resources& resources, bool read_only_root = false);
 
