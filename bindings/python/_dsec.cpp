@@ -615,8 +615,12 @@ PYBIND11_MODULE(_dsec, m) {
                        std::vector<std::string> stores, double image_cache_ttl, double request_timeout,
                        std::vector<std::string> etcd, std::string etcd_prefix, std::string placement,
                        std::string token, std::string tls_ca_file, std::string tls_client_cert,
-                       std::string tls_client_key) {
+                       std::string tls_client_key, std::string etcd_tls_ca_file, std::string etcd_tls_client_cert,
+                       std::string etcd_tls_client_key) {
              dsec::ClientOptions o;
+             o.etcd_tls_ca_file = std::move(etcd_tls_ca_file);
+             o.etcd_tls_client_cert = std::move(etcd_tls_client_cert);
+             o.etcd_tls_client_key = std::move(etcd_tls_client_key);
              o.token = std::move(token);
              o.tls_ca_file = std::move(tls_ca_file);
              o.tls_client_cert = std::move(tls_client_cert);
@@ -654,7 +658,8 @@ PYBIND11_MODULE(_dsec, m) {
            py::arg("request_timeout") = 15.0, py::arg("etcd") = std::vector<std::string>{},
            py::arg("etcd_prefix") = "/dsec/",
            py::arg("placement") = "spread", py::arg("token") = "", py::arg("tls_ca_file") = "",
-           py::arg("tls_client_cert") = "", py::arg("tls_client_key") = "")
+           py::arg("tls_client_cert") = "", py::arg("tls_client_key") = "", py::arg("etcd_tls_ca_file") = "",
+           py::arg("etcd_tls_client_cert") = "", py::arg("etcd_tls_client_key") = "")
       .def(
           "create",
           [](PyClient& self, const dsec::SandboxSpec& spec) {

@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import shutil
+import ssl
 import signal
 import socket
 import subprocess
@@ -81,10 +82,12 @@ def _prefix_end(prefix: str) -> str:
 # etcd
 
 class Etcd:
-    """One etcd member for the tests. `hosts`: the addresses it listens on for clients (127.0.0.1 always)."""
+    """One etcd member for the tests. `hosts`: the addresses it listens on for clients (127.0.0.1 always). With
+    `tls` ({"cert", "key", "ca"}: PEM files), clients speak https and must present a certificate that CA signed."""
 
-    def __init__(self, hosts=()) -> None:
+    def __init__(self, hosts=(), tls: dict | None = None) -> None:
         self.hosts = ["127.0.0.1", *[h for h in hosts if h != "127.0.0.1"]]
+        self.tls = tls
         self.client_port = free_port()
         self.peer_port = free_port()
         self.tmp = tempfile.mkdtemp(prefix="dsec-it-etcd-")
@@ -93,7 +96,7 @@ class Etcd:
         self.proc: subprocess.Popen | None = None
 
     def url(self, host: str = "127.0.0.1") -> str:
-        return f"http://{host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.client_port}"
 
     def start(self, wipe: bool = False, timeout: float = 30.0) -> None:
         """Starts etcd (on the same ports; on the same data unless `wipe`) and waits until it answers."""
@@ -106,6 +109,9 @@ class Etcd:
         args = [ETCD, "--name", "dsec-it", "--data-dir", self.data_dir, "--listen-client-urls", client_urls,
                 "--advertise-client-urls", client_urls, "--listen-peer-urls", peer,
                 "--initial-advertise-peer-urls", peer, "--initial-cluster", f"dsec-it={peer}"]
+        if self.tls:
+            args += ["--cert-file", self.tls["cert"], "--key-file", self.tls["key"], "--trusted-ca-file",
+                     self.tls["ca"], "--client-cert-auth"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -121,8 +127,12 @@ class Etcd:
             time.sleep(0.1)
 
     def healthy(self) -> bool:
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls["ca"])
+            context.load_cert_chain(self.tls["client_cert"], self.tls["client_key"])
         try:
-            with urllib.request.urlopen(self.url() + "/health", timeout=2) as r:
+            with urllib.request.urlopen(self.url() + "/health", timeout=2, context=context) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError):
             return False

@@ -51,7 +51,8 @@ class Pki:
                 p(f"{name}.pem"), "-days", "2", "-subj", f"/CN=dsec test {name} CA")
         ext = p("server.ext")
         with open(ext, "w") as f:
-            f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+            # etcd dials itself (its gateway) with its server certificate: it must be good for both ends.
+            f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
         self.sign("server", "ca", ext)
         with open(p("client.ext"), "w") as f:
             f.write("extendedKeyUsage=clientAuth\n")
@@ -337,3 +338,43 @@ def raw_call(agent, pki, token, method, target, body=b""):
             data += chunk
     status = int(data.split(b" ", 2)[1])
     return status, data.split(b"\r\n\r\n", 1)[1].decode(errors="replace")
+
+
+def test_tls_all_the_way_agent_and_client_find_each_other_through_etcd(pki, tokens, tmp_path):
+    """etcd that asks for client certificates, an agent on TLS with tokens registering in it, and a client that finds
+    the agent there and drives it: every hop verified; a client without an etcd certificate finds nobody."""
+    import cluster_lib
+    if not os.path.exists(cluster_lib.ETCD):
+        pytest.skip(f"{cluster_lib.ETCD} is not installed (Debian package etcd-server)")
+    etcd = cluster_lib.Etcd(tls={"cert": pki.path("server.pem"), "key": pki.path("server.key"),
+                                 "ca": pki.path("ca.pem"), "client_cert": pki.path("client.pem"),
+                                 "client_key": pki.path("client.key")})
+    etcd.start()
+    home = str(tmp_path)
+    lib.build_busybox_image(home)
+    port = free_port()
+    prefix = f"/dsec-it-{uuid.uuid4().hex[:8]}/"
+    agent = None
+    try:
+        agent = start_agent(home, "etls", [
+            "--listen", f"127.0.0.1:{port}", "--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"),
+            "--tokens", tokens["file"], "--etcd", etcd.url(), "--etcd-prefix", prefix,
+            "--etcd-ca", pki.path("ca.pem"), "--etcd-cert", pki.path("client.pem"), "--etcd-key", pki.path("client.key")])
+        etcd_tls = dict(etcd_tls_ca_file=pki.path("ca.pem"), etcd_tls_client_cert=pki.path("client.pem"),
+                        etcd_tls_client_key=pki.path("client.key"))
+        with dsec.Client(etcd=[etcd.url()], etcd_prefix=prefix, token=tokens["team-a"], tls_ca_file=pki.path("ca.pem"),
+                         **etcd_tls) as c:
+            nodes = lib.wait_for(lambda: c.nodes(), 15, 0.2)
+            assert nodes and nodes[0].id == agent.node_id, (nodes, agent.log_tail(), etcd.log_tail())
+            with c.create(image="busybox", ttl=60) as sb:
+                assert sb.exec("echo over tls").stdout == b"over tls\n"
+                assert sb.info().tenant == "team-a"
+        with dsec.Client(etcd=[etcd.url()], etcd_prefix=prefix, token=tokens["team-a"], tls_ca_file=pki.path("ca.pem"),
+                         etcd_tls_ca_file=pki.path("ca.pem"), call_deadline=3, request_timeout=2) as stranger:
+            with pytest.raises(dsec.DsecError):
+                stranger.create(image="busybox", ttl=60)
+    finally:
+        if agent is not None:
+            agent.stop_and_check()
+        etcd.kill()
+        shutil.rmtree(etcd.tmp, ignore_errors=True)

@@ -646,7 +646,8 @@ class Client:
 
     ``token`` is the bearer token sent to every agent (default ``$DSEC_TOKEN``; agents started with ``dsecd
     --tokens``), ``tls_ca_file`` the CA bundle that signed ``https://`` agents' certificates (default: the
-    system's), ``tls_client_cert`` and ``tls_client_key`` a client certificate for agents that ask for one.
+    system's), ``tls_client_cert`` and ``tls_client_key`` a client certificate for agents that ask for one;
+    ``etcd_tls_*`` the same for ``https://`` etcd members.
 
     ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
     go to the node that made it. ``placement`` chooses the node for each new sandbox: ``"spread"`` (most free
@@ -680,6 +681,9 @@ class Client:
         tls_ca_file: str | os.PathLike | None = None,
         tls_client_cert: str | os.PathLike | None = None,
         tls_client_key: str | os.PathLike | None = None,
+        etcd_tls_ca_file: str | os.PathLike | None = None,
+        etcd_tls_client_cert: str | os.PathLike | None = None,
+        etcd_tls_client_key: str | os.PathLike | None = None,
     ) -> None:
         if endpoints is None:
             eps: list[str] = []
@@ -710,6 +714,9 @@ class Client:
             tls_ca_file=os.fspath(tls_ca_file) if tls_ca_file else "",
             tls_client_cert=os.fspath(tls_client_cert) if tls_client_cert else "",
             tls_client_key=os.fspath(tls_client_key) if tls_client_key else "",
+            etcd_tls_ca_file=os.fspath(etcd_tls_ca_file) if etcd_tls_ca_file else "",
+            etcd_tls_client_cert=os.fspath(etcd_tls_client_cert) if etcd_tls_client_cert else "",
+            etcd_tls_client_key=os.fspath(etcd_tls_client_key) if etcd_tls_client_key else "",
             etcd_prefix=str(etcd_prefix),
         )
         self._pid = os.getpid()

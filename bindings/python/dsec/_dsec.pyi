@@ -346,6 +346,9 @@ class Client:
         tls_ca_file: str = "",
         tls_client_cert: str = "",
         tls_client_key: str = "",
+        etcd_tls_ca_file: str = "",
+        etcd_tls_client_cert: str = "",
+        etcd_tls_client_key: str = "",
     ) -> None: ...
     def create(self, spec: SandboxSpec) -> Sandbox: ...
     def create_many(self, n: int, spec: SandboxSpec) -> list[Sandbox]: ...

@@ -73,6 +73,11 @@ struct ClientOptions {
   std::string tls_ca_file;
   std::string tls_client_cert;
   std::string tls_client_key;
+  // TLS to https:// etcd members: their CA bundle (empty: the system's) and a client certificate for a cluster that
+  // asks for one (etcd --client-cert-auth).
+  std::string etcd_tls_ca_file;
+  std::string etcd_tls_client_cert;
+  std::string etcd_tls_client_key;
 };
 
 // Thread-safe: one Client serves every thread of a trainer. Sandbox handles share its connections and are usable

@@ -213,6 +213,9 @@ void Agent::start() {
 void Agent::start_registration() {
   RegistrationOptions r;
   r.etcd_endpoints = config_.etcd_endpoints;
+  r.etcd_ca_file = config_.etcd_ca_file.string();
+  r.etcd_client_cert = config_.etcd_client_cert.string();
+  r.etcd_client_key = config_.etcd_client_key.string();
   r.prefix = config_.etcd_prefix;
   r.node_id = config_.node_id;
   r.lease_ttl = config_.etcd_lease_ttl;

@@ -138,6 +138,7 @@ struct AgentConfig {
   // advertised endpoint is what clients dial; default http://<the bound TCP address>.
   std::vector<std::string> etcd_endpoints;
   std::string etcd_prefix = "/dsec/";
+  std::filesystem::path etcd_ca_file, etcd_client_cert, etcd_client_key;  // TLS to https:// members
   std::chrono::seconds etcd_lease_ttl{10};
   std::string advertise;
   std::chrono::milliseconds etcd_stop_renewing_after{0};  // tests: let the lease expire (0: renew until stopped)

@@ -99,6 +99,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --etcd URL[,URL...]     register this node in etcd (client URLs of its members, e.g. http://10.0.0.2:2379):
                           endpoint and node info under <prefix>nodes/<node id>, kept under a lease
   --etcd-prefix PREFIX    key prefix in etcd (default /dsec/)
+  --etcd-ca FILE          the CA bundle of https:// etcd members (default: the system's)
+  --etcd-cert FILE        a client certificate for etcd (etcd --client-cert-auth), with --etcd-key FILE
+  --etcd-key FILE
   --etcd-lease-ttl SECS   the registration's lease: renewed every TTL/3, gone TTL after the agent dies (default 10)
   --advertise URL         the endpoint clients dial, registered in etcd (default http://<the --listen address>)
   --etcd-stop-renewing-after SECS
@@ -214,6 +217,12 @@ int main(int argc, char** argv) {
       config.unix_socket = std::string(value);
     } else if (flag == "--listen") {
       config.tcp_listen = std::string(value);
+    } else if (flag == "--etcd-ca") {
+      config.etcd_ca_file = std::string(value);
+    } else if (flag == "--etcd-cert") {
+      config.etcd_client_cert = std::string(value);
+    } else if (flag == "--etcd-key") {
+      config.etcd_client_key = std::string(value);
     } else if (flag == "--tls-cert") {
       config.tls_cert = std::string(value);
     } else if (flag == "--tls-key") {

@@ -31,6 +31,9 @@ Registration::Registration(RegistrationOptions options, std::function<NodeInfo()
   etcd.endpoints = options_.etcd_endpoints;
   etcd.request_timeout = options_.request_timeout;
   etcd.connect_timeout = std::min<milliseconds>(options_.request_timeout, milliseconds(1'000));
+  etcd.ca_file = options_.etcd_ca_file;
+  etcd.client_cert = options_.etcd_client_cert;
+  etcd.client_key = options_.etcd_client_key;
   etcd_ = std::make_unique<cluster::EtcdClient>(std::move(etcd));
 }
 

@@ -33,6 +33,8 @@ struct RegistrationOptions {
   std::chrono::milliseconds stop_renewing_after{0};
   std::chrono::milliseconds request_timeout{3'000};
   std::chrono::milliseconds max_backoff{2'000};
+  // TLS to etcd (cluster::EtcdOptions).
+  std::string etcd_ca_file, etcd_client_cert, etcd_client_key;
 };
 
 class Registration {

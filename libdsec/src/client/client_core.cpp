@@ -137,11 +137,16 @@ ClientCore::ClientCore(ClientOptions options)
   }
   for (const auto& e : endpoints) nodes_.add(e);
   if (!options_.etcd_endpoints.empty()) {
+    DiscoveryOptions d;
+    d.ca_file = options_.etcd_tls_ca_file;
+    d.client_cert = options_.etcd_tls_client_cert;
+    d.client_key = options_.etcd_tls_client_key;
     discovery_ = std::make_unique<EtcdDiscovery>(options_.etcd_endpoints, options_.etcd_prefix,
                                                  [this](const NodeEvent& e) {
                                                    if (e.kind == NodeEvent::Kind::kUp) node_up(e);
                                                    else nodes_.down(e.node_id);
-                                                 });
+                                                 },
+                                                 d);
     discovery_->start();
     // The first listing, so that a create right after construction has nodes to choose from. An etcd that cannot
     // be read yet is not fatal: discovery keeps trying and creates fail with UNAVAILABLE until nodes appear.

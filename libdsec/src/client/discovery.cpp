@@ -18,6 +18,9 @@ EtcdDiscovery::EtcdDiscovery(std::vector<std::string> etcd_endpoints, std::strin
   etcd.endpoints = std::move(etcd_endpoints);
   etcd.request_timeout = options_.request_timeout;
   etcd.connect_timeout = std::min(options_.request_timeout, std::chrono::milliseconds(1'000));
+  etcd.ca_file = options_.ca_file;
+  etcd.client_cert = options_.client_cert;
+  etcd.client_key = options_.client_key;
   etcd_ = std::make_unique<cluster::EtcdClient>(std::move(etcd));
 }
 

@@ -41,6 +41,7 @@ struct NodeEvent {
 struct DiscoveryOptions {
   std::chrono::milliseconds request_timeout{5'000};  // one etcd request
   std::chrono::milliseconds max_backoff{2'000};       // between attempts while etcd cannot be reached
+  std::string ca_file, client_cert, client_key;       // TLS to https:// etcd members
 };
 
 class EtcdDiscovery {

@@ -65,8 +65,11 @@ int set_keepalive_count(void*, curl_socket_t fd, curlsocktype) {
 }
 
 void common_options(CURL* h, const std::string& url, const HeaderList& headers, const std::string& body,
-                    char* errbuf) {
+                    char* errbuf, const EtcdOptions& options) {
   set(h, CURLOPT_URL, url.c_str());
+  if (!options.ca_file.empty()) set(h, CURLOPT_CAINFO, options.ca_file.c_str());
+  if (!options.client_cert.empty()) set(h, CURLOPT_SSLCERT, options.client_cert.c_str());
+  if (!options.client_key.empty()) set(h, CURLOPT_SSLKEY, options.client_key.c_str());
   set(h, CURLOPT_PROTOCOLS_STR, "http,https");
   set(h, CURLOPT_NOSIGNAL, 1L);
   set(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));
@@ -238,7 +241,7 @@ std::string EtcdClient::call(std::string_view path, const std::string& body) {
     char errbuf[CURL_ERROR_SIZE] = {0};
     curl_easy_reset(h);
     std::string url = endpoint + std::string(path);
-    common_options(h, url, headers, body, errbuf);
+    common_options(h, url, headers, body, errbuf, options_);
     set(h, CURLOPT_TIMEOUT_MS, attempt_ms);
     set(h, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(attempt_ms, static_cast<long>(options_.connect_timeout.count())));
     set(h, CURLOPT_WRITEFUNCTION, &collect);
@@ -524,7 +527,7 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
   HeaderList headers;
   char errbuf[CURL_ERROR_SIZE] = {0};
   const std::string url = endpoint + "/v3/watch";
-  common_options(h, url, headers, body, errbuf);
+  common_options(h, url, headers, body, errbuf, client_.options_);
   set(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(client_.options_.connect_timeout.count()));
   // No overall timeout: the stream lives as long as the watch. A member that stops answering is found by TCP
   // keepalive; one that has lost its leader cancels the stream itself (hasleader).

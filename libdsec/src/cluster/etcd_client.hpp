@@ -31,6 +31,11 @@ struct EtcdOptions {
   std::chrono::milliseconds request_timeout{5'000};
   // Connecting to one member; a member that does not answer in this time is skipped for the next.
   std::chrono::milliseconds connect_timeout{1'000};
+  // TLS to https:// members: the CA bundle that signed their certificates (empty: the system's), and a client
+  // certificate and key for a cluster started with --client-cert-auth.
+  std::string ca_file;
+  std::string client_cert;
+  std::string client_key;
 };
 
 struct KeyValue {
