@@ -7,6 +7,9 @@
 // Thread-safe. Calls on one sandbox run concurrently (several execs at once): acquire() hands out a reference that
 // keeps the backend object alive, so a destroy that races an exec makes the exec fail (the backend's destroy() ends
 // what runs inside) but never frees memory under it.
+//
+// Its member functions are defined across registry.cpp (creates, request ids, lookups) and registry_*.cpp
+// (admission, lifecycle, records, recovery, groups); registry_internal.hpp holds what they share.
 #pragma once
 
 #include <chrono>
