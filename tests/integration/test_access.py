@@ -133,7 +133,7 @@ def secure(pki, tokens):
     audit = os.path.join(home, "audit.log")
     a = start_agent(home, "acc", ["--listen", f"127.0.0.1:{port}", "--tls-cert", pki.path("server.pem"),
                                   "--tls-key", pki.path("server.key"), "--tokens", tokens["file"],
-                                  "--audit-log", audit])
+                                  "--audit-log", audit, "--tenant-quota", "team-b=sandboxes:2,cpu:1.5,memory:1Gi"])
     a.url = f"https://127.0.0.1:{port}"
     a.audit = audit
     try:
@@ -274,6 +274,35 @@ def test_a_tenants_group_is_its_own(secure, pki, tokens):
             assert all(sb.info().state == "running" for sb in g)
         finally:
             g.destroy()
+
+
+def test_a_tenant_quota_holds_and_the_others_are_not_held_by_it(secure, pki, tokens):
+    """team-b may hold 2 sandboxes, 1.5 cores and 1 GiB on the node; team-a has no quota."""
+    with client(secure, pki, tokens["team-b"]) as b, client(secure, pki, tokens["team-a"]) as a:
+        first = b.create(image="busybox", ttl=120, cpu=1, memory="256Mi")
+        made = [first]
+        try:
+            with pytest.raises(dsec.ResourceExhausted, match="quota of tenant 'team-b'.*cpu"):
+                b.create(image="busybox", ttl=60, cpu=1, memory="256Mi")
+            with pytest.raises(dsec.ResourceExhausted, match="quota of tenant 'team-b'.*memory"):
+                b.create(image="busybox", ttl=60, cpu=0.25, memory="900Mi")
+            made.append(b.create(image="busybox", ttl=120, cpu=0.25, memory="256Mi"))
+            with pytest.raises(dsec.ResourceExhausted, match="quota of tenant 'team-b'.*sandboxes"):
+                b.create(image="busybox", ttl=60, cpu=0.1, memory="128Mi")
+            # A batch that would pass the quota is refused whole, before any of it is made.
+            with pytest.raises(dsec.ResourceExhausted, match="quota"):
+                b.create_many(3, image="busybox", ttl=60, cpu=0.1, memory="128Mi")
+            assert len(b.list()) == 2
+            # Another tenant is not held by team-b's quota.
+            others = a.create_many(3, image="busybox", ttl=60, cpu=1, memory="256Mi")
+            for s in others:
+                s.destroy()
+            # A destroyed sandbox gives its share back.
+            made.pop().destroy()
+            made.append(b.create(image="busybox", ttl=120, cpu=0.25, memory="256Mi"))
+        finally:
+            for s in made:
+                s.destroy()
 
 
 def test_the_audit_log_names_who_did_what_and_never_a_token(secure, pki, tokens):

@@ -159,6 +159,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   options.cpu_overcommit = config_.cpu_overcommit;
   options.memory_overcommit = config_.memory_overcommit;
   options.node_labels = config_.labels;
+  options.tenant_quotas = config_.tenant_quotas;
   options.gpus = 0;  // no GPU backend yet: the node hands out none
   Registry::Backends backends;
   for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "agent/tenant_quota.hpp"
+
 namespace dsec::agent {
 
 // The fncall backend (docs/fncall.md): warm pools of fork servers for function calls.
@@ -95,6 +97,8 @@ struct AgentConfig {
   bool tokens_on_unix = false;
   // One JSON line per call (auth/audit_log.hpp); empty: <home>/audit/dsecd.log when tokens are used, else none.
   std::filesystem::path audit_log;
+  // Per-tenant limits on this node (dsecd --tenant-quota; agent/tenant_quota.hpp).
+  TenantQuotas tenant_quotas;
   std::filesystem::path home = "/var/lib/dsec";   // store/ (images), cache/layers/, state/ (sandbox records)
   std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
   std::filesystem::path state_dir;            // sandbox records; empty: <home>/state/sandboxes

@@ -42,6 +42,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --tokens FILE           bearer tokens, one per line: TENANT ROLE SHA256-HEX (role tenant or admin; `dsec token
                           new` makes one); every call over TCP needs one, and a tenant's reaches only its sandboxes
   --tokens-on-unix        calls over the unix socket need a token too (else the socket file's mode decides)
+  --tenant-quota T=LIMITS at most so much for tenant T on this node: LIMITS is any of sandboxes:N, cpu:CORES,
+                          memory:SIZE, comma-separated ("team-a=sandboxes:100,cpu:64,memory:256Gi"); repeat per
+                          tenant. A create past one is 429 RESOURCE_EXHAUSTED naming the quota
   --audit-log FILE        a JSON line per call (who, what, which sandbox, outcome), rotated at 64 MiB (default
                           <home>/audit/dsecd.log with --tokens, else none)
   --home DIR              image store (<home>/store), layer cache and sandbox records (default /var/lib/dsec)
@@ -235,6 +238,14 @@ int main(int argc, char** argv) {
       config.tokens_file = std::string(value);
     } else if (flag == "--tokens-on-unix") {
       config.tokens_on_unix = true;
+    } else if (flag == "--tenant-quota") {
+      try {
+        auto [tenant, quota] = dsec::agent::parse_tenant_quota(value);
+        if (!config.tenant_quotas.emplace(tenant, quota).second)
+          fail(fmt::format("--tenant-quota: tenant '{}' given twice", tenant));
+      } catch (const dsec::Error& e) {
+        fail(e.what());
+      }
     } else if (flag == "--audit-log") {
       config.audit_log = std::string(value);
     } else if (flag == "--state-dir") {

@@ -156,10 +156,8 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   bool persist_lease = false;
   {
     std::lock_guard lock(mutex_);
-    admit(spec.resources, 1);
-    reserved_cpu_ += spec.resources.cpu;
-    reserved_memory_ += spec.resources.memory_bytes;
-    reserved_gpus_ += spec.resources.gpus;
+    admit(spec.resources, 1, spec.tenant);
+    reserve(spec, +1);
     id = new_id();
     if (!spec.group.empty()) lease_deadline = join_group(spec, now(), persist_lease);
   }
@@ -168,9 +166,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   auto release = [&] {
     if (!reserved) return;
     std::lock_guard lock(mutex_);
-    reserved_cpu_ -= spec.resources.cpu;
-    reserved_memory_ -= spec.resources.memory_bytes;
-    reserved_gpus_ -= spec.resources.gpus;
+    reserve(spec, -1);
     reserved = false;
   };
 
@@ -234,9 +230,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   bool group_came_back = false;
   {
     std::lock_guard lock(mutex_);
-    reserved_cpu_ -= spec.resources.cpu;
-    reserved_memory_ -= spec.resources.memory_bytes;
-    reserved_gpus_ -= spec.resources.gpus;
+    reserve(spec, -1);
     reserved = false;
     live_cpu_ += spec.resources.cpu;
     live_memory_ += spec.resources.memory_bytes;
@@ -289,7 +283,7 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
         if (requests_.count(fmt::format("{}/{}", spec.request_id, i))) --fresh;
     if (fresh > 0 && backends_.count(spec.kind)) {
       try {
-        admit(spec.resources, fresh);
+        admit(spec.resources, fresh, spec.tenant);
       } catch (const Error& e) {
         metrics_.sandbox_create_error(spec.kind, e.code_name());
         throw;

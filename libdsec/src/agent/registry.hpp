@@ -33,6 +33,7 @@
 #include "agent/images.hpp"
 #include "agent/metrics.hpp"
 #include "agent/request_log.hpp"
+#include "agent/tenant_quota.hpp"
 #include "dsec/error.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "dsec/spec.hpp"
@@ -48,6 +49,7 @@ struct RegistryOptions {
   double memory_overcommit = 1.0;
   std::uint32_t gpus = 0;               // GPUs the node can hand out, whole
   Labels node_labels;                   // a create's node_selector must match them
+  TenantQuotas tenant_quotas;           // per tenant: sandboxes, cpu and memory on this node (tenant_quota.hpp)
   // Request ids are remembered this long, and at most this many (the oldest finished ones go first beyond it).
   std::chrono::seconds request_id_retention{3600};
   std::size_t max_request_ids = 1u << 18;
@@ -207,8 +209,9 @@ class Registry {
   CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint,
                            std::shared_ptr<const ForkSource> fork_of = nullptr);
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
-  // and the creates in flight. Caller holds mutex_.
-  void admit(const Resources& resources, std::size_t count) const;
+  // and the creates in flight, on the node and within the quota of `tenant`. Caller holds mutex_.
+  void admit(const Resources& resources, std::size_t count, const std::string& tenant) const;
+  void reserve(const SandboxSpec& spec, int sign);  // a create in flight (+1) or no longer (-1); holds mutex_
   std::string new_id();                                          // caller holds mutex_
   SandboxInfo info_of(const std::string& id) const;              // caller holds mutex_
   void check_alive(Record& record);
@@ -261,6 +264,12 @@ class Registry {
   double reserved_cpu_ = 0;       // creates in flight
   std::uint64_t reserved_memory_ = 0;
   std::uint32_t reserved_gpus_ = 0;
+  struct TenantReservation {
+    std::uint64_t sandboxes = 0;
+    double cpu = 0;
+    std::uint64_t memory_bytes = 0;
+  };
+  std::unordered_map<std::string, TenantReservation> reserved_by_tenant_;  // creates in flight, of tenants with quotas
   std::unordered_map<std::string, Group> groups_;
   std::vector<std::pair<std::string, std::string>> doomed_;  // (sandbox id, group) of retired groups, for reap()
   std::mutex group_file_mutex_;  // one writer of group files at a time (taken before mutex_, never inside it)

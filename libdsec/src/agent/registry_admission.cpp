@@ -16,7 +16,31 @@ std::string mib(std::uint64_t bytes) { return fmt::format("{:.0f}Mi", static_cas
 
 }  // namespace
 
-void Registry::admit(const Resources& r, std::size_t count) const {
+void Registry::reserve(const SandboxSpec& spec, int sign) {
+  const Resources& r = spec.resources;
+  reserved_cpu_ += sign * r.cpu;
+  if (sign > 0) {
+    reserved_memory_ += r.memory_bytes;
+    reserved_gpus_ += r.gpus;
+  } else {
+    reserved_memory_ -= r.memory_bytes;
+    reserved_gpus_ -= r.gpus;
+  }
+  if (spec.tenant.empty() || !options_.tenant_quotas.count(spec.tenant)) return;
+  TenantReservation& t = reserved_by_tenant_[spec.tenant];
+  if (sign > 0) {
+    ++t.sandboxes;
+    t.cpu += r.cpu;
+    t.memory_bytes += r.memory_bytes;
+  } else {
+    --t.sandboxes;
+    t.cpu -= r.cpu;
+    t.memory_bytes -= r.memory_bytes;
+    if (t.sandboxes == 0) reserved_by_tenant_.erase(spec.tenant);
+  }
+}
+
+void Registry::admit(const Resources& r, std::size_t count, const std::string& tenant) const {
   const double n = static_cast<double>(count);
   if (r.gpus > 0) {
     const std::uint64_t wanted = static_cast<std::uint64_t>(r.gpus) * count;
@@ -46,6 +70,44 @@ void Registry::admit(const Resources& r, std::size_t count) const {
                             mib(static_cast<std::uint64_t>(memory_after)),
                             mib(static_cast<std::uint64_t>(memory_limit)), mib(options_.memory_bytes),
                             options_.memory_overcommit));
+  if (tenant.empty()) return;
+  auto quota = options_.tenant_quotas.find(tenant);
+  if (quota == options_.tenant_quotas.end()) return;
+  // The tenant's sandboxes on this node (awake, asleep or failed: until destroyed they hold their place) and its
+  // creates in flight. Sums in doubles and in 64 bits of at most 2^32 values: nothing here can wrap.
+  std::uint64_t sandboxes = 0;
+  double cpu = 0, memory = 0;
+  for (const auto& [id, record] : records_) {
+    if (record->spec.tenant != tenant) continue;
+    ++sandboxes;
+    cpu += record->spec.resources.cpu;
+    memory += static_cast<double>(record->spec.resources.memory_bytes);
+  }
+  if (auto it = reserved_by_tenant_.find(tenant); it != reserved_by_tenant_.end()) {
+    sandboxes += it->second.sandboxes;
+    cpu += it->second.cpu;
+    memory += static_cast<double>(it->second.memory_bytes);
+  }
+  const TenantQuota& q = quota->second;
+  if (sandboxes + count > q.sandboxes)
+    throw Error(Code::kResourceExhausted,
+                fmt::format("quota of tenant '{}' on node '{}': {} more sandboxes beside its {} would pass its limit "
+                            "of {}",
+                            tenant, options_.node_id, count, sandboxes, q.sandboxes),
+                /*retryable=*/false);
+  if (cpu + r.cpu * n > q.cpu + kEpsilon)
+    throw Error(Code::kResourceExhausted,
+                fmt::format("quota of tenant '{}' on node '{}': {:.2f} more cpu beside its {:.2f} would pass its "
+                            "limit of {:.2f} cores",
+                            tenant, options_.node_id, r.cpu * n, cpu, q.cpu),
+                /*retryable=*/false);
+  if (memory + static_cast<double>(r.memory_bytes) * n > static_cast<double>(q.memory_bytes) + 0.5)
+    throw Error(Code::kResourceExhausted,
+                fmt::format("quota of tenant '{}' on node '{}': {} more memory beside its {} would pass its limit "
+                            "of {}",
+                            tenant, options_.node_id, mib(static_cast<std::uint64_t>(static_cast<double>(r.memory_bytes) * n)),
+                            mib(static_cast<std::uint64_t>(memory)), mib(q.memory_bytes)),
+                /*retryable=*/false);
 }
 
 NodeLoad Registry::load() const {

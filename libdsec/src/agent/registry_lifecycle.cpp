@@ -49,7 +49,7 @@ std::vector<CreateOutcome> Registry::fork(const std::string& id, std::size_t cou
   // Refuse copies that cannot fit before stopping the sandbox for them.
   if (backends_.count(spec.kind)) {
     std::lock_guard lock(mutex_);
-    admit(spec.resources, count);
+    admit(spec.resources, count, spec.tenant);
   }
   std::shared_ptr<const ForkSource> source;
   {
