@@ -14,6 +14,8 @@ PACKAGES=(
   libfuse3-dev fuse3 erofs-utils
   # unit tests
   libgtest-dev libgmock-dev
+  # fuzzing (scripts/fuzz.sh, and the fuzz step of scripts/test.sh): clang 14 and its runtimes (libFuzzer, ASan, UBSan)
+  clang libclang-rt-14-dev
   # the Python binding and the integration tests (for Debian's /usr/bin/python3)
   python3 python3-dev python3-setuptools python3-pytest pybind11-dev python3-pybind11
   # images: busybox-static for the tiny image, debootstrap (with the archive keys and gpgv) for Debian images

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # dsec's whole test suite: installs what is needed, builds, builds the busybox image into a test store, runs the
-# unit tests (ctest) and the integration tests (pytest against a real dsecd). Fails if either fails. Run as root:
+# unit tests (ctest), the integration tests (pytest against a real dsecd) and a short run of every fuzz target
+# (scripts/fuzz.sh all $FUZZ_SECONDS, default 10 s each, in ./build-fuzz). Fails if any of them fails. Run as root:
 # the tests create real sandboxes.
 #
 #   sudo scripts/test.sh
@@ -41,8 +42,15 @@ else
   integration_status=$?
 fi
 
-if [[ $unit_status -ne 0 || $integration_status -ne 0 ]]; then
-  echo "test: FAILED (unit tests: status $unit_status, integration tests: status $integration_status)" >&2
+echo "== fuzz targets (scripts/fuzz.sh, ${FUZZ_SECONDS:-10} s each) =="
+# The decoders that face the network or a sandbox, each from its seeds: a regression that crashes one, leaks, or
+# breaks one of its properties fails the suite. Without clang and libFuzzer the step says so and fails.
+scripts/fuzz.sh all "${FUZZ_SECONDS:-10}"
+fuzz_status=$?
+
+if [[ $unit_status -ne 0 || $integration_status -ne 0 || $fuzz_status -ne 0 ]]; then
+  echo "test: FAILED (unit tests: status $unit_status, integration tests: status $integration_status," \
+       "fuzz targets: status $fuzz_status)" >&2
   exit 1
 fi
 echo "test: all passed"

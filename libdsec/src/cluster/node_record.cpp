@@ -39,7 +39,7 @@ NodeRecord decode_node_record(std::string_view value) {
   if (n == j.end() || !n->is_object()) throw Error(Code::kInvalidArgument, "node record: 'node' is missing or not an object");
   try {
     r.node = protocol::decode_node_info(*n);
-  } catch (const nlohmann::json::exception& x) {
+  } catch (const std::exception& x) {  // a member of the wrong type or out of range
     throw Error(Code::kInvalidArgument, fmt::format("node record: 'node': {}", x.what()));
   }
   if (r.node.id.empty()) throw Error(Code::kInvalidArgument, "node record: 'node.id' is missing");

@@ -3,6 +3,10 @@
 #include <openssl/evp.h>
 
 #include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
 #include <fmt/format.h>
 
 namespace dsec::protocol {
@@ -78,6 +82,80 @@ std::map<std::string, std::string> get_string_map(const json& j, const char* key
 
 bool has_nul(std::string_view s) { return s.find('\0') != std::string_view::npos; }
 
+// An answer (what an agent sends back, or a record an agent wrote) that does not hold what it should: INTERNAL, as
+// for an answer that is not JSON at all, naming the field.
+[[noreturn]] void bad_answer(std::string_view field, std::string_view what) {
+  throw Error(Code::kInternal, fmt::format("malformed answer: {}: {}", field, what));
+}
+
+// A member of an answer: missing or null is `fallback`; anything else must have the member's type, and a number must
+// fit it. (Left to nlohmann's conversions, a number that does not fit its type is undefined behaviour, and a wrong
+// type an exception that names no field.)
+template <typename T>
+T member(const json& j, const char* key, T fallback, std::string_view field = {}) {
+  if (field.empty()) field = key;
+  const json* v = find(j, key);
+  if (!v) return fallback;
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v->is_boolean()) bad_answer(field, "must be true or false");
+    return v->get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    using limits = std::numeric_limits<T>;
+    if (v->is_number_unsigned()) {
+      auto u = v->get<std::uint64_t>();
+      if (u > static_cast<std::uint64_t>(limits::max())) bad_answer(field, fmt::format("{} is out of range", u));
+      return static_cast<T>(u);
+    }
+    if (v->is_number_integer()) {
+      auto i = v->get<std::int64_t>();
+      if (i < static_cast<std::int64_t>(limits::min()) ||
+          (i > 0 && static_cast<std::uint64_t>(i) > static_cast<std::uint64_t>(limits::max())))
+        bad_answer(field, fmt::format("{} is out of range", i));
+      return static_cast<T>(i);
+    }
+    if (v->is_number_float()) {
+      // An integer written as 1e3, or one too large for JSON's integers: whole and within T's range only.
+      double d = v->get<double>();
+      if (!(d >= static_cast<double>(limits::min()) && d < std::ldexp(1.0, limits::digits)) || d != std::floor(d))
+        bad_answer(field, fmt::format("{} is not an integer in range", d));
+      return static_cast<T>(d);
+    }
+    bad_answer(field, "must be an integer");
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v->is_number()) bad_answer(field, "must be a number");
+    return v->get<double>();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v->is_string()) bad_answer(field, "must be a string");
+    return v->get<std::string>();
+  } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+    if (!v->is_array()) bad_answer(field, "must be a list of strings");
+    T out;
+    for (const auto& x : *v) {
+      if (!x.is_string()) bad_answer(field, "must be a list of strings");
+      out.push_back(x.get<std::string>());
+    }
+    return out;
+  } else {
+    static_assert(std::is_same_v<T, Labels>);
+    if (!v->is_object()) bad_answer(field, "must be an object of strings");
+    T out;
+    for (auto it = v->begin(); it != v->end(); ++it) {
+      if (!it->is_string()) bad_answer(fmt::format("{}.{}", field, it.key()), "must be a string");
+      out.emplace(it.key(), it->get_ref<const std::string&>());
+    }
+    return out;
+  }
+}
+
+// The same for a string member, which is more often given as a literal.
+std::string member(const json& j, const char* key, const char* fallback, std::string_view field = {}) {
+  return member<std::string>(j, key, std::string(fallback), field);
+}
+
+void expect_object(const json& j, std::string_view what) {
+  if (!j.is_object()) bad_answer(what, "must be a JSON object");
+}
+
 constexpr std::uint64_t kMaxGpus = 256;
 
 void validate_labels(const Labels& labels, std::string_view field) {
@@ -100,7 +178,8 @@ json parse_body(std::string_view body) {
   if (body.empty()) return json::object();
   try {
     return json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // Syntax errors, and numbers too large for a double (1e999: out_of_range, not a parse_error).
     throw Error(Code::kInvalidArgument, fmt::format("request body is not valid JSON: {}", e.what()));
   }
 }
@@ -292,15 +371,16 @@ json encode(const ExecResult& r) {
 }
 
 ExecResult decode_exec_result(const json& j) {
+  expect_object(j, "exec result");
   ExecResult r;
-  r.exit_code = static_cast<int>(j.value("exit_code", -1));
-  r.signal = j.value("signal", 0);
-  r.stdout_data = base64_decode(j.value("stdout", std::string{}));
-  r.stderr_data = base64_decode(j.value("stderr", std::string{}));
-  r.stdout_truncated = j.value("stdout_truncated", false);
-  r.stderr_truncated = j.value("stderr_truncated", false);
-  r.timed_out = j.value("timed_out", false);
-  r.duration_seconds = j.value("duration", 0.0);
+  r.exit_code = member(j, "exit_code", -1);
+  r.signal = member(j, "signal", 0);
+  r.stdout_data = base64_decode(member(j, "stdout", ""));
+  r.stderr_data = base64_decode(member(j, "stderr", ""));
+  r.stdout_truncated = member(j, "stdout_truncated", false);
+  r.stderr_truncated = member(j, "stderr_truncated", false);
+  r.timed_out = member(j, "timed_out", false);
+  r.duration_seconds = member(j, "duration", 0.0);
   return r;
 }
 
@@ -457,27 +537,27 @@ FnCallResult decode_fncall_result(const json& j) {
   FnCallResult r;
   if (!j.is_object()) throw Error(Code::kInternal, "a function call's result is not a JSON object");
   if (auto e = j.find("error"); e != j.end() && e->is_object()) {
-    r.error_code = e->value("code", std::string("UNKNOWN"));
-    r.error = e->value("message", std::string{});
+    r.error_code = member(*e, "code", "UNKNOWN", "error.code");
+    r.error = member(*e, "message", "", "error.message");
     if (r.error.empty()) r.error = r.error_code;
     return r;
   }
-  r.exit_code = j.value("exit_code", -1);
-  r.signal = j.value("signal", 0);
-  r.stdout_data = base64_decode(j.value("stdout", std::string{}));
-  r.stderr_data = base64_decode(j.value("stderr", std::string{}));
-  r.stdout_truncated = j.value("stdout_truncated", false);
-  r.stderr_truncated = j.value("stderr_truncated", false);
-  r.timed_out = j.value("timed_out", false);
-  r.oom_killed = j.value("oom_killed", false);
-  r.duration_seconds = j.value("duration", 0.0);
-  r.cpu_seconds = j.value("cpu_time", 0.0);
-  r.peak_memory_bytes = j.value("peak_memory", std::uint64_t{0});
-  r.compile_exit_code = j.value("compile_exit_code", 0);
-  r.compile_output = base64_decode(j.value("compile_output", std::string{}));
-  r.compile_seconds = j.value("compile_seconds", 0.0);
-  r.gpus = j.value("gpus", std::vector<std::string>{});
-  r.node = j.value("node", std::string{});
+  r.exit_code = member(j, "exit_code", -1);
+  r.signal = member(j, "signal", 0);
+  r.stdout_data = base64_decode(member(j, "stdout", ""));
+  r.stderr_data = base64_decode(member(j, "stderr", ""));
+  r.stdout_truncated = member(j, "stdout_truncated", false);
+  r.stderr_truncated = member(j, "stderr_truncated", false);
+  r.timed_out = member(j, "timed_out", false);
+  r.oom_killed = member(j, "oom_killed", false);
+  r.duration_seconds = member(j, "duration", 0.0);
+  r.cpu_seconds = member(j, "cpu_time", 0.0);
+  r.peak_memory_bytes = member(j, "peak_memory", std::uint64_t{0});
+  r.compile_exit_code = member(j, "compile_exit_code", 0);
+  r.compile_output = base64_decode(member(j, "compile_output", ""));
+  r.compile_seconds = member(j, "compile_seconds", 0.0);
+  r.gpus = member(j, "gpus", std::vector<std::string>{});
+  r.node = member(j, "node", "");
   return r;
 }
 
@@ -503,26 +583,28 @@ json encode(const SandboxInfo& s) {
 }
 
 SandboxInfo decode_sandbox_info(const json& j) {
+  expect_object(j, "sandbox info");
   SandboxInfo s;
-  s.id = j.value("id", "");
-  s.node = j.value("node", "");
-  s.state = j.value("state", "");
-  s.image = j.value("image", "");
-  s.kind = j.value("kind", "");
-  s.tenant = j.value("tenant", "");
-  s.labels = j.value("labels", Labels{});
-  s.group = j.value("group", "");
+  s.id = member(j, "id", "");
+  s.node = member(j, "node", "");
+  s.state = member(j, "state", "");
+  s.image = member(j, "image", "");
+  s.kind = member(j, "kind", "");
+  s.tenant = member(j, "tenant", "");
+  s.labels = member(j, "labels", Labels{});
+  s.group = member(j, "group", "");
   if (auto it = j.find("resources"); it != j.end() && it->is_object()) {
-    s.resources.cpu = it->value("cpu", s.resources.cpu);
-    s.resources.memory_bytes = it->value("memory", s.resources.memory_bytes);
-    s.resources.disk_bytes = it->value("disk", s.resources.disk_bytes);
-    s.resources.pids = it->value("pids", s.resources.pids);
-    s.resources.open_files = it->value("open_files", s.resources.open_files);
-    s.resources.gpus = it->value("gpus", s.resources.gpus);
+    auto& r = s.resources;
+    r.cpu = member(*it, "cpu", r.cpu, "resources.cpu");
+    r.memory_bytes = member(*it, "memory", r.memory_bytes, "resources.memory");
+    r.disk_bytes = member(*it, "disk", r.disk_bytes, "resources.disk");
+    r.pids = member(*it, "pids", r.pids, "resources.pids");
+    r.open_files = member(*it, "open_files", r.open_files, "resources.open_files");
+    r.gpus = member(*it, "gpus", r.gpus, "resources.gpus");
   }
-  s.created_at = j.value("created_at", 0.0);
-  s.expires_at = j.value("expires_at", 0.0);
-  s.message = j.value("message", "");
+  s.created_at = member(j, "created_at", 0.0);
+  s.expires_at = member(j, "expires_at", 0.0);
+  s.message = member(j, "message", "");
   return s;
 }
 
@@ -564,63 +646,67 @@ json encode(const NodeInfo& n) {
 }
 
 NodeInfo decode_node_info(const json& j) {
+  expect_object(j, "node info");
   NodeInfo n;
-  n.id = j.value("id", "");
-  n.version = j.value("version", "");
-  n.protocol = j.value("protocol", "v1");
-  n.backends = j.value("backends", std::vector<std::string>{});
+  n.id = member(j, "id", "");
+  n.version = member(j, "version", "");
+  n.protocol = member(j, "protocol", "v1");
+  n.backends = member(j, "backends", std::vector<std::string>{});
   if (auto c = j.find("capacity"); c != j.end() && c->is_object()) {
-    n.cores = c->value("cores", 0u);
-    n.memory_bytes = c->value("memory", std::uint64_t{0});
-    n.disk_bytes = c->value("disk", std::uint64_t{0});
-    n.gpus = c->value("gpus", 0u);
+    n.cores = member(*c, "cores", 0u, "capacity.cores");
+    n.memory_bytes = member(*c, "memory", std::uint64_t{0}, "capacity.memory");
+    n.disk_bytes = member(*c, "disk", std::uint64_t{0}, "capacity.disk");
+    n.gpus = member(*c, "gpus", 0u, "capacity.gpus");
   }
-  n.disk_free_bytes = j.value("disk_free", std::uint64_t{0});
-  n.gpus_free = j.value("gpus_free", 0u);
+  n.disk_free_bytes = member(j, "disk_free", std::uint64_t{0});
+  n.gpus_free = member(j, "gpus_free", 0u);
   if (auto l = j.find("labels"); l != j.end() && l->is_object())
     for (auto& [k, v] : l->items())
       if (v.is_string()) n.labels.emplace(k, v.get<std::string>());
   if (auto l = j.find("load"); l != j.end() && l->is_object()) {
-    n.sandboxes = l->value("sandboxes", 0u);
-    n.cpu_requested = l->value("cpu_requested", 0.0);
-    n.memory_requested = l->value("memory_requested", std::uint64_t{0});
-    n.load1 = l->value("load1", 0.0);
+    n.sandboxes = member(*l, "sandboxes", 0u, "load.sandboxes");
+    n.cpu_requested = member(*l, "cpu_requested", 0.0, "load.cpu_requested");
+    n.memory_requested = member(*l, "memory_requested", std::uint64_t{0}, "load.memory_requested");
+    n.load1 = member(*l, "load1", 0.0, "load.load1");
   }
   if (auto o = j.find("overcommit"); o != j.end() && o->is_object()) {
-    n.cpu_overcommit = o->value("cpu", n.cpu_overcommit);
-    n.memory_overcommit = o->value("memory", n.memory_overcommit);
+    n.cpu_overcommit = member(*o, "cpu", n.cpu_overcommit, "overcommit.cpu");
+    n.memory_overcommit = member(*o, "memory", n.memory_overcommit, "overcommit.memory");
   }
-  n.cgroup_version = j.value("cgroup_version", "");
-  n.images = j.value("images", std::vector<std::string>{});
-  n.layer_mode = j.value("layer_mode", "");
+  n.cgroup_version = member(j, "cgroup_version", "");
+  n.images = member(j, "images", std::vector<std::string>{});
+  n.layer_mode = member(j, "layer_mode", "");
   if (auto s = j.find("swap"); s != j.end() && s->is_object()) {
-    n.swap_bytes = s->value("total", std::uint64_t{0});
-    n.swap_free_bytes = s->value("free", std::uint64_t{0});
+    n.swap_bytes = member(*s, "total", std::uint64_t{0}, "swap.total");
+    n.swap_free_bytes = member(*s, "free", std::uint64_t{0}, "swap.free");
   }
   if (auto m = j.find("microvm"); m != j.end() && m->is_object()) {
-    n.microvm.offered = m->value("offered", false);
-    n.microvm.unavailable = m->value("unavailable", "");
-    n.microvm.ready = m->value("ready", false);
-    n.microvm.accelerator = m->value("accelerator", "");
-    n.microvm.accelerator_reason = m->value("accelerator_reason", "");
-    n.microvm.kernel = m->value("kernel", "");
-    n.microvm.vms = m->value("vms", 0u);
+    auto& v = n.microvm;
+    v.offered = member(*m, "offered", false, "microvm.offered");
+    v.unavailable = member(*m, "unavailable", "", "microvm.unavailable");
+    v.ready = member(*m, "ready", false, "microvm.ready");
+    v.accelerator = member(*m, "accelerator", "", "microvm.accelerator");
+    v.accelerator_reason = member(*m, "accelerator_reason", "", "microvm.accelerator_reason");
+    v.kernel = member(*m, "kernel", "", "microvm.kernel");
+    v.vms = member(*m, "vms", 0u, "microvm.vms");
     if (auto p = m->find("pool"); p != m->end() && p->is_object()) {
-      n.microvm.pool_size = p->value("size", 0u);
-      n.microvm.pool_ready = p->value("ready", 0u);
-      n.microvm.pool_claims = p->value("claims", std::uint64_t{0});
-      n.microvm.pool_misses = p->value("misses", std::uint64_t{0});
+      v.pool_size = member(*p, "size", 0u, "microvm.pool.size");
+      v.pool_ready = member(*p, "ready", 0u, "microvm.pool.ready");
+      v.pool_claims = member(*p, "claims", std::uint64_t{0}, "microvm.pool.claims");
+      v.pool_misses = member(*p, "misses", std::uint64_t{0}, "microvm.pool.misses");
     }
     if (auto t = m->find("templates"); t != m->end() && t->is_object()) {
-      n.microvm.templates = t->value("count", 0u);
-      n.microvm.template_bytes = t->value("bytes", std::uint64_t{0});
+      v.templates = member(*t, "count", 0u, "microvm.templates.count");
+      v.template_bytes = member(*t, "bytes", std::uint64_t{0}, "microvm.templates.bytes");
     }
   }
   if (auto c = j.find("cached_layers"); c != j.end() && c->is_array()) {
     for (const auto& l : *c) {
       if (!l.is_object()) continue;
-      n.cached_layers.push_back(CachedLayer{l.value("digest", ""), l.value("size", std::uint64_t{0}),
-                                            l.value("cached_bytes", std::uint64_t{0}), l.value("users", 0u)});
+      n.cached_layers.push_back(CachedLayer{member(l, "digest", "", "cached_layers.digest"),
+                                            member(l, "size", std::uint64_t{0}, "cached_layers.size"),
+                                            member(l, "cached_bytes", std::uint64_t{0}, "cached_layers.cached_bytes"),
+                                            member(l, "users", 0u, "cached_layers.users")});
     }
   }
   return n;
@@ -632,9 +718,12 @@ json encode_error(const Error& e) {
 
 Error decode_error(const json& j, int status) {
   if (j.is_object() && j.contains("code") && j["code"].is_string()) {
+    // Never throws: an error body with members of the wrong type still becomes an error, with what it holds.
     Code code = code_from_name(j["code"].get<std::string>());
-    std::string message = j.value("message", std::string{});
-    bool retryable = j.value("retryable", is_retryable(code));
+    std::string message;
+    if (auto m = j.find("message"); m != j.end() && !m->is_null()) message = m->is_string() ? m->get<std::string>() : m->dump();
+    bool retryable = is_retryable(code);
+    if (auto r = j.find("retryable"); r != j.end() && r->is_boolean()) retryable = r->get<bool>();
     return Error(code, message, retryable);
   }
   Code code = status == 404 ? Code::kNotFound

@@ -272,15 +272,29 @@ json parse_json_file(const fs::path& path) {
   }
 }
 
+// The layout's JSON is the image author's: a member of the wrong type is INVALID_ARGUMENT naming it, never
+// nlohmann's type_error.
+[[noreturn]] void bad_layout(const fs::path& layout, std::string_view what) {
+  throw Error(Code::kInvalidArgument, fmt::format("{}: {}", layout.string(), what));
+}
+
+// A string member of an object of the layout ("" when it is missing); `what` names the object in errors.
+std::string string_member(const fs::path& layout, const json& j, const char* key, std::string_view what) {
+  if (!j.is_object()) bad_layout(layout, fmt::format("{} is not a JSON object", what));
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return {};
+  if (!it->is_string()) bad_layout(layout, fmt::format("{}: {} is not a string", what, key));
+  return it->get<std::string>();
+}
+
 fs::path oci_blob(const fs::path& layout, const std::string& digest) {
   return layout / "blobs" / "sha256" / digest_hex(digest, "OCI descriptor digest");
 }
 
 // The verified blob a descriptor names.
 fs::path checked_blob(const fs::path& layout, const json& descriptor) {
-  if (!descriptor.is_object() || !descriptor.contains("digest"))
-    throw Error(Code::kInvalidArgument, fmt::format("{}: a descriptor without a digest", layout.string()));
-  std::string digest = descriptor["digest"].get<std::string>();
+  std::string digest = string_member(layout, descriptor, "digest", "a descriptor");
+  if (digest.empty()) bad_layout(layout, "a descriptor without a digest");
   fs::path blob = oci_blob(layout, digest);
   if (!fs::is_regular_file(blob))
     throw Error(Code::kNotFound, fmt::format("{}: blob {} is missing", layout.string(), digest));
@@ -309,10 +323,10 @@ bool is_index_type(const std::string& media) {
 // Image manifests reachable from an index, with nested indexes opened.
 void collect_manifests(const fs::path& layout, const json& index, std::vector<json>& out, int depth) {
   if (depth > 4) throw Error(Code::kInvalidArgument, fmt::format("{}: indexes nested too deep", layout.string()));
-  if (!index.contains("manifests") || !index["manifests"].is_array())
+  if (!index.is_object() || !index.contains("manifests") || !index["manifests"].is_array())
     throw Error(Code::kInvalidArgument, fmt::format("{}: index without a manifests list", layout.string()));
   for (const json& d : index["manifests"]) {
-    std::string media = d.value("mediaType", "");
+    std::string media = string_member(layout, d, "mediaType", "an entry of an index's manifests");
     if (is_index_type(media)) {
       json nested = parse_json_file(checked_blob(layout, d));
       collect_manifests(layout, nested, out, depth + 1);
@@ -335,7 +349,8 @@ std::string apply_oci_layout(const fs::path& layout, const fs::path& root, White
     for (const json& d : manifests) {
       if (!d.contains("platform")) continue;
       const json& p = d["platform"];
-      if (p.value("os", "") == "linux" && p.value("architecture", "") == arch) {
+      if (string_member(layout, p, "os", "a platform") == "linux" &&
+          string_member(layout, p, "architecture", "a platform") == arch) {
         chosen = &d;
         break;
       }
@@ -347,23 +362,25 @@ std::string apply_oci_layout(const fs::path& layout, const fs::path& root, White
     }
     fs::path manifest_blob = checked_blob(layout, *chosen);
     json manifest = parse_json_file(manifest_blob);
-    if (!manifest.contains("layers") || !manifest["layers"].is_array())
+    if (!manifest.is_object() || !manifest.contains("layers") || !manifest["layers"].is_array())
       throw Error(Code::kInvalidArgument, fmt::format("{}: image manifest without layers", layout.string()));
     for (const json& l : manifest["layers"]) {
-      std::string media = l.value("mediaType", "");
+      std::string media = string_member(layout, l, "mediaType", "a layer of the image manifest");
       if (media.find("nondistributable") != std::string::npos || l.contains("urls"))
         throw Error(Code::kFailedPrecondition,
-                    fmt::format("{}: layer {} is a foreign layer not in the layout", layout.string(), l.value("digest", "?")));
+                    fmt::format("{}: layer {} is a foreign layer not in the layout", layout.string(),
+                                string_member(layout, l, "digest", "a layer of the image manifest")));
       layer_files.push_back(checked_blob(layout, l));
     }
     what = fmt::format("{} {} ({} layers)", described, (*chosen)["digest"].get<std::string>(), layer_files.size());
   } else if (fs::exists(layout / "manifest.json")) {
     // The older `docker save` format: [{"Config": "...", "RepoTags": [...], "Layers": ["<id>/layer.tar", ...]}].
     json manifest = parse_json_file(layout / "manifest.json");
-    if (!manifest.is_array() || manifest.empty() || !manifest[0].contains("Layers"))
+    if (!manifest.is_array() || manifest.empty() || !manifest[0].contains("Layers") || !manifest[0]["Layers"].is_array())
       throw Error(Code::kInvalidArgument, fmt::format("{}/manifest.json: no image in it", layout.string()));
     if (manifest.size() > 1) notes.push_back(fmt::format("{} holds {} images; took the first", described, manifest.size()));
     for (const json& l : manifest[0]["Layers"]) {
+      if (!l.is_string()) bad_layout(layout, "manifest.json: a layer that is not a file name");
       fs::path rel = safe_relative(l.get<std::string>().c_str());
       fs::path file = layout / rel;
       if (!fs::is_regular_file(file))

@@ -77,30 +77,12 @@ bool read_request(int conn, StartRequest& req) {
   std::string payload(len, '\0');
   if (!read_exact(conn, payload.data(), len)) return false;
 
-  std::size_t pos = 0;
-  auto u32 = [&](std::uint32_t& v) {
-    if (payload.size() - pos < 4) return false;
-    std::memcpy(&v, payload.data() + pos, 4);
-    pos += 4;
-    return true;
-  };
-  auto str = [&](std::string& s) {
-    std::uint32_t n;
-    if (!u32(n) || payload.size() - pos < n) return false;
-    s.assign(payload.data() + pos, n);
-    pos += n;
-    return s.find('\0') == std::string::npos;
-  };
-  std::uint32_t argc = 0, envc = 0;
-  if (!u32(argc) || argc == 0 || argc > len) return false;
-  req.argv.resize(argc);
-  for (auto& a : req.argv)
-    if (!str(a)) return false;
-  if (!u32(envc) || envc > len) return false;
-  req.env.resize(envc);
-  for (auto& e : req.env)
-    if (!str(e)) return false;
-  return str(req.cwd) && pos == payload.size();
+  dsec::init_protocol::StartPayload command;
+  if (!dsec::init_protocol::decode_start_payload(payload, command)) return false;
+  req.argv = std::move(command.argv);
+  req.env = std::move(command.env);
+  req.cwd = std::move(command.cwd);
+  return true;
 }
 
 }  // namespace

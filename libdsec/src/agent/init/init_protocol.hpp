@@ -15,6 +15,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace dsec::init_protocol {
 
@@ -32,6 +36,42 @@ struct Reply {
   std::int32_t b;  // kFailed: FailStage
 };
 static_assert(sizeof(Reply) == 12);
+
+// The command a StartRequest's payload names.
+struct StartPayload {
+  std::vector<std::string> argv;
+  std::vector<std::string> env;
+  std::string cwd;
+};
+
+// Decodes a StartRequest's payload (dsec-init); false when it is malformed: no argv, a count of strings the payload
+// cannot hold (each costs at least its 4-byte length, so what a count makes dsec-init allocate stays in proportion
+// to the payload), a string running past the end, a NUL inside a string, or bytes left over.
+inline bool decode_start_payload(std::string_view payload, StartPayload& out) {
+  std::size_t pos = 0;
+  auto u32 = [&](std::uint32_t& v) {
+    if (payload.size() - pos < 4) return false;
+    std::memcpy(&v, payload.data() + pos, 4);  // the agent writes host order (both ends run on one host)
+    pos += 4;
+    return true;
+  };
+  auto str = [&](std::string& s) {
+    std::uint32_t n;
+    if (!u32(n) || payload.size() - pos < n) return false;
+    s.assign(payload.data() + pos, n);
+    pos += n;
+    return s.find('\0') == std::string::npos;
+  };
+  auto strs = [&](std::vector<std::string>& list) {
+    std::uint32_t n;
+    if (!u32(n) || n > (payload.size() - pos) / 4) return false;
+    list.resize(n);
+    for (auto& s : list)
+      if (!str(s)) return false;
+    return true;
+  };
+  return strs(out.argv) && !out.argv.empty() && strs(out.env) && str(out.cwd) && pos == payload.size();
+}
 
 // File descriptors dsec-init inherits from the agent.
 inline constexpr int kListenFd = 3;   // the listening init.sock

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -25,6 +26,15 @@ using nlohmann::json;
 
 [[noreturn]] void bad_field(std::string_view field, std::string_view why) {
   throw Error(Code::kInvalidArgument, fmt::format("chunk index: {}: {}", field, why));
+}
+
+// A non-negative integer that fits T. (nlohmann's get<T>() of a number that does not fit, 1e30 or -1.5 for a size,
+// is undefined behaviour, and of a negative integer a wrapped one.)
+template <typename T>
+T count_field(const json& v, std::string_view field) {
+  if (!v.is_number_unsigned() || v.get<std::uint64_t>() > std::numeric_limits<T>::max())
+    bad_field(field, fmt::format("must be an integer from 0 to {}", std::numeric_limits<T>::max()));
+  return static_cast<T>(v.get<std::uint64_t>());
 }
 
 bool is_hex64(std::string_view s) {
@@ -91,13 +101,15 @@ ChunkIndex chunk_index_from_json(std::string_view text) {
   if (!j.is_object()) bad_field("(top)", "must be an object");
   ChunkIndex index;
   try {
-    if (j.at("schema").get<int>() != ChunkIndex::kSchemaVersion) bad_field("schema", "unsupported version");
+    const json& schema = j.at("schema");
+    if (!schema.is_number_integer() || schema.get<std::int64_t>() != ChunkIndex::kSchemaVersion)
+      bad_field("schema", "unsupported version");
     index.layer = j.at("layer").get<std::string>();
-    index.size = j.at("size").get<std::uint64_t>();
-    index.chunk_size = j.at("chunk_size").get<std::uint32_t>();
-    index.meta_size = j.value("meta_size", std::uint64_t{0});
+    index.size = count_field<std::uint64_t>(j.at("size"), "size");
+    index.chunk_size = count_field<std::uint32_t>(j.at("chunk_size"), "chunk_size");
+    if (auto m = j.find("meta_size"); m != j.end()) index.meta_size = count_field<std::uint64_t>(*m, "meta_size");
     index.data = j.at("data").get<std::string>();
-    index.data_size = j.at("data_size").get<std::uint64_t>();
+    index.data_size = count_field<std::uint64_t>(j.at("data_size"), "data_size");
     if (!is_digest(index.layer)) bad_field("layer", "not a sha256 digest");
     if (!is_digest(index.data)) bad_field("data", "not a sha256 digest");
     if (index.chunk_size < 4096 || index.chunk_size > (64u << 20) || (index.chunk_size & (index.chunk_size - 1)))
@@ -106,7 +118,8 @@ ChunkIndex chunk_index_from_json(std::string_view text) {
       bad_field("meta_size", "must be a whole number of chunks, less than the layer's size");
     const json& chunks = j.at("chunks");
     if (!chunks.is_array()) bad_field("chunks", "must be a list");
-    std::uint64_t expected = (index.size + index.chunk_size - 1) / index.chunk_size;
+    // Not (size + chunk_size - 1) / chunk_size: near 2^64 that wraps, and a huge layer would need no chunks at all.
+    std::uint64_t expected = index.size / index.chunk_size + (index.size % index.chunk_size != 0 ? 1 : 0);
     if (chunks.size() != expected)
       bad_field("chunks", fmt::format("{} chunks for {} bytes in chunks of {} (expected {})", chunks.size(), index.size,
                                       index.chunk_size, expected));
@@ -114,16 +127,19 @@ ChunkIndex chunk_index_from_json(std::string_view text) {
     for (std::size_t i = 0; i < chunks.size(); ++i) {
       const json& c = chunks[i];
       if (!c.is_array() || c.size() != 3) bad_field(fmt::format("chunks[{}]", i), "must be [offset, length, sha256]");
-      ChunkEntry e{c[0].get<std::uint64_t>(), c[1].get<std::uint32_t>(), c[2].get<std::string>()};
-      if (!is_hex64(e.sha256_hex)) bad_field(fmt::format("chunks[{}]", i), "bad sha256");
+      std::string field = fmt::format("chunks[{}]", i);
+      ChunkEntry e{count_field<std::uint64_t>(c[0], field), count_field<std::uint32_t>(c[1], field),
+                   c[2].get<std::string>()};
+      if (!is_hex64(e.sha256_hex)) bad_field(field, "bad sha256");
       if (e.length == 0 || e.offset > index.data_size || e.length > index.data_size - e.offset)
-        bad_field(fmt::format("chunks[{}]", i), "lies outside the data blob");
+        bad_field(field, "lies outside the data blob");
       if (e.length > ZSTD_compressBound(index.chunk_size))
-        bad_field(fmt::format("chunks[{}]", i), "stored length larger than any chunk can compress to");
+        bad_field(field, "stored length larger than any chunk can compress to");
       index.chunks.push_back(std::move(e));
     }
     if (auto p = j.find("prefetch"); p != j.end()) {
-      index.prefetch = p->get<std::vector<std::uint32_t>>();
+      if (!p->is_array()) bad_field("prefetch", "must be a list of chunk numbers");
+      for (const json& n : *p) index.prefetch.push_back(count_field<std::uint32_t>(n, "prefetch"));
       for (auto n : index.prefetch)
         if (n >= index.chunks.size()) bad_field("prefetch", fmt::format("chunk {} does not exist", n));
     }

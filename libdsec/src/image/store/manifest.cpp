@@ -160,7 +160,11 @@ Manifest manifest_from_json(std::string_view text) {
     throw Error(Code::kInvalidArgument, fmt::format("manifest: not JSON: {}", e.what()));
   }
   if (!j.is_object()) bad_field("(top)", "must be an object");
-  int schema = field<int>(j, "schema", "");
+  // An integer (get<int>() of 1e30 would be undefined behaviour).
+  auto schema_it = j.find("schema");
+  if (schema_it == j.end()) bad_field("schema", "missing");
+  if (!schema_it->is_number_integer()) bad_field("schema", "wrong type");
+  std::int64_t schema = schema_it->get<std::int64_t>();
   if (schema != Manifest::kSchemaVersion)
     bad_field("schema", fmt::format("version {} is not supported (this dsec reads {})", schema, Manifest::kSchemaVersion));
   Manifest m;

@@ -114,8 +114,8 @@ std::pair<json, std::string> call_message(const FnCallRequest& r, const CallSett
 
 // What a failed setup step of the child means for the caller.
 Error setup_error(const Frame& f) {
-  std::string stage = f.header.value("stage", std::string("setup"));
-  std::string message = f.header.value("message", std::string("failed"));
+  std::string stage = f.text("stage", "setup");
+  std::string message = f.text("message", "failed");
   if (stage == "files")
     return Error(Code::kInvalidArgument, fmt::format("files: the call's files could not be written to its /tmp "
                                                      "(its size is the call's memory limit): {}",
@@ -266,11 +266,11 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
       }
       std::string type = f.type();
       if (type == "status") {
-        if (f.header.contains("status") && f.header["status"].is_number_integer()) status = f.header["status"].get<int>();
+        if (auto s = f.integer("status")) status = *s;
         ended();
       } else if (type == "compiled") {
-        result.compile_exit_code = f.header.value("exit_code", -1);
-        result.compile_seconds = f.header.value("seconds", 0.0);
+        result.compile_exit_code = f.integer("exit_code").value_or(-1);
+        result.compile_seconds = f.number("seconds", 0.0);
         result.compile_output = std::move(f.blob);
         if (result.compile_exit_code != 0) {
           phase = Phase::kCompileFailed;

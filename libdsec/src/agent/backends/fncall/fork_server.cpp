@@ -140,7 +140,7 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
                             params.language, params.image, timed_out ? "did not answer" : "exited"));
   if (hello.type() == "fatal")
     throw Error(Code::kFailedPrecondition, fmt::format("image {} cannot serve function calls: {}", params.image,
-                                                       hello.header.value("message", std::string("zygote failed"))));
+                                                       hello.text("message", "zygote failed")));
   if (hello.type() != "hello")
     throw Error(Code::kInternal, fmt::format("fork server {}: unexpected first message '{}'", params.id, hello.type()));
   if (auto f = hello.header.find("failed"); f != hello.header.end() && f->is_object())
@@ -246,8 +246,8 @@ Slot ForkServer::arm(bool run_group) {
                                                 timed_out ? "was not ready in time" : "ended before it was ready"));
   if (ready.type() == "failed")
     throw Error(Code::kInternal, fmt::format("fork server {}: a call's child failed at {}: {}", id_,
-                                             ready.header.value("stage", std::string("?")),
-                                             ready.header.value("message", std::string("?"))));
+                                             ready.text("stage", "?"),
+                                             ready.text("message", "?")));
   if (ready.type() != "ready" || ready.fds.size() != 2)
     throw Error(Code::kInternal, fmt::format("fork server {}: unexpected message '{}' from a call's child", id_,
                                              ready.type()));

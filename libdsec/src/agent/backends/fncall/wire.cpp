@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -65,6 +66,32 @@ bool read_exact(int sock, char* out, std::size_t size, std::chrono::steady_clock
 }
 
 }  // namespace
+
+std::string Frame::text(const char* key, std::string fallback) const {
+  if (!header.is_object()) return fallback;
+  auto it = header.find(key);
+  return it != header.end() && it->is_string() ? it->get<std::string>() : fallback;
+}
+
+std::optional<int> Frame::integer(const char* key) const {
+  if (!header.is_object()) return std::nullopt;
+  auto it = header.find(key);
+  if (it == header.end()) return std::nullopt;
+  if (it->is_number_unsigned()) {
+    std::uint64_t v = it->get<std::uint64_t>();
+    if (v <= static_cast<std::uint64_t>(INT_MAX)) return static_cast<int>(v);
+  } else if (it->is_number_integer()) {
+    std::int64_t v = it->get<std::int64_t>();
+    if (v >= INT_MIN && v <= INT_MAX) return static_cast<int>(v);
+  }
+  return std::nullopt;
+}
+
+double Frame::number(const char* key, double fallback) const {
+  if (!header.is_object()) return fallback;
+  auto it = header.find(key);
+  return it != header.end() && it->is_number() ? it->get<double>() : fallback;
+}
 
 void send_frame(int sock, const json& header, std::string_view blob, const std::vector<int>& fds) {
   if (fds.size() > kMaxFds) throw Error(Code::kInternal, "fork server frame: too many descriptors");
@@ -129,10 +156,18 @@ bool recv_frame(int sock, Frame& out, std::chrono::steady_clock::time_point dead
   if (head_len > kMaxFrameHeader || blob_len > kMaxFrameBlob)
     throw Error(Code::kInternal, fmt::format("fork server: a message of {} + {} bytes is too large", head_len, blob_len));
   std::string head(head_len, '\0');
-  out.blob.resize(blob_len);
-  if (!read_exact(sock, head.data(), head.size(), deadline) ||
-      !read_exact(sock, out.blob.data(), out.blob.size(), deadline))
+  if (!read_exact(sock, head.data(), head.size(), deadline))
     throw Error(Code::kUnavailable, "fork server: a message stopped midway");
+  // The blob grows as its bytes arrive: a length the peer (a process in the sandbox) only claims costs the agent at
+  // most one step of memory, not kMaxFrameBlob.
+  constexpr std::size_t kBlobStep = 1u << 20;
+  while (out.blob.size() < blob_len) {
+    std::size_t at = out.blob.size();
+    std::size_t n = std::min<std::size_t>(blob_len - at, kBlobStep);
+    out.blob.resize(at + n);
+    if (!read_exact(sock, out.blob.data() + at, n, deadline))
+      throw Error(Code::kUnavailable, "fork server: a message stopped midway");
+  }
   try {
     out.header = json::parse(head);
   } catch (const json::exception& e) {

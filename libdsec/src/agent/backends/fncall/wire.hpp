@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,11 +18,22 @@ namespace dsec::agent::fncall {
 
 using nlohmann::json;
 
+// A frame as read. The header comes from a process inside a sandbox, so it is read only through the accessors
+// below, which take any JSON: a member that is missing or of another type is the fallback, never an exception.
 struct Frame {
   json header;
   std::string blob;
   std::vector<UniqueFd> fds;
-  std::string type() const { return header.is_object() ? header.value("type", std::string{}) : std::string{}; }
+
+  // The message's "type"; empty when it has none.
+  std::string type() const { return text("type"); }
+  // A string member, or `fallback`.
+  std::string text(const char* key, std::string fallback = {}) const;
+  // An integer member that fits an int; nothing for anything else (1e300 too: converting it would be undefined
+  // behaviour).
+  std::optional<int> integer(const char* key) const;
+  // A number member, or `fallback`.
+  double number(const char* key, double fallback) const;
 };
 
 inline constexpr std::size_t kMaxFrameHeader = 1u << 20;
