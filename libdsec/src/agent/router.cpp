@@ -206,6 +206,16 @@ void Router::check_group_access(const auth::Principal& who, const std::string& g
     if (!who.may_see(sb.tenant)) throw not_found();
 }
 
+bool Router::group_has_others(const auth::Principal& who, const std::string& group) {
+  try {
+    for (const auto& sb : registry_.get_group(group).sandboxes)
+      if (!who.may_see(sb.tenant)) return true;
+  } catch (const Error& e) {
+    if (e.code() != Code::kNotFound) throw;  // no such group: nobody's
+  }
+  return false;
+}
+
 HttpResponse Router::dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
                               const auth::Principal& who) {
   if (!target.sandbox_id.empty()) check_sandbox_access(who, target.sandbox_id);
@@ -298,23 +308,11 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
                   fmt::format("tenant: this token is tenant '{}'s and cannot create sandboxes of tenant '{}'",
                               who.tenant, spec.tenant));
     spec.tenant = who.tenant;
-    if (!spec.group.empty()) {
-      try {
-        check_group_access(who, spec.group);
-      } catch (const Error& e) {
-        // A group the tenant has no sandbox in yet is fine while it is nobody's; one of another tenant is not.
-        if (e.code() != Code::kNotFound) throw;
-        bool others = false;
-        try {
-          for (const auto& sb : registry_.get_group(spec.group).sandboxes) others = others || sb.tenant != who.tenant;
-        } catch (const Error&) {
-        }
-        if (others)
-          throw Error(Code::kPermissionDenied,
-                      fmt::format("group: '{}' is in use by another tenant on this node; choose another group id",
-                                  spec.group));
-      }
-    }
+    // A group the tenant's sandboxes are in, or one nobody's are in yet, it may join; another tenant's it may not.
+    if (!spec.group.empty() && group_has_others(who, spec.group))
+      throw Error(Code::kPermissionDenied,
+                  fmt::format("group: '{}' is in use by another tenant on this node; choose another group id",
+                              spec.group));
   }
   if (!count) {
     CreateOutcome outcome = registry_.create(spec, image_manifest);

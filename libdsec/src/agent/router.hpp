@@ -53,6 +53,8 @@ class Router {
   // NOT_FOUND, worded as for a sandbox that does not exist, unless `who` may reach sandbox `id`.
   void check_sandbox_access(const auth::Principal& who, const std::string& id);
   void check_group_access(const auth::Principal& who, const std::string& group);
+  // Whether group `group` holds a sandbox `who` may not see.
+  bool group_has_others(const auth::Principal& who, const std::string& group);
   HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
                         const auth::Principal& who);
   HttpResponse node(HttpRequest& request);

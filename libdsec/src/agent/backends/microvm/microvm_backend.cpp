@@ -223,11 +223,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
         boot.memory_bytes = source->parent_boot.memory_bytes;
         boot.vcpus = source->parent_boot.vcpus;
         copy_sparse(source->frozen->disk, boot.disk);
-        std::vector<UniqueFd> procs = cgroup->open_procs();
-        VmBootSpec b = boot;
-        for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
-        vm = VmInstance::restore(b, VmRestore{source->frozen->state, source->frozen->memory},
-                                 Clock::now() + shared_.config.microvm.boot_timeout);
+        vm = restore_in(boot, *cgroup, VmRestore{source->frozen->state, source->frozen->memory});
       } else {
         vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
       }
@@ -257,10 +253,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       TemplatePtr t = shared_.templates.get(key, [&] { return make_template(key, boot, disk_bytes); });
       try {
         copy_sparse(t->disk, boot.disk);
-        std::vector<UniqueFd> procs = cgroup.open_procs();
-        VmBootSpec b = boot;
-        for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
-        return VmInstance::restore(b, VmRestore{t->state, t->memory}, Clock::now() + shared_.config.microvm.boot_timeout);
+        return restore_in(boot, cgroup, VmRestore{t->state, t->memory});
       } catch (const Error& e) {
         log_warn("sandbox {}: start from template failed ({}); booting instead, and the template is made anew",
                  boot.id, e.what());
@@ -270,6 +263,15 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     }
     shared_.disks.make(boot.disk, disk_bytes);
     return boot_with_retries(boot, &cgroup);
+  }
+
+  // A VM started from saved state whose QEMU joins `cgroup` before it runs.
+  std::unique_ptr<VmInstance> restore_in(const VmBootSpec& boot, container::SandboxCgroup& cgroup,
+                                         const VmRestore& from) {
+    std::vector<UniqueFd> procs = cgroup.open_procs();  // open until QEMU has joined
+    VmBootSpec b = boot;
+    for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
+    return VmInstance::restore(b, from, Clock::now() + shared_.config.microvm.boot_timeout);
   }
 
   // Boots; a guest that stays silent is booted once more (a boot can stall early under a loaded TCG host), any
@@ -365,13 +367,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     b.disk = p->data_dir / "disk.ext4";
     b.hostname = "dsec-pool";
     copy_sparse(t->disk, b.disk);
-    {
-      std::vector<UniqueFd> procs = p->cgroup->open_procs();
-      VmBootSpec with_procs = b;
-      for (const auto& fd : procs) with_procs.cgroup_procs.push_back(fd.get());
-      p->vm = VmInstance::restore(with_procs, VmRestore{t->state, t->memory},
-                                  Clock::now() + shared_.config.microvm.boot_timeout);
-    }
+    p->vm = restore_in(b, *p->cgroup, VmRestore{t->state, t->memory});
     p->boot = b;
     // The first command in a fresh QEMU runs through code TCG has not translated yet (a quarter of a second): run
     // one here, so that the sandbox's first exec is as fast as its next ones. What it exits with does not matter.
