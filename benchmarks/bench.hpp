@@ -44,6 +44,7 @@ struct Options {
   std::vector<std::string> endpoints;  // empty: an embedded agent
   std::string home;                    // image store (and embedded agent state)
   std::string agent_binary;            // embedded dsecd; empty: the library's default search
+  std::vector<std::string> agent_args;  // more flags for the embedded agent (--agent-arg), e.g. --userns off
   std::string image = "busybox";
   std::string rootfs;    // peers' root; empty: the image's root in the store under home
   std::string work_dir;  // crun bundle and state; empty: a private directory under /tmp

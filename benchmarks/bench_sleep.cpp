@@ -221,6 +221,7 @@ SleepBenchResult run_sleep(const Options& o, const std::string& home) {
     copts.agent_binary = o.agent_binary;
     copts.agent_args = {"--backends", "container", "--swap-file", swap_dir.file.string(), "--swap-size",
                         std::to_string(swap_bytes)};
+    copts.agent_args.insert(copts.agent_args.end(), o.agent_args.begin(), o.agent_args.end());
     result.swap = fmt::format("a {} MiB swap file on {} ({}), made by the embedded agent (dsecd --swap-file) and "
                               "removed after",
                               swap_bytes >> 20, agent::swap_filesystem(swap_dir.dir).name, swap_dir.file.string());

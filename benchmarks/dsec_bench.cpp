@@ -86,6 +86,8 @@ Flags:
   --home DIR             image store (DIR/images) for the peers' root and, without --endpoint, the home of the
                          embedded agent this starts (default $DSEC_HOME, then /var/lib/dsec)
   --agent PATH           the dsecd binary of the embedded agent (default: the library's search)
+  --agent-arg ARG        one more flag for the embedded agent of create, throughput, exec, density, fncall,
+                         snapshot and sleep (repeatable: --agent-arg --userns --agent-arg off)
   --image NAME           image to create (default busybox); its root is also the peers' root
   --rootfs DIR           the peers' root instead of the image's directory in the store
   --work-dir DIR         where the OCI bundle, crun's state and the peers' logs go (default: a new /tmp dir)
@@ -189,6 +191,8 @@ Options parse_options(int argc, char** argv) {
       o.home = take();
     } else if (flag == "--agent") {
       o.agent_binary = take();
+    } else if (flag == "--agent-arg") {
+      o.agent_args.push_back(take());
     } else if (flag == "--image") {
       o.image = take();
     } else if (flag == "--rootfs") {
@@ -415,6 +419,7 @@ int run(int argc, char** argv) {
       copts.agent_args = {"--backends",          o.command == "fncall" ? "container,fncall" : "container,null",
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
+      copts.agent_args.insert(copts.agent_args.end(), o.agent_args.begin(), o.agent_args.end());
       if (!snapshot_store.empty()) {
         copts.stores = {(fs::path(home) / "store").string(), snapshot_store};
         copts.agent_args.insert(copts.agent_args.end(), {"--snapshot-store", snapshot_store});

@@ -227,6 +227,11 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("hostname", &dsec::SandboxSpec::hostname)
       .def_readwrite("workdir", &dsec::SandboxSpec::workdir)
       .def_readwrite("allow_ptrace", &dsec::SandboxSpec::allow_ptrace)
+      .def_readwrite("user", &dsec::SandboxSpec::user,
+                     "Who execs run as by default: a user name of the sandbox's /etc/passwd, \"uid\" or "
+                     "\"uid:gid\"; \"\" is root.")
+      .def_readwrite("protected_paths", &dsec::SandboxSpec::protected_paths,
+                     "Absolute paths made root's own (0:0, mode 0700) at create.")
       .def_readwrite("request_id", &dsec::SandboxSpec::request_id)
       .def_readwrite("node_selector", &dsec::SandboxSpec::node_selector)
       .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity);
@@ -468,6 +473,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("cgroup_version", &dsec::NodeInfo::cgroup_version)
       .def_readonly("images", &dsec::NodeInfo::images)
       .def_readonly("layer_mode", &dsec::NodeInfo::layer_mode)
+      .def_readonly("userns", &dsec::NodeInfo::userns)
       .def_readonly("cached_layers", &dsec::NodeInfo::cached_layers)
       .def_readonly("load1", &dsec::NodeInfo::load1)
       .def_readonly("swap_bytes", &dsec::NodeInfo::swap_bytes, "The node's swap (0: none).")
@@ -487,12 +493,13 @@ PYBIND11_MODULE(_dsec, m) {
           "exec",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
              std::map<std::string, std::string> env, std::string cwd, py::object stdin_data, double timeout,
-             std::size_t max_output, py::object on_output) {
+             std::size_t max_output, py::object on_output, std::string user) {
             dsec::ExecRequest req;
             if (argv) req.argv = std::move(*argv);
             if (shell) req.shell = std::move(*shell);
             req.env = std::move(env);
             req.cwd = std::move(cwd);
+            req.user = std::move(user);
             if (!stdin_data.is_none()) req.stdin_data = bytes_or_str(stdin_data, "stdin");
             req.timeout_seconds = timeout;
             req.max_output_bytes = max_output;
@@ -512,7 +519,7 @@ PYBIND11_MODULE(_dsec, m) {
           },
           py::arg("argv") = py::none(), py::arg("shell") = py::none(), py::arg("env") = std::map<std::string, std::string>{},
           py::arg("cwd") = "", py::arg("stdin") = py::none(), py::arg("timeout") = 600.0,
-          py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none())
+          py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none(), py::arg("user") = "")
       .def(
           "write_file",
           [](PySandbox& self, const std::string& path, py::object data, unsigned mode) {
@@ -586,18 +593,21 @@ PYBIND11_MODULE(_dsec, m) {
       .def(
           "exec",
           [](PySandboxGroup& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
-             std::map<std::string, std::string> env, std::string cwd, double timeout, std::size_t max_output) {
+             std::map<std::string, std::string> env, std::string cwd, double timeout, std::size_t max_output,
+             std::string user) {
             dsec::ExecRequest req;
             if (argv) req.argv = std::move(*argv);
             if (shell) req.shell = std::move(*shell);
             req.env = std::move(env);
             req.cwd = std::move(cwd);
+            req.user = std::move(user);
             req.timeout_seconds = timeout;
             req.max_output_bytes = max_output;
             py::gil_scoped_release release;
             return self.get().exec(req);
           },
-          py::arg("argv"), py::arg("shell"), py::arg("env"), py::arg("cwd"), py::arg("timeout"), py::arg("max_output"))
+          py::arg("argv"), py::arg("shell"), py::arg("env"), py::arg("cwd"), py::arg("timeout"), py::arg("max_output"),
+          py::arg("user") = "")
       .def("renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
       .def("sleep", [](PySandboxGroup& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>())
       .def("wake", [](PySandboxGroup& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>())

@@ -102,6 +102,8 @@ json_seeds = {
                        hostname="box-1", workdir="/root", allow_ptrace=True, tenant="t1"),
     "exec_shell": {"shell": "echo hi; exit 3", "env": {"X": "y"}, "cwd": "/tmp", "timeout": 10, "max_output": 65536},
     "exec_argv": {"argv": ["/bin/cat"], "stdin": b64(b"input bytes"), "timeout": 1.5},
+    "exec_user": {"argv": ["id"], "user": "1000:1000"},
+    "spec_user": dict(SPEC, user="nobody", protected_paths=["/grader", "/srv/answers"]),
     "fncall": {"language": "python", "code": "import sys\nprint(sys.argv)", "args": ["a", "b"],
                "files": {"data/in.txt": b64(b"x" * 10)}, "stdin": b64(b"1 2\n"), "env": {"K": "v"}, "timeout": 2,
                "cpu_time": 1, "memory": "256Mi", "pids": 64, "max_output_bytes": "1Mi", "gpu_mode": "shared",
@@ -340,6 +342,8 @@ wire_seeds = {
     "init_request": b"\x01\x00" + strs(["/bin/sh", "-c", "echo hi"]) + strs(["PATH=/usr/bin:/bin", "HOME=/root"]) +
                     s("/root"),
     "init_bad_count": b"\x01\x00" + u32(0xFFFFFFFF) + s("x"),
+    "init_request_user": b"\x01\x00" + strs(["/bin/id"]) + strs(["HOME=/home/alice"]) + s("/") + u32(1001) +
+                         u32(1001) + u32(2) + u32(1001) + u32(50),
     "fork_hello": b"\x02\x00" + fork_frame({"type": "hello", "failed": {"numpy": "ModuleNotFoundError"}}) +
                   fork_frame({"type": "ready"}),
     "fork_call": b"\x02\x00" + fork_frame({"type": "compiled", "exit_code": 0, "seconds": 0.25, "truncated": False},

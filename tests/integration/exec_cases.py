@@ -127,6 +127,23 @@ def case_argv_and_shell_forms(sandbox):
     assert r.exit_code == 200 and r.signal == 0 and not r.timed_out, r
 
 
+def case_exec_as_a_user(sandbox):
+    # A name of the image's /etc/passwd, and a uid:gid it does not have: the ids, groups and HOME they get.
+    r = sandbox.exec('id -u; id -g; id -G; echo "$HOME"; echo "$USER"', user="nobody")
+    assert r.stdout == b"65534\n65534\n65534\n/nonexistent\nnobody\n", r
+    r = sandbox.exec('id -u; id -g; id -G; echo "$HOME"', user="1000:1000")
+    assert r.stdout == b"1000\n1000\n1000\n/\n", r
+    assert sandbox.exec("id -u", user="root").stdout == b"0\n"
+    # Another user has no capability, and a file only root may read stays unread (exit 42 only on that path).
+    r = sandbox.exec(["grep", "CapEff", "/proc/self/status"], user="1000:1000")
+    assert r.stdout == b"CapEff:\t0000000000000000\n", r
+    assert sandbox.exec("echo s > /tmp/root-only && chmod 600 /tmp/root-only").exit_code == 0
+    r = sandbox.exec("cat /tmp/root-only 2>/dev/null || exit 42", user="nobody")
+    assert r.exit_code == 42 and r.stdout == b"", r
+    with pytest.raises(dsec.InvalidArgument, match="'mallory' is not a user of this sandbox"):
+        sandbox.exec("true", user="mallory")
+
+
 def case_signals(sandbox):
     r = sandbox.exec("kill -9 $$")
     assert (r.exit_code, r.signal, r.timed_out) == (-1, 9, False), r

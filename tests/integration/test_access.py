@@ -254,6 +254,44 @@ def test_a_tenant_sees_and_touches_only_its_own_sandboxes(secure, pki, tokens):
             sb.destroy()
 
 
+def test_a_tenants_snapshots_and_request_ids_are_its_own(secure, pki, tokens):
+    """A tenant's snapshot goes under tenants/<tenant>/: it starts sandboxes from it, another tenant cannot (in the
+    words of a snapshot that does not exist) nor see it in node info; request ids are per tenant."""
+    with client(secure, pki, tokens["team-a"]) as a, client(secure, pki, tokens["team-b"]) as b, \
+            client(secure, pki, tokens["ops"]) as ops:
+        sa = a.create(image="busybox", ttl=120, request_id="same-id")
+        made = []
+        try:
+            sa.write_file("/tmp/secret", b"a's answer\n")
+            snap = sa.snapshot("answers:v1")
+            assert snap.image.startswith("tenants/team-a/answers:v1@sha256:"), snap.image
+            own = a.create(image=snap.image, ttl=120)
+            made.append(own)
+            assert own.read_file("/tmp/secret") == b"a's answer\n"
+            with pytest.raises(dsec.NotFound) as seen:
+                b.create(image=snap.image, ttl=60, cpu=0.25, memory="64Mi")
+            with pytest.raises(dsec.NotFound) as unknown:
+                b.create(image="tenants/team-a/nothing:v9", ttl=60, cpu=0.25, memory="64Mi")
+            assert str(seen.value).replace(snap.image, "IMG") == str(unknown.value).replace(
+                "tenants/team-a/nothing:v9", "IMG")
+            with pytest.raises(dsec.InvalidArgument, match="another tenant"):
+                b.create(image="busybox", ttl=60, cpu=0.25, memory="64Mi").snapshot("tenants/team-a/mine:v1")
+            def theirs(c):
+                return [i for i in c.nodes()[0].images if i.startswith("tenants/team-a/")]
+            assert theirs(b) == [] and theirs(a) and theirs(ops), (theirs(a), theirs(b), theirs(ops))
+            # The same request id from another tenant is another request: a sandbox of its own.
+            sb = b.create(image="busybox", ttl=120, request_id="same-id", cpu=0.25, memory="64Mi")
+            made.append(sb)
+            assert sb.id != sa.id and sb.info().tenant == "team-b"
+            assert a.create(image="busybox", ttl=120, request_id="same-id").id == sa.id  # a replay of a's
+        finally:
+            for s in made:
+                s.destroy()
+            for info in b.list():
+                b.attach(info.id).destroy()
+            sa.destroy()
+
+
 def test_a_tenants_group_is_its_own(secure, pki, tokens):
     with client(secure, pki, tokens["team-a"]) as a:
         g = a.create_group(1, image="busybox", lease=120, ttl=120)

@@ -122,6 +122,25 @@ def test_raw_create_with_bad_field(agent, still_fine):
     assert "ttl" in _error(res, 400, "INVALID_ARGUMENT")["message"]
 
 
+def test_raw_numbers_beyond_any_node(agent, still_fine):
+    """Sizes past what any node could grant, numbers the parser cannot hold, counts that would wrap: 400 naming the
+    field, or a RESOURCE_EXHAUSTED that says no retry can help; never a 500."""
+    def create(spec) -> lib.RawResponse:
+        return lib.http_request(agent.socket_path, "POST", "/v1/sandboxes", json.dumps(spec).encode()
+                                if isinstance(spec, dict) else spec)
+    for field, value in [("memory", "17Ti"), ("disk", "17Ti"), ("memory", "18446744073709551616"),
+                         ("memory", 18446744073709551615), ("disk", "99999999999999999999Ti")]:
+        res = create({"image": "busybox", "resources": {field: value}})
+        assert f"resources.{field}" in _error(res, 400, "INVALID_ARGUMENT")["message"], (field, value)
+    res = create(b'{"image": "busybox", "resources": {"memory": 1e400}}')
+    assert res.status == 400, res
+    res = create(b'{"image": "busybox", "ttl": 1e308}')
+    assert "ttl" in _error(res, 400, "INVALID_ARGUMENT")["message"]
+    res = create({"image": "busybox", "resources": {"cpu": 1000}})  # far past this node's cores x overcommit
+    err = _error(res, 429, "RESOURCE_EXHAUSTED")
+    assert "could never fit" in err["message"] and err.get("retryable") is False, err
+
+
 def test_raw_unknown_sandbox(agent, still_fine):
     sid = f"{agent.node_id}-{uuid.uuid4().hex[:12]}"
     _error(lib.http_request(agent.socket_path, "GET", f"/v1/sandboxes/{sid}"), 404, "NOT_FOUND")

@@ -5,8 +5,8 @@ Boots are slow where there is no usable KVM (TCG: 1.5-3 s a boot on a small mach
 long-lived VM (and its container twin: the exec, stream and files bodies of exec_cases.py run against both kinds, so a
 VM is held to what a container does); after each test a cleanup kills every process of the shared sandbox but its
 pid 1 and removes what the test wrote. Only what destroys, limits or compares VMs gets VMs of its own: the disk
-limit (then destroy), TTL expiry, two VMs side by side, and a VM that stops under its sandbox (QEMU killed, the guest
-powering off, a guest panic). All but the disk-limit VM have the shared VM's shape (image, memory, vCPUs, disk), so
+limit (then destroy), TTL expiry, a VM with protected paths, two VMs side by side, and a VM that stops under its
+sandbox (QEMU killed, the guest powering off, a guest panic). All but the disk-limit VM have the shared VM's shape (image, memory, vCPUs, disk), so
 the agent makes them as clones of its template of that shape (one frozen guest) rather than boots of their own:
 four boots in all, the shared VM and the disk-limit VM and the agent's template of each. At most three of the
 tests' VMs run at once (and a template boot beside them), but for the fork test's five (a VM, three copies, a copy of
@@ -432,6 +432,24 @@ def test_ttl_expiry_destroys_the_vm(mvm, mclient):
     assert lib.wait_for(gone, 20, 0.25), f"ttl=3 VM still there after 20 s: {sb.info()}"
     with pytest.raises(dsec.NotFound):
         sb.exec("true")
+    assert_gone(mvm, mclient, sid)
+
+
+def test_protected_paths_and_a_default_user_in_a_vm(mvm, mclient):
+    # The shared VM's shape (a clone of its template), with nobody as the default user and a protected path made at
+    # create: what root puts there stays out of nobody's reach (exit 42 only on that path), root inside reads it.
+    sb = mclient.create(image="busybox", kind="microvm", ttl=300, memory=VM_MEMORY, user="nobody",
+                        protected_paths=["/grader"])
+    sid = sb.id
+    try:
+        sb.write_file("/grader/secret.txt", b"s3cret\n", 0o644)
+        assert sb.exec("stat -c '%u:%g %a' /grader", user="root").stdout == b"0:0 700\n"
+        r = sb.exec("id -u; cat /grader/secret.txt 2>/dev/null || cat /proc/1/root/grader/secret.txt 2>/dev/null || "
+                    "ls /grader 2>/dev/null || exit 42")
+        assert (r.exit_code, r.stdout) == (42, b"65534\n"), r
+        assert sb.exec(["cat", "/grader/secret.txt"], user="root").stdout == b"s3cret\n"
+    finally:
+        sb.destroy()
     assert_gone(mvm, mclient, sid)
 
 

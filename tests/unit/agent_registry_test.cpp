@@ -226,6 +226,29 @@ TEST_F(RegistryTest, AdmissionRefusesBeyondCpuAndMemoryWithOvercommit) {
   EXPECT_EQ(load.memory_requested, 1ull << 30);
 }
 
+TEST_F(RegistryTest, ARequestNoEmptyNodeCouldGrantIsNotRetryable) {
+  RegistryOptions options;
+  options.cores = 2;
+  options.cpu_overcommit = 1.5;
+  options.memory_bytes = 1ull << 30;
+  options.memory_overcommit = 1.0;
+  make(std::move(options));
+  for (auto [cpu, memory] : {std::pair{4.0, 64ull << 20}, std::pair{0.5, 2ull << 30}, std::pair{0.1, 16ull << 40}}) {
+    SandboxSpec s = spec();
+    s.resources.cpu = cpu;
+    s.resources.memory_bytes = memory;
+    try {
+      registry_->create(s);
+      FAIL() << "admitted " << cpu << " cpu, " << memory << " bytes";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Code::kResourceExhausted);
+      EXPECT_FALSE(e.retryable()) << e.what();
+      EXPECT_NE(std::string(e.what()).find("could never fit"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(state_->creates.load(), 0);
+}
+
 TEST_F(RegistryTest, AdmissionCountsCreatesInFlight) {
   RegistryOptions options;
   options.cores = 1;

@@ -74,6 +74,14 @@ TEST(ParseSize, Units) {
   EXPECT_EQ(parse_size("0"), 0u);
 }
 
+TEST(ParseSize, WholeNumbersAreExactAndNothingWraps) {
+  EXPECT_EQ(parse_size("9007199254740993"), 9007199254740993ull);  // 2^53 + 1: a double would round it
+  EXPECT_EQ(parse_size("18446744073709551615"), 18446744073709551615ull);
+  EXPECT_EQ(parse_size("16777215Ti"), 16777215ull << 40);
+  for (const char* too_big : {"18446744073709551616", "16777216Ti", "18446744073709551615K", "9.3e18", "9300000000.5G"})
+    EXPECT_FALSE(parse_size(too_big).has_value()) << too_big;
+}
+
 TEST(ParseSize, RejectsNonsense) {
   for (const char* bad : {"", "Mi", "-1", "1X", "1Mx", "1.2.3", "abc", "1 Mi Mi", "1e3", "99999999999T"})
     EXPECT_FALSE(parse_size(bad).has_value()) << bad;

@@ -160,6 +160,8 @@ def _spec(
     node_selector: Mapping[str, str] | None = None,
     anti_affinity: str = "",
     gpus: int = 0,
+    user: str | int | None = None,
+    protected_paths: Sequence[str] | None = None,
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -192,7 +194,23 @@ def _spec(
     s.request_id = request_id or ""
     s.node_selector = _str_map(node_selector, "node_selector")
     s.anti_affinity = anti_affinity or ""
+    s.user = _user(user)
+    if protected_paths is not None:
+        if isinstance(protected_paths, (str, bytes)) or not all(isinstance(p, str) for p in protected_paths):
+            raise InvalidArgument(f"protected_paths: expected a list of absolute paths (str), got {protected_paths!r}")
+        s.protected_paths = list(protected_paths)
     return s
+
+
+def _user(user: str | int | None) -> str:
+    """A ``user`` argument as the wire has it: a name, "uid" or "uid:gid" (an int is a uid); None is ""."""
+    if user is None:
+        return ""
+    if isinstance(user, int) and not isinstance(user, bool):
+        return str(user)
+    if not isinstance(user, str):
+        raise InvalidArgument(f"user: expected a user name, a uid or \"uid:gid\", got {user!r}")
+    return user
 
 
 class Snapshot(str):
@@ -313,11 +331,16 @@ class Sandbox:
         timeout: float = 600,
         max_output: Size = 16 << 20,
         on_output: Callable[[str, bytes], object] | None = None,
+        user: str | int | None = None,
     ) -> ExecResult:
         """Runs a command and waits for it.
 
         ``command`` as a str runs under ``/bin/sh -c``; a list is an argv (``argv[0]`` is looked up on PATH).
         ``env`` adds to the sandbox's environment, ``cwd`` defaults to its workdir, ``stdin`` is fed then closed.
+        ``user`` is who it runs as: a user name of the sandbox's own /etc/passwd (its groups from /etc/group, HOME,
+        USER and LOGNAME from its entry), a uid (int or str) or ``"uid:gid"``; None runs as the sandbox's ``user``
+        (root by default). An unknown name is :class:`InvalidArgument`. No command has any capability, root's
+        neither.
         After ``timeout`` seconds the command's processes are killed and the result has ``timed_out=True``.
         stdout and stderr (bytes) keep at most ``max_output`` bytes each; ``stdout_truncated`` tells.
 
@@ -350,6 +373,7 @@ class Sandbox:
             timeout=float(timeout),
             max_output=_field_size(max_output, "max_output"),
             on_output=on_output,
+            user=_user(user),
         )
 
     def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:
@@ -572,6 +596,7 @@ class SandboxGroup:
         cwd: str | None = None,
         timeout: float = 600,
         max_output: Size = 16 << 20,
+        user: str | int | None = None,
     ) -> list[ExecResult]:
         """The same command in every member, concurrently; results in member order. A member whose call fails gets a
         result with ``exit_code == -1`` and the error in ``stderr``."""
@@ -584,7 +609,7 @@ class SandboxGroup:
         else:
             raise InvalidArgument("command: expected a str (shell) or a list of str (argv)")
         return self._g.exec(argv=argv, shell=shell, env=_str_map(env, "env"), cwd=cwd or "", timeout=float(timeout),
-                            max_output=_field_size(max_output, "max_output"))
+                            max_output=_field_size(max_output, "max_output"), user=_user(user))
 
     def sleep(self) -> list[SleepResult]:
         """Sleeps every member, concurrently (see :meth:`Sandbox.sleep`); every member is tried, then the first
@@ -744,6 +769,8 @@ class Client:
         node_selector: Mapping[str, str] | None = None,
         anti_affinity: str = "",
         gpus: int = 0,
+        user: str | int | None = None,
+        protected_paths: Sequence[str] | None = None,
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -754,10 +781,15 @@ class Client:
         the sandbox needs. ``request_id`` makes the create idempotent: the same id returns the same
         sandbox (a random one is used when omitted, so the client's own retries never make two).
 
+        ``user`` is who every exec runs as unless it names its own (a user name of the image's /etc/passwd, a uid
+        or ``"uid:gid"``; root by default). ``protected_paths`` (absolute paths, at most 32, e.g. ``["/grader"]``)
+        are made root's own directories (mode 0700) before the sandbox is returned, so that what root puts there
+        stays out of reach of execs run as another user (docs/security.md).
+
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -782,6 +814,8 @@ class Client:
         node_selector: Mapping[str, str] | None = None,
         anti_affinity: str = "",
         gpus: int = 0,
+        user: str | int | None = None,
+        protected_paths: Sequence[str] | None = None,
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -793,7 +827,7 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -819,6 +853,8 @@ class Client:
         node_selector: Mapping[str, str] | None = None,
         anti_affinity: str = "",
         gpus: int = 0,
+        user: str | int | None = None,
+        protected_paths: Sequence[str] | None = None,
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -829,7 +865,7 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

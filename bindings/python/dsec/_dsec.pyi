@@ -27,6 +27,8 @@ class SandboxSpec:
     hostname: str
     workdir: str
     allow_ptrace: bool
+    user: str
+    protected_paths: list[str]
     request_id: str
     node_selector: dict[str, str]
     anti_affinity: str
@@ -286,6 +288,7 @@ class Sandbox:
         timeout: float = 600.0,
         max_output: int = ...,
         on_output: Callable[[str, bytes], object] | None = None,
+        user: str = "",
     ) -> ExecResult: ...
     def write_file(self, path: str, data: _Bytes, mode: int = 0o644) -> None: ...
     def read_file(self, path: str) -> bytes: ...
@@ -313,6 +316,7 @@ class SandboxGroup:
         cwd: str,
         timeout: float,
         max_output: int,
+        user: str = "",
     ) -> list[ExecResult]: ...
     def renew(self) -> None: ...
     def sleep(self) -> list[SleepResult]: ...

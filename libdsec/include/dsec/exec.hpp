@@ -18,6 +18,10 @@ struct ExecRequest {
   std::string stdin_data;             // bytes fed to stdin, then EOF
   double timeout_seconds = 600;       // wall clock; on expiry the exec's whole process tree is killed
   std::size_t max_output_bytes = 16u << 20;  // cap for each of stdout and stderr; the rest is dropped
+  // Who the command runs as: a user name of the sandbox's /etc/passwd (its primary group from there, its other
+  // groups from /etc/group, HOME, USER and LOGNAME from its entry unless env sets them), or "uid" / "uid:gid"
+  // (0 to 65535 each). Empty: the sandbox's SandboxSpec::user (empty there too: root).
+  std::string user;
 };
 
 struct ExecResult {

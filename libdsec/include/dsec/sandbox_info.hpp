@@ -74,6 +74,8 @@ struct NodeInfo {
   // How the node mounts image layers: "erofs-lazy" (EROFS over a lazily filled file), or "extract (...)" with the
   // reason the node fell back to extracting whole layers.
   std::string layer_mode;
+  // Whether container sandboxes get user namespaces: "idmapped (ids from F, N blocks of 65536)", or "off (why)".
+  std::string userns;
   std::vector<CachedLayer> cached_layers;  // the layers in the node's cache
   double load1 = 0;
   // The node's swap (every swap area of the host): where sleeping sandboxes' anonymous memory goes. 0: none.

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace dsec {
 
@@ -35,6 +36,14 @@ struct SandboxSpec {
   std::string hostname;               // empty: the sandbox id
   std::string workdir = "/";          // default cwd for exec
   bool allow_ptrace = false;          // allow ptrace inside the sandbox (debuggers); denied by default
+  // Who every exec runs as unless the exec names its own user: a user name of the sandbox's own /etc/passwd, or
+  // "uid" / "uid:gid" (0 to 65535 each). Empty: root inside the sandbox (which holds no capability either way).
+  // See docs/security.md, "Users inside a sandbox and protected paths".
+  std::string user;
+  // Absolute paths (at most 32, e.g. "/grader") the agent makes root's own before the sandbox is handed out: each
+  // is created as a directory if missing, then owned by 0:0 with mode 0700, so execs as another user cannot read,
+  // list or link what root puts there. A path that is a symbolic link (or lies under one) fails the create.
+  std::vector<std::string> protected_paths;
   std::string request_id;             // idempotency key: the same key returns the same sandbox
   // Placement (client side): a node must carry every one of these labels (dsecd --label k=v).
   Labels node_selector;

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "agent/backends/container/container_backend.hpp"
+#include "agent/backends/container/user_namespace.hpp"
 #include "agent/backends/fncall/fncall_service.hpp"
 #include "agent/backends/microvm/microvm_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
@@ -24,12 +25,13 @@ bool valid_node_id(std::string_view id) noexcept {
   return true;
 }
 
-std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(const AgentConfig& config) {
+std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
+    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns) {
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
     if (out.count(name) || name == "fncall" || name == "microvm") continue;
-    if (name == "container") out.emplace(name, make_container_backend(config));
+    if (name == "container") out.emplace(name, make_container_backend(config, userns));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
       throw Error(Code::kInvalidArgument,
@@ -125,8 +127,22 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     images.mount_dir = config_.run_dir / ".layers";
     images_ = make_layered_image_source(images, metrics_.layers());
   }
-  if (std::find(config_.backends.begin(), config_.backends.end(), "fncall") != config_.backends.end()) {
+  const auto serves = [&](std::string_view kind) {
+    return std::find(config_.backends.begin(), config_.backends.end(), kind) != config_.backends.end();
+  };
+  if (serves("container") || serves("fncall")) {
+    container::UsernsOptions u;
+    u.mode = config_.userns;
+    u.first = config_.userns_first;
+    u.blocks = config_.userns_blocks;
+    u.claims_dir = config_.userns_claims_dir;
+    u.run_dir = config_.run_dir;
+    userns_ = std::make_shared<container::UserNamespaces>(std::move(u));
+    log_info("user namespaces: {}", userns_->describe());
+  }
+  if (serves("fncall")) {
     fncall::FnCallServiceOptions fo;
+    fo.userns = userns_;
     fo.config = config_.fncall;
     fo.node_id = config_.node_id;
     fo.cgroup_name = config_.cgroup_name;
@@ -135,7 +151,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
   }
   const bool backends_from_config = parts.backends.empty();
-  backends_ = backends_from_config ? make_backends(config_) : std::move(parts.backends);
+  backends_ = backends_from_config ? make_backends(config_, userns_) : std::move(parts.backends);
   if (backends_from_config &&
       std::find(config_.backends.begin(), config_.backends.end(), "microvm") != config_.backends.end()) {
     // A node without QEMU or a guest kernel still serves its other backends; GET /v1/node says why not this one.
@@ -336,6 +352,7 @@ NodeInfo Agent::node_info() const {
   n.cpu_overcommit = config_.cpu_overcommit;
   n.memory_overcommit = config_.memory_overcommit;
   n.cgroup_version = cgroup_version_;
+  n.userns = userns_ ? userns_->describe() : "off (no container or fncall backend)";
   try {
     n.images = images_->names();
   } catch (const std::exception& e) {

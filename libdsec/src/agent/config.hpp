@@ -108,6 +108,13 @@ struct AgentConfig {
   std::size_t max_header_bytes = 16u << 10;
   std::size_t max_connections = 4096;
   std::size_t netns_pool_size = 32;           // pre-created network namespaces
+  // User namespaces of container sandboxes and fork servers (backends/container/user_namespace.hpp): "auto" (when
+  // the kernel can), "on" (refuse to start without), "off" (host ids). Blocks of 65,536 host ids from userns_first,
+  // userns_blocks of them, claimed host-wide in userns_claims_dir so that agents sharing a host never share a block.
+  std::string userns = "auto";
+  std::uint32_t userns_first = 268435456;
+  std::uint32_t userns_blocks = 16384;
+  std::filesystem::path userns_claims_dir = "/run/dsec-userns";
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   // Kinds this agent serves: "container", "null" (sandboxes), and "fncall" (function calls, POST /v1/fncall).

@@ -90,6 +90,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
                           left them on SIGUSR2): adopt takes over those still alive and marks the dead ones failed;
                           remove destroys them all (default adopt)
   --netns-pool N          network namespaces kept ready (default 32)
+  --userns MODE           user namespaces for container sandboxes and fork servers: auto (when the kernel has
+                          idmapped mounts; default), on (refuse to start without), off (host ids)
+  --userns-range F:N      their host ids: N blocks of 65536 from id F (default 268435456:16384)
   --cgroup-name NAME      cgroup subtree of this agent (default dsec)
   --cgroup-favordynmods   switch the host's cgroup locking to favour migrations (remounts a cgroup hierarchy with
                           favordynmods, kept until reboot): sandboxes join their cgroups without waiting for an RCU
@@ -321,6 +324,24 @@ int main(int argc, char** argv) {
       config.adopt_sandboxes = value == "adopt";
     } else if (flag == "--netns-pool") {
       config.netns_pool_size = parse_unsigned(flag, value);
+    } else if (flag == "--userns") {
+      if (value != "auto" && value != "on" && value != "off")
+        fail(fmt::format("--userns: '{}' is not one of auto, on, off", value));
+      config.userns = std::string(value);
+    } else if (flag == "--userns-range") {
+      auto colon = value.find(':');
+      std::uint32_t first = 0, blocks = 0;
+      auto parse = [](std::string_view t, std::uint32_t& out) {
+        auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+        return !t.empty() && ec == std::errc() && ptr == t.data() + t.size();
+      };
+      if (colon == std::string_view::npos || !parse(value.substr(0, colon), first) ||
+          !parse(value.substr(colon + 1), blocks) || first == 0 || blocks == 0 ||
+          std::uint64_t{first} + std::uint64_t{blocks} * 65536 > 0xFFFFFFFFull)
+        fail(fmt::format("--userns-range: '{}' is not FIRST:BLOCKS with blocks of 65536 ids within 1..4294967294",
+                         value));
+      config.userns_first = first;
+      config.userns_blocks = blocks;
     } else if (flag == "--cgroup-favordynmods") {
       config.cgroup_favordynmods = true;
     } else if (flag == "--cgroup-name") {

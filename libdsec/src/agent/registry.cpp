@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 
 #include "agent/log.hpp"
+#include "agent/protected_paths.hpp"
 #include "agent/registry_internal.hpp"
 #include "common/protocol.hpp"
 #include "common/syscall.hpp"
@@ -200,6 +201,8 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     }
 
     try {
+      // Before anything else runs in it; a fork's copy has them already (and its processes run on).
+      if (!params.fork_of) protect_paths(*record->sandbox, spec);
       record->backend_state = record->sandbox->recovery_state();
     } catch (...) {
       record->sandbox->destroy();

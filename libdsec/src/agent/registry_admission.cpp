@@ -52,6 +52,15 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                               free, options_.gpus));
   }
   const double cpu_limit = options_.cores * options_.cpu_overcommit;
+  const double memory_limit = static_cast<double>(options_.memory_bytes) * options_.memory_overcommit;
+  // More than the node could ever grant, empty: no retry can help (the client's placement tries another node).
+  if (r.cpu * n > cpu_limit + kEpsilon || static_cast<double>(r.memory_bytes) * n > memory_limit + 0.5)
+    throw Error(Code::kResourceExhausted,
+                fmt::format("admission: {} sandbox{} of {:.2f} cpu and {} memory could never fit node '{}' ({:.2f} "
+                            "cores and {} at most, with overcommit)",
+                            count, count == 1 ? "" : "es", r.cpu, mib(r.memory_bytes), options_.node_id, cpu_limit,
+                            mib(static_cast<std::uint64_t>(memory_limit))),
+                /*retryable=*/false);
   const double cpu_after = live_cpu_ + reserved_cpu_ + r.cpu * n;
   if (cpu_after > cpu_limit + kEpsilon)
     throw Error(Code::kResourceExhausted,
@@ -59,7 +68,6 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                             "limit of {:.2f} ({} cores x cpu_overcommit {})",
                             r.cpu * n, options_.node_id, cpu_after, cpu_limit, options_.cores,
                             options_.cpu_overcommit));
-  const double memory_limit = static_cast<double>(options_.memory_bytes) * options_.memory_overcommit;
   const double memory_after =
       static_cast<double>(live_memory_ + reserved_memory_) + static_cast<double>(r.memory_bytes) * n;
   if (memory_after > memory_limit + 0.5)

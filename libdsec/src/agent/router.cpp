@@ -185,6 +185,37 @@ auth::Principal Router::authenticate(const HttpRequest& request, const Peer& pee
   return *who;
 }
 
+namespace {
+
+// Snapshots a tenant takes are images named tenants/<tenant>/...: its own to start sandboxes from, nobody else's.
+// Images outside tenants/ (the operator's) are everyone's.
+constexpr std::string_view kTenantImages = "tenants/";
+
+std::string tenant_image_prefix(const auth::Principal& who) { return fmt::format("{}{}/", kTenantImages, who.tenant); }
+
+bool tenant_may_use_image(const auth::Principal& who, std::string_view image) {
+  if (who.admin || !image.starts_with(kTenantImages)) return true;
+  return image.starts_with(tenant_image_prefix(who));
+}
+
+// A tenant's request ids are its own: the same id from two tenants names two requests, and one tenant's cannot
+// tell whether another's exists.
+std::string tenant_request_id(const auth::Principal& who, const std::string& request_id) {
+  if (who.admin || request_id.empty()) return request_id;
+  return fmt::format("{}:{}", who.tenant, request_id);
+}
+
+}  // namespace
+
+// Another tenant's snapshot answers in the same words whether it exists or not.
+void Router::check_image_access(const auth::Principal& who, const std::string& image) {
+  if (tenant_may_use_image(who, image)) return;
+  throw Error(Code::kNotFound,
+              fmt::format("image {} not found: tenant '{}' starts sandboxes from its own snapshots ({}...) and from "
+                          "images outside {}",
+                          image, who.tenant, tenant_image_prefix(who), kTenantImages));
+}
+
 void Router::check_sandbox_access(const auth::Principal& who, const std::string& id) {
   if (who.admin) return;
   // Another tenant's sandbox answers exactly as one that does not exist: no way to learn which ids are in use.
@@ -227,14 +258,14 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
   switch (target.route) {
     case Route::kHealthz: return healthz(request);
     case Route::kMetrics: return metrics_text(request);
-    case Route::kNode: return node(request);
+    case Route::kNode: return node(request, who);
     case Route::kSandboxes: return sandboxes(request, target, who);
     case Route::kSandbox: return sandbox(request, target);
     case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
-    case Route::kSandboxSnapshot: return snapshot(request, target);
+    case Route::kSandboxSnapshot: return snapshot(request, target, who);
     case Route::kSandboxFork: return fork(request, target);
     case Route::kGroups: return groups(request, target, who);
     case Route::kGroup: return group(request, target);
@@ -258,9 +289,12 @@ HttpResponse Router::metrics_text(HttpRequest& request) {
   return text_response(http::status::ok, metrics_.render(registry_.load().by_kind), "text/plain; version=0.0.4");
 }
 
-HttpResponse Router::node(HttpRequest& request) {
+HttpResponse Router::node(HttpRequest& request, const auth::Principal& who) {
   allow(request, "/v1/node", {http::verb::get});
-  json body = protocol::encode(node_info_());
+  NodeInfo info = node_info_();
+  // A tenant sees the images it may start sandboxes from: not another tenant's snapshots.
+  std::erase_if(info.images, [&](const std::string& image) { return !tenant_may_use_image(who, image); });
+  json body = protocol::encode(info);
   if (fncall_) body["fncall"] = encode_fncall_status(fncall_->status());
   return json_response(http::status::ok, body);
 }
@@ -308,6 +342,8 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
                   fmt::format("tenant: this token is tenant '{}'s and cannot create sandboxes of tenant '{}'",
                               who.tenant, spec.tenant));
     spec.tenant = who.tenant;
+    check_image_access(who, spec.image);
+    spec.request_id = tenant_request_id(who, spec.request_id);
     // A group the tenant's sandboxes are in, or one nobody's are in yet, it may join; another tenant's it may not.
     if (!spec.group.empty() && group_has_others(who, spec.group))
       throw Error(Code::kPermissionDenied,
@@ -500,7 +536,7 @@ HttpResponse Router::fork(HttpRequest& request, const Target& target) {
 }
 
 // POST {"name": "repo[:tag]", "request_id": "..."}: capture the sandbox's files as a new image (agent/snapshots.hpp).
-HttpResponse Router::snapshot(HttpRequest& request, const Target& target) {
+HttpResponse Router::snapshot(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/sandboxes/{id}/snapshot", {http::verb::post});
   only_params(target.query, {});
   json body = protocol::parse_body(request.body());
@@ -517,6 +553,17 @@ HttpResponse Router::snapshot(HttpRequest& request, const Target& target) {
     }
   }
   if (req.name.empty()) throw Error(Code::kInvalidArgument, "name: missing (the new image's repo[:tag])");
+  if (!who.admin) {
+    // A tenant's snapshots go under tenants/<tenant>/ (said in the answer's "image").
+    if (req.name.starts_with(kTenantImages) && !req.name.starts_with(tenant_image_prefix(who)))
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("name: '{}' is under another tenant's {}; name it without the prefix (it goes under {})",
+                              req.name, kTenantImages, tenant_image_prefix(who)));
+    if (!req.name.starts_with(tenant_image_prefix(who))) req.name = tenant_image_prefix(who) + req.name;
+    if (req.request_id.size() > 128)
+      throw Error(Code::kInvalidArgument, "request_id: longer than 128 bytes");
+    req.request_id = tenant_request_id(who, req.request_id);
+  }
   if (!snapshots_) throw Error(Code::kUnimplemented, "this agent takes no snapshots (it has no snapshot store)");
   SnapshotOutcome o = snapshots_->take(req);
   const auto& f = o.files;

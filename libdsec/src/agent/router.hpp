@@ -52,18 +52,19 @@ class Router {
   auth::Principal authenticate(const HttpRequest& request, const Peer& peer, Route route);
   // NOT_FOUND, worded as for a sandbox that does not exist, unless `who` may reach sandbox `id`.
   void check_sandbox_access(const auth::Principal& who, const std::string& id);
+  void check_image_access(const auth::Principal& who, const std::string& image);
   void check_group_access(const auth::Principal& who, const std::string& group);
   // Whether group `group` holds a sandbox `who` may not see.
   bool group_has_others(const auth::Principal& who, const std::string& group);
   HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
                         const auth::Principal& who);
-  HttpResponse node(HttpRequest& request);
+  HttpResponse node(HttpRequest& request, const auth::Principal& who);
   HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
-  HttpResponse snapshot(HttpRequest& request, const Target& target);
+  HttpResponse snapshot(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse fork(HttpRequest& request, const Target& target);
   HttpResponse groups(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse group(HttpRequest& request, const Target& target);

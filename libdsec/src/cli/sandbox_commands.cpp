@@ -54,6 +54,9 @@ system agent running, a private agent is started for the command (on --home's im
   --label KEY=VALUE    sandbox label (repeatable)
   --tenant T           owner of the sandbox
   --workdir DIR        working directory (default /)
+  --user USER          run CMD (and every later exec) as USER: a name of the image's /etc/passwd, UID or UID:GID
+                       (default root)
+  --protect PATH       make PATH a directory only root inside may enter, before CMD runs (repeatable)
   --timeout SECONDS    wall-clock limit for CMD (default 600)
   --ttl SECONDS        the agent destroys the sandbox after this long (default 3600; 0 = never)
   --kind KIND          backend (default container)
@@ -68,6 +71,8 @@ Runs CMD in sandbox ID, prints its output as it comes, and exits with its status
 if it timed out, 125 if dsec failed).
   --env KEY=VALUE      environment (repeatable)
   --workdir DIR        working directory (default: the sandbox's)
+  --user USER          run as USER: a name of the sandbox's /etc/passwd, UID or UID:GID (default: the sandbox's
+                       user, root unless it was created with one)
   --timeout SECONDS    wall-clock limit (default 600)
   -i, --interactive    send this process's standard input to CMD
 )";
@@ -273,6 +278,8 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
                              {"--label", true, true},
                              {"--tenant", true},
                              {"--workdir", true},
+                             {"--user", true},
+                             {"--protect", true, true},
                              {"--timeout", true},
                              {"--ttl", true},
                              {"--kind", true},
@@ -300,6 +307,8 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
   spec.labels = kv_option(p, "--label", help);
   spec.tenant = p.get("--tenant").value_or("");
   spec.workdir = p.get("--workdir").value_or(spec.workdir);
+  spec.user = p.get("--user").value_or("");
+  if (auto it = p.values.find("--protect"); it != p.values.end()) spec.protected_paths = it->second;
   double timeout = number_option(p, "--timeout", 600, help);
   std::string stdin_data = (p.has("-i") || p.has("--interactive")) ? read_all_stdin() : std::string();
 
@@ -334,6 +343,7 @@ int cmd_exec(const std::vector<std::string>& args, GlobalOptions& global) {
   ParsedArgs p = parse_args(args,
                             {{"--env", true, true},
                              {"--workdir", true},
+                             {"--user", true},
                              {"--timeout", true},
                              {"-i", false},
                              {"--interactive", false}},
@@ -348,6 +358,7 @@ int cmd_exec(const std::vector<std::string>& args, GlobalOptions& global) {
   req.argv = p.command;
   req.env = kv_option(p, "--env", help);
   req.cwd = p.get("--workdir").value_or("");
+  req.user = p.get("--user").value_or("");
   req.timeout_seconds = number_option(p, "--timeout", 600, help);
   if (p.has("-i") || p.has("--interactive")) req.stdin_data = read_all_stdin();
   std::string endpoint = require_endpoint(global, "exec", help);

@@ -2,6 +2,8 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -81,6 +83,18 @@ std::map<std::string, std::string> get_string_map(const json& j, const char* key
 }
 
 bool has_nul(std::string_view s) { return s.find('\0') != std::string_view::npos; }
+
+std::vector<std::string> get_string_list(const json& j, const char* key, std::string_view field) {
+  std::vector<std::string> out;
+  const json* v = find(j, key);
+  if (!v) return out;
+  if (!v->is_array()) bad(field, "must be an array of strings");
+  for (std::size_t i = 0; i < v->size(); ++i) {
+    if (!(*v)[i].is_string()) bad(fmt::format("{}[{}]", field, i), "must be a string");
+    out.push_back((*v)[i].get<std::string>());
+  }
+  return out;
+}
 
 // An answer (what an agent sends back, or a record an agent wrote) that does not hold what it should: INTERNAL, as
 // for an answer that is not JSON at all, naming the field.
@@ -185,7 +199,7 @@ json parse_body(std::string_view body) {
 }
 
 json encode(const SandboxSpec& s) {
-  return json{
+  json j{
       {"image", s.image},
       {"kind", s.kind},
       {"resources",
@@ -208,6 +222,10 @@ json encode(const SandboxSpec& s) {
       {"group", s.group},
       {"group_ttl", s.group_ttl.count()},
   };
+  // Written only when set, so a spec without them encodes (and fingerprints, for request ids) as before.
+  if (!s.user.empty()) j["user"] = s.user;
+  if (!s.protected_paths.empty()) j["protected_paths"] = s.protected_paths;
+  return j;
 }
 
 SandboxSpec decode_spec(const json& j) {
@@ -247,6 +265,8 @@ SandboxSpec decode_spec(const json& j) {
   if (group_ttl != 0 && (group_ttl < 1 || group_ttl > kMaxGroupTtlSeconds))
     bad("group_ttl", "must be from 1 to 86400 seconds");
   s.group_ttl = std::chrono::seconds{static_cast<std::int64_t>(group_ttl)};
+  s.user = get_string(j, "user", "user");
+  s.protected_paths = get_string_list(j, "protected_paths", "protected_paths");
   validate(s);
   return s;
 }
@@ -277,13 +297,19 @@ void validate_image_ref(std::string_view image, std::string_view field) {
 
 }  // namespace
 
+// Memory and disk a sandbox may ask for: far beyond any node, and small enough that no sum of them in admission,
+// quotas or metrics can wrap.
+constexpr std::uint64_t kMaxResourceBytes = 16ull << 40;
+
 void validate(const SandboxSpec& s) {
   validate_image_ref(s.image, "image");
   if (s.kind.empty()) bad("kind", "must not be empty");
   const auto& r = s.resources;
   if (!(r.cpu > 0) || r.cpu > 1024) bad("resources.cpu", "must be in (0, 1024] cores");
   if (r.memory_bytes < (4ull << 20)) bad("resources.memory", "must be at least 4Mi");
+  if (r.memory_bytes > kMaxResourceBytes) bad("resources.memory", "at most 16Ti");
   if (r.disk_bytes < (1ull << 20)) bad("resources.disk", "must be at least 1Mi");
+  if (r.disk_bytes > kMaxResourceBytes) bad("resources.disk", "at most 16Ti");
   if (r.pids < 1) bad("resources.pids", "must be at least 1");
   if (r.open_files < 16) bad("resources.open_files", "must be at least 16");
   if (r.gpus > kMaxGpus) bad("resources.gpus", fmt::format("at most {}", kMaxGpus));
@@ -308,6 +334,74 @@ void validate(const SandboxSpec& s) {
   if (s.workdir.empty() || s.workdir.front() != '/' || has_nul(s.workdir)) bad("workdir", "must be an absolute path");
   if (s.request_id.size() > 128 || has_nul(s.request_id)) bad("request_id", "at most 128 bytes");
   if (s.tenant.size() > 128 || has_nul(s.tenant)) bad("tenant", "at most 128 bytes");
+  (void)parse_user(s.user, "user");
+  validate_protected_paths(s.protected_paths, "protected_paths");
+}
+
+UserRef parse_user(std::string_view user, std::string_view field) {
+  UserRef out;
+  if (user.empty()) return out;
+  auto all_digits = [](std::string_view t) {
+    return !t.empty() && std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  auto id = [&](std::string_view t, std::string_view what) -> std::uint32_t {
+    // At most 5 digits fit the range; longer is out of range however it reads.
+    std::uint64_t v = 0;
+    for (char c : t.substr(0, 12)) v = v * 10 + static_cast<std::uint64_t>(c - '0');
+    if (t.size() > 12 || v > kMaxUserId)
+      bad(field, fmt::format("'{}': {} {} is out of range (0 to {})", user, what, t, kMaxUserId));
+    return static_cast<std::uint32_t>(v);
+  };
+  std::size_t colon = user.find(':');
+  if (colon != std::string_view::npos) {
+    std::string_view u = user.substr(0, colon), g = user.substr(colon + 1);
+    if (!all_digits(u) || !all_digits(g))
+      bad(field, fmt::format("'{}' is neither a user name nor a numeric uid:gid", user));
+    out.uid = id(u, "uid");
+    out.gid = id(g, "gid");
+    return out;
+  }
+  if (all_digits(user)) {
+    out.uid = id(user, "uid");
+    return out;
+  }
+  auto name_char = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  };
+  std::string_view body = user.back() == '$' ? user.substr(0, user.size() - 1) : user;
+  if (body.empty() || user.size() > 64 || body.front() == '-' || !std::all_of(body.begin(), body.end(), name_char))
+    bad(field, fmt::format("'{}' is not a user name (1 to 64 letters, digits, '.', '_', '-', not starting with '-'), "
+                           "a uid or a uid:gid",
+                           has_nul(user) ? std::string("(contains NUL)") : std::string(user.substr(0, 80))));
+  out.name = std::string(user);
+  return out;
+}
+
+void validate_protected_paths(const std::vector<std::string>& paths, std::string_view field) {
+  if (paths.size() > kMaxProtectedPaths)
+    bad(field, fmt::format("{} paths given, at most {}", paths.size(), kMaxProtectedPaths));
+  for (std::size_t i = 0; i < paths.size(); ++i) {
+    const std::string& p = paths[i];
+    std::string name = fmt::format("{}[{}]", field, i);
+    if (p.empty() || p.front() != '/') bad(name, fmt::format("'{}' is not an absolute path", p));
+    if (p.size() > 4096 || has_nul(p) || p.find('\n') != std::string::npos)
+      bad(name, "at most 4096 bytes, without NUL or newline");
+    if (p == "/") bad(name, "'/' itself cannot be protected");
+    std::string normal;
+    for (std::size_t pos = 1; pos <= p.size();) {
+      std::size_t end = p.find('/', pos);
+      if (end == std::string::npos) end = p.size();
+      std::string_view part = std::string_view(p).substr(pos, end - pos);
+      if (part == "..") bad(name, fmt::format("'{}' has a '..' component", p));
+      if (!part.empty() && part != ".") normal += "/" + std::string(part);
+      pos = end + 1;
+    }
+    if (normal != p)
+      bad(name, fmt::format("'{}' is not normalized (write '{}')", p, normal.empty() ? "/" : normal));
+    for (std::string_view top : {"/proc", "/sys", "/dev"})
+      if (p == top || (p.size() > top.size() && p.compare(0, top.size(), top) == 0 && p[top.size()] == '/'))
+        bad(name, fmt::format("'{}' is under {}, which the sandbox's runtime provides", p, top));
+  }
 }
 
 bool valid_group_id(std::string_view id) noexcept {
@@ -325,6 +419,7 @@ json encode(const ExecRequest& r) {
   if (!r.shell.empty()) j["shell"] = r.shell;
   else j["argv"] = r.argv;
   if (!r.stdin_data.empty()) j["stdin"] = base64_encode(r.stdin_data);
+  if (!r.user.empty()) j["user"] = r.user;
   return j;
 }
 
@@ -356,6 +451,8 @@ ExecRequest decode_exec_request(const json& j) {
   if (!(r.timeout_seconds > 0) || r.timeout_seconds > 86400 * 7) bad("timeout", "must be in (0, 604800] seconds");
   r.max_output_bytes = get_unsigned(j, "max_output", "max_output", r.max_output_bytes);
   if (r.max_output_bytes > (1ull << 30)) bad("max_output", "at most 1 GiB");
+  r.user = get_string(j, "user", "user");
+  (void)parse_user(r.user, "user");
   return r;
 }
 
@@ -628,6 +725,7 @@ json encode(const NodeInfo& n) {
               {"cgroup_version", n.cgroup_version},
               {"images", n.images},
               {"layer_mode", n.layer_mode},
+              {"userns", n.userns},
               {"cached_layers", layers},
               {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
   const MicroVmNodeInfo& m = n.microvm;
@@ -676,6 +774,7 @@ NodeInfo decode_node_info(const json& j) {
   n.cgroup_version = member(j, "cgroup_version", "");
   n.images = member(j, "images", std::vector<std::string>{});
   n.layer_mode = member(j, "layer_mode", "");
+  n.userns = member(j, "userns", "");
   if (auto s = j.find("swap"); s != j.end() && s->is_object()) {
     n.swap_bytes = member(*s, "total", std::uint64_t{0}, "swap.total");
     n.swap_free_bytes = member(*s, "free", std::uint64_t{0}, "swap.free");

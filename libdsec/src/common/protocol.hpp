@@ -3,8 +3,11 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
@@ -29,6 +32,22 @@ inline constexpr double kMaxGroupTtlSeconds = 86400;
 
 json encode(const ExecRequest& request);
 ExecRequest decode_exec_request(const json& j);
+
+// A `user` field (SandboxSpec::user, ExecRequest::user) by its form: "" (root), a user name (1 to 64 letters, digits,
+// '.', '_', '-', not starting with '-', an optional trailing '$'), "uid" or "uid:gid" (decimal, 0 to kMaxUserId).
+// Whether a name exists is known only inside the sandbox, at exec. Throws INVALID_ARGUMENT naming `field`.
+inline constexpr std::uint32_t kMaxUserId = 65535;
+struct UserRef {
+  std::string name;                // set for a name
+  std::optional<std::uint32_t> uid;  // set for "uid" and "uid:gid"
+  std::optional<std::uint32_t> gid;  // set for "uid:gid"
+};
+UserRef parse_user(std::string_view user, std::string_view field = "user");
+
+// SandboxSpec::protected_paths: at most kMaxProtectedPaths, each absolute and normalized (no "//", ".", ".." or
+// trailing '/'), not "/" and not under /proc, /sys or /dev. Part of validate(SandboxSpec).
+inline constexpr std::size_t kMaxProtectedPaths = 32;
+void validate_protected_paths(const std::vector<std::string>& paths, std::string_view field = "protected_paths");
 
 json encode(const ExecResult& result);
 ExecResult decode_exec_result(const json& j);

@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <charconv>
+#include <limits>
 #include <cmath>
 
 namespace dsec {
@@ -11,18 +12,16 @@ std::optional<std::uint64_t> parse_size(std::string_view text) {
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
   if (text.empty()) return std::nullopt;
   std::size_t digits = 0;
-  while (digits < text.size() && (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.'))
+  bool fraction = false;
+  while (digits < text.size() && (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.')) {
+    fraction |= text[digits] == '.';
     ++digits;
+  }
   if (digits == 0) return std::nullopt;
-  double value = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + digits, value);
-  if (ec != std::errc() || ptr != text.data() + digits || !std::isfinite(value) || value < 0) return std::nullopt;
   std::string_view suffix = text.substr(digits);
   if (!suffix.empty() && (suffix.back() == 'B' || suffix.back() == 'b') && suffix != "b") suffix.remove_suffix(1);
-  double mult = 1;
-  if (suffix.empty()) {
-    mult = 1;
-  } else {
+  std::uint64_t mult = 1;
+  if (!suffix.empty()) {
     char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(suffix[0])));
     int power = 0;
     switch (unit) {
@@ -33,13 +32,24 @@ std::optional<std::uint64_t> parse_size(std::string_view text) {
       default: return std::nullopt;
     }
     std::string_view rest = suffix.substr(1);
-    double base = 1000;
+    std::uint64_t base = 1000;
     if (rest == "i" || rest == "I") base = 1024;
     else if (!rest.empty()) return std::nullopt;
-    mult = std::pow(base, power);
+    for (int i = 0; i < power; ++i) mult *= base;
   }
-  double bytes = value * mult;
-  if (bytes > 1.8e19) return std::nullopt;
+  if (!fraction) {
+    // Whole numbers exactly, to the byte: no rounding through a double, and no product that wraps.
+    std::uint64_t value = 0;
+    auto [ptr, ec] = std::from_chars(text.data(), text.data() + digits, value);
+    if (ec != std::errc() || ptr != text.data() + digits) return std::nullopt;
+    if (value > std::numeric_limits<std::uint64_t>::max() / mult) return std::nullopt;
+    return value * mult;
+  }
+  double value = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + digits, value);
+  if (ec != std::errc() || ptr != text.data() + digits || !std::isfinite(value) || value < 0) return std::nullopt;
+  double bytes = value * static_cast<double>(mult);
+  if (bytes >= 9.2e18) return std::nullopt;  // llround answers a signed 64-bit number
   return static_cast<std::uint64_t>(std::llround(bytes));
 }
 

@@ -244,6 +244,7 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
   const auto started = Clock::now();
   const std::string argv0 = start.argv.empty() ? std::string() : start.argv.front();
   const std::string cwd = start.cwd;
+  const std::string user = fmt::format("uid {}, gid {}", start.uid, start.gid);
   start.stdin_follows = !stdin_data.empty();
   std::string request = gp::encode(start);
   if (request.size() + 64 > gp::kMaxFrameBytes)
@@ -270,7 +271,7 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
     gp::Reader r(first.payload);
     int err = r.i32();
     auto stage = static_cast<init_protocol::FailStage>(r.i32());
-    throw init::start_error(err, stage, argv0, cwd);
+    throw init::start_error(err, stage, argv0, cwd, user);
   }
   if (first.type != Type::kStarted) throw Error(Code::kInternal, "guest: unexpected answer to exec");
 

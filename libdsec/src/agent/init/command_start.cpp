@@ -1,6 +1,9 @@
 #include "agent/init/command_start.hpp"
 
 #include <fcntl.h>
+#include <linux/capability.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,6 +47,40 @@ void exec_search(const char* file, char* const argv[], char* const envp[], const
     p = end + 1;
   }
   errno = first_error;
+}
+
+// The command's capabilities and ids, in the vfork child. Raw system calls only: glibc's setuid family changes the
+// ids of every thread of the process by signalling them, which must never run in a child that shares dsec-init's
+// memory; the kernel calls change this task alone. False with errno set when a step fails.
+bool become_user(const StartRequest& req) {
+  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct caps[2]{};
+  if (req.drop_capabilities) {
+    // dsec-init keeps its capabilities permitted only; raise them for the steps below.
+    if (syscall(SYS_capget, &hdr, caps) != 0) return false;
+    for (auto& c : caps) {
+      c.effective = c.permitted;
+      c.inheritable = 0;
+    }
+    if (syscall(SYS_capset, &hdr, caps) != 0) return false;
+    for (int cap = 0; cap < 64; ++cap)
+      if (prctl(PR_CAPBSET_READ, cap, 0, 0, 0) == 1 && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0) return false;
+  }
+  if (req.set_user) {
+    if (syscall(SYS_setgroups, req.groups.size(), req.groups.data()) != 0) return false;
+    if (syscall(SYS_setresgid, req.gid, req.gid, req.gid) != 0) return false;
+    if (syscall(SYS_setresuid, req.uid, req.uid, req.uid) != 0) return false;
+    // The id change made the memory this child shares with dsec-init dumpable again (per fs.suid_dumpable); it
+    // must stay closed to the sandbox's processes. The exec sets the command's own.
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (req.uid != 0 && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return false;
+  }
+  if (req.drop_capabilities) {
+    __user_cap_data_struct none[2]{};
+    if (syscall(SYS_capset, &hdr, none) != 0) return false;
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -93,6 +130,12 @@ pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, 
     close_range(3, ~0u, 0);
     for (int sig = 1; sig < NSIG; ++sig) signal(sig, SIG_DFL);
     sigprocmask(SIG_SETMASK, &original_mask, nullptr);
+    if (!become_user(req)) {
+      child_err = errno;
+      child_stage = static_cast<int>(FailStage::kUser);
+      _exit(127);
+    }
+    // As the user: a directory it may not enter fails here, as it would for a login.
     if (chdir(req.cwd.c_str()) != 0) {
       child_err = errno;
       child_stage = static_cast<int>(FailStage::kChdir);

@@ -1,11 +1,13 @@
 // How dsec-init starts a command, in a container and in a virtual machine alike: vfork, a new session, the
 // command's cgroup joined (by writing "0" to the cgroup.procs descriptors it is given), its standard streams, its
-// signals and OOM score reset, its directory, and an exec that searches the command's own PATH.
+// signals and OOM score reset, its capabilities dropped (in a container) and its user set, its directory, and an
+// exec that searches the command's own PATH.
 #pragma once
 
 #include <signal.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,16 @@ struct StartRequest {
   std::vector<std::string> env;
   std::string cwd;
   std::vector<int> fds;  // stdin, stdout, stderr, then cgroup.procs descriptors the command joins
+  // Run as this user: the supplementary groups, then the gid, then the uid are set (all three ids of each). A
+  // non-root user also gets no_new_privs, so no setuid program makes it root again. False: dsec-init's own ids.
+  bool set_user = false;
+  std::uint32_t uid = 0;
+  std::uint32_t gid = 0;
+  std::vector<gid_t> groups;
+  // A container's dsec-init holds CAP_SETUID, CAP_SETGID and CAP_SETPCAP (permitted only) to start commands as
+  // users: with this set, the command gives up all of them (and the whole bounding set) before it execs, whatever
+  // user it runs as, so it starts with no capability at all.
+  bool drop_capabilities = false;
 };
 
 // Starts the command; returns its pid, or -1 with `err` and `stage` saying why not. `original_mask` is the signal

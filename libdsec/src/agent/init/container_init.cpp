@@ -1,13 +1,17 @@
-// dsec-init in a container sandbox: pid 1 of its pid namespace, entered already confined (no capabilities,
-// no_new_privs, the seccomp filter). It reaps every process that ends inside the sandbox (orphans re-parent to it)
-// and starts a command each time the agent asks over init.sock, so an exec costs one message and one fork+exec
-// instead of a namespace entry. See init_protocol.hpp for the wire.
+// dsec-init in a container sandbox: pid 1 of its pid namespace, entered already confined (no_new_privs, the seccomp
+// filter, and of all capabilities only CAP_SETUID, CAP_SETGID and CAP_SETPCAP, which it keeps permitted but not
+// effective, to start commands as other users; every command gives them up before it execs). It reaps every process
+// that ends inside the sandbox (orphans re-parent to it) and starts a command each time the agent asks over
+// init.sock, so an exec costs one message and one fork+exec instead of a namespace entry. See init_protocol.hpp for
+// the wire.
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,13 +86,32 @@ bool read_request(int conn, StartRequest& req) {
   req.argv = std::move(command.argv);
   req.env = std::move(command.env);
   req.cwd = std::move(command.cwd);
+  req.set_user = command.has_user;
+  req.uid = command.uid;
+  req.gid = command.gid;
+  req.groups.assign(command.groups.begin(), command.groups.end());
+  req.drop_capabilities = true;
   return true;
+}
+
+// The capabilities dsec-init was started with (spawn.cpp: CAP_SETUID, CAP_SETGID, CAP_SETPCAP, ambient so that they
+// survived its exec) stay permitted only: none is effective while it serves, and none is ambient or inheritable,
+// so nothing it starts inherits one. A command's child raises them for its own switch to its user and then drops
+// them all (command_start.cpp).
+void hold_capabilities_permitted_only() {
+  prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct caps[2]{};
+  if (syscall(SYS_capget, &hdr, caps) != 0) return;
+  for (auto& c : caps) c.effective = c.inheritable = 0;
+  syscall(SYS_capset, &hdr, caps);
 }
 
 }  // namespace
 
 int run_container_init() {
   using namespace dsec::init_protocol;
+  hold_capabilities_permitted_only();
   // Nothing inside the sandbox may open our descriptors through /proc/1/fd.
   prctl(PR_SET_DUMPABLE, 0);
 
@@ -140,6 +163,9 @@ int run_container_init() {
       int err = 0;
       FailStage stage = FailStage::kRequest;
       pid_t pid = start_command(req, original_mask, err, stage);
+      // A child that changed its ids made the memory it shared with us dumpable again, also one that failed
+      // halfway (become_user resets it only once all ids are set).
+      if (req.set_user) prctl(PR_SET_DUMPABLE, 0);
       close_all(req.fds);
       if (pid < 0) {
         send_reply(conn, ReplyType::kFailed, err, static_cast<std::int32_t>(stage));

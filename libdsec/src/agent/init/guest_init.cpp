@@ -527,6 +527,13 @@ class GuestInit {
       throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
     }
     StartRequest req{std::move(m.argv), std::move(m.env), std::move(m.cwd), {in[0], out[1], err[1]}};
+    // In a VM, root commands keep root's capabilities (the VM is the boundary); a named user's command gets its ids,
+    // and for a uid other than 0 the kernel drops every capability with the change (and no_new_privs keeps setuid
+    // programs from handing root back).
+    req.set_user = m.has_user;
+    req.uid = m.uid;
+    req.gid = m.gid;
+    req.groups.assign(m.groups.begin(), m.groups.end());
     if (procs >= 0) req.fds.push_back(procs);
     int error = 0;
     init_protocol::FailStage stage = init_protocol::FailStage::kRequest;

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "agent/init/init_protocol.hpp"
+
 namespace dsec::guest_protocol {
 namespace {
 
@@ -111,6 +113,10 @@ void Reader::finish() const {
 std::string encode(const ExecStart& m) {
   Writer w;
   w.strs(m.argv).strs(m.env).str(m.cwd).u64(m.max_output).u8(m.stdin_follows ? 1 : 0);
+  if (m.has_user) {
+    w.u32(m.uid).u32(m.gid).u32(static_cast<std::uint32_t>(m.groups.size()));
+    for (std::uint32_t g : m.groups) w.u32(g);
+  }
   return w.take();
 }
 ExecStart decode_exec_start(std::string_view payload) {
@@ -121,6 +127,18 @@ ExecStart decode_exec_start(std::string_view payload) {
   m.cwd = r.str();
   m.max_output = r.u64();
   m.stdin_follows = r.u8() != 0;
+  m.has_user = !r.done();
+  if (m.has_user) {
+    m.uid = r.u32();
+    m.gid = r.u32();
+    std::uint32_t n = r.u32();
+    if (m.uid > init_protocol::kMaxId || m.gid > init_protocol::kMaxId || n > init_protocol::kMaxGroups)
+      throw std::out_of_range("guest protocol: exec user out of range");
+    for (std::uint32_t i = 0; i < n; ++i) {
+      m.groups.push_back(r.u32());
+      if (m.groups.back() > init_protocol::kMaxId) throw std::out_of_range("guest protocol: exec group out of range");
+    }
+  }
   r.finish();
   if (m.argv.empty()) throw std::out_of_range("guest protocol: exec without argv");
   for (const auto* list : {&m.argv, &m.env})

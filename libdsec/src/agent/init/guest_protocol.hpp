@@ -27,8 +27,10 @@
 //   agent -> guest  kPowerOff {}: flush and power off. kOk first.
 // Exec (channel c):
 //   agent -> guest  kExec {u32 argc + strs, u32 envc + strs "K=V", str cwd, u64 output cap per stream,
-//                   u8 stdin follows}. Then kStdin {bytes} frames (an empty one closes stdin), kKill {} to kill
-//                   the command's whole process tree (its cgroup).
+//                   u8 stdin follows, and only for a command that runs as a named user: u32 uid, u32 gid, u32 n,
+//                   n x u32 supplementary gids}. Without the user part it runs as root (so a guest from before users
+//                   still serves the agent's root execs). Then kStdin {bytes} frames (an empty one closes stdin),
+//                   kKill {} to kill the command's whole process tree (its cgroup).
 //   guest -> agent  kStarted {i32 pid} or kFailed {i32 errno, i32 stage (init_protocol::FailStage)}; then kOutput
 //                   {u8 stream 1|2, bytes} as output is read (at most the cap per stream; the rest is read and
 //                   dropped), and one kExited {i32 wait status, u8 stdout truncated, u8 stderr truncated} once the
@@ -166,6 +168,10 @@ struct ExecStart {
   std::string cwd;
   std::uint64_t max_output = 0;
   bool stdin_follows = false;
+  bool has_user = false;  // run as uid/gid/groups (the user part); false: root
+  std::uint32_t uid = 0;
+  std::uint32_t gid = 0;
+  std::vector<std::uint32_t> groups{};
 };
 std::string encode(const ExecStart& m);
 ExecStart decode_exec_start(std::string_view payload);

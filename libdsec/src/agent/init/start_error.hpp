@@ -10,6 +10,8 @@
 
 namespace dsec::init {
 
-Error start_error(int err, init_protocol::FailStage stage, const std::string& argv0, const std::string& cwd);
+// `user` says who the command was to run as ("uid 1000, gid 1000"), for a failure to become that user.
+Error start_error(int err, init_protocol::FailStage stage, const std::string& argv0, const std::string& cwd,
+                  const std::string& user = "uid 0");
 
 }  // namespace dsec::init

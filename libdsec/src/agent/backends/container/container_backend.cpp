@@ -29,12 +29,14 @@
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/init/init_protocol.hpp"
 #include "agent/exec_command.hpp"
+#include "agent/exec_user.hpp"
 #include "agent/init/start_error.hpp"
 #include "agent/backends/container/netns_pool.hpp"
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/container/rootfs_files.hpp"
 #include "agent/backends/container/seccomp.hpp"
 #include "agent/backends/container/spawn.hpp"
+#include "agent/backends/container/user_namespace.hpp"
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 
@@ -71,6 +73,7 @@ constexpr const char* kCgroup = "cgroup";
 constexpr const char* kNetnsInode = "netns_inode";
 constexpr const char* kRunDir = "run_dir";
 constexpr const char* kLayerDevices = "layer_devices";
+constexpr const char* kUsernsFirst = "userns_first";  // the first host id of its user namespace's block; absent: host ids
 }  // namespace key
 
 // The device numbers of the image layers' directories, lowest first ("64:12,0:85"): each mounted layer is its own
@@ -164,14 +167,15 @@ struct Identity {
   std::uint64_t init_start_time = 0;
   std::uint64_t netns_inode = 0;
   std::string layer_devices;  // of the image layers its overlay stacks
+  std::optional<std::uint32_t> userns_first;  // its user namespace's block of host ids, if it has one
 };
 
 class ContainerSandbox final : public BackendSandbox {
  public:
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
                    std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout,
-                   Identity identity, std::string cgroup_version, bool adopted = false, bool sleeping = false,
-                   std::uint64_t first_exec = 0)
+                   Identity identity, std::string cgroup_version, std::shared_ptr<UserNamespaces> userns,
+                   bool adopted = false, bool sleeping = false, std::uint64_t first_exec = 0)
       : reclaim_timeout_(reclaim_timeout),
         id_(std::move(id)),
         spec_(std::move(spec)),
@@ -182,6 +186,7 @@ class ContainerSandbox final : public BackendSandbox {
         netns_(std::move(netns)),
         identity_(std::move(identity)),
         cgroup_version_(std::move(cgroup_version)),
+        userns_(std::move(userns)),
         adopted_(adopted),
         exec_counter_(first_exec),
         sleeping_(sleeping) {}
@@ -208,7 +213,16 @@ class ContainerSandbox final : public BackendSandbox {
       }
     } exec_count{*this};
     auto started = Clock::now();
-    ExecCommand command = exec_command(spec_, req, hostname());
+    ExecUser user = resolve_exec_user(spec_, req, [this](const std::string& path) -> std::optional<std::string> {
+      RootfsFiles root = files();  // outside the try: a sandbox destroyed meanwhile is NOT_FOUND as itself
+      try {
+        return root.read_file(path, kMaxUserDatabaseBytes);
+      } catch (const Error& e) {
+        if (e.code() == Code::kNotFound) return std::nullopt;
+        throw;
+      }
+    });
+    ExecCommand command = exec_command(spec_, req, hostname(), user);
     const std::vector<std::string>& argv = command.argv;
     const std::string& cwd = command.cwd;
 
@@ -218,6 +232,12 @@ class ContainerSandbox final : public BackendSandbox {
     append_u32(payload, static_cast<std::uint32_t>(command.env.size()));
     for (const auto& kv : command.env_strings()) append_str(payload, kv);
     append_str(payload, cwd);
+    if (command.named_user) {  // the user part (init_protocol.hpp); root by default goes without
+      append_u32(payload, command.uid);
+      append_u32(payload, command.gid);
+      append_u32(payload, static_cast<std::uint32_t>(command.groups.size()));
+      for (std::uint32_t g : command.groups) append_u32(payload, g);
+    }
     if (payload.size() > init_protocol::kMaxRequestBytes)
       throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
 
@@ -279,7 +299,8 @@ class ContainerSandbox final : public BackendSandbox {
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
     if (reply.type == ReplyType::kFailed) {
-      throw init::start_error(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd);
+      throw init::start_error(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd,
+                              fmt::format("uid {}, gid {}", command.uid, command.gid));
     }
 
     ExecResult result;
@@ -375,13 +396,27 @@ class ContainerSandbox final : public BackendSandbox {
     return result;
   }
 
+  // The files API works as root inside: in a user namespace, with the file-system ids of its root.
   void write_file(std::string_view path, std::string_view data, unsigned mode) override {
+    ScopedFsIds as_root_inside(identity_.userns_first);
     files().write_file(path, data, mode);
   }
-  std::string read_file(std::string_view path) override { return files().read_file(path, kMaxFileBytes); }
-  void put_archive(std::string_view dir, std::string_view tar_bytes) override { files().put_archive(dir, tar_bytes); }
-  std::string get_archive(std::string_view dir) override { return files().get_archive(dir, kMaxFileBytes); }
-  bool is_directory(std::string_view path) override { return files().is_directory(path); }
+  std::string read_file(std::string_view path) override {
+    ScopedFsIds as_root_inside(identity_.userns_first);
+    return files().read_file(path, kMaxFileBytes);
+  }
+  void put_archive(std::string_view dir, std::string_view tar_bytes) override {
+    ScopedFsIds as_root_inside(identity_.userns_first);
+    files().put_archive(dir, tar_bytes);
+  }
+  std::string get_archive(std::string_view dir) override {
+    ScopedFsIds as_root_inside(identity_.userns_first);
+    return files().get_archive(dir, kMaxFileBytes);
+  }
+  bool is_directory(std::string_view path) override {
+    ScopedFsIds as_root_inside(identity_.userns_first);
+    return files().is_directory(path);
+  }
 
   SleepReport sleep() override {
     auto started = Clock::now();
@@ -475,7 +510,7 @@ class ContainerSandbox final : public BackendSandbox {
   }
 
   BackendState recovery_state() override {
-    return BackendState{{key::kBootId, identity_.boot_id},
+    BackendState state{{key::kBootId, identity_.boot_id},
                         {key::kInitPid, std::to_string(init_.pid)},
                         {key::kInitStartTime, std::to_string(identity_.init_start_time)},
                         {key::kCgroupVersion, cgroup_version_},
@@ -483,6 +518,8 @@ class ContainerSandbox final : public BackendSandbox {
                         {key::kNetnsInode, std::to_string(identity_.netns_inode)},
                         {key::kRunDir, run_dir_.string()},
                         {key::kLayerDevices, identity_.layer_devices}};
+    if (identity_.userns_first) state[key::kUsernsFirst] = std::to_string(*identity_.userns_first);
+    return state;
   }
 
   bool alive() override {
@@ -528,6 +565,8 @@ class ContainerSandbox final : public BackendSandbox {
     }
     cgroup_->destroy();
     netns_.reset();
+    // Every process that had the block's ids is gone: another sandbox may have them.
+    if (identity_.userns_first && userns_) userns_->give_back(*identity_.userns_first);
     std::error_code ec;
     fs::remove_all(run_dir_, ec);
   }
@@ -549,7 +588,7 @@ class ContainerSandbox final : public BackendSandbox {
     if (!root) throw_errno(errno, fmt::format("open the root of sandbox {}", id_));
     // The pid could have been reused between the liveness check and the open: check again through the pidfd.
     check_running();
-    return RootfsFiles(std::move(root));
+    return RootfsFiles(std::move(root), identity_.userns_first);
   }
 
   static void send_request(int conn, const std::string& message, const std::vector<int>& fds) {
@@ -592,6 +631,7 @@ class ContainerSandbox final : public BackendSandbox {
   UniqueFd netns_;  // empty for an adopted sandbox: its init holds the namespace
   Identity identity_;
   std::string cgroup_version_;
+  std::shared_ptr<UserNamespaces> userns_;  // gets the block back at destroy
   bool adopted_;    // taken over after an agent restart: init is not this process's child
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
@@ -603,8 +643,8 @@ class ContainerSandbox final : public BackendSandbox {
 
 class ContainerBackend final : public Backend {
  public:
-  explicit ContainerBackend(const AgentConfig& config)
-      : config_(config), cap_last_cap_(read_cap_last_cap()) {
+  ContainerBackend(const AgentConfig& config, std::shared_ptr<UserNamespaces> userns)
+      : config_(config), cap_last_cap_(read_cap_last_cap()), userns_(std::move(userns)) {
     if (::geteuid() != 0)
       throw Error(Code::kFailedPrecondition, "the container backend needs root (namespaces, cgroups, mounts)");
     std::ifstream filesystems("/proc/filesystems");
@@ -640,6 +680,22 @@ class ContainerBackend final : public Backend {
   std::string_view kind() const override { return "container"; }
 
   std::unique_ptr<BackendSandbox> create(const CreateParams& params) override {
+    // A user namespace of its own, when the node has them and every layer's file system can be idmapped; taken
+    // first, so that a node out of id blocks has nothing to undo.
+    std::optional<UserNamespaces::Namespace> userns;
+    if (userns_ && userns_->enabled() &&
+        std::all_of(params.image_layers.begin(), params.image_layers.end(),
+                    [&](const fs::path& layer) { return userns_->can_idmap(layer); }))
+      userns.emplace(userns_->take());
+    struct GiveBack {
+      UserNamespaces* pool;
+      std::optional<UserNamespaces::Namespace>& ns;
+      bool armed = true;
+      ~GiveBack() {
+        if (armed && ns) pool->give_back(ns->first);
+      }
+    } give_back{userns_.get(), userns};
+
     fs::path run_dir = config_.run_dir / params.id;
     std::string socket_path = (run_dir / "init.sock").string();
     if (socket_path.size() >= sizeof(sockaddr_un::sun_path))
@@ -673,7 +729,9 @@ class ContainerBackend final : public Backend {
     std::vector<std::string> layers;
     for (auto it = params.image_layers.rbegin(); it != params.image_layers.rend(); ++it) layers.push_back(it->string());
     if (layers.empty()) throw Error(Code::kInvalidArgument, "image has no layers");
-    RootfsPlan plan = plan_rootfs(run_dir.string(), layers, params.spec.resources);
+    RootfsOptions options;
+    if (userns) options.userns_first = userns->first;
+    RootfsPlan plan = plan_rootfs(run_dir.string(), layers, params.spec.resources, options);
 
     SpawnRequest req;
     req.rootfs = &plan;
@@ -687,16 +745,19 @@ class ContainerBackend final : public Backend {
     req.seccomp = &prog;
     req.cap_last_cap = cap_last_cap_;
     req.open_files = params.spec.resources.open_files;
+    if (userns) req.userns_fd = userns->fd.get();
 
-    Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers)};
+    Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers),
+                      options.userns_first};
     SpawnedInit init = spawn_init(req);
     cleanup.armed = false;
+    give_back.armed = false;
     // Read while the agent holds init's pidfd: the pid cannot name another process yet (init is this process's
     // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
     identity.init_start_time = process_start_time(init.pid).value_or(0);
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
                                               std::move(netns), config_.sleep_reclaim_timeout, std::move(identity),
-                                              cgroups_->version());
+                                              cgroups_->version(), userns_);
   }
 
   std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) override {
@@ -765,6 +826,29 @@ class ContainerBackend final : public Backend {
                               "not survive the agent",
                               it->second, devices.empty() ? "missing" : devices));
 
+    // Its user namespace's block: the uid map proves it, and no other agent on the host may hold it now.
+    std::optional<std::uint32_t> userns_first;
+    if (auto it = state.find(key::kUsernsFirst); it != state.end() && !it->second.empty()) {
+      userns_first = static_cast<std::uint32_t>(number(key::kUsernsFirst));
+      const std::string expected = fmt::format("0 {} {}", *userns_first, kUsernsIds);
+      const std::string map = uid_map_of(pid);
+      if (map != expected)
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("its init's uid map is '{}', not its record's '{}'", map, expected));
+      if (!userns_ || !userns_->adopt(*userns_first))
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("its user namespace's host ids from {} are held by another agent on this host (or "
+                                "are outside this agent's --userns-range)",
+                                *userns_first));
+    }
+    struct GiveBack {
+      UserNamespaces* pool;
+      std::optional<std::uint32_t> first;
+      ~GiveBack() {
+        if (first) pool->give_back(*first);
+      }
+    } give_back{userns_.get(), userns_first};
+
     // From here the groups are this object's: if taking the sandbox over fails, they (and its processes) go.
     std::unique_ptr<SandboxCgroup> cgroup = cgroups_->adopt(cgroup_path);
     // A freeze the record does not explain (a sleep, wake or snapshot cut short) is undone, and a sleeping sandbox
@@ -812,10 +896,11 @@ class ContainerBackend final : public Backend {
                     std::chrono::duration_cast<std::chrono::milliseconds>(kProbeTimeout), &why))
       throw Error(Code::kUnavailable, fmt::format("its init (pid {}) does not answer: {}", pid, why));
 
-    Identity identity{boot_id_, start_time, netns_inode, devices};
+    Identity identity{boot_id_, start_time, netns_inode, devices, userns_first};
+    give_back.first.reset();
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
                                               UniqueFd(), config_.sleep_reclaim_timeout, std::move(identity), version,
-                                              true, params.sleeping, next_exec);
+                                              userns_, true, params.sleeping, next_exec);
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -845,13 +930,15 @@ class ContainerBackend final : public Backend {
   SeccompProgram seccomp_default_, seccomp_ptrace_;
   std::unique_ptr<NetnsPool> netns_;
   std::string boot_id_;
+  std::shared_ptr<UserNamespaces> userns_;  // null: sandboxes run with host ids
 };
 
 }  // namespace
 }  // namespace container
 
-std::unique_ptr<Backend> make_container_backend(const AgentConfig& config) {
-  return std::make_unique<container::ContainerBackend>(config);
+std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
+                                                std::shared_ptr<container::UserNamespaces> userns) {
+  return std::make_unique<container::ContainerBackend>(config, std::move(userns));
 }
 
 std::string container_cgroup_version() {

@@ -9,8 +9,14 @@
 
 namespace dsec::agent {
 
+namespace container {
+class UserNamespaces;
+}
+
 // Throws dsec::Error(FAILED_PRECONDITION) when the host cannot run containers (not root, no overlayfs, ...).
-std::unique_ptr<Backend> make_container_backend(const AgentConfig& config);
+// Sandboxes get user namespaces from `userns` when it is given and enabled, host ids otherwise.
+std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
+                                                std::shared_ptr<container::UserNamespaces> userns = nullptr);
 
 // "v1" or "v2": the cgroup hierarchy the backend drives on this host.
 std::string container_cgroup_version();

@@ -11,7 +11,18 @@ void RootfsFiles::put_archive(std::string_view dir, std::string_view tar_bytes) 
 
 std::string RootfsFiles::get_archive(std::string_view dir, std::size_t max_bytes) {
   files::TarWriter tar(max_bytes);
-  tree_.walk(dir, max_bytes, [&](const files::TreeEntry& e) { tar.entry(e); },
+  // Outside the block (a file the host made without the sandbox's ids): the overflow id, as the sandbox sees it.
+  auto inside = [&](std::uint32_t id) -> std::uint32_t {
+    if (!userns_first_) return id;
+    return id >= *userns_first_ && id - *userns_first_ < 65536 ? id - *userns_first_ : 65534;
+  };
+  tree_.walk(dir, max_bytes,
+             [&](const files::TreeEntry& e) {
+               files::TreeEntry mapped = e;
+               mapped.uid = inside(e.uid);
+               mapped.gid = inside(e.gid);
+               tar.entry(mapped);
+             },
              [&](std::string_view bytes) { tar.data(bytes); });
   return tar.finish();
 }

@@ -3,6 +3,8 @@
 // /proc, /dev or /sys, only regular files read or written), and tar streams made and read by files/tar_stream.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -15,8 +17,10 @@ using files::normalize_sandbox_path;
 
 class RootfsFiles {
  public:
-  // `root` is an O_PATH descriptor of the sandbox's root directory.
-  explicit RootfsFiles(UniqueFd root) : tree_(std::move(root)) {}
+  // `root` is an O_PATH descriptor of the sandbox's root directory; `userns_first` the first host id of its user
+  // namespace's block, if it has one (the ids tar streams carry are the ones inside).
+  explicit RootfsFiles(UniqueFd root, std::optional<std::uint32_t> userns_first = std::nullopt)
+      : tree_(std::move(root)), userns_first_(userns_first) {}
 
   void write_file(std::string_view path, std::string_view data, unsigned mode) { tree_.write_file(path, data, mode); }
   std::string read_file(std::string_view path, std::size_t max_bytes) { return tree_.read_file(path, max_bytes); }
@@ -29,6 +33,7 @@ class RootfsFiles {
 
  private:
   files::SandboxTree tree_;
+  std::optional<std::uint32_t> userns_first_;
 };
 
 }  // namespace dsec::agent::container

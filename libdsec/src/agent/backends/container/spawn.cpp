@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "agent/init/init_protocol.hpp"
@@ -46,7 +47,7 @@ struct ChildArgs {
   _exit(127);
 }
 
-int run_step(const RootfsStep& s) {
+int run_step(const RootfsStep& s, int userns_fd) {
   switch (s.kind) {
     case Kind::kMount:
       return mount(s.source, s.target, s.fstype, s.flags, s.data);
@@ -61,6 +62,33 @@ int run_step(const RootfsStep& s) {
     case Kind::kBindReadOnly:
       if (mount(s.source ? s.source : s.target, s.target, nullptr, MS_BIND | MS_REC, nullptr) != 0) return -1;
       return mount(nullptr, s.target, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | s.flags, nullptr);
+    case Kind::kIdmapBind: {
+      // A copy of source's mount, idmapped with the sandbox's user namespace, attached at target.
+      int tree = static_cast<int>(syscall(SYS_open_tree, AT_FDCWD, s.source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC));
+      if (tree < 0) return -1;
+      mount_attr attr{};
+      attr.attr_set = MOUNT_ATTR_IDMAP;
+      attr.userns_fd = static_cast<std::uint64_t>(userns_fd);
+      int rc = static_cast<int>(syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &attr, sizeof attr));
+      if (rc == 0)
+        rc = static_cast<int>(syscall(SYS_move_mount, tree, "", AT_FDCWD, s.target, MOVE_MOUNT_F_EMPTY_PATH));
+      int err = errno;
+      close(tree);
+      errno = err;
+      return rc;
+    }
+    case Kind::kSetFsIds: {
+      // What is made from here on is root's inside (see RootfsStep::kSetFsIds), with the capabilities that leaving
+      // fsuid 0 took from the effective set raised again.
+      syscall(SYS_setfsgid, static_cast<unsigned>(s.dev));
+      syscall(SYS_setfsuid, static_cast<unsigned>(s.dev));
+      __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+      __user_cap_data_struct data[2]{};
+      if (syscall(SYS_capget, &hdr, data) != 0) return -1;
+      data[0].effective = data[0].permitted;
+      data[1].effective = data[1].permitted;
+      return static_cast<int>(syscall(SYS_capset, &hdr, data));
+    }
   }
   return -1;
 }
@@ -72,6 +100,8 @@ const char* step_name(Kind k) {
     case Kind::kMknod: return "mknod";
     case Kind::kSymlink: return "symlink";
     case Kind::kBindReadOnly: return "bind read-only";
+    case Kind::kIdmapBind: return "idmapped bind";
+    case Kind::kSetFsIds: return "set file-system ids";
   }
   return "step";
 }
@@ -103,7 +133,7 @@ int child_main(void* arg) {
   // Nothing mounted from here on may reach the host's mount table.
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) fail(a, "make mounts private", "/");
   for (const RootfsStep& s : r.rootfs->steps) {
-    if (run_step(s) != 0) {
+    if (run_step(s, r.userns_fd) != 0) {
       if (s.optional && (errno == ENOENT || errno == ENOTDIR)) continue;
       fail(a, step_name(s.kind), s.target);
     }
@@ -125,6 +155,22 @@ int child_main(void* arg) {
     close(oom);
   }
 
+  // Limits before the user namespace: raising a hard limit needs the host's CAP_SYS_RESOURCE.
+  rlimit files{r.open_files, r.open_files};
+  if (setrlimit(RLIMIT_NOFILE, &files) != 0) fail(a, "setrlimit NOFILE", nullptr);
+  rlimit core{0, 0};
+  setrlimit(RLIMIT_CORE, &core);
+
+  // The sandbox's own user namespace, last of all: its root is then root inside only (the mount, pid, network and
+  // other namespaces stay the host's, so nothing inside has any power over them). Raw syscalls: glibc's set*id
+  // would signal the agent's other threads.
+  if (r.userns_fd >= 0) {
+    if (setns(r.userns_fd, CLONE_NEWUSER) != 0) fail(a, "setns user namespace", nullptr);
+    if (syscall(SYS_setgroups, 0, nullptr) != 0) fail(a, "setgroups", nullptr);
+    if (syscall(SYS_setresgid, 0, 0, 0) != 0) fail(a, "setresgid", nullptr);
+    if (syscall(SYS_setresuid, 0, 0, 0) != 0) fail(a, "setresuid", nullptr);
+  }
+
   // Descriptors: 0-2 /dev/null, 3 init.sock, 4 the scratch tmpfs, 5 the dsec-init binary; nothing else survives.
   // Another program (exec_path) gets 0-4 alike and no 5.
   const bool own_program = r.exec_path != nullptr;
@@ -140,18 +186,20 @@ int child_main(void* arg) {
     fail(a, "dup2", nullptr);
   if (close_range(own_program ? 5 : 6, ~0u, 0) != 0) fail(a, "close_range", nullptr);
 
-  rlimit files{r.open_files, r.open_files};
-  if (setrlimit(RLIMIT_NOFILE, &files) != 0) fail(a, "setrlimit NOFILE", nullptr);
-  rlimit core{0, 0};
-  setrlimit(RLIMIT_CORE, &core);
-
   const std::uint64_t keep = r.keep_capabilities;
+  // dsec-init (keep 0) holds exactly CAP_SETUID, CAP_SETGID and CAP_SETPCAP, to start each command as the user it
+  // names; every command gives all three up (and the whole bounding set) before it execs (command_start.cpp), so
+  // nothing that runs in the sandbox has a capability. They reach dsec-init as ambient capabilities, the only kind
+  // an exec keeps under NOROOT; dsec-init makes them permitted only at once (container_init.cpp).
+  const std::uint64_t init_caps =
+      keep == 0 && !own_program ? (1ull << CAP_SETUID) | (1ull << CAP_SETGID) | (1ull << CAP_SETPCAP) : 0;
+  constexpr unsigned long kNoRoot = SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_SETUID_FIXUP | SECBIT_NO_SETUID_FIXUP_LOCKED |
+                                    SECBIT_NOROOT | SECBIT_NOROOT_LOCKED;
+  constexpr unsigned long kNoAmbient = SECBIT_NO_CAP_AMBIENT_RAISE | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
   if (keep == 0) {
-    // Drop every capability for good: uid 0 inside gains none on exec (NOROOT), none can come back.
-    if (prctl(PR_SET_SECUREBITS, SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_SETUID_FIXUP | SECBIT_NO_SETUID_FIXUP_LOCKED |
-                                     SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
-                                     SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
-              0, 0, 0) != 0)
+    // Every other capability goes for good: uid 0 inside gains none on exec (NOROOT), none can come back. Raising
+    // ambient capabilities is locked once dsec-init's are raised (below).
+    if (prctl(PR_SET_SECUREBITS, init_caps ? kNoRoot : kNoRoot | kNoAmbient, 0, 0, 0) != 0)
       fail(a, "set securebits", nullptr);
   } else {
     // Keep some: uid 0 keeps exactly those across the exec (bounding set); a later change to another uid drops
@@ -161,16 +209,24 @@ int child_main(void* arg) {
               0, 0, 0) != 0)
       fail(a, "set securebits", nullptr);
   }
+  const std::uint64_t held = keep | init_caps;
   for (int cap = 0; cap <= r.cap_last_cap; ++cap) {
-    if (cap < 64 && (keep >> cap) & 1) continue;
+    if (cap < 64 && (held >> cap) & 1) continue;
     if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) fail(a, "drop bounding capability", nullptr);
   }
   prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
   __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
   __user_cap_data_struct data[2]{};
-  data[0].permitted = data[0].effective = static_cast<std::uint32_t>(keep);
-  data[1].permitted = data[1].effective = static_cast<std::uint32_t>(keep >> 32);
+  data[0].permitted = data[0].effective = static_cast<std::uint32_t>(held);
+  data[1].permitted = data[1].effective = static_cast<std::uint32_t>(held >> 32);
+  data[0].inheritable = static_cast<std::uint32_t>(init_caps);  // an ambient capability must be inheritable too
+  data[1].inheritable = static_cast<std::uint32_t>(init_caps >> 32);
   if (syscall(SYS_capset, &hdr, data) != 0) fail(a, "capset", nullptr);
+  if (init_caps) {
+    for (int cap : {CAP_SETUID, CAP_SETGID, CAP_SETPCAP})
+      if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0) fail(a, "raise ambient capability", nullptr);
+    if (prctl(PR_SET_SECUREBITS, kNoRoot | kNoAmbient, 0, 0, 0) != 0) fail(a, "lock securebits", nullptr);
+  }
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(a, "no_new_privs", nullptr);
   if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, r.seccomp) != 0) fail(a, "load seccomp filter", nullptr);
 
@@ -193,7 +249,7 @@ int child_main(void* arg) {
 }  // namespace
 
 RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
-                       const Resources& resources, bool read_only_root) {
+                       const Resources& resources, const RootfsOptions& options) {
   RootfsPlan p;
   p.scratch = run_dir + "/rw";
   p.root = run_dir + "/root";
@@ -205,16 +261,43 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
   auto mkdir_step = [&](const char* target, unsigned mode) {
     p.steps.push_back({Kind::kMkdir, nullptr, target, nullptr, 0, nullptr, mode, 0, false});
   };
+  auto idmap_step = [&](const char* source, const char* target) {
+    p.steps.push_back({Kind::kIdmapBind, source, target, nullptr, 0, nullptr, 0, 0, false});
+  };
+  const bool idmapped = options.userns_first.has_value();
 
+  // With a user namespace, every layer is stacked through an idmapped copy of its mount under <run>/lower, and the
+  // writable layer through one of the scratch tmpfs at <run>/rwmap: on disk, files keep the ids the sandbox sees.
   std::string lower;
-  for (const auto& l : layers_top_first) lower += (lower.empty() ? "" : ":") + l;
+  for (std::size_t i = 0; i < layers_top_first.size(); ++i) {
+    std::string layer = layers_top_first[i];
+    if (idmapped) {
+      if (i == 0) mkdir_step(p.keep(run_dir + "/lower"), 0700);
+      const char* staged = p.keep(fmt::format("{}/lower/{}", run_dir, i));
+      mkdir_step(staged, 0700);
+      idmap_step(p.keep(layer), staged);
+      layer = staged;
+    }
+    lower += (lower.empty() ? "" : ":") + layer;
+  }
+  // Where the overlay finds the scratch tmpfs's directories: idmapped, or the tmpfs itself.
+  const std::string writable = idmapped ? run_dir + "/rwmap" : p.scratch;
+  auto stack_writable = [&] {
+    if (!idmapped) return;
+    mkdir_step(p.keep(writable), 0700);
+    idmap_step(p.keep(p.scratch), p.keep(writable));
+    // The overlay records its mounter's credentials and works on its upper layer with them: root inside, seen
+    // through the idmapped mount as on-disk 0. What the steps after it make is root's inside too.
+    p.steps.push_back({Kind::kSetFsIds, nullptr, nullptr, nullptr, 0, nullptr, 0, *options.userns_first, false});
+  };
   const char* empty_dir = p.keep(p.scratch + "/empty");
-  if (read_only_root) {
+  if (options.read_only_root) {
     // No writable layer: the scratch tmpfs only holds the empty directory, and the overlay has lower layers alone
     // (the kernel wants two of them then: an image of one layer gets the empty directory as its second).
     mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=64,mode=0755");
     mkdir_step(empty_dir, 0555);
-    if (layers_top_first.size() == 1) lower += ":" + p.scratch + "/empty";
+    stack_writable();
+    if (layers_top_first.size() == 1) lower += ":" + writable + "/empty";
     mount_step("dsec-root", p.keep(p.root), "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
                p.keep(fmt::format("lowerdir={}", lower)));
   } else {
@@ -222,21 +305,23 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
     std::uint64_t inodes = std::max<std::uint64_t>(16384, resources.disk_bytes / 8192);
     mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
                p.keep(fmt::format("size={},nr_inodes={},mode=0755", resources.disk_bytes, inodes)));
-    std::string upper = p.scratch + "/upper", work = p.scratch + "/work";
-    mkdir_step(p.keep(upper), 0755);
-    mkdir_step(p.keep(work), 0755);
+    mkdir_step(p.keep(p.scratch + "/upper"), 0755);
+    mkdir_step(p.keep(p.scratch + "/work"), 0755);
     mkdir_step(empty_dir, 0555);
+    stack_writable();
     // metacopy and redirect_dir off (the kernel's defaults, said here whatever the host's module options): every
     // file the sandbox changes is then whole in the upper directory, which a snapshot takes as a layer of its own.
     mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
-               p.keep(fmt::format("lowerdir={},upperdir={},workdir={},volatile,metacopy=off,redirect_dir=off", lower,
-                                  upper, work)));
+               p.keep(fmt::format("lowerdir={},upperdir={}/upper,workdir={}/work,volatile,metacopy=off,"
+                                  "redirect_dir=off",
+                                  lower, writable, writable)));
   }
 
   // On a read-only root these find the image's own directories (EEXIST); a missing one fails the start.
   for (const char* d : {"/proc", "/dev", "/sys"}) mkdir_step(at(d), 0755);
   mkdir_step(at("/tmp"), 01777);
-  mount_step("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  mount_step("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+             options.proc_options ? p.keep(options.proc_options) : nullptr);
   // Each superblock a sandbox mounts costs kernel memory in every memory cgroup on the host (per-cgroup shrinker and
   // LRU bookkeeping), so a sandbox mounts as few as it can: /dev/shm is a directory of the /dev tmpfs, and every
   // masked directory is a read-only bind of one empty directory on the scratch tmpfs.

@@ -3,8 +3,9 @@
 // The agent clones with CLONE_VM | CLONE_VFORK into new mount, pid, ipc and uts namespaces; the child joins the
 // sandbox's cgroups, a cgroup namespace and a pre-made network namespace, builds the root filesystem (a private tmpfs
 // holding the overlay's upper and work dirs, the overlay of the image layers, /proc with sensitive paths masked and
-// /proc/sys read-only, a minimal /dev, read-only /sys), pivots into it, sets rlimits, drops every capability, sets
-// no_new_privs, loads the seccomp filter and execs dsec-init. The agent thread is suspended only until that exec.
+// /proc/sys read-only, a minimal /dev, read-only /sys), pivots into it, sets rlimits, drops every capability (but the
+// three dsec-init keeps to start commands as users), sets no_new_privs, loads the seccomp filter and execs dsec-init.
+// The agent thread is suspended only until that exec.
 //
 // The child shares the agent's memory, so it may not allocate: RootfsPlan prepares every path, option string and
 // step beforehand, and the child walks it with plain syscalls.
@@ -13,7 +14,9 @@
 #include <linux/filter.h>
 #include <sys/types.h>
 
+#include <cstdint>
 #include <deque>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,7 +28,9 @@ namespace dsec::agent::container {
 
 // One step of building the sandbox's root, run in the child.
 struct RootfsStep {
-  enum class Kind { kMount, kMkdir, kMknod, kSymlink, kBindReadOnly };
+  // kIdmapBind: source's mount copied, idmapped with the sandbox's user namespace and attached at target.
+  // kSetFsIds: the file-system uid and gid become `dev` (root inside a user namespace), capabilities kept.
+  enum class Kind { kMount, kMkdir, kMknod, kSymlink, kBindReadOnly, kIdmapBind, kSetFsIds };
   Kind kind;
   const char* source = nullptr;  // mount source / symlink target
   const char* target = nullptr;
@@ -47,7 +52,7 @@ struct RootfsPlan {
 };
 
 // Lays out the steps for a sandbox whose run directory is `run_dir` (it must exist, with empty rw/ and root/ in it).
-// With `read_only_root` the root is the image layers alone, mounted read-only (an overlay without an upper layer;
+// With `options.read_only_root` the root is the image layers alone, mounted read-only (an overlay without an upper layer;
 // the fncall backend's fork servers): rw/ is then a small tmpfs for the plan's own use, and the image must have
 // the /proc, /dev, /sys and /tmp directories, as a read-only root cannot get them.
 // What a sandbox sees masked in /proc and /sys: files that expose the host's physical memory and its page state
@@ -67,8 +72,16 @@ inline constexpr std::string_view kMaskedDirectories[] = {
     "/sys/kernel/mm",      "/sys/kernel/btf",     "/sys/kernel/slab",    "/sys/kernel/config",
     "/sys/devices/virtual/powercap", "/sys/fs/bpf", "/sys/fs/pstore"};
 
+struct RootfsOptions {
+  bool read_only_root = false;
+  // The sandbox runs in a user namespace whose block of host ids starts here: layers and the writable layer are
+  // idmapped (SpawnRequest::userns_fd must then be that namespace).
+  std::optional<std::uint32_t> userns_first;
+  const char* proc_options = nullptr;  // mount options of /proc, e.g. "hidepid=invisible"
+};
+
 RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
-                       const Resources& resources, bool read_only_root = false);
+                       const Resources& resources, const RootfsOptions& options = {});
 
 struct SpawnRequest {
   const RootfsPlan* rootfs = nullptr;
@@ -87,8 +100,12 @@ struct SpawnRequest {
   const char* const* exec_argv = nullptr;
   const char* const* exec_envp = nullptr;
   // Capabilities the started program keeps (bit n is capability n) in its bounding, permitted and effective sets;
-  // uid 0 then keeps exactly these across the exec. 0: none at all, and uid 0 gains none on exec (dsec-init).
+  // uid 0 then keeps exactly these across the exec. 0: uid 0 gains none on exec, and the program keeps none but
+  // dsec-init, which keeps CAP_SETUID, CAP_SETGID and CAP_SETPCAP to start commands as users (none of its commands
+  // keeps any).
   std::uint64_t keep_capabilities = 0;
+  // The sandbox's user namespace (UserNamespaces::take), joined after pivot_root; -1: host ids.
+  int userns_fd = -1;
 };
 
 struct SpawnedInit {

@@ -121,6 +121,7 @@ Runtime& FnCallService::runtime() {
   rt->call_filter_base64 = protocol::base64_encode(std::string_view(
       reinterpret_cast<const char*>(strict.instructions.data()), strict.instructions.size() * sizeof(sock_filter)));
   rt->gpu_nodes = find_gpu_nodes(options_.config.gpus);
+  rt->userns = options_.userns;
   starts_ = std::make_unique<Workers>("server starts", 2);
   arms_ = std::make_unique<Workers>("arming", 4);
   cleanup_ = std::make_unique<Workers>("clean-up", 1);

@@ -48,6 +48,8 @@ struct FnCallServiceOptions {
   std::string cgroup_name;         // the agent's; fncall's groups live under "<cgroup_name>-fncall"
   std::filesystem::path run_dir;   // the agent's; fncall's servers live under <run_dir>/fncall
   unsigned cores = 1;
+  // The node's user namespaces: each fork server gets one of its own when they are enabled.
+  std::shared_ptr<container::UserNamespaces> userns;
 };
 
 // One element of a batch: a request, or why its element could not be decoded.

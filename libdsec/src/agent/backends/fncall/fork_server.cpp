@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -74,7 +75,20 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
   std::vector<std::string> layers;
   for (auto it = params.layers.rbegin(); it != params.layers.rend(); ++it) layers.push_back(it->string());
   if (layers.empty()) throw Error(Code::kInvalidArgument, fmt::format("image {} has no layers", params.image));
-  container::RootfsPlan plan = container::plan_rootfs(s.run_dir_.string(), layers, resources, true);
+  // Its own user namespace when the node has them and the layers can be idmapped; its processes' /proc shows each
+  // user only its own processes (a call sees neither the zygote nor children armed for other calls).
+  std::optional<container::UserNamespaces::Namespace> userns;
+  if (rt.userns && rt.userns->enabled() &&
+      std::all_of(params.layers.begin(), params.layers.end(),
+                  [&](const fs::path& layer) { return rt.userns->can_idmap(layer); })) {
+    userns.emplace(rt.userns->take());
+    s.userns_first_ = userns->first;  // given back by kill(), also when the start fails below
+  }
+  container::RootfsOptions options;
+  options.read_only_root = true;
+  if (userns) options.userns_first = userns->first;
+  options.proc_options = "hidepid=invisible";
+  container::RootfsPlan plan = container::plan_rootfs(s.run_dir_.string(), layers, resources, options);
   // The host's GPU device nodes: each twice, as a node nobody may open where programs look for it, and usable in
   // a directory only root can enter, from where a call given the GPU binds it over the first one.
   if (!rt.gpu_nodes.empty()) {
@@ -107,6 +121,7 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
   req.exec_argv = argv;
   req.exec_envp = envp;
   req.keep_capabilities = (1ull << CAP_SYS_ADMIN) | (1ull << CAP_SETUID) | (1ull << CAP_SETGID);
+  if (userns) req.userns_fd = userns->fd.get();
   container::SpawnedInit init;
   try {
     init = container::spawn_init(req);
@@ -291,6 +306,8 @@ void ForkServer::kill() {
   }
   if (cgroup_) cgroup_->destroy();
   netns_.reset();
+  if (userns_first_ && runtime_.userns) runtime_.userns->give_back(*userns_first_);
+  userns_first_.reset();
   std::error_code ec;
   if (!run_dir_.empty()) fs::remove_all(run_dir_, ec);
 }

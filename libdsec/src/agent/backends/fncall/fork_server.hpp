@@ -15,12 +15,14 @@
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/netns_pool.hpp"
 #include "agent/backends/container/seccomp.hpp"
+#include "agent/backends/container/user_namespace.hpp"
 #include "agent/config.hpp"
 #include "common/unique_fd.hpp"
 
@@ -44,6 +46,7 @@ struct Runtime {
   container::SeccompProgram server_filter;  // the zygote's: the container filter with mount allowed
   std::string call_filter_base64;           // the container's strict filter, loaded by every call's child
   std::vector<DeviceNode> gpu_nodes;        // /dev/nvidia* of the host
+  std::shared_ptr<container::UserNamespaces> userns;  // null or disabled: servers run with host ids
   std::atomic<std::uint64_t> next_id{0};
 };
 
@@ -114,6 +117,7 @@ class ForkServer {
   std::mutex ctl_mu_;
   std::unique_ptr<container::SandboxCgroup> cgroup_;
   UniqueFd netns_;
+  std::optional<std::uint32_t> userns_first_;  // its user namespace's block, given back when it is gone
   std::vector<std::string> preload_failures_;
   std::mutex kill_mu_;
   bool killed_ = false;

@@ -4,8 +4,8 @@
 # ipc, uts and cgroup namespaces over the image's read-only root), as root with CAP_SYS_ADMIN, CAP_SETUID and
 # CAP_SETGID only, under a seccomp filter that still allows mount. fd 3 is its control socket to the agent.
 #
-# It imports the configured modules once, remounts the sandbox's /proc so that a process sees only its own user's
-# processes, and then, for every ARM message, forks the child of one future call:
+# It imports the configured modules once (its /proc, mounted by the agent with hidepid=invisible, shows a process
+# only its own user's processes), and then, for every ARM message, forks the child of one future call:
 #
 #   zygote (pid 1 of the server's sandbox: never runs a call's code, keeps nothing of any call; it reaps, and
 #    |      reports each call's exit status to the agent)
@@ -175,12 +175,6 @@ def zygote():
     config = msg[0]
     if sys.version_info < (3, 9):
         send(ctl, {"type": "fatal", "message": f"python {sys.version.split()[0]} is too old: fncall needs 3.9"})
-        os._exit(1)
-    try:
-        # A process sees only its own user's processes: a call sees neither the zygote nor armed children (root).
-        mount(None, "/proc", None, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible", "proc")
-    except Failure as e:
-        send(ctl, {"type": "fatal", "message": str(e)})
         os._exit(1)
     config["filter"] = Seccomp(config["seccomp"])
     loaded, failed = preload(config.get("preload", []))

@@ -10,7 +10,7 @@
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
-#include "agent/backends/microvm/uid_pool.hpp"
+#include "agent/host_id_pool.hpp"
 #include "agent/backends/microvm/vm_template.hpp"
 #include "agent/backends/microvm/writable_disk.hpp"
 #include "agent/config.hpp"
@@ -31,7 +31,7 @@ struct BackendContext {
   std::filesystem::path data_dir;
   std::unique_ptr<container::CgroupDriver> cgroups;
   WritableDisks disks;
-  UidPool uids;
+  HostIdPool uids;
   std::uint32_t host_cores = 1;
   std::uint64_t host_memory = 0;
   std::atomic<std::uint32_t> vms{0};  // sandboxes' VMs running now
@@ -41,7 +41,7 @@ struct BackendContext {
       : config(c),
         data_dir(c.home / "microvm" / c.cgroup_name),
         disks(data_dir / "disks"),
-        uids(c.microvm.uid_base, c.microvm.uid_count) {}
+        uids(c.microvm.uid_base, c.microvm.uid_count, 1, "microVM uids") {}
 };
 
 }  // namespace dsec::agent::microvm

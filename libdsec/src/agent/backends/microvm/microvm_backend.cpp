@@ -314,12 +314,12 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     fs::path dir = fresh_dir(shared_.data_dir / "templates" /
                              fmt::format("{:016x}", std::hash<std::string>{}(key)));
     std::error_code ec;
-    UidPool::Lease uid{shared_.uids, shared_.uids.take()};
+    HostIdPool::Lease uid{shared_.uids, shared_.uids.take()};
     VmBootSpec b = like;
     b.id = "template-" + dir.filename().string();
     b.run_dir = dir;
-    b.uid = uid.uid;
-    b.gid = uid.uid;
+    b.uid = uid.first;
+    b.gid = uid.first;
     b.cgroup_procs.clear();
     b.disk = dir / "disk";
     b.hostname = "dsec-template";
@@ -519,8 +519,8 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   std::pair<double, std::string> probe_boot(Accelerator accel) {
     fs::path dir = fresh_dir(shared_.work_dir / (accel == Accelerator::kKvm ? "probe-kvm" : "probe-tcg"));
     std::error_code ec;
-    UidPool::Lease uid{shared_.uids, shared_.uids.take()};
-    VmBootSpec b = boot_spec("probe", dir, uid.uid);
+    HostIdPool::Lease uid{shared_.uids, shared_.uids.take()};
+    VmBootSpec b = boot_spec("probe", dir, uid.first);
     b.accelerator = accel;
     b.memory_bytes = kProbeMemory;
     auto started = Clock::now();

@@ -12,6 +12,7 @@
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/microvm/vm_record.hpp"
 #include "agent/exec_command.hpp"
+#include "agent/exec_user.hpp"
 #include "agent/host.hpp"
 #include "agent/log.hpp"
 
@@ -25,6 +26,7 @@ namespace key = record_key;
 constexpr std::size_t kMaxFileBytes = 1ull << 30;
 constexpr auto kFileTimeout = std::chrono::seconds(300);
 constexpr auto kSaveTimeout = std::chrono::seconds(120);
+constexpr auto kUserDatabaseTimeout = std::chrono::seconds(30);  // reading /etc/passwd or /etc/group for an exec
 
 // Runs `fn`, turning what a malformed answer of a guest throws (the code inside a VM may take its init over) into
 // UNAVAILABLE, so it never reaches a caller as an internal error.
@@ -82,9 +84,23 @@ class MicroVmSandbox final : public BackendSandbox {
         --self.running_execs_;
       }
     } exec_count{*this};
-    ExecCommand command = exec_command(spec_, req, hostname());
-    gp::ExecStart start{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false};
+    ExecCommand command;
+    gp::ExecStart start;
     try {
+      // The user's entry, from the guest's own /etc/passwd and /etc/group (read through dsec-init, like any file).
+      ExecUser user = resolve_exec_user(spec_, req, [&](const std::string& path) -> std::optional<std::string> {
+        try {
+          return guarded(id_, [&] {
+            return vm->guest().read_file(path, kMaxUserDatabaseBytes, Clock::now() + kUserDatabaseTimeout);
+          });
+        } catch (const Error& e) {
+          if (e.code() == Code::kNotFound) return std::nullopt;
+          throw;
+        }
+      });
+      command = exec_command(spec_, req, hostname(), user);
+      start = gp::ExecStart{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false,
+                            command.named_user, command.uid, command.gid, command.groups};
       return guarded(id_, [&] { return vm->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
     } catch (const Error& e) {
       if (e.code() == Code::kUnavailable) check_running();
