@@ -60,9 +60,11 @@ nice -n 10 cmake --build "$FUZZ_BUILD_DIR" -j "${JOBS:-$(nproc)}"
 echo "fuzz: build ready ($((SECONDS - started)) s)"
 
 # The value of `key: value` in libFuzzer's last status line (cov, ft, corp).
-stat_of() { grep -a -E '^#[0-9]+' "$1" | grep -a " $2: " | tail -1 | sed -E "s/.* $2: ([^ ]+).*/\1/"; }
+# Both print nothing (and succeed) when the log has no such line: a target that failed at once must still be reported.
+stat_of() { { grep -a -E '^#[0-9]+' "$1" || true; } | { grep -a " $2: " || true; } | tail -1 |
+  sed -E "s/.* $2: ([^ ]+).*/\1/"; }
 # libFuzzer's final stats (-print_final_stats=1): stat::number_of_executed_units and so on.
-final_of() { grep -a "^stat::$2:" "$1" | tail -1 | awk '{print $2}'; }
+final_of() { { grep -a "^stat::$2:" "$1" || true; } | tail -1 | awk '{print $2}'; }
 
 summary=()
 failed=0
@@ -88,7 +90,8 @@ for target in "${run[@]}"; do
     failed=1
     artifact=$(ls -t "$work/artifacts"/{crash,leak,timeout,oom}-* 2>/dev/null | head -1 || true)
     echo "fuzz: $target FAILED (libFuzzer status $status); what it said:" >&2
-    grep -a -E 'ERROR:|runtime error|property violated|what\(\)|SUMMARY' "$work/log" | head -20 | sed 's/^/  /' >&2
+    { grep -a -E 'ERROR:|runtime error|property violated|what\(\)|SUMMARY|fuzz:' "$work/log" || true; } | head -20 |
+      sed 's/^/  /' >&2
     echo "fuzz: the input that fails: ${artifact:-(none written; see the log)}" >&2
     echo "fuzz: the whole log: $work/log" >&2
     echo "fuzz: reproduce with $FUZZ_BUILD_DIR/bin/fuzz_$target ${artifact:-<input>}" >&2

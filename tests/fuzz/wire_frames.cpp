@@ -131,6 +131,12 @@ std::string encode_start_payload(const dsec::init_protocol::StartPayload& p) {
   u32(static_cast<std::uint32_t>(p.env.size()));
   for (const auto& e : p.env) str(e);
   str(p.cwd);
+  if (p.has_user) {
+    u32(p.uid);
+    u32(p.gid);
+    u32(static_cast<std::uint32_t>(p.groups.size()));
+    for (std::uint32_t g : p.groups) u32(g);
+  }
   return out;
 }
 
