@@ -498,6 +498,8 @@ SleepBenchResult run_sleep(const Options& options, const std::string& home);
 SnapshotBenchResult run_snapshot(const Options& options, Client& client, const std::string& snapshot_store);
 // A trivial python call through run_code, a cold host `python3 -c` and a sandbox exec: latency, then calls/s.
 FnCallBenchResult run_fncall(const Options& options, Client& client);
+// Prints as it goes (no Markdown summary).
+void run_network(const Options& options, Client& client);
 // QEMU microVMs: starts its own agents (templates on, serving container and microvm; and one with
 // --microvm-templates off), builds the image in <home>/store when missing.
 MicroVmBenchResult run_microvm(const Options& options, const std::string& home);

@@ -79,7 +79,11 @@ Commands:
                sleep and wake of VMs holding 64 and 192 MiB (dsec-memhold; --sleep-sizes); fork(8) of a VM running a
                background process (--forks). Starts its own agents; builds the image with the dsec CLI when missing.
                Not part of `all`
-  all          all of the above but image, pulse, sleep, snapshot, fncall and microvm, then a Markdown summary for docs/benchmarks.md
+  network      create-to-ready with network "egress" (3 rules) against "none", alternating; the latency of a rule
+               change (set_network) on a live sandbox; both again with -k sandboxes holding rules on the node. No
+               traffic is sent. Not part of `all`
+  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm and network, then a Markdown summary
+               for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -307,7 +311,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "microvm", "all"})
+                        "fncall", "microvm", "network", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -524,6 +528,10 @@ int run(int argc, char** argv) {
   if (o.command == "microvm") {
     report.microvm = run_microvm(o, home);
     print_microvm(*report.microvm);
+    std::fflush(stdout);
+  }
+  if (o.command == "network") {
+    run_network(o, *client);
     std::fflush(stdout);
   }
   if (o.command == "fncall") {

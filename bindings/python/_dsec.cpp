@@ -210,6 +210,18 @@ PYBIND11_MODULE(_dsec, m) {
                ", pids=" + std::to_string(r.pids) + ", open_files=" + std::to_string(r.open_files) + ")";
       });
 
+  py::class_<dsec::NetworkRule>(m, "NetworkRule", "One egress rule: allow or deny a network, protocol and ports.")
+      .def(py::init<>())
+      .def_readwrite("allow", &dsec::NetworkRule::allow)
+      .def_readwrite("cidr", &dsec::NetworkRule::cidr)
+      .def_readwrite("protocol", &dsec::NetworkRule::protocol, "tcp, udp, icmp or any.")
+      .def_readwrite("port_min", &dsec::NetworkRule::port_min, "0 with port_max 0: every port.")
+      .def_readwrite("port_max", &dsec::NetworkRule::port_max);
+  py::class_<dsec::NetworkPolicy>(m, "NetworkPolicy", "A sandbox's network: mode none, egress (rules) or open.")
+      .def(py::init<>())
+      .def_readwrite("mode", &dsec::NetworkPolicy::mode)
+      .def_readwrite("rules", &dsec::NetworkPolicy::rules);
+
   py::class_<dsec::SandboxSpec>(m, "SandboxSpec")
       .def(py::init<>())
       .def_readwrite("image", &dsec::SandboxSpec::image)
@@ -234,7 +246,8 @@ PYBIND11_MODULE(_dsec, m) {
                      "Absolute paths made root's own (0:0, mode 0700) at create.")
       .def_readwrite("request_id", &dsec::SandboxSpec::request_id)
       .def_readwrite("node_selector", &dsec::SandboxSpec::node_selector)
-      .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity);
+      .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity)
+      .def_readwrite("network", &dsec::SandboxSpec::network, "Its network policy (docs/networking.md).");
 
   py::class_<dsec::ExecResult>(m, "ExecResult", "What a command run in a sandbox did. stdout/stderr are bytes.")
       .def_readonly("exit_code", &dsec::ExecResult::exit_code, "Exit status, or -1 when a signal ended it.")
@@ -474,6 +487,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("images", &dsec::NodeInfo::images)
       .def_readonly("layer_mode", &dsec::NodeInfo::layer_mode)
       .def_readonly("userns", &dsec::NodeInfo::userns)
+      .def_readonly("network", &dsec::NodeInfo::network)
       .def_readonly("cached_layers", &dsec::NodeInfo::cached_layers)
       .def_readonly("load1", &dsec::NodeInfo::load1)
       .def_readonly("swap_bytes", &dsec::NodeInfo::swap_bytes, "The node's swap (0: none).")
@@ -560,6 +574,13 @@ PYBIND11_MODULE(_dsec, m) {
           py::arg("dir"))
       .def(
           "info", [](PySandbox& self) { return self.get().info(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "network", [](PySandbox& self) { return self.get().network(); }, py::call_guard<py::gil_scoped_release>(),
+          "The network policy in force.")
+      .def(
+          "set_network", [](PySandbox& self, const dsec::NetworkPolicy& p) { return self.get().set_network(p); },
+          py::arg("policy"), py::call_guard<py::gil_scoped_release>(),
+          "Puts a network policy in force; answers the policy now in force.")
       .def(
           "sleep", [](PySandbox& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>(),
           "Freezes the sandbox in place and releases its memory; exec fails until wake().")

@@ -82,7 +82,9 @@ SANDBOX_INFO = {"id": "sb-0001", "node": "n1", "state": "running", "image": "bus
                 "tenant": "", "labels": {"team": "rl"}, "group": "",
                 "resources": {"cpu": 1.0, "memory": 536870912, "disk": 1073741824, "pids": 512, "open_files": 1024,
                               "gpus": 0},
-                "created_at": 1700000000.5, "expires_at": 1700000600.5, "message": ""}
+                "created_at": 1700000000.5, "expires_at": 1700000600.5, "message": "",
+                "network": {"mode": "egress", "rules": [{"allow": True, "cidr": "10.0.0.0/8", "protocol": "tcp",
+                                                         "ports": "443"}]}}
 NODE_INFO = {"id": "n1", "version": "0.1.0", "protocol": "v1", "backends": ["container", "null"],
              "capacity": {"cores": 2, "memory": 8 << 30, "disk": 100 << 30, "gpus": 0}, "disk_free": 50 << 30,
              "gpus_free": 0, "labels": {"zone": "a"},
@@ -104,6 +106,12 @@ json_seeds = {
     "exec_argv": {"argv": ["/bin/cat"], "stdin": b64(b"input bytes"), "timeout": 1.5},
     "exec_user": {"argv": ["id"], "user": "1000:1000"},
     "spec_user": dict(SPEC, user="nobody", protected_paths=["/grader", "/srv/answers"]),
+    "spec_network": dict(SPEC, network={"mode": "egress", "rules": [
+        {"cidr": "10.20.9.0/24", "allow": False}, {"cidr": "10.20.0.0/16", "protocol": "tcp", "ports": "80-443"},
+        {"cidr": "192.0.2.7", "protocol": "udp", "ports": 53}]}),
+    "network_policy": {"mode": "egress", "rules": [{"cidr": "0.0.0.0/0", "protocol": "tcp", "ports": "25",
+                                                     "allow": False}, {"cidr": "0.0.0.0/0"}]},
+    "network_mode": "open",
     "fncall": {"language": "python", "code": "import sys\nprint(sys.argv)", "args": ["a", "b"],
                "files": {"data/in.txt": b64(b"x" * 10)}, "stdin": b64(b"1 2\n"), "env": {"K": "v"}, "timeout": 2,
                "cpu_time": 1, "memory": "256Mi", "pids": 64, "max_output_bytes": "1Mi", "gpu_mode": "shared",

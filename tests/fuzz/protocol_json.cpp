@@ -4,7 +4,7 @@
 //
 // Properties:
 //  - The decoders of requests the agent takes from the network (decode_spec, decode_exec_request,
-//    decode_fncall_request) refuse bad input with dsec::Error INVALID_ARGUMENT and nothing else: the agent answers
+//    decode_fncall_request, decode_network) refuse bad input with dsec::Error INVALID_ARGUMENT and nothing else: the agent answers
 //    400 naming the field.
 //  - The decoders of answers the client takes from an agent (exec and call results, sandbox and node info, errors)
 //    throw nothing but dsec::Error or nlohmann's own exceptions (the client reports both as a bad answer).
@@ -82,6 +82,7 @@ void decode_all(const json& j) {
   request_round_trip(j, protocol::decode_spec, "decode_spec");
   request_round_trip(j, protocol::decode_exec_request, "decode_exec_request");
   request_round_trip(j, protocol::decode_fncall_request, "decode_fncall_request");
+  request_round_trip(j, protocol::decode_network, "decode_network");
   answer_round_trip(j, protocol::decode_exec_result, "decode_exec_result");
   answer_round_trip(j, protocol::decode_fncall_result, "decode_fncall_result");
   answer_round_trip(j, protocol::decode_sandbox_info, "decode_sandbox_info");

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import atexit
 import io
+import json
 import os
 import posixpath
 import tarfile
 import threading
 import weakref
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 from . import _dsec, errors
 from .errors import (
@@ -162,6 +163,7 @@ def _spec(
     gpus: int = 0,
     user: str | int | None = None,
     protected_paths: Sequence[str] | None = None,
+    network: str | Mapping[str, Any] | None = None,
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -199,7 +201,77 @@ def _spec(
         if isinstance(protected_paths, (str, bytes)) or not all(isinstance(p, str) for p in protected_paths):
             raise InvalidArgument(f"protected_paths: expected a list of absolute paths (str), got {protected_paths!r}")
         s.protected_paths = list(protected_paths)
+    if network is not None:
+        s.network = _network_policy(network)
     return s
+
+
+def _network_policy(network: str | Mapping[str, Any]) -> _dsec.NetworkPolicy:
+    """A ``network`` argument: "none", "egress", "open", or {"mode": ..., "rules": [{"cidr", "protocol", "ports",
+    "allow"}]} (docs/networking.md). The shape is checked here; the client library checks the policy itself."""
+    p = _dsec.NetworkPolicy()
+    if isinstance(network, str):
+        p.mode = network
+        return p
+    if not isinstance(network, Mapping):
+        raise InvalidArgument(f"network: expected a mode (str) or a policy (dict), got {network!r}")
+    unknown = set(network) - {"mode", "rules"}
+    if unknown:
+        raise InvalidArgument(f"network: unknown field {sorted(unknown)[0]!r} (known: mode, rules)")
+    p.mode = network.get("mode", "egress")
+    if not isinstance(p.mode, str):
+        raise InvalidArgument(f"network.mode: expected a str, got {p.mode!r}")
+    rules = network.get("rules") or []
+    if isinstance(rules, (str, bytes, Mapping)):
+        raise InvalidArgument(f"network.rules: expected a list of rules, got {rules!r}")
+    out = []
+    for i, r in enumerate(rules):
+        at = f"network.rules[{i}]"
+        if not isinstance(r, Mapping):
+            raise InvalidArgument(f"{at}: expected a dict such as {{'cidr': '10.0.0.0/8'}}, got {r!r}")
+        unknown = set(r) - {"allow", "cidr", "protocol", "ports"}
+        if unknown:
+            raise InvalidArgument(f"{at}: unknown field {sorted(unknown)[0]!r} (known: allow, cidr, protocol, ports)")
+        rule = _dsec.NetworkRule()
+        rule.allow = bool(r.get("allow", True))
+        cidr = r.get("cidr", "")
+        if not isinstance(cidr, str):
+            raise InvalidArgument(f"{at}.cidr: expected a str, got {cidr!r}")
+        rule.cidr = cidr
+        protocol = r.get("protocol", "any")
+        if not isinstance(protocol, str):
+            raise InvalidArgument(f"{at}.protocol: expected a str, got {protocol!r}")
+        rule.protocol = protocol
+        ports = r.get("ports")
+        if ports is not None:
+            lo, hi = _port_range(ports, f"{at}.ports")
+            rule.port_min, rule.port_max = lo, hi
+        out.append(rule)
+    p.rules = out
+    return p
+
+
+def _port_range(ports: Any, field: str) -> tuple[int, int]:
+    if isinstance(ports, int) and not isinstance(ports, bool):
+        lo = hi = ports
+    elif isinstance(ports, str) and ports.replace("-", "", 1).isdigit():
+        a, _, b = ports.partition("-")
+        lo, hi = int(a), int(b or a)
+    else:
+        raise InvalidArgument(f"{field}: {ports!r} is not a port or a range such as \"80\" or \"8000-8100\"")
+    if not (1 <= lo <= hi <= 65535):
+        raise InvalidArgument(f"{field}: {ports!r} is not within 1-65535")
+    return lo, hi
+
+
+def _network_dict(p: _dsec.NetworkPolicy) -> dict:
+    rules = []
+    for r in p.rules:
+        rule = {"allow": r.allow, "cidr": r.cidr, "protocol": r.protocol}
+        if r.port_min or r.port_max:
+            rule["ports"] = str(r.port_min) if r.port_min == r.port_max else f"{r.port_min}-{r.port_max}"
+        rules.append(rule)
+    return {"mode": p.mode, "rules": rules}
 
 
 def _user(user: str | int | None) -> str:
@@ -417,6 +489,24 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         """The agent's record of this sandbox (state, image, resources, labels, expiry)."""
         return self._sb.info()
+
+    def network(self) -> dict:
+        """The network policy in force: {"mode": ..., "rules": [...]} (docs/networking.md)."""
+        return _network_dict(self._sb.network())
+
+    def set_network(self, mode: str | Mapping[str, Any] = "egress", rules: Sequence[Mapping[str, Any]] | None = None
+                    ) -> dict:
+        """Puts a new network policy in force at once, running or asleep, and returns it: ``set_network("none")``,
+        ``set_network("egress", rules=[{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": "443"}])``, or a whole
+        policy dict. Rules are tried in order, the first match decides, nothing else is allowed. Connections the new
+        rules forbid are cut. A malformed policy raises :class:`InvalidArgument` and the old one stays."""
+        if isinstance(mode, Mapping):
+            if rules is not None:
+                raise InvalidArgument("network: give a policy dict or mode and rules, not both")
+            policy: Any = mode
+        else:
+            policy = {"mode": mode, "rules": list(rules or [])}
+        return _network_dict(self._sb.set_network(_network_policy(policy)))
 
     def sleep(self) -> SleepResult:
         """Freezes every process of the sandbox in place and releases the memory it can (page cache; anonymous
@@ -771,6 +861,7 @@ class Client:
         gpus: int = 0,
         user: str | int | None = None,
         protected_paths: Sequence[str] | None = None,
+        network: str | Mapping[str, Any] | None = None,
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -789,7 +880,7 @@ class Client:
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -816,6 +907,7 @@ class Client:
         gpus: int = 0,
         user: str | int | None = None,
         protected_paths: Sequence[str] | None = None,
+        network: str | Mapping[str, Any] | None = None,
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -827,7 +919,7 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -855,6 +947,7 @@ class Client:
         gpus: int = 0,
         user: str | int | None = None,
         protected_paths: Sequence[str] | None = None,
+        network: str | Mapping[str, Any] | None = None,
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -865,7 +958,7 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

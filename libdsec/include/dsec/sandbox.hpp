@@ -92,6 +92,11 @@ class Sandbox {
   // FAILED_PRECONDITION. Pages in swap come back as the woken processes touch them.
   SleepResult sleep() const;
   SleepResult wake() const;
+  // The network policy in force, and a new one put in force at once, running or asleep (docs/networking.md): the
+  // answer is what holds now; connections the new rules forbid are cut. INVALID_ARGUMENT for a malformed policy
+  // (the old one stays), NOT_FOUND for a destroyed sandbox.
+  NetworkPolicy network() const;
+  NetworkPolicy set_network(const NetworkPolicy& policy) const;
   // Captures the sandbox's files as a new image named `name` ("repo" or "repo:tag", the tag "latest" when none) in
   // its node's snapshot store: the sandbox's image's layers plus one layer of what the sandbox changed (new and
   // changed files, and what it deleted or replaced stays deleted or replaced). Client::create(image = result.image)

@@ -22,6 +22,7 @@ struct SandboxInfo {
   double created_at = 0;   // unix seconds
   double expires_at = 0;   // 0 = no TTL
   std::string message;     // why it failed, when it did
+  NetworkPolicy network;   // the network policy in force (the spec's, or what set_network made it)
 };
 
 // A layer in a node's local cache.
@@ -76,6 +77,8 @@ struct NodeInfo {
   std::string layer_mode;
   // Whether container sandboxes get user namespaces: "idmapped (ids from F, N blocks of 65536)", or "off (why)".
   std::string userns;
+  // Sandbox networks: "routed (10.88.0.0/16, N sandboxes with a network, ...)", or "none (why)".
+  std::string network;
   std::vector<CachedLayer> cached_layers;  // the layers in the node's cache
   double load1 = 0;
   // The node's swap (every swap area of the host): where sleeping sandboxes' anonymous memory goes. 0: none.

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "dsec/network.hpp"
+
 namespace dsec {
 
 using Labels = std::map<std::string, std::string>;
@@ -44,6 +46,9 @@ struct SandboxSpec {
   // is created as a directory if missing, then owned by 0:0 with mode 0700, so execs as another user cannot read,
   // list or link what root puts there. A path that is a symbolic link (or lies under one) fails the create.
   std::vector<std::string> protected_paths;
+  // Its network (docs/networking.md): none (loopback only), egress through rules, or open. Sandbox::set_network
+  // changes it while the sandbox lives.
+  NetworkPolicy network;
   std::string request_id;             // idempotency key: the same key returns the same sandbox
   // Placement (client side): a node must carry every one of these labels (dsecd --label k=v).
   Labels node_selector;

@@ -10,6 +10,7 @@
 
 #include "agent/backends/container/container_backend.hpp"
 #include "agent/backends/container/user_namespace.hpp"
+#include "agent/network/node_network.hpp"
 #include "agent/backends/fncall/fncall_service.hpp"
 #include "agent/backends/microvm/microvm_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
@@ -26,12 +27,13 @@ bool valid_node_id(std::string_view id) noexcept {
 }
 
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
-    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns) {
+    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns,
+    std::shared_ptr<network::NodeNetwork> network) {
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
     if (out.count(name) || name == "fncall" || name == "microvm") continue;
-    if (name == "container") out.emplace(name, make_container_backend(config, userns));
+    if (name == "container") out.emplace(name, make_container_backend(config, userns, network));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
       throw Error(Code::kInvalidArgument,
@@ -140,6 +142,15 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     userns_ = std::make_shared<container::UserNamespaces>(std::move(u));
     log_info("user namespaces: {}", userns_->describe());
   }
+  if (serves("container")) {
+    network::NodeNetworkOptions n;
+    n.range = config_.network_range;
+    n.egress_deny = config_.egress_deny;
+    n.allow_open = config_.allow_open_egress;
+    n.table = "dsec_" + config_.cgroup_name;
+    n.run_dir = config_.run_dir;
+    network_ = std::make_shared<network::NodeNetwork>(std::move(n));
+  }
   if (serves("fncall")) {
     fncall::FnCallServiceOptions fo;
     fo.userns = userns_;
@@ -151,7 +162,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
   }
   const bool backends_from_config = parts.backends.empty();
-  backends_ = backends_from_config ? make_backends(config_, userns_) : std::move(parts.backends);
+  backends_ = backends_from_config ? make_backends(config_, userns_, network_) : std::move(parts.backends);
   if (backends_from_config &&
       std::find(config_.backends.begin(), config_.backends.end(), "microvm") != config_.backends.end()) {
     // A node without QEMU or a guest kernel still serves its other backends; GET /v1/node says why not this one.
@@ -303,6 +314,8 @@ void Agent::stop() {
       log_warn("backend {} shutdown: {}", kind, e.what());
     }
   }
+  // No sandbox is on a network now: the agent's table goes.
+  if (network_) network_->shutdown();
   // No sandbox holds a layer now: unmount them all, and the layer file system.
   try {
     images_->shutdown();
@@ -353,6 +366,7 @@ NodeInfo Agent::node_info() const {
   n.memory_overcommit = config_.memory_overcommit;
   n.cgroup_version = cgroup_version_;
   n.userns = userns_ ? userns_->describe() : "off (no container or fncall backend)";
+  n.network = network_ ? network_->describe() : "none (no container backend)";
   try {
     n.images = images_->names();
   } catch (const std::exception& e) {

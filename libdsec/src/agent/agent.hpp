@@ -31,12 +31,16 @@ class FnCallService;
 namespace container {
 class UserNamespaces;
 }
+namespace network {
+class NodeNetwork;
+}
 
 // The backends named in config.backends ("container", "null"; "fncall" is not a sandbox backend: the Agent makes
 // its FnCallService itself). Unknown names are INVALID_ARGUMENT; a backend the
 // host cannot run throws what its factory throws.
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
-    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns = nullptr);
+    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns = nullptr,
+    std::shared_ptr<network::NodeNetwork> network = nullptr);
 
 // What can be swapped out, mostly for tests: the image source (default: the stores of config.stores through the
 // node's layer cache), the backends (default: make_backends(config)), and the node's capacity (default: probed from
@@ -93,6 +97,7 @@ class Agent {
   std::unique_ptr<Snapshots> snapshots_;
   // The node's user namespaces (container and fncall backends); declared before them, so it outlives them.
   std::shared_ptr<container::UserNamespaces> userns_;
+  std::shared_ptr<network::NodeNetwork> network_;  // sandboxes' links and rules (container backend)
   std::unique_ptr<fncall::FnCallService> fncall_;  // with "fncall" among config.backends
   MicroVmBackend* microvm_ = nullptr;              // in backends_, when "microvm" is among config.backends
   std::string microvm_unavailable_;                // why it is not, when it was asked for

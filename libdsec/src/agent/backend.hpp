@@ -95,6 +95,11 @@ class BackendSandbox {
   virtual SleepReport sleep() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
   virtual SleepReport wake() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
 
+  // Puts a new network policy in force (docs/networking.md), running or asleep; a failure leaves the old one.
+  virtual void set_network(const NetworkPolicy&) {
+    throw Error(Code::kUnimplemented, "this backend's sandboxes have no network to change yet");
+  }
+
   // Copies what the sandbox changed in its file system, as an image layer's tree (image/upper_tree.hpp: new and
   // changed files, whiteouts and opaque directories for what it deleted or replaced), into `dest`, which must not
   // exist. Its processes are frozen for the copy so that nothing changes under it, and run on afterwards (a running

@@ -115,6 +115,12 @@ struct AgentConfig {
   std::uint32_t userns_first = 268435456;
   std::uint32_t userns_blocks = 16384;
   std::filesystem::path userns_claims_dir = "/run/dsec-userns";
+  // Sandbox networks (agent/network/node_network.hpp, docs/networking.md): the /30s of sandboxes with a network
+  // come from network_range (agents sharing a host need ranges of their own); egress_deny is what no sandbox may
+  // reach whatever its rules; allow_open_egress lets specs ask for mode "open".
+  std::string network_range = "10.88.0.0/16";
+  std::vector<std::string> egress_deny;
+  bool allow_open_egress = true;
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   // Kinds this agent serves: "container", "null" (sandboxes), and "fncall" (function calls, POST /v1/fncall).

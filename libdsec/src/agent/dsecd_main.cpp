@@ -90,6 +90,10 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
                           left them on SIGUSR2): adopt takes over those still alive and marks the dead ones failed;
                           remove destroys them all (default adopt)
   --netns-pool N          network namespaces kept ready (default 32)
+  --network-range CIDR    sandboxes with a network get a /30 each from here (default 10.88.0.0/16; agents sharing
+                          a host need ranges of their own)
+  --egress-deny CIDR      a network no sandbox may reach, whatever its rules (repeatable)
+  --no-open-egress        refuse network mode "open" (every sandbox's egress then goes through rules)
   --userns MODE           user namespaces for container sandboxes and fork servers: auto (when the kernel has
                           idmapped mounts; default), on (refuse to start without), off (host ids)
   --userns-range F:N      their host ids: N blocks of 65536 from id F (default 268435456:16384)
@@ -209,7 +213,7 @@ int main(int argc, char** argv) {
       value = flag.substr(eq + 1);
       flag = flag.substr(0, eq);
     } else if (flag != "--help" && flag != "-h" && flag != "--version" && flag != "--cgroup-favordynmods" &&
-               flag != "--insecure-no-tls" && flag != "--tokens-on-unix") {
+               flag != "--insecure-no-tls" && flag != "--tokens-on-unix" && flag != "--no-open-egress") {
       if (i + 1 >= args.size()) fail(fmt::format("{} needs a value (see --help)", flag));
       value = args[++i];
     }
@@ -324,6 +328,12 @@ int main(int argc, char** argv) {
       config.adopt_sandboxes = value == "adopt";
     } else if (flag == "--netns-pool") {
       config.netns_pool_size = parse_unsigned(flag, value);
+    } else if (flag == "--network-range") {
+      config.network_range = std::string(value);
+    } else if (flag == "--egress-deny") {
+      config.egress_deny.emplace_back(value);
+    } else if (flag == "--no-open-egress") {
+      config.allow_open_egress = false;
     } else if (flag == "--userns") {
       if (value != "auto" && value != "on" && value != "off")
         fail(fmt::format("--userns: '{}' is not one of auto, on, off", value));

@@ -215,6 +215,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     info.labels = spec.labels;
     info.group = spec.group;
     info.resources = spec.resources;
+    info.network = spec.network;
     info.created_at = created_at;
     info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
     record->image_hold = std::move(image.hold);

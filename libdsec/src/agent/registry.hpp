@@ -142,6 +142,10 @@ class Registry {
   // is answered again as it was (the client retried after losing the answer) instead of failing for the state it
   // left; the same id with the other call is INVALID_ARGUMENT.
   SleepOutcome sleep(const std::string& id, std::string_view request_id = {});
+  // Replaces the sandbox's network policy (running or sleeping) and answers its info with the policy now in force;
+  // the policy is in its record, so a restart keeps it. NOT_FOUND for an unknown or destroyed sandbox,
+  // FAILED_PRECONDITION for a failed one; a malformed policy is INVALID_ARGUMENT and changes nothing.
+  SandboxInfo set_network(const std::string& id, const NetworkPolicy& policy);
   SleepOutcome wake(const std::string& id, std::string_view request_id = {});
   // Copies a running sandbox, processes and memory and all, into `count` new sandboxes on this node (the backend's
   // fork_source; UNIMPLEMENTED for backends that cannot). The copies have the sandbox's spec (new ids, and without

@@ -1,6 +1,7 @@
 // A sandbox's life after its create: liveness checks (a dead one turns "failed"), sleep and wake, fork, destroy
 // (one, a list, all), and the reaper's pass (TTLs, expired group leases, images to hold again, the request log).
 #include "agent/registry.hpp"
+#include "common/network_rules.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +12,7 @@
 
 #include "agent/log.hpp"
 #include "agent/registry_internal.hpp"
+#include "common/network_rules.hpp"
 
 namespace dsec::agent {
 
@@ -161,6 +163,29 @@ Registry::SleepOutcome Registry::sleep(const std::string& id, std::string_view r
   }
   out.info = record->snapshot();
   return out;
+}
+
+SandboxInfo Registry::set_network(const std::string& id, const NetworkPolicy& policy) {
+  network::validate(policy);
+  std::shared_ptr<Record> record = find_live(id);
+  check_alive(*record);
+  // One change at a time, and none during a sleep or a wake.
+  std::lock_guard power(record->power_mutex);
+  const std::string state = record->snapshot().state;
+  if (state != "running" && state != "sleeping")
+    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}; its network cannot change", id, state));
+  record->sandbox->set_network(policy);
+  {
+    std::lock_guard lock(record->mutex);
+    record->info.network = policy;
+  }
+  refresh_backend_state(*record);
+  try {
+    write_record(*record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its network: {}", id, e.what());
+  }
+  return record->snapshot();
 }
 
 Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view request_id) {

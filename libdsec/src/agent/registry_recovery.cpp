@@ -147,6 +147,7 @@ Registry::Recovered Registry::recover_one(LoadedRecord& loaded, bool adopt) {
 
   if (state == "running" || state == "sleeping") {
     AdoptParams params{id, r.spec, r.layers, r.backend_state, state == "sleeping"};
+    params.spec.network = r.info.network;  // what set_network last put in force
     try {
       r.sandbox = backend.adopt(params);
       if (!r.sandbox) throw Error(Code::kInternal, fmt::format("backend '{}' adopted no sandbox", r.info.kind));

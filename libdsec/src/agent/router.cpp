@@ -264,6 +264,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
+    case Route::kSandboxNetwork: return network(request, target);
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kSandboxSnapshot: return snapshot(request, target, who);
     case Route::kSandboxFork: return fork(request, target);
@@ -475,6 +476,17 @@ HttpResponse Router::files(HttpRequest& request, const Target& target) {
 
 // POST: freeze the sandbox and release its memory (sleep), or restore it (wake). The answer is the sandbox's info
 // with memory charged to it before and after, and the seconds it took.
+// GET: the network policy in force. PUT {"mode": ..., "rules": [...]} (or "none"/"open"/"egress"): replace it.
+HttpResponse Router::network(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/network", {http::verb::get, http::verb::put});
+  only_params(target.query, {});
+  if (request.method() == http::verb::get)
+    return json_response(http::status::ok, protocol::encode(registry_.get(target.sandbox_id).network));
+  NetworkPolicy policy = protocol::decode_network(protocol::parse_body(request.body()));
+  SandboxInfo info = registry_.set_network(target.sandbox_id, policy);
+  return json_response(http::status::ok, protocol::encode(info.network));
+}
+
 HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, bool sleep) {
   allow(request, sleep ? "/v1/sandboxes/{id}/sleep" : "/v1/sandboxes/{id}/wake", {http::verb::post});
   only_params(target.query, {});

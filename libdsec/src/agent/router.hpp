@@ -59,6 +59,7 @@ class Router {
   HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
                         const auth::Principal& who);
   HttpResponse node(HttpRequest& request, const auth::Principal& who);
+  HttpResponse network(HttpRequest& request, const Target& target);
   HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);

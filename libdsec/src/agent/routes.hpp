@@ -25,6 +25,7 @@ enum class Route {
   kSandboxWake,     // /v1/sandboxes/{id}/wake
   kSandboxSnapshot, // /v1/sandboxes/{id}/snapshot
   kSandboxFork,     // /v1/sandboxes/{id}/fork
+  kSandboxNetwork,  // /v1/sandboxes/{id}/network
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

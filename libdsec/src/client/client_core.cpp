@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/network_rules.hpp"
 #include "common/protocol.hpp"
 #include "dsec/retry.hpp"
 
@@ -697,6 +698,18 @@ HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& 
 SandboxInfo ClientCore::get(const std::string& id) {
   auto r = call_sandbox(id, http_request("GET", sandbox_path(id)));
   return protocol::decode_sandbox_info(parse_json(r, "GET /v1/sandboxes/{id}"));
+}
+
+NetworkPolicy ClientCore::network(const std::string& id) {
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/network")));
+  return protocol::decode_network(parse_json(r, "GET /v1/sandboxes/{id}/network"));
+}
+
+NetworkPolicy ClientCore::set_network(const std::string& id, const NetworkPolicy& policy) {
+  network::validate(policy);  // a malformed policy never leaves the client
+  // Idempotent (the same policy twice is the same state): retried like a read.
+  auto r = call_sandbox(id, http_request("PUT", sandbox_path(id, "/network"), protocol::encode(policy).dump(), kJson));
+  return protocol::decode_network(parse_json(r, "PUT /v1/sandboxes/{id}/network"));
 }
 
 std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::string& tenant) {

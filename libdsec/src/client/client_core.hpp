@@ -50,6 +50,8 @@ class ClientCore {
   void destroy_group(const std::string& group, const std::vector<std::string>& members);
   std::size_t create_concurrency() const noexcept { return options_.create_concurrency; }
   SandboxInfo get(const std::string& id);
+  NetworkPolicy network(const std::string& id);
+  NetworkPolicy set_network(const std::string& id, const NetworkPolicy& policy);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();
   // Idempotent: a sandbox that is already gone is not an error.

@@ -71,6 +71,8 @@ std::string Sandbox::download_tar(std::string_view dir) const { return core().do
 SandboxInfo Sandbox::info() const { return core().get(id_); }
 
 SleepResult Sandbox::sleep() const { return core().sleep_or_wake(id_, true); }
+NetworkPolicy Sandbox::network() const { return core().network(id_); }
+NetworkPolicy Sandbox::set_network(const NetworkPolicy& policy) const { return core().set_network(id_, policy); }
 
 SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }
 

@@ -1,8 +1,11 @@
 #include "common/protocol.hpp"
 
+#include "common/network_rules.hpp"
+
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -225,6 +228,7 @@ json encode(const SandboxSpec& s) {
   // Written only when set, so a spec without them encodes (and fingerprints, for request ids) as before.
   if (!s.user.empty()) j["user"] = s.user;
   if (!s.protected_paths.empty()) j["protected_paths"] = s.protected_paths;
+  if (s.network.mode != "none" || !s.network.rules.empty()) j["network"] = encode(s.network);
   return j;
 }
 
@@ -267,8 +271,83 @@ SandboxSpec decode_spec(const json& j) {
   s.group_ttl = std::chrono::seconds{static_cast<std::int64_t>(group_ttl)};
   s.user = get_string(j, "user", "user");
   s.protected_paths = get_string_list(j, "protected_paths", "protected_paths");
+  if (const json* n = find(j, "network")) s.network = decode_network(*n);
   validate(s);
   return s;
+}
+
+json encode(const NetworkPolicy& p) {
+  json rules = json::array();
+  for (const NetworkRule& r : p.rules) {
+    json rule{{"allow", r.allow}, {"cidr", r.cidr}, {"protocol", r.protocol}};
+    if (r.port_min != 0 || r.port_max != 0)
+      rule["ports"] = r.port_min == r.port_max ? std::to_string(r.port_min)
+                                               : fmt::format("{}-{}", r.port_min, r.port_max);
+    rules.push_back(std::move(rule));
+  }
+  return json{{"mode", p.mode}, {"rules", std::move(rules)}};
+}
+
+// "none" | "open" | "egress" (no rules: nothing allowed), or {"mode": ..., "rules": [...]}; validated whole.
+NetworkPolicy decode_network(const json& j) {
+  NetworkPolicy p;
+  if (j.is_string()) {
+    p.mode = j.get<std::string>();
+  } else if (j.is_object()) {
+    for (const auto& [key, value] : j.items())
+      if (key != "mode" && key != "rules")
+        bad("network", fmt::format("unknown field '{}' (known: mode, rules)", key));
+    p.mode = get_string(j, "mode", "network.mode", "egress");
+    if (const json* rules = find(j, "rules")) {
+      if (!rules->is_array()) bad("network.rules", "must be a list of rules");
+      if (rules->size() > network::kMaxRules) bad("network.rules", fmt::format("at most {} rules", network::kMaxRules));
+      for (std::size_t i = 0; i < rules->size(); ++i) {
+        const json& r = (*rules)[i];
+        const std::string at = fmt::format("network.rules[{}]", i);
+        if (!r.is_object()) bad(at, "must be an object such as {\"cidr\": \"10.0.0.0/8\", \"ports\": \"443\"}");
+        for (const auto& [key, value] : r.items())
+          if (key != "allow" && key != "cidr" && key != "protocol" && key != "ports")
+            bad(at, fmt::format("unknown field '{}' (known: allow, cidr, protocol, ports)", key));
+        NetworkRule rule;
+        rule.allow = get_bool(r, "allow", at + ".allow", true);
+        rule.cidr = get_string(r, "cidr", at + ".cidr");
+        if (rule.cidr.empty()) bad(at + ".cidr", "missing (an IPv4 address or network such as 10.0.0.0/8)");
+        rule.protocol = get_string(r, "protocol", at + ".protocol", "any");
+        if (const json* ports = find(r, "ports")) {
+          auto bad_ports = [&] {
+            bad(at + ".ports", fmt::format("{} is not a port or a range such as \"80\" or \"8000-8100\" within "
+                                           "1-65535",
+                                           ports->dump()));
+          };
+          std::uint64_t lo = 0, hi = 0;
+          if (ports->is_number_unsigned()) {
+            lo = hi = ports->get<std::uint64_t>();
+          } else if (ports->is_string()) {
+            const std::string t = ports->get<std::string>();
+            const std::size_t dash = t.find('-');
+            auto num = [&](std::string_view v, std::uint64_t& out) {
+              auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+              return !v.empty() && ec == std::errc() && ptr == v.data() + v.size();
+            };
+            std::string_view tv(t);
+            if (!(dash == std::string::npos ? num(tv, lo) && (hi = lo, true)
+                                            : num(tv.substr(0, dash), lo) && num(tv.substr(dash + 1), hi)))
+              bad_ports();
+          } else {
+            bad_ports();
+          }
+          if (lo < 1 || hi > 65535 || hi < lo) bad_ports();
+          rule.port_min = static_cast<std::uint16_t>(lo);
+          rule.port_max = static_cast<std::uint16_t>(hi);
+        }
+        p.rules.push_back(std::move(rule));
+      }
+    }
+  } else {
+    bad("network", "must be \"none\", \"egress\", \"open\" or an object {\"mode\": ..., \"rules\": [...]}");
+  }
+  network::validate(p);
+  return p;
 }
 
 namespace {
@@ -310,6 +389,7 @@ void validate(const SandboxSpec& s) {
   if (r.memory_bytes > kMaxResourceBytes) bad("resources.memory", "at most 16Ti");
   if (r.disk_bytes < (1ull << 20)) bad("resources.disk", "must be at least 1Mi");
   if (r.disk_bytes > kMaxResourceBytes) bad("resources.disk", "at most 16Ti");
+  network::validate(s.network);
   if (r.pids < 1) bad("resources.pids", "must be at least 1");
   if (r.open_files < 16) bad("resources.open_files", "must be at least 16");
   if (r.gpus > kMaxGpus) bad("resources.gpus", fmt::format("at most {}", kMaxGpus));
@@ -676,7 +756,8 @@ json encode(const SandboxInfo& s) {
                 {"gpus", s.resources.gpus}}},
               {"created_at", s.created_at},
               {"expires_at", s.expires_at},
-              {"message", s.message}};
+              {"message", s.message},
+              {"network", encode(s.network)}};
 }
 
 SandboxInfo decode_sandbox_info(const json& j) {
@@ -702,6 +783,13 @@ SandboxInfo decode_sandbox_info(const json& j) {
   s.created_at = member(j, "created_at", 0.0);
   s.expires_at = member(j, "expires_at", 0.0);
   s.message = member(j, "message", "");
+  if (auto it = j.find("network"); it != j.end() && it->is_object()) {
+    try {
+      s.network = decode_network(*it);
+    } catch (const Error& e) {
+      throw Error(Code::kDataLoss, fmt::format("sandbox info: {}", e.what()));
+    }
+  }
   return s;
 }
 
@@ -726,6 +814,7 @@ json encode(const NodeInfo& n) {
               {"images", n.images},
               {"layer_mode", n.layer_mode},
               {"userns", n.userns},
+              {"network", n.network},
               {"cached_layers", layers},
               {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
   const MicroVmNodeInfo& m = n.microvm;
@@ -775,6 +864,7 @@ NodeInfo decode_node_info(const json& j) {
   n.images = member(j, "images", std::vector<std::string>{});
   n.layer_mode = member(j, "layer_mode", "");
   n.userns = member(j, "userns", "");
+  n.network = member(j, "network", "");
   if (auto s = j.find("swap"); s != j.end() && s->is_object()) {
     n.swap_bytes = member(*s, "total", std::uint64_t{0}, "swap.total");
     n.swap_free_bytes = member(*s, "free", std::uint64_t{0}, "swap.free");

@@ -24,6 +24,10 @@ json parse_body(std::string_view body);
 
 json encode(const SandboxSpec& spec);
 SandboxSpec decode_spec(const json& j);
+// A network policy: {"mode": ..., "rules": [{"allow", "cidr", "protocol", "ports"}]}; decoding also takes the bare
+// mode ("none", "egress", "open") and validates the whole policy (INVALID_ARGUMENT naming the field).
+json encode(const NetworkPolicy& policy);
+NetworkPolicy decode_network(const json& j);
 void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_ARGUMENT naming the field
 
 // A lease group's id: 1 to 128 of letters, digits, '.', '_' and '-'. Group TTLs are 1 to 86400 seconds.

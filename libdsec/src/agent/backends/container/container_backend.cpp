@@ -37,6 +37,7 @@
 #include "agent/backends/container/seccomp.hpp"
 #include "agent/backends/container/spawn.hpp"
 #include "agent/backends/container/user_namespace.hpp"
+#include "agent/network/node_network.hpp"
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 
@@ -73,6 +74,8 @@ constexpr const char* kCgroup = "cgroup";
 constexpr const char* kNetnsInode = "netns_inode";
 constexpr const char* kRunDir = "run_dir";
 constexpr const char* kLayerDevices = "layer_devices";
+constexpr const char* kNetBlock = "net_block";          // its network's /30 (first address); absent: no link
+constexpr const char* kNetInterface = "net_interface";  // the host end of its veth pair
 constexpr const char* kUsernsFirst = "userns_first";  // the first host id of its user namespace's block; absent: host ids
 }  // namespace key
 
@@ -168,6 +171,7 @@ struct Identity {
   std::uint64_t netns_inode = 0;
   std::string layer_devices;  // of the image layers its overlay stacks
   std::optional<std::uint32_t> userns_first;  // its user namespace's block of host ids, if it has one
+  std::optional<network::Attachment> link;    // its veth pair and /30, if it has a network
 };
 
 class ContainerSandbox final : public BackendSandbox {
@@ -175,7 +179,8 @@ class ContainerSandbox final : public BackendSandbox {
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
                    std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout,
                    Identity identity, std::string cgroup_version, std::shared_ptr<UserNamespaces> userns,
-                   bool adopted = false, bool sleeping = false, std::uint64_t first_exec = 0)
+                   std::shared_ptr<network::NodeNetwork> network, bool adopted = false, bool sleeping = false,
+                   std::uint64_t first_exec = 0)
       : reclaim_timeout_(reclaim_timeout),
         id_(std::move(id)),
         spec_(std::move(spec)),
@@ -187,6 +192,7 @@ class ContainerSandbox final : public BackendSandbox {
         identity_(std::move(identity)),
         cgroup_version_(std::move(cgroup_version)),
         userns_(std::move(userns)),
+        network_(std::move(network)),
         adopted_(adopted),
         exec_counter_(first_exec),
         sleeping_(sleeping) {}
@@ -451,6 +457,23 @@ class ContainerSandbox final : public BackendSandbox {
     return report;
   }
 
+  void set_network(const NetworkPolicy& policy) override {
+    check_running();
+    if (!network_) throw Error(Code::kUnimplemented, "this agent gives sandboxes no network");
+    std::lock_guard lock(network_mu_);
+    if (identity_.link) {
+      network_->update(id_, policy);
+      return;
+    }
+    if (policy.mode == "none") return;  // no link, none needed
+    // The first network of a sandbox made without one: its link goes into its namespace now.
+    std::string path = fmt::format("/proc/{}/ns/net", init_.pid);
+    UniqueFd ns(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!ns) throw_errno(errno, fmt::format("open the network namespace of sandbox {}", id_));
+    check_running();  // the pid named its init when it was opened
+    identity_.link = network_->attach(id_, ns.get(), policy);
+  }
+
   SleepReport wake() override {
     auto started = Clock::now();
     std::lock_guard lock(power_mu_);
@@ -519,6 +542,11 @@ class ContainerSandbox final : public BackendSandbox {
                         {key::kRunDir, run_dir_.string()},
                         {key::kLayerDevices, identity_.layer_devices}};
     if (identity_.userns_first) state[key::kUsernsFirst] = std::to_string(*identity_.userns_first);
+    std::lock_guard lock(network_mu_);
+    if (identity_.link) {
+      state[key::kNetBlock] = std::to_string(identity_.link->block);
+      state[key::kNetInterface] = identity_.link->interface;
+    }
     return state;
   }
 
@@ -564,6 +592,10 @@ class ContainerSandbox final : public BackendSandbox {
       init_.pidfd.reset();
     }
     cgroup_->destroy();
+    {
+      std::lock_guard lock(network_mu_);
+      if (identity_.link && network_) network_->detach(id_);
+    }
     netns_.reset();
     // Every process that had the block's ids is gone: another sandbox may have them.
     if (identity_.userns_first && userns_) userns_->give_back(*identity_.userns_first);
@@ -632,6 +664,8 @@ class ContainerSandbox final : public BackendSandbox {
   Identity identity_;
   std::string cgroup_version_;
   std::shared_ptr<UserNamespaces> userns_;  // gets the block back at destroy
+  std::shared_ptr<network::NodeNetwork> network_;
+  std::mutex network_mu_;  // guards identity_.link
   bool adopted_;    // taken over after an agent restart: init is not this process's child
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
@@ -643,8 +677,9 @@ class ContainerSandbox final : public BackendSandbox {
 
 class ContainerBackend final : public Backend {
  public:
-  ContainerBackend(const AgentConfig& config, std::shared_ptr<UserNamespaces> userns)
-      : config_(config), cap_last_cap_(read_cap_last_cap()), userns_(std::move(userns)) {
+  ContainerBackend(const AgentConfig& config, std::shared_ptr<UserNamespaces> userns,
+                   std::shared_ptr<network::NodeNetwork> network)
+      : config_(config), cap_last_cap_(read_cap_last_cap()), userns_(std::move(userns)), network_(std::move(network)) {
     if (::geteuid() != 0)
       throw Error(Code::kFailedPrecondition, "the container backend needs root (namespaces, cgroups, mounts)");
     std::ifstream filesystems("/proc/filesystems");
@@ -748,16 +783,31 @@ class ContainerBackend final : public Backend {
     if (userns) req.userns_fd = userns->fd.get();
 
     Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers),
-                      options.userns_first};
+                      options.userns_first, std::nullopt};
+    // Its network, when the spec asks for one: the link is in its namespace before its first process runs.
+    struct Detach {
+      network::NodeNetwork* network;
+      const std::string& id;
+      bool armed = false;
+      ~Detach() {
+        if (armed) network->detach(id);
+      }
+    } detach{network_.get(), params.id};
+    if (params.spec.network.mode != "none") {
+      if (!network_) throw Error(Code::kUnimplemented, "network: this agent gives sandboxes no network");
+      identity.link = network_->attach(params.id, netns.get(), params.spec.network);
+      detach.armed = true;
+    }
     SpawnedInit init = spawn_init(req);
     cleanup.armed = false;
     give_back.armed = false;
+    detach.armed = false;
     // Read while the agent holds init's pidfd: the pid cannot name another process yet (init is this process's
     // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
     identity.init_start_time = process_start_time(init.pid).value_or(0);
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
                                               std::move(netns), config_.sleep_reclaim_timeout, std::move(identity),
-                                              cgroups_->version(), userns_);
+                                              cgroups_->version(), userns_, network_);
   }
 
   std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) override {
@@ -896,11 +946,22 @@ class ContainerBackend final : public Backend {
                     std::chrono::duration_cast<std::chrono::milliseconds>(kProbeTimeout), &why))
       throw Error(Code::kUnavailable, fmt::format("its init (pid {}) does not answer: {}", pid, why));
 
-    Identity identity{boot_id_, start_time, netns_inode, devices, userns_first};
+    // Its network: the link must still be there, and its rules go back in force.
+    std::optional<network::Attachment> link;
+    if (auto it = state.find(key::kNetBlock); it != state.end() && !it->second.empty()) {
+      network::Attachment a;
+      a.block = static_cast<std::uint32_t>(number(key::kNetBlock));
+      a.interface = value(key::kNetInterface);
+      if (!network_ || !network_->adopt(params.id, a, params.spec.network))
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("its network link {} is gone, or its addresses are another agent's", a.interface));
+      link = a;
+    }
+    Identity identity{boot_id_, start_time, netns_inode, devices, userns_first, link};
     give_back.first.reset();
     return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
                                               UniqueFd(), config_.sleep_reclaim_timeout, std::move(identity), version,
-                                              userns_, true, params.sleeping, next_exec);
+                                              userns_, network_, true, params.sleeping, next_exec);
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -931,14 +992,16 @@ class ContainerBackend final : public Backend {
   std::unique_ptr<NetnsPool> netns_;
   std::string boot_id_;
   std::shared_ptr<UserNamespaces> userns_;  // null: sandboxes run with host ids
+  std::shared_ptr<network::NodeNetwork> network_;  // null: sandboxes have loopback only
 };
 
 }  // namespace
 }  // namespace container
 
 std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
-                                                std::shared_ptr<container::UserNamespaces> userns) {
-  return std::make_unique<container::ContainerBackend>(config, std::move(userns));
+                                                std::shared_ptr<container::UserNamespaces> userns,
+                                                std::shared_ptr<network::NodeNetwork> network) {
+  return std::make_unique<container::ContainerBackend>(config, std::move(userns), std::move(network));
 }
 
 std::string container_cgroup_version() {

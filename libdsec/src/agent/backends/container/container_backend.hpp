@@ -12,11 +12,16 @@ namespace dsec::agent {
 namespace container {
 class UserNamespaces;
 }
+namespace network {
+class NodeNetwork;
+}
 
 // Throws dsec::Error(FAILED_PRECONDITION) when the host cannot run containers (not root, no overlayfs, ...).
 // Sandboxes get user namespaces from `userns` when it is given and enabled, host ids otherwise.
+// Sandboxes whose spec asks for a network get it from `network` (none without it: UNIMPLEMENTED).
 std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
-                                                std::shared_ptr<container::UserNamespaces> userns = nullptr);
+                                                std::shared_ptr<container::UserNamespaces> userns = nullptr,
+                                                std::shared_ptr<network::NodeNetwork> network = nullptr);
 
 // "v1" or "v2": the cgroup hierarchy the backend drives on this host.
 std::string container_cgroup_version();

@@ -1,0 +1,28 @@
+// A sandbox's network, the same for every backend: none (loopback only, the default), egress through an
+// allowlist, or open egress. See docs/networking.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsec {
+
+// One rule of an egress allowlist. Rules are tried in order; the first that matches a connection decides (allow
+// or deny); a connection no rule matches is refused.
+struct NetworkRule {
+  bool allow = true;
+  std::string cidr;                // "10.20.0.0/16", "192.0.2.7" (a /32); IPv4
+  std::string protocol = "any";    // "tcp", "udp", "icmp" or "any"
+  std::uint16_t port_min = 0;      // destination ports port_min..port_max (tcp, udp); 0..0: every port
+  std::uint16_t port_max = 0;
+  bool operator==(const NetworkRule&) const = default;
+};
+
+struct NetworkPolicy {
+  std::string mode = "none";       // "none", "egress" (rules), "open" (all egress an agent allows)
+  std::vector<NetworkRule> rules;  // egress only; at most 64
+  bool operator==(const NetworkPolicy&) const = default;
+};
+
+}  // namespace dsec

@@ -1,0 +1,305 @@
+#include "agent/network/node_network.hpp"
+
+#include <fcntl.h>
+#include <nftables/libnftables.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "agent/log.hpp"
+#include "agent/network/netlink.hpp"
+#include "common/syscall.hpp"
+
+extern char** environ;
+
+namespace dsec::agent::network {
+namespace {
+
+using ::dsec::network::ipv4_to_string;
+using ::dsec::network::parse_cidr;
+
+constexpr const char* kPeerName = "eth0";
+
+std::string range_text(std::uint32_t lo, std::uint32_t hi) {
+  return lo == hi ? ipv4_to_string(lo) : fmt::format("{}-{}", ipv4_to_string(lo), ipv4_to_string(hi));
+}
+std::string number_range(std::uint32_t lo, std::uint32_t hi) {
+  return lo == hi ? std::to_string(lo) : fmt::format("{}-{}", lo, hi);
+}
+
+// Runs a program (conntrack) without a shell; its status, or -1 if it could not start.
+int run_program(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  pid_t pid = -1;
+  int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return -1;
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+NodeNetwork::NodeNetwork(NodeNetworkOptions options)
+    : options_(std::move(options)),
+      range_([&] {
+        auto c = parse_cidr(options_.range);
+        if (!c || c->prefix > 28)
+          throw Error(Code::kInvalidArgument,
+                      fmt::format("--network-range: '{}' is not an IPv4 network of at least 16 addresses such as "
+                                  "10.88.0.0/16",
+                                  options_.range));
+        return *c;
+      }()),
+      blocks_(range_.first(), static_cast<std::uint32_t>((std::uint64_t{range_.last()} - range_.first() + 1) / 4), 4,
+              "sandbox network addresses") {
+  for (const auto& d : options_.egress_deny) {
+    auto c = parse_cidr(d);
+    if (!c) throw Error(Code::kInvalidArgument, fmt::format("--egress-deny: '{}' is not an IPv4 network", d));
+    deny_.push_back(*c);
+  }
+  if (options_.table.empty()) options_.table = "dsec";
+  for (char& c : options_.table)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') c = '_';
+}
+
+NodeNetwork::~NodeNetwork() {
+  shutdown();
+  std::lock_guard lock(mu_);
+  if (nft_) nft_ctx_free(nft_);
+}
+
+void NodeNetwork::shutdown() {
+  std::lock_guard lock(mu_);
+  if (!table_ready_ || !sandboxes_.empty()) return;
+  try {
+    run(fmt::format("delete table inet {}\n", options_.table), "remove the sandboxes' table");
+  } catch (const std::exception& e) {
+    log_warn("{}", e.what());
+  }
+  table_ready_ = false;
+}
+
+void NodeNetwork::check(const NetworkPolicy& policy) const {
+  ::dsec::network::validate(policy);
+  if (policy.mode == "open" && !options_.allow_open)
+    throw Error(Code::kFailedPrecondition, "network.mode: this node forbids open egress (dsecd --no-open-egress)");
+}
+
+void NodeNetwork::run(const std::string& script, const char* what) {
+  if (!nft_) {
+    nft_ = nft_ctx_new(NFT_CTX_DEFAULT);
+    if (!nft_) throw Error(Code::kInternal, "nftables: cannot make a context");
+    nft_ctx_buffer_output(nft_);
+    nft_ctx_buffer_error(nft_);
+  }
+  if (nft_run_cmd_from_buffer(nft_, script.c_str()) != 0) {
+    std::string err = nft_ctx_get_error_buffer(nft_);
+    while (!err.empty() && err.back() == '\n') err.pop_back();
+    throw Error(Code::kInternal, fmt::format("nftables: {}: {}", what, err.substr(0, 2000)));
+  }
+}
+
+void NodeNetwork::ensure_table() {
+  if (table_ready_) return;
+  // Routing between the sandboxes' links and the uplink.
+  {
+    std::ofstream f("/proc/sys/net/ipv4/ip_forward");
+    f << "1\n";
+    if (!f) throw Error(Code::kFailedPrecondition, "cannot turn on IPv4 forwarding (/proc/sys/net/ipv4/ip_forward)");
+  }
+  if (!claims_) claims_.emplace(options_.claims_dir, options_.run_dir);
+  std::string blocked = "169.254.0.0/16, 0.0.0.0/8, 127.0.0.0/8, 224.0.0.0/3, " + ::dsec::network::to_string(range_);
+  for (const Cidr& d : deny_) blocked += ", " + ::dsec::network::to_string(d);
+  const std::string& t = options_.table;
+  // The whole table at once, replacing what an earlier run left (a restart re-adds its sandboxes' elements).
+  const std::string script = fmt::format(R"(table inet {t}
+delete table inet {t}
+table inet {t} {{
+  set ifaces {{ type ifname; }}
+  set ifaddr {{ type ifname . ipv4_addr; }}
+  set open {{ type ipv4_addr; }}
+  set allow {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set blocked {{ type ipv4_addr; flags interval; elements = {{ {blocked} }} }}
+  counter refused {{ }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname @ifaces drop
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    oifname @ifaces ct state established,related accept
+    oifname @ifaces drop
+    iifname @ifaces iifname . ip saddr != @ifaddr drop
+    iifname @ifaces meta nfproto ipv6 drop
+    iifname @ifaces ip daddr @blocked counter name refused drop
+    iifname @ifaces ip saddr @open accept
+    iifname @ifaces ip saddr . ip daddr . meta l4proto . th dport @allow accept
+    iifname @ifaces counter name refused drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    iifname @ifaces oifname != @ifaces masquerade
+  }}
+}}
+)",
+                                         fmt::arg("t", t), fmt::arg("blocked", blocked));
+  run(script, "make the sandboxes' table");
+  table_ready_ = true;
+}
+
+std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const NetworkPolicy& policy) const {
+  const std::string addr = ipv4_to_string(a.sandbox_address());
+  std::vector<std::string> out{fmt::format("ifaces {{ \"{}\" }}", a.interface),
+                               fmt::format("ifaddr {{ \"{}\" . {} }}", a.interface, addr)};
+  if (policy.mode == "open") out.push_back(fmt::format("open {{ {} }}", addr));
+  if (policy.mode == "egress") {
+    for (const auto& b : ::dsec::network::compile_egress(policy)) {
+      if (b.port_lo > 65535) continue;  // only "no port": no tcp or udp packet is that
+      out.push_back(fmt::format("allow {{ {} . {} . {} . {} }}", addr, range_text(b.addr_lo, b.addr_hi),
+                                number_range(b.proto_lo, b.proto_hi),
+                                number_range(b.port_lo, std::min<std::uint32_t>(b.port_hi, 65535))));
+    }
+  }
+  return out;
+}
+
+void NodeNetwork::apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add,
+                                 const char* what) {
+  std::string script;
+  for (const auto& e : remove) script += fmt::format("delete element inet {} {}\n", options_.table, e);
+  for (const auto& e : add) script += fmt::format("add element inet {} {}\n", options_.table, e);
+  if (!script.empty()) run(script, what);
+}
+
+void NodeNetwork::forget_connections(std::uint32_t address) {
+  // Entries the sandbox's connections left: with them gone, replies to a connection the rules now forbid are no
+  // longer "established" and are dropped too. conntrack (Debian package conntrack) may be missing: then the
+  // sandbox's own packets, checked one by one, are what cuts them.
+  const std::string a = ipv4_to_string(address);
+  run_program({"conntrack", "-D", "-s", a});
+  run_program({"conntrack", "-D", "-d", a});
+}
+
+Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const NetworkPolicy& policy) {
+  check(policy);
+  std::lock_guard lock(mu_);
+  if (sandboxes_.count(id)) throw Error(Code::kAlreadyExists, fmt::format("sandbox {} has a network already", id));
+  ensure_table();
+  Attachment a;
+  a.block = blocks_.take([this](std::uint32_t first) { return claims_->claim(first); });
+  a.interface = fmt::format("dsh-{:08x}", a.block);
+  Netlink host;
+  struct Undo {
+    NodeNetwork& self;
+    Netlink& host;
+    Attachment& a;
+    bool armed = true;
+    ~Undo() {
+      if (!armed) return;
+      try {
+        host.delete_link(a.interface);
+      } catch (...) {
+      }
+      self.claims_->release(a.block);
+      self.blocks_.give_back(a.block);
+    }
+  } undo{*this, host, a};
+  host.delete_link(a.interface);  // a leftover of a crash, if any
+  host.create_veth(a.interface, kPeerName, netns_fd);
+  int index = host.index_of(a.interface);
+  if (index == 0) throw Error(Code::kInternal, fmt::format("veth {} vanished after it was made", a.interface));
+  host.add_address(index, a.gateway(), 30);
+  host.set_up(index);
+  Netlink inside(netns_fd);
+  int peer = inside.index_of(kPeerName);
+  if (peer == 0) throw Error(Code::kInternal, "the sandbox's end of its veth pair is missing");
+  inside.add_address(peer, a.sandbox_address(), 30);
+  inside.set_up(peer);
+  inside.add_default_route(a.gateway());
+  std::vector<std::string> elements = elements_of(a, policy);
+  apply_elements({}, elements, "add a sandbox's rules");
+  sandboxes_[id] = Sandbox{a, std::move(elements)};
+  undo.armed = false;
+  return a;
+}
+
+void NodeNetwork::update(const std::string& id, const NetworkPolicy& policy) {
+  check(policy);
+  std::lock_guard lock(mu_);
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end())
+    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} has no network link to change", id));
+  std::vector<std::string> elements = elements_of(it->second.link, policy);
+  // One transaction: the old rules and the new never both hold, and a failure leaves the old ones.
+  std::vector<std::string> remove, add;
+  for (const auto& e : it->second.elements)
+    if (std::find(elements.begin(), elements.end(), e) == elements.end()) remove.push_back(e);
+  for (const auto& e : elements)
+    if (std::find(it->second.elements.begin(), it->second.elements.end(), e) == it->second.elements.end())
+      add.push_back(e);
+  apply_elements(remove, add, "change a sandbox's rules");
+  it->second.elements = std::move(elements);
+  if (!remove.empty()) forget_connections(it->second.link.sandbox_address());
+}
+
+void NodeNetwork::detach(const std::string& id) {
+  std::lock_guard lock(mu_);
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return;
+  Sandbox s = std::move(it->second);
+  sandboxes_.erase(it);
+  try {
+    apply_elements(s.elements, {}, "remove a sandbox's rules");
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: {}", id, e.what());
+  }
+  try {
+    Netlink().delete_link(s.link.interface);  // its peer goes with it
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: remove its link {}: {}", id, s.link.interface, e.what());
+  }
+  forget_connections(s.link.sandbox_address());
+  if (claims_) claims_->release(s.link.block);
+  blocks_.give_back(s.link.block);
+}
+
+bool NodeNetwork::adopt(const std::string& id, const Attachment& a, const NetworkPolicy& policy) {
+  std::lock_guard lock(mu_);
+  ensure_table();
+  if (Netlink().index_of(a.interface) == 0) return false;
+  if (!blocks_.claim(a.block)) return false;
+  if (!claims_->take_over(a.block)) {
+    blocks_.give_back(a.block);
+    return false;
+  }
+  std::vector<std::string> elements = elements_of(a, policy);
+  apply_elements({}, elements, "restore a sandbox's rules");
+  sandboxes_[id] = Sandbox{a, std::move(elements)};
+  return true;
+}
+
+std::size_t NodeNetwork::attached() const {
+  std::lock_guard lock(mu_);
+  return sandboxes_.size();
+}
+
+std::string NodeNetwork::describe() const {
+  std::lock_guard lock(mu_);
+  return fmt::format("routed ({}, {} sandboxes with a network, nftables table inet {})",
+                     ::dsec::network::to_string(range_), sandboxes_.size(), options_.table);
+}
+
+}  // namespace dsec::agent::network

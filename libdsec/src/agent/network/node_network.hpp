@@ -1,0 +1,98 @@
+// The node side of sandbox networking (docs/networking.md): each sandbox with a network (mode egress or open) gets
+// a veth pair, routed, with a /30 of its own from the node's range (the host end .1, the sandbox's eth0 .2, its
+// default route through .1), NAT to the node's uplink, and its rules as elements of one nftables table per agent
+// (`inet dsec_<agent>`), keyed by the sandbox's address: 2,000 sandboxes with rules are one table and a few sets,
+// not 2,000 chains. The backends call it with the sandbox's network namespace; the rules change atomically (one
+// nftables transaction) while the sandbox runs or sleeps.
+//
+// Whatever the rules, a sandbox never reaches the node itself (the input chain drops everything from sandbox
+// interfaces: the agent's API, the node's addresses), other sandboxes (nothing but replies is forwarded to a
+// sandbox interface), link-local and metadata addresses, multicast, or the agent's --egress-deny networks, and a
+// packet whose source is not the sandbox's own address is dropped.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "agent/host_id_claims.hpp"
+#include "agent/host_id_pool.hpp"
+#include "common/network_rules.hpp"
+#include "dsec/network.hpp"
+
+struct nft_ctx;
+
+namespace dsec::agent::network {
+
+using ::dsec::network::Cidr;
+
+struct NodeNetworkOptions {
+  std::string range = "10.88.0.0/16";        // sandboxes' /30s come from here
+  std::vector<std::string> egress_deny;      // CIDRs no sandbox may reach (dsecd --egress-deny)
+  bool allow_open = true;                    // mode "open" allowed (dsecd --no-open-egress forbids it)
+  std::string table;                         // nftables table name: dsec_<agent>
+  std::filesystem::path claims_dir = "/run/dsec-net";  // host-wide claims of /30s (agents sharing a host)
+  std::filesystem::path run_dir;             // the agent's: names its claims
+};
+
+// What a sandbox's network is on the node, kept in its record for a restart.
+struct Attachment {
+  std::uint32_t block = 0;   // the /30's first address: host end block+1, sandbox block+2
+  std::string interface;     // host end of the veth pair: dsh-<block in hex>
+  std::uint32_t sandbox_address() const { return block + 2; }
+  std::uint32_t gateway() const { return block + 1; }
+};
+
+class NodeNetwork {
+ public:
+  // Checks the options (INVALID_ARGUMENT naming the flag); touches nothing on the host until the first attach.
+  explicit NodeNetwork(NodeNetworkOptions options);
+  ~NodeNetwork();
+
+  // Throws INVALID_ARGUMENT for a malformed policy and FAILED_PRECONDITION for "open" on a node that forbids it.
+  void check(const NetworkPolicy& policy) const;
+
+  // Gives the sandbox `id`, whose network namespace is `netns_fd`, its link and rules. Nothing is left on failure.
+  Attachment attach(const std::string& id, int netns_fd, const NetworkPolicy& policy);
+  // Replaces the sandbox's rules in one transaction; connections the new rules forbid are cut.
+  void update(const std::string& id, const NetworkPolicy& policy);
+  // Removes the link, the rules, the sandbox's connection tracking entries and gives the /30 back.
+  void detach(const std::string& id);
+  // A sandbox taken over after a restart: its /30 claimed back and its rules in force again. False if its link is
+  // gone or another agent holds its /30.
+  bool adopt(const std::string& id, const Attachment& a, const NetworkPolicy& policy);
+
+  // At the agent's stop: with no sandbox left on a network, the table goes (an agent that leaves its sandboxes for
+  // the next start keeps their rules in force). Also run by the destructor.
+  void shutdown();
+
+  std::string describe() const;  // node info: "routed (10.88.0.0/16, N sandboxes)" or "unused"
+  std::size_t attached() const;
+
+ private:
+  struct Sandbox {
+    Attachment link;
+    std::vector<std::string> elements;  // "set { element }" lines of the table that are this sandbox's
+  };
+  void ensure_table();  // under mu_
+  std::vector<std::string> elements_of(const Attachment& a, const NetworkPolicy& policy) const;
+  void run(const std::string& script, const char* what);  // under mu_
+  void apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add, const char* what);
+  void forget_connections(std::uint32_t address);
+
+  NodeNetworkOptions options_;
+  Cidr range_;
+  std::vector<Cidr> deny_;
+  HostIdPool blocks_;
+  std::optional<HostIdClaims> claims_;
+  mutable std::mutex mu_;
+  nft_ctx* nft_ = nullptr;
+  bool table_ready_ = false;
+  std::map<std::string, Sandbox> sandboxes_;
+};
+
+}  // namespace dsec::agent::network

@@ -1,0 +1,382 @@
+"""Sandbox networking: modes, first-match rules, live changes that cut connections, what is always blocked.
+
+All traffic stays on this machine: the "outside" is network namespaces this module makes itself (a server stand-in
+with HTTP and echo servers, and a stand-in that owns the metadata address 169.254.169.254), joined to the host by
+veth pairs. Nothing is ever sent to any other address.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+import dsec_testlib as lib
+
+dsec = lib.dsec
+
+PID = os.getpid()
+OCTET = 20 + PID % 200
+OUT_NS = f"dsit{PID}o"        # the server stand-in
+META_NS = f"dsit{PID}m"       # owns 169.254.169.254
+HOST_IP = f"10.199.{OCTET}.1"  # the host's end of the link to the stand-in
+SERVER = f"10.199.{OCTET}.2"   # the stand-in's address
+DENIED = f"10.199.{OCTET}.3"   # another address of the stand-in, in the agent's --egress-deny
+RANGE = f"10.87.{OCTET}.0/24"  # this module's agents' sandbox range
+META = "169.254.169.254"
+
+ECHO_SERVER = textwrap.dedent("""
+    import socket, sys, threading
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(16)
+    def serve(c):
+        with c:
+            while (data := c.recv(4096)):
+                c.sendall(data)
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+""")
+
+
+def sh_host(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {r.stderr}")
+    return r
+
+
+def skip_reason() -> str | None:
+    if not shutil.which("ip"):
+        return "iproute2 (ip) is not installed"
+    if not shutil.which("nft"):
+        return "nftables (nft) is not installed (scripts/install-deps.sh installs it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def outside():
+    """The stand-ins: OUT_NS at SERVER (HTTP on 8080 and 8081, an echo server on 9009), META_NS at 169.254.169.254,
+    both reachable from the host."""
+    if skip_reason():
+        pytest.skip(skip_reason())
+    procs = []
+    try:
+        for ns, host_if, inner, host_addr, inner_addr in [
+                (OUT_NS, f"dsit{PID}a", "eth0", f"{HOST_IP}/24", f"{SERVER}/24"),
+                (META_NS, f"dsit{PID}b", "eth0", None, f"{META}/32")]:
+            sh_host("ip", "netns", "add", ns)
+            sh_host("ip", "link", "add", host_if, "type", "veth", "peer", "name", inner, "netns", ns)
+            if host_addr:
+                sh_host("ip", "addr", "add", host_addr, "dev", host_if)
+            sh_host("ip", "link", "set", host_if, "up")
+            sh_host("ip", "-n", ns, "addr", "add", inner_addr, "dev", inner)
+            sh_host("ip", "-n", ns, "link", "set", inner, "up")
+            sh_host("ip", "-n", ns, "link", "set", "lo", "up")
+        # The metadata stand-in: reachable from the host through its link, as a cloud's metadata server would be.
+        sh_host("ip", "-n", OUT_NS, "addr", "add", f"{DENIED}/24", "dev", "eth0")
+        sh_host("ip", "route", "add", f"{META}/32", "dev", f"dsit{PID}b")
+        sh_host("ip", "-n", META_NS, "route", "add", "default", "dev", "eth0")
+        web = tempfile.mkdtemp(prefix="dsec-it-web-")
+        with open(os.path.join(web, "index.html"), "w") as f:
+            f.write("stand-in\n")
+        for ns, addr, port in [(OUT_NS, SERVER, 8080), (OUT_NS, SERVER, 8081), (OUT_NS, DENIED, 8080),
+                               (META_NS, META, 80)]:
+            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "/usr/bin/python3", "-m", "http.server",
+                                           str(port), "--bind", addr, "--directory", web],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(["ip", "netns", "exec", OUT_NS, "/usr/bin/python3", "-c", ECHO_SERVER,
+                                       SERVER, "9009"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for url in (f"http://{SERVER}:8080/", f"http://{SERVER}:8081/", f"http://{DENIED}:8080/", f"http://{META}/"):
+            assert lib.wait_for(lambda: sh_host("curl", "-s", "-m", "2", url, check=False).stdout == "stand-in\n",
+                                15), f"stand-in {url} does not answer the host"
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        sh_host("ip", "route", "del", f"{META}/32", check=False)
+        for ns in (OUT_NS, META_NS):
+            sh_host("ip", "netns", "del", ns, check=False)
+        for i in ("a", "b"):
+            sh_host("ip", "link", "del", f"dsit{PID}{i}", check=False)
+
+
+def start(home: str, image_home: str, tag: str, *extra: str) -> lib.Agent:
+    a = lib.Agent(home, tag=tag, extra_args=["--store", os.path.join(image_home, "store"), "--network-range", RANGE,
+                                             *extra])
+    a.start()
+    return a
+
+
+@pytest.fixture(scope="module")
+def home():
+    h = tempfile.mkdtemp(prefix="dsec-it-net-")
+    yield h
+    shutil.rmtree(h, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def net(outside, home, image_home):
+    """An agent whose TCP listener is on the host's address of the stand-in link: a sandbox must not reach it."""
+    port = 20000 + PID % 20000
+    a = start(home, image_home, "net", "--listen", f"{HOST_IP}:{port}", "--insecure-no-tls",
+              "--egress-deny", f"{DENIED}/32")
+    a.api_port = port
+    yield a
+    table = f"dsec_{a.cgroup_name}".replace("-", "_")
+    a.stop_and_check()
+    r = sh_host("nft", "list", "table", "inet", table, check=False)
+    assert r.returncode != 0, f"table inet {table} left after the agent stopped:\n{r.stdout}"
+
+
+def client_of(agent):
+    return dsec.Client(endpoints=[agent.endpoint])
+
+
+def connect(sb, host: str, port: int, seconds: int = 3) -> bool:
+    """Whether a TCP connection from the sandbox to host:port is answered (an HTTP request, or the echo)."""
+    r = sb.exec(["sh", "-c", f'printf "GET / HTTP/1.0\\r\\n\\r\\n" | timeout {seconds} nc {host} {port}'],
+                timeout=seconds + 10)
+    return r.exit_code == 0 and len(r.stdout) > 0
+
+
+def test_none_is_loopback_only(net):
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300)
+        try:
+            assert sb.network() == {"mode": "none", "rules": []}
+            r = sb.exec(["ip", "-o", "link"])
+            assert [l.split(":")[1].strip() for l in r.stdout.decode().splitlines()] == ["lo"], r.stdout
+            assert not connect(sb, SERVER, 8080, 2)
+        finally:
+            sb.destroy()
+
+
+def test_egress_rules_first_match_and_open(net):
+    with client_of(net) as c:
+        rules = [{"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "8081", "allow": False},
+                 {"cidr": f"10.199.{OCTET}.0/24", "protocol": "tcp", "ports": "8080-8081"}]
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": rules})
+        try:
+            assert sb.network()["rules"][0] == {"allow": False, "cidr": f"{SERVER}/32", "protocol": "tcp",
+                                                "ports": "8081"}
+            assert connect(sb, SERVER, 8080)            # allowed by the second rule
+            assert not connect(sb, SERVER, 8081, 2)     # the first rule, a deny, matches first
+            assert not connect(sb, SERVER, 9009, 2)     # no rule: refused
+            # Open egress: anything but what is always blocked.
+            assert sb.set_network("open") == {"mode": "open", "rules": []}
+            assert connect(sb, SERVER, 8081) and connect(sb, SERVER, 9009)
+            # A whole CIDR, any protocol.
+            sb.set_network("egress", rules=[{"cidr": f"10.199.{OCTET}.0/24"}])
+            assert connect(sb, SERVER, 9009)
+        finally:
+            sb.destroy()
+
+
+def test_always_blocked_whatever_the_rules(net):
+    """The node's own addresses (its agent API among them), the metadata address, other sandboxes, the agent's
+    --egress-deny: unreachable even with open egress or a rule that names them."""
+    with client_of(net) as c:
+        everything = [{"cidr": "0.0.0.0/0"}]
+        a = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": everything})
+        b = c.create(image="busybox", ttl=300, network="open")
+        try:
+            # The host reaches its own agent and the metadata stand-in; the sandboxes do not.
+            assert sh_host("curl", "-s", "-m", "3", f"http://{HOST_IP}:{net.api_port}/healthz",
+                           check=False).returncode == 0
+            for sb in (a, b):
+                assert connect(sb, SERVER, 8080)  # the rules do let traffic out
+                assert not connect(sb, HOST_IP, net.api_port, 2), "a sandbox reached the agent's API"
+                assert not connect(sb, META, 80, 2), "a sandbox reached the metadata address"
+                assert not connect(sb, DENIED, 8080, 2), "a sandbox reached an --egress-deny address"
+            # One sandbox cannot reach another, not even with a listener waiting.
+            b_addr = b.exec(["sh", "-c", "ip -o -4 addr show eth0 | awk '{print $4}' | cut -d/ -f1"]).stdout
+            b_addr = b_addr.decode().strip()
+            b.exec(["sh", "-c", "(while true; do echo hi | nc -l -p 7000; done) >/dev/null 2>&1 &"])
+            assert lib.wait_for(lambda: connect(b, "127.0.0.1", 7000, 2), 10), "the listener never answered"
+            assert not connect(a, b_addr, 7000, 2), "a sandbox reached another"
+            # IPv6 is not routed at all.
+            r = a.exec(["sh", "-c", "ip -6 route | grep -c default"])
+            assert r.stdout.strip() in (b"0", b""), r.stdout
+        finally:
+            a.destroy()
+            b.destroy()
+
+
+SPOOF = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(); s.settimeout(3); s.bind((sys.argv[1], 0))
+    try:
+        s.connect((sys.argv[2], int(sys.argv[3]))); print("connected")
+    except OSError as e:
+        print("refused", e)
+""")
+
+
+def test_a_spoofed_source_is_dropped(net):
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300, network="open")
+        try:
+            nsnet = f"/proc/{init_pid(net, sb.id)}/ns/net"
+            own = sh_host("nsenter", f"--net={nsnet}", "ip", "-o", "-4", "addr", "show", "eth0").stdout.split()[3]
+            own = own.split("/")[0]
+            # The host's root adds another sandbox's address inside (nothing inside could: no capability) and
+            # connects from it; from the sandbox's own address the same connection goes through.
+            a, b, c3, d = (int(x) for x in own.split("."))
+            spoofed = f"{a}.{b}.{c3}.{(d + 4) % 256}"
+            sh_host("nsenter", f"--net={nsnet}", "ip", "addr", "add", f"{spoofed}/32", "dev", "eth0")
+
+            def from_(source: str) -> str:
+                return sh_host("nsenter", f"--net={nsnet}", "/usr/bin/python3", "-c", SPOOF, source, SERVER,
+                               "8080").stdout.strip()
+            assert from_(own) == "connected"
+            assert from_(spoofed).startswith("refused"), "a packet with another sandbox's source went out"
+        finally:
+            sb.destroy()
+
+
+def init_pid(agent, sid: str) -> int:
+    with open(os.path.join(agent.home, "state", "sandboxes", sid + ".json")) as f:
+        return int(json.load(f)["backend"]["init_pid"])
+
+
+def test_a_phase_change_cuts_a_live_connection_and_a_sleeping_sandbox_can_change(net):
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [
+            {"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": 9009}]})
+        try:
+            sb.exec(["sh", "-c", f"(while true; do echo ping; sleep 0.1; done) | nc {SERVER} 9009 > /tmp/echo "
+                                 "2>/dev/null &"])
+
+            def size() -> int:
+                return int(sb.exec(["sh", "-c", "wc -c < /tmp/echo"]).stdout.strip() or 0)
+            assert lib.wait_for(lambda: size() > 20, 10), "the echo never answered"
+            assert sb.set_network("none") == {"mode": "none", "rules": []}
+            time.sleep(0.5)
+            before = size()
+            time.sleep(1.5)
+            assert size() == before, "the connection the new rules forbid still carries data"
+            # While asleep, the rules change too, and hold after the wake.
+            sb.sleep()
+            sb.set_network("egress", rules=[{"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "8080"}])
+            sb.wake()
+            assert connect(sb, SERVER, 8080) and not connect(sb, SERVER, 9009, 2)
+        finally:
+            sb.destroy()
+
+
+def test_a_sandbox_made_without_a_network_can_get_one(net):
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300)
+        try:
+            assert not connect(sb, SERVER, 8080, 1)
+            sb.set_network("egress", rules=[{"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "8080"}])
+            assert connect(sb, SERVER, 8080)
+        finally:
+            sb.destroy()
+
+
+def nft_text(agent) -> str:
+    return sh_host("nft", "list", "table", "inet", f"dsec_{agent.cgroup_name}".replace("-", "_"),
+                   check=False).stdout
+
+
+def test_destroy_leaves_no_link_element_address_or_connection(net):
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [{"cidr": f"{SERVER}/32"}]})
+        addr = sb.exec(["sh", "-c", "ip -o -4 addr show eth0 | awk '{print $4}' | cut -d/ -f1"]).stdout.decode().strip()
+        with open(os.path.join(net.home, "state", "sandboxes", sb.id + ".json")) as f:
+            iface = json.load(f)["backend"]["net_interface"]
+        assert connect(sb, SERVER, 8080)
+        assert addr in nft_text(net) and iface in sh_host("ip", "-o", "link").stdout
+        sb.destroy()
+        assert iface not in sh_host("ip", "-o", "link").stdout
+        assert addr not in nft_text(net) and iface not in nft_text(net)
+        if shutil.which("conntrack"):
+            left = sh_host("conntrack", "-L", "-s", addr, check=False).stdout
+            assert addr not in left, left
+        block = addr.rsplit(".", 1)
+        first = f"{block[0]}.{int(block[1]) - 2}"
+        claims = os.listdir("/run/dsec-net") if os.path.isdir("/run/dsec-net") else []
+        # Claims are named by the /30's first address as a number.
+        a, b2, c3, d = (int(x) for x in first.split("."))
+        assert str(a << 24 | b2 << 16 | c3 << 8 | d) not in claims
+
+
+def test_restart_keeps_the_rules(outside, image_home):
+    h = tempfile.mkdtemp(prefix="dsec-it-net-restart-")
+    a = start(h, image_home, "netrs")
+    agents = [a]
+    try:
+        with client_of(a) as c:
+            sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [
+                {"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "8080"}]})
+            sid = sb.id
+            assert connect(sb, SERVER, 8080)
+        os.kill(a.proc.pid, signal.SIGKILL)
+        a.proc.wait(15)
+        b = start(h, image_home, "netrs")
+        agents.append(b)
+        with client_of(b) as c:
+            sb = c.attach(sid)
+            assert sb.network()["rules"][0]["ports"] == "8080"
+            assert connect(sb, SERVER, 8080) and not connect(sb, SERVER, 8081, 2)
+            sb.destroy()
+    finally:
+        for agent in agents[:-1]:
+            agent.stop()
+        agents[-1].stop_and_check()
+        shutil.rmtree(h, ignore_errors=True)
+
+
+def call(agent, method: str, target: str, body) -> lib.RawResponse:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return lib.http_request(agent.socket_path, method, target, data, {"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("policy,field", [
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.1/8"}]}, "network.rules[0].cidr"),
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/33"}]}, "network.rules[0].cidr"),
+    ({"mode": "egress", "rules": [{"cidr": "example.org"}]}, "network.rules[0].cidr"),
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": "70000"}]},
+     "network.rules[0].ports"),
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8", "protocol": "icmp", "ports": "80"}]},
+     "network.rules[0].ports"),
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8", "protocol": "sctp"}]}, "network.rules[0].protocol"),
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8", "via": "x"}]}, "network.rules[0]"),
+    ({"mode": "sideways"}, "network.mode"),
+    ({"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}, "network.rules"),
+    ("tunnel", "network.mode"),
+])
+def test_bad_policies_are_refused_and_change_nothing(net, policy, field):
+    r = call(net, "POST", "/v1/sandboxes", {"image": "busybox", "network": policy})
+    assert r.status == 400 and field in r.json()["message"], r
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [{"cidr": f"{SERVER}/32"}]})
+        try:
+            r = call(net, "PUT", f"/v1/sandboxes/{sb.id}/network", policy)
+            assert r.status == 400 and field in r.json()["message"], r
+            assert sb.network()["rules"] == [{"allow": True, "cidr": f"{SERVER}/32", "protocol": "any"}]
+            assert connect(sb, SERVER, 8080)
+        finally:
+            sb.destroy()
+        r = call(net, "PUT", f"/v1/sandboxes/{sb.id}/network", "none")
+        assert r.status == 404, r
+
+
+def test_open_egress_can_be_forbidden(outside, image_home, tmp_path):
+    a = start(str(tmp_path), image_home, "netno", "--no-open-egress")
+    try:
+        r = call(a, "POST", "/v1/sandboxes", {"image": "busybox", "network": "open"})
+        assert r.status == 412 and "no-open-egress" in r.json()["message"], r
+    finally:
+        a.stop_and_check()
