@@ -10,8 +10,9 @@ PACKAGES=(
   # libdsec and dsecd
   libboost-dev libboost-system-dev libfmt-dev libcurl4-openssl-dev libssl-dev libzstd-dev nlohmann-json3-dev
   libseccomp-dev libarchive-dev
-  # sandbox networks: the agent's nftables table through libnftables, conntrack to cut connections rules forbid
-  libnftables-dev nftables conntrack
+  # sandbox networks: the agent's nftables table through libnftables, libnetfilter-conntrack to drop the connection
+  # tracking entries of connections the rules no longer allow (nftables and conntrack: the commands, for people)
+  libnftables-dev libnetfilter-conntrack-dev nftables conntrack
   # layered images: FUSE for streaming layers on demand, mkfs.erofs/fsck.erofs for making and extracting them
   libfuse3-dev fuse3 erofs-utils
   # unit tests

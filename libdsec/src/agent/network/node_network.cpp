@@ -1,11 +1,14 @@
 #include "agent/network/node_network.hpp"
 
 #include <fcntl.h>
+#include <arpa/inet.h>
+#include <libnetfilter_conntrack/libnetfilter_conntrack.h>
 #include <nftables/libnftables.h>
-#include <spawn.h>
-#include <sys/wait.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -13,8 +16,6 @@
 #include "agent/log.hpp"
 #include "agent/network/netlink.hpp"
 #include "common/syscall.hpp"
-
-extern char** environ;
 
 namespace dsec::agent::network {
 namespace {
@@ -31,23 +32,20 @@ std::string number_range(std::uint32_t lo, std::uint32_t hi) {
   return lo == hi ? std::to_string(lo) : fmt::format("{}-{}", lo, hi);
 }
 
-// Runs a program (conntrack) without a shell; its status, or -1 if it could not start.
-int run_program(const std::vector<std::string>& argv) {
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
-  pid_t pid = -1;
-  int rc = posix_spawnp(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return -1;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+// Collects the connection-tracking entries of one IPv4 address (either end of the original direction).
+struct Entries {
+  std::uint32_t address_be = 0;
+  std::vector<nf_conntrack*> found;
+};
+
+int collect(enum nf_conntrack_msg_type, struct nf_conntrack* ct, void* data) {
+  auto* e = static_cast<Entries*>(data);
+  if (nfct_get_attr_u8(ct, ATTR_ORIG_L3PROTO) == AF_INET &&
+      (nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_SRC) == e->address_be ||
+       nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_DST) == e->address_be)) {
+    if (nf_conntrack* copy = nfct_clone(ct)) e->found.push_back(copy);
   }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return NFCT_CB_CONTINUE;
 }
 
 }  // namespace
@@ -76,6 +74,12 @@ NodeNetwork::NodeNetwork(NodeNetworkOptions options)
 }
 
 NodeNetwork::~NodeNetwork() {
+  {
+    std::lock_guard lock(forget_mu_);
+    forget_stop_ = true;
+  }
+  forget_wake_.notify_all();
+  if (forget_thread_.joinable()) forget_thread_.join();
   shutdown();
   std::lock_guard lock(mu_);
   if (nft_) nft_ctx_free(nft_);
@@ -185,12 +189,26 @@ void NodeNetwork::apply_elements(const std::vector<std::string>& remove, const s
 }
 
 void NodeNetwork::forget_connections(std::uint32_t address) {
-  // Entries the sandbox's connections left: with them gone, replies to a connection the rules now forbid are no
-  // longer "established" and are dropped too. conntrack (Debian package conntrack) may be missing: then the
-  // sandbox's own packets, checked one by one, are what cuts them.
-  const std::string a = ipv4_to_string(address);
-  run_program({"conntrack", "-D", "-s", a});
-  run_program({"conntrack", "-D", "-d", a});
+  // Entries the sandbox's connections left (libnetfilter_conntrack, over ctnetlink): with them gone, replies to a
+  // connection the rules now forbid are no longer "established" and are dropped too. Without them, the sandbox's
+  // own packets, checked one by one against its rules, are what cuts such a connection.
+  nfct_handle* h = nfct_open(CONNTRACK, 0);
+  if (!h) {
+    log_warn("connection tracking: cannot open ctnetlink: {}", std::strerror(errno));
+    return;
+  }
+  Entries entries;
+  entries.address_be = htonl(address);
+  nfct_callback_register(h, NFCT_T_ALL, collect, &entries);
+  std::uint32_t family = AF_INET;
+  if (nfct_query(h, NFCT_Q_DUMP, &family) != 0)
+    log_warn("connection tracking: list entries of {}: {}", ipv4_to_string(address), std::strerror(errno));
+  nfct_callback_unregister(h);
+  for (nf_conntrack* ct : entries.found) {
+    (void)nfct_query(h, NFCT_Q_DESTROY, ct);  // gone meanwhile is fine
+    nfct_destroy(ct);
+  }
+  nfct_close(h);
 }
 
 Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const NetworkPolicy& policy) {
@@ -252,7 +270,29 @@ void NodeNetwork::update(const std::string& id, const NetworkPolicy& policy) {
       add.push_back(e);
   apply_elements(remove, add, "change a sandbox's rules");
   it->second.elements = std::move(elements);
-  if (!remove.empty()) forget_connections(it->second.link.sandbox_address());
+  // The sandbox's packets are checked one by one, so what the new rules forbid is cut at its next packet; the
+  // tracking entries go next, so that replies to it are dropped too.
+  if (!remove.empty()) forget_connections_later(it->second.link.sandbox_address());
+}
+
+void NodeNetwork::forget_connections_later(std::uint32_t address) {
+  std::lock_guard lock(forget_mu_);
+  if (!forget_thread_.joinable()) forget_thread_ = std::thread([this] { forgetter(); });
+  if (std::find(to_forget_.begin(), to_forget_.end(), address) == to_forget_.end()) to_forget_.push_back(address);
+  forget_wake_.notify_one();
+}
+
+void NodeNetwork::forgetter() {
+  std::unique_lock lock(forget_mu_);
+  for (;;) {
+    forget_wake_.wait(lock, [&] { return forget_stop_ || !to_forget_.empty(); });
+    if (to_forget_.empty()) return;  // stopping, nothing left
+    std::vector<std::uint32_t> batch;
+    batch.swap(to_forget_);
+    lock.unlock();
+    for (std::uint32_t a : batch) forget_connections(a);
+    lock.lock();
+  }
 }
 
 void NodeNetwork::detach(const std::string& id) {
