@@ -631,6 +631,10 @@ PYBIND11_MODULE(_dsec, m) {
           py::arg("user") = "")
       .def("renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
       .def("sleep", [](PySandboxGroup& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_network",
+          [](PySandboxGroup& self, const dsec::NetworkPolicy& p) { return self.get().set_network(p); },
+          py::arg("policy"), py::call_guard<py::gil_scoped_release>())
       .def("wake", [](PySandboxGroup& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>())
       .def(
           "snapshot", [](PySandboxGroup& self, const std::string& name) { return self.get().snapshot(name); },

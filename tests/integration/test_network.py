@@ -285,6 +285,19 @@ def test_a_sandbox_made_without_a_network_can_get_one(net):
             sb.destroy()
 
 
+def test_a_group_changes_phase_together(net):
+    with client_of(net) as c:
+        group = c.create_group(2, image="busybox", ttl=300, network={"mode": "egress", "rules": [
+            {"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "8080"}]})
+        try:
+            assert all(connect(sb, SERVER, 8080) for sb in group)
+            assert group.set_network("none") == [{"mode": "none", "rules": []}] * 2
+            assert not any(connect(sb, SERVER, 8080, 2) for sb in group)
+            assert [sb.network()["mode"] for sb in group] == ["none", "none"]
+        finally:
+            group.destroy()
+
+
 def nft_text(agent) -> str:
     return sh_host("nft", "list", "table", "inet", f"dsec_{agent.cgroup_name}".replace("-", "_"),
                    check=False).stdout

@@ -251,6 +251,17 @@ def _network_policy(network: str | Mapping[str, Any]) -> _dsec.NetworkPolicy:
     return p
 
 
+def _policy_of(mode: str | Mapping[str, Any], rules: Sequence[Mapping[str, Any]] | None) -> Any:
+    """set_network's arguments as one policy: a policy dict, or a mode and its rules."""
+    if isinstance(mode, Mapping):
+        if rules is not None:
+            raise InvalidArgument("network: give a policy dict or mode and rules, not both")
+        return mode
+    if rules is not None and (isinstance(rules, (str, bytes, Mapping))):
+        raise InvalidArgument(f"network.rules: expected a list of rules, got {rules!r}")
+    return {"mode": mode, "rules": list(rules or [])}
+
+
 def _port_range(ports: Any, field: str) -> tuple[int, int]:
     if isinstance(ports, int) and not isinstance(ports, bool):
         lo = hi = ports
@@ -500,13 +511,7 @@ class Sandbox:
         ``set_network("egress", rules=[{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": "443"}])``, or a whole
         policy dict. Rules are tried in order, the first match decides, nothing else is allowed. Connections the new
         rules forbid are cut. A malformed policy raises :class:`InvalidArgument` and the old one stays."""
-        if isinstance(mode, Mapping):
-            if rules is not None:
-                raise InvalidArgument("network: give a policy dict or mode and rules, not both")
-            policy: Any = mode
-        else:
-            policy = {"mode": mode, "rules": list(rules or [])}
-        return _network_dict(self._sb.set_network(_network_policy(policy)))
+        return _network_dict(self._sb.set_network(_network_policy(_policy_of(mode, rules))))
 
     def sleep(self) -> SleepResult:
         """Freezes every process of the sandbox in place and releases the memory it can (page cache; anonymous
@@ -709,6 +714,12 @@ class SandboxGroup:
     def wake(self) -> list[SleepResult]:
         """Wakes every member, concurrently; every member is tried, then the first error is raised."""
         return self._g.wake()
+
+    def set_network(self, mode: str | Mapping[str, Any] = "egress",
+                    rules: Sequence[Mapping[str, Any]] | None = None) -> list[dict]:
+        """Puts one network policy in force in every member, concurrently (see :meth:`Sandbox.set_network`): a
+        phase change for the whole group. Every member is tried, then the first error is raised."""
+        return [_network_dict(p) for p in self._g.set_network(_network_policy(_policy_of(mode, rules)))]
 
     def snapshot(self, name: str) -> list[Snapshot]:
         """Snapshots every member (:meth:`Sandbox.snapshot`), concurrently; member ``i`` is named ``name`` with

@@ -49,6 +49,10 @@ class SandboxGroup {
   // tried; then the first error, if any, is thrown.
   std::vector<SleepResult> sleep() const;
   std::vector<SleepResult> wake() const;
+  // Puts one network policy in force in every member (Sandbox::set_network), concurrently: a task's phase change
+  // for the whole group. Answers each member's policy now in force, in member order; every member is tried, then
+  // the first error, if any, is thrown.
+  std::vector<NetworkPolicy> set_network(const NetworkPolicy& policy) const;
   // Snapshots every member (Sandbox::snapshot), concurrently; member i is named `name` with "-<i>" added to its tag
   // ("swe/ep:step3" gives "swe/ep:step3-0", "swe/ep:step3-1", ...; without a tag, "swe/ep:0", ...). Results in member
   // order. Every member is tried; then the first error, if any, is thrown.

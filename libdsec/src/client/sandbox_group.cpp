@@ -128,15 +128,18 @@ std::vector<ExecResult> SandboxGroup::exec(std::string shell_command, double tim
 
 namespace {
 
-std::vector<SleepResult> sleep_or_wake_all(const std::vector<Sandbox>& members, std::size_t concurrency, bool sleep) {
-  std::vector<SleepResult> out(members.size());
+// Calls `call(member)` on every member, concurrently (at most `concurrency` at once); results in member order.
+// Every member is tried; then the first error, if any, is thrown.
+template <typename Result, typename Call>
+std::vector<Result> for_every_member(const std::vector<Sandbox>& members, std::size_t concurrency, Call call) {
+  std::vector<Result> out(members.size());
   std::optional<Error> first_error;
   std::mutex error_mutex;
   std::atomic<std::size_t> next{0};
   auto work = [&] {
     for (std::size_t i = next.fetch_add(1); i < members.size(); i = next.fetch_add(1)) {
       try {
-        out[i] = sleep ? members[i].sleep() : members[i].wake();
+        out[i] = call(members[i]);
       } catch (const Error& e) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = e;
@@ -155,11 +158,18 @@ std::vector<SleepResult> sleep_or_wake_all(const std::vector<Sandbox>& members, 
 }  // namespace
 
 std::vector<SleepResult> SandboxGroup::sleep() const {
-  return sleep_or_wake_all(members_, core_ ? core_->create_concurrency() : 1, true);
+  return for_every_member<SleepResult>(members_, core_ ? core_->create_concurrency() : 1,
+                                       [](const Sandbox& sb) { return sb.sleep(); });
 }
 
 std::vector<SleepResult> SandboxGroup::wake() const {
-  return sleep_or_wake_all(members_, core_ ? core_->create_concurrency() : 1, false);
+  return for_every_member<SleepResult>(members_, core_ ? core_->create_concurrency() : 1,
+                                       [](const Sandbox& sb) { return sb.wake(); });
+}
+
+std::vector<NetworkPolicy> SandboxGroup::set_network(const NetworkPolicy& policy) const {
+  return for_every_member<NetworkPolicy>(members_, core_ ? core_->create_concurrency() : 1,
+                                         [&](const Sandbox& sb) { return sb.set_network(policy); });
 }
 
 std::vector<SnapshotResult> SandboxGroup::snapshot(std::string_view name) const {
