@@ -582,6 +582,14 @@ PYBIND11_MODULE(_dsec, m) {
           py::arg("policy"), py::call_guard<py::gil_scoped_release>(),
           "Puts a network policy in force; answers the policy now in force.")
       .def(
+          "expose", [](PySandbox& self, std::uint32_t port) { return self.get().expose(port); }, py::arg("port"),
+          py::call_guard<py::gil_scoped_release>(), "Exposes a TCP port at the node; answers 'host:port'.")
+      .def(
+          "unexpose", [](PySandbox& self, std::uint32_t port) { self.get().unexpose(port); }, py::arg("port"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "exposed", [](PySandbox& self) { return self.get().exposed(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
           "sleep", [](PySandbox& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>(),
           "Freezes the sandbox in place and releases its memory; exec fails until wake().")
       .def(

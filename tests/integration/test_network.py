@@ -298,6 +298,61 @@ def test_a_group_changes_phase_together(net):
             group.destroy()
 
 
+READ = textwrap.dedent("""
+    import socket, sys
+    try:
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)
+        s.sendall(b"hi\\n")
+        print(s.recv(100).decode().strip())
+    except OSError as e:
+        print("refused", e)
+""")
+
+
+def read_from(host: str, port: int, netns: str | None = None) -> str:
+    """What a server answers a connection to host:port: from the host itself, or from the stand-in's namespace."""
+    argv = ["/usr/bin/python3", "-c", READ, host, str(port)]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    return sh_host(*argv).stdout.strip()
+
+
+def test_an_exposed_port_is_reached_from_outside_and_from_no_sandbox(net):
+    with client_of(net) as c:
+        # A sandbox without egress: exposing gives it a link that lets nothing out.
+        sb = c.create(image="busybox", ttl=300)
+        other = c.create(image="busybox", ttl=300, network="open")
+        try:
+            sb.exec(["sh", "-c", "(while true; do echo served | nc -l -p 8000; done) >/dev/null 2>&1 &"])
+            address = sb.expose(8000)
+            node_port = int(address.rsplit(":", 1)[1])
+            assert sb.exposed() == {8000: address}
+            assert lib.wait_for(lambda: read_from(HOST_IP, node_port) == "served", 10), "not reached from the host"
+            assert read_from(HOST_IP, node_port, netns=OUT_NS) == "served", "not reached from another machine"
+            assert read_from(HOST_IP, node_port, netns=None) == "served"
+            assert not connect(other, HOST_IP, node_port, 2), "a sandbox reached another's exposed port"
+            assert not connect(sb, SERVER, 8080, 2), "exposing a port gave the sandbox egress"
+            r = call(net, "POST", f"/v1/sandboxes/{sb.id}/ports", {"port": 8000})
+            assert r.status == 400 and "exposed already" in r.json()["message"], r
+            for bad in ({"port": 0}, {"port": 70000}, {"port": "80"}, {"port": 80, "proto": "udp"}, {}):
+                r = call(net, "POST", f"/v1/sandboxes/{sb.id}/ports", bad)
+                assert r.status == 400, (bad, r)
+            sb.unexpose(8000)
+            assert sb.exposed() == {}
+            assert read_from(HOST_IP, node_port).startswith("refused")
+            with pytest.raises(dsec.NotFound):
+                sb.unexpose(8000)
+            # Gone with the sandbox at once.
+            address = sb.expose(8000)
+            node_port = int(address.rsplit(":", 1)[1])
+            assert lib.wait_for(lambda: read_from(HOST_IP, node_port) == "served", 10)
+        finally:
+            sb.destroy()
+            other.destroy()
+        assert read_from(HOST_IP, node_port).startswith("refused")
+        assert f" {node_port} :" not in nft_text(net)
+
+
 def nft_text(agent) -> str:
     return sh_host("nft", "list", "table", "inet", f"dsec_{agent.cgroup_name}".replace("-", "_"),
                    check=False).stdout
@@ -335,6 +390,9 @@ def test_restart_keeps_the_rules(outside, image_home):
                 {"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "8080"}]})
             sid = sb.id
             assert connect(sb, SERVER, 8080)
+            sb.exec(["sh", "-c", "(while true; do echo served | nc -l -p 8000; done) >/dev/null 2>&1 &"])
+            node_port = int(sb.expose(8000).rsplit(":", 1)[1])
+            assert lib.wait_for(lambda: read_from(HOST_IP, node_port) == "served", 10)
         os.kill(a.proc.pid, signal.SIGKILL)
         a.proc.wait(15)
         b = start(h, image_home, "netrs")
@@ -343,6 +401,8 @@ def test_restart_keeps_the_rules(outside, image_home):
             sb = c.attach(sid)
             assert sb.network()["rules"][0]["ports"] == "8080"
             assert connect(sb, SERVER, 8080) and not connect(sb, SERVER, 8081, 2)
+            assert list(sb.exposed()) == [8000]
+            assert read_from(HOST_IP, node_port) == "served"  # the exposed port came back with it
             sb.destroy()
     finally:
         for agent in agents[:-1]:

@@ -501,6 +501,24 @@ class Sandbox:
         """The agent's record of this sandbox (state, image, resources, labels, expiry)."""
         return self._sb.info()
 
+    def expose(self, port: int) -> str:
+        """Exposes TCP port ``port`` of the sandbox at a port of its node and returns where: ``"host:port"``,
+        reachable by whoever reaches the node (a grader, a browser, another machine) and by no sandbox. Gone with
+        :meth:`unexpose` or the sandbox's destroy. Exposing a port twice raises :class:`InvalidArgument`."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"port: {port!r} is not a TCP port (1-65535)")
+        return self._sb.expose(port)
+
+    def unexpose(self, port: int) -> None:
+        """Takes an exposed port back; :class:`NotFound` when it is not exposed."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"port: {port!r} is not a TCP port (1-65535)")
+        self._sb.unexpose(port)
+
+    def exposed(self) -> dict[int, str]:
+        """The exposed ports: the sandbox's port -> ``"host:port"``."""
+        return dict(self._sb.exposed())
+
     def network(self) -> dict:
         """The network policy in force: {"mode": ..., "rules": [...]} (docs/networking.md)."""
         return _network_dict(self._sb.network())

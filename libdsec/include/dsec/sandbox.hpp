@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -97,6 +98,14 @@ class Sandbox {
   // (the old one stays), NOT_FOUND for a destroyed sandbox.
   NetworkPolicy network() const;
   NetworkPolicy set_network(const NetworkPolicy& policy) const;
+  // Exposes TCP port `port` of the sandbox at a port of its node and answers where: "host:port", reachable by
+  // anyone who reaches the node (a grader, a trainer on another machine) and by no sandbox. A sandbox without a
+  // network gets a link that allows no egress for it. Gone with unexpose() or the sandbox's destroy.
+  // INVALID_ARGUMENT for a port outside 1-65535 or exposed already; RESOURCE_EXHAUSTED when the node's range of
+  // ports (dsecd --expose-ports) is used up.
+  std::string expose(std::uint32_t port) const;
+  void unexpose(std::uint32_t port) const;             // NOT_FOUND when it is not exposed
+  std::map<std::uint32_t, std::string> exposed() const;  // its port -> "host:port"
   // Captures the sandbox's files as a new image named `name` ("repo" or "repo:tag", the tag "latest" when none) in
   // its node's snapshot store: the sandbox's image's layers plus one layer of what the sandbox changed (new and
   // changed files, and what it deleted or replaced stays deleted or replaced). Client::create(image = result.image)

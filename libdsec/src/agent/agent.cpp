@@ -147,6 +147,9 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     n.range = config_.network_range;
     n.egress_deny = config_.egress_deny;
     n.allow_open = config_.allow_open_egress;
+    n.expose_first = config_.expose_first;
+    n.expose_last = config_.expose_last;
+    n.expose_host = config_.expose_host;
     n.table = "dsec_" + config_.cgroup_name;
     n.run_dir = config_.run_dir;
     network_ = std::make_shared<network::NodeNetwork>(std::move(n));

@@ -99,6 +99,15 @@ class BackendSandbox {
   virtual void set_network(const NetworkPolicy&) {
     throw Error(Code::kUnimplemented, "this backend's sandboxes have no network to change yet");
   }
+  // Exposed TCP ports (docs/networking.md): expose answers the address ("host:port") others reach it at.
+  virtual std::string expose(std::uint32_t) {
+    throw Error(Code::kUnimplemented, "this backend's sandboxes cannot expose ports yet");
+  }
+  virtual void unexpose(std::uint32_t) {
+    throw Error(Code::kUnimplemented, "this backend's sandboxes cannot expose ports yet");
+  }
+  // Its port -> the address it is exposed at.
+  virtual std::map<std::uint32_t, std::string> exposed() { return {}; }
 
   // Copies what the sandbox changed in its file system, as an image layer's tree (image/upper_tree.hpp: new and
   // changed files, whiteouts and opaque directories for what it deleted or replaced), into `dest`, which must not

@@ -121,6 +121,10 @@ struct AgentConfig {
   std::string network_range = "10.88.0.0/16";
   std::vector<std::string> egress_deny;
   bool allow_open_egress = true;
+  // Exposed ports: the node's ports they get (dsecd --expose-ports FIRST-LAST) and the host name in the addresses
+  // expose answers (--expose-host; default: the host name).
+  std::uint16_t expose_first = 30000, expose_last = 32767;
+  std::string expose_host;
   std::chrono::milliseconds reaper_interval{1000};
   std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
   // Kinds this agent serves: "container", "null" (sandboxes), and "fncall" (function calls, POST /v1/fncall).

@@ -94,6 +94,8 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
                           a host need ranges of their own)
   --egress-deny CIDR      a network no sandbox may reach, whatever its rules (repeatable)
   --no-open-egress        refuse network mode "open" (every sandbox's egress then goes through rules)
+  --expose-ports A-B      node ports that exposed sandbox ports get (default 30000-32767)
+  --expose-host HOST      the host in the addresses expose answers (default: this machine's host name)
   --userns MODE           user namespaces for container sandboxes and fork servers: auto (when the kernel has
                           idmapped mounts; default), on (refuse to start without), off (host ids)
   --userns-range F:N      their host ids: N blocks of 65536 from id F (default 268435456:16384)
@@ -334,6 +336,20 @@ int main(int argc, char** argv) {
       config.egress_deny.emplace_back(value);
     } else if (flag == "--no-open-egress") {
       config.allow_open_egress = false;
+    } else if (flag == "--expose-ports") {
+      auto dash = value.find('-');
+      unsigned first = 0, last = 0;
+      auto num = [](std::string_view t, unsigned& out) {
+        auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+        return !t.empty() && ec == std::errc() && ptr == t.data() + t.size();
+      };
+      if (dash == std::string_view::npos || !num(value.substr(0, dash), first) || !num(value.substr(dash + 1), last) ||
+          first < 1 || last > 65535 || last < first)
+        fail(fmt::format("--expose-ports: '{}' is not a range of ports such as 30000-32767", value));
+      config.expose_first = static_cast<std::uint16_t>(first);
+      config.expose_last = static_cast<std::uint16_t>(last);
+    } else if (flag == "--expose-host") {
+      config.expose_host = std::string(value);
     } else if (flag == "--userns") {
       if (value != "auto" && value != "on" && value != "off")
         fail(fmt::format("--userns: '{}' is not one of auto, on, off", value));

@@ -146,6 +146,10 @@ class Registry {
   // the policy is in its record, so a restart keeps it. NOT_FOUND for an unknown or destroyed sandbox,
   // FAILED_PRECONDITION for a failed one; a malformed policy is INVALID_ARGUMENT and changes nothing.
   SandboxInfo set_network(const std::string& id, const NetworkPolicy& policy);
+  // Exposed ports (docs/networking.md): expose answers "host:port"; the record keeps them for a restart.
+  std::string expose(const std::string& id, std::uint32_t port);
+  void unexpose(const std::string& id, std::uint32_t port);
+  std::map<std::uint32_t, std::string> exposed(const std::string& id);
   SleepOutcome wake(const std::string& id, std::string_view request_id = {});
   // Copies a running sandbox, processes and memory and all, into `count` new sandboxes on this node (the backend's
   // fork_source; UNIMPLEMENTED for backends that cannot). The copies have the sandbox's spec (new ids, and without

@@ -188,6 +188,37 @@ SandboxInfo Registry::set_network(const std::string& id, const NetworkPolicy& po
   return record->snapshot();
 }
 
+std::string Registry::expose(const std::string& id, std::uint32_t port) {
+  std::shared_ptr<Record> record = find_live(id);
+  check_alive(*record);
+  std::lock_guard power(record->power_mutex);
+  std::string address = record->sandbox->expose(port);
+  refresh_backend_state(*record);
+  try {
+    write_record(*record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its exposed port: {}", id, e.what());
+  }
+  return address;
+}
+
+void Registry::unexpose(const std::string& id, std::uint32_t port) {
+  std::shared_ptr<Record> record = find_live(id);
+  std::lock_guard power(record->power_mutex);
+  record->sandbox->unexpose(port);
+  refresh_backend_state(*record);
+  try {
+    write_record(*record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its exposed port: {}", id, e.what());
+  }
+}
+
+std::map<std::uint32_t, std::string> Registry::exposed(const std::string& id) {
+  std::shared_ptr<Record> record = find_live(id);
+  return record->sandbox->exposed();
+}
+
 Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view request_id) {
   std::shared_ptr<Record> record = find_live(id);
   std::lock_guard power(record->power_mutex);

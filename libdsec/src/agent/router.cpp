@@ -1,6 +1,7 @@
 #include "agent/router.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <initializer_list>
 
@@ -265,6 +266,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxFiles: return files(request, target);
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
     case Route::kSandboxNetwork: return network(request, target);
+    case Route::kSandboxPorts: return ports(request, target);
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kSandboxSnapshot: return snapshot(request, target, who);
     case Route::kSandboxFork: return fork(request, target);
@@ -485,6 +487,43 @@ HttpResponse Router::network(HttpRequest& request, const Target& target) {
   NetworkPolicy policy = protocol::decode_network(protocol::parse_body(request.body()));
   SandboxInfo info = registry_.set_network(target.sandbox_id, policy);
   return json_response(http::status::ok, protocol::encode(info.network));
+}
+
+// GET: the exposed ports. POST {"port": N}: expose one (201 with its address). DELETE ?port=N: unexpose it.
+HttpResponse Router::ports(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/ports", {http::verb::get, http::verb::post, http::verb::delete_});
+  auto listing = [&] {
+    json list = json::array();
+    for (const auto& [port, address] : registry_.exposed(target.sandbox_id))
+      list.push_back(json{{"port", port}, {"address", address}});
+    return json{{"ports", std::move(list)}};
+  };
+  if (request.method() == http::verb::get) {
+    only_params(target.query, {});
+    return json_response(http::status::ok, listing());
+  }
+  if (request.method() == http::verb::delete_) {
+    only_params(target.query, {"port"});
+    const std::string text = target.query.get("port").value_or("");
+    std::uint32_t port = 0;
+    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), port);
+    if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || port < 1 || port > 65535)
+      throw Error(Code::kInvalidArgument, fmt::format("port: '{}' is not a TCP port (1-65535)", text));
+    registry_.unexpose(target.sandbox_id, port);
+    return json_response(http::status::ok, listing());
+  }
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "ports: the body must be a JSON object such as {\"port\": 8000}");
+  for (const auto& [key, value] : body.items())
+    if (key != "port") throw Error(Code::kInvalidArgument, fmt::format("ports: unknown field '{}' (known: port)", key));
+  auto it = body.find("port");
+  if (it == body.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 || it->get<std::int64_t>() > 65535)
+    throw Error(Code::kInvalidArgument, "port: a TCP port (1-65535) is required");
+  const auto port = static_cast<std::uint32_t>(it->get<std::int64_t>());
+  std::string address = registry_.expose(target.sandbox_id, port);
+  return json_response(http::status::created, json{{"port", port}, {"address", address}});
 }
 
 HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, bool sleep) {

@@ -60,6 +60,7 @@ class Router {
                         const auth::Principal& who);
   HttpResponse node(HttpRequest& request, const auth::Principal& who);
   HttpResponse network(HttpRequest& request, const Target& target);
+  HttpResponse ports(HttpRequest& request, const Target& target);
   HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);

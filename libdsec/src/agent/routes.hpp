@@ -26,6 +26,7 @@ enum class Route {
   kSandboxSnapshot, // /v1/sandboxes/{id}/snapshot
   kSandboxFork,     // /v1/sandboxes/{id}/fork
   kSandboxNetwork,  // /v1/sandboxes/{id}/network
+  kSandboxPorts,    // /v1/sandboxes/{id}/ports
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

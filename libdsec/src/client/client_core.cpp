@@ -712,6 +712,36 @@ NetworkPolicy ClientCore::set_network(const std::string& id, const NetworkPolicy
   return protocol::decode_network(parse_json(r, "PUT /v1/sandboxes/{id}/network"));
 }
 
+std::string ClientCore::expose(const std::string& id, std::uint32_t port) {
+  if (port < 1 || port > 65535) throw Error(Code::kInvalidArgument, fmt::format("port: {} is not a TCP port", port));
+  // Not retried blindly: a lost answer would expose the port twice (the retry is refused as exposed already).
+  auto deadline = deadline_after();
+  auto r = call(route(id, deadline),
+                http_request("POST", sandbox_path(id, "/ports"), protocol::json{{"port", port}}.dump(), kJson),
+                deadline);
+  const protocol::json answer = parse_json(r, "POST /v1/sandboxes/{id}/ports");
+  auto it = answer.find("address");
+  if (it == answer.end() || !it->is_string())
+    throw Error(Code::kDataLoss, "POST /v1/sandboxes/{id}/ports: the answer names no address");
+  return it->get<std::string>();
+}
+
+void ClientCore::unexpose(const std::string& id, std::uint32_t port) {
+  call_sandbox(id, http_request("DELETE", sandbox_path(id, fmt::format("/ports?port={}", port))));
+}
+
+std::map<std::uint32_t, std::string> ClientCore::exposed(const std::string& id) {
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/ports")));
+  std::map<std::uint32_t, std::string> out;
+  const protocol::json answer = parse_json(r, "GET /v1/sandboxes/{id}/ports");
+  try {
+    for (const auto& p : answer.at("ports")) out[p.at("port").get<std::uint32_t>()] = p.at("address").get<std::string>();
+  } catch (const protocol::json::exception& e) {
+    throw Error(Code::kDataLoss, fmt::format("GET /v1/sandboxes/{{id}}/ports: a malformed answer: {}", e.what()));
+  }
+  return out;
+}
+
 std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::string& tenant) {
   std::string target = "/v1/sandboxes";
   char sep = '?';

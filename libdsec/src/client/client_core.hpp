@@ -52,6 +52,9 @@ class ClientCore {
   SandboxInfo get(const std::string& id);
   NetworkPolicy network(const std::string& id);
   NetworkPolicy set_network(const std::string& id, const NetworkPolicy& policy);
+  std::string expose(const std::string& id, std::uint32_t port);
+  void unexpose(const std::string& id, std::uint32_t port);
+  std::map<std::uint32_t, std::string> exposed(const std::string& id);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();
   // Idempotent: a sandbox that is already gone is not an error.

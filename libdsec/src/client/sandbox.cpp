@@ -73,6 +73,9 @@ SandboxInfo Sandbox::info() const { return core().get(id_); }
 SleepResult Sandbox::sleep() const { return core().sleep_or_wake(id_, true); }
 NetworkPolicy Sandbox::network() const { return core().network(id_); }
 NetworkPolicy Sandbox::set_network(const NetworkPolicy& policy) const { return core().set_network(id_, policy); }
+std::string Sandbox::expose(std::uint32_t port) const { return core().expose(id_, port); }
+void Sandbox::unexpose(std::uint32_t port) const { core().unexpose(id_, port); }
+std::map<std::uint32_t, std::string> Sandbox::exposed() const { return core().exposed(id_); }
 
 SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }
 

@@ -62,7 +62,19 @@ NodeNetwork::NodeNetwork(NodeNetworkOptions options)
         return *c;
       }()),
       blocks_(range_.first(), static_cast<std::uint32_t>((std::uint64_t{range_.last()} - range_.first() + 1) / 4), 4,
-              "sandbox network addresses") {
+              "sandbox network addresses"),
+      node_ports_(options_.expose_first,
+                  options_.expose_last >= options_.expose_first ? options_.expose_last - options_.expose_first + 1u : 0u,
+                  1, "node ports for exposed sandbox ports") {
+  if (options_.expose_first == 0 || options_.expose_last < options_.expose_first)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("--expose-ports: {}-{} is not a range of ports within 1-65535", options_.expose_first,
+                            options_.expose_last));
+  if (options_.expose_host.empty()) {
+    char name[256] = {};
+    ::gethostname(name, sizeof name - 1);
+    options_.expose_host = name;
+  }
   for (const auto& d : options_.egress_deny) {
     auto c = parse_cidr(d);
     if (!c) throw Error(Code::kInvalidArgument, fmt::format("--egress-deny: '{}' is not an IPv4 network", d));
@@ -125,6 +137,7 @@ void NodeNetwork::ensure_table() {
     if (!f) throw Error(Code::kFailedPrecondition, "cannot turn on IPv4 forwarding (/proc/sys/net/ipv4/ip_forward)");
   }
   if (!claims_) claims_.emplace(options_.claims_dir, options_.run_dir);
+  if (!port_claims_) port_claims_.emplace(options_.ports_claims_dir, options_.run_dir);
   std::string blocked = "169.254.0.0/16, 0.0.0.0/8, 127.0.0.0/8, 224.0.0.0/3, " + ::dsec::network::to_string(range_);
   for (const Cidr& d : deny_) blocked += ", " + ::dsec::network::to_string(d);
   const std::string& t = options_.table;
@@ -137,18 +150,29 @@ table inet {t} {{
   set open {{ type ipv4_addr; }}
   set allow {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service; flags interval; }}
   set blocked {{ type ipv4_addr; flags interval; elements = {{ {blocked} }} }}
+  map exposed {{ type inet_service : ipv4_addr . inet_service; }}
   counter refused {{ }}
   chain input {{
     type filter hook input priority filter; policy accept;
+    iifname @ifaces ct state established,related accept
     iifname @ifaces drop
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    fib daddr type local meta l4proto tcp dnat ip to tcp dport map @exposed
+  }}
+  chain output {{
+    type nat hook output priority -100; policy accept;
+    fib daddr type local meta l4proto tcp dnat ip to tcp dport map @exposed
   }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
     oifname @ifaces ct state established,related accept
-    oifname @ifaces drop
     iifname @ifaces iifname . ip saddr != @ifaddr drop
     iifname @ifaces meta nfproto ipv6 drop
     iifname @ifaces ip daddr @blocked counter name refused drop
+    ct status dnat accept
+    oifname @ifaces drop
     iifname @ifaces ip saddr @open accept
     iifname @ifaces ip saddr . ip daddr . meta l4proto . th dport @allow accept
     iifname @ifaces counter name refused drop
@@ -249,7 +273,7 @@ Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const Networ
   inside.add_default_route(a.gateway());
   std::vector<std::string> elements = elements_of(a, policy);
   apply_elements({}, elements, "add a sandbox's rules");
-  sandboxes_[id] = Sandbox{a, std::move(elements)};
+  sandboxes_[id] = Sandbox{a, std::move(elements), {}};
   undo.armed = false;
   return a;
 }
@@ -301,11 +325,14 @@ void NodeNetwork::detach(const std::string& id) {
   if (it == sandboxes_.end()) return;
   Sandbox s = std::move(it->second);
   sandboxes_.erase(it);
+  std::vector<std::string> remove = s.elements;
+  for (const auto& [port, node_port] : s.exposed) remove.push_back(exposed_element(s, port, node_port));
   try {
-    apply_elements(s.elements, {}, "remove a sandbox's rules");
+    apply_elements(remove, {}, "remove a sandbox's rules and exposed ports");
   } catch (const std::exception& e) {
     log_warn("sandbox {}: {}", id, e.what());
   }
+  for (const auto& [port, node_port] : s.exposed) release_node_port(node_port);
   try {
     Netlink().delete_link(s.link.interface);  // its peer goes with it
   } catch (const std::exception& e) {
@@ -316,7 +343,8 @@ void NodeNetwork::detach(const std::string& id) {
   blocks_.give_back(s.link.block);
 }
 
-bool NodeNetwork::adopt(const std::string& id, const Attachment& a, const NetworkPolicy& policy) {
+bool NodeNetwork::adopt(const std::string& id, const Attachment& a, const NetworkPolicy& policy,
+                        const std::map<std::uint16_t, std::uint16_t>& exposed) {
   std::lock_guard lock(mu_);
   ensure_table();
   if (Netlink().index_of(a.interface) == 0) return false;
@@ -325,10 +353,78 @@ bool NodeNetwork::adopt(const std::string& id, const Attachment& a, const Networ
     blocks_.give_back(a.block);
     return false;
   }
-  std::vector<std::string> elements = elements_of(a, policy);
-  apply_elements({}, elements, "restore a sandbox's rules");
-  sandboxes_[id] = Sandbox{a, std::move(elements)};
+  Sandbox sb{a, elements_of(a, policy), {}};
+  std::vector<std::string> add = sb.elements;
+  for (const auto& [port, node_port] : exposed) {
+    if (!node_ports_.claim(node_port) || !port_claims_->take_over(node_port)) {
+      log_warn("sandbox {}: its exposed port {} (node port {}) is another's now; not exposed again", id, port,
+               node_port);
+      continue;
+    }
+    sb.exposed[port] = node_port;
+    add.push_back(exposed_element(sb, port, node_port));
+  }
+  apply_elements({}, add, "restore a sandbox's rules and exposed ports");
+  sandboxes_[id] = std::move(sb);
   return true;
+}
+
+std::string NodeNetwork::exposed_element(const Sandbox& s, std::uint16_t port, std::uint16_t node_port) const {
+  return fmt::format("exposed {{ {} : {} . {} }}", node_port, ipv4_to_string(s.link.sandbox_address()), port);
+}
+
+void NodeNetwork::release_node_port(std::uint16_t node_port) {
+  if (port_claims_) port_claims_->release(node_port);
+  node_ports_.give_back(node_port);
+}
+
+std::string NodeNetwork::address_of(std::uint16_t node_port) const {
+  return fmt::format("{}:{}", options_.expose_host, node_port);
+}
+
+std::string NodeNetwork::expose(const std::string& id, std::uint32_t port) {
+  if (port < 1 || port > 65535)
+    throw Error(Code::kInvalidArgument, fmt::format("port: {} is not a TCP port (1-65535)", port));
+  std::lock_guard lock(mu_);
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end())
+    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} has no network link to expose a port on", id));
+  Sandbox& sb = it->second;
+  const auto p = static_cast<std::uint16_t>(port);
+  if (auto e = sb.exposed.find(p); e != sb.exposed.end())
+    throw Error(Code::kInvalidArgument,
+                fmt::format("port: {} is exposed already, at {}", port, address_of(e->second)));
+  const auto node_port =
+      static_cast<std::uint16_t>(node_ports_.take([this](std::uint32_t n) { return port_claims_->claim(n); }));
+  try {
+    apply_elements({}, {exposed_element(sb, p, node_port)}, "expose a sandbox's port");
+  } catch (...) {
+    release_node_port(node_port);
+    throw;
+  }
+  sb.exposed[p] = node_port;
+  return address_of(node_port);
+}
+
+void NodeNetwork::unexpose(const std::string& id, std::uint32_t port) {
+  std::lock_guard lock(mu_);
+  auto not_exposed = [&] { return Error(Code::kNotFound, fmt::format("port: {} of sandbox {} is not exposed", port, id)); };
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end() || port < 1 || port > 65535) throw not_exposed();
+  Sandbox& sb = it->second;
+  auto e = sb.exposed.find(static_cast<std::uint16_t>(port));
+  if (e == sb.exposed.end()) throw not_exposed();
+  apply_elements({exposed_element(sb, e->first, e->second)}, {}, "unexpose a sandbox's port");
+  release_node_port(e->second);
+  sb.exposed.erase(e);
+  // Connections through it go with the sandbox's other tracking entries.
+  forget_connections_later(sb.link.sandbox_address());
+}
+
+std::map<std::uint16_t, std::uint16_t> NodeNetwork::exposed(const std::string& id) const {
+  std::lock_guard lock(mu_);
+  auto it = sandboxes_.find(id);
+  return it == sandboxes_.end() ? std::map<std::uint16_t, std::uint16_t>{} : it->second.exposed;
 }
 
 std::size_t NodeNetwork::attached() const {

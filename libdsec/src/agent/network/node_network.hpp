@@ -38,6 +38,11 @@ struct NodeNetworkOptions {
   bool allow_open = true;                    // mode "open" allowed (dsecd --no-open-egress forbids it)
   std::string table;                         // nftables table name: dsec_<agent>
   std::filesystem::path claims_dir = "/run/dsec-net";  // host-wide claims of /30s (agents sharing a host)
+  // Exposed ports (expose): node ports from this range, claimed host-wide in ports_claims_dir, reached as
+  // <expose_host>:<node port> (dsecd --expose-host; default: the node's host name).
+  std::uint16_t expose_first = 30000, expose_last = 32767;
+  std::string expose_host;
+  std::filesystem::path ports_claims_dir = "/run/dsec-ports";
   std::filesystem::path run_dir;             // the agent's: names its claims
 };
 
@@ -64,9 +69,19 @@ class NodeNetwork {
   void update(const std::string& id, const NetworkPolicy& policy);
   // Removes the link, the rules, the sandbox's connection tracking entries and gives the /30 back.
   void detach(const std::string& id);
-  // A sandbox taken over after a restart: its /30 claimed back and its rules in force again. False if its link is
-  // gone or another agent holds its /30.
-  bool adopt(const std::string& id, const Attachment& a, const NetworkPolicy& policy);
+  // A sandbox taken over after a restart: its /30 and exposed ports claimed back and its rules in force again.
+  // False if its link is gone or another agent holds its /30.
+  bool adopt(const std::string& id, const Attachment& a, const NetworkPolicy& policy,
+             const std::map<std::uint16_t, std::uint16_t>& exposed = {});
+
+  // Exposes TCP port `port` of the sandbox at a port of the node: the answer is "<expose_host>:<node port>",
+  // reachable by anyone who reaches the node, but by no sandbox. INVALID_ARGUMENT for a port outside 1-65535 or
+  // one exposed already, RESOURCE_EXHAUSTED when the node's range is used up, FAILED_PRECONDITION without a link.
+  std::string expose(const std::string& id, std::uint32_t port);
+  void unexpose(const std::string& id, std::uint32_t port);  // NOT_FOUND when it is not exposed
+  // The sandbox's exposed ports: its port -> the node's port.
+  std::map<std::uint16_t, std::uint16_t> exposed(const std::string& id) const;
+  std::string address_of(std::uint16_t node_port) const;
 
   // At the agent's stop: with no sandbox left on a network, the table goes (an agent that leaves its sandboxes for
   // the next start keeps their rules in force). Also run by the destructor.
@@ -79,7 +94,10 @@ class NodeNetwork {
   struct Sandbox {
     Attachment link;
     std::vector<std::string> elements;  // "set { element }" lines of the table that are this sandbox's
+    std::map<std::uint16_t, std::uint16_t> exposed;  // its port -> the node's port
   };
+  std::string exposed_element(const Sandbox& s, std::uint16_t port, std::uint16_t node_port) const;
+  void release_node_port(std::uint16_t node_port);
   void ensure_table();  // under mu_
   std::vector<std::string> elements_of(const Attachment& a, const NetworkPolicy& policy) const;
   void run(const std::string& script, const char* what);  // under mu_
@@ -94,6 +112,8 @@ class NodeNetwork {
   std::vector<Cidr> deny_;
   HostIdPool blocks_;
   std::optional<HostIdClaims> claims_;
+  HostIdPool node_ports_;
+  std::optional<HostIdClaims> port_claims_;
   mutable std::mutex mu_;
   nft_ctx* nft_ = nullptr;
   bool table_ready_ = false;

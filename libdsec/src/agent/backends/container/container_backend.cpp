@@ -76,6 +76,7 @@ constexpr const char* kRunDir = "run_dir";
 constexpr const char* kLayerDevices = "layer_devices";
 constexpr const char* kNetBlock = "net_block";          // its network's /30 (first address); absent: no link
 constexpr const char* kNetInterface = "net_interface";  // the host end of its veth pair
+constexpr const char* kExposed = "exposed";              // "8000:30001,22:30002": its port:the node's port
 constexpr const char* kUsernsFirst = "userns_first";  // the first host id of its user namespace's block; absent: host ids
 }  // namespace key
 
@@ -466,12 +467,29 @@ class ContainerSandbox final : public BackendSandbox {
       return;
     }
     if (policy.mode == "none") return;  // no link, none needed
-    // The first network of a sandbox made without one: its link goes into its namespace now.
-    std::string path = fmt::format("/proc/{}/ns/net", init_.pid);
-    UniqueFd ns(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!ns) throw_errno(errno, fmt::format("open the network namespace of sandbox {}", id_));
-    check_running();  // the pid named its init when it was opened
-    identity_.link = network_->attach(id_, ns.get(), policy);
+    attach_now(policy);
+  }
+
+  std::string expose(std::uint32_t port) override {
+    check_running();
+    if (!network_) throw Error(Code::kUnimplemented, "this agent gives sandboxes no network");
+    std::lock_guard lock(network_mu_);
+    // A sandbox without a network gets a link that allows no egress: the port is reached from outside only.
+    if (!identity_.link) attach_now(NetworkPolicy{});
+    return network_->expose(id_, port);
+  }
+
+  void unexpose(std::uint32_t port) override {
+    check_running();
+    if (!network_) throw Error(Code::kNotFound, fmt::format("port: {} of sandbox {} is not exposed", port, id_));
+    network_->unexpose(id_, port);
+  }
+
+  std::map<std::uint32_t, std::string> exposed() override {
+    std::map<std::uint32_t, std::string> out;
+    if (!network_) return out;
+    for (const auto& [port, node_port] : network_->exposed(id_)) out[port] = network_->address_of(node_port);
+    return out;
   }
 
   SleepReport wake() override {
@@ -546,6 +564,10 @@ class ContainerSandbox final : public BackendSandbox {
     if (identity_.link) {
       state[key::kNetBlock] = std::to_string(identity_.link->block);
       state[key::kNetInterface] = identity_.link->interface;
+      std::string ports;
+      for (const auto& [port, node_port] : network_->exposed(id_))
+        ports += fmt::format("{}{}:{}", ports.empty() ? "" : ",", port, node_port);
+      if (!ports.empty()) state[key::kExposed] = ports;
     }
     return state;
   }
@@ -611,6 +633,15 @@ class ContainerSandbox final : public BackendSandbox {
     if (!alive())
       throw Error(Code::kFailedPrecondition,
                   fmt::format("sandbox {} is not running: its init process has exited", id_));
+  }
+
+  // The first link of a sandbox made without a network, into its namespace now. Holds network_mu_.
+  void attach_now(const NetworkPolicy& policy) {
+    std::string path = fmt::format("/proc/{}/ns/net", init_.pid);
+    UniqueFd ns(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!ns) throw_errno(errno, fmt::format("open the network namespace of sandbox {}", id_));
+    check_running();  // the pid named its init when it was opened
+    identity_.link = network_->attach(id_, ns.get(), policy);
   }
 
   RootfsFiles files() {
@@ -952,7 +983,22 @@ class ContainerBackend final : public Backend {
       network::Attachment a;
       a.block = static_cast<std::uint32_t>(number(key::kNetBlock));
       a.interface = value(key::kNetInterface);
-      if (!network_ || !network_->adopt(params.id, a, params.spec.network))
+      std::map<std::uint16_t, std::uint16_t> exposed;
+      if (auto e = state.find(key::kExposed); e != state.end()) {
+        std::string_view rest = e->second;
+        while (!rest.empty()) {
+          std::string_view item = rest.substr(0, rest.find(','));
+          rest.remove_prefix(std::min(rest.size(), item.size() + 1));
+          unsigned port = 0, node_port = 0;
+          const auto colon = item.find(':');
+          if (colon == std::string_view::npos) continue;
+          std::from_chars(item.data(), item.data() + colon, port);
+          std::from_chars(item.data() + colon + 1, item.data() + item.size(), node_port);
+          if (port >= 1 && port <= 65535 && node_port >= 1 && node_port <= 65535)
+            exposed[static_cast<std::uint16_t>(port)] = static_cast<std::uint16_t>(node_port);
+        }
+      }
+      if (!network_ || !network_->adopt(params.id, a, params.spec.network, exposed))
         throw Error(Code::kFailedPrecondition,
                     fmt::format("its network link {} is gone, or its addresses are another agent's", a.interface));
       link = a;
