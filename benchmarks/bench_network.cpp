@@ -3,7 +3,17 @@
 // of a rule change (Sandbox::set_network) on a live sandbox; and both again with K sandboxes holding rules on the
 // node, so that what one more sandbox or one change costs is seen at scale. No traffic is sent: the rules name
 // documentation networks (RFC 5737) that nothing on this machine answers.
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <optional>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -32,6 +42,76 @@ NetworkPolicy policy(int variant) {
   dns.port_min = dns.port_max = 53;
   p.rules = {deny, web, dns};
   return p;
+}
+
+// An IPv4 address of this machine other than loopback (the node's own: what a grader on another machine would
+// dial), or empty.
+std::string node_address() {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string out;
+  for (ifaddrs* i = list; i && out.empty(); i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    std::string name = i->ifa_name;
+    if (name == "lo" || name.starts_with("dsh-")) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof text);
+    out = text;
+  }
+  ::freeifaddrs(list);
+  return out;
+}
+
+// Reads `bytes` from host:port and answers MiB/s (0 when the connection fails).
+double read_rate(const std::string& host, int port, std::size_t bytes) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return 0;
+  }
+  std::vector<char> buf(1 << 20);
+  std::size_t got = 0;
+  auto t = Clock::now();
+  while (got < bytes) {
+    ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  double s = ms_since(t) / 1000;
+  ::close(fd);
+  return got < bytes || s <= 0 ? 0 : static_cast<double>(got) / (1 << 20) / s;
+}
+
+// The same sender as in the sandbox (busybox nc, from the host's busybox) on the host, read over loopback: what
+// the exposed port is compared with. 0 when the host has no busybox.
+double loopback_rate(std::size_t bytes, int port) {
+  const char* busybox = ::access("/bin/busybox", X_OK) == 0 ? "/bin/busybox" : nullptr;
+  if (!busybox) return 0;
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int zero = ::open("/dev/zero", O_RDONLY);
+    int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(zero, 0);
+    ::dup2(null, 1);
+    ::dup2(null, 2);
+    const std::string p = std::to_string(port);
+    ::execl(busybox, "nc", "-l", "-p", p.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  double rate = 0;
+  for (int attempt = 0; attempt < 20 && rate == 0; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    rate = read_rate("127.0.0.1", port, bytes);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  return rate;
 }
 
 void print_latency(const char* what, const Latency& l) {
@@ -108,6 +188,29 @@ void run_network(const Options& options, Client& client) {
   t = Clock::now();
   for (auto& sb : held) sb.destroy();
   fmt::print("  destroying them took {:.1f} s\n", ms_since(t) / 1000);
+
+  // Throughput through an exposed port: a sandbox sends zeros (busybox nc) to a reader on the host that dials the
+  // node's own address, next to the same reading over loopback from a server on the host.
+  const std::string host = node_address();
+  if (host.empty()) {
+    fmt::print("  exposed port throughput: skipped (this machine has no IPv4 address but loopback)\n");
+    return;
+  }
+  constexpr std::size_t kBytes = 512ull << 20;
+  Sandbox server = client.create(none);
+  server.exec(std::string("(while true; do nc -l -p 8000 < /dev/zero; done) >/dev/null 2>&1 &"), 10);
+  const std::string address = server.expose(8000);
+  const int node_port = std::stoi(address.substr(address.rfind(':') + 1));
+  double exposed = 0;
+  for (int attempt = 0; attempt < 20 && exposed == 0; ++attempt) {
+    exposed = read_rate(host, node_port, kBytes);
+    if (exposed == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  const double loopback = loopback_rate(kBytes, 29999);
+  server.destroy();
+  fmt::print("  reading {} MiB sent by busybox nc: through an exposed port ({}:{}) {:.0f} MiB/s; the same sender on "
+             "the host over loopback {:.0f} MiB/s\n",
+             kBytes >> 20, host, node_port, exposed, loopback);
 }
 
 }  // namespace dsec::bench
