@@ -175,13 +175,20 @@ void run_network(const Options& options, Client& client) {
   SandboxSpec small = egress;
   small.resources.cpu = 0.01;
   small.resources.memory_bytes = 16ull << 20;
+  const std::uint64_t available_before = mem_available_settled();
   auto t = Clock::now();
   for (std::size_t i = 0; i < k; ++i) held.push_back(client.create(small));
   double fill_s = ms_since(t) / 1000;
+  const std::uint64_t available_after = mem_available_settled();
   const std::size_t n = std::max<std::size_t>(10, options.n / 4);
   Latency at_none, at_egress, at_update;
   measure(n, at_none, at_egress, at_update);
-  fmt::print("  with {} sandboxes holding rules on the node (made in {:.1f} s):\n", k, fill_s);
+  fmt::print("  with {} sandboxes holding rules on the node (made in {:.1f} s; MemAvailable {:.1f} MiB lower, {:.0f} KiB "
+             "a sandbox, its processes and link included):\n",
+             k, fill_s, static_cast<double>(available_before - std::min(available_before, available_after)) / (1 << 20),
+             k ? static_cast<double>(available_before - std::min(available_before, available_after)) / 1024 /
+                     static_cast<double>(k)
+               : 0.0);
   print_latency("create, network none", at_none);
   print_latency("create, network egress with 3 rules", at_egress);
   print_latency("set_network on a live sandbox", at_update);

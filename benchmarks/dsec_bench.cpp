@@ -413,7 +413,7 @@ int run(int argc, char** argv) {
       copts.agent_binary = o.agent_binary;
       // Admission must let the density run in: K sandboxes of density_cpu cores and density_memory each, plus the
       // largest throughput level's sandboxes. The null backend gives the control-plane floor in `create`.
-      const bool density = all || o.command == "density";
+      const bool density = all || o.command == "density" || o.command == "network";
       int max_c = *std::max_element(o.concurrency.begin(), o.concurrency.end());
       double cpu_needed = (density ? static_cast<double>(o.density_count) * o.density_cpu : 0) + max_c * 0.5 + 2;
       double mem_needed = (density ? static_cast<double>(o.density_count) * static_cast<double>(o.density_memory) : 0) +
