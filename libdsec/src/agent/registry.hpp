@@ -224,6 +224,8 @@ class Registry {
   SandboxInfo info_of(const std::string& id) const;              // caller holds mutex_
   void check_alive(Record& record);
   void write_record(const Record& record) const;
+  // The same, a failure logged (the change it records has happened; the next write catches up).
+  void write_record_or_warn(const Record& record, std::string_view what) const;
   RecoveryReport recover(bool adopt);
   Recovered recover_one(LoadedRecord& loaded, bool adopt);
   // A record file's text, parsed; throws when it is not a record.

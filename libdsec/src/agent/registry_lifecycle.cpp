@@ -16,6 +16,14 @@
 
 namespace dsec::agent {
 
+void Registry::write_record_or_warn(const Record& record, std::string_view what) const {
+  try {
+    write_record(record);
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: record of its {}: {}", record.info.id, what, e.what());
+  }
+}
+
 void Registry::refresh_backend_state(Record& record) {
   try {
     BackendState state = record.sandbox->recovery_state();
@@ -156,11 +164,7 @@ Registry::SleepOutcome Registry::sleep(const std::string& id, std::string_view r
       record->cpu_released = true;
     }
   }
-  try {
-    write_record(*record);
-  } catch (const std::exception& e) {
-    log_warn("sandbox {}: record of its sleep: {}", id, e.what());
-  }
+  write_record_or_warn(*record, "sleep");
   out.info = record->snapshot();
   return out;
 }
@@ -180,11 +184,7 @@ SandboxInfo Registry::set_network(const std::string& id, const NetworkPolicy& po
     record->info.network = policy;
   }
   refresh_backend_state(*record);
-  try {
-    write_record(*record);
-  } catch (const std::exception& e) {
-    log_warn("sandbox {}: record of its network: {}", id, e.what());
-  }
+  write_record_or_warn(*record, "network");
   return record->snapshot();
 }
 
@@ -194,11 +194,7 @@ std::string Registry::expose(const std::string& id, std::uint32_t port) {
   std::lock_guard power(record->power_mutex);
   std::string address = record->sandbox->expose(port);
   refresh_backend_state(*record);
-  try {
-    write_record(*record);
-  } catch (const std::exception& e) {
-    log_warn("sandbox {}: record of its exposed port: {}", id, e.what());
-  }
+  write_record_or_warn(*record, "exposed port");
   return address;
 }
 
@@ -207,11 +203,7 @@ void Registry::unexpose(const std::string& id, std::uint32_t port) {
   std::lock_guard power(record->power_mutex);
   record->sandbox->unexpose(port);
   refresh_backend_state(*record);
-  try {
-    write_record(*record);
-  } catch (const std::exception& e) {
-    log_warn("sandbox {}: record of its exposed port: {}", id, e.what());
-  }
+  write_record_or_warn(*record, "exposed port");
 }
 
 std::map<std::uint32_t, std::string> Registry::exposed(const std::string& id) {
@@ -242,11 +234,7 @@ Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view re
       record->cpu_released = false;
     }
   }
-  try {
-    write_record(*record);
-  } catch (const std::exception& e) {
-    log_warn("sandbox {}: record of its wake: {}", id, e.what());
-  }
+  write_record_or_warn(*record, "wake");
   out.info = record->snapshot();
   return out;
 }

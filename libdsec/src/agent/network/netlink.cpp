@@ -13,6 +13,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -79,7 +80,8 @@ Netlink::Netlink(int netns_fd) {
   if (err) throw_errno(err, "netlink socket in a sandbox's network namespace");
 }
 
-void Netlink::request(void* message, std::size_t size, const char* what, bool missing_ok) {
+int Netlink::exchange(void* message, std::size_t size, const char* what,
+                      const std::function<bool(const nlmsghdr&)>& on_answer) {
   auto* hdr = static_cast<nlmsghdr*>(message);
   hdr->nlmsg_seq = ++seq_;
   sockaddr_nl kernel{};
@@ -94,13 +96,16 @@ void Netlink::request(void* message, std::size_t size, const char* what, bool mi
     for (auto* h = reinterpret_cast<nlmsghdr*>(answer); NLMSG_OK(h, static_cast<unsigned>(n));
          h = NLMSG_NEXT(h, n)) {
       if (h->nlmsg_seq != seq_) continue;
-      if (h->nlmsg_type == NLMSG_ERROR) {
-        int err = -static_cast<nlmsgerr*>(NLMSG_DATA(h))->error;
-        if (err == 0 || (missing_ok && (err == ENODEV || err == ENOENT))) return;
-        throw_errno(err, fmt::format("netlink {}", what));
-      }
+      if (h->nlmsg_type == NLMSG_ERROR) return -static_cast<nlmsgerr*>(NLMSG_DATA(h))->error;
+      if (on_answer && on_answer(*h)) return 0;
     }
   }
+}
+
+void Netlink::request(void* message, std::size_t size, const char* what, bool missing_ok) {
+  int err = exchange(message, size, what, {});
+  if (err == 0 || (missing_ok && (err == ENODEV || err == ENOENT))) return;
+  throw_errno(err, fmt::format("netlink {}", what));
 }
 
 void Netlink::create_veth(const std::string& name, const std::string& peer, int peer_netns_fd) {
@@ -142,27 +147,14 @@ int Netlink::index_of(const std::string& name) {
   info.ifi_family = AF_UNSPEC;
   m.append(&info, sizeof info);
   m.attr_string(IFLA_IFNAME, name);
-  m.hdr()->nlmsg_seq = ++seq_;
-  sockaddr_nl kernel{};
-  kernel.nl_family = AF_NETLINK;
-  if (::sendto(fd_.get(), m.buf, m.hdr()->nlmsg_len, 0, reinterpret_cast<sockaddr*>(&kernel), sizeof kernel) < 0)
-    throw_errno(errno, "netlink get link");
-  alignas(nlmsghdr) char answer[8192];
-  for (;;) {
-    ssize_t n = ::recv(fd_.get(), answer, sizeof answer, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw_errno(errno, "netlink get link: receive");
-    for (auto* h = reinterpret_cast<nlmsghdr*>(answer); NLMSG_OK(h, static_cast<unsigned>(n));
-         h = NLMSG_NEXT(h, n)) {
-      if (h->nlmsg_seq != seq_) continue;
-      if (h->nlmsg_type == NLMSG_ERROR) {
-        int err = -static_cast<nlmsgerr*>(NLMSG_DATA(h))->error;
-        if (err == ENODEV || err == 0) return 0;
-        throw_errno(err, "netlink get link");
-      }
-      if (h->nlmsg_type == RTM_NEWLINK) return static_cast<ifinfomsg*>(NLMSG_DATA(h))->ifi_index;
-    }
-  }
+  int index = 0;
+  int err = exchange(m.buf, m.hdr()->nlmsg_len, "get link", [&](const nlmsghdr& h) {
+    if (h.nlmsg_type != RTM_NEWLINK) return false;
+    index = static_cast<const ifinfomsg*>(NLMSG_DATA(&h))->ifi_index;
+    return true;
+  });
+  if (err != 0 && err != ENODEV) throw_errno(err, "netlink get link");
+  return index;
 }
 
 void Netlink::set_up(int index) {

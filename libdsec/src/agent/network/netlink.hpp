@@ -2,7 +2,10 @@
 // netlink socket of the agent's network namespace or of a sandbox's.
 #pragma once
 
+#include <linux/netlink.h>
+
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "common/unique_fd.hpp"
@@ -25,6 +28,10 @@ class Netlink {
   void add_default_route(std::uint32_t gateway);
 
  private:
+  // Sends one request and reads the answers to it: each non-error message goes to `on_answer` until it says done
+  // (true); answers 0 then, or the errno of the kernel's error or acknowledgement message (0: acknowledged).
+  int exchange(void* message, std::size_t size, const char* what,
+               const std::function<bool(const nlmsghdr&)>& on_answer);
   // Sends one request and waits for its acknowledgement; throws on an error answer (naming `what`).
   void request(void* message, std::size_t size, const char* what, bool missing_ok = false);
 
