@@ -13,6 +13,9 @@ PACKAGES=(
   # sandbox networks: the agent's nftables table through libnftables, libnetfilter-conntrack to drop the connection
   # tracking entries of connections the rules no longer allow (nftables and conntrack: the commands, for people)
   libnftables-dev libnetfilter-conntrack-dev nftables conntrack
+  # the agent's DNS resolver for sandboxes parses queries and builds answers with ldns (NLnet Labs) rather than by
+  # hand: the packets come from code inside sandboxes; the network tests' DNS stand-in is python3-dnslib
+  libldns-dev python3-dnslib
   # layered images: FUSE for streaming layers on demand, mkfs.erofs/fsck.erofs for making and extracting them
   libfuse3-dev fuse3 erofs-utils
   # unit tests

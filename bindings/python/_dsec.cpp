@@ -214,6 +214,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def(py::init<>())
       .def_readwrite("allow", &dsec::NetworkRule::allow)
       .def_readwrite("cidr", &dsec::NetworkRule::cidr)
+      .def_readwrite("host", &dsec::NetworkRule::host, "A host name instead of a cidr: 'pypi.internal', '*.example.org'.")
       .def_readwrite("protocol", &dsec::NetworkRule::protocol, "tcp, udp, icmp or any.")
       .def_readwrite("port_min", &dsec::NetworkRule::port_min, "0 with port_max 0: every port.")
       .def_readwrite("port_max", &dsec::NetworkRule::port_max);

@@ -1,7 +1,8 @@
-"""Sandbox networking: modes, first-match rules, live changes that cut connections, what is always blocked.
+"""Sandbox networking: modes, first-match rules, names through the agent's resolver, live changes that cut
+connections, what is always blocked.
 
 All traffic stays on this machine: the "outside" is network namespaces this module makes itself (a server stand-in
-with HTTP and echo servers, and a stand-in that owns the metadata address 169.254.169.254), joined to the host by
+with HTTP, echo and DNS servers, and a stand-in that owns the metadata address 169.254.169.254), joined to the host by
 veth pairs. Nothing is ever sent to any other address.
 """
 
@@ -45,6 +46,39 @@ ECHO_SERVER = textwrap.dedent("""
         c, _ = s.accept()
         threading.Thread(target=serve, args=(c,), daemon=True).start()
 """)
+
+
+# The stand-in's zone: what the agent's resolver asks upstream for the names sandboxes may resolve. It logs every
+# question it gets, so the tests see which names the agent forwarded at all.
+DNS_SERVER = textwrap.dedent("""
+    import sys, time
+    from dnslib import A, CNAME, QTYPE, RCODE, RR
+    from dnslib.server import BaseResolver, DNSServer
+    address, server, denied, log = sys.argv[1:5]
+    ZONE = {"mirror.test.": ("A", server), "www.example.test.": ("A", server), "x.y.example.test.": ("A", server),
+            "example.test.": ("A", server), "other.test.": ("A", server), "denied.test.": ("A", denied),
+            "alias.test.": ("CNAME", "www.example.test.")}
+    class Zone(BaseResolver):
+        def resolve(self, request, handler):
+            name = str(request.q.qname).lower()
+            with open(log, "a") as f:
+                f.write(name + "\\n")
+            reply = request.reply()
+            if name not in ZONE:
+                reply.header.rcode = RCODE.NXDOMAIN
+                return reply
+            kind, value = ZONE[name]
+            if kind == "CNAME":
+                reply.add_answer(RR(name, QTYPE.CNAME, rdata=CNAME(value), ttl=60))
+                name, (kind, value) = value, ZONE[value]
+            if request.q.qtype == QTYPE.A:
+                reply.add_answer(RR(name, QTYPE.A, rdata=A(value), ttl=60))
+            return reply
+    DNSServer(Zone(), address=address, port=53).start_thread()
+    while True:
+        time.sleep(3600)
+""")
+DNS_LOG = os.path.join(tempfile.gettempdir(), f"dsec-it-dns-{PID}.log")
 
 
 def sh_host(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,19 +129,35 @@ def outside():
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         procs.append(subprocess.Popen(["ip", "netns", "exec", OUT_NS, "/usr/bin/python3", "-c", ECHO_SERVER,
                                        SERVER, "9009"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(["ip", "netns", "exec", OUT_NS, "/usr/bin/python3", "-c", DNS_SERVER,
+                                       SERVER, SERVER, DENIED, DNS_LOG], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
         for url in (f"http://{SERVER}:8080/", f"http://{SERVER}:8081/", f"http://{DENIED}:8080/", f"http://{META}/"):
             assert lib.wait_for(lambda: sh_host("curl", "-s", "-m", "2", url, check=False).stdout == "stand-in\n",
                                 15), f"stand-in {url} does not answer the host"
+        assert lib.wait_for(lambda: os.path.exists(DNS_LOG) or dns_probe(), 15), "the DNS stand-in does not answer"
         yield
     finally:
         for p in procs:
             p.kill()
             p.wait()
         sh_host("ip", "route", "del", f"{META}/32", check=False)
+        if os.path.exists(DNS_LOG):
+            os.unlink(DNS_LOG)
         for ns in (OUT_NS, META_NS):
             sh_host("ip", "netns", "del", ns, check=False)
         for i in ("a", "b"):
             sh_host("ip", "link", "del", f"dsit{PID}{i}", check=False)
+
+
+def dns_probe() -> bool:
+    """One question from the host to the DNS stand-in (it then exists and logs)."""
+    import dnslib
+    try:
+        dnslib.DNSRecord.question("mirror.test").send(SERVER, 53, timeout=1)
+        return True
+    except OSError:
+        return False
 
 
 def start(home: str, image_home: str, tag: str, *extra: str) -> lib.Agent:
@@ -129,7 +179,7 @@ def net(outside, home, image_home):
     """An agent whose TCP listener is on the host's address of the stand-in link: a sandbox must not reach it."""
     port = 20000 + PID % 20000
     a = start(home, image_home, "net", "--listen", f"{HOST_IP}:{port}", "--insecure-no-tls",
-              "--egress-deny", f"{DENIED}/32")
+              "--egress-deny", f"{DENIED}/32", "--dns-upstream", SERVER)
     a.api_port = port
     yield a
     table = f"dsec_{a.cgroup_name}".replace("-", "_")
@@ -178,6 +228,69 @@ def test_egress_rules_first_match_and_open(net):
             # A whole CIDR, any protocol.
             sb.set_network("egress", rules=[{"cidr": f"10.199.{OCTET}.0/24"}])
             assert connect(sb, SERVER, 9009)
+        finally:
+            sb.destroy()
+
+
+def resolve(sb, name: str) -> list[str]:
+    """The IPv4 addresses the sandbox gets for a name through its resolv.conf (busybox nslookup); [] for none."""
+    r = sb.exec(["nslookup", "-type=a", name], timeout=20)
+    out = r.stdout.decode()
+    answers = out.split("answer:", 1)[1] if "answer:" in out else ""
+    return [l.split(":", 1)[1].strip() for l in answers.splitlines() if l.startswith("Address:")]
+
+
+def asked_upstream() -> list[str]:
+    with open(DNS_LOG) as f:
+        return [l.strip().rstrip(".") for l in f]
+
+
+def test_names_resolve_only_when_allowed_and_admit_what_was_answered(net):
+    """A name rule: the resolver answers only allowed names (the others never leave the node), and a connection is
+    admitted to the addresses it answered, with the rule's ports, and to no others."""
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [
+            {"host": "mirror.test", "protocol": "tcp", "ports": "8080"}]})
+        try:
+            assert "nameserver" in sb.read_file("/etc/resolv.conf").decode()
+            assert not connect(sb, SERVER, 8080, 2), "an address no answer handed out was reached"
+            asked = len(asked_upstream())
+            assert resolve(sb, "other.test") == []
+            assert resolve(sb, "www.example.test") == []
+            assert asked_upstream()[asked:] == [], "names no rule allows were asked upstream"
+            assert resolve(sb, "MIRROR.test") == [SERVER]  # case does not matter
+            assert "mirror.test" in asked_upstream()[asked:]
+            assert connect(sb, SERVER, 8080), "the address answered for an allowed name is not admitted"
+            assert not connect(sb, SERVER, 8081, 2), "a port the name's rule does not name was reached"
+            # A resolver named in the sandbox's own resolv.conf, or any other address: port 53 reaches the agent's.
+            r = sb.exec(["nslookup", "-type=a", "other.test", META], timeout=20)
+            assert SERVER not in r.stdout.decode().split("answer:", 1)[-1]
+            # The next phase allows no name: what was admitted for one goes with it.
+            sb.set_network("egress", rules=[{"cidr": f"{DENIED}/32"}])
+            assert not connect(sb, SERVER, 8080, 2)
+            assert resolve(sb, "mirror.test") == []
+        finally:
+            sb.destroy()
+
+
+def test_wildcard_names_first_match_cnames_and_what_stays_blocked(net):
+    with client_of(net) as c:
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [
+            {"host": "www.example.test", "allow": False},
+            {"host": "*.example.test", "protocol": "tcp", "ports": "8081"},
+            {"host": "alias.test", "protocol": "tcp", "ports": "8080"},
+            {"host": "denied.test"}]})
+        try:
+            assert resolve(sb, "x.y.example.test") == [SERVER]  # any depth below the wildcard
+            assert resolve(sb, "example.test") == []            # not the name itself
+            assert resolve(sb, "www.example.test") == []        # the deny rule matches first
+            assert connect(sb, SERVER, 8081) and not connect(sb, SERVER, 8080, 2)
+            # A CNAME: the address at its end is admitted under the rule of the name asked.
+            assert resolve(sb, "alias.test") == [SERVER]
+            assert connect(sb, SERVER, 8080)
+            # An allowed name whose address is always blocked (--egress-deny): answered, never reached.
+            assert resolve(sb, "denied.test") == [DENIED]
+            assert not connect(sb, DENIED, 8080, 2)
         finally:
             sb.destroy()
 

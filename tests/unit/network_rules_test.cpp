@@ -98,5 +98,84 @@ TEST(NetworkRules, ADenyCutsAHoleOutOfALaterAllow) {
   EXPECT_TRUE(compile_egress({"egress", {}}).empty());  // egress without rules: nothing at all
 }
 
+NetworkRule name(const char* host, bool allow = true, const char* protocol = "any", std::uint16_t lo = 0,
+                 std::uint16_t hi = 0) {
+  NetworkRule r = rule("", allow, protocol, lo, hi);
+  r.cidr.clear();
+  r.host = host;
+  return r;
+}
+
+TEST(NetworkRules, HostNamesAndWildcards) {
+  for (const char* good : {"pypi.mirror.internal", "*.example.org", "a", "x-1.b_2.c", "UPPER.Case"})
+    EXPECT_TRUE(valid_host_pattern(good)) << good;
+  for (const char* bad : {"", "*", "*.", "a.*.b", "**.a", "-a.b", "a-.b", "a..b", ".a", "a b", "a/b", "\\032.a",
+                          "*example.org"})
+    EXPECT_FALSE(valid_host_pattern(bad)) << bad;
+  EXPECT_FALSE(valid_host_pattern(std::string(64, 'a') + ".b"));
+  EXPECT_EQ(normalize_name("WWW.Example.ORG."), "www.example.org");
+  EXPECT_EQ(normalize_name("*.example.org"), "");  // a question is never a wildcard
+  EXPECT_EQ(normalize_name("a\\.b.c"), "");
+  EXPECT_TRUE(host_matches("*.example.org", "a.example.org"));
+  EXPECT_TRUE(host_matches("*.example.org", "a.b.example.org"));
+  EXPECT_FALSE(host_matches("*.example.org", "example.org"));
+  EXPECT_FALSE(host_matches("*.example.org", "badexample.org"));
+  EXPECT_TRUE(host_matches("Pypi.Internal", "pypi.internal"));
+  EXPECT_FALSE(host_matches("pypi.internal", "x.pypi.internal"));
+}
+
+TEST(NetworkRules, NameRulesAreCheckedAndTheFirstMatchDecides) {
+  auto code_and_field = [](const NetworkPolicy& p) -> std::string {
+    try {
+      validate(p);
+    } catch (const Error& e) {
+      std::string m = e.what();
+      return m.substr(0, m.find(':'));
+    }
+    return "";
+  };
+  EXPECT_EQ(code_and_field({"egress", {name("a..b")}}), "network.rules[0].host");
+  EXPECT_EQ(code_and_field({"egress", {rule("10.0.0.0/8"), name("10.1.2.3")}}), "network.rules[1].host");
+  NetworkRule both = name("a.b");
+  both.cidr = "10.0.0.0/8";
+  EXPECT_EQ(code_and_field({"egress", {both}}), "network.rules[0]");
+  NetworkPolicy p{"egress", {name("bad.example.org", false), name("*.example.org", true, "tcp", 443, 443),
+                             name("pypi.internal")}};
+  EXPECT_EQ(code_and_field(p), "");
+  EXPECT_EQ(name_rule_for(p, "bad.example.org"), 0u);
+  EXPECT_EQ(name_rule_for(p, "a.example.org"), 1u);
+  EXPECT_EQ(name_rule_for(p, "pypi.internal"), 2u);
+  EXPECT_EQ(name_rule_for(p, "other.org"), std::nullopt);
+  EXPECT_EQ(name_rule_for({"open", {}}, "pypi.internal"), std::nullopt);
+  EXPECT_TRUE(compile_egress(p).empty());  // names admit nothing until they are answered
+}
+
+TEST(NetworkRules, APinIsTheNameRulesPortsMinusEarlierAddressRules) {
+  NetworkPolicy p{"egress", {rule("10.0.0.0/8", false, "tcp", 22, 22), name("*.example.org", true, "tcp", 1, 1024),
+                             rule("192.0.2.0/24", false), name("late.example.net")}};
+  auto pin = compile_pin(p, 1, ip("10.1.2.3"));
+  EXPECT_TRUE(allows(pin, ip("10.1.2.3"), 6, 443));
+  EXPECT_FALSE(allows(pin, ip("10.1.2.3"), 6, 22));     // the earlier deny decides
+  EXPECT_FALSE(allows(pin, ip("10.1.2.3"), 6, 2000));   // not the rule's ports
+  EXPECT_FALSE(allows(pin, ip("10.1.2.4"), 6, 443));    // only the address answered
+  auto late = compile_pin(p, 3, ip("192.0.2.9"));
+  EXPECT_TRUE(late.empty());  // an earlier address deny covers it whole
+  // Overlapping pins become disjoint boxes covering the same points.
+  auto a = compile_pin(p, 1, ip("10.1.2.3"));
+  auto b = compile_pin(p, 3, ip("10.1.2.3"));
+  std::vector<AllowedBox> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  auto disjoint = make_disjoint(all);
+  for (std::uint32_t port : {22u, 443u, 5000u})
+    EXPECT_EQ(allows(disjoint, ip("10.1.2.3"), 6, port), allows(all, ip("10.1.2.3"), 6, port)) << port;
+  for (std::size_t i = 0; i < disjoint.size(); ++i)
+    for (std::size_t j = i + 1; j < disjoint.size(); ++j) {
+      const auto& x = disjoint[i];
+      const auto& y = disjoint[j];
+      EXPECT_FALSE(x.addr_lo <= y.addr_hi && y.addr_lo <= x.addr_hi && x.proto_lo <= y.proto_hi &&
+                   y.proto_lo <= x.proto_hi && x.port_lo <= y.port_hi && y.port_lo <= x.port_hi);
+    }
+}
+
 }  // namespace
 }  // namespace dsec::network

@@ -207,8 +207,8 @@ def _spec(
 
 
 def _network_policy(network: str | Mapping[str, Any]) -> _dsec.NetworkPolicy:
-    """A ``network`` argument: "none", "egress", "open", or {"mode": ..., "rules": [{"cidr", "protocol", "ports",
-    "allow"}]} (docs/networking.md). The shape is checked here; the client library checks the policy itself."""
+    """A ``network`` argument: "none", "egress", "open", or {"mode": ..., "rules": [{"cidr" or "host", "protocol",
+    "ports", "allow"}]} (docs/networking.md). The shape is checked here; the client library checks the policy itself."""
     p = _dsec.NetworkPolicy()
     if isinstance(network, str):
         p.mode = network
@@ -229,15 +229,17 @@ def _network_policy(network: str | Mapping[str, Any]) -> _dsec.NetworkPolicy:
         at = f"network.rules[{i}]"
         if not isinstance(r, Mapping):
             raise InvalidArgument(f"{at}: expected a dict such as {{'cidr': '10.0.0.0/8'}}, got {r!r}")
-        unknown = set(r) - {"allow", "cidr", "protocol", "ports"}
+        unknown = set(r) - {"allow", "cidr", "host", "protocol", "ports"}
         if unknown:
-            raise InvalidArgument(f"{at}: unknown field {sorted(unknown)[0]!r} (known: allow, cidr, protocol, ports)")
+            raise InvalidArgument(f"{at}: unknown field {sorted(unknown)[0]!r} "
+                                  "(known: allow, cidr, host, protocol, ports)")
         rule = _dsec.NetworkRule()
         rule.allow = bool(r.get("allow", True))
-        cidr = r.get("cidr", "")
-        if not isinstance(cidr, str):
-            raise InvalidArgument(f"{at}.cidr: expected a str, got {cidr!r}")
-        rule.cidr = cidr
+        for field in ("cidr", "host"):
+            value = r.get(field, "")
+            if not isinstance(value, str):
+                raise InvalidArgument(f"{at}.{field}: expected a str, got {value!r}")
+            setattr(rule, field, value)
         protocol = r.get("protocol", "any")
         if not isinstance(protocol, str):
             raise InvalidArgument(f"{at}.protocol: expected a str, got {protocol!r}")
@@ -278,7 +280,11 @@ def _port_range(ports: Any, field: str) -> tuple[int, int]:
 def _network_dict(p: _dsec.NetworkPolicy) -> dict:
     rules = []
     for r in p.rules:
-        rule = {"allow": r.allow, "cidr": r.cidr, "protocol": r.protocol}
+        rule = {"allow": r.allow, "protocol": r.protocol}
+        if r.host:
+            rule["host"] = r.host
+        else:
+            rule["cidr"] = r.cidr
         if r.port_min or r.port_max:
             rule["ports"] = str(r.port_min) if r.port_min == r.port_max else f"{r.port_min}-{r.port_max}"
         rules.append(rule)

@@ -19,6 +19,7 @@ class Resources:
 class NetworkRule:
     allow: bool
     cidr: str
+    host: str
     protocol: str
     port_min: int
     port_max: int

@@ -9,10 +9,14 @@
 namespace dsec {
 
 // One rule of an egress allowlist. Rules are tried in order; the first that matches a connection decides (allow
-// or deny); a connection no rule matches is refused.
+// or deny); a connection no rule matches is refused. A rule names either addresses (cidr) or a host name (host):
+// a name rule matches connections to the addresses the agent's DNS resolver answered for that name, and decides
+// which names the resolver answers at all (the first name rule that matches a name: allow answers it, deny and no
+// match answer NXDOMAIN).
 struct NetworkRule {
   bool allow = true;
   std::string cidr;                // "10.20.0.0/16", "192.0.2.7" (a /32); IPv4
+  std::string host;                // or a name: "pypi.mirror.internal", "*.example.org" (its subdomains, any depth)
   std::string protocol = "any";    // "tcp", "udp", "icmp" or "any"
   std::uint16_t port_min = 0;      // destination ports port_min..port_max (tcp, udp); 0..0: every port
   std::uint16_t port_max = 0;

@@ -147,6 +147,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     n.range = config_.network_range;
     n.egress_deny = config_.egress_deny;
     n.allow_open = config_.allow_open_egress;
+    n.dns_upstream = config_.dns_upstream;
     n.expose_first = config_.expose_first;
     n.expose_last = config_.expose_last;
     n.expose_host = config_.expose_host;

@@ -121,6 +121,9 @@ struct AgentConfig {
   std::string network_range = "10.88.0.0/16";
   std::vector<std::string> egress_deny;
   bool allow_open_egress = true;
+  // Where the sandboxes' DNS resolver asks for the names their rules allow: "IP[:PORT]"; empty: the first IPv4
+  // nameserver of /etc/resolv.conf.
+  std::string dns_upstream;
   // Exposed ports: the node's ports they get (dsecd --expose-ports FIRST-LAST) and the host name in the addresses
   // expose answers (--expose-host; default: the host name).
   std::uint16_t expose_first = 30000, expose_last = 32767;

@@ -94,6 +94,8 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
                           a host need ranges of their own)
   --egress-deny CIDR      a network no sandbox may reach, whatever its rules (repeatable)
   --no-open-egress        refuse network mode "open" (every sandbox's egress then goes through rules)
+  --dns-upstream IP[:P]   the resolver the agent asks for names sandboxes' rules allow (default: the first IPv4
+                          nameserver of /etc/resolv.conf)
   --expose-ports A-B      node ports that exposed sandbox ports get (default 30000-32767)
   --expose-host HOST      the host in the addresses expose answers (default: this machine's host name)
   --userns MODE           user namespaces for container sandboxes and fork servers: auto (when the kernel has
@@ -334,6 +336,8 @@ int main(int argc, char** argv) {
       config.network_range = std::string(value);
     } else if (flag == "--egress-deny") {
       config.egress_deny.emplace_back(value);
+    } else if (flag == "--dns-upstream") {
+      config.dns_upstream = std::string(value);
     } else if (flag == "--no-open-egress") {
       config.allow_open_egress = false;
     } else if (flag == "--expose-ports") {

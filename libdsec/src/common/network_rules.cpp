@@ -1,6 +1,7 @@
 #include "common/network_rules.hpp"
 
 #include <array>
+#include <cctype>
 #include <charconv>
 
 #include <fmt/format.h>
@@ -114,9 +115,18 @@ void validate(const NetworkPolicy& policy) {
   for (std::size_t i = 0; i < policy.rules.size(); ++i) {
     const NetworkRule& r = policy.rules[i];
     const std::string at = fmt::format("network.rules[{}]", i);
-    if (!parse_cidr(r.cidr))
+    if (!r.host.empty()) {
+      if (!r.cidr.empty()) bad(at, "a rule names a cidr or a host, not both");
+      if (parse_cidr(r.host))
+        bad(at + ".host", fmt::format("'{}' is an address: name it as a cidr", r.host));
+      if (!valid_host_pattern(r.host))
+        bad(at + ".host", fmt::format("'{}' is not a host name such as pypi.mirror.internal or *.example.org "
+                                      "(letters, digits, '-', '_'; labels of 1-63; '*.' only first)",
+                                      r.host.substr(0, 300)));
+    } else if (!parse_cidr(r.cidr)) {
       bad(at + ".cidr", fmt::format("'{}' is not an IPv4 address or network such as 10.0.0.0/8 (host bits zero)",
                                     r.cidr));
+    }
     if (r.protocol != "any" && !protocol_number(r.protocol))
       bad(at + ".protocol", fmt::format("'{}' is not one of tcp, udp, icmp, any", r.protocol));
     const bool ports = r.port_min != 0 || r.port_max != 0;
@@ -132,6 +142,7 @@ std::vector<AllowedBox> compile_egress(const NetworkPolicy& policy) {
   std::vector<Box> allowed;
   std::vector<Box> earlier;
   for (const NetworkRule& r : policy.rules) {
+    if (!r.host.empty()) continue;  // matches only its pins' addresses
     Box b = box_of(r);
     if (r.allow) {
       std::vector<Box> pieces{b};
@@ -152,6 +163,88 @@ std::vector<AllowedBox> compile_egress(const NetworkPolicy& policy) {
   std::vector<AllowedBox> out;
   out.reserve(allowed.size());
   for (const Box& b : allowed) out.push_back({b[0][0], b[0][1], b[1][0], b[1][1], b[2][0], b[2][1]});
+  return out;
+}
+
+bool valid_host_pattern(std::string_view p) {
+  if (p.starts_with("*.")) p.remove_prefix(2);
+  if (p.empty() || p.size() > 253) return false;
+  std::size_t label = 0;
+  for (std::size_t i = 0; i <= p.size(); ++i) {
+    if (i == p.size() || p[i] == '.') {
+      if (label == 0 || label > 63 || p[i - 1] == '-' || p[i - label] == '-') return false;
+      label = 0;
+      continue;
+    }
+    const unsigned char c = static_cast<unsigned char>(p[i]);
+    if (!std::isalnum(c) && c != '-' && c != '_') return false;
+    ++label;
+  }
+  return true;
+}
+
+std::string normalize_name(std::string_view name) {
+  if (name.ends_with('.')) name.remove_suffix(1);
+  std::string out(name);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (out.starts_with("*.") || !valid_host_pattern(out)) return "";
+  return out;
+}
+
+bool host_matches(std::string_view pattern, std::string_view name) {
+  auto equal = [](std::string_view a, std::string_view b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (std::tolower(static_cast<unsigned char>(a[i])) != std::tolower(static_cast<unsigned char>(b[i])))
+        return false;
+    return true;
+  };
+  if (pattern.starts_with("*.")) {
+    std::string_view suffix = pattern.substr(1);  // ".example.org"
+    return name.size() > suffix.size() && equal(name.substr(name.size() - suffix.size()), suffix);
+  }
+  return equal(pattern, name);
+}
+
+std::optional<std::size_t> name_rule_for(const NetworkPolicy& policy, std::string_view name) {
+  if (policy.mode != "egress" || name.empty()) return std::nullopt;
+  for (std::size_t i = 0; i < policy.rules.size(); ++i)
+    if (!policy.rules[i].host.empty() && host_matches(policy.rules[i].host, name)) return i;
+  return std::nullopt;
+}
+
+std::vector<AllowedBox> compile_pin(const NetworkPolicy& policy, std::size_t index, std::uint32_t address) {
+  // The earlier address rules, as denials (what an earlier allow covers is allowed already), then this rule as an
+  // allow of the one address.
+  NetworkPolicy p{"egress", {}};
+  for (std::size_t i = 0; i < index && i < policy.rules.size(); ++i)
+    if (policy.rules[i].host.empty()) {
+      NetworkRule r = policy.rules[i];
+      r.allow = false;
+      p.rules.push_back(std::move(r));
+    }
+  if (index >= policy.rules.size()) return {};
+  NetworkRule r = policy.rules[index];
+  r.host.clear();
+  r.allow = true;
+  r.cidr = ipv4_to_string(address);
+  p.rules.push_back(std::move(r));
+  return compile_egress(p);
+}
+
+std::vector<AllowedBox> make_disjoint(const std::vector<AllowedBox>& boxes) {
+  std::vector<Box> kept;
+  for (const AllowedBox& a : boxes) {
+    std::vector<Box> pieces{Box{Range{a.addr_lo, a.addr_hi}, Range{a.proto_lo, a.proto_hi}, Range{a.port_lo, a.port_hi}}};
+    for (const Box& k : kept) {
+      std::vector<Box> next;
+      for (const Box& p : pieces) subtract(p, k, next);
+      pieces = std::move(next);
+    }
+    kept.insert(kept.end(), pieces.begin(), pieces.end());
+  }
+  std::vector<AllowedBox> out;
+  for (const Box& b : kept) out.push_back({b[0][0], b[0][1], b[1][0], b[1][1], b[2][0], b[2][1]});
   return out;
 }
 

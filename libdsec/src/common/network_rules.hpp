@@ -45,10 +45,26 @@ struct AllowedBox {
   bool operator==(const AllowedBox&) const = default;
 };
 
-// What an egress policy allows, as disjoint boxes: each allow rule minus every rule before it. A policy that would
+// What an egress policy's address rules allow, as disjoint boxes: each allow rule minus every address rule before
+// it (name rules allow what their pins add, compile_pin). A policy that would
 // need more than kMaxBoxes is INVALID_ARGUMENT.
 inline constexpr std::size_t kMaxBoxes = 4096;
 std::vector<AllowedBox> compile_egress(const NetworkPolicy& policy);
+
+// Host names (NetworkRule::host): labels of letters, digits, '-' and '_' (1-63 each, 253 in all), optionally
+// "*." first for every subdomain of what follows (not the name itself). Case does not matter.
+bool valid_host_pattern(std::string_view pattern);
+// A name as asked in DNS, lower-cased and without its final dot; "" when it cannot be a host name.
+std::string normalize_name(std::string_view name);
+bool host_matches(std::string_view pattern, std::string_view normalized_name);
+// The first name rule that matches a (normalized) name, if any: the resolver answers the name only when it is an
+// allow rule.
+std::optional<std::size_t> name_rule_for(const NetworkPolicy& policy, std::string_view normalized_name);
+// What rule `index` (a name rule) allows to `address`, one of the answers for its name: its protocol and ports at
+// that address, minus what earlier address rules already decided.
+std::vector<AllowedBox> compile_pin(const NetworkPolicy& policy, std::size_t index, std::uint32_t address);
+// The union of boxes as disjoint boxes (the sandbox's pins for several names may overlap).
+std::vector<AllowedBox> make_disjoint(const std::vector<AllowedBox>& boxes);
 
 // Whether the compiled boxes allow a connection (for tests and the agent's own checks); port kNoPort: no port.
 bool allows(const std::vector<AllowedBox>& boxes, std::uint32_t address, std::uint32_t protocol, std::uint32_t port);

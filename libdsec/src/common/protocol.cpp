@@ -279,7 +279,11 @@ SandboxSpec decode_spec(const json& j) {
 json encode(const NetworkPolicy& p) {
   json rules = json::array();
   for (const NetworkRule& r : p.rules) {
-    json rule{{"allow", r.allow}, {"cidr", r.cidr}, {"protocol", r.protocol}};
+    json rule{{"allow", r.allow}, {"protocol", r.protocol}};
+    if (r.host.empty())
+      rule["cidr"] = r.cidr;
+    else
+      rule["host"] = r.host;
     if (r.port_min != 0 || r.port_max != 0)
       rule["ports"] = r.port_min == r.port_max ? std::to_string(r.port_min)
                                                : fmt::format("{}-{}", r.port_min, r.port_max);
@@ -306,12 +310,14 @@ NetworkPolicy decode_network(const json& j) {
         const std::string at = fmt::format("network.rules[{}]", i);
         if (!r.is_object()) bad(at, "must be an object such as {\"cidr\": \"10.0.0.0/8\", \"ports\": \"443\"}");
         for (const auto& [key, value] : r.items())
-          if (key != "allow" && key != "cidr" && key != "protocol" && key != "ports")
-            bad(at, fmt::format("unknown field '{}' (known: allow, cidr, protocol, ports)", key));
+          if (key != "allow" && key != "cidr" && key != "host" && key != "protocol" && key != "ports")
+            bad(at, fmt::format("unknown field '{}' (known: allow, cidr, host, protocol, ports)", key));
         NetworkRule rule;
         rule.allow = get_bool(r, "allow", at + ".allow", true);
         rule.cidr = get_string(r, "cidr", at + ".cidr");
-        if (rule.cidr.empty()) bad(at + ".cidr", "missing (an IPv4 address or network such as 10.0.0.0/8)");
+        rule.host = get_string(r, "host", at + ".host");
+        if (rule.cidr.empty() && rule.host.empty())
+          bad(at + ".cidr", "missing (an IPv4 address or network such as 10.0.0.0/8, or a host name as host)");
         rule.protocol = get_string(r, "protocol", at + ".protocol", "any");
         if (const json* ports = find(r, "ports")) {
           auto bad_ports = [&] {

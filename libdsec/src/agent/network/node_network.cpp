@@ -80,12 +80,15 @@ NodeNetwork::NodeNetwork(NodeNetworkOptions options)
     if (!c) throw Error(Code::kInvalidArgument, fmt::format("--egress-deny: '{}' is not an IPv4 network", d));
     deny_.push_back(*c);
   }
+  upstream_ = options_.dns_upstream.empty() ? upstream_from_resolv_conf().value_or(DnsUpstream{})
+                                            : parse_dns_upstream(options_.dns_upstream);
   if (options_.table.empty()) options_.table = "dsec";
   for (char& c : options_.table)
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') c = '_';
 }
 
 NodeNetwork::~NodeNetwork() {
+  dns_.reset();  // its thread calls in here (and takes mu_)
   {
     std::lock_guard lock(forget_mu_);
     forget_stop_ = true;
@@ -138,6 +141,17 @@ void NodeNetwork::ensure_table() {
   }
   if (!claims_) claims_.emplace(options_.claims_dir, options_.run_dir);
   if (!port_claims_) port_claims_.emplace(options_.ports_claims_dir, options_.run_dir);
+  if (!dns_) {
+    DnsDecisions decisions;
+    decisions.may_resolve = [this](std::uint32_t source, const std::string& name) {
+      return may_resolve(source, name);
+    };
+    decisions.pin = [this](std::uint32_t source, const std::string& name, const std::vector<ResolvedAddress>& a) {
+      return pin(source, name, a);
+    };
+    decisions.expire = [this] { expire_pins(); };
+    dns_ = std::make_unique<DnsResolver>(upstream_, std::move(decisions));
+  }
   std::string blocked = "169.254.0.0/16, 0.0.0.0/8, 127.0.0.0/8, 224.0.0.0/3, " + ::dsec::network::to_string(range_);
   for (const Cidr& d : deny_) blocked += ", " + ::dsec::network::to_string(d);
   const std::string& t = options_.table;
@@ -149,16 +163,19 @@ table inet {t} {{
   set ifaddr {{ type ifname . ipv4_addr; }}
   set open {{ type ipv4_addr; }}
   set allow {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service; flags interval; }}
+  set pinned {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service; flags interval; }}
   set blocked {{ type ipv4_addr; flags interval; elements = {{ {blocked} }} }}
   map exposed {{ type inet_service : ipv4_addr . inet_service; }}
   counter refused {{ }}
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname @ifaces ct state established,related accept
+    iifname @ifaces iifname . ip saddr @ifaddr udp dport {dns} ct status dnat accept
     iifname @ifaces drop
   }}
   chain prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
+    iifname @ifaces meta nfproto ipv4 udp dport 53 redirect to :{dns}
     fib daddr type local meta l4proto tcp dnat ip to tcp dport map @exposed
   }}
   chain output {{
@@ -175,6 +192,7 @@ table inet {t} {{
     oifname @ifaces drop
     iifname @ifaces ip saddr @open accept
     iifname @ifaces ip saddr . ip daddr . meta l4proto . th dport @allow accept
+    iifname @ifaces ip saddr . ip daddr . meta l4proto . th dport @pinned accept
     iifname @ifaces counter name refused drop
   }}
   chain postrouting {{
@@ -183,25 +201,135 @@ table inet {t} {{
   }}
 }}
 )",
-                                         fmt::arg("t", t), fmt::arg("blocked", blocked));
+                                         fmt::arg("t", t), fmt::arg("blocked", blocked),
+                                         fmt::arg("dns", dns_->port()));
   run(script, "make the sandboxes' table");
   table_ready_ = true;
 }
 
-std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const NetworkPolicy& policy) const {
+std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const NetworkPolicy& policy,
+                                                   const std::map<std::pair<std::string, std::uint32_t>, Pin>& pins)
+    const {
   const std::string addr = ipv4_to_string(a.sandbox_address());
   std::vector<std::string> out{fmt::format("ifaces {{ \"{}\" }}", a.interface),
                                fmt::format("ifaddr {{ \"{}\" . {} }}", a.interface, addr)};
-  if (policy.mode == "open") out.push_back(fmt::format("open {{ {} }}", addr));
-  if (policy.mode == "egress") {
-    for (const auto& b : ::dsec::network::compile_egress(policy)) {
+  auto add_boxes = [&](const char* set, const std::vector<::dsec::network::AllowedBox>& boxes) {
+    for (const auto& b : boxes) {
       if (b.port_lo > 65535) continue;  // only "no port": no tcp or udp packet is that
-      out.push_back(fmt::format("allow {{ {} . {} . {} . {} }}", addr, range_text(b.addr_lo, b.addr_hi),
+      out.push_back(fmt::format("{} {{ {} . {} . {} . {} }}", set, addr, range_text(b.addr_lo, b.addr_hi),
                                 number_range(b.proto_lo, b.proto_hi),
                                 number_range(b.port_lo, std::min<std::uint32_t>(b.port_hi, 65535))));
     }
+  };
+  if (policy.mode == "open") out.push_back(fmt::format("open {{ {} }}", addr));
+  if (policy.mode == "egress") {
+    add_boxes("allow", ::dsec::network::compile_egress(policy));
+    // The pins of several names may overlap (one address, two names): the set needs them disjoint.
+    std::vector<::dsec::network::AllowedBox> pinned;
+    for (const auto& [key, pin] : pins) {
+      auto boxes = ::dsec::network::compile_pin(policy, pin.rule, key.second);
+      pinned.insert(pinned.end(), boxes.begin(), boxes.end());
+    }
+    add_boxes("pinned", ::dsec::network::make_disjoint(pinned));
   }
   return out;
+}
+
+bool NodeNetwork::commit(Sandbox& s, const char* what) {
+  std::vector<std::string> elements = elements_of(s.link, s.policy, s.pins);
+  // One transaction: the old rules and the new never both hold, and a failure leaves the old ones.
+  std::vector<std::string> remove, add;
+  for (const auto& e : s.elements)
+    if (std::find(elements.begin(), elements.end(), e) == elements.end()) remove.push_back(e);
+  for (const auto& e : elements)
+    if (std::find(s.elements.begin(), s.elements.end(), e) == s.elements.end()) add.push_back(e);
+  apply_elements(remove, add, what);
+  s.elements = std::move(elements);
+  return !remove.empty();
+}
+
+NodeNetwork::Sandbox* NodeNetwork::by_address(std::uint32_t address) {
+  auto it = by_address_.find(address);
+  if (it == by_address_.end()) return nullptr;
+  auto s = sandboxes_.find(it->second);
+  return s == sandboxes_.end() ? nullptr : &s->second;
+}
+
+std::optional<bool> NodeNetwork::may_resolve(std::uint32_t source, const std::string& name) {
+  std::lock_guard lock(mu_);
+  Sandbox* s = by_address(source);
+  if (!s) return std::nullopt;
+  if (s->policy.mode == "open") return !name.empty();
+  auto rule = ::dsec::network::name_rule_for(s->policy, name);
+  return rule && s->policy.rules[*rule].allow;
+}
+
+bool NodeNetwork::pin(std::uint32_t source, const std::string& name, const std::vector<ResolvedAddress>& answers) {
+  std::lock_guard lock(mu_);
+  Sandbox* s = by_address(source);
+  if (!s) return false;
+  if (s->policy.mode == "open") return true;  // everything is allowed already
+  auto rule = ::dsec::network::name_rule_for(s->policy, name);
+  if (!rule || !s->policy.rules[*rule].allow) return false;
+  auto before = s->pins;
+  const auto now = Clock::now();
+  for (const ResolvedAddress& a : answers) {
+    // As long as the sandbox may cache the answer, and a little longer (a client's clock, a slow first connect).
+    const auto lifetime = std::chrono::seconds(std::max<std::uint32_t>(a.ttl, 30) + 120);
+    Pin& p = s->pins[{name, a.address}];
+    p.rule = *rule;
+    p.expires = std::max(p.expires, now + lifetime);
+  }
+  if (s->pins.size() > kMaxPinsPerSandbox) {
+    s->pins = std::move(before);
+    log_warn("sandbox {}: {} resolved addresses admitted at once already; '{}' refused", ipv4_to_string(source),
+             kMaxPinsPerSandbox, name);
+    return false;
+  }
+  try {
+    commit(*s, "admit resolved addresses");
+  } catch (const std::exception& e) {
+    s->pins = std::move(before);
+    log_warn("{}", e.what());
+    return false;
+  }
+  return true;
+}
+
+void NodeNetwork::expire_pins() {
+  std::lock_guard lock(mu_);
+  const auto now = Clock::now();
+  for (auto& [id, s] : sandboxes_) {
+    bool gone = false;
+    for (auto it = s.pins.begin(); it != s.pins.end();)
+      if (it->second.expires <= now) {
+        it = s.pins.erase(it);
+        gone = true;
+      } else {
+        ++it;
+      }
+    if (!gone) continue;
+    try {
+      commit(s, "retire resolved addresses past their time");
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: {}", id, e.what());
+    }
+  }
+}
+
+std::map<std::string, std::vector<std::string>> NodeNetwork::pinned(const std::string& id) const {
+  std::lock_guard lock(mu_);
+  std::map<std::string, std::vector<std::string>> out;
+  auto it = sandboxes_.find(id);
+  if (it == sandboxes_.end()) return out;
+  for (const auto& [key, pin] : it->second.pins) out[key.first].push_back(ipv4_to_string(key.second));
+  return out;
+}
+
+std::string NodeNetwork::resolv_conf(const Attachment& a) {
+  return fmt::format("# Written by dsec: names are resolved by the node's agent, which answers those the sandbox's\n"
+                     "# network rules allow (any address's port 53 reaches it).\nnameserver {}\n",
+                     ipv4_to_string(a.gateway()));
 }
 
 void NodeNetwork::apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add,
@@ -273,7 +401,8 @@ Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const Networ
   inside.add_default_route(a.gateway());
   std::vector<std::string> elements = elements_of(a, policy);
   apply_elements({}, elements, "add a sandbox's rules");
-  sandboxes_[id] = Sandbox{a, std::move(elements), {}};
+  sandboxes_[id] = Sandbox{a, policy, std::move(elements), {}, {}};
+  by_address_[a.sandbox_address()] = id;
   undo.armed = false;
   return a;
 }
@@ -284,19 +413,30 @@ void NodeNetwork::update(const std::string& id, const NetworkPolicy& policy) {
   auto it = sandboxes_.find(id);
   if (it == sandboxes_.end())
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} has no network link to change", id));
-  std::vector<std::string> elements = elements_of(it->second.link, policy);
-  // One transaction: the old rules and the new never both hold, and a failure leaves the old ones.
-  std::vector<std::string> remove, add;
-  for (const auto& e : it->second.elements)
-    if (std::find(elements.begin(), elements.end(), e) == elements.end()) remove.push_back(e);
-  for (const auto& e : elements)
-    if (std::find(it->second.elements.begin(), it->second.elements.end(), e) == it->second.elements.end())
-      add.push_back(e);
-  apply_elements(remove, add, "change a sandbox's rules");
-  it->second.elements = std::move(elements);
+  Sandbox& s = it->second;
+  Sandbox before = s;
+  // Addresses handed out for a name stay admitted while the new rules still allow the name (under the rule that
+  // allows it now).
+  s.policy = policy;
+  for (auto p = s.pins.begin(); p != s.pins.end();) {
+    auto rule = ::dsec::network::name_rule_for(policy, p->first.first);
+    if (rule && policy.rules[*rule].allow) {
+      p->second.rule = *rule;
+      ++p;
+    } else {
+      p = s.pins.erase(p);
+    }
+  }
+  bool removed = false;
+  try {
+    removed = commit(s, "change a sandbox's rules");
+  } catch (...) {
+    s = std::move(before);
+    throw;
+  }
   // The sandbox's packets are checked one by one, so what the new rules forbid is cut at its next packet; the
   // tracking entries go next, so that replies to it are dropped too.
-  if (!remove.empty()) forget_connections_later(it->second.link.sandbox_address());
+  if (removed) forget_connections_later(s.link.sandbox_address());
 }
 
 void NodeNetwork::forget_connections_later(std::uint32_t address) {
@@ -325,6 +465,7 @@ void NodeNetwork::detach(const std::string& id) {
   if (it == sandboxes_.end()) return;
   Sandbox s = std::move(it->second);
   sandboxes_.erase(it);
+  by_address_.erase(s.link.sandbox_address());
   std::vector<std::string> remove = s.elements;
   for (const auto& [port, node_port] : s.exposed) remove.push_back(exposed_element(s, port, node_port));
   try {
@@ -353,7 +494,7 @@ bool NodeNetwork::adopt(const std::string& id, const Attachment& a, const Networ
     blocks_.give_back(a.block);
     return false;
   }
-  Sandbox sb{a, elements_of(a, policy), {}};
+  Sandbox sb{a, policy, elements_of(a, policy), {}, {}};
   std::vector<std::string> add = sb.elements;
   for (const auto& [port, node_port] : exposed) {
     if (!node_ports_.claim(node_port) || !port_claims_->take_over(node_port)) {
@@ -365,6 +506,7 @@ bool NodeNetwork::adopt(const std::string& id, const Attachment& a, const Networ
     add.push_back(exposed_element(sb, port, node_port));
   }
   apply_elements({}, add, "restore a sandbox's rules and exposed ports");
+  by_address_[a.sandbox_address()] = id;
   sandboxes_[id] = std::move(sb);
   return true;
 }

@@ -21,8 +21,12 @@
 #include <thread>
 #include <vector>
 
+#include <chrono>
+#include <memory>
+
 #include "agent/host_id_claims.hpp"
 #include "agent/host_id_pool.hpp"
+#include "agent/network/dns_resolver.hpp"
 #include "common/network_rules.hpp"
 #include "dsec/network.hpp"
 
@@ -44,6 +48,9 @@ struct NodeNetworkOptions {
   std::string expose_host;
   std::filesystem::path ports_claims_dir = "/run/dsec-ports";
   std::filesystem::path run_dir;             // the agent's: names its claims
+  // Where the sandboxes' DNS resolver asks for allowed names (dsecd --dns-upstream): "IP[:PORT]"; empty: the first
+  // IPv4 nameserver of the node's /etc/resolv.conf.
+  std::string dns_upstream;
 };
 
 // What a sandbox's network is on the node, kept in its record for a restart.
@@ -89,17 +96,40 @@ class NodeNetwork {
 
   std::string describe() const;  // node info: "routed (10.88.0.0/16, N sandboxes)" or "unused"
   std::size_t attached() const;
+  // The addresses the resolver handed the sandbox and that are admitted now, by name ("pypi.internal" ->
+  // ["10.1.2.3"]).
+  std::map<std::string, std::vector<std::string>> pinned(const std::string& id) const;
+  // The resolv.conf a sandbox with a link gets: its gateway, where (like any address) port 53 reaches the resolver.
+  static std::string resolv_conf(const Attachment& a);
+
+  static constexpr std::size_t kMaxPinsPerSandbox = 512;
 
  private:
+  using Clock = std::chrono::steady_clock;
+  struct Pin {
+    std::size_t rule = 0;  // the name rule that admitted it
+    Clock::time_point expires;
+  };
   struct Sandbox {
     Attachment link;
+    NetworkPolicy policy;
     std::vector<std::string> elements;  // "set { element }" lines of the table that are this sandbox's
     std::map<std::uint16_t, std::uint16_t> exposed;  // its port -> the node's port
+    std::map<std::pair<std::string, std::uint32_t>, Pin> pins;  // (name, address) the resolver handed out
   };
   std::string exposed_element(const Sandbox& s, std::uint16_t port, std::uint16_t node_port) const;
   void release_node_port(std::uint16_t node_port);
   void ensure_table();  // under mu_
-  std::vector<std::string> elements_of(const Attachment& a, const NetworkPolicy& policy) const;
+  // The sandbox's rules and pins as set elements.
+  std::vector<std::string> elements_of(const Attachment& a, const NetworkPolicy& policy,
+                                       const std::map<std::pair<std::string, std::uint32_t>, Pin>& pins = {}) const;
+  // Puts elements_of(s) in force in one transaction (under mu_); whether any element went.
+  bool commit(Sandbox& s, const char* what);
+  Sandbox* by_address(std::uint32_t address);  // under mu_
+  // The resolver's questions (dns_resolver.hpp), from its thread.
+  std::optional<bool> may_resolve(std::uint32_t source, const std::string& name);
+  bool pin(std::uint32_t source, const std::string& name, const std::vector<ResolvedAddress>& answers);
+  void expire_pins();
   void run(const std::string& script, const char* what);  // under mu_
   void apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add, const char* what);
   void forget_connections(std::uint32_t address);
@@ -110,6 +140,7 @@ class NodeNetwork {
   NodeNetworkOptions options_;
   Cidr range_;
   std::vector<Cidr> deny_;
+  DnsUpstream upstream_;
   HostIdPool blocks_;
   std::optional<HostIdClaims> claims_;
   HostIdPool node_ports_;
@@ -118,6 +149,8 @@ class NodeNetwork {
   nft_ctx* nft_ = nullptr;
   bool table_ready_ = false;
   std::map<std::string, Sandbox> sandboxes_;
+  std::map<std::uint32_t, std::string> by_address_;  // a sandbox's address -> its id
+  std::unique_ptr<DnsResolver> dns_;  // made with the table
   std::mutex forget_mu_;
   std::condition_variable forget_wake_;
   std::vector<std::uint32_t> to_forget_;

@@ -642,7 +642,22 @@ class ContainerSandbox final : public BackendSandbox {
     if (!ns) throw_errno(errno, fmt::format("open the network namespace of sandbox {}", id_));
     check_running();  // the pid named its init when it was opened
     identity_.link = network_->attach(id_, ns.get(), policy);
+    write_resolv_conf();
   }
+
+ public:
+  // A sandbox with a link resolves names through the agent (NodeNetwork::resolv_conf). Holds network_mu_, or the
+  // sandbox is new.
+  void write_resolv_conf() {
+    if (!identity_.link) return;
+    try {
+      files().write_file("/etc/resolv.conf", network::NodeNetwork::resolv_conf(*identity_.link), 0644);
+    } catch (const std::exception& e) {
+      log_warn("sandbox {}: /etc/resolv.conf: {}", id_, e.what());
+    }
+  }
+
+ private:
 
   RootfsFiles files() {
     check_running();
@@ -836,9 +851,12 @@ class ContainerBackend final : public Backend {
     // Read while the agent holds init's pidfd: the pid cannot name another process yet (init is this process's
     // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
     identity.init_start_time = process_start_time(init.pid).value_or(0);
-    return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
-                                              std::move(netns), config_.sleep_reclaim_timeout, std::move(identity),
-                                              cgroups_->version(), userns_, network_);
+    auto sandbox = std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init),
+                                                      std::move(cgroup), std::move(netns),
+                                                      config_.sleep_reclaim_timeout, std::move(identity),
+                                                      cgroups_->version(), userns_, network_);
+    sandbox->write_resolv_conf();
+    return sandbox;
   }
 
   std::unique_ptr<BackendSandbox> adopt(const AdoptParams& params) override {
