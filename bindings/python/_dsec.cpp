@@ -204,6 +204,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("pids", &dsec::Resources::pids)
       .def_readwrite("open_files", &dsec::Resources::open_files)
       .def_readwrite("gpus", &dsec::Resources::gpus)
+      .def_readwrite("egress_mbps", &dsec::Resources::egress_mbps, "Megabits a second it may send; 0: unlimited.")
+      .def_readwrite("connections", &dsec::Resources::connections,
+                     "Connections to the outside it may hold at once; 0: unlimited.")
       .def("__repr__", [](const dsec::Resources& r) {
         return "Resources(cpu=" + py::repr(py::float_(r.cpu)).cast<std::string>() +
                ", memory_bytes=" + std::to_string(r.memory_bytes) + ", disk_bytes=" + std::to_string(r.disk_bytes) +
@@ -590,6 +593,24 @@ PYBIND11_MODULE(_dsec, m) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "exposed", [](PySandbox& self) { return self.get().exposed(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "network_usage",
+          [](PySandbox& self) {
+            dsec::NetworkUsage u;
+            {
+              py::gil_scoped_release release;
+              u = self.get().network_usage();
+            }
+            py::dict d;
+            d["bytes_out"] = u.bytes_out;
+            d["packets_out"] = u.packets_out;
+            d["bytes_in"] = u.bytes_in;
+            d["packets_in"] = u.packets_in;
+            d["refused"] = u.refused;
+            d["resolved"] = u.resolved;
+            return d;
+          },
+          "What its network carried: bytes and packets each way, refused new connections, resolved names.")
       .def(
           "sleep", [](PySandbox& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>(),
           "Freezes the sandbox in place and releases its memory; exec fails until wake().")

@@ -48,6 +48,26 @@ ECHO_SERVER = textwrap.dedent("""
 """)
 
 
+# Reads what a connection sends until it has argv[3] bytes, then answers "<bytes> <seconds from the first byte to the
+# last>" and closes: the rate a sandbox sends at, measured where it arrives.
+SINK_SERVER = textwrap.dedent("""
+    import socket, sys, threading, time
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(16)
+    want = int(sys.argv[3])
+    def serve(c):
+        with c:
+            got, first = 0, None
+            while got < want and (data := c.recv(65536)):
+                first = first or time.monotonic()
+                got += len(data)
+            c.sendall(f"{got} {time.monotonic() - (first or time.monotonic()):.3f}\\n".encode())
+    while True:
+        c, _ = s.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+""")
+SINK_BYTES = 3_000_000
+
 # The stand-in's zone: what the agent's resolver asks upstream for the names sandboxes may resolve. It logs every
 # question it gets, so the tests see which names the agent forwarded at all.
 DNS_SERVER = textwrap.dedent("""
@@ -129,6 +149,9 @@ def outside():
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         procs.append(subprocess.Popen(["ip", "netns", "exec", OUT_NS, "/usr/bin/python3", "-c", ECHO_SERVER,
                                        SERVER, "9009"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(["ip", "netns", "exec", OUT_NS, "/usr/bin/python3", "-c", SINK_SERVER,
+                                       SERVER, "9010", str(SINK_BYTES)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
         procs.append(subprocess.Popen(["ip", "netns", "exec", OUT_NS, "/usr/bin/python3", "-c", DNS_SERVER,
                                        SERVER, SERVER, DENIED, DNS_LOG], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
@@ -260,6 +283,7 @@ def test_names_resolve_only_when_allowed_and_admit_what_was_answered(net):
             assert asked_upstream()[asked:] == [], "names no rule allows were asked upstream"
             assert resolve(sb, "MIRROR.test") == [SERVER]  # case does not matter
             assert "mirror.test" in asked_upstream()[asked:]
+            assert sb.network_usage()["resolved"] == {"mirror.test": [SERVER]}
             assert connect(sb, SERVER, 8080), "the address answered for an allowed name is not admitted"
             assert not connect(sb, SERVER, 8081, 2), "a port the name's rule does not name was reached"
             # A resolver named in the sandbox's own resolv.conf, or any other address: port 53 reaches the agent's.
@@ -293,6 +317,48 @@ def test_wildcard_names_first_match_cnames_and_what_stays_blocked(net):
             assert not connect(sb, DENIED, 8080, 2)
         finally:
             sb.destroy()
+
+
+def send_rate(sb) -> float:
+    """Bytes a second the sandbox sends SINK_BYTES at, measured by the stand-in that receives them."""
+    r = sb.exec(["sh", "-c", f"head -c {SINK_BYTES} /dev/zero | nc {SERVER} 9010"], timeout=60)
+    got, seconds = r.stdout.decode().split()
+    assert int(got) == SINK_BYTES, r.stdout
+    return SINK_BYTES / max(float(seconds), 1e-3)
+
+
+def test_limits_shape_what_a_sandbox_sends_and_cap_its_connections_and_usage_is_counted(net):
+    rules = {"mode": "egress", "rules": [{"cidr": f"{SERVER}/32", "protocol": "tcp", "ports": "9009-9010"}]}
+    with client_of(net) as c:
+        shaped = c.create(image="busybox", ttl=300, network=rules, egress_mbps=8)  # 1 MB/s
+        free = c.create(image="busybox", ttl=300, network=rules)
+        capped = c.create(image="busybox", ttl=300, network=rules, connections=2)
+        try:
+            assert shaped.info().resources.egress_mbps == 8
+            slow, fast = send_rate(shaped), send_rate(free)
+            assert 0.5e6 < slow < 1.5e6, f"{slow:.0f} B/s with egress_mbps=8 (1e6 B/s)"
+            assert fast > 2 * slow, f"unshaped {fast:.0f} B/s, shaped {slow:.0f} B/s"
+            # Two connections held open: the third is refused, and goes through once one is gone.
+            capped.exec(["sh", "-c", f"for i in 1 2; do (sleep 60 | nc {SERVER} 9009 >/dev/null 2>&1 &); done"])
+            assert lib.wait_for(lambda: capped.exec(["sh", "-c", "ps -o comm | grep -c '^nc$'"]).stdout.strip() == b"2",
+                                10)
+            time.sleep(0.5)
+            assert not connect(capped, SERVER, 9009, 2), "a third connection went through connections=2"
+            capped.exec(["sh", "-c", "kill $(ps -o pid,comm | awk '$2 == \"nc\" {print $1}')"])
+            assert lib.wait_for(lambda: connect(capped, SERVER, 9009, 2), 10), "no connection after the held ones went"
+            # Usage: what went out, and what the rules refused (a port no rule names, an address always blocked).
+            assert not connect(free, SERVER, 8081, 1) and not connect(free, DENIED, 8080, 1)
+            usage = free.network_usage()
+            assert usage["bytes_out"] >= SINK_BYTES and usage["packets_out"] > 0 and usage["bytes_in"] > 0
+            assert usage["refused"] >= 2, usage
+            assert shaped.network_usage()["refused"] == 0
+            text = lib.http_request(net.socket_path, "GET", "/metrics").body.decode()
+            line = f'dsec_sandbox_network_bytes_total{{sandbox="{free.id}",direction="out"}} '
+            assert int(text.split(line, 1)[1].split()[0]) >= SINK_BYTES
+            assert f'dsec_sandbox_network_refused_total{{sandbox="{free.id}"}} ' in text
+        finally:
+            for sb in (shaped, free, capped):
+                sb.destroy()
 
 
 def test_always_blocked_whatever_the_rules(net):
@@ -477,15 +543,21 @@ def nft_text(agent) -> str:
 
 def test_destroy_leaves_no_link_element_address_or_connection(net):
     with client_of(net) as c:
-        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [{"cidr": f"{SERVER}/32"}]})
+        sb = c.create(image="busybox", ttl=300, network={"mode": "egress", "rules": [
+            {"cidr": f"{DENIED}/32"}, {"host": "mirror.test"}]})
         addr = sb.exec(["sh", "-c", "ip -o -4 addr show eth0 | awk '{print $4}' | cut -d/ -f1"]).stdout.decode().strip()
         with open(os.path.join(net.home, "state", "sandboxes", sb.id + ".json")) as f:
             iface = json.load(f)["backend"]["net_interface"]
-        assert connect(sb, SERVER, 8080)
-        assert addr in nft_text(net) and iface in sh_host("ip", "-o", "link").stdout
+        counter = "r_" + iface.split("-", 1)[1]  # its refused-connections counter
+        assert resolve(sb, "mirror.test") == [SERVER] and connect(sb, SERVER, 8080)
+        text = nft_text(net)
+        assert addr in text and counter in text and iface in sh_host("ip", "-o", "link").stdout
+        pinned = text.split("set pinned", 1)[1].split("\n\t}", 1)[0]
+        assert f"{addr} . {SERVER}" in pinned, f"no pin for the answer: {pinned}"
         sb.destroy()
         assert iface not in sh_host("ip", "-o", "link").stdout
-        assert addr not in nft_text(net) and iface not in nft_text(net)
+        text = nft_text(net)
+        assert addr not in text and iface not in text and counter not in text
         if shutil.which("conntrack"):
             left = sh_host("conntrack", "-L", "-s", addr, check=False).stdout
             assert addr not in left, left
@@ -533,6 +605,17 @@ def call(agent, method: str, target: str, body) -> lib.RawResponse:
     return lib.http_request(agent.socket_path, method, target, data, {"Content-Type": "application/json"})
 
 
+def test_bad_link_limits_are_refused(net):
+    for resources, field in [({"egress_mbps": 400001}, "resources.egress_mbps"),
+                             ({"egress_mbps": -1}, "resources.egress_mbps"),
+                             ({"connections": 1 << 21}, "resources.connections"),
+                             ({"connections": "many"}, "resources.connections")]:
+        r = call(net, "POST", "/v1/sandboxes", {"image": "busybox", "network": "open", "resources": resources})
+        assert r.status == 400 and field in r.json()["message"], r
+    with client_of(net) as c, pytest.raises(dsec.InvalidArgument, match="resources.egress_mbps"):
+        c.create(image="busybox", egress_mbps=-5)
+
+
 @pytest.mark.parametrize("policy,field", [
     ({"mode": "egress", "rules": [{"cidr": "10.0.0.1/8"}]}, "network.rules[0].cidr"),
     ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/33"}]}, "network.rules[0].cidr"),
@@ -543,6 +626,10 @@ def call(agent, method: str, target: str, body) -> lib.RawResponse:
      "network.rules[0].ports"),
     ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8", "protocol": "sctp"}]}, "network.rules[0].protocol"),
     ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8", "via": "x"}]}, "network.rules[0]"),
+    ({"mode": "egress", "rules": [{"host": "a..example.org"}]}, "network.rules[0].host"),
+    ({"mode": "egress", "rules": [{"cidr": "10.0.0.0/8"}, {"host": "*.*.example.org"}]}, "network.rules[1].host"),
+    ({"mode": "egress", "rules": [{"host": "10.1.2.3"}]}, "network.rules[0].host"),
+    ({"mode": "egress", "rules": [{"host": "a.org", "cidr": "10.0.0.0/8"}]}, "network.rules[0]"),
     ({"mode": "sideways"}, "network.mode"),
     ({"mode": "open", "rules": [{"cidr": "10.0.0.0/8"}]}, "network.rules"),
     ("tunnel", "network.mode"),

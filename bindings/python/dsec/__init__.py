@@ -164,6 +164,8 @@ def _spec(
     user: str | int | None = None,
     protected_paths: Sequence[str] | None = None,
     network: str | Mapping[str, Any] | None = None,
+    egress_mbps: int = 0,
+    connections: int = 0,
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -183,6 +185,10 @@ def _spec(
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
         raise InvalidArgument(f"resources.gpus: must be a non-negative int, got {gpus!r}")
     r.gpus = gpus
+    for field, value in (("egress_mbps", egress_mbps), ("connections", connections)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidArgument(f"resources.{field}: must be a non-negative int (0: unlimited), got {value!r}")
+        setattr(r, field, value)
     s.resources = r
     if ttl is None or ttl < 0:
         raise InvalidArgument(f"ttl: must be >= 0 seconds (0 = no TTL), got {ttl!r}")
@@ -524,6 +530,12 @@ class Sandbox:
     def exposed(self) -> dict[int, str]:
         """The exposed ports: the sandbox's port -> ``"host:port"``."""
         return dict(self._sb.exposed())
+
+    def network_usage(self) -> dict:
+        """What its network carried: {"bytes_out", "packets_out", "bytes_in", "packets_in", "refused" (packets of
+        new connections its rules refused), "resolved" (names the agent's resolver answered -> the addresses they
+        admit now)}."""
+        return self._sb.network_usage()
 
     def network(self) -> dict:
         """The network policy in force: {"mode": ..., "rules": [...]} (docs/networking.md)."""
@@ -897,6 +909,8 @@ class Client:
         user: str | int | None = None,
         protected_paths: Sequence[str] | None = None,
         network: str | Mapping[str, Any] | None = None,
+        egress_mbps: int = 0,
+        connections: int = 0,
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -912,10 +926,15 @@ class Client:
         are made root's own directories (mode 0700) before the sandbox is returned, so that what root puts there
         stays out of reach of execs run as another user (docs/security.md).
 
+        ``network`` is "none" (loopback only, the default), "open", or {"mode": "egress", "rules": [...]}
+        (docs/networking.md); ``egress_mbps`` shapes what it sends and ``connections`` caps the connections it holds
+        to the outside at once (0: unlimited).
+
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
+                     egress_mbps, connections)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -943,6 +962,8 @@ class Client:
         user: str | int | None = None,
         protected_paths: Sequence[str] | None = None,
         network: str | Mapping[str, Any] | None = None,
+        egress_mbps: int = 0,
+        connections: int = 0,
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -954,7 +975,8 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
+                     egress_mbps, connections)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -983,6 +1005,8 @@ class Client:
         user: str | int | None = None,
         protected_paths: Sequence[str] | None = None,
         network: str | Mapping[str, Any] | None = None,
+        egress_mbps: int = 0,
+        connections: int = 0,
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -993,7 +1017,8 @@ class Client:
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network)
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
+                     egress_mbps, connections)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,16 @@ struct NetworkPolicy {
   std::string mode = "none";       // "none", "egress" (rules), "open" (all egress an agent allows)
   std::vector<NetworkRule> rules;  // egress only; at most 64
   bool operator==(const NetworkPolicy&) const = default;
+};
+
+// What a sandbox's network carried (Sandbox::network_usage, GET /v1/sandboxes/{id}/network/usage).
+struct NetworkUsage {
+  std::uint64_t bytes_out = 0, packets_out = 0;  // sent by the sandbox, since its link was made
+  std::uint64_t bytes_in = 0, packets_in = 0;    // received by it
+  std::uint64_t refused = 0;  // packets of new connections its rules (or what is always blocked) refused
+  // Names the agent's resolver answered for it and the addresses they admit now.
+  std::map<std::string, std::vector<std::string>> resolved;
+  bool operator==(const NetworkUsage&) const = default;
 };
 
 }  // namespace dsec

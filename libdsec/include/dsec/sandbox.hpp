@@ -98,6 +98,9 @@ class Sandbox {
   // (the old one stays), NOT_FOUND for a destroyed sandbox.
   NetworkPolicy network() const;
   NetworkPolicy set_network(const NetworkPolicy& policy) const;
+  // What its network carried: bytes and packets each way, new connections refused, and the names the agent's
+  // resolver answered for it with the addresses they admit now.
+  NetworkUsage network_usage() const;
   // Exposes TCP port `port` of the sandbox at a port of its node and answers where: "host:port", reachable by
   // anyone who reaches the node (a grader, a trainer on another machine) and by no sandbox. A sandbox without a
   // network gets a link that allows no egress for it. Gone with unexpose() or the sandbox's destroy.

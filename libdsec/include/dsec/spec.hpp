@@ -25,6 +25,10 @@ struct Resources {
   std::uint32_t pids = 512;                   // processes + threads
   std::uint32_t open_files = 4096;            // RLIMIT_NOFILE for every process inside
   std::uint32_t gpus = 0;                     // whole GPUs; only nodes with this many free are chosen
+  // Its network link (docs/networking.md), 0 = unlimited: what it sends is shaped to egress_mbps megabits a second,
+  // and it holds at most `connections` connections (and UDP flows) to the outside at once; more are refused.
+  std::uint32_t egress_mbps = 0;
+  std::uint32_t connections = 0;
 };
 
 struct SandboxSpec {

@@ -154,6 +154,9 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     n.table = "dsec_" + config_.cgroup_name;
     n.run_dir = config_.run_dir;
     network_ = std::make_shared<network::NodeNetwork>(std::move(n));
+    metrics_.add_source([network = network_](std::string& out) {
+      Metrics::render_network_usage(out, network->usage_of_all());
+    });
   }
   if (serves("fncall")) {
     fncall::FnCallServiceOptions fo;

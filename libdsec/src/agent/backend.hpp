@@ -108,6 +108,8 @@ class BackendSandbox {
   }
   // Its port -> the address it is exposed at.
   virtual std::map<std::uint32_t, std::string> exposed() { return {}; }
+  // What its network carried (nothing for a sandbox without a link).
+  virtual NetworkUsage network_usage() { return {}; }
 
   // Copies what the sandbox changed in its file system, as an image layer's tree (image/upper_tree.hpp: new and
   // changed files, whiteouts and opaque directories for what it deleted or replaced), into `dest`, which must not

@@ -195,7 +195,36 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
   counter("dsec_layer_read_errors_total", "Reads of a layer answered with EIO (a chunk could not be fetched).",
           layers_.read_errors);
   counter("dsec_layer_evictions_total", "Layers evicted from the local cache.", layers_.evictions);
+  std::vector<std::function<void(std::string&)>> sources;
+  {
+    std::lock_guard lock(mutex_);
+    sources = sources_;
+  }
+  for (const auto& source : sources) source(out);
   return out;
+}
+
+void Metrics::add_source(std::function<void(std::string&)> source) {
+  std::lock_guard lock(mutex_);
+  sources_.push_back(std::move(source));
+}
+
+void Metrics::render_network_usage(std::string& out, const std::map<std::string, NetworkUsage>& usage) {
+  header(out, "dsec_sandbox_network_bytes_total", "counter",
+         "Bytes a sandbox's network link carried since it was made, by direction (out: sent by the sandbox).");
+  for (const auto& [id, u] : usage)
+    out += fmt::format("dsec_sandbox_network_bytes_total{{sandbox=\"{0}\",direction=\"out\"}} {1}\n"
+                       "dsec_sandbox_network_bytes_total{{sandbox=\"{0}\",direction=\"in\"}} {2}\n",
+                       escape_label(id), u.bytes_out, u.bytes_in);
+  header(out, "dsec_sandbox_network_packets_total", "counter", "Packets a sandbox's network link carried.");
+  for (const auto& [id, u] : usage)
+    out += fmt::format("dsec_sandbox_network_packets_total{{sandbox=\"{0}\",direction=\"out\"}} {1}\n"
+                       "dsec_sandbox_network_packets_total{{sandbox=\"{0}\",direction=\"in\"}} {2}\n",
+                       escape_label(id), u.packets_out, u.packets_in);
+  header(out, "dsec_sandbox_network_refused_total", "counter",
+         "Packets of new connections a sandbox's rules (or what is always blocked) refused, since the agent started.");
+  for (const auto& [id, u] : usage)
+    out += fmt::format("dsec_sandbox_network_refused_total{{sandbox=\"{}\"}} {}\n", escape_label(id), u.refused);
 }
 
 }  // namespace dsec::agent

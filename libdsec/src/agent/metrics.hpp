@@ -4,11 +4,15 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <vector>
+
+#include "dsec/network.hpp"
 
 namespace dsec::agent {
 
@@ -63,6 +67,11 @@ class Metrics {
   // `live` maps kind -> live sandboxes (the registry's gauge, read when rendering).
   std::string render(const std::map<std::string, std::uint64_t, std::less<>>& live) const;
 
+  // Sections rendered after the agent's own, each appending Prometheus text (the sandboxes' networks).
+  void add_source(std::function<void(std::string&)> source);
+  // Per sandbox: dsec_sandbox_network_bytes_total{sandbox,direction}, ..._packets_total, ..._refused_total.
+  static void render_network_usage(std::string& out, const std::map<std::string, NetworkUsage>& usage);
+
   LayerMetrics& layers() noexcept { return layers_; }
   const LayerMetrics& layers() const noexcept { return layers_; }
 
@@ -90,6 +99,7 @@ class Metrics {
   std::atomic<std::uint64_t> tls_handshakes_failed_{0};
   std::atomic<std::uint64_t> unauthenticated_{0};
   LayerMetrics layers_;
+  std::vector<std::function<void(std::string&)>> sources_;  // guarded by mutex_
 };
 
 }  // namespace dsec::agent

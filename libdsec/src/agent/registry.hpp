@@ -150,6 +150,7 @@ class Registry {
   std::string expose(const std::string& id, std::uint32_t port);
   void unexpose(const std::string& id, std::uint32_t port);
   std::map<std::uint32_t, std::string> exposed(const std::string& id);
+  NetworkUsage network_usage(const std::string& id);
   SleepOutcome wake(const std::string& id, std::string_view request_id = {});
   // Copies a running sandbox, processes and memory and all, into `count` new sandboxes on this node (the backend's
   // fork_source; UNIMPLEMENTED for backends that cannot). The copies have the sandbox's spec (new ids, and without

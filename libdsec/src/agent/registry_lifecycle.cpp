@@ -211,6 +211,11 @@ std::map<std::uint32_t, std::string> Registry::exposed(const std::string& id) {
   return record->sandbox->exposed();
 }
 
+NetworkUsage Registry::network_usage(const std::string& id) {
+  std::shared_ptr<Record> record = find_live(id);
+  return record->sandbox->network_usage();
+}
+
 Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view request_id) {
   std::shared_ptr<Record> record = find_live(id);
   std::lock_guard power(record->power_mutex);

@@ -267,6 +267,11 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
     case Route::kSandboxNetwork: return network(request, target);
     case Route::kSandboxPorts: return ports(request, target);
+    case Route::kSandboxNetworkUsage: {
+      allow(request, "/v1/sandboxes/{id}/network/usage", {http::verb::get});
+      only_params(target.query, {});
+      return json_response(http::status::ok, protocol::encode(registry_.network_usage(target.sandbox_id)));
+    }
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kSandboxSnapshot: return snapshot(request, target, who);
     case Route::kSandboxFork: return fork(request, target);

@@ -37,6 +37,7 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandboxFork: return "/v1/sandboxes/{id}/fork";
     case Route::kSandboxNetwork: return "/v1/sandboxes/{id}/network";
     case Route::kSandboxPorts: return "/v1/sandboxes/{id}/ports";
+    case Route::kSandboxNetworkUsage: return "/v1/sandboxes/{id}/network/usage";
     case Route::kGroups: return "/v1/groups";
     case Route::kGroup: return "/v1/groups/{id}";
     case Route::kGroupRenew: return "/v1/groups/{id}/renew";
@@ -140,6 +141,8 @@ Target parse_target(std::string_view target) {
         else if (parts.size() == 4 && parts[3] == "fork") out.route = Route::kSandboxFork;
         else if (parts.size() == 4 && parts[3] == "network") out.route = Route::kSandboxNetwork;
         else if (parts.size() == 4 && parts[3] == "ports") out.route = Route::kSandboxPorts;
+        else if (parts.size() == 5 && parts[3] == "network" && parts[4] == "usage")
+          out.route = Route::kSandboxNetworkUsage;
         if (out.route != Route::kUnknown) out.sandbox_id = std::move(id);
       }
     } else if (parts.size() >= 2 && is(1, "groups")) {

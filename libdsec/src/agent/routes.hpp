@@ -27,6 +27,7 @@ enum class Route {
   kSandboxFork,     // /v1/sandboxes/{id}/fork
   kSandboxNetwork,  // /v1/sandboxes/{id}/network
   kSandboxPorts,    // /v1/sandboxes/{id}/ports
+  kSandboxNetworkUsage,  // /v1/sandboxes/{id}/network/usage
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

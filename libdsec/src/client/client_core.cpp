@@ -712,6 +712,11 @@ NetworkPolicy ClientCore::set_network(const std::string& id, const NetworkPolicy
   return protocol::decode_network(parse_json(r, "PUT /v1/sandboxes/{id}/network"));
 }
 
+NetworkUsage ClientCore::network_usage(const std::string& id) {
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/network/usage")));
+  return protocol::decode_network_usage(parse_json(r, "GET /v1/sandboxes/{id}/network/usage"));
+}
+
 std::string ClientCore::expose(const std::string& id, std::uint32_t port) {
   if (port < 1 || port > 65535) throw Error(Code::kInvalidArgument, fmt::format("port: {} is not a TCP port", port));
   // Not retried blindly: a lost answer would expose the port twice (the retry is refused as exposed already).

@@ -55,6 +55,7 @@ class ClientCore {
   std::string expose(const std::string& id, std::uint32_t port);
   void unexpose(const std::string& id, std::uint32_t port);
   std::map<std::uint32_t, std::string> exposed(const std::string& id);
+  NetworkUsage network_usage(const std::string& id);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();
   // Idempotent: a sandbox that is already gone is not an error.

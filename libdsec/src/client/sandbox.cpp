@@ -76,6 +76,7 @@ NetworkPolicy Sandbox::set_network(const NetworkPolicy& policy) const { return c
 std::string Sandbox::expose(std::uint32_t port) const { return core().expose(id_, port); }
 void Sandbox::unexpose(std::uint32_t port) const { core().unexpose(id_, port); }
 std::map<std::uint32_t, std::string> Sandbox::exposed() const { return core().exposed(id_); }
+NetworkUsage Sandbox::network_usage() const { return core().network_usage(id_); }
 
 SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }
 

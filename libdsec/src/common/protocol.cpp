@@ -226,6 +226,8 @@ json encode(const SandboxSpec& s) {
       {"group_ttl", s.group_ttl.count()},
   };
   // Written only when set, so a spec without them encodes (and fingerprints, for request ids) as before.
+  if (s.resources.egress_mbps) j["resources"]["egress_mbps"] = s.resources.egress_mbps;
+  if (s.resources.connections) j["resources"]["connections"] = s.resources.connections;
   if (!s.user.empty()) j["user"] = s.user;
   if (!s.protected_paths.empty()) j["protected_paths"] = s.protected_paths;
   if (s.network.mode != "none" || !s.network.rules.empty()) j["network"] = encode(s.network);
@@ -251,6 +253,12 @@ SandboxSpec decode_spec(const json& j) {
     auto gpus = get_unsigned(*r, "gpus", "resources.gpus", s.resources.gpus);
     if (gpus > kMaxGpus) bad("resources.gpus", fmt::format("at most {}", kMaxGpus));
     s.resources.gpus = static_cast<std::uint32_t>(gpus);
+    auto mbps = get_unsigned(*r, "egress_mbps", "resources.egress_mbps", 0);
+    if (mbps > 400000) bad("resources.egress_mbps", "at most 400000 (400 Gbit/s); 0 is unlimited");
+    s.resources.egress_mbps = static_cast<std::uint32_t>(mbps);
+    auto connections = get_unsigned(*r, "connections", "resources.connections", 0);
+    if (connections > 1u << 20) bad("resources.connections", "at most 1048576; 0 is unlimited");
+    s.resources.connections = static_cast<std::uint32_t>(connections);
   }
   double ttl = get_number(j, "ttl", "ttl", static_cast<double>(s.ttl.count()));
   if (ttl < 0 || ttl > 365.0 * 86400) bad("ttl", "must be between 0 (no TTL) and one year, in seconds");
@@ -290,6 +298,28 @@ json encode(const NetworkPolicy& p) {
     rules.push_back(std::move(rule));
   }
   return json{{"mode", p.mode}, {"rules", std::move(rules)}};
+}
+
+json encode(const NetworkUsage& u) {
+  return json{{"bytes_out", u.bytes_out}, {"packets_out", u.packets_out}, {"bytes_in", u.bytes_in},
+              {"packets_in", u.packets_in}, {"refused", u.refused}, {"resolved", u.resolved}};
+}
+
+NetworkUsage decode_network_usage(const json& j) {
+  expect_object(j, "network usage");
+  NetworkUsage u;
+  u.bytes_out = member(j, "bytes_out", u.bytes_out, "bytes_out");
+  u.packets_out = member(j, "packets_out", u.packets_out, "packets_out");
+  u.bytes_in = member(j, "bytes_in", u.bytes_in, "bytes_in");
+  u.packets_in = member(j, "packets_in", u.packets_in, "packets_in");
+  u.refused = member(j, "refused", u.refused, "refused");
+  if (const json* resolved = find(j, "resolved")) {
+    if (!resolved->is_object()) bad_answer("resolved", "must be an object of names to lists of addresses");
+    for (auto it = resolved->begin(); it != resolved->end(); ++it)
+      u.resolved[it.key()] = member<std::vector<std::string>>(*resolved, it.key().c_str(), {},
+                                                               fmt::format("resolved.{}", it.key()));
+  }
+  return u;
 }
 
 // "none" | "open" | "egress" (no rules: nothing allowed), or {"mode": ..., "rules": [...]}; validated whole.
@@ -759,7 +789,9 @@ json encode(const SandboxInfo& s) {
                 {"disk", s.resources.disk_bytes},
                 {"pids", s.resources.pids},
                 {"open_files", s.resources.open_files},
-                {"gpus", s.resources.gpus}}},
+                {"gpus", s.resources.gpus},
+                {"egress_mbps", s.resources.egress_mbps},
+                {"connections", s.resources.connections}}},
               {"created_at", s.created_at},
               {"expires_at", s.expires_at},
               {"message", s.message},
@@ -785,6 +817,8 @@ SandboxInfo decode_sandbox_info(const json& j) {
     r.pids = member(*it, "pids", r.pids, "resources.pids");
     r.open_files = member(*it, "open_files", r.open_files, "resources.open_files");
     r.gpus = member(*it, "gpus", r.gpus, "resources.gpus");
+    r.egress_mbps = member(*it, "egress_mbps", r.egress_mbps, "resources.egress_mbps");
+    r.connections = member(*it, "connections", r.connections, "resources.connections");
   }
   s.created_at = member(j, "created_at", 0.0);
   s.expires_at = member(j, "expires_at", 0.0);

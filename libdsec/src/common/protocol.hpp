@@ -28,6 +28,9 @@ SandboxSpec decode_spec(const json& j);
 // mode ("none", "egress", "open") and validates the whole policy (INVALID_ARGUMENT naming the field).
 json encode(const NetworkPolicy& policy);
 NetworkPolicy decode_network(const json& j);
+// {"bytes_out", "packets_out", "bytes_in", "packets_in", "refused", "resolved": {name: [address, ...]}}
+json encode(const NetworkUsage& usage);
+NetworkUsage decode_network_usage(const json& j);
 void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_ARGUMENT naming the field
 
 // A lease group's id: 1 to 128 of letters, digits, '.', '_' and '-'. Group TTLs are 1 to 86400 seconds.

@@ -5,12 +5,14 @@
 #include <linux/if.h>
 #include <linux/if_link.h>
 #include <linux/netlink.h>
+#include <linux/pkt_sched.h>
 #include <linux/rtnetlink.h>
 #include <linux/veth.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -193,6 +195,31 @@ void Netlink::add_default_route(std::uint32_t gateway) {
   std::uint32_t be = htonl(gateway);
   m.attr(RTA_GATEWAY, &be, sizeof be);
   request(m.buf, m.hdr()->nlmsg_len, "add default route");
+}
+
+void Netlink::set_rate_limit(int index, std::uint64_t bytes_per_second) {
+  Message m(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE);
+  tcmsg t{};
+  t.tcm_family = AF_UNSPEC;
+  t.tcm_ifindex = index;
+  t.tcm_handle = 1u << 16;  // 1:
+  t.tcm_parent = TC_H_ROOT;
+  m.append(&t, sizeof t);
+  m.attr_string(TCA_KIND, "tbf");
+  rtattr* options = m.nest(TCA_OPTIONS);
+  // A burst of 20 ms at the rate (at least 64 KiB, what one segmentation-offloaded packet may be) and a queue of
+  // 50 ms more: TCP then sees the rate, not losses.
+  const std::uint64_t burst = std::max<std::uint64_t>(bytes_per_second / 50, 64 << 10);
+  tc_tbf_qopt q{};
+  q.rate.rate = static_cast<std::uint32_t>(std::min<std::uint64_t>(bytes_per_second, 0xFFFFFFFFu));
+  q.rate.linklayer = TC_LINKLAYER_ETHERNET;
+  q.limit = static_cast<std::uint32_t>(std::min<std::uint64_t>(burst + bytes_per_second / 20, 0xFFFFFFFFu));
+  m.attr(TCA_TBF_PARMS, &q, sizeof q);
+  if (bytes_per_second >= 0xFFFFFFFFu) m.attr(TCA_TBF_RATE64, &bytes_per_second, sizeof bytes_per_second);
+  const auto burst32 = static_cast<std::uint32_t>(std::min<std::uint64_t>(burst, 0xFFFFFFFFu));
+  m.attr(TCA_TBF_BURST, &burst32, sizeof burst32);
+  m.end(options);
+  request(m.buf, m.hdr()->nlmsg_len, "set a rate limit (tbf)");
 }
 
 }  // namespace dsec::agent::network

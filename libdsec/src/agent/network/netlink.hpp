@@ -26,6 +26,8 @@ class Netlink {
   void set_up(int index);
   void add_address(int index, std::uint32_t address, int prefix);  // IPv4, host byte order
   void add_default_route(std::uint32_t gateway);
+  // Shapes what the link sends to `bytes_per_second` (a token bucket filter as its root queueing discipline).
+  void set_rate_limit(int index, std::uint64_t bytes_per_second);
 
  private:
   // Sends one request and reads the answers to it: each non-error message goes to `on_answer` until it says done

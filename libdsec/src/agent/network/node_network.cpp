@@ -7,11 +7,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 #include <fstream>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "agent/log.hpp"
 #include "agent/network/netlink.hpp"
@@ -24,6 +27,40 @@ using ::dsec::network::ipv4_to_string;
 using ::dsec::network::parse_cidr;
 
 constexpr const char* kPeerName = "eth0";
+
+// The name of a sandbox's counter of refused connections: r_<its block in hex>, like its interface.
+std::string refused_counter(const Attachment& a) { return fmt::format("r_{:08x}", a.block); }
+
+std::uint64_t link_statistic(const std::string& interface, const char* name) {
+  std::ifstream f(fmt::format("/sys/class/net/{}/statistics/{}", interface, name));
+  std::uint64_t v = 0;
+  f >> v;
+  return v;
+}
+
+// Runs an nftables script inside the network namespace `netns_fd`: from a thread of its own that enters it, so
+// that the context's netlink socket is that namespace's.
+void run_nft_in(int netns_fd, const std::string& script, const char* what) {
+  std::string error;
+  std::thread t([&] {
+    if (::setns(netns_fd, CLONE_NEWNET) != 0) {
+      error = fmt::format("enter the sandbox's network namespace: {}", std::strerror(errno));
+      return;
+    }
+    nft_ctx* ctx = nft_ctx_new(NFT_CTX_DEFAULT);
+    if (!ctx) {
+      error = "cannot make an nftables context";
+      return;
+    }
+    nft_ctx_buffer_output(ctx);
+    nft_ctx_buffer_error(ctx);
+    if (nft_run_cmd_from_buffer(ctx, script.c_str()) != 0) error = nft_ctx_get_error_buffer(ctx);
+    nft_ctx_free(ctx);
+  });
+  t.join();
+  while (!error.empty() && error.back() == '\n') error.pop_back();
+  if (!error.empty()) throw Error(Code::kInternal, fmt::format("nftables: {}: {}", what, error.substr(0, 2000)));
+}
 
 std::string range_text(std::uint32_t lo, std::uint32_t hi) {
   return lo == hi ? ipv4_to_string(lo) : fmt::format("{}-{}", ipv4_to_string(lo), ipv4_to_string(hi));
@@ -166,11 +203,13 @@ table inet {t} {{
   set pinned {{ type ipv4_addr . ipv4_addr . inet_proto . inet_service; flags interval; }}
   set blocked {{ type ipv4_addr; flags interval; elements = {{ {blocked} }} }}
   map exposed {{ type inet_service : ipv4_addr . inet_service; }}
+  map refused_by {{ type ifname : counter; }}
   counter refused {{ }}
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname @ifaces ct state established,related accept
     iifname @ifaces iifname . ip saddr @ifaddr udp dport {dns} ct status dnat accept
+    iifname @ifaces ct state new counter name iifname map @refused_by
     iifname @ifaces drop
   }}
   chain prerouting {{
@@ -187,12 +226,14 @@ table inet {t} {{
     oifname @ifaces ct state established,related accept
     iifname @ifaces iifname . ip saddr != @ifaddr drop
     iifname @ifaces meta nfproto ipv6 drop
+    iifname @ifaces ip daddr @blocked ct state new counter name iifname map @refused_by
     iifname @ifaces ip daddr @blocked counter name refused drop
     ct status dnat accept
     oifname @ifaces drop
     iifname @ifaces ip saddr @open accept
     iifname @ifaces ip saddr . ip daddr . meta l4proto . th dport @allow accept
     iifname @ifaces ip saddr . ip daddr . meta l4proto . th dport @pinned accept
+    iifname @ifaces ct state new counter name iifname map @refused_by
     iifname @ifaces counter name refused drop
   }}
   chain postrouting {{
@@ -212,7 +253,9 @@ std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const Net
     const {
   const std::string addr = ipv4_to_string(a.sandbox_address());
   std::vector<std::string> out{fmt::format("ifaces {{ \"{}\" }}", a.interface),
-                               fmt::format("ifaddr {{ \"{}\" . {} }}", a.interface, addr)};
+                               fmt::format("ifaddr {{ \"{}\" . {} }}", a.interface, addr),
+                               fmt::format("counter {}", refused_counter(a)),
+                               fmt::format("refused_by {{ \"{}\" : \"{}\" }}", a.interface, refused_counter(a))};
   auto add_boxes = [&](const char* set, const std::vector<::dsec::network::AllowedBox>& boxes) {
     for (const auto& b : boxes) {
       if (b.port_lo > 65535) continue;  // only "no port": no tcp or udp packet is that
@@ -317,12 +360,59 @@ void NodeNetwork::expire_pins() {
   }
 }
 
-std::map<std::string, std::vector<std::string>> NodeNetwork::pinned(const std::string& id) const {
+std::string NodeNetwork::list_json(const std::string& command) const {
+  if (!nft_) return "";
+  nft_ctx_output_set_flags(nft_, NFT_CTX_OUTPUT_JSON);
+  const int rc = nft_run_cmd_from_buffer(nft_, command.c_str());
+  nft_ctx_output_set_flags(nft_, 0);
+  if (rc != 0) {
+    log_warn("nftables: {}: {}", command, nft_ctx_get_error_buffer(nft_));
+    return "";
+  }
+  return nft_ctx_get_output_buffer(nft_);
+}
+
+std::map<std::string, std::uint64_t> NodeNetwork::refused_counters(const std::string& only) const {
+  std::map<std::string, std::uint64_t> out;
+  if (!table_ready_) return out;
+  const std::string text = only.empty() ? list_json(fmt::format("list counters table inet {}", options_.table))
+                                        : list_json(fmt::format("list counter inet {} {}", options_.table, only));
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("nftables") || !j["nftables"].is_array()) return out;
+  for (const auto& item : j["nftables"]) {
+    if (!item.is_object() || !item.contains("counter")) continue;
+    const auto& c = item["counter"];
+    if (c.is_object() && c.value("table", "") == options_.table && c.contains("name") && c.contains("packets"))
+      out[c["name"].get<std::string>()] = c["packets"].get<std::uint64_t>();
+  }
+  return out;
+}
+
+NetworkUsage NodeNetwork::usage_of(const Sandbox& s, const std::map<std::string, std::uint64_t>& refused) const {
+  NetworkUsage u;
+  // The host's end of the pair: what it receives the sandbox sent.
+  u.bytes_out = link_statistic(s.link.interface, "rx_bytes");
+  u.packets_out = link_statistic(s.link.interface, "rx_packets");
+  u.bytes_in = link_statistic(s.link.interface, "tx_bytes");
+  u.packets_in = link_statistic(s.link.interface, "tx_packets");
+  if (auto it = refused.find(refused_counter(s.link)); it != refused.end()) u.refused = it->second;
+  for (const auto& [key, pin] : s.pins) u.resolved[key.first].push_back(ipv4_to_string(key.second));
+  return u;
+}
+
+NetworkUsage NodeNetwork::usage(const std::string& id) const {
   std::lock_guard lock(mu_);
-  std::map<std::string, std::vector<std::string>> out;
   auto it = sandboxes_.find(id);
-  if (it == sandboxes_.end()) return out;
-  for (const auto& [key, pin] : it->second.pins) out[key.first].push_back(ipv4_to_string(key.second));
+  if (it == sandboxes_.end()) return {};
+  return usage_of(it->second, refused_counters(refused_counter(it->second.link)));
+}
+
+std::map<std::string, NetworkUsage> NodeNetwork::usage_of_all() const {
+  std::lock_guard lock(mu_);
+  std::map<std::string, NetworkUsage> out;
+  if (sandboxes_.empty()) return out;
+  const auto refused = refused_counters();
+  for (const auto& [id, s] : sandboxes_) out[id] = usage_of(s, refused);
   return out;
 }
 
@@ -334,9 +424,17 @@ std::string NodeNetwork::resolv_conf(const Attachment& a) {
 
 void NodeNetwork::apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add,
                                  const char* what) {
+  // Entries "counter NAME" are objects of the table: made before the elements that name them, removed after.
+  auto object = [](const std::string& e) { return e.starts_with("counter "); };
   std::string script;
-  for (const auto& e : remove) script += fmt::format("delete element inet {} {}\n", options_.table, e);
-  for (const auto& e : add) script += fmt::format("add element inet {} {}\n", options_.table, e);
+  for (const auto& e : remove)
+    if (!object(e)) script += fmt::format("delete element inet {} {}\n", options_.table, e);
+  for (const auto& e : remove)
+    if (object(e)) script += fmt::format("delete {} inet {} {}\n", "counter", options_.table, e.substr(8));
+  for (const auto& e : add)
+    if (object(e)) script += fmt::format("add {} inet {} {}\n", "counter", options_.table, e.substr(8));
+  for (const auto& e : add)
+    if (!object(e)) script += fmt::format("add element inet {} {}\n", options_.table, e);
   if (!script.empty()) run(script, what);
 }
 
@@ -363,7 +461,8 @@ void NodeNetwork::forget_connections(std::uint32_t address) {
   nfct_close(h);
 }
 
-Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const NetworkPolicy& policy) {
+Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const NetworkPolicy& policy,
+                               const LinkLimits& limits) {
   check(policy);
   std::lock_guard lock(mu_);
   if (sandboxes_.count(id)) throw Error(Code::kAlreadyExists, fmt::format("sandbox {} has a network already", id));
@@ -399,6 +498,17 @@ Attachment NodeNetwork::attach(const std::string& id, int netns_fd, const Networ
   inside.add_address(peer, a.sandbox_address(), 30);
   inside.set_up(peer);
   inside.add_default_route(a.gateway());
+  if (limits.egress_mbps) inside.set_rate_limit(peer, std::uint64_t{limits.egress_mbps} * 125000);
+  if (limits.connections) {
+    // Counted in the sandbox's own namespace (its connection tracking): new connections out of eth0 beyond the
+    // limit are refused at once. DNS queries (each a flow of its own) do not count; the resolver has its limits.
+    run_nft_in(netns_fd,
+               fmt::format("table inet dsec_limits {{\n  chain output {{\n    type filter hook output priority filter; "
+                           "policy accept;\n    oifname \"{0}\" udp dport 53 accept\n    oifname \"{0}\" ct state new "
+                           "ct count over {1} counter reject\n  }}\n}}\n",
+                           kPeerName, limits.connections),
+               "limit the sandbox's connections");
+  }
   std::vector<std::string> elements = elements_of(a, policy);
   apply_elements({}, elements, "add a sandbox's rules");
   sandboxes_[id] = Sandbox{a, policy, std::move(elements), {}, {}};

@@ -53,6 +53,13 @@ struct NodeNetworkOptions {
   std::string dns_upstream;
 };
 
+// Limits on a sandbox's link (SandboxSpec::resources), 0 = none; they live in its network namespace (a token bucket
+// on its eth0, a connection count in a small table of its own), out of its reach and gone with it.
+struct LinkLimits {
+  std::uint32_t egress_mbps = 0;
+  std::uint32_t connections = 0;
+};
+
 // What a sandbox's network is on the node, kept in its record for a restart.
 struct Attachment {
   std::uint32_t block = 0;   // the /30's first address: host end block+1, sandbox block+2
@@ -71,7 +78,7 @@ class NodeNetwork {
   void check(const NetworkPolicy& policy) const;
 
   // Gives the sandbox `id`, whose network namespace is `netns_fd`, its link and rules. Nothing is left on failure.
-  Attachment attach(const std::string& id, int netns_fd, const NetworkPolicy& policy);
+  Attachment attach(const std::string& id, int netns_fd, const NetworkPolicy& policy, const LinkLimits& limits = {});
   // Replaces the sandbox's rules in one transaction; connections the new rules forbid are cut.
   void update(const std::string& id, const NetworkPolicy& policy);
   // Removes the link, the rules, the sandbox's connection tracking entries and gives the /30 back.
@@ -96,9 +103,11 @@ class NodeNetwork {
 
   std::string describe() const;  // node info: "routed (10.88.0.0/16, N sandboxes)" or "unused"
   std::size_t attached() const;
-  // The addresses the resolver handed the sandbox and that are admitted now, by name ("pypi.internal" ->
-  // ["10.1.2.3"]).
-  std::map<std::string, std::vector<std::string>> pinned(const std::string& id) const;
+  // Its traffic since its link was made (the link's own counters) and the new connections its rules refused since
+  // the agent started (an nftables counter of its own). NOT_FOUND-free: a sandbox without a link has none.
+  NetworkUsage usage(const std::string& id) const;
+  // Every sandbox's, for the agent's metrics (one listing of the table's counters).
+  std::map<std::string, NetworkUsage> usage_of_all() const;
   // The resolv.conf a sandbox with a link gets: its gateway, where (like any address) port 53 reaches the resolver.
   static std::string resolv_conf(const Attachment& a);
 
@@ -131,6 +140,9 @@ class NodeNetwork {
   bool pin(std::uint32_t source, const std::string& name, const std::vector<ResolvedAddress>& answers);
   void expire_pins();
   void run(const std::string& script, const char* what);  // under mu_
+  std::string list_json(const std::string& command) const;  // under mu_: a listing, as nftables' JSON
+  NetworkUsage usage_of(const Sandbox& s, const std::map<std::string, std::uint64_t>& refused) const;
+  std::map<std::string, std::uint64_t> refused_counters(const std::string& only = "") const;  // under mu_
   void apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add, const char* what);
   void forget_connections(std::uint32_t address);
   // After a rule change, off the caller's path: a dump of the kernel's whole connection table costs ~15 ms here.
@@ -146,7 +158,7 @@ class NodeNetwork {
   HostIdPool node_ports_;
   std::optional<HostIdClaims> port_claims_;
   mutable std::mutex mu_;
-  nft_ctx* nft_ = nullptr;
+  mutable nft_ctx* nft_ = nullptr;
   bool table_ready_ = false;
   std::map<std::string, Sandbox> sandboxes_;
   std::map<std::uint32_t, std::string> by_address_;  // a sandbox's address -> its id

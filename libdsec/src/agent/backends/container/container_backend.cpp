@@ -65,6 +65,8 @@ constexpr auto kProbeTimeout = std::chrono::seconds(5);
 constexpr int kAdoptedExitWaitMs = 10000;
 
 // The keys of a container sandbox's BackendState.
+network::LinkLimits link_limits(const Resources& r) { return {r.egress_mbps, r.connections}; }
+
 namespace key {
 constexpr const char* kBootId = "boot_id";
 constexpr const char* kInitPid = "init_pid";
@@ -485,6 +487,8 @@ class ContainerSandbox final : public BackendSandbox {
     network_->unexpose(id_, port);
   }
 
+  NetworkUsage network_usage() override { return network_ ? network_->usage(id_) : NetworkUsage{}; }
+
   std::map<std::uint32_t, std::string> exposed() override {
     std::map<std::uint32_t, std::string> out;
     if (!network_) return out;
@@ -641,7 +645,7 @@ class ContainerSandbox final : public BackendSandbox {
     UniqueFd ns(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!ns) throw_errno(errno, fmt::format("open the network namespace of sandbox {}", id_));
     check_running();  // the pid named its init when it was opened
-    identity_.link = network_->attach(id_, ns.get(), policy);
+    identity_.link = network_->attach(id_, ns.get(), policy, link_limits(spec_.resources));
     write_resolv_conf();
   }
 
@@ -841,7 +845,8 @@ class ContainerBackend final : public Backend {
     } detach{network_.get(), params.id};
     if (params.spec.network.mode != "none") {
       if (!network_) throw Error(Code::kUnimplemented, "network: this agent gives sandboxes no network");
-      identity.link = network_->attach(params.id, netns.get(), params.spec.network);
+      identity.link = network_->attach(params.id, netns.get(), params.spec.network,
+                                       link_limits(params.spec.resources));
       detach.armed = true;
     }
     SpawnedInit init = spawn_init(req);
