@@ -657,3 +657,32 @@ def test_open_egress_can_be_forbidden(outside, image_home, tmp_path):
         assert r.status == 412 and "no-open-egress" in r.json()["message"], r
     finally:
         a.stop_and_check()
+
+
+def test_an_exhausted_range_or_port_range_is_resource_exhausted_and_leaves_nothing(outside, image_home, tmp_path):
+    """A node's /28 holds four sandbox networks and two node ports here: the next of each is RESOURCE_EXHAUSTED
+    (429), nothing is half made, and what is given back is handed out again."""
+    a = start(str(tmp_path), image_home, "netfull", "--network-range", f"10.86.{OCTET}.0/28",
+              "--expose-ports", "31990-31991")
+    try:
+        with client_of(a) as c:
+            made = []
+            try:
+                made = [c.create(image="busybox", ttl=300, network="open") for _ in range(4)]
+                links = sh_host("ip", "-o", "link").stdout.count("dsh-")
+                r = call(a, "POST", "/v1/sandboxes", {"image": "busybox", "network": "open"})
+                assert r.status == 429 and "sandbox network addresses" in r.json()["message"], r
+                assert sh_host("ip", "-o", "link").stdout.count("dsh-") == links, "a refused create left a link"
+                made.append(c.create(image="busybox", ttl=300))  # a sandbox without a network needs no address
+                assert made[0].expose(8000) and made[1].expose(8000)
+                r = call(a, "POST", f"/v1/sandboxes/{made[2].id}/ports", {"port": 8000})
+                assert r.status == 429 and "node ports" in r.json()["message"], r
+                made[0].unexpose(8000)
+                assert made[2].expose(8000).endswith(":31990")
+                made.pop(0).destroy()
+                made.append(c.create(image="busybox", ttl=300, network="open"))
+            finally:
+                for sb in made:
+                    sb.destroy()
+    finally:
+        a.stop_and_check()
