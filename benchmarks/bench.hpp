@@ -500,6 +500,9 @@ SnapshotBenchResult run_snapshot(const Options& options, Client& client, const s
 FnCallBenchResult run_fncall(const Options& options, Client& client);
 // Prints as it goes (no Markdown summary).
 void run_network(const Options& options, Client& client);
+// The embedded agent's flags for `network`: its sandboxes' resolver asks a name server of the benchmark's own on
+// loopback (started by the first call; it answers every name under bench.test with an address of 198.18.0.0/15).
+std::vector<std::string> network_agent_args();
 // QEMU microVMs: starts its own agents (templates on, serving container and microvm; and one with
 // --microvm-templates off), builds the image in <home>/store when missing.
 MicroVmBenchResult run_microvm(const Options& options, const std::string& home);

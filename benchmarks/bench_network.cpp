@@ -5,6 +5,7 @@
 // documentation networks (RFC 5737) that nothing on this machine answers.
 #include <arpa/inet.h>
 #include <ifaddrs.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <fcntl.h>
@@ -12,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <optional>
 #include <thread>
 
@@ -21,6 +23,9 @@
 #include "dsec/error.hpp"
 #include "dsec/sandbox.hpp"
 #include "host.hpp"
+
+// ldns last: its headers define C's bool words, which <optional> must not see.
+#include <ldns/ldns.h>
 
 namespace dsec::bench {
 namespace {
@@ -114,12 +119,91 @@ double loopback_rate(std::size_t bytes, int port) {
   return rate;
 }
 
+// The upstream name server the agent's resolver asks: n<I>.bench.test is 198.18.<I / 256>.<I % 256> (TTL 300),
+// everything else NXDOMAIN. On 127.0.0.1, so that nothing leaves the machine.
+class NameServer {
+ public:
+  NameServer() {
+    fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+      throw Error(Code::kInternal, "dsec-bench: cannot bind the name server's UDP port on 127.0.0.1");
+    socklen_t len = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~NameServer() {
+    stop_ = true;
+    thread_.join();
+    ::close(fd_);
+  }
+  std::uint16_t port() const { return port_; }
+
+ private:
+  void serve() {
+    std::uint8_t buf[1500];
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      sockaddr_in from{};
+      socklen_t len = sizeof from;
+      ssize_t n = ::recvfrom(fd_, buf, sizeof buf, 0, reinterpret_cast<sockaddr*>(&from), &len);
+      ldns_pkt* q = nullptr;
+      if (n <= 0 || ldns_wire2pkt(&q, buf, static_cast<std::size_t>(n)) != LDNS_STATUS_OK) continue;
+      ldns_pkt* r = ldns_pkt_new();
+      ldns_pkt_set_id(r, ldns_pkt_id(q));
+      ldns_pkt_set_qr(r, true);
+      const ldns_rr_list* questions = ldns_pkt_question(q);
+      unsigned index = 0;
+      bool found = false;
+      if (ldns_rr_list_rr_count(questions) == 1) {
+        const ldns_rr* question = ldns_rr_list_rr(questions, 0);
+        ldns_pkt_push_rr(r, LDNS_SECTION_QUESTION, ldns_rr_clone(question));
+        char* name = ldns_rdf2str(ldns_rr_owner(question));
+        found = name && std::sscanf(name, "n%u.bench.test.", &index) == 1 && index < 65536;
+        if (found) {
+          ldns_rr* a = nullptr;
+          const std::string rr = fmt::format("{} 300 IN A 198.18.{}.{}", name, index / 256, index % 256);
+          if (ldns_rr_new_frm_str(&a, rr.c_str(), 0, nullptr, nullptr) == LDNS_STATUS_OK)
+            ldns_pkt_push_rr(r, LDNS_SECTION_ANSWER, a);
+        }
+        std::free(name);
+      }
+      if (!found) ldns_pkt_set_rcode(r, LDNS_RCODE_NXDOMAIN);
+      std::uint8_t* wire = nullptr;
+      std::size_t size = 0;
+      if (ldns_pkt2wire(&wire, r, &size) == LDNS_STATUS_OK)
+        ::sendto(fd_, wire, size, 0, reinterpret_cast<sockaddr*>(&from), len);
+      std::free(wire);
+      ldns_pkt_free(r);
+      ldns_pkt_free(q);
+    }
+  }
+
+  int fd_ = -1;
+  std::uint16_t port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+NameServer& name_server() {
+  static NameServer server;
+  return server;
+}
+
 void print_latency(const char* what, const Latency& l) {
   fmt::print("  {:<52} {:>8.2f} ms {:>8.2f} ms {:>8.2f} ms {:>8.2f} ms  (n={})\n", what, l.percentile(50),
              l.percentile(90), l.percentile(99), l.max(), l.count());
 }
 
 }  // namespace
+
+std::vector<std::string> network_agent_args() {
+  return {"--dns-upstream", fmt::format("127.0.0.1:{}", name_server().port())};
+}
 
 void run_network(const Options& options, Client& client) {
   SandboxSpec none = bench_spec(options);
@@ -168,6 +252,44 @@ void run_network(const Options& options, Client& client) {
   print_latency("set_network on a live sandbox (3 rules replaced)", update);
   fmt::print("  egress costs {:+.2f} ms at p50\n", create_egress.percentile(50) - create_none.percentile(50));
 
+  // Names: a sandbox whose only rule is *.bench.test resolves a new name (the agent forwards it and pins its
+  // address in one nftables transaction before it answers), the same name again (the pin is only extended), and
+  // runs `true`: each an exec from the client, so the differences are the resolver's.
+  std::uint32_t next_name = 0;
+  auto measure_names = [&](std::size_t n, Latency& first, Latency& again, Latency& plain) {
+    SandboxSpec spec = none;
+    spec.network.mode = "egress";
+    NetworkRule names;
+    names.host = "*.bench.test";
+    spec.network.rules = {names};
+    Sandbox sb = client.create(spec);
+    auto timed = [&](const std::string& command, Latency* into) {
+      auto t0 = Clock::now();
+      ExecResult r = sb.exec(command, 10);
+      double ms = ms_since(t0);
+      if (r.exit_code != 0)
+        throw Error(Code::kInternal, fmt::format("dsec-bench: `{}` in the sandbox failed: {}", command, r.stdout_data + r.stderr_data));
+      if (into) into->add(ms);
+    };
+    for (std::size_t i = 0; i < options.warmup + n; ++i) {
+      const bool keep = i >= options.warmup;
+      const std::string name = fmt::format("n{}.bench.test", next_name++ % 65536);
+      timed("nslookup -type=a " + name + " >/dev/null", keep ? &first : nullptr);
+      timed("nslookup -type=a " + name + " >/dev/null", keep ? &again : nullptr);
+      timed("true", keep ? &plain : nullptr);
+    }
+    sb.destroy();
+  };
+  Latency resolve_first, resolve_again, exec_true;
+  measure_names(options.n, resolve_first, resolve_again, exec_true);
+  print_latency("exec: nslookup of a new allowed name", resolve_first);
+  print_latency("exec: nslookup of the same name again", resolve_again);
+  print_latency("exec: true", exec_true);
+  fmt::print("  a new name costs {:+.2f} ms at p50 over `true` (forward, pin, answer, and nslookup itself), the "
+             "same name {:+.2f} ms\n",
+             resolve_first.percentile(50) - exec_true.percentile(50),
+             resolve_again.percentile(50) - exec_true.percentile(50));
+
   // At scale: K sandboxes with rules stay on the node while the same measures run again.
   const std::size_t k = options.density_count;
   std::vector<Sandbox> held;
@@ -192,6 +314,11 @@ void run_network(const Options& options, Client& client) {
   print_latency("create, network none", at_none);
   print_latency("create, network egress with 3 rules", at_egress);
   print_latency("set_network on a live sandbox", at_update);
+  Latency at_first, at_again, at_true;
+  measure_names(n, at_first, at_again, at_true);
+  print_latency("exec: nslookup of a new allowed name", at_first);
+  print_latency("exec: nslookup of the same name again", at_again);
+  print_latency("exec: true", at_true);
   t = Clock::now();
   for (auto& sb : held) sb.destroy();
   fmt::print("  destroying them took {:.1f} s\n", ms_since(t) / 1000);

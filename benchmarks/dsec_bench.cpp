@@ -424,6 +424,10 @@ int run(int argc, char** argv) {
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
       copts.agent_args.insert(copts.agent_args.end(), o.agent_args.begin(), o.agent_args.end());
+      if (o.command == "network") {
+        auto more = network_agent_args();
+        copts.agent_args.insert(copts.agent_args.end(), more.begin(), more.end());
+      }
       if (!snapshot_store.empty()) {
         copts.stores = {(fs::path(home) / "store").string(), snapshot_store};
         copts.agent_args.insert(copts.agent_args.end(), {"--snapshot-store", snapshot_store});
