@@ -104,7 +104,7 @@ def test_directories_as_tar(client, tmp_path):
 
 
 def test_download_refuses_members_outside_the_target(tmp_path):
-    from dsec import _safe_extract
+    from dsec.sandbox import _safe_extract
 
     for name in ("../evil", "/abs/evil", "a/../../evil"):
         buf = io.BytesIO()

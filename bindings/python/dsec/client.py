@@ -1,0 +1,390 @@
+"""The entry point (:class:`Client`): an embedded or remote agent, creates, lists, function calls."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+from . import _dsec
+from .errors import FailedPrecondition, InvalidArgument
+from ._spec import _spec, _str_map
+from ._types import BytesLike, FnCallRequest, FnCallResult, NodeInfo, SandboxInfo, Size
+from .fncall import fncall_request
+from .group import SandboxGroup
+from .sandbox import Sandbox
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def agent_binary() -> str:
+    """The ``dsecd`` shipped inside this package (``dsec/bin/dsecd``); it may not exist in a source checkout."""
+    return os.path.join(_PACKAGE_DIR, "bin", "dsecd")
+
+
+_live_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+@atexit.register
+def _close_live_clients() -> None:
+    # An embedded agent would die with the process anyway (it gets SIGTERM); closing here lets it finish cleanly.
+    with _live_lock:
+        clients = list(_live_clients)
+    for c in clients:
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+class Client:
+    """The entry point: creates sandboxes and finds existing ones.
+
+    ``Client()`` starts a private node agent (``dsecd``) for this process on a unix socket and stops it on
+    :meth:`close`, which destroys its sandboxes. The agent binary is ``agent`` if given, else ``$DSEC_AGENT``, else
+    the one of the build tree the module came from, else the one inside this package (``dsec/bin/dsecd``), else
+    ``dsecd`` on PATH. Its image store and state live in ``home`` (default ``$DSEC_HOME``, then ``/var/lib/dsec``);
+    ``agent_args`` are extra ``dsecd`` flags such as ``["--backends", "container,null"]``. The agent's output goes
+    to ``$DSEC_AGENT_LOG`` when set (else to a private file removed with it); errors about the agent quote its tail.
+    The agent also stops if this process dies, and a forked child cannot use (or stop) its parent's client.
+
+    ``stores`` are the image stores names are resolved in (directories or ``http(s)://`` URLs; default: the
+    embedded agent's ``<home>/store``): ``create(image="swe/task-17")`` looks the tag up here (cached for
+    ``image_cache_ttl`` seconds) and sends the agent the exact manifest, whose layers the node streams on demand.
+
+    ``Client(etcd=["http://10.0.0.2:2379"])`` finds its agents in etcd instead (agents started with ``dsecd --etcd``
+    register under ``etcd_prefix``) and follows them as they come and go. ``request_timeout`` bounds one exchange
+    with a node: a create whose node does not answer in time moves to another node with the same request id.
+
+    ``token`` is the bearer token sent to every agent (default ``$DSEC_TOKEN``; agents started with ``dsecd
+    --tokens``), ``tls_ca_file`` the CA bundle that signed ``https://`` agents' certificates (default: the
+    system's), ``tls_client_cert`` and ``tls_client_key`` a client certificate for agents that ask for one;
+    ``etcd_tls_*`` the same for ``https://`` etcd members.
+
+    ``Client(endpoints=[...])`` talks to running agents ("unix:/path" or "http://host:port"); calls for a sandbox
+    go to the node that made it. ``placement`` chooses the node for each new sandbox: ``"spread"`` (most free
+    capacity first, so sandboxes spread over the nodes) or ``"pack"`` (the fullest node that still fits, so nodes
+    fill one after another); both prefer nodes that already cache the image's layers. Idempotent calls are retried
+    on transient errors with exponential backoff and full jitter, all within ``call_deadline`` seconds (an exec's
+    own timeout comes on top).
+    """
+
+    def __init__(
+        self,
+        endpoints: Union[str, Iterable[str], None] = None,
+        *,
+        agent: str | os.PathLike | None = None,
+        home: str | os.PathLike | None = None,
+        agent_args: Sequence[str] = (),
+        call_deadline: float = 60.0,
+        create_concurrency: int = 32,
+        max_attempts: int = 6,
+        initial_backoff: float = 0.02,
+        max_backoff: float = 2.0,
+        agent_start_timeout: float = 30.0,
+        agent_stop_grace: float = 10.0,
+        stores: Union[str, Iterable[str], None] = None,
+        image_cache_ttl: float = 10.0,
+        placement: str = "spread",
+        request_timeout: float = 15.0,
+        etcd: Union[str, Iterable[str], None] = None,
+        etcd_prefix: str = "/dsec/",
+        token: str | None = None,
+        tls_ca_file: str | os.PathLike | None = None,
+        tls_client_cert: str | os.PathLike | None = None,
+        tls_client_key: str | os.PathLike | None = None,
+        etcd_tls_ca_file: str | os.PathLike | None = None,
+        etcd_tls_client_cert: str | os.PathLike | None = None,
+        etcd_tls_client_key: str | os.PathLike | None = None,
+    ) -> None:
+        if endpoints is None:
+            eps: list[str] = []
+        elif isinstance(endpoints, str):
+            eps = [endpoints]
+        else:
+            eps = list(endpoints)
+        self._lock = threading.Lock()
+        self._client = _dsec.Client(
+            endpoints=eps,
+            agent_binary=os.fspath(agent) if agent else "",
+            agent_candidates=[agent_binary()],
+            home=os.fspath(home) if home else "",
+            agent_args=list(agent_args),
+            call_deadline=float(call_deadline),
+            create_concurrency=int(create_concurrency),
+            max_attempts=int(max_attempts),
+            initial_backoff=float(initial_backoff),
+            max_backoff=float(max_backoff),
+            agent_start_timeout=float(agent_start_timeout),
+            agent_stop_grace=float(agent_stop_grace),
+            stores=[stores] if isinstance(stores, str) else [os.fspath(s) for s in (stores or ())],
+            image_cache_ttl=float(image_cache_ttl),
+            placement=str(placement),
+            request_timeout=float(request_timeout),
+            etcd=[etcd] if isinstance(etcd, str) else list(etcd or ()),
+            token=str(token or ""),
+            tls_ca_file=os.fspath(tls_ca_file) if tls_ca_file else "",
+            tls_client_cert=os.fspath(tls_client_cert) if tls_client_cert else "",
+            tls_client_key=os.fspath(tls_client_key) if tls_client_key else "",
+            etcd_tls_ca_file=os.fspath(etcd_tls_ca_file) if etcd_tls_ca_file else "",
+            etcd_tls_client_cert=os.fspath(etcd_tls_client_cert) if etcd_tls_client_cert else "",
+            etcd_tls_client_key=os.fspath(etcd_tls_client_key) if etcd_tls_client_key else "",
+            etcd_prefix=str(etcd_prefix),
+        )
+        self._pid = os.getpid()
+        with _live_lock:
+            _live_clients.add(self)
+
+    def create(
+        self,
+        image: str = "busybox",
+        kind: str = "container",
+        *,
+        cpu: float = 1.0,
+        memory: Size = "512Mi",
+        disk: Size = "1Gi",
+        pids: int = 512,
+        open_files: int = 4096,
+        ttl: float = 3600,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "",
+        hostname: str = "",
+        workdir: str = "/",
+        allow_ptrace: bool = False,
+        request_id: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        anti_affinity: str = "",
+        gpus: int = 0,
+        user: str | int | None = None,
+        protected_paths: Sequence[str] | None = None,
+        network: str | Mapping[str, Any] | None = None,
+        egress_mbps: int = 0,
+        connections: int = 0,
+    ) -> Sandbox:
+        """Creates a sandbox and returns once it can run commands.
+
+        ``cpu`` in cores (fractions allowed), ``memory`` and ``disk`` in bytes or as "512Mi"/"2G", ``ttl`` in
+        seconds after which the agent destroys it (0 = never). ``env`` is the environment of every exec, ``labels``
+        and ``tenant`` are for :meth:`list`. ``node_selector`` names labels a node must carry (``dsecd --label``),
+        ``anti_affinity`` a label key whose value sandboxes prefer not to share a node over, ``gpus`` how many GPUs
+        the sandbox needs. ``request_id`` makes the create idempotent: the same id returns the same
+        sandbox (a random one is used when omitted, so the client's own retries never make two).
+
+        ``user`` is who every exec runs as unless it names its own (a user name of the image's /etc/passwd, a uid
+        or ``"uid:gid"``; root by default). ``protected_paths`` (absolute paths, at most 32, e.g. ``["/grader"]``)
+        are made root's own directories (mode 0700) before the sandbox is returned, so that what root puts there
+        stays out of reach of execs run as another user (docs/security.md).
+
+        ``network`` is "none" (loopback only, the default), "open", or {"mode": "egress", "rules": [...]}
+        (docs/networking.md); ``egress_mbps`` shapes what it sends and ``connections`` caps the connections it holds
+        to the outside at once (0: unlimited).
+
+        The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
+        """
+        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
+                     egress_mbps, connections)
+        return Sandbox(self._c().create(spec), self)
+
+    def create_many(
+        self,
+        n: int,
+        image: str = "busybox",
+        kind: str = "container",
+        *,
+        cpu: float = 1.0,
+        memory: Size = "512Mi",
+        disk: Size = "1Gi",
+        pids: int = 512,
+        open_files: int = 4096,
+        ttl: float = 3600,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "",
+        hostname: str = "",
+        workdir: str = "/",
+        allow_ptrace: bool = False,
+        request_id: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        anti_affinity: str = "",
+        gpus: int = 0,
+        user: str | int | None = None,
+        protected_paths: Sequence[str] | None = None,
+        network: str | Mapping[str, Any] | None = None,
+        egress_mbps: int = 0,
+        connections: int = 0,
+    ) -> list[Sandbox]:
+        """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
+
+        Placed over the nodes by the client's placement policy, one batch request per node, all at once; a node
+        that refuses or fails has its share made on others. All or nothing: if the sandboxes cannot all be made,
+        the ones made are destroyed and the error is raised. With one node, calling again with the same
+        ``request_id`` returns the same sandboxes instead of making new ones.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
+        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
+                     egress_mbps, connections)
+        return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
+
+    def create_group(
+        self,
+        n: int,
+        image: str = "busybox",
+        kind: str = "container",
+        *,
+        lease: float = 30.0,
+        cpu: float = 1.0,
+        memory: Size = "512Mi",
+        disk: Size = "1Gi",
+        pids: int = 512,
+        open_files: int = 4096,
+        ttl: float = 3600,
+        env: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        tenant: str = "",
+        hostname: str = "",
+        workdir: str = "/",
+        allow_ptrace: bool = False,
+        request_id: str | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        anti_affinity: str = "",
+        gpus: int = 0,
+        user: str | int | None = None,
+        protected_paths: Sequence[str] | None = None,
+        network: str | Mapping[str, Any] | None = None,
+        egress_mbps: int = 0,
+        connections: int = 0,
+    ) -> SandboxGroup:
+        """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
+
+        Placed over the nodes by the client's placement policy and sent as one batch request per node, all at once;
+        a node that refuses or fails has its share made on others. All or nothing. The lease is renewed in the
+        background; when this process dies, the agents destroy the group's sandboxes once it runs out.
+        """
+        if not isinstance(n, int) or n < 0:
+            raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
+        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
+                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
+                     egress_mbps, connections)
+        return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
+
+    def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        stdin: BytesLike | None = None,
+        files: Mapping[str, BytesLike] | None = None,
+        args: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 10,
+        cpu_time: float | None = None,
+        memory: Size = "256Mi",
+        pids: int = 64,
+        max_output_bytes: Size = 1 << 20,
+        image: str | None = None,
+        gpus: int = 0,
+        gpu_mode: str | None = None,
+        request_id: str | None = None,
+    ) -> FnCallResult:
+        """Runs ``code`` once in a node's warm pool and returns what it did: no sandbox to create or destroy.
+
+        ``language`` is ``"python"`` (python3), ``"shell"`` (/bin/sh), ``"c"`` or ``"cpp"`` (compiled, then run;
+        the compiler's status and messages are ``compile_exit_code`` and ``compile_output``). The call gets a fresh
+        process of a pre-initialised server over the image's read-only root (``image``; default: the node's), a
+        private writable ``/tmp`` where ``files`` (relative path -> bytes) are written and the program runs,
+        ``stdin`` then EOF, ``args`` as its arguments and ``env`` added to a clean environment. Nothing of it is
+        left for the next call.
+
+        Limits: ``timeout`` wall seconds and ``cpu_time`` CPU seconds (``timed_out``), ``memory`` for its processes
+        together (``oom_killed``), ``pids`` processes at once, ``max_output_bytes`` of stdout and of stderr each
+        (``stdout_truncated``). ``gpus`` GPUs (or shares, with ``gpu_mode="shared"``) on a node that has them.
+
+        A program that fails, crashes, times out or runs out of memory is a result; a call that cannot run raises
+        (:class:`InvalidArgument`, :class:`NotFound` for an unknown image, :class:`Unavailable`, ...). Transient
+        failures are retried with the same ``request_id`` (the node answers it once), then on another node.
+        """
+        request = fncall_request(code, language, stdin=stdin, files=files, args=args, env=env, timeout=timeout,
+                                 cpu_time=cpu_time, memory=memory, pids=pids, max_output_bytes=max_output_bytes,
+                                 image=image, gpus=gpus, gpu_mode=gpu_mode, request_id=request_id)
+        return self._c().run_code(request)
+
+    def run_code_many(self, calls: Iterable[Union[Mapping[str, object], FnCallRequest]]) -> list[FnCallResult]:
+        """Many function calls at once, spread over the nodes; results in the order of ``calls``.
+
+        Each call is a dict of :meth:`run_code`'s arguments (``{"code": ..., "stdin": ..., "timeout": 2}``) or a
+        :class:`FnCallRequest` from :func:`fncall_request`. The calls travel as one batch per node (in chunks),
+        run concurrently within the nodes' pools, and a node that fails has its calls run elsewhere. A call that
+        could not run at all does not raise: its result has ``error`` and ``error_code`` set (``exception()``
+        gives the matching :mod:`dsec.errors` exception). Raises only when no node could take any of them.
+        """
+        requests = []
+        for i, c in enumerate(calls):
+            if isinstance(c, FnCallRequest):
+                requests.append(c)
+            elif isinstance(c, Mapping):
+                kw = dict(c)
+                if "code" not in kw:
+                    raise InvalidArgument(f"calls[{i}]: no 'code'")
+                try:
+                    requests.append(fncall_request(**kw))
+                except TypeError as e:
+                    raise InvalidArgument(f"calls[{i}]: {e}") from None
+                except InvalidArgument as e:
+                    raise InvalidArgument(f"calls[{i}]: {e.message}") from None
+            else:
+                raise InvalidArgument(f"calls[{i}]: expected a dict or a FnCallRequest, got {type(c).__name__}")
+        return self._c().run_code_many(requests)
+
+    def attach(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox by id (made by any client). No call is made until it is used."""
+        return Sandbox(self._c().attach(sandbox_id), self)
+
+    def list(self, labels: Mapping[str, str] | None = None, tenant: str = "") -> list[SandboxInfo]:
+        """Sandboxes on every node of this client that carry all of ``labels`` (and belong to ``tenant``)."""
+        return self._c().list(_str_map(labels, "labels"), tenant)
+
+    def nodes(self) -> list[NodeInfo]:
+        """Each node's capacity, load, backends and images."""
+        return self._c().nodes()
+
+    @property
+    def endpoint(self) -> str:
+        """The embedded agent's endpoint ("unix:/.../dsecd.sock"), or the first configured one."""
+        return self._c().endpoint
+
+    def close(self) -> None:
+        """Stops the embedded agent (destroying its sandboxes) and closes the client. Idempotent.
+
+        Sandbox handles of this client raise :class:`FailedPrecondition` afterwards.
+        """
+        if os.getpid() != self._pid:
+            return  # a forked child: the agent belongs to the parent
+        with self._lock:
+            self._client.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._client.closed
+
+    def _c(self) -> _dsec.Client:
+        if os.getpid() != self._pid:
+            raise FailedPrecondition("a dsec.Client cannot be used in a forked child process: create a new one there")
+        return self._client
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<dsec.Client closed>"
+        return f"<dsec.Client {self._client.endpoint}>"

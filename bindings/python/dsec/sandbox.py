@@ -1,0 +1,318 @@
+"""One live sandbox (:class:`Sandbox`) and what a snapshot of one made (:class:`Snapshot`)."""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import tarfile
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+
+from . import _dsec
+from .errors import InvalidArgument
+from ._spec import _field_size, _network_dict, _network_policy, _policy_of, _str_map, _user
+from ._types import BytesLike, ExecResult, SandboxInfo, Size, SleepResult
+
+if TYPE_CHECKING:  # annotations only: the client module imports this one
+    from .client import Client
+
+
+class Snapshot(str):
+    """The image a snapshot made: a ``str``, the image's pinned reference (``"repo:tag@sha256:..."``), to pass as
+    ``image=`` to :meth:`Client.create` (on any node that reads the store it is in), with what the snapshot took.
+
+    Attributes: ``image`` (the same reference), ``sandbox_id``, ``parent`` (the sandbox's image, pinned), ``store``,
+    ``layer_digest``, ``layer_bytes``, ``stored_bytes``, ``file_bytes``, ``entries``, ``frozen_seconds`` (how long
+    the sandbox stood still), ``seconds`` (the whole snapshot), and ``result`` (the :class:`SnapshotResult`).
+    """
+
+    def __new__(cls, result: _dsec.SnapshotResult) -> "Snapshot":
+        self = super().__new__(cls, result.image)
+        self.result = result
+        for name in ("image", "sandbox_id", "parent", "store", "layer_digest", "layer_bytes", "stored_bytes",
+                     "file_bytes", "entries", "frozen_seconds", "seconds"):
+            setattr(self, name, getattr(result, name))
+        return self
+
+    def __reduce__(self):
+        return (str, (str(self),))
+
+    def __repr__(self) -> str:
+        return (f"Snapshot({str.__repr__(self)}, file_bytes={self.file_bytes}, frozen_seconds={self.frozen_seconds:.3f}, "
+                f"seconds={self.seconds:.3f})")
+
+
+class Sandbox:
+    """One live sandbox: run commands in it, read and write its files, destroy it.
+
+    Not destroyed by garbage collection: call :meth:`destroy` or use ``with``. A sandbox left alone is destroyed
+    by its agent when its TTL runs out. Safe to use from several threads at once.
+    """
+
+    __slots__ = ("_sb", "_client", "__weakref__")
+
+    def __init__(self, handle: _dsec.Sandbox, client: "Client") -> None:
+        self._sb = handle
+        self._client = client
+
+    @property
+    def id(self) -> str:
+        """``"<node>-<hex>"``: unique, and names the node that hosts the sandbox."""
+        return self._sb.id
+
+    @property
+    def client(self) -> "Client":
+        return self._client
+
+    def exec(
+        self,
+        command: Union[str, Sequence[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: BytesLike | None = None,
+        timeout: float = 600,
+        max_output: Size = 16 << 20,
+        on_output: Callable[[str, bytes], object] | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Runs a command and waits for it.
+
+        ``command`` as a str runs under ``/bin/sh -c``; a list is an argv (``argv[0]`` is looked up on PATH).
+        ``env`` adds to the sandbox's environment, ``cwd`` defaults to its workdir, ``stdin`` is fed then closed.
+        ``user`` is who it runs as: a user name of the sandbox's own /etc/passwd (its groups from /etc/group, HOME,
+        USER and LOGNAME from its entry), a uid (int or str) or ``"uid:gid"``; None runs as the sandbox's ``user``
+        (root by default). An unknown name is :class:`InvalidArgument`. No command has any capability, root's
+        neither.
+        After ``timeout`` seconds the command's processes are killed and the result has ``timed_out=True``.
+        stdout and stderr (bytes) keep at most ``max_output`` bytes each; ``stdout_truncated`` tells.
+
+        Raises :class:`NotFound` for an unknown sandbox and :class:`Unavailable` when its node cannot be reached.
+        An exec is never retried once it may have reached the agent, so a command never runs twice.
+
+        With ``on_output``, the output is streamed instead: ``on_output(stream, data)`` is called on this thread with
+        ``stream`` ``"stdout"`` or ``"stderr"`` and ``data`` (bytes) as the command writes it, and the result's
+        ``stdout``/``stderr`` are empty (``max_output`` still caps what is delivered; the truncation flags tell).
+        An exception raised by ``on_output`` aborts the call and is re-raised; the command itself runs on in the
+        sandbox until it ends or times out.
+        """
+        argv = None
+        shell = None
+        if isinstance(command, str):
+            shell = command
+        elif isinstance(command, (list, tuple)):
+            argv = list(command)
+            for a in argv:
+                if not isinstance(a, str):
+                    raise InvalidArgument(f"argv: every argument must be a str, got {a!r}")
+        else:
+            raise InvalidArgument(f"command: expected a str (shell) or a list of str (argv), got {type(command).__name__}")
+        return self._sb.exec(
+            argv=argv,
+            shell=shell,
+            env=_str_map(env, "env"),
+            cwd=cwd or "",
+            stdin=stdin,
+            timeout=float(timeout),
+            max_output=_field_size(max_output, "max_output"),
+            on_output=on_output,
+            user=_user(user),
+        )
+
+    def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:
+        """Writes one file (``str`` data is UTF-8), creating parent directories. ``path`` is absolute inside the sandbox."""
+        self._sb.write_file(path, data, mode)
+
+    def read_file(self, path: str) -> bytes:
+        """One file's bytes. Raises :class:`NotFound` if it is missing, :class:`InvalidArgument` for a directory."""
+        return self._sb.read_file(path)
+
+    def upload_tar(self, remote_dir: str, tar_bytes: BytesLike) -> None:
+        """Extracts a tar stream into ``remote_dir`` (created if missing)."""
+        self._sb.upload_tar(remote_dir, tar_bytes)
+
+    def download_tar(self, remote_dir: str) -> bytes:
+        """``remote_dir`` as a tar stream."""
+        return self._sb.download_tar(remote_dir)
+
+    def upload(self, local_path: str | os.PathLike, remote_dir: str) -> None:
+        """Copies a local directory's contents (or one local file) into ``remote_dir``."""
+        local_path = os.fspath(local_path)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            if os.path.isdir(local_path):
+                for name in sorted(os.listdir(local_path)):
+                    tar.add(os.path.join(local_path, name), arcname=name)
+            elif os.path.exists(local_path):
+                tar.add(local_path, arcname=os.path.basename(local_path))
+            else:
+                raise InvalidArgument(f"upload: {local_path} does not exist")
+        self._sb.upload_tar(remote_dir, buf.getvalue())
+
+    def download(self, remote_dir: str, local_dir: str | os.PathLike) -> None:
+        """Copies ``remote_dir``'s contents into ``local_dir`` (created if missing).
+
+        Members that would land outside ``local_dir`` (absolute paths, ``..``, links leading out) and device
+        files are refused with :class:`InvalidArgument`.
+        """
+        _safe_extract(self._sb.download_tar(remote_dir), os.fspath(local_dir))
+
+    def info(self) -> SandboxInfo:
+        """The agent's record of this sandbox (state, image, resources, labels, expiry)."""
+        return self._sb.info()
+
+    def expose(self, port: int) -> str:
+        """Exposes TCP port ``port`` of the sandbox at a port of its node and returns where: ``"host:port"``,
+        reachable by whoever reaches the node (a grader, a browser, another machine) and by no sandbox. Gone with
+        :meth:`unexpose` or the sandbox's destroy. Exposing a port twice raises :class:`InvalidArgument`."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"port: {port!r} is not a TCP port (1-65535)")
+        return self._sb.expose(port)
+
+    def unexpose(self, port: int) -> None:
+        """Takes an exposed port back; :class:`NotFound` when it is not exposed."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise InvalidArgument(f"port: {port!r} is not a TCP port (1-65535)")
+        self._sb.unexpose(port)
+
+    def exposed(self) -> dict[int, str]:
+        """The exposed ports: the sandbox's port -> ``"host:port"``."""
+        return dict(self._sb.exposed())
+
+    def network_usage(self) -> dict:
+        """What its network carried: {"bytes_out", "packets_out", "bytes_in", "packets_in", "refused" (packets of
+        new connections its rules refused), "resolved" (names the agent's resolver answered -> the addresses they
+        admit now)}."""
+        return self._sb.network_usage()
+
+    def network(self) -> dict:
+        """The network policy in force: {"mode": ..., "rules": [...]} (docs/networking.md)."""
+        return _network_dict(self._sb.network())
+
+    def set_network(self, mode: str | Mapping[str, Any] = "egress", rules: Sequence[Mapping[str, Any]] | None = None
+                    ) -> dict:
+        """Puts a new network policy in force at once, running or asleep, and returns it: ``set_network("none")``,
+        ``set_network("egress", rules=[{"cidr": "10.0.0.0/8", "protocol": "tcp", "ports": "443"}])``, or a whole
+        policy dict. Rules are tried in order, the first match decides, nothing else is allowed. Connections the new
+        rules forbid are cut. A malformed policy raises :class:`InvalidArgument` and the old one stays."""
+        return _network_dict(self._sb.set_network(_network_policy(_policy_of(mode, rules))))
+
+    def sleep(self) -> SleepResult:
+        """Freezes every process of the sandbox in place and releases the memory it can (page cache; anonymous
+        memory only where the node has swap: dsecd --swap-file / --zram-size). Its state becomes ``"sleeping"`` and
+        its cpu is free on the node. Files stay readable and writable; ``exec`` raises :class:`FailedPrecondition`
+        until :meth:`wake`. Sleeping a sleeping sandbox, or one with an exec running, raises
+        :class:`FailedPrecondition`; a retry of this call after a lost answer does not (it carries the same
+        request id). The result's ``swap_bytes`` is the sandbox's memory in swap."""
+        return self._sb.sleep()
+
+    def wake(self) -> SleepResult:
+        """Lets a sleeping sandbox's processes run on where they stopped (their pages come back from swap as they
+        touch them); :class:`FailedPrecondition` when it is not sleeping."""
+        return self._sb.wake()
+
+    def snapshot(self, name: str) -> Snapshot:
+        """Captures the sandbox's files as a new image named ``name`` (``"repo"`` or ``"repo:tag"``, tag
+        ``latest`` when none) in its node's snapshot store, and returns it as a :class:`Snapshot`: a str holding the
+        pinned reference, for ``client.create(image=...)``.
+
+        The image is the sandbox's image plus one layer of what the sandbox changed: new and changed files, and
+        files or directories it deleted or replaced stay deleted or replaced. Files only: processes, memory and open
+        files are not captured, so nothing runs in a sandbox made from it until an exec starts it. The sandbox is
+        frozen while its files are copied (a running exec pauses) and runs on; a sleeping one stays asleep.
+
+        Raises :class:`AlreadyExists` when the name is taken (a snapshot never moves a tag), :class:`InvalidArgument`
+        for a malformed name, :class:`NotFound` for a destroyed sandbox, :class:`Unimplemented` for a backend without
+        snapshots (null), :class:`ResourceExhausted` when the store is full (nothing is tagged then).
+        """
+        if not isinstance(name, str):
+            raise InvalidArgument(f"name: expected a str such as 'repo:tag', got {type(name).__name__}")
+        return Snapshot(self._sb.snapshot(name))
+
+    def fork(self, n: int, name: str | None = None) -> list["Sandbox"]:
+        """Branches the sandbox: snapshots it (under ``name``, else ``fork/<sandbox id>:<random>``) and creates
+        ``n`` sandboxes from the snapshot with this sandbox's spec (resources, env, labels, workdir, ttl; not its
+        group), placed by the client like :meth:`Client.create_many`, all or nothing. Each starts with this
+        sandbox's files as they were and diverges on its own. The snapshot stays in the store."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"n: expected a positive int, got {n!r}")
+        return [Sandbox(h, self._client) for h in self._sb.fork(n, name or "")]
+
+    def destroy(self) -> None:
+        """Destroys the sandbox: its processes are killed and its files are gone. Idempotent."""
+        self._sb.destroy()
+
+    @property
+    def destroyed(self) -> bool:
+        """Whether :meth:`destroy` was called through this handle."""
+        return self._sb.destroyed
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return f"<dsec.Sandbox {self.id}{' destroyed' if self.destroyed else ''}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sandbox) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
+def _safe_extract(tar_bytes: bytes, dest: str) -> None:
+    os.makedirs(dest, exist_ok=True)
+    root = os.path.realpath(dest)
+
+    def inside(path: str) -> bool:
+        return path == root or path.startswith(root + os.sep)
+
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:*") as tar:
+        for m in tar:
+            name = m.name
+            while name.startswith("./"):
+                name = name[2:]
+            name = posixpath.normpath(name) if name else ""
+            if name in (".", ""):
+                continue
+            if name.startswith("/") or name == ".." or name.startswith("../"):
+                raise InvalidArgument(f"download: refusing tar member {m.name!r} outside the target directory")
+            target = os.path.join(root, name)
+            if not inside(os.path.realpath(os.path.dirname(target))):
+                raise InvalidArgument(f"download: tar member {m.name!r} would be written through a link out of {dest}")
+            if os.path.islink(target):
+                os.unlink(target)
+            if m.isdir():
+                os.makedirs(target, exist_ok=True)
+                os.chmod(target, (m.mode & 0o777) | 0o700)
+            elif m.isfile():
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                src = tar.extractfile(m)
+                with open(target, "wb") as f:
+                    while True:
+                        chunk = src.read(1 << 20)
+                        if not chunk:
+                            break
+                        f.write(chunk)
+                os.chmod(target, m.mode & 0o777)
+            elif m.issym():
+                link_target = posixpath.normpath(posixpath.join(posixpath.dirname(name), m.linkname))
+                if m.linkname.startswith("/") or link_target == ".." or link_target.startswith("../"):
+                    raise InvalidArgument(f"download: symlink {m.name!r} -> {m.linkname!r} leads out of {dest}")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.lexists(target):
+                    os.unlink(target)
+                os.symlink(m.linkname, target)
+            elif m.islnk():
+                source = os.path.join(root, posixpath.normpath(m.linkname))
+                if not inside(os.path.realpath(source)):
+                    raise InvalidArgument(f"download: hard link {m.name!r} -> {m.linkname!r} leads out of {dest}")
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.lexists(target):
+                    os.unlink(target)
+                os.link(source, target)
+            else:
+                raise InvalidArgument(f"download: refusing special file {m.name!r} (device or fifo)")
