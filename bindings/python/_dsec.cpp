@@ -263,6 +263,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("timed_out", &dsec::ExecResult::timed_out,
                     "The timeout passed and the command's processes were killed.")
       .def_readonly("duration", &dsec::ExecResult::duration_seconds, "Wall-clock seconds.")
+      .def_readonly("reason", &dsec::ExecResult::reason,
+                    "Why the command did not run, when what it named was not there: 'executable_not_found' (127), "
+                    "'not_executable' (126), 'cwd_not_found' (127), 'cwd_not_accessible' (126); '' when it ran.")
       .def_property_readonly(
           "ok", [](const dsec::ExecResult& r) { return r.exit_code == 0 && !r.timed_out; },
           "exit_code == 0 and not timed_out.")
@@ -270,6 +273,7 @@ PYBIND11_MODULE(_dsec, m) {
         std::string s = "ExecResult(exit_code=" + std::to_string(r.exit_code);
         if (r.signal) s += ", signal=" + std::to_string(r.signal);
         if (r.timed_out) s += ", timed_out=True";
+        if (!r.reason.empty()) s += ", reason='" + r.reason + "'";
         s += ", stdout=" + py::repr(py::bytes(r.stdout_data.substr(0, 80))).cast<std::string>();
         if (r.stdout_data.size() > 80) s += "...";
         if (!r.stderr_data.empty()) {

@@ -193,13 +193,10 @@ def test_unknown_kind(client, still_fine):
 
 
 def test_exec_missing_binary(witness, still_fine):
-    with pytest.raises(dsec.NotFound) as e:
-        witness.exec(["/no/such/binary", "arg"])
-    assert "/no/such/binary" in str(e.value)
-    with pytest.raises(dsec.NotFound):
-        witness.exec(["no-such-binary-on-path"])
-    with pytest.raises(dsec.NotFound):
-        witness.exec(["true"], cwd="/no/such/dir")
+    r = witness.exec(["/no/such/binary", "arg"])
+    assert (r.exit_code, r.reason) == (127, "executable_not_found") and b"/no/such/binary" in r.stderr, r
+    assert witness.exec(["no-such-binary-on-path"]).exit_code == 127
+    assert witness.exec(["true"], cwd="/no/such/dir").reason == "cwd_not_found"
 
 
 def test_exec_bad_arguments(witness, still_fine):

@@ -73,11 +73,13 @@ def test_timeout_still_ends_with_a_result(sandbox):
     assert time.monotonic() - t0 < 15
 
 
-def test_a_missing_executable_is_not_found(sandbox):
+def test_a_missing_executable_is_a_result(sandbox):
     rec = Recorder()
-    with pytest.raises(dsec.NotFound):
-        sandbox.exec(["/no/such/binary"], on_output=rec)
-    assert rec.chunks == []
+    r = sandbox.exec(["/no/such/binary"], on_output=rec)
+    assert (r.exit_code, r.reason) == (127, "executable_not_found"), r
+    # Streamed: the line comes through the callback, like any other output.
+    assert b"/no/such/binary: command not found" in rec.joined("stderr"), rec.chunks
+    rec = Recorder()
     # An exec that never prints and fails in the shell is a result, not an error.
     r = sandbox.exec("exit 7", on_output=rec)
     assert r.exit_code == 7 and rec.chunks == []
@@ -144,10 +146,17 @@ def test_wire_format_is_chunked_ndjson(sandbox, agent):
     assert result["exit_code"] == 0 and result["stdout"] == "" and result["stderr"] == ""
     assert result["stdout_truncated"] is False and result["timed_out"] is False
 
+    # A missing executable is a streamed result like any other: its line on stderr, then exit code 127 and why.
+    missing = json.dumps({"argv": ["/no/such/binary"], "stream": True}).encode()
+    res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sandbox.id}/exec", missing)
+    assert res.status == 200, res
+    lines = [json.loads(line) for line in _dechunk(res.body).split(b"\n") if line]
+    assert (lines[-1]["result"]["exit_code"], lines[-1]["result"]["reason"]) == (127, "executable_not_found"), lines
+    assert b"command not found" in b"".join(base64.b64decode(l["stderr"]) for l in lines if "stderr" in l)
     # Errors before any output keep the plain error answer; a non-boolean stream is refused.
-    bad = json.dumps({"argv": ["/no/such/binary"], "stream": True}).encode()
+    bad = json.dumps({"argv": ["true"], "user": "no-such-user", "stream": True}).encode()
     res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sandbox.id}/exec", bad)
-    assert res.status == 404 and res.json()["code"] == "NOT_FOUND", res
+    assert res.status == 400 and res.json()["code"] == "INVALID_ARGUMENT", res
     res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sandbox.id}/exec",
                            json.dumps({"shell": "true", "stream": "yes"}).encode())
     assert res.status == 400 and "stream" in res.json()["message"], res

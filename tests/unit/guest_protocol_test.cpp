@@ -704,25 +704,23 @@ TEST(GuestChannel, ExecStdinGoesInChunksThenCloses) {
   EXPECT_EQ(total, data.size());
 }
 
-TEST(GuestChannel, ExecThatCannotStartIsTheStartError) {
+TEST(GuestChannel, ExecThatCannotStartForWhatItNamesIsAResult) {
   FakeGuest guest(pretend_commands);
   GuestChannel channel(guest.take_agent_end(), "sb");
-  try {
-    channel.exec(exec_start({"fail"}), "", 10, {});
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Code::kNotFound);
-    EXPECT_NE(std::string(e.what()).find("fail"), std::string::npos) << e.what();
-  }
+  std::string streamed;
+  ExecResult r = channel.exec(exec_start({"fail"}), "", 10, [&](int fd, std::string_view d) {
+    if (fd == 2) streamed += d;
+  });
+  EXPECT_EQ(r.exit_code, 127);
+  EXPECT_EQ(r.reason, "executable_not_found");
+  EXPECT_NE(r.stderr_data.find("fail"), std::string::npos) << r.stderr_data;
+  EXPECT_EQ(streamed, r.stderr_data);  // a streaming caller sees the same line
   gp::ExecStart start = exec_start({"nocwd"});
   start.cwd = "/no/such/dir";
-  try {
-    channel.exec(start, "", 10, {});
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Code::kNotFound);
-    EXPECT_NE(std::string(e.what()).find("/no/such/dir"), std::string::npos) << e.what();
-  }
+  r = channel.exec(start, "", 10, {});
+  EXPECT_EQ(r.exit_code, 127);
+  EXPECT_EQ(r.reason, "cwd_not_found");
+  EXPECT_NE(r.stderr_data.find("/no/such/dir"), std::string::npos) << r.stderr_data;
   // The channel goes on serving.
   EXPECT_EQ(channel.exec(exec_start({"echo", "ok"}), "", 10, {}).stdout_data, "ok\n");
 }

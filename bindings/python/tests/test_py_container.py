@@ -51,9 +51,10 @@ def test_exec_signal(sb):
     assert r.exit_code == -1 and r.signal == 9
 
 
-def test_missing_executable_is_an_error(sb):
-    with pytest.raises(dsec.DsecError):
-        sb.exec(["/no/such/binary"])
+def test_missing_executable_is_a_result_not_an_error(sb):
+    r = sb.exec(["/no/such/binary"])
+    assert (r.exit_code, r.reason, r.ok) == (127, "executable_not_found", False), r
+    assert "reason='executable_not_found'" in repr(r)
 
 
 def test_files_seen_by_commands(sb, tmp_path):

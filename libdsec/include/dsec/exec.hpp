@@ -33,6 +33,10 @@ struct ExecResult {
   bool stderr_truncated = false;
   bool timed_out = false;
   double duration_seconds = 0;
+  // Why the command did not run, when what it named was not there (a result like a shell's, never an exception:
+  // what the task's command does is the task's): "executable_not_found" (exit code 127), "not_executable" (126),
+  // "cwd_not_found" (127), "cwd_not_accessible" (126); stderr then says it in words. Empty when it ran.
+  std::string reason;
 };
 
 }  // namespace dsec

@@ -573,14 +573,16 @@ ExecRequest decode_exec_request(const json& j) {
 }
 
 json encode(const ExecResult& r) {
-  return json{{"exit_code", r.exit_code},
-              {"signal", r.signal},
-              {"stdout", base64_encode(r.stdout_data)},
-              {"stderr", base64_encode(r.stderr_data)},
-              {"stdout_truncated", r.stdout_truncated},
-              {"stderr_truncated", r.stderr_truncated},
-              {"timed_out", r.timed_out},
-              {"duration", r.duration_seconds}};
+  json j{{"exit_code", r.exit_code},
+         {"signal", r.signal},
+         {"stdout", base64_encode(r.stdout_data)},
+         {"stderr", base64_encode(r.stderr_data)},
+         {"stdout_truncated", r.stdout_truncated},
+         {"stderr_truncated", r.stderr_truncated},
+         {"timed_out", r.timed_out},
+         {"duration", r.duration_seconds}};
+  if (!r.reason.empty()) j["reason"] = r.reason;
+  return j;
 }
 
 ExecResult decode_exec_result(const json& j) {
@@ -594,6 +596,7 @@ ExecResult decode_exec_result(const json& j) {
   r.stderr_truncated = member(j, "stderr_truncated", false);
   r.timed_out = member(j, "timed_out", false);
   r.duration_seconds = member(j, "duration", 0.0);
+  r.reason = member(j, "reason", "");
   return r;
 }
 

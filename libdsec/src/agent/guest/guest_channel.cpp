@@ -271,6 +271,11 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
     gp::Reader r(first.payload);
     int err = r.i32();
     auto stage = static_cast<init_protocol::FailStage>(r.i32());
+    if (auto result = init::start_failure_result(err, stage, argv0, cwd)) {
+      result->duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+      if (sink) sink(2, result->stderr_data);
+      return *result;
+    }
     throw init::start_error(err, stage, argv0, cwd, user);
   }
   if (first.type != Type::kStarted) throw Error(Code::kInternal, "guest: unexpected answer to exec");

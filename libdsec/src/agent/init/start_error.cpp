@@ -37,4 +37,24 @@ Error start_error(int err, init_protocol::FailStage stage, const std::string& ar
   }
 }
 
+std::optional<ExecResult> start_failure_result(int err, init_protocol::FailStage stage, const std::string& argv0,
+                                               const std::string& cwd) {
+  using init_protocol::FailStage;
+  const bool exec = stage == FailStage::kExec;
+  if (!exec && stage != FailStage::kChdir) return std::nullopt;
+  const bool missing = err == ENOENT || err == ENOTDIR;
+  ExecResult r;
+  r.exit_code = missing ? 127 : 126;
+  if (exec) {
+    r.reason = missing ? "executable_not_found" : "not_executable";
+    r.stderr_data = missing ? fmt::format("dsec: {}: command not found\n", argv0)
+                            : fmt::format("dsec: {}: cannot execute: {}\n", argv0, std::strerror(err));
+  } else {
+    r.reason = missing ? "cwd_not_found" : "cwd_not_accessible";
+    r.stderr_data = missing ? fmt::format("dsec: working directory {}: no such directory\n", cwd)
+                            : fmt::format("dsec: working directory {}: {}\n", cwd, std::strerror(err));
+  }
+  return r;
+}
+
 }  // namespace dsec::init

@@ -308,6 +308,11 @@ class ContainerSandbox final : public BackendSandbox {
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
     if (reply.type == ReplyType::kFailed) {
+      if (auto r = init::start_failure_result(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd)) {
+        r->duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+        if (sink) sink(2, r->stderr_data);
+        return *r;
+      }
       throw init::start_error(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd,
                               fmt::format("uid {}, gid {}", command.uid, command.gid));
     }
