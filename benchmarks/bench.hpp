@@ -149,6 +149,13 @@ struct ExecBenchResult {
   Latency dsec, dsec_agent_side, host;
   std::string host_binary;
   CpuUse cpu;
+  // After an idle gap (an agent loop's think time between steps): the same exec and host spawn, each after
+  // sleeping gap_ms.
+  struct AfterGap {
+    double gap_ms = 0;
+    Latency dsec, dsec_agent_side, host;
+  };
+  std::vector<AfterGap> after_gaps;
 };
 
 struct DensityResult {

@@ -1,6 +1,9 @@
 // dsec-bench exec: the round trip of `true` in a live sandbox (client -> agent -> the sandbox's init -> fork/exec
 // -> exit -> back), next to a plain posix_spawn + wait of the same static binary on the host, from this process.
 // The two alternate, so both see the same load.
+#include <chrono>
+#include <thread>
+
 #include <fmt/format.h>
 
 #include "bench.hpp"
@@ -41,6 +44,26 @@ ExecBenchResult run_exec(const Options& options, Client& client, Peers& peers) {
     }
   }
   result.cpu = cpu.stop();
+
+  // Think time: an agent loop leaves seconds between steps, and what the kernel does for the first exec after a
+  // pause can differ from back to back. Fewer samples for the long gap, so that the run stays short.
+  for (double gap_ms : {50.0, 1000.0}) {
+    ExecBenchResult::AfterGap g;
+    g.gap_ms = gap_ms;
+    const std::size_t n = gap_ms >= 1000 ? std::max<std::size_t>(10, options.n / 10) : options.n;
+    for (std::size_t i = 0; i < n; ++i) {
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(gap_ms));
+      auto t0 = Clock::now();
+      ExecResult r = sb.exec(request);
+      g.dsec.add(ms_since(t0));
+      g.dsec_agent_side.add(r.duration_seconds * 1000);
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(gap_ms));
+      auto t1 = Clock::now();
+      peers.host_spawn();
+      g.host.add(ms_since(t1));
+    }
+    result.after_gaps.push_back(std::move(g));
+  }
   sb.destroy();
   return result;
 }

@@ -109,6 +109,11 @@ void print_exec(const ExecBenchResult& r) {
   print_row("dsec exec round trip (client)", r.dsec);
   print_row("  of which in the agent (ExecResult.duration)", r.dsec_agent_side);
   print_row("host posix_spawn + wait (same binary)", r.host);
+  for (const auto& g : r.after_gaps) {
+    print_row(fmt::format("after {:.0f} ms idle: dsec exec round trip", g.gap_ms), g.dsec);
+    print_row("  of which in the agent", g.dsec_agent_side);
+    print_row(fmt::format("after {:.0f} ms idle: host posix_spawn + wait", g.gap_ms), g.host);
+  }
   fmt::print("  host binary: {} as argv[0] \"true\"\n", r.host_binary);
 }
 
@@ -217,6 +222,11 @@ std::string markdown_report(const Report& report, const Options& o) {
     md += md_row("dsec `Sandbox::exec({\"true\"})`, client round trip", r.dsec);
     md += md_row("of which inside the agent (`ExecResult::duration_seconds`)", r.dsec_agent_side);
     md += md_row("host `posix_spawn` + `waitpid` of the same static busybox as `true`", r.host);
+    for (const auto& g : r.after_gaps) {
+      md += md_row(fmt::format("after {:.0f} ms idle: dsec exec, client round trip", g.gap_ms), g.dsec);
+      md += md_row(fmt::format("after {:.0f} ms idle: of which inside the agent", g.gap_ms), g.dsec_agent_side);
+      md += md_row(fmt::format("after {:.0f} ms idle: host posix_spawn + waitpid", g.gap_ms), g.host);
+    }
     md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, m.cores));
   }
   if (report.density) {

@@ -23,8 +23,19 @@ class SandboxCgroup {
   virtual std::vector<UniqueFd> open_procs() = 0;
   // Creates the child group for one exec and opens its cgroup.procs file(s).
   virtual std::vector<UniqueFd> create_exec_group(const std::string& name) = 0;
-  // Kills every process in the exec's group and stops new forks there.
+  // Kills every process in the exec's group and stops new forks there (the spared process excepted).
   virtual void kill_exec_group(const std::string& name) = 0;
+  // Moving a process between groups waits on the kernel after an idle spell (on cgroup v1 the write to
+  // cgroup.procs waits for an RCU grace period: 6-10 ms here, against 0.08 ms back to back), so an agent loop's
+  // exec after think time would pay it. place_in_exec_group moves `pid` (the sandbox's init) into a new exec group
+  // `name` off the exec's path, so that the next command init forks starts there with no move at all; false where
+  // the driver does not do this. spare(pid): the process kills of exec groups leave alone (init, which may sit in
+  // one).
+  virtual bool place_in_exec_group(const std::string& name, pid_t pid) { return false; }
+  // release_exec_group without removing anything now: the next release (or placement) does. A removal waits for
+  // the kernel's cgroup lock, which a placement under way holds through its wait.
+  virtual void end_exec_group(const std::string& name) { release_exec_group(name); }
+  virtual void spare(pid_t pid) {}
   // The exec of group `name` has ended: its group is removed once its processes have all ended (background processes
   // keep it), and so are earlier ended execs' groups that are empty now. Groups of execs still starting or running
   // are never touched (an empty group may be one whose command is about to join it).

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <chrono>
 #include <filesystem>
@@ -85,8 +86,9 @@ bool in_pids_group(int pid, const std::string& group) {
   return false;
 }
 
-// Kills every process listed in dir/cgroup.procs and in its child groups, until none is left (or ~2 s pass).
-void kill_group_tree(const std::string& pids_root, const std::string& dir) {
+// Kills every process listed in dir/cgroup.procs and in its child groups but `spare`, until none is left (or ~2 s
+// pass).
+void kill_group_tree(const std::string& pids_root, const std::string& dir, pid_t spare = 0) {
   std::string rel = dir.substr(pids_root.size());
   try {
     write_cgroup_file(dir + "/pids.max", "0");
@@ -100,7 +102,15 @@ void kill_group_tree(const std::string& pids_root, const std::string& dir) {
     for (const auto& entry : fs::recursive_directory_iterator(dir, ec))
       if (entry.is_directory())
         for (const auto& p : read_pids(entry.path().string() + "/cgroup.procs")) pids.push_back(p);
-    if (pids.empty()) return;
+    std::erase(pids, static_cast<int>(spare));
+    if (pids.empty()) {
+      // A group left holding the spared process alone forks again once it is placed elsewhere.
+      if (spare) try {
+          write_cgroup_file(dir + "/pids.max", "max");
+        } catch (const Error&) {
+        }
+      return;
+    }
     for (int pid : pids) {
       UniqueFd pfd(pidfd_open(pid));
       if (!pfd) continue;  // already gone
@@ -166,7 +176,33 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     return fds;
   }
 
-  void kill_exec_group(const std::string& name) override { kill_group_tree(h_.pids, dir(h_.pids) + "/" + name); }
+  void kill_exec_group(const std::string& name) override {
+    kill_group_tree(h_.pids, dir(h_.pids) + "/" + name, spare_.load());
+  }
+
+  bool place_in_exec_group(const std::string& name, pid_t pid) override {
+    std::string d = dir(h_.pids) + "/" + name;
+    make_dir(d);
+    {
+      std::lock_guard lock(mu_);
+      exec_groups_.insert(name);
+    }
+    try {
+      write_cgroup_file(d + "/cgroup.procs", std::to_string(pid));
+    } catch (...) {
+      std::lock_guard lock(mu_);
+      ended_groups_.insert(name);  // removed with the next release, being empty
+      throw;
+    }
+    return true;
+  }
+
+  void spare(pid_t pid) override { spare_.store(pid); }
+
+  void end_exec_group(const std::string& name) override {
+    std::lock_guard lock(mu_);
+    if (exec_groups_.count(name)) ended_groups_.insert(name);
+  }
 
   void release_exec_group(const std::string& name) override {
     std::lock_guard lock(mu_);
@@ -385,6 +421,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
   std::set<std::string> exec_groups_;   // every exec group that exists
   std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
   bool destroyed_ = false;
+  std::atomic<pid_t> spare_{0};
 };
 
 class CgroupV1Driver final : public CgroupDriver {

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -25,6 +26,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/init/init_protocol.hpp"
@@ -198,13 +200,17 @@ class ContainerSandbox final : public BackendSandbox {
         network_(std::move(network)),
         adopted_(adopted),
         exec_counter_(first_exec),
-        sleeping_(sleeping) {}
+        sleeping_(sleeping) {
+    cgroup_->spare(init_.pid);
+    schedule_init_placement();
+  }
 
   ~ContainerSandbox() override {
     try {
       destroy();
     } catch (...) {
     }
+    join_placement();
   }
 
   ExecResult exec(const ExecRequest& req, const OutputSink& sink) override {
@@ -250,7 +256,11 @@ class ContainerSandbox final : public BackendSandbox {
     if (payload.size() > init_protocol::kMaxRequestBytes)
       throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
 
-    std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
+    // The group init was placed in ahead of this exec, if there is one no exec has used: the command starts in it
+    // with no move (schedule_init_placement); otherwise a new group, which the command joins itself.
+    std::string group = take_init_group();
+    const bool placed = !group.empty();
+    if (!placed) group = "x" + std::to_string(exec_counter_.fetch_add(1));
     // Declared before the group's release below, so it goes after it: while the mark exists, an agent restart
     // takes the group for one whose caller is gone.
     std::optional<ExecMarker> marker;
@@ -262,7 +272,7 @@ class ContainerSandbox final : public BackendSandbox {
     }
     std::vector<UniqueFd> group_fds;
     try {
-      group_fds = cgroup_->create_exec_group(group);
+      if (!placed) group_fds = cgroup_->create_exec_group(group);
     } catch (const Error&) {
       check_running();
       throw;
@@ -272,13 +282,15 @@ class ContainerSandbox final : public BackendSandbox {
     struct ReleaseGroup {
       SandboxCgroup& cgroup;
       const std::string& group;
+      bool later;  // a group init was placed in: removed by the placement that moves init on (no wait here)
       ~ReleaseGroup() {
         try {
-          cgroup.release_exec_group(group);
+          if (later) cgroup.end_exec_group(group);
+          else cgroup.release_exec_group(group);
         } catch (...) {
         }
       }
-    } release_group{*cgroup_, group};
+    } release_group{*cgroup_, group, placed};
     Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
 
     UniqueFd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -307,6 +319,8 @@ class ContainerSandbox final : public BackendSandbox {
       check_running();
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
+    // Init forked the command (or tried): the next group is made and init moved there while this one runs.
+    if (placed) schedule_init_placement();
     if (reply.type == ReplyType::kFailed) {
       if (auto r = init::start_failure_result(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd)) {
         r->duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
@@ -622,6 +636,7 @@ class ContainerSandbox final : public BackendSandbox {
       }
       init_.pidfd.reset();
     }
+    join_placement();
     cgroup_->destroy();
     {
       std::lock_guard lock(network_mu_);
@@ -642,6 +657,50 @@ class ContainerSandbox final : public BackendSandbox {
     if (!alive())
       throw Error(Code::kFailedPrecondition,
                   fmt::format("sandbox {} is not running: its init process has exited", id_));
+  }
+
+  // Init is moved into the group of the next exec ahead of it, on a thread of its own (one at a time per sandbox),
+  // where the driver can (cgroup v1): that move waits on the kernel after an idle spell, which an agent loop's think
+  // time always is. The command init forks next then starts in that group with no move on the exec's path.
+  void schedule_init_placement() {
+    std::lock_guard lock(placement_mu_);
+    if (placing_ || placement_unsupported_ || destroyed_.load() || !init_group_.empty()) return;
+    if (placement_.joinable()) placement_.join();  // the last one, finished
+    placing_ = true;
+    std::string name = "x" + std::to_string(exec_counter_.fetch_add(1));
+    placement_ = std::thread([this, name] {
+      bool placed = false;
+      try {
+        placed = !destroyed_.load() && cgroup_->place_in_exec_group(name, init_.pid);
+        // The groups of ended execs that are empty now (the last one, init having left it) go.
+        if (placed) cgroup_->release_exec_group("");
+      } catch (const std::exception& e) {
+        if (!destroyed_.load()) log_warn("sandbox {}: placing init in the next exec's group: {}", id_, e.what());
+        placed = false;
+      }
+      std::lock_guard lock(placement_mu_);
+      if (placed) init_group_ = name;
+      else placement_unsupported_ = true;  // the driver does not (v2), or cannot here: execs join groups themselves
+      placing_ = false;
+      placed_.notify_all();
+    });
+  }
+
+  // The group init sits in for the next exec, taken by this exec; empty when there is none. A placement under way
+  // is waited for: the command's own move into a group of its own would wait on the same kernel work.
+  std::string take_init_group() {
+    std::unique_lock lock(placement_mu_);
+    placed_.wait_for(lock, std::chrono::milliseconds(50), [&] { return !placing_; });
+    return std::exchange(init_group_, std::string());
+  }
+
+  void join_placement() {
+    std::thread t;
+    {
+      std::lock_guard lock(placement_mu_);
+      t = std::move(placement_);
+    }
+    if (t.joinable()) t.join();
   }
 
   // The first link of a sandbox made without a network, into its namespace now. Holds network_mu_.
@@ -725,6 +784,12 @@ class ContainerSandbox final : public BackendSandbox {
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
   std::atomic<std::uint64_t> exec_counter_;
+  std::mutex placement_mu_;   // guards the three below
+  std::string init_group_;    // the exec group init sits in, unused by any exec yet; empty: none
+  bool placing_ = false;      // a placement thread is moving init
+  bool placement_unsupported_ = false;
+  std::condition_variable placed_;
+  std::thread placement_;
   std::mutex power_mu_;  // guards sleeping_ and running_execs_; held through a sleep or a wake
   bool sleeping_ = false;
   int running_execs_ = 0;
@@ -978,6 +1043,8 @@ class ContainerBackend final : public Backend {
 
     // Execs in flight when the old agent died lost their caller with it (their output went to its pipes): their
     // processes are killed with their groups. Groups of ended execs hold background processes, which stay.
+    // Init may sit in an exec group (placed there ahead of an exec): the kills below leave it alone.
+    cgroup->spare(pid);
     const fs::path markers = run_dir / kExecMarkers;
     std::set<std::string> in_flight;
     std::error_code ec;

@@ -58,7 +58,11 @@ bool process_in_cgroup(pid_t pid, const std::string& path, const std::string& ve
       std::istringstream cs(controllers);
       for (std::string c; std::getline(cs, c, ',');) wanted |= c == "pids";
     }
-    if (wanted) return line.substr(second + 1) == path;
+    // Its own group or one below it (init sits in an exec group of its sandbox between execs on cgroup v1).
+    if (wanted) {
+      const std::string at = line.substr(second + 1);
+      return at == path || at.starts_with(path + "/");
+    }
   }
   return false;
 }
