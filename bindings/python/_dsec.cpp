@@ -35,8 +35,8 @@ void raise_dsec_error(const dsec::Error& e) {
   try {
     py::object errors = py::module_::import("dsec.errors");
     const bool node_lost = dynamic_cast<const dsec::NodeLost*>(&e) != nullptr;
-    py::object exc =
-        errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable(), node_lost);
+    py::object exc = errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable(), node_lost,
+                                          e.infrastructure());
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   } catch (py::error_already_set& inner) {
     // dsec.errors itself failed to import: still raise something that says what went wrong.

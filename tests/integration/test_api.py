@@ -4,7 +4,9 @@ destroy, node info."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import signal
 import subprocess
 import tarfile
 import time
@@ -278,7 +280,8 @@ def test_destroy_during_exec(client, agent):
         assert r.signal == 9 or r.exit_code != 0, r
         assert r.duration < 30, r
     else:
-        assert isinstance(outcome["error"], (dsec.NotFound, dsec.Unavailable, dsec.FailedPrecondition)), outcome
+        assert isinstance(outcome["error"], (dsec.NotFound, dsec.Unavailable, dsec.FailedPrecondition,
+                                             dsec.SandboxLost)), outcome
     assert not agent.leftovers(sb.id)
 
 
@@ -309,3 +312,27 @@ def test_removing_an_image_keeps_its_layers_for_running_sandboxes(client, agent,
             points = [line.split()[4] for line in f]
         return [p for p in points if p.startswith(os.path.join(agent.run_dir, ".layers") + "/") and not p.endswith("/blobs")]
     assert lib.wait_for(lambda: not layer_mounts(), timeout=10), layer_mounts()
+
+
+def test_errors_say_whose_fault_they_are(client, agent):
+    """A name that does not exist is the request's fault; a sandbox whose init died (here: killed from the host, as
+    the host's OOM killer would) is the infrastructure's, so that a trainer masks that rollout and no other."""
+    with pytest.raises(dsec.RequestError) as e:
+        client.attach("no-such-sandbox").exec("true")
+    assert isinstance(e.value, dsec.NotFound) and not e.value.infra
+    sb = client.create(image="busybox", ttl=120)
+    try:
+        with open(os.path.join(agent.home, "state", "sandboxes", sb.id + ".json")) as f:
+            os.kill(int(json.load(f)["backend"]["init_pid"]), signal.SIGKILL)
+        assert lib.wait_for(lambda: sb.info().state == "failed", 10), sb.info()
+        with pytest.raises(dsec.InfraError) as e:
+            sb.exec("true")
+        assert isinstance(e.value, dsec.SandboxLost) and e.value.code == "FAILED_PRECONDITION", e.value
+        res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sb.id}/exec",
+                               json.dumps({"argv": ["true"]}).encode())
+        assert res.status == 412 and res.json()["fault"] == "infrastructure", res
+        res = lib.http_request(agent.socket_path, "POST", "/v1/sandboxes/no-such-sandbox/exec",
+                               json.dumps({"argv": ["true"]}).encode())
+        assert res.status == 404 and res.json()["fault"] == "request", res
+    finally:
+        sb.destroy()

@@ -218,6 +218,20 @@ def test_a_client_that_stops_reading_does_not_hold_the_timeout(sandbox, agent):
     assert sandbox.exec("echo fine").stdout == b"fine\n"
 
 
+def test_cli_run_takes_options_after_the_image(agent):
+    """`dsec run IMAGE [options] CMD`, as its usage line says: options after the image are options, the first word
+    that is not one starts the command, and "--" still ends the options for a command that starts with "-"."""
+    cli = subprocess.run([str(lib.DSEC_CLI), "--endpoint", agent.endpoint, "run", "busybox", "--workdir", "/tmp",
+                          "--env", "X=1", "sh", "-c", 'pwd; echo "$X"'], capture_output=True, timeout=60)
+    assert (cli.returncode, cli.stdout) == (0, b"/tmp\n1\n"), cli
+    cli = subprocess.run([str(lib.DSEC_CLI), "--endpoint", agent.endpoint, "run", "busybox", "--env", "Y=2", "--",
+                          "sh", "-c", 'echo "$Y"'], capture_output=True, timeout=60)
+    assert (cli.returncode, cli.stdout) == (0, b"2\n"), cli
+    cli = subprocess.run([str(lib.DSEC_CLI), "--endpoint", agent.endpoint, "run", "busybox", "--no-such-option",
+                          "true"], capture_output=True, timeout=60)
+    assert cli.returncode != 0 and b"unknown option --no-such-option" in cli.stderr, cli
+
+
 def test_cli_run_prints_output_live(agent):
     proc = subprocess.Popen([str(lib.DSEC_CLI), "--endpoint", agent.endpoint, "run", "busybox", "--", "sh", "-c",
                              "echo first; sleep 1.5; echo second >&2"],

@@ -538,7 +538,7 @@ def test_a_vm_that_stops_is_failed(how, vm, mvm, mclient):
         assert time.monotonic() - t0 < 15, f"the exec that stopped the VM took {time.monotonic() - t0:.1f}s"
         if "error" in outcome:
             e = outcome["error"]
-            assert isinstance(e, (dsec.FailedPrecondition, dsec.Unavailable)), repr(e)
+            assert isinstance(e, (dsec.FailedPrecondition, dsec.Unavailable, dsec.SandboxLost)), repr(e)
         else:
             r = outcome["result"]
             assert r.signal or r.exit_code != 0, r
@@ -556,9 +556,10 @@ def test_a_vm_that_stops_is_failed(how, vm, mvm, mclient):
         exec_cases.expect_error(res, 412, "FAILED_PRECONDITION")
         res = lib.http_request(mvm.socket_path, "GET", f"/v1/sandboxes/{sid}/files?path=/etc/passwd")
         exec_cases.expect_error(res, 412, "FAILED_PRECONDITION")
-        with pytest.raises(dsec.FailedPrecondition):
+        # The VM stopped: the infrastructure's failure, not the caller's (a trainer masks this rollout).
+        with pytest.raises(dsec.SandboxLost):
             sb.exec("true")
-        with pytest.raises(dsec.FailedPrecondition):
+        with pytest.raises(dsec.InfraError):
             sb.write_file("/tmp/x", b"x")
         assert metric(mvm, "dsec_sandboxes_failed_total", kind="microvm") == failed + 1
         assert sid in {i.id for i in mclient.list()}

@@ -1,7 +1,12 @@
 """dsec's exceptions: one class per error code of dsec's error model.
 
 Every error an agent or the client reports is a :class:`DsecError` with ``.code`` (the code's name, e.g.
-``"NOT_FOUND"``) and ``.retryable`` (whether the same call may succeed if simply tried again). The classes also
+``"NOT_FOUND"``), ``.retryable`` (whether the same call may succeed if simply tried again) and ``.infra``: whose
+failure it is. Every error is either an :class:`InfraError` (the infrastructure failed: a node lost, an agent
+unavailable, a sandbox that vanished, dsec's own fault; mask the rollout's loss or run it again) or a
+:class:`RequestError` (the call was wrong, named something that does not exist, or was not allowed: fix the call).
+What the task's command did is never an exception: ``exec`` returns it (exit code, signal, ``timed_out``,
+``reason``). docs/errors.md lists every code. The classes also
 derive from the built-in exception a Python user would expect: ``NotFound`` is a ``KeyError``,
 ``InvalidArgument`` a ``ValueError``, ``DeadlineExceeded`` a ``TimeoutError``, ``PermissionDenied`` a
 ``PermissionError``, ``Unavailable`` a ``ConnectionError``.
@@ -13,6 +18,9 @@ from __future__ import annotations
 
 __all__ = [
     "DsecError",
+    "InfraError",
+    "RequestError",
+    "SandboxLost",
     "Cancelled",
     "Unknown",
     "InvalidArgument",
@@ -39,12 +47,15 @@ class DsecError(Exception):
 
     code: str = "UNKNOWN"
     retryable: bool = False
+    infra: bool = False
 
-    def __init__(self, message: str = "", *, retryable: bool | None = None) -> None:
+    def __init__(self, message: str = "", *, retryable: bool | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if retryable is not None:
             self.retryable = retryable
+        if code is not None:
+            self.code = code
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -53,27 +64,49 @@ class DsecError(Exception):
         return f"{type(self).__name__}({self.message!r}, retryable={self.retryable})"
 
 
-class Cancelled(DsecError):
+class InfraError(DsecError):
+    """The infrastructure failed, not the request and not the task: a node lost, an agent unavailable, a sandbox
+    that vanished, a deadline the call could not meet, dsec's own fault. A trainer masks the rollout's loss (or runs
+    it again elsewhere) with one ``except dsec.InfraError``."""
+
+    infra = True
+
+
+class RequestError(DsecError):
+    """The request was wrong: a bad argument, a name that does not exist, a call not allowed, a quota or a state
+    that does not permit it. Retrying the same call does not help (``retryable`` says when waiting might)."""
+
+    infra = False
+
+
+class SandboxLost(InfraError):
+    """The sandbox is gone for reasons that are not the caller's: its init died (the host's OOM killer, a crash)
+    or its VM stopped. ``code`` is the wire's (``FAILED_PRECONDITION``); the sandbox's info says why."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class Cancelled(RequestError):
     code = "CANCELLED"
 
 
-class Unknown(DsecError):
+class Unknown(InfraError):
     code = "UNKNOWN"
 
 
-class InvalidArgument(DsecError, ValueError):
+class InvalidArgument(RequestError, ValueError):
     """A bad spec, path, size or request: fix the call, retrying will not help."""
 
     code = "INVALID_ARGUMENT"
 
 
-class DeadlineExceeded(DsecError, TimeoutError):
+class DeadlineExceeded(InfraError, TimeoutError):
     """The call's deadline passed (through all its retries)."""
 
     code = "DEADLINE_EXCEEDED"
 
 
-class NotFound(DsecError, KeyError):
+class NotFound(RequestError, KeyError):
     """No such sandbox, file or image."""
 
     code = "NOT_FOUND"
@@ -82,47 +115,47 @@ class NotFound(DsecError, KeyError):
     __str__ = DsecError.__str__
 
 
-class AlreadyExists(DsecError):
+class AlreadyExists(RequestError):
     code = "ALREADY_EXISTS"
 
 
-class PermissionDenied(DsecError, PermissionError):
+class PermissionDenied(RequestError, PermissionError):
     code = "PERMISSION_DENIED"
 
 
-class ResourceExhausted(DsecError):
+class ResourceExhausted(RequestError):
     """The node is full (cpu, memory, disk, pids) or a limit was hit; may succeed later."""
 
     code = "RESOURCE_EXHAUSTED"
     retryable = True
 
 
-class FailedPrecondition(DsecError):
+class FailedPrecondition(RequestError):
     """The system is not in a state that allows the call (a closed client, a destroyed sandbox, ...)."""
 
     code = "FAILED_PRECONDITION"
 
 
-class Aborted(DsecError):
+class Aborted(InfraError):
     code = "ABORTED"
     retryable = True
 
 
-class OutOfRange(DsecError):
+class OutOfRange(RequestError):
     code = "OUT_OF_RANGE"
 
 
-class Unimplemented(DsecError, NotImplementedError):
+class Unimplemented(RequestError, NotImplementedError):
     """The backend does not support this operation."""
 
     code = "UNIMPLEMENTED"
 
 
-class Internal(DsecError):
+class Internal(InfraError):
     code = "INTERNAL"
 
 
-class Unavailable(DsecError, ConnectionError):
+class Unavailable(InfraError, ConnectionError):
     """The node agent could not be reached or is shutting down."""
 
     code = "UNAVAILABLE"
@@ -136,11 +169,11 @@ class NodeLost(Unavailable):
     retryable = False
 
 
-class DataLoss(DsecError):
+class DataLoss(InfraError):
     code = "DATA_LOSS"
 
 
-class Unauthenticated(DsecError):
+class Unauthenticated(RequestError):
     code = "UNAUTHENTICATED"
 
 
@@ -172,8 +205,12 @@ def error_class(code: str) -> type[DsecError]:
     return _BY_CODE.get(code, Unknown)
 
 
-def _make(code: str, message: str, retryable: bool, node_lost: bool = False) -> DsecError:
-    """Called by the C++ binding to build the exception it raises."""
+def _make(code: str, message: str, retryable: bool, node_lost: bool = False, infra: bool | None = None) -> DsecError:
+    """Called by the C++ binding to build the exception it raises; ``infra`` is the error's fault where it differs
+    from its code's usual one (an agent says a FAILED_PRECONDITION is the infrastructure's: the sandbox is lost)."""
     if node_lost:
         return NodeLost(message, retryable=retryable)
-    return error_class(code)(message, retryable=retryable)
+    cls = error_class(code)
+    if infra and not cls.infra:
+        return SandboxLost(message, retryable=retryable, code=code)
+    return cls(message, retryable=retryable)

@@ -70,3 +70,30 @@ def test_parse_size():
     for bad in ("", "-1", "1X", True, 1.5, None):
         with pytest.raises(dsec.InvalidArgument):
             dsec.parse_size(bad)
+
+
+# Whose failure each code is (docs/errors.md); the C++ side's fault_of is the same table.
+INFRA_CODES = {"UNKNOWN", "DEADLINE_EXCEEDED", "ABORTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+
+
+@pytest.mark.parametrize("code,cls", sorted(CODES.items()))
+def test_every_error_is_the_infrastructures_or_the_requests(code, cls):
+    infra = code in INFRA_CODES
+    assert issubclass(cls, dsec.InfraError) is infra and issubclass(cls, dsec.RequestError) is not infra
+    e = errors._make(code, "x", False)
+    assert e.infra is infra
+    # What an agent says of one error overrides the code's usual fault only towards the infrastructure.
+    lost = errors._make(code, "x", False, infra=True)
+    assert lost.infra and isinstance(lost, dsec.InfraError) and not isinstance(lost, dsec.RequestError)
+    assert lost.code == code
+
+
+def test_a_lost_sandbox_is_an_infra_error_with_its_wire_code():
+    e = errors._make("FAILED_PRECONDITION", "sandbox s is not running: its init process has exited", False, infra=True)
+    assert type(e) is dsec.SandboxLost and e.code == "FAILED_PRECONDITION"
+    assert str(e) == "FAILED_PRECONDITION: sandbox s is not running: its init process has exited"
+    try:
+        raise e
+    except dsec.InfraError as caught:  # what a trainer writes to mask the rollout
+        assert caught is e
+    assert isinstance(errors._make("UNAVAILABLE", "gone", False, node_lost=True), dsec.InfraError)

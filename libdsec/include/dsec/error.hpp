@@ -42,20 +42,35 @@ int http_status(Code code) noexcept;
 // failures (UNAVAILABLE, ABORTED, RESOURCE_EXHAUSTED). DEADLINE_EXCEEDED is not: the overall deadline is gone.
 bool is_retryable(Code code) noexcept;
 
+// Whose failure an error is, for a trainer deciding what a failed rollout means (docs/errors.md): the
+// infrastructure's (a node lost, an agent unavailable, a sandbox that vanished, dsec's own fault: mask the rollout's
+// loss, or run it again elsewhere) or the request's (what the caller asked for is wrong, unknown or not allowed:
+// fix the call). What the task's command did is never an error: it is the ExecResult. Each code has its usual
+// fault (fault_of); an agent may say otherwise for one error (a call on a sandbox whose init died is
+// FAILED_PRECONDITION and the infrastructure's).
+enum class Fault { kRequest, kInfrastructure };
+Fault fault_of(Code code) noexcept;
+std::string_view fault_name(Fault fault) noexcept;  // "request", "infrastructure"
+
 class Error : public std::runtime_error {
  public:
   Error(Code code, std::string message)
-      : std::runtime_error(std::move(message)), code_(code), retryable_(is_retryable(code)) {}
+      : std::runtime_error(std::move(message)), code_(code), retryable_(is_retryable(code)), fault_(fault_of(code)) {}
   Error(Code code, std::string message, bool retryable)
-      : std::runtime_error(std::move(message)), code_(code), retryable_(retryable) {}
+      : std::runtime_error(std::move(message)), code_(code), retryable_(retryable), fault_(fault_of(code)) {}
+  Error(Code code, std::string message, bool retryable, Fault fault)
+      : std::runtime_error(std::move(message)), code_(code), retryable_(retryable), fault_(fault) {}
 
   Code code() const noexcept { return code_; }
   bool retryable() const noexcept { return retryable_; }
+  Fault fault() const noexcept { return fault_; }
+  bool infrastructure() const noexcept { return fault_ == Fault::kInfrastructure; }
   std::string_view code_name() const noexcept { return dsec::code_name(code_); }
 
  private:
   Code code_;
   bool retryable_;
+  Fault fault_;
 };
 
 // A call about a sandbox whose node is gone: it left the cluster (its registration lapsed) or stopped answering and

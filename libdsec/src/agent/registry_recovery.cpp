@@ -60,7 +60,8 @@ class GoneSandbox final : public BackendSandbox {
 
  private:
   Error gone() const {
-    return Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not running: {}", id_, why_));
+    return Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not running: {}", id_, why_), false,
+                 Fault::kInfrastructure);
   }
   std::string id_;
   Backend& backend_;

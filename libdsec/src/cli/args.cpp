@@ -81,7 +81,9 @@ ParsedArgs parse_args(const std::vector<std::string>& args, const std::vector<Op
       out.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i + 1), args.end());
       break;
     }
-    if (command_after > 0 && out.positional.size() >= command_after) {
+    // Past the positionals, options are still options (dsec run IMAGE --workdir DIR CMD); the first word that is
+    // not one starts the command.
+    if (command_after > 0 && out.positional.size() >= command_after && !(a.size() > 1 && a[0] == '-')) {
       out.command.assign(args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
       break;
     }

@@ -56,8 +56,10 @@ struct ParsedArgs {
 };
 
 // Parses a command's arguments. Global options are accepted anywhere before "--". Unknown options, missing values
-// and repeated single options are UsageErrors carrying `help`. With command_after > 0, the arguments after that
-// many positionals are the command (as after "--"), so `dsec exec ID ls -l` needs no "--".
+// and repeated single options are UsageErrors carrying `help`. With command_after > 0, the first word after that
+// many positionals that is not an option starts the command (as "--" does), so `dsec exec ID ls -l` needs no "--"
+// and `dsec run IMAGE --workdir /w make` takes --workdir as the option it is; a command that starts with "-" needs
+// "--".
 ParsedArgs parse_args(const std::vector<std::string>& args, const std::vector<OptionSpec>& spec, GlobalOptions& global,
                       const std::string& help, std::size_t command_after = 0);
 

@@ -233,7 +233,7 @@ HttpResponse ClientCore::call(const NodePtr& node, const HttpRequest& request, S
   }
   Error e = protocol::decode_error(body, static_cast<int>(r.status));
   throw Error(e.code(), fmt::format("{} {} on {}: {}", request.method, request.target, node->endpoint, e.what()),
-              e.retryable());
+              e.retryable(), e.fault());
 }
 
 NodePtr ClientCore::route(const std::string& id, SteadyClock::time_point deadline) {
@@ -899,10 +899,10 @@ ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
     } catch (const TransportError& e) {
       // An exec is not idempotent: once the agent may have it, running it twice is worse than failing.
       if (e.maybe_sent() && e.retryable())
-        throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false);
+        throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false, e.fault());
       throw;
     } catch (const Error& e) {
-      throw Error(e.code(), e.what(), false);
+      throw Error(e.code(), e.what(), false, e.fault());
     }
   });
   return protocol::decode_exec_result(parse_json(r, "POST /v1/sandboxes/{id}/exec"));
@@ -942,10 +942,10 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
       } catch (const TransportError& e) {
         // Like exec: once the agent may have the command, running it twice is worse than failing.
         if (e.maybe_sent() && e.retryable())
-          throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false);
+          throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false, e.fault());
         throw;
       } catch (const Error& e) {
-        throw Error(e.code(), e.what(), false);
+        throw Error(e.code(), e.what(), false, e.fault());
       }
     });
   } catch (const OutputCallbackFailed&) {

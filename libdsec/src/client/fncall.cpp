@@ -488,7 +488,7 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
   if (!any_answer && own_errors == 0 && (node_error || place_error)) {
     const Error& e = node_error ? *node_error : *place_error;
     throw Error(e.code(), fmt::format("run_code_many: no node could run any of the {} calls: {}", n, e.what()),
-                e.retryable());
+                e.retryable(), e.fault());
   }
   return results;
 }

@@ -56,4 +56,22 @@ bool is_retryable(Code code) noexcept {
   return code == Code::kUnavailable || code == Code::kAborted || code == Code::kResourceExhausted;
 }
 
+Fault fault_of(Code code) noexcept {
+  switch (code) {
+    case Code::kUnknown:
+    case Code::kDeadlineExceeded:
+    case Code::kAborted:
+    case Code::kInternal:
+    case Code::kUnavailable:
+    case Code::kDataLoss:
+      return Fault::kInfrastructure;
+    default:
+      return Fault::kRequest;  // the caller's arguments, names, rights, quota or timing
+  }
+}
+
+std::string_view fault_name(Fault fault) noexcept {
+  return fault == Fault::kInfrastructure ? "infrastructure" : "request";
+}
+
 }  // namespace dsec

@@ -945,7 +945,10 @@ NodeInfo decode_node_info(const json& j) {
 }
 
 json encode_error(const Error& e) {
-  return json{{"code", std::string(e.code_name())}, {"message", e.what()}, {"retryable", e.retryable()}};
+  return json{{"code", std::string(e.code_name())},
+              {"message", e.what()},
+              {"retryable", e.retryable()},
+              {"fault", std::string(fault_name(e.fault()))}};
 }
 
 Error decode_error(const json& j, int status) {
@@ -956,7 +959,10 @@ Error decode_error(const json& j, int status) {
     if (auto m = j.find("message"); m != j.end() && !m->is_null()) message = m->is_string() ? m->get<std::string>() : m->dump();
     bool retryable = is_retryable(code);
     if (auto r = j.find("retryable"); r != j.end() && r->is_boolean()) retryable = r->get<bool>();
-    return Error(code, message, retryable);
+    Fault fault = fault_of(code);
+    if (auto f = j.find("fault"); f != j.end() && f->is_string())
+      fault = f->get<std::string>() == "infrastructure" ? Fault::kInfrastructure : Fault::kRequest;
+    return Error(code, message, retryable, fault);
   }
   Code code = status == 404 ? Code::kNotFound
               : status == 400 ? Code::kInvalidArgument

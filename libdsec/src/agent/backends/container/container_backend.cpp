@@ -656,7 +656,8 @@ class ContainerSandbox final : public BackendSandbox {
     if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
     if (!alive())
       throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} is not running: its init process has exited", id_));
+                  fmt::format("sandbox {} is not running: its init process has exited", id_), false,
+                  Fault::kInfrastructure);
   }
 
   // Init is moved into the group of the next exec ahead of it, on a thread of its own (one at a time per sandbox),

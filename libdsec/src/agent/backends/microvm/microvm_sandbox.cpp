@@ -339,7 +339,8 @@ class MicroVmSandbox final : public BackendSandbox {
     if (!alive()) {
       std::lock_guard lock(release_mu_);
       throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} is not running: its VM stopped{}", id_, last_words_));
+                  fmt::format("sandbox {} is not running: its VM stopped{}", id_, last_words_), false,
+                  Fault::kInfrastructure);
     }
   }
 
