@@ -69,19 +69,27 @@ std::string number_range(std::uint32_t lo, std::uint32_t hi) {
   return lo == hi ? std::to_string(lo) : fmt::format("{}-{}", lo, hi);
 }
 
-// Collects the connection-tracking entries of one IPv4 address (either end of the original direction).
+// Collects the connection-tracking entries of one IPv4 address (either end of the original direction), but those
+// of connections the sandbox made that `still_allowed` (when given) says its rules allow now.
 struct Entries {
   std::uint32_t address_be = 0;
+  const std::function<bool(std::uint32_t, std::uint32_t, std::uint32_t)>* still_allowed = nullptr;
   std::vector<nf_conntrack*> found;
 };
 
 int collect(enum nf_conntrack_msg_type, struct nf_conntrack* ct, void* data) {
   auto* e = static_cast<Entries*>(data);
-  if (nfct_get_attr_u8(ct, ATTR_ORIG_L3PROTO) == AF_INET &&
-      (nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_SRC) == e->address_be ||
-       nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_DST) == e->address_be)) {
-    if (nf_conntrack* copy = nfct_clone(ct)) e->found.push_back(copy);
+  if (nfct_get_attr_u8(ct, ATTR_ORIG_L3PROTO) != AF_INET) return NFCT_CB_CONTINUE;
+  const bool made_by_it = nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_SRC) == e->address_be;
+  if (!made_by_it && nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_DST) != e->address_be) return NFCT_CB_CONTINUE;
+  if (made_by_it && e->still_allowed) {
+    const std::uint32_t proto = nfct_get_attr_u8(ct, ATTR_ORIG_L4PROTO);
+    const std::uint32_t port = proto == IPPROTO_TCP || proto == IPPROTO_UDP
+                                   ? ntohs(nfct_get_attr_u16(ct, ATTR_ORIG_PORT_DST))
+                                   : ::dsec::network::kNoPort;
+    if ((*e->still_allowed)(ntohl(nfct_get_attr_u32(ct, ATTR_ORIG_IPV4_DST)), proto, port)) return NFCT_CB_CONTINUE;
   }
+  if (nf_conntrack* copy = nfct_clone(ct)) e->found.push_back(copy);
   return NFCT_CB_CONTINUE;
 }
 
@@ -438,7 +446,7 @@ void NodeNetwork::apply_elements(const std::vector<std::string>& remove, const s
   if (!script.empty()) run(script, what);
 }
 
-void NodeNetwork::forget_connections(std::uint32_t address) {
+void NodeNetwork::forget_connections(std::uint32_t address, const AllowedNow* still_allowed) {
   // Entries the sandbox's connections left (libnetfilter_conntrack, over ctnetlink): with them gone, replies to a
   // connection the rules now forbid are no longer "established" and are dropped too. Without them, the sandbox's
   // own packets, checked one by one against its rules, are what cuts such a connection.
@@ -449,6 +457,7 @@ void NodeNetwork::forget_connections(std::uint32_t address) {
   }
   Entries entries;
   entries.address_be = htonl(address);
+  entries.still_allowed = still_allowed;
   nfct_callback_register(h, NFCT_T_ALL, collect, &entries);
   std::uint32_t family = AF_INET;
   if (nfct_query(h, NFCT_Q_DUMP, &family) != 0)
@@ -564,7 +573,29 @@ void NodeNetwork::forgetter() {
     std::vector<std::uint32_t> batch;
     batch.swap(to_forget_);
     lock.unlock();
-    for (std::uint32_t a : batch) forget_connections(a);
+    // What the sandbox's rules allow when the entries are read, not when the change was made: a connection it made
+    // under the new rules in between must not lose its entry (its replies would be dropped).
+    for (std::uint32_t a : batch) {
+      AllowedNow allowed;
+      {
+        std::lock_guard net(mu_);
+        if (Sandbox* s = by_address(a)) {
+          if (s->policy.mode == "open") {
+            allowed = [](std::uint32_t, std::uint32_t, std::uint32_t) { return true; };
+          } else if (s->policy.mode == "egress") {
+            auto boxes = ::dsec::network::compile_egress(s->policy);
+            for (const auto& [key, pin] : s->pins) {
+              auto pinned = ::dsec::network::compile_pin(s->policy, pin.rule, key.second);
+              boxes.insert(boxes.end(), pinned.begin(), pinned.end());
+            }
+            allowed = [boxes = std::move(boxes)](std::uint32_t d, std::uint32_t p, std::uint32_t port) {
+              return ::dsec::network::allows(boxes, d, p, port);
+            };
+          }
+        }
+      }
+      forget_connections(a, allowed ? &allowed : nullptr);
+    }
     lock.lock();
   }
 }

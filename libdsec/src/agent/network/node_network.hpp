@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -144,7 +145,10 @@ class NodeNetwork {
   NetworkUsage usage_of(const Sandbox& s, const std::map<std::string, std::uint64_t>& refused) const;
   std::map<std::string, std::uint64_t> refused_counters(const std::string& only = "") const;  // under mu_
   void apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add, const char* what);
-  void forget_connections(std::uint32_t address);
+  // Drops the tracking entries of `address`'s connections; with `still_allowed`, not those of connections the
+  // sandbox made that it says are allowed (destination, protocol, port; kNoPort for none).
+  using AllowedNow = std::function<bool(std::uint32_t, std::uint32_t, std::uint32_t)>;
+  void forget_connections(std::uint32_t address, const AllowedNow* still_allowed = nullptr);
   // After a rule change, off the caller's path: a dump of the kernel's whole connection table costs ~15 ms here.
   void forget_connections_later(std::uint32_t address);
   void forgetter();
