@@ -58,6 +58,9 @@ SPEC = {"image": "busybox", "kind": "container", "resources": {"cpu": 1, "memory
         "ttl": 600, "env": {"A": "1"}, "labels": {"team": "rl"}, "request_id": "r-1"}
 
 http_seeds = {
+    # What libFuzzer found: a chunked body whose chunk header arrives split over one-byte reads (Beast's parser asserts
+    # on it with Boost's assertions on; the agent's build has them off, see CMakeLists.txt).
+    "beast_chunk_header_split": b'\x00GET /v1/xec HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding:exec HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n, "timeout"\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1\xb1.1\r\nH\nGET /he HTTP/0.1\r\n.1\r\nHost: localhost\r\nEeamection: close\r\n\r\n',
     "node": b"\xff" + http("GET", "/v1/node"),
     "create": b"\x07" + http("POST", "/v1/sandboxes", json.dumps(SPEC), ["Content-Type: application/json"]),
     "list_keepalive": b"\x00" + http("GET", "/v1/sandboxes?label=team%3Drl&label=a=b&tenant=t1") +
