@@ -257,7 +257,7 @@ table inet {t} {{
 }
 
 std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const NetworkPolicy& policy,
-                                                   const std::map<std::pair<std::string, std::uint32_t>, Pin>& pins)
+                                                   const Pins& pins)
     const {
   const std::string addr = ipv4_to_string(a.sandbox_address());
   std::vector<std::string> out{fmt::format("ifaces {{ \"{}\" }}", a.interface),
@@ -276,12 +276,16 @@ std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const Net
   if (policy.mode == "egress") {
     add_boxes("allow", ::dsec::network::compile_egress(policy));
     // The pins of several names may overlap (one address, two names): the set needs them disjoint.
-    std::vector<::dsec::network::AllowedBox> pinned;
-    for (const auto& [key, pin] : pins) {
-      auto boxes = ::dsec::network::compile_pin(policy, pin.rule, key.second);
-      pinned.insert(pinned.end(), boxes.begin(), boxes.end());
-    }
-    add_boxes("pinned", ::dsec::network::make_disjoint(pinned));
+    add_boxes("pinned", ::dsec::network::make_disjoint(pin_boxes(policy, pins)));
+  }
+  return out;
+}
+
+std::vector<::dsec::network::AllowedBox> NodeNetwork::pin_boxes(const NetworkPolicy& policy, const Pins& pins) {
+  std::vector<::dsec::network::AllowedBox> out;
+  for (const auto& [key, pin] : pins) {
+    auto boxes = ::dsec::network::compile_pin(policy, pin.rule, key.second);
+    out.insert(out.end(), boxes.begin(), boxes.end());
   }
   return out;
 }
@@ -584,10 +588,8 @@ void NodeNetwork::forgetter() {
             allowed = [](std::uint32_t, std::uint32_t, std::uint32_t) { return true; };
           } else if (s->policy.mode == "egress") {
             auto boxes = ::dsec::network::compile_egress(s->policy);
-            for (const auto& [key, pin] : s->pins) {
-              auto pinned = ::dsec::network::compile_pin(s->policy, pin.rule, key.second);
-              boxes.insert(boxes.end(), pinned.begin(), pinned.end());
-            }
+            auto pinned = pin_boxes(s->policy, s->pins);
+            boxes.insert(boxes.end(), pinned.begin(), pinned.end());
             allowed = [boxes = std::move(boxes)](std::uint32_t d, std::uint32_t p, std::uint32_t port) {
               return ::dsec::network::allows(boxes, d, p, port);
             };

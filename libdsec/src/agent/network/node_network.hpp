@@ -120,19 +120,21 @@ class NodeNetwork {
     std::size_t rule = 0;  // the name rule that admitted it
     Clock::time_point expires;
   };
+  using Pins = std::map<std::pair<std::string, std::uint32_t>, Pin>;
   struct Sandbox {
     Attachment link;
     NetworkPolicy policy;
     std::vector<std::string> elements;  // "set { element }" lines of the table that are this sandbox's
     std::map<std::uint16_t, std::uint16_t> exposed;  // its port -> the node's port
-    std::map<std::pair<std::string, std::uint32_t>, Pin> pins;  // (name, address) the resolver handed out
+    Pins pins;  // (name, address) the resolver handed out
   };
   std::string exposed_element(const Sandbox& s, std::uint16_t port, std::uint16_t node_port) const;
   void release_node_port(std::uint16_t node_port);
   void ensure_table();  // under mu_
   // The sandbox's rules and pins as set elements.
-  std::vector<std::string> elements_of(const Attachment& a, const NetworkPolicy& policy,
-                                       const std::map<std::pair<std::string, std::uint32_t>, Pin>& pins = {}) const;
+  std::vector<std::string> elements_of(const Attachment& a, const NetworkPolicy& policy, const Pins& pins = {}) const;
+  // What the sandbox's pins admit, box by box (they may overlap).
+  static std::vector<::dsec::network::AllowedBox> pin_boxes(const NetworkPolicy& policy, const Pins& pins);
   // Puts elements_of(s) in force in one transaction (under mu_); whether any element went.
   bool commit(Sandbox& s, const char* what);
   Sandbox* by_address(std::uint32_t address);  // under mu_
