@@ -579,3 +579,47 @@ def test_kill_9_during_a_snapshot(own_home):
                 kill_everything_left(agent)
                 agent.remove_husks()
         shutil.rmtree(a.run_dir, ignore_errors=True)
+
+
+def test_processes_and_sessions_survive_kill_9(own_home):
+    """A sandbox's init keeps its processes and shell sessions: after kill -9 of the agent, the next agent reads a
+    process's output from the start, writes its stdin, and runs in the session with its directory and exports."""
+    a = start_agent(own_home)
+    agents = [a]
+    try:
+        sb = create(a)
+        sid = sb["id"]
+        r = call(a, "POST", f"/v1/sandboxes/{sid}/sessions", {"name": "main"})
+        assert r.status == 200 and r.json()["alive"], r
+        r = call(a, "POST", f"/v1/sandboxes/{sid}/sessions/main/run", {"command": "cd /tmp && export KEPT=yes"})
+        assert r.status == 200 and r.json()["exit_code"] == 0, r
+        r = call(a, "POST", f"/v1/sandboxes/{sid}/processes",
+                 {"shell": "echo before; read line; echo got $line; exit 7"})
+        assert r.status == 200 and r.json()["running"], r
+        pid = r.json()["pid"]
+
+        a.proc.kill()
+        a.proc.wait(15)
+        b = start_agent(own_home)
+        agents.append(b)
+        assert info(b, sid)["state"] == "running"
+
+        sessions = call(b, "GET", f"/v1/sandboxes/{sid}/sessions").json()["sessions"]
+        assert [s["name"] for s in sessions] == ["main"] and sessions[0]["alive"], sessions
+        r = call(b, "POST", f"/v1/sandboxes/{sid}/sessions/main/run", {"command": "pwd; echo $KEPT"})
+        assert r.status == 200, r
+        assert base64.b64decode(r.json()["stdout"]) == b"/tmp\nyes\n", r.json()
+
+        r = call(b, "POST", f"/v1/sandboxes/{sid}/processes/{pid}/stdin?close=true", b"after the restart\n")
+        assert r.status == 200, r
+        r = call(b, "GET", f"/v1/sandboxes/{sid}/processes/{pid}?wait=10")
+        assert r.status == 200 and not r.json()["running"] and r.json()["exit_code"] == 7, r
+        out = call(b, "GET", f"/v1/sandboxes/{sid}/processes/{pid}/output?stdout=0").json()
+        assert base64.b64decode(out["stdout"]) == b"before\ngot after the restart\n", out
+        assert b.stop() == 0, b.log_tail()
+    finally:
+        for agent in agents:
+            agent.stop()
+            kill_everything_left(agent)
+            agent.remove_husks()
+        shutil.rmtree(a.run_dir, ignore_errors=True)

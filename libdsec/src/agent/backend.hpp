@@ -15,6 +15,7 @@
 #include "dsec/exec.hpp"
 #include "dsec/spec.hpp"
 #include "agent/layers/layer_image.hpp"
+#include "agent/processes/processes.hpp"
 #include "image/upper_tree.hpp"
 
 namespace dsec::agent {
@@ -80,6 +81,10 @@ class BackendSandbox {
   // (max_output_bytes still caps what is delivered, per stream) and the result's stdout/stderr stay empty; the
   // truncation flags say whether anything was dropped.
   virtual ExecResult exec(const ExecRequest& request, const OutputSink& sink = {}) = 0;
+
+  // The processes the sandbox keeps for its callers, shell sessions among them (agent/processes/); null when the
+  // backend keeps none. Lives as long as the sandbox.
+  virtual Processes* processes() { return nullptr; }
 
   // Paths are absolute paths inside the sandbox; they are resolved inside its root, never outside.
   virtual void write_file(std::string_view path, std::string_view data, unsigned mode) = 0;

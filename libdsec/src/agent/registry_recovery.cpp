@@ -50,6 +50,7 @@ class GoneSandbox final : public BackendSandbox {
   bool is_directory(std::string_view) override { throw gone(); }
   SleepReport sleep() override { throw gone(); }
   SleepReport wake() override { throw gone(); }
+  Processes* processes() override { throw gone(); }
   bool alive() override { return false; }
   void destroy() override {
     std::lock_guard lock(mutex_);

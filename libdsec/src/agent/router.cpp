@@ -9,13 +9,12 @@
 #include <fmt/ranges.h>
 
 #include "agent/backends/fncall/fncall_service.hpp"
+#include "agent/router_util.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
 namespace http = boost::beast::http;
 using protocol::json;
-
-namespace {
 
 HttpResponse text_response(http::status status, std::string body, std::string_view content_type) {
   HttpResponse res{status, 11};
@@ -53,6 +52,56 @@ void only_params(const Query& query, std::initializer_list<std::string_view> kno
                   fmt::format("query parameter '{}' is not known here (known: {})", key, fmt::join(known, ", ")));
   }
 }
+
+HttpResponse exec_answer(const HttpRequest& request, ResponseStream* stream, bool streaming, double timeout_seconds,
+                         const std::function<ExecResult(const OutputSink&)>& run) {
+  if (streaming && !stream)
+    throw Error(Code::kUnimplemented, "a streaming exec needs the agent's HTTP server, which this caller is not");
+  if (streaming && request.version() < 11)
+    throw Error(Code::kInvalidArgument, "stream: a streaming exec answers with chunked encoding, which needs HTTP/1.1");
+  if (!streaming) return json_response(http::status::ok, protocol::encode(run(OutputSink{})));
+
+  // A client that went away stops the writing, not the command: it runs to its end or timeout like any exec.
+  // A client that stops reading is dropped shortly after the command's deadline, so the timeout still holds (the
+  // command is killed by then); the final line waits for the client as long as any answer does (idle timeout).
+  const auto give_up_at = std::chrono::steady_clock::now() +
+                          std::chrono::microseconds(static_cast<std::int64_t>(timeout_seconds * 1e6)) +
+                          std::chrono::seconds(2);
+  bool client_gone = false;
+  auto send_line = [&](const json& line, bool last) {
+    if (!stream->begun()) {
+      HttpResponse head{http::status::ok, 11};
+      head.set(http::field::content_type, "application/x-ndjson");
+      head.set(http::field::cache_control, "no-store");
+      stream->begin(std::move(head));
+    }
+    std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace);
+    text += '\n';
+    client_gone = !(last ? stream->write(text) : stream->write(text, give_up_at));
+  };
+  OutputSink sink = [&](int fd, std::string_view data) {
+    if (client_gone) return;  // the command's output is read on, and dropped
+    send_line(json{{fd == 2 ? "stderr" : "stdout", protocol::base64_encode(data)}}, false);
+  };
+  ExecResult result;
+  try {
+    result = run(sink);
+  } catch (const Error& e) {
+    if (!stream->begun()) throw;
+    send_line(json{{"error", protocol::encode_error(e)}}, true);
+    return HttpResponse{http::status::ok, 11};
+  } catch (const std::exception& e) {
+    if (!stream->begun()) throw;
+    send_line(json{{"error", protocol::encode_error(Error(Code::kInternal, e.what()))}}, true);
+    return HttpResponse{http::status::ok, 11};
+  }
+  result.stdout_data.clear();
+  result.stderr_data.clear();
+  send_line(json{{"result", protocol::encode(result)}}, true);
+  return HttpResponse{http::status::ok, 11};
+}
+
+namespace {
 
 json sandbox_list(const std::vector<SandboxInfo>& infos) {
   json list = json::array();
@@ -273,6 +322,16 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
       return json_response(http::status::ok, protocol::encode(registry_.network_usage(target.sandbox_id)));
     }
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
+    case Route::kSandboxProcesses: return processes(request, target);
+    case Route::kSandboxProcess:
+    case Route::kSandboxProcessOutput:
+    case Route::kSandboxProcessStdin:
+    case Route::kSandboxProcessSignal:
+    case Route::kSandboxProcessResize: return process(request, target);
+    case Route::kSandboxSessions: return sessions(request, target);
+    case Route::kSandboxSession:
+    case Route::kSandboxSessionRun:
+    case Route::kSandboxSessionRestart: return session(request, target, stream);
     case Route::kSandboxSnapshot: return snapshot(request, target, who);
     case Route::kSandboxFork: return fork(request, target);
     case Route::kGroups: return groups(request, target, who);
@@ -397,60 +456,13 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
     }
   }
   ExecRequest exec_request = protocol::decode_exec_request(body);
-  if (streaming && !stream)
-    throw Error(Code::kUnimplemented, "a streaming exec needs the agent's HTTP server, which this caller is not");
-  if (streaming && request.version() < 11)
-    throw Error(Code::kInvalidArgument, "stream: a streaming exec answers with chunked encoding, which needs HTTP/1.1");
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
-  auto started = std::chrono::steady_clock::now();
-  auto done = [&] {
+  return exec_answer(request, stream, streaming, exec_request.timeout_seconds, [&](const OutputSink& sink) {
+    auto started = std::chrono::steady_clock::now();
+    ExecResult result = handle.sandbox->exec(exec_request, sink);
     metrics_.exec_done(handle.kind, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-  };
-  if (!streaming) {
-    ExecResult result = handle.sandbox->exec(exec_request);
-    done();
-    return json_response(http::status::ok, protocol::encode(result));
-  }
-
-  // A client that went away stops the writing, not the command: it runs to its end or timeout like any exec.
-  // A client that stops reading is dropped shortly after the command's deadline, so the timeout still holds (the
-  // command is killed by then); the final line waits for the client as long as any answer does (idle timeout).
-  const auto give_up_at = started +
-                          std::chrono::microseconds(static_cast<std::int64_t>(exec_request.timeout_seconds * 1e6)) +
-                          std::chrono::seconds(2);
-  bool client_gone = false;
-  auto send_line = [&](const json& line, bool last) {
-    if (!stream->begun()) {
-      HttpResponse head{http::status::ok, 11};
-      head.set(http::field::content_type, "application/x-ndjson");
-      head.set(http::field::cache_control, "no-store");
-      stream->begin(std::move(head));
-    }
-    std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace);
-    text += '\n';
-    client_gone = !(last ? stream->write(text) : stream->write(text, give_up_at));
-  };
-  OutputSink sink = [&](int fd, std::string_view data) {
-    if (client_gone) return;  // the command's output is read on, and dropped
-    send_line(json{{fd == 2 ? "stderr" : "stdout", protocol::base64_encode(data)}}, false);
-  };
-  ExecResult result;
-  try {
-    result = handle.sandbox->exec(exec_request, sink);
-  } catch (const Error& e) {
-    if (!stream->begun()) throw;
-    send_line(json{{"error", protocol::encode_error(e)}}, true);
-    return HttpResponse{http::status::ok, 11};
-  } catch (const std::exception& e) {
-    if (!stream->begun()) throw;
-    send_line(json{{"error", protocol::encode_error(Error(Code::kInternal, e.what()))}}, true);
-    return HttpResponse{http::status::ok, 11};
-  }
-  done();
-  result.stdout_data.clear();
-  result.stderr_data.clear();
-  send_line(json{{"result", protocol::encode(result)}}, true);
-  return HttpResponse{http::status::ok, 11};
+    return result;
+  });
 }
 
 // PUT: write one file (raw body) or extract a tar stream into a directory. GET: read one file, or a directory as

@@ -9,6 +9,7 @@
 #include "agent/auth/tokens.hpp"
 #include "agent/http.hpp"
 #include "agent/metrics.hpp"
+#include "agent/processes/shell_sessions.hpp"
 #include "agent/registry.hpp"
 #include "agent/routes.hpp"
 #include "agent/snapshots.hpp"
@@ -64,6 +65,12 @@ class Router {
   HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
+  // Processes and shell sessions (router_processes.cpp).
+  Processes& processes_of(const SandboxHandle& handle, const std::string& id);
+  HttpResponse processes(HttpRequest& request, const Target& target);
+  HttpResponse process(HttpRequest& request, const Target& target);
+  HttpResponse sessions(HttpRequest& request, const Target& target);
+  HttpResponse session(HttpRequest& request, const Target& target, ResponseStream* stream);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
   HttpResponse snapshot(HttpRequest& request, const Target& target, const auth::Principal& who);
@@ -83,6 +90,7 @@ class Router {
   Snapshots* snapshots_;
   fncall::FnCallService* fncall_;
   AccessPolicy access_;
+  ShellSessions sessions_;
 };
 
 }  // namespace dsec::agent

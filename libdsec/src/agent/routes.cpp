@@ -38,6 +38,16 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandboxNetwork: return "/v1/sandboxes/{id}/network";
     case Route::kSandboxPorts: return "/v1/sandboxes/{id}/ports";
     case Route::kSandboxNetworkUsage: return "/v1/sandboxes/{id}/network/usage";
+    case Route::kSandboxProcesses: return "/v1/sandboxes/{id}/processes";
+    case Route::kSandboxProcess: return "/v1/sandboxes/{id}/processes/{pid}";
+    case Route::kSandboxProcessOutput: return "/v1/sandboxes/{id}/processes/{pid}/output";
+    case Route::kSandboxProcessStdin: return "/v1/sandboxes/{id}/processes/{pid}/stdin";
+    case Route::kSandboxProcessSignal: return "/v1/sandboxes/{id}/processes/{pid}/signal";
+    case Route::kSandboxProcessResize: return "/v1/sandboxes/{id}/processes/{pid}/resize";
+    case Route::kSandboxSessions: return "/v1/sandboxes/{id}/sessions";
+    case Route::kSandboxSession: return "/v1/sandboxes/{id}/sessions/{name}";
+    case Route::kSandboxSessionRun: return "/v1/sandboxes/{id}/sessions/{name}/run";
+    case Route::kSandboxSessionRestart: return "/v1/sandboxes/{id}/sessions/{name}/restart";
     case Route::kGroups: return "/v1/groups";
     case Route::kGroup: return "/v1/groups/{id}";
     case Route::kGroupRenew: return "/v1/groups/{id}/renew";
@@ -143,6 +153,21 @@ Target parse_target(std::string_view target) {
         else if (parts.size() == 4 && parts[3] == "ports") out.route = Route::kSandboxPorts;
         else if (parts.size() == 5 && parts[3] == "network" && parts[4] == "usage")
           out.route = Route::kSandboxNetworkUsage;
+        else if (parts.size() == 4 && parts[3] == "processes") out.route = Route::kSandboxProcesses;
+        else if (parts.size() == 4 && parts[3] == "sessions") out.route = Route::kSandboxSessions;
+        else if (parts.size() >= 5 && parts.size() <= 6 && !parts[4].empty() &&
+                 (parts[3] == "processes" || parts[3] == "sessions")) {
+          const bool process = parts[3] == "processes";
+          std::string_view sub = parts.size() == 6 ? parts[5] : std::string_view();
+          if (parts.size() == 5) out.route = process ? Route::kSandboxProcess : Route::kSandboxSession;
+          else if (process && sub == "output") out.route = Route::kSandboxProcessOutput;
+          else if (process && sub == "stdin") out.route = Route::kSandboxProcessStdin;
+          else if (process && sub == "signal") out.route = Route::kSandboxProcessSignal;
+          else if (process && sub == "resize") out.route = Route::kSandboxProcessResize;
+          else if (!process && sub == "run") out.route = Route::kSandboxSessionRun;
+          else if (!process && sub == "restart") out.route = Route::kSandboxSessionRestart;
+          if (out.route != Route::kUnknown) out.item = percent_decode(parts[4], process ? "pid" : "session name");
+        }
         if (out.route != Route::kUnknown) out.sandbox_id = std::move(id);
       }
     } else if (parts.size() >= 2 && is(1, "groups")) {

@@ -28,6 +28,16 @@ enum class Route {
   kSandboxNetwork,  // /v1/sandboxes/{id}/network
   kSandboxPorts,    // /v1/sandboxes/{id}/ports
   kSandboxNetworkUsage,  // /v1/sandboxes/{id}/network/usage
+  kSandboxProcesses,       // /v1/sandboxes/{id}/processes
+  kSandboxProcess,         // /v1/sandboxes/{id}/processes/{pid}
+  kSandboxProcessOutput,   // /v1/sandboxes/{id}/processes/{pid}/output
+  kSandboxProcessStdin,    // /v1/sandboxes/{id}/processes/{pid}/stdin
+  kSandboxProcessSignal,   // /v1/sandboxes/{id}/processes/{pid}/signal
+  kSandboxProcessResize,   // /v1/sandboxes/{id}/processes/{pid}/resize
+  kSandboxSessions,        // /v1/sandboxes/{id}/sessions
+  kSandboxSession,         // /v1/sandboxes/{id}/sessions/{name}
+  kSandboxSessionRun,      // /v1/sandboxes/{id}/sessions/{name}/run
+  kSandboxSessionRestart,  // /v1/sandboxes/{id}/sessions/{name}/restart
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew
@@ -58,6 +68,7 @@ struct Target {
   std::string path;        // decoded path, without the query
   std::string sandbox_id;  // for the per-sandbox routes
   std::string group_id;    // for the per-group routes
+  std::string item;        // a process's pid or a session's name, for the routes under them (as given)
   Query query;
 };
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/capability.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -123,6 +124,11 @@ pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, 
       close(oom);
     }
     if (dup2(req.fds[0], 0) < 0 || dup2(req.fds[1], 1) < 0 || dup2(req.fds[2], 2) < 0) {
+      child_err = errno;
+      child_stage = static_cast<int>(FailStage::kRequest);
+      _exit(127);
+    }
+    if (req.controlling_tty && ioctl(0, TIOCSCTTY, 0) != 0) {
       child_err = errno;
       child_stage = static_cast<int>(FailStage::kRequest);
       _exit(127);

@@ -32,6 +32,8 @@ struct StartRequest {
   // users: with this set, the command gives up all of them (and the whole bounding set) before it execs, whatever
   // user it runs as, so it starts with no capability at all.
   bool drop_capabilities = false;
+  // stdin is a terminal that becomes the command's controlling terminal (it leads a new session already).
+  bool controlling_tty = false;
 };
 
 // Starts the command; returns its pid, or -1 with `err` and `stage` saying why not. `original_mask` is the signal

@@ -3,7 +3,7 @@
 // effective, to start commands as other users; every command gives them up before it execs). It reaps every process
 // that ends inside the sandbox (orphans re-parent to it) and starts a command each time the agent asks over
 // init.sock, so an exec costs one message and one fork+exec instead of a namespace entry. See init_protocol.hpp for
-// the wire.
+// the wire, and process_table.hpp for the processes it keeps (spawned commands and shell sessions).
 #include <fcntl.h>
 #include <linux/capability.h>
 #include <poll.h>
@@ -26,6 +26,7 @@
 #include "agent/init/command_start.hpp"
 #include "agent/init/init_main.hpp"
 #include "agent/init/init_protocol.hpp"
+#include "agent/init/process_table.hpp"
 
 namespace dsec::init {
 namespace {
@@ -51,11 +52,10 @@ bool read_exact(int fd, char* out, std::size_t n) {
   return true;
 }
 
-// Reads one StartRequest; false on a malformed or truncated one.
-bool read_request(int conn, StartRequest& req) {
-  std::uint32_t len = 0;
+// Reads a request's first u32 and the descriptors sent with it; false when the connection broke or sent too many.
+bool read_head(int conn, std::uint32_t& first, std::vector<int>& fds) {
   char cbuf[CMSG_SPACE(sizeof(int) * dsec::init_protocol::kMaxPassedFds)];
-  iovec iov{&len, sizeof len};
+  iovec iov{&first, sizeof first};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -71,13 +71,16 @@ bool read_request(int conn, StartRequest& req) {
       for (std::size_t i = 0; i < n; ++i) {
         int fd;
         std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-        req.fds.push_back(fd);
+        fds.push_back(fd);
       }
     }
   }
-  if (got != sizeof len || (msg.msg_flags & MSG_CTRUNC) || len > dsec::init_protocol::kMaxRequestBytes ||
-      req.fds.size() < 3)
-    return false;
+  return got == sizeof first && !(msg.msg_flags & MSG_CTRUNC);
+}
+
+// Reads the rest of one StartRequest whose length came first; false on a malformed or truncated one.
+bool read_request(int conn, std::uint32_t len, StartRequest& req) {
+  if (len > dsec::init_protocol::kMaxRequestBytes || req.fds.size() < 3) return false;
   std::string payload(len, '\0');
   if (!read_exact(conn, payload.data(), len)) return false;
 
@@ -92,6 +95,24 @@ bool read_request(int conn, StartRequest& req) {
   req.groups.assign(command.groups.begin(), command.groups.end());
   req.drop_capabilities = true;
   return true;
+}
+
+// Reads the rest of a process request (process_protocol.hpp) and has the table serve it.
+void serve_process_request(int conn, ProcessTable& table, std::vector<int>& fds) {
+  std::uint32_t head[2];
+  if (!read_exact(conn, reinterpret_cast<char*>(head), sizeof head) ||
+      head[1] > dsec::process_protocol::kMaxPayloadBytes) {
+    close_all(fds);
+    close(conn);
+    return;
+  }
+  std::string payload(head[1], '\0');
+  if (!read_exact(conn, payload.data(), payload.size())) {
+    close_all(fds);
+    close(conn);
+    return;
+  }
+  table.serve(conn, static_cast<dsec::process_protocol::Op>(head[0]), payload, fds);
 }
 
 // The capabilities dsec-init was started with (spawn.cpp: CAP_SETUID, CAP_SETGID, CAP_SETPCAP, ambient so that they
@@ -127,13 +148,18 @@ int run_container_init() {
   fcntl(kScratchFd, F_SETFD, FD_CLOEXEC);
 
   std::unordered_map<pid_t, int> waiting;  // command pid -> the agent connection awaiting its exit
-  pollfd fds[2] = {{kListenFd, POLLIN, 0}, {sfd, POLLIN, 0}};
+  ProcessTable table(original_mask, /*drop_capabilities=*/true);
+  std::vector<pollfd> fds;
   for (;;) {
-    int n = poll(fds, 2, -1);
+    fds.assign({{kListenFd, POLLIN, 0}, {sfd, POLLIN, 0}});
+    table.poll_fds(fds);
+    int n = poll(fds.data(), fds.size(), table.next_timeout_ms());
     if (n < 0) {
       if (errno == EINTR) continue;
       return 112;
     }
+    table.poll_done(fds, 2);
+    table.expire();
     if (fds[1].revents & POLLIN) {
       signalfd_siginfo info;
       while (read(sfd, &info, sizeof info) == sizeof info) {
@@ -141,6 +167,7 @@ int run_container_init() {
       int status;
       pid_t pid;
       while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        if (table.reaped(pid, status)) continue;
         auto it = waiting.find(pid);
         if (it == waiting.end()) continue;  // an orphan, or a background process: reaped, nobody to tell
         send_reply(it->second, ReplyType::kExited, status, 0);
@@ -154,7 +181,13 @@ int run_container_init() {
       timeval tv{10, 0};  // the agent sends its request at once; a stalled peer must not hold pid 1
       setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
       StartRequest req;
-      if (!read_request(conn, req)) {
+      std::uint32_t first = 0;
+      bool head = read_head(conn, first, req.fds);
+      if (head && first == dsec::process_protocol::kMagic) {
+        serve_process_request(conn, table, req.fds);
+        continue;
+      }
+      if (!head || !read_request(conn, first, req)) {
         send_reply(conn, ReplyType::kFailed, EINVAL, static_cast<std::int32_t>(FailStage::kRequest));
         close_all(req.fds);
         close(conn);

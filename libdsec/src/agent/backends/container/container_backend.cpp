@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/container/init_socket.hpp"
 #include "agent/init/init_protocol.hpp"
 #include "agent/exec_command.hpp"
 #include "agent/exec_user.hpp"
@@ -40,6 +41,7 @@
 #include "agent/backends/container/spawn.hpp"
 #include "agent/backends/container/user_namespace.hpp"
 #include "agent/network/node_network.hpp"
+#include "agent/processes/processes.hpp"
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 
@@ -179,14 +181,15 @@ struct Identity {
   std::optional<network::Attachment> link;    // its veth pair and /30, if it has a network
 };
 
-class ContainerSandbox final : public BackendSandbox {
+class ContainerSandbox final : public BackendSandbox, public InitProcesses {
  public:
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
                    std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout,
                    Identity identity, std::string cgroup_version, std::shared_ptr<UserNamespaces> userns,
                    std::shared_ptr<network::NodeNetwork> network, bool adopted = false, bool sleeping = false,
                    std::uint64_t first_exec = 0)
-      : reclaim_timeout_(reclaim_timeout),
+      : InitProcesses(id),
+        reclaim_timeout_(reclaim_timeout),
         id_(std::move(id)),
         spec_(std::move(spec)),
         run_dir_(std::move(run_dir)),
@@ -228,33 +231,10 @@ class ContainerSandbox final : public BackendSandbox {
       }
     } exec_count{*this};
     auto started = Clock::now();
-    ExecUser user = resolve_exec_user(spec_, req, [this](const std::string& path) -> std::optional<std::string> {
-      RootfsFiles root = files();  // outside the try: a sandbox destroyed meanwhile is NOT_FOUND as itself
-      try {
-        return root.read_file(path, kMaxUserDatabaseBytes);
-      } catch (const Error& e) {
-        if (e.code() == Code::kNotFound) return std::nullopt;
-        throw;
-      }
-    });
-    ExecCommand command = exec_command(spec_, req, hostname(), user);
+    ExecCommand command = resolve_command(req);
     const std::vector<std::string>& argv = command.argv;
     const std::string& cwd = command.cwd;
-
-    std::string payload;
-    append_u32(payload, static_cast<std::uint32_t>(argv.size()));
-    for (const auto& a : argv) append_str(payload, a);
-    append_u32(payload, static_cast<std::uint32_t>(command.env.size()));
-    for (const auto& kv : command.env_strings()) append_str(payload, kv);
-    append_str(payload, cwd);
-    if (command.named_user) {  // the user part (init_protocol.hpp); root by default goes without
-      append_u32(payload, command.uid);
-      append_u32(payload, command.gid);
-      append_u32(payload, static_cast<std::uint32_t>(command.groups.size()));
-      for (std::uint32_t g : command.groups) append_u32(payload, g);
-    }
-    if (payload.size() > init_protocol::kMaxRequestBytes)
-      throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
+    std::string payload = start_payload(command);
 
     // The group init was placed in ahead of this exec, if there is one no exec has used: the command starts in it
     // with no move (schedule_init_placement); otherwise a new group, which the command joins itself.
@@ -293,14 +273,12 @@ class ContainerSandbox final : public BackendSandbox {
     } release_group{*cgroup_, group, placed};
     Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
 
-    UniqueFd conn(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!conn) throw_errno(errno, "socket");
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, socket_path_.c_str(), sizeof addr.sun_path - 1);
-    if (retry_eintr([&] { return ::connect(conn.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr); }) != 0) {
+    UniqueFd conn;
+    try {
+      conn = connect_init(socket_path_, id_);
+    } catch (const Error&) {
       check_running();
-      throw_errno(errno, fmt::format("connect to the init of sandbox {}", id_));
+      throw;
     }
 
     std::string message;
@@ -308,14 +286,14 @@ class ContainerSandbox final : public BackendSandbox {
     message += payload;
     std::vector<int> pass{in.read.get(), out.write.get(), err.write.get()};
     for (const auto& fd : group_fds) pass.push_back(fd.get());
-    send_request(conn.get(), message, pass);
+    send_init_request(conn.get(), message, pass);
     in.read.reset();
     out.write.reset();
     err.write.reset();
     group_fds.clear();
 
     Reply reply{};
-    if (!read_reply(conn.get(), reply, started + std::chrono::seconds(30))) {
+    if (!read_init_reply(conn.get(), &reply, sizeof reply, started + std::chrono::seconds(30))) {
       check_running();
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
@@ -398,7 +376,7 @@ class ContainerSandbox final : public BackendSandbox {
       }
       if (i_conn >= 0 && fds[i_conn].revents) {
         Reply exit_reply{};
-        if (read_reply(conn.get(), exit_reply, Clock::now() + std::chrono::seconds(1)) &&
+        if (read_init_reply(conn.get(), &exit_reply, sizeof exit_reply, Clock::now() + std::chrono::seconds(1)) &&
             exit_reply.type == ReplyType::kExited) {
           status = exit_reply.a;
           exited_at = Clock::now();
@@ -422,6 +400,37 @@ class ContainerSandbox final : public BackendSandbox {
     result.stderr_truncated = cerr.truncated;
     result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
     return result;
+  }
+
+  Processes* processes() override { return this; }
+
+  std::variant<ProcessEntry, ExecResult> spawn(const ExecRequest& req, const SpawnOptions& options) override {
+    check_awake();
+    ExecCommand command = resolve_command(req);
+    std::string payload = spawn_payload(options, start_payload(command));
+    // The process gets an exec group of its own, as an exec does (no mark: an agent restart leaves it running).
+    std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
+    std::vector<UniqueFd> group_fds;
+    try {
+      group_fds = cgroup_->create_exec_group(group);
+    } catch (const Error&) {
+      check_running();
+      throw;
+    }
+    struct ReleaseGroup {
+      SandboxCgroup& cgroup;
+      const std::string& group;
+      ~ReleaseGroup() {
+        try {
+          cgroup.release_exec_group(group);
+        } catch (...) {
+        }
+      }
+    } release_group{*cgroup_, group};
+    std::vector<int> fds;
+    for (const auto& fd : group_fds) fds.push_back(fd.get());
+    std::string reply = exchange_with(process_protocol::Op::kSpawn, payload, fds, std::chrono::seconds(30));
+    return spawn_reply(reply, command.argv[0], command.cwd);
   }
 
   // The files API works as root inside: in a user namespace, with the file-system ids of its root.
@@ -652,6 +661,70 @@ class ContainerSandbox final : public BackendSandbox {
  private:
   std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
 
+  // Process requests to init (InitProcesses). A sandbox that sleeps has its init frozen: refused before, and a
+  // read that waits gives up when a sleep begins.
+  std::string exchange(process_protocol::Op op, const std::string& payload,
+                       std::chrono::milliseconds reply_within) override {
+    return exchange_with(op, payload, {}, reply_within);
+  }
+
+  std::string exchange_with(process_protocol::Op op, const std::string& payload, const std::vector<int>& fds,
+                            std::chrono::milliseconds reply_within) {
+    check_awake();
+    try {
+      return exchange_process_request(socket_path_, id_, op, payload, fds, Clock::now() + reply_within,
+                                      [this] { return sleeping_now() || destroyed_.load(); });
+    } catch (const Error&) {
+      check_awake();
+      throw;
+    }
+  }
+
+  bool sleeping_now() {
+    std::lock_guard lock(power_mu_);
+    return sleeping_;
+  }
+
+  void check_awake() {
+    check_running();
+    if (sleeping_now())
+      throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is sleeping; wake it first", id_));
+  }
+
+  // What an exec or a spawn runs: its argv, environment, directory and user (resolved in the sandbox's own
+  // /etc/passwd and /etc/group).
+  ExecCommand resolve_command(const ExecRequest& req) {
+    ExecUser user = resolve_exec_user(spec_, req, [this](const std::string& path) -> std::optional<std::string> {
+      RootfsFiles root = files();  // outside the try: a sandbox destroyed meanwhile is NOT_FOUND as itself
+      try {
+        return root.read_file(path, kMaxUserDatabaseBytes);
+      } catch (const Error& e) {
+        if (e.code() == Code::kNotFound) return std::nullopt;
+        throw;
+      }
+    });
+    return exec_command(spec_, req, hostname(), user);
+  }
+
+  // The command as init_protocol.hpp's start payload.
+  static std::string start_payload(const ExecCommand& command) {
+    std::string payload;
+    append_u32(payload, static_cast<std::uint32_t>(command.argv.size()));
+    for (const auto& a : command.argv) append_str(payload, a);
+    append_u32(payload, static_cast<std::uint32_t>(command.env.size()));
+    for (const auto& kv : command.env_strings()) append_str(payload, kv);
+    append_str(payload, command.cwd);
+    if (command.named_user) {  // the user part (init_protocol.hpp); root by default goes without
+      append_u32(payload, command.uid);
+      append_u32(payload, command.gid);
+      append_u32(payload, static_cast<std::uint32_t>(command.groups.size()));
+      for (std::uint32_t g : command.groups) append_u32(payload, g);
+    }
+    if (payload.size() > init_protocol::kMaxRequestBytes)
+      throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
+    return payload;
+  }
+
   void check_running() {
     if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
     if (!alive())
@@ -736,36 +809,6 @@ class ContainerSandbox final : public BackendSandbox {
     // The pid could have been reused between the liveness check and the open: check again through the pidfd.
     check_running();
     return RootfsFiles(std::move(root), identity_.userns_first);
-  }
-
-  static void send_request(int conn, const std::string& message, const std::vector<int>& fds) {
-    ssize_t sent = send_with_fds(conn, message, fds);
-    if (sent < 0) throw_errno(errno, "send exec request to init");
-    std::string_view rest(message);
-    rest.remove_prefix(static_cast<std::size_t>(sent));
-    while (!rest.empty()) {
-      ssize_t n = retry_eintr([&] { return ::send(conn, rest.data(), rest.size(), MSG_NOSIGNAL); });
-      if (n < 0) throw_errno(errno, "send exec request to init");
-      rest.remove_prefix(static_cast<std::size_t>(n));
-    }
-  }
-
-  static bool read_reply(int conn, Reply& reply, Clock::time_point deadline) {
-    char* p = reinterpret_cast<char*>(&reply);
-    std::size_t got = 0;
-    while (got < sizeof reply) {
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (ms <= 0) return false;
-      pollfd pfd{conn, POLLIN, 0};
-      int rc = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(ms, 1000)));
-      if (rc < 0 && errno != EINTR) return false;
-      if (rc <= 0) continue;
-      ssize_t n = ::recv(conn, p + got, sizeof reply - got, 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return false;
-      got += static_cast<std::size_t>(n);
-    }
-    return true;
   }
 
   std::chrono::milliseconds reclaim_timeout_;
