@@ -9,6 +9,7 @@
 
 #include "client/exec_stream.hpp"
 #include "common/protocol.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::detail {
 namespace {
@@ -108,14 +109,7 @@ TEST(ExecStreamDecoder, AnErrorLineIsTheAgentsErrorNeverRetried) {
   }
 }
 
-Code code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
+using test::code_of;
 
 TEST(ExecStreamDecoder, MalformedBodiesAreErrors) {
   auto fed = [](std::string body) {

@@ -1,6 +1,8 @@
 // The public headers a trainer includes pull in none of the heavy dependencies behind them (curl, nlohmann-json,
 // Boost, OpenSSL, fmt) and leak none of their macros. Included first, before anything else can bring those in.
 #include "dsec/dsec.hpp"
+#include "dsec/process.hpp"
+#include "dsec/session.hpp"
 
 #if defined(CURLINC_CURL_H) || defined(__CURL_CURL_H)
 #error "a public dsec header includes curl"
@@ -30,6 +32,20 @@ TEST(PublicHeaders, HandlesAreMoveOnlyAndClientIsMovable) {
   dsec::Sandbox empty;
   EXPECT_FALSE(static_cast<bool>(empty));
   EXPECT_THROW(empty.info(), dsec::Error);
+}
+
+TEST(PublicHeaders, ProcessAndSessionHandlesAreCopyableAndEmptyOnesRefuse) {
+  static_assert(std::is_copy_constructible_v<dsec::Process> && std::is_copy_constructible_v<dsec::Session>);
+  dsec::Sandbox empty;
+  EXPECT_THROW(empty.spawn({}), dsec::Error);
+  EXPECT_THROW(empty.process(1), dsec::Error);
+  EXPECT_THROW(empty.session("main"), dsec::Error);
+  dsec::Process process;
+  EXPECT_FALSE(static_cast<bool>(process));
+  EXPECT_THROW(process.info(), dsec::Error);
+  dsec::Session session;
+  EXPECT_FALSE(static_cast<bool>(session));
+  EXPECT_THROW(session.run("true"), dsec::Error);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "client/transport.hpp"
 #include "common/protocol.hpp"
 #include "dsec/client.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::detail {
 namespace {
@@ -196,14 +197,7 @@ ExecRequest shell_exec(std::string command, double timeout_seconds = 600) {
   return r;
 }
 
-Code code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
+using test::code_of;
 
 // What a roomy node says about itself: 8 cores, 64 GiB, the container and null backends.
 std::string node_json(const std::string& node) {

@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "dsec/exec.hpp"
+#include "dsec/process.hpp"
 #include "dsec/sandbox_info.hpp"
+#include "dsec/session.hpp"
 #include "dsec/spec.hpp"
 
 namespace dsec {
@@ -74,6 +76,22 @@ class Sandbox {
   // end or timeout). Never retried once the request may have reached the agent.
   ExecResult exec_stream(const ExecRequest& request,
                          const std::function<void(int fd, std::string_view data)>& on_output) const;
+
+  // Starts a command that outlives this call (a server, a REPL, a long build) and answers at once; see
+  // dsec/process.hpp. A command that cannot start is a process that ended at once (exit code 127 or 126 with
+  // reason, as exec gives it). RESOURCE_EXHAUSTED when 64 processes run in the sandbox. Never retried once the
+  // request may have reached the agent.
+  Process spawn(const ProcessRequest& request) const;
+  // A handle on process `pid` of this sandbox (spawned by any client); no call is made.
+  Process process(int pid) const;
+  // Every process spawned in the sandbox and not forgotten yet, running and ended, by pid.
+  std::vector<ProcessInfo> processes() const;
+  // Starts a persistent shell session (dsec/session.hpp). Never retried once the request may have reached the
+  // agent. RESOURCE_EXHAUSTED when the sandbox holds 16 sessions.
+  Session shell(const SessionOptions& options = {}) const;
+  // A handle on session `name` of this sandbox; no call is made.
+  Session session(std::string name) const;
+  std::vector<SessionInfo> sessions() const;
 
   // One file, by path inside the sandbox; parent directories are created. Paths never leave the sandbox root.
   void write_file(std::string_view path, std::string_view data, unsigned mode = 0644) const;

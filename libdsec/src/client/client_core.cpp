@@ -52,15 +52,6 @@ std::mt19937_64& thread_rng() {
   return rng;
 }
 
-protocol::json parse_json(const HttpResponse& r, std::string_view what) {
-  try {
-    return protocol::json::parse(r.body);
-  } catch (const protocol::json::exception& e) {
-    throw Error(Code::kInternal, fmt::format("{}: the agent answered HTTP {} with a body that is not JSON: {}", what,
-                                             r.status, e.what()));
-  }
-}
-
 std::vector<SandboxInfo> decode_sandbox_list(const HttpResponse& r, std::string_view what) {
   auto j = parse_json(r, what);
   auto it = j.find("sandboxes");
@@ -95,6 +86,15 @@ void run_workers(std::size_t workers, Fn&& fn) {
 }
 
 }  // namespace
+
+protocol::json parse_json(const HttpResponse& r, std::string_view what) {
+  try {
+    return protocol::json::parse(r.body);
+  } catch (const protocol::json::exception& e) {
+    throw Error(Code::kInternal, fmt::format("{}: the agent answered HTTP {} with a body that is not JSON: {}", what,
+                                             r.status, e.what()));
+  }
+}
 
 std::string random_request_id() {
   auto& rng = thread_rng();
@@ -690,9 +690,26 @@ void ClientCore::destroy_group(const std::string& group, const std::vector<std::
     throw Error(Code::kUnavailable, fmt::format("group {}: not destroyed on {}", group, fmt::join(failed, "; ")));
 }
 
-HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& request) {
-  auto deadline = deadline_after();
-  return retrying(deadline, [&] { return call(route(id, deadline), request, deadline); });
+HttpResponse ClientCore::call_once(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
+                                   milliseconds extra) {
+  try {
+    return call(node, request, deadline, extra);
+  } catch (const TransportError& e) {
+    // Once the agent may have the request, doing it twice is worse than failing.
+    if (e.maybe_sent() && e.retryable())
+      throw Error(e.code(), std::string(e.what()) + " (not retried: the agent may have acted on it)", false, e.fault());
+    throw;
+  } catch (const Error& e) {
+    throw Error(e.code(), e.what(), false, e.fault());
+  }
+}
+
+HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& request, SandboxCall how) {
+  auto deadline = deadline_after(how.extra);
+  return retrying(deadline, [&] {
+    NodePtr node = route(id, deadline);
+    return how.repeatable ? call(node, request, deadline, how.extra) : call_once(node, request, deadline, how.extra);
+  });
 }
 
 SandboxInfo ClientCore::get(const std::string& id) {
@@ -891,20 +908,8 @@ ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
   protocol::decode_exec_request(encoded);
   const std::string body = encoded.dump();
   const milliseconds exec_time{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)};
-  auto deadline = deadline_after(exec_time);
-  auto r = retrying(deadline, [&] {
-    NodePtr node = route(id, deadline);
-    try {
-      return call(node, http_request("POST", sandbox_path(id, "/exec"), body, kJson), deadline, exec_time);
-    } catch (const TransportError& e) {
-      // An exec is not idempotent: once the agent may have it, running it twice is worse than failing.
-      if (e.maybe_sent() && e.retryable())
-        throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false, e.fault());
-      throw;
-    } catch (const Error& e) {
-      throw Error(e.code(), e.what(), false, e.fault());
-    }
-  });
+  // An exec is not idempotent: once the agent may have it, running it twice is worse than failing.
+  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, "/exec"), body, kJson), {exec_time, false});
   return protocol::decode_exec_result(parse_json(r, "POST /v1/sandboxes/{id}/exec"));
 }
 
@@ -918,12 +923,17 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
   protocol::json encoded = protocol::encode(request);
   protocol::decode_exec_request(encoded);
   encoded["stream"] = true;
-  const std::string body = encoded.dump();
   const milliseconds exec_time{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)};
-  auto deadline = deadline_after(exec_time);
+  return stream_command(id, "/exec", encoded.dump(), exec_time, on_output);
+}
+
+ExecResult ClientCore::stream_command(const std::string& id, std::string_view suffix, const std::string& body,
+                                      milliseconds run_time,
+                                      const std::function<void(int fd, std::string_view data)>& on_output) {
+  auto deadline = deadline_after(run_time);
   std::exception_ptr callback_error;
   std::optional<ExecStreamDecoder> decoder;
-  HttpRequest http = http_request("POST", sandbox_path(id, "/exec"), body, kJson);
+  HttpRequest http = http_request("POST", sandbox_path(id, suffix), body, kJson);
   http.on_body = [&](std::string_view bytes) { decoder->feed(bytes); };
   try {
     retrying(deadline, [&] {
@@ -937,16 +947,8 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
           throw OutputCallbackFailed{};
         }
       });
-      try {
-        return call(node, http, deadline, exec_time);
-      } catch (const TransportError& e) {
-        // Like exec: once the agent may have the command, running it twice is worse than failing.
-        if (e.maybe_sent() && e.retryable())
-          throw Error(e.code(), std::string(e.what()) + " (not retried: the command may have started)", false, e.fault());
-        throw;
-      } catch (const Error& e) {
-        throw Error(e.code(), e.what(), false, e.fault());
-      }
+      // Like exec: once the agent may have the command, running it twice is worse than failing.
+      return call_once(node, http, deadline, run_time);
     });
   } catch (const OutputCallbackFailed&) {
     std::rethrow_exception(callback_error);

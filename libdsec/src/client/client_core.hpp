@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "client/discovery.hpp"
 #include "client/embedded_agent.hpp"
 #include "client/image_resolver.hpp"
@@ -27,6 +29,15 @@
 #include "dsec/spec.hpp"
 
 namespace dsec::detail {
+
+// How a call about a sandbox may be repeated, and how long each of its exchanges may take.
+struct SandboxCall {
+  // Beyond request_timeout for each exchange: a long poll's wait, a command's timeout.
+  std::chrono::milliseconds extra{0};
+  // False for a call that must not act twice (it starts something, writes bytes, sends a signal): it is not
+  // retried once the request may have reached the agent, and an error the agent answered is final.
+  bool repeatable = true;
+};
 
 class ClientCore {
  public:
@@ -76,6 +87,17 @@ class ClientCore {
   FnCallResult run_code(FnCallRequest request);
   std::vector<FnCallResult> run_code_many(const std::vector<FnCallRequest>& requests);
 
+  // A call about sandbox `id`: sent to the node that made it, retried as `how` allows under one fresh call
+  // deadline (call_deadline + how.extra).
+  HttpResponse call_sandbox(const std::string& id, const HttpRequest& request, SandboxCall how = {});
+  std::string sandbox_path(const std::string& id, std::string_view suffix = {}) const;
+  // A command whose answer streams as NDJSON (exec's "stream": true, a session run's): `body` POSTed to
+  // sandbox_path(id, suffix), each exchange allowed `run_time` beyond request_timeout; on_output and retries as
+  // exec_stream.
+  ExecResult stream_command(const std::string& id, std::string_view suffix, const std::string& body,
+                            std::chrono::milliseconds run_time,
+                            const std::function<void(int fd, std::string_view data)>& on_output);
+
   void write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode);
   std::string read_file(const std::string& id, std::string_view path);
   void upload_tar(const std::string& id, std::string_view dir, std::string_view tar_bytes);
@@ -97,6 +119,10 @@ class ClientCore {
   // Each exchange is bounded by request_timeout (+ `extra`, an exec's own timeout) within the call's deadline.
   HttpResponse call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
                     std::chrono::milliseconds extra = {});
+  // call() for a request that must not act twice: a transport failure after the request may have reached the
+  // agent, and any error the agent answered, are thrown as not retryable.
+  HttpResponse call_once(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
+                         std::chrono::milliseconds extra);
   // The node that made sandbox `id` (asks unidentified nodes for their ids when needed). NodeLost when that node has
   // left the cluster or is ejected.
   NodePtr route(const std::string& id, SteadyClock::time_point deadline);
@@ -117,9 +143,6 @@ class ClientCore {
   // timed out there and was made elsewhere). Best effort.
   void remove_strays(const NodePtr& node, const std::string& key, const std::string& value,
                      const std::vector<std::string>& keep, SteadyClock::time_point deadline);
-  // A call about sandbox `id`: sent to the node that made it, retried under one fresh call deadline.
-  HttpResponse call_sandbox(const std::string& id, const HttpRequest& request);
-  std::string sandbox_path(const std::string& id, std::string_view suffix = {}) const;
 
   ClientOptions options_;
   std::unique_ptr<EmbeddedAgent> agent_;
@@ -131,6 +154,9 @@ class ClientCore {
   std::mutex identify_mu_;             // one round of asking nodes for their ids at a time
   std::atomic<bool> closed_{false};
 };
+
+// An agent's answer as JSON; a body that is not JSON is INTERNAL naming `what` (the call).
+nlohmann::json parse_json(const HttpResponse& r, std::string_view what);
 
 // 32 hex digits from a random 128-bit value: request ids for creates that came without one.
 std::string random_request_id();

@@ -60,15 +60,6 @@ double call_seconds(const FnCallRequest& r) {
   return r.timeout_seconds + (r.language == "c" || r.language == "cpp" ? kCompileAllowanceSeconds : 0.0);
 }
 
-protocol::json parse_answer(const HttpResponse& r, std::string_view what) {
-  try {
-    return protocol::json::parse(r.body);
-  } catch (const protocol::json::exception& e) {
-    throw Error(Code::kInternal, fmt::format("{}: the agent answered HTTP {} with a body that is not JSON: {}", what,
-                                             r.status, e.what()));
-  }
-}
-
 FnCallResult error_result(Code code, std::string message) {
   FnCallResult r;
   r.error_code = std::string(code_name(code));
@@ -189,7 +180,7 @@ FnCallResult ClientCore::run_code(FnCallRequest request) {
     }
     FnCallResult result;
     try {
-      result = protocol::decode_fncall_result(parse_answer(r, "POST /v1/fncall"));
+      result = protocol::decode_fncall_result(parse_json(r, "POST /v1/fncall"));
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -389,7 +380,7 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
           check_open();
           return call(node, http_request("POST", "/v1/fncall/batch", text, kJson), deadline, run_time);
         });
-        protocol::json answer = parse_answer(r, "POST /v1/fncall/batch");
+        protocol::json answer = parse_json(r, "POST /v1/fncall/batch");
         auto it = answer.find("results");
         if (it == answer.end() || !it->is_array() || it->size() != chunk.calls.size())
           throw Error(Code::kInternal,
