@@ -22,9 +22,18 @@ Short stateless runs of code go to the nodes' warm pools instead of a sandbox of
         assert r.ok and r.stdout_text == "6\n"
         results = client.run_code_many([{"code": src, "stdin": t} for t in tests])  # in order, spread over nodes
 
+Commands that outlive a call, and shells whose state carries from one command to the next::
+
+        p = sb.spawn("python3 -m http.server 8000")      # a dsec.Process: answers at once
+        for chunk in p.stdout: ...                       # its output from the start, live until it ends
+        with sb.shell() as sh:                           # a dsec.Session
+            sh.run("cd /repo && export X=1")
+            assert sh.run("pwd; echo $X").stdout == b"/repo\n1\n"
+
 The package's modules: :mod:`dsec.client` (:class:`Client`), :mod:`dsec.sandbox` (:class:`Sandbox`,
-:class:`Snapshot`), :mod:`dsec.group` (:class:`SandboxGroup`), :mod:`dsec.fncall` (:func:`fncall_request`) and
-:mod:`dsec.errors`; everything public is importable from ``dsec`` itself.
+:class:`Snapshot`), :mod:`dsec.process` (:class:`Process`), :mod:`dsec.session` (:class:`Session`),
+:mod:`dsec.group` (:class:`SandboxGroup`), :mod:`dsec.fncall` (:func:`fncall_request`) and :mod:`dsec.errors`;
+everything public is importable from ``dsec`` itself.
 
 Errors are exceptions from :mod:`dsec.errors` (``dsec.NotFound``, ``dsec.Unavailable``, ...), each with ``.code``
 and ``.retryable``. A command that runs past its timeout is a result (``timed_out=True``), not an exception.
@@ -40,8 +49,11 @@ from ._types import (
     FnCallRequest,
     FnCallResult,
     NodeInfo,
+    ProcessInfo,
+    ProcessOutput,
     Resources,
     SandboxInfo,
+    SessionInfo,
     SleepResult,
     SnapshotResult,
 )
@@ -72,7 +84,9 @@ from .errors import (
 )
 from .fncall import fncall_request
 from .group import SandboxGroup
+from .process import Process
 from .sandbox import Sandbox, Snapshot
+from .session import Session
 
 __version__: str = _dsec.__version__
 PROTOCOL_VERSION: str = _dsec.PROTOCOL_VERSION
@@ -81,6 +95,11 @@ __all__ = [
     "Client",
     "Sandbox",
     "ExecResult",
+    "Process",
+    "ProcessInfo",
+    "ProcessOutput",
+    "Session",
+    "SessionInfo",
     "FnCallRequest",
     "FnCallResult",
     "fncall_request",

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 from . import _dsec
 from .errors import InvalidArgument
 from ._spec import _field_size, _network_dict, _network_policy, _policy_of, _str_map, _user
-from ._types import BytesLike, ExecResult, SandboxInfo, Size, SleepResult
+from ._types import BytesLike, ExecResult, ProcessInfo, SandboxInfo, SessionInfo, Size, SleepResult
+from .process import Process
+from .session import Session
 
 if TYPE_CHECKING:  # annotations only: the client module imports this one
     from .client import Client
@@ -96,17 +98,7 @@ class Sandbox:
         An exception raised by ``on_output`` aborts the call and is re-raised; the command itself runs on in the
         sandbox until it ends or times out.
         """
-        argv = None
-        shell = None
-        if isinstance(command, str):
-            shell = command
-        elif isinstance(command, (list, tuple)):
-            argv = list(command)
-            for a in argv:
-                if not isinstance(a, str):
-                    raise InvalidArgument(f"argv: every argument must be a str, got {a!r}")
-        else:
-            raise InvalidArgument(f"command: expected a str (shell) or a list of str (argv), got {type(command).__name__}")
+        argv, shell = _command(command)
         return self._sb.exec(
             argv=argv,
             shell=shell,
@@ -118,6 +110,75 @@ class Sandbox:
             on_output=on_output,
             user=_user(user),
         )
+
+    def spawn(
+        self,
+        command: Union[str, Sequence[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        pty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        tag: str | None = None,
+    ) -> Process:
+        """Starts a command that outlives this call (a server, a REPL, a long build) and returns its
+        :class:`Process` at once. ``command``, ``env``, ``cwd`` and ``user`` are as for :meth:`exec`.
+
+        The sandbox's init keeps its output, so it can be read from the start later, from any client
+        (``process.stdout``, ``process.output()``); its stdin stays open for :meth:`Process.write_stdin` until
+        :meth:`Process.close_stdin`. ``pty=True`` gives it a terminal of ``rows`` x ``cols`` (1 to 1000 each) as
+        stdin, stdout and stderr, so interactive programs work (everything arrives as stdout). ``tag`` (at most 128
+        bytes) is a label listed with it. A command that cannot start is a process that ended at once, as exec
+        gives it (exit code 127 with ``reason="executable_not_found"``, ...). At most 64 processes run in a sandbox
+        (:class:`ResourceExhausted`). Never retried once it may have reached the agent.
+        """
+        argv, shell = _command(command)
+        for field, value in (("rows", rows), ("cols", cols)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
+                raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
+        handle = self._sb.spawn(argv=argv, shell=shell, env=_str_map(env, "env"), cwd=cwd or "", user=_user(user),
+                                pty=bool(pty), rows=rows, cols=cols, tag=tag or "")
+        return Process(handle, self)
+
+    def process(self, pid: int) -> Process:
+        """The spawned process ``pid`` of this sandbox (started by any client); no call is made until it is used."""
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise InvalidArgument(f"pid: expected a positive int, got {pid!r}")
+        return Process(self._sb.process(pid), self)
+
+    def processes(self) -> list[ProcessInfo]:
+        """Every spawned process not forgotten yet, running and ended, by pid (sessions' shells are not listed)."""
+        return self._sb.processes()
+
+    def shell(
+        self,
+        shell: str | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        name: str | None = None,
+    ) -> Session:
+        """Starts a persistent shell session and returns its :class:`Session`: each :meth:`Session.run` executes in
+        the same shell, so ``cd``, ``export``, functions and aliases carry over. ``shell`` defaults to /bin/bash
+        where the sandbox has it, else /bin/sh; ``env``, ``cwd`` and ``user`` are as for :meth:`exec`. ``name`` (1
+        to 64 letters, digits, ``.``, ``_``, ``-``) must be new in the sandbox (:class:`AlreadyExists`); None lets
+        the agent name it. At most 16 sessions per sandbox (:class:`ResourceExhausted`)."""
+        handle = self._sb.shell(name=name or "", shell=shell or "", env=_str_map(env, "env"), cwd=cwd or "",
+                                user=_user(user))
+        return Session(handle, self)
+
+    def session(self, name: str) -> Session:
+        """The session named ``name`` of this sandbox (started by any client); no call is made until it is used."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"name: expected a session's name, got {name!r}")
+        return Session(self._sb.session(name), self)
+
+    def sessions(self) -> list[SessionInfo]:
+        """Every session of the sandbox, alive or ended (until closed or restarted)."""
+        return self._sb.sessions()
 
     def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:
         """Writes one file (``str`` data is UTF-8), creating parent directories. ``path`` is absolute inside the sandbox."""
@@ -261,6 +322,19 @@ class Sandbox:
 
     def __hash__(self) -> int:
         return hash(self.id)
+
+
+def _command(command: Union[str, Sequence[str]]) -> tuple[list[str] | None, str | None]:
+    """A command as exec and spawn take it: a str is shell text (``/bin/sh -c``), a list an argv. Returns (argv, shell)."""
+    if isinstance(command, str):
+        return None, command
+    if isinstance(command, (list, tuple)):
+        argv = list(command)
+        for a in argv:
+            if not isinstance(a, str):
+                raise InvalidArgument(f"argv: every argument must be a str, got {a!r}")
+        return argv, None
+    raise InvalidArgument(f"command: expected a str (shell) or a list of str (argv), got {type(command).__name__}")
 
 
 def _safe_extract(tar_bytes: bytes, dest: str) -> None:
