@@ -81,14 +81,25 @@ def client(agent):
     c.close()
 
 
-@pytest.fixture
-def sandbox(client, agent):
-    """One busybox sandbox, destroyed (and checked gone from the host) after the test."""
-    sb = client.create(image="busybox", ttl=600, memory="256Mi", pids=256)
+def _busybox_sandbox(client, agent, ttl: float):
+    sb = client.create(image="busybox", ttl=ttl, memory="256Mi", pids=256)
     yield sb
     sb.destroy()
     problems = agent.leftovers(sb.id)
     assert not problems, f"sandbox {sb.id} left things behind after destroy:\n  " + "\n  ".join(problems)
+
+
+@pytest.fixture
+def sandbox(client, agent):
+    """One busybox sandbox, destroyed (and checked gone from the host) after the test."""
+    yield from _busybox_sandbox(client, agent, ttl=600)
+
+
+@pytest.fixture(scope="module")
+def module_sandbox(client, agent):
+    """One busybox sandbox shared by a module's tests, destroyed (and checked gone) after the last of them: for
+    tests that leave it as they found it (they end what they start)."""
+    yield from _busybox_sandbox(client, agent, ttl=1800)
 
 
 @pytest.fixture(scope="session")
