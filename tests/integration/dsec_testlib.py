@@ -135,6 +135,19 @@ def raw_http(socket_path: str, request: bytes, *, body_chunks=(), timeout: float
         return _parse_response(_read_response(s, deadline))
 
 
+def dechunk(body: bytes) -> bytes:
+    """A chunked (Transfer-Encoding) body as the bytes it carries."""
+    out = b""
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return out
+        out += body[:size]
+        assert body[size:size + 2] == b"\r\n"
+        body = body[size + 2:]
+
+
 def http_request(socket_path: str, method: str, target: str, body: bytes = b"", headers: dict | None = None,
                  timeout: float = 15.0) -> RawResponse:
     lines = [f"{method} {target} HTTP/1.1", "Host: dsecd", "Connection: close", f"Content-Length: {len(body)}"]

@@ -117,18 +117,6 @@ def test_a_bad_callback_argument_is_refused(sandbox):
         sandbox.exec("echo x", on_output=42)
 
 
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while True:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            return out
-        out += body[:size]
-        assert body[size:size + 2] == b"\r\n"
-        body = body[size + 2:]
-
-
 def test_wire_format_is_chunked_ndjson(sandbox, agent):
     body = json.dumps({"shell": "printf 'a'; printf 'b' >&2; sleep 0.3; printf 'c'", "stream": True}).encode()
     res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sandbox.id}/exec", body,
@@ -136,7 +124,7 @@ def test_wire_format_is_chunked_ndjson(sandbox, agent):
     assert res.status == 200, res
     assert res.headers["content-type"] == "application/x-ndjson"
     assert res.headers["transfer-encoding"] == "chunked"
-    lines = [json.loads(line) for line in _dechunk(res.body).split(b"\n") if line]
+    lines = [json.loads(line) for line in lib.dechunk(res.body).split(b"\n") if line]
     assert all(len(line) == 1 for line in lines), lines
     out = b"".join(base64.b64decode(line["stdout"]) for line in lines if "stdout" in line)
     err = b"".join(base64.b64decode(line["stderr"]) for line in lines if "stderr" in line)
@@ -150,7 +138,7 @@ def test_wire_format_is_chunked_ndjson(sandbox, agent):
     missing = json.dumps({"argv": ["/no/such/binary"], "stream": True}).encode()
     res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sandbox.id}/exec", missing)
     assert res.status == 200, res
-    lines = [json.loads(line) for line in _dechunk(res.body).split(b"\n") if line]
+    lines = [json.loads(line) for line in lib.dechunk(res.body).split(b"\n") if line]
     assert (lines[-1]["result"]["exit_code"], lines[-1]["result"]["reason"]) == (127, "executable_not_found"), lines
     assert b"command not found" in b"".join(base64.b64decode(l["stderr"]) for l in lines if "stderr" in l)
     # Errors before any output keep the plain error answer; a non-boolean stream is refused.

@@ -597,6 +597,20 @@ def test_processes_and_sessions_survive_kill_9(own_home):
                  {"shell": "echo before; read line; echo got $line; exit 7"})
         assert r.status == 200 and r.json()["running"], r
         pid = r.json()["pid"]
+        # Exactly-once execs: one finished before the kill, one under way at it.
+        done = call(a, "POST", f"/v1/sandboxes/{sid}/exec", {"shell": "echo once >> /tmp/once; cat /tmp/once",
+                                                              "request_id": "before"})
+        assert done.status == 200, done
+        def cut_exec():
+            try:
+                call(a, "POST", f"/v1/sandboxes/{sid}/exec", {"shell": "sleep 300", "request_id": "cut", "timeout": 600},
+                     timeout=5)
+            except Exception:
+                pass  # the agent is killed under it
+
+        cut = threading.Thread(target=cut_exec, daemon=True)
+        cut.start()
+        assert lib.wait_for(lambda: "sleep 300" in sh(a, sid, "ps")[1], 10)
 
         a.proc.kill()
         a.proc.wait(15)
@@ -616,6 +630,15 @@ def test_processes_and_sessions_survive_kill_9(own_home):
         assert r.status == 200 and not r.json()["running"] and r.json()["exit_code"] == 7, r
         out = call(b, "GET", f"/v1/sandboxes/{sid}/processes/{pid}/output?stdout=0").json()
         assert base64.b64decode(out["stdout"]) == b"before\ngot after the restart\n", out
+
+        again = call(b, "POST", f"/v1/sandboxes/{sid}/exec", {"shell": "echo once >> /tmp/once; cat /tmp/once",
+                                                              "request_id": "before"})
+        assert again.status == 200 and again.json() == done.json(), again
+        unknown = call(b, "POST", f"/v1/sandboxes/{sid}/exec",
+                       {"shell": "sleep 300", "request_id": "cut", "timeout": 600})
+        assert unknown.status == 500 and unknown.json()["code"] == "DATA_LOSS", unknown
+        assert "outcome unknown" in unknown.json()["message"] and unknown.json()["fault"] == "infrastructure"
+        assert sh(b, sid, "cat /tmp/once")[1] == "once\n"  # the finished one did not run again
         assert b.stop() == 0, b.log_tail()
     finally:
         for agent in agents:

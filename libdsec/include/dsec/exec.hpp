@@ -22,6 +22,11 @@ struct ExecRequest {
   // groups from /etc/group, HOME, USER and LOGNAME from its entry unless env sets them), or "uid" / "uid:gid"
   // (0 to 65535 each). Empty: the sandbox's SandboxSpec::user (empty there too: root).
   std::string user;
+  // Makes the exec exactly-once on its sandbox (at most 128 bytes): a repeat with the same id, after a lost answer
+  // or an agent restart, returns the first call's result (waiting while it runs) and never runs the command again;
+  // the same id with another command is INVALID_ARGUMENT; an id whose command was under way when its agent stopped
+  // is DATA_LOSS, raised as dsec::OutcomeUnknown. The client fills one in for every exec it may retry.
+  std::string request_id;
 };
 
 struct ExecResult {

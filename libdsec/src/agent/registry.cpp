@@ -59,6 +59,7 @@ Registry::Registry(RegistryOptions options, Backends backends, ImageSource& imag
       images_(images),
       metrics_(metrics),
       request_log_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "requests.log"),
+      exec_journal_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "execs"),
       rng_(std::random_device{}()) {
   if (!options_.clock) options_.clock = unix_now;
   if (options_.batch_parallelism == 0) options_.batch_parallelism = 1;

@@ -302,6 +302,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       record->info.message = info.message;
     }
     remove_record_file(*record);
+    exec_journal_.drop(id);
     metrics_.sandbox_destroyed(info.kind);
   }
   return info;

@@ -406,6 +406,12 @@ RecoveryReport Registry::recover(bool adopt) {
              report.adopted, report.adopted == 1 ? "" : "es", report.failed, report.rolled_back,
              report.rolled_back == 1 ? "" : "s", report.destroyed, report.kept, report.unreadable,
              report.unreadable == 1 ? "" : "s", report.request_ids);
+  // Exec request ids are kept for the sandboxes that still have a record (taken over, failed, or kept for a later
+  // start); the others' are forgotten.
+  std::set<std::string> with_records;
+  for (const auto& e : std::filesystem::directory_iterator(options_.state_dir, ec))
+    if (e.path().extension() == ".json") with_records.insert(e.path().stem().string());
+  exec_journal_.retain(with_records);
   return report;
 }
 

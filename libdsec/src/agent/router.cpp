@@ -101,6 +101,37 @@ HttpResponse exec_answer(const HttpRequest& request, ResponseStream* stream, boo
   return HttpResponse{http::status::ok, 11};
 }
 
+ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id, const std::string& request_id,
+                            const std::string& fingerprint, const OutputSink& sink,
+                            const std::function<ExecResult(const OutputSink&)>& run) {
+  if (request_id.empty()) return run(sink);
+  bool ran = false;
+  ExecResult result = journal.run_once(sandbox_id, request_id, fingerprint, [&] {
+    ran = true;
+    if (!sink) return run(sink);
+    // Streamed: what is sent is kept too, for a repeat to be answered with.
+    std::string kept[2];
+    bool dropped[2] = {false, false};
+    ExecResult r = run([&](int fd, std::string_view data) {
+      const int i = fd == 2 ? 1 : 0;
+      std::size_t room = ExecJournal::kKeptOutput - std::min(ExecJournal::kKeptOutput, kept[i].size());
+      kept[i].append(data.substr(0, room));
+      dropped[i] = dropped[i] || data.size() > room;
+      sink(fd, data);
+    });
+    r.stdout_data = std::move(kept[0]);
+    r.stderr_data = std::move(kept[1]);
+    r.stdout_truncated = r.stdout_truncated || dropped[0];
+    r.stderr_truncated = r.stderr_truncated || dropped[1];
+    return r;
+  });
+  if (!ran && sink) {  // a repeat, streamed: the first call's output, as it was kept
+    if (!result.stdout_data.empty()) sink(1, result.stdout_data);
+    if (!result.stderr_data.empty()) sink(2, result.stderr_data);
+  }
+  return result;
+}
+
 namespace {
 
 json sandbox_list(const std::vector<SandboxInfo>& infos) {
@@ -458,10 +489,15 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
   ExecRequest exec_request = protocol::decode_exec_request(body);
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
   return exec_answer(request, stream, streaming, exec_request.timeout_seconds, [&](const OutputSink& sink) {
-    auto started = std::chrono::steady_clock::now();
-    ExecResult result = handle.sandbox->exec(exec_request, sink);
-    metrics_.exec_done(handle.kind, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-    return result;
+    return run_exactly_once(registry_.exec_journal(), target.sandbox_id, exec_request.request_id,
+                            ExecJournal::fingerprint(exec_request), sink, [&](const OutputSink& to) {
+                              auto started = std::chrono::steady_clock::now();
+                              ExecResult result = handle.sandbox->exec(exec_request, to);
+                              metrics_.exec_done(handle.kind, std::chrono::duration<double>(
+                                                                  std::chrono::steady_clock::now() - started)
+                                                                  .count());
+                              return result;
+                            });
   });
 }
 

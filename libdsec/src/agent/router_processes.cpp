@@ -346,7 +346,7 @@ HttpResponse Router::session(HttpRequest& request, const Target& target, Respons
     case Route::kSandboxSessionRun: {
       allow(request, "/v1/sandboxes/{id}/sessions/{name}/run", {http::verb::post});
       only_params(target.query, {});
-      json body = body_object(request, {"command", "timeout", "max_output", "stream"});
+      json body = body_object(request, {"command", "timeout", "max_output", "stream", "request_id"});
       SessionRun run;
       auto it = body.find("command");
       if (it == body.end() || !it->is_string()) bad("command", "must be a string of shell text");
@@ -355,14 +355,26 @@ HttpResponse Router::session(HttpRequest& request, const Target& target, Respons
       run.timeout_seconds = number_field<double>(body, "timeout", 600, 0, 604800);
       if (!(run.timeout_seconds > 0)) bad("timeout", "must be in (0, 604800] seconds");
       run.max_output_bytes = number_field<std::size_t>(body, "max_output", 16u << 20, 0, 1ull << 30);
+      const std::string request_id = string_field(body, "request_id", 128);
+      // A session's runs share the sandbox's request ids with its execs, under a name of their own.
+      const std::string journal_id = request_id.empty() ? "" : "session/" + name + "/" + request_id;
+      ExecRequest as_exec;  // what identifies the run for its request id
+      as_exec.shell = run.command;
+      as_exec.timeout_seconds = run.timeout_seconds;
+      as_exec.max_output_bytes = run.max_output_bytes;
+      const std::string fingerprint = ExecJournal::fingerprint(as_exec);
       return exec_answer(request, stream, bool_field(body, "stream"), run.timeout_seconds,
                          [&](const OutputSink& sink) {
-                           auto started = std::chrono::steady_clock::now();
-                           ExecResult r = sessions_.run(target.sandbox_id, procs, name, run, sink);
-                           metrics_.exec_done(handle.kind, std::chrono::duration<double>(
-                                                               std::chrono::steady_clock::now() - started)
-                                                               .count());
-                           return r;
+                           return run_exactly_once(
+                               registry_.exec_journal(), target.sandbox_id, journal_id, fingerprint, sink,
+                               [&](const OutputSink& to) {
+                                 auto started = std::chrono::steady_clock::now();
+                                 ExecResult r = sessions_.run(target.sandbox_id, procs, name, run, to);
+                                 metrics_.exec_done(handle.kind, std::chrono::duration<double>(
+                                                                     std::chrono::steady_clock::now() - started)
+                                                                     .count());
+                                 return r;
+                               });
                          });
     }
     default: break;

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "agent/backend.hpp"
+#include "agent/exec_journal.hpp"
 #include "agent/http.hpp"
 #include "agent/routes.hpp"
 #include "common/protocol.hpp"
@@ -27,5 +28,11 @@ void only_params(const Query& query, std::initializer_list<std::string_view> kno
 // of output lines as `run` hands them to its sink, then one "result" (or "error") line (docs/protocol.md).
 HttpResponse exec_answer(const HttpRequest& request, ResponseStream* stream, bool streaming, double timeout_seconds,
                          const std::function<ExecResult(const OutputSink&)>& run);
+
+// Runs `run` once per request id of the sandbox (ExecJournal; an empty id: simply runs it). Streamed, the output
+// sent to `sink` is kept too, and a repeat sends the first call's kept output to its sink before its result.
+ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id, const std::string& request_id,
+                            const std::string& fingerprint, const OutputSink& sink,
+                            const std::function<ExecResult(const OutputSink&)>& run);
 
 }  // namespace dsec::agent

@@ -536,6 +536,7 @@ json encode(const ExecRequest& r) {
   else j["argv"] = r.argv;
   if (!r.stdin_data.empty()) j["stdin"] = base64_encode(r.stdin_data);
   if (!r.user.empty()) j["user"] = r.user;
+  if (!r.request_id.empty()) j["request_id"] = r.request_id;
   return j;
 }
 
@@ -569,6 +570,8 @@ ExecRequest decode_exec_request(const json& j) {
   if (r.max_output_bytes > (1ull << 30)) bad("max_output", "at most 1 GiB");
   r.user = get_string(j, "user", "user");
   (void)parse_user(r.user, "user");
+  r.request_id = get_string(j, "request_id", "request_id");
+  if (r.request_id.size() > 128 || has_nul(r.request_id)) bad("request_id", "at most 128 bytes");
   return r;
 }
 

@@ -1,0 +1,91 @@
+// Exactly-once execs (docs/protocol.md, "Request ids on exec"): a command sent with a request id runs at most once
+// per sandbox, whatever retries arrive, also after an agent restart. A retry while the first call runs waits for
+// it; a retry after it gets the first call's result again; the same id with another command is INVALID_ARGUMENT.
+// An id whose command was under way when the agent died has no result and never will (the restarted agent kills
+// such commands): a retry of it is answered DATA_LOSS with "outcome unknown", which clients raise as
+// dsec.OutcomeUnknown, never running the command a second time.
+//
+// Kept on disk per sandbox, <dir>/<sandbox id>.log, one JSON line per event, each one write(2) without fsync (a
+// killed agent loses nothing; a machine that loses power loses its sandboxes too):
+//   {"id": "r1", "fingerprint": "...", "started": 1795944106.86}
+//   {"id": "r1", "result": {ExecResult, output kept up to kKeptOutput per stream}}
+//   {"id": "r1", "forget": true}       (the exec failed before it ran: a retry may run it)
+// In memory only each id's state and where its result line is; results are read back from the file. The last
+// kIdsPerSandbox ids of each sandbox are remembered; the file is rewritten when most of it is forgotten lines.
+//
+// Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+#include "dsec/exec.hpp"
+
+namespace dsec::agent {
+
+class ExecJournal {
+ public:
+  static constexpr std::size_t kIdsPerSandbox = 256;
+  static constexpr std::size_t kKeptOutput = 1u << 20;
+
+  // An empty dir keeps the ids in memory only (they do not survive a restart). Loads what an earlier run left.
+  explicit ExecJournal(std::filesystem::path dir);
+  ExecJournal(const ExecJournal&) = delete;
+  ExecJournal& operator=(const ExecJournal&) = delete;
+
+  // Runs `run` once for (sandbox, request id): the first call runs it and records its result (output over
+  // kKeptOutput per stream is not kept: a repeat's result says truncated); a repeat returns that result, waiting
+  // while the first runs. `run` throwing forgets the id (the error is the first call's; a retry runs it then).
+  // Throws INVALID_ARGUMENT when the id was used for a request with another fingerprint, DATA_LOSS when its first
+  // call's outcome is unknown.
+  ExecResult run_once(const std::string& sandbox_id, const std::string& request_id, const std::string& fingerprint,
+                      const std::function<ExecResult()>& run);
+  // Forgets every id of a sandbox that is gone, and its file.
+  void drop(const std::string& sandbox_id);
+  // Forgets the sandboxes not in `live` (after a restart, those that did not come back).
+  void retain(const std::set<std::string>& live);
+
+  // What identifies an exec request for its id: everything it asks to run and how.
+  static std::string fingerprint(const ExecRequest& request);
+
+ private:
+  enum class State { kRunning, kDone, kUnknown };
+  struct Entry {
+    State state = State::kRunning;
+    std::string fingerprint;
+    std::uint64_t result_at = 0;   // offset of its result line in the file
+    std::uint64_t result_len = 0;  // 0: kept in memory (no file)
+    std::shared_ptr<ExecResult> memory_result;
+  };
+  struct Sandbox {
+    std::unordered_map<std::string, Entry> ids;
+    std::deque<std::string> order;  // oldest first
+    std::uint64_t file_bytes = 0;
+    std::size_t lines = 0;
+  };
+
+  std::filesystem::path file_of(const std::string& sandbox_id) const;
+  // Appends a line to the sandbox's file; returns its offset (caller holds mutex_).
+  std::uint64_t append(const std::string& sandbox_id, Sandbox& sb, const std::string& line);
+  ExecResult read_result(const std::string& sandbox_id, const Entry& entry);
+  void load(const std::filesystem::path& file);
+  void evict(const std::string& sandbox_id, Sandbox& sb);  // caller holds mutex_
+  void compact(const std::string& sandbox_id, Sandbox& sb);  // caller holds mutex_
+
+  std::filesystem::path dir_;
+  std::mutex mutex_;
+  std::condition_variable done_;
+  std::unordered_map<std::string, Sandbox> sandboxes_;
+};
+
+}  // namespace dsec::agent

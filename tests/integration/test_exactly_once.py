@@ -1,0 +1,89 @@
+"""Exactly-once execs against a real dsecd: a request id runs its command once however often it is sent, a repeat
+while it runs waits for its result, another command under the same id is refused, and session runs take ids too.
+(After an agent restart: test_recovery.py.)"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import dsec_testlib as lib
+
+
+def post(agent: lib.Agent, target: str, body: dict, timeout: float = 30.0) -> lib.RawResponse:
+    return lib.http_request(agent.socket_path, "POST", target, json.dumps(body).encode(),
+                            {"Content-Type": "application/json"}, timeout=timeout)
+
+
+def exec_(agent, sid, body, timeout=30.0):
+    return post(agent, f"/v1/sandboxes/{sid}/exec", body, timeout)
+
+
+COUNT = "echo run >> /tmp/runs-{tag}; wc -l < /tmp/runs-{tag}"
+
+
+def test_a_repeat_returns_the_first_result_and_runs_nothing(agent, module_sandbox):
+    sid = module_sandbox.id
+    body = {"shell": COUNT.format(tag="a"), "request_id": "once-a"}
+    first = exec_(agent, sid, body)
+    assert first.status == 200, first
+    again = exec_(agent, sid, body)
+    assert again.status == 200 and again.json() == first.json()
+    assert base64.b64decode(first.json()["stdout"]) == b"1\n"
+    # The command really ran once: a third run under a new id counts 2.
+    third = exec_(agent, sid, {"shell": COUNT.format(tag="a"), "request_id": "once-a2"})
+    assert base64.b64decode(third.json()["stdout"]) == b"2\n"
+
+
+def test_a_repeat_while_the_first_runs_waits_for_it(agent, module_sandbox):
+    sid = module_sandbox.id
+    body = {"shell": COUNT.format(tag="b") + "; sleep 1", "request_id": "once-b"}
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(exec_(agent, sid, body))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(answers) == 3 and all(a.status == 200 for a in answers), answers
+    assert {base64.b64decode(a.json()["stdout"]) for a in answers} == {b"1\n"}
+
+
+def test_the_same_id_with_another_command_is_invalid(agent, module_sandbox):
+    sid = module_sandbox.id
+    assert exec_(agent, sid, {"shell": "true", "request_id": "once-c"}).status == 200
+    r = exec_(agent, sid, {"shell": "false", "request_id": "once-c"})
+    assert r.status == 400 and r.json()["code"] == "INVALID_ARGUMENT" and "once-c" in r.json()["message"], r
+    r = exec_(agent, sid, {"shell": "true", "request_id": "x" * 129})
+    assert r.status == 400 and "request_id" in r.json()["message"], r
+
+
+def test_a_streamed_repeat_streams_the_first_output(agent, module_sandbox):
+    sid = module_sandbox.id
+    body = {"shell": "printf 'a\\377'; echo err >&2; " + COUNT.format(tag="d"), "request_id": "once-d",
+            "stream": True}
+    bodies = []
+    for _ in range(2):
+        r = exec_(agent, sid, body)
+        assert r.status == 200, r
+        lines = [json.loads(line) for line in lib.dechunk(r.body).split(b"\n") if line]
+        out = b"".join(base64.b64decode(x["stdout"]) for x in lines if "stdout" in x)
+        err = b"".join(base64.b64decode(x["stderr"]) for x in lines if "stderr" in x)
+        bodies.append((out, err, lines[-1]["result"]["exit_code"]))
+    assert bodies[0] == bodies[1] == (b"a\xff1\n", b"err\n", 0)
+
+
+def test_session_runs_take_request_ids(agent, module_sandbox):
+    sid = module_sandbox.id
+    r = post(agent, f"/v1/sandboxes/{sid}/sessions", {"name": "once"})
+    assert r.status == 200, r
+    try:
+        body = {"command": "N=$((${N:-0} + 1)); echo $N", "request_id": "run-1"}
+        first = post(agent, f"/v1/sandboxes/{sid}/sessions/once/run", body)
+        again = post(agent, f"/v1/sandboxes/{sid}/sessions/once/run", body)
+        assert first.status == again.status == 200
+        assert base64.b64decode(first.json()["stdout"]) == base64.b64decode(again.json()["stdout"]) == b"1\n"
+        nxt = post(agent, f"/v1/sandboxes/{sid}/sessions/once/run", {"command": "echo $N"})
+        assert base64.b64decode(nxt.json()["stdout"]) == b"1\n"  # the repeat did not run it a second time
+    finally:
+        lib.http_request(agent.socket_path, "DELETE", f"/v1/sandboxes/{sid}/sessions/once")
