@@ -93,6 +93,8 @@ void decode_frame(const gp::Frame& f) {
     case Type::kCredit:
     case Type::kCaptureUpper:
     case Type::kDone: r.u64(); r.finish(); break;
+    case Type::kProcessRequest: r.u32(); break;  // the op's payload follows, to the end
+    case Type::kProcessReply: break;              // the reply's payload, whole
     default: r.finish(); break;  // kOk, kSync, kPowerOff, kKill, kEnd: no payload
   }
 }

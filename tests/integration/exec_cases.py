@@ -12,6 +12,7 @@ here, for what those suites check only with a fresh sandbox or not at all.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import inspect
 import io
@@ -467,6 +468,45 @@ def case_fifo_does_not_block_the_agent(sandbox, agent):
     assert names["file"].isfile() and ("fifo" not in names or names["fifo"].isfifo()), names
     assert sandbox.exec("echo fine").stdout == b"fine\n"
     assert raw(agent, "GET", "/healthz").status == 200
+
+
+def case_processes_and_sessions(sandbox, agent):
+    """A shell session keeps its directory, exports and functions; a run's timeout leaves it usable; a spawned
+    process takes stdin after it started and is read when it ended; a pty process sees its terminal's size."""
+    base = f"/v1/sandboxes/{sandbox.id}"
+
+    def post(target, body):
+        r = raw(agent, "POST", base + target, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        assert r.status == 200, r
+        return r.json()
+
+    assert post("/sessions", {"name": "case"})["alive"]
+    try:
+        run = post("/sessions/case/run", {"command": "mkdir -p /srv/w && cd /srv/w; export X=7; f() { echo fn$1; }"})
+        assert run["exit_code"] == 0, run
+        run = post("/sessions/case/run", {"command": "pwd; echo $X; f 2; printf 'no newline'"})
+        assert base64.b64decode(run["stdout"]) == b"/srv/w\n7\nfn2\nno newline", run
+        run = post("/sessions/case/run", {"command": "sleep 30", "timeout": 1})
+        assert run["timed_out"] and run.get("reason", "") == "", run
+        run = post("/sessions/case/run", {"command": "echo $X; pwd"})
+        assert base64.b64decode(run["stdout"]) == b"7\n/srv/w\n", run
+    finally:
+        raw(agent, "DELETE", base + "/sessions/case")
+
+    pid = post("/processes", {"shell": "read a; echo got $a; exit 5"})["pid"]
+    r = raw(agent, "POST", base + f"/processes/{pid}/stdin?close=true", b"hi\n")
+    assert r.status == 200, r
+    r = raw(agent, "GET", base + f"/processes/{pid}?wait=30")
+    assert r.status == 200 and r.json()["exit_code"] == 5, r
+    out = raw(agent, "GET", base + f"/processes/{pid}/output?stdout=0").json()
+    assert base64.b64decode(out["stdout"]) == b"got hi\n", out
+    assert raw(agent, "DELETE", base + f"/processes/{pid}").status == 200
+
+    pid = post("/processes", {"argv": ["sh", "-c", "stty size; tty"], "pty": True, "rows": 33, "cols": 77})["pid"]
+    assert raw(agent, "GET", base + f"/processes/{pid}?wait=30").json()["running"] is False
+    out = raw(agent, "GET", base + f"/processes/{pid}/output?stdout=0").json()
+    assert base64.b64decode(out["stdout"]).startswith(b"33 77\r\n/dev/pts/"), out
+    assert raw(agent, "DELETE", base + f"/processes/{pid}").status == 200
 
 
 CASES = [obj for name, obj in list(globals().items()) if name.startswith("case_") and callable(obj)]

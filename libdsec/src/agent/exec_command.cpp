@@ -1,5 +1,8 @@
 #include "agent/exec_command.hpp"
 
+#include "agent/init/init_protocol.hpp"
+#include "dsec/error.hpp"
+
 namespace dsec::agent {
 
 std::vector<std::string> ExecCommand::env_strings() const {
@@ -32,6 +35,29 @@ ExecCommand exec_command(const SandboxSpec& spec, const ExecRequest& request, co
   for (const auto& [k, v] : request.env) c.env[k] = v;
   c.cwd = request.cwd.empty() ? spec.workdir : request.cwd;
   return c;
+}
+
+std::string ExecCommand::start_payload() const {
+  std::string payload;
+  auto u32 = [&](std::uint32_t v) { payload.append(reinterpret_cast<const char*>(&v), 4); };
+  auto str = [&](std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    payload.append(s);
+  };
+  u32(static_cast<std::uint32_t>(argv.size()));
+  for (const auto& a : argv) str(a);
+  u32(static_cast<std::uint32_t>(env.size()));
+  for (const auto& kv : env_strings()) str(kv);
+  str(cwd);
+  if (named_user) {  // the user part; root by default goes without (an older dsec-init knows none)
+    u32(uid);
+    u32(gid);
+    u32(static_cast<std::uint32_t>(groups.size()));
+    for (std::uint32_t g : groups) u32(g);
+  }
+  if (payload.size() > init_protocol::kMaxRequestBytes)
+    throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
+  return payload;
 }
 
 }  // namespace dsec::agent

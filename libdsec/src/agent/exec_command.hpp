@@ -28,6 +28,8 @@ struct ExecCommand {
 
   // env as "K=V" strings.
   std::vector<std::string> env_strings() const;
+  // The command as dsec-init's start payload (init_protocol.hpp); INVALID_ARGUMENT over its size limit.
+  std::string start_payload() const;
 };
 
 ExecCommand exec_command(const SandboxSpec& spec, const ExecRequest& request, const std::string& hostname,

@@ -413,6 +413,23 @@ std::uint32_t GuestChannel::mode_of(std::string_view path, Clock::time_point dea
   return r.u32();
 }
 
+std::string GuestChannel::process_request(process_protocol::Op op, std::string_view payload,
+                                         Clock::time_point deadline) {
+  Call call(*this);
+  std::string request(4, '\0');
+  const auto op_value = static_cast<std::uint32_t>(op);
+  std::memcpy(request.data(), &op_value, 4);
+  request.append(payload);
+  if (request.size() + gp::kHeaderBytes > gp::kMaxFrameBytes)
+    throw Error(Code::kInvalidArgument, fmt::format("sandbox {}: a process request over {} bytes (argv and env "
+                                                    "together are too large for a VM's line)",
+                                                    label_, gp::kMaxFrameBytes - gp::kHeaderBytes));
+  send(Type::kProcessRequest, call.id(), request);
+  gp::Frame f = answer(call.id(), deadline, "a process request");
+  if (f.type != Type::kProcessReply) throw Error(Code::kInternal, "guest: unexpected answer to a process request");
+  return std::move(f.payload);
+}
+
 void GuestChannel::put_archive(std::string_view dir, std::string_view tar_bytes, Clock::time_point deadline) {
   Call call(*this);
   send(Type::kPutTree, call.id(), gp::Writer().str(dir).take());

@@ -22,6 +22,7 @@
 
 #include "agent/backend.hpp"
 #include "agent/init/guest_protocol.hpp"
+#include "agent/init/process_protocol.hpp"
 #include "image/upper_tree.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/exec.hpp"
@@ -69,6 +70,8 @@ class GuestChannel {
   // (upper_capture.hpp).
   image::UpperTreeStats capture_upper(const std::filesystem::path& dest, const image::UpperTreeLimits& limits,
                                       Clock::time_point deadline);
+  // One request to the processes the guest's init keeps (process_protocol.hpp), and its reply's payload.
+  std::string process_request(process_protocol::Op op, std::string_view payload, Clock::time_point deadline);
 
  private:
   struct Mailbox {

@@ -112,7 +112,7 @@ void serve_process_request(int conn, ProcessTable& table, std::vector<int>& fds)
     close(conn);
     return;
   }
-  table.serve(conn, static_cast<dsec::process_protocol::Op>(head[0]), payload, fds);
+  table.serve(static_cast<std::uint64_t>(conn), static_cast<dsec::process_protocol::Op>(head[0]), payload, fds);
 }
 
 // The capabilities dsec-init was started with (spawn.cpp: CAP_SETUID, CAP_SETGID, CAP_SETPCAP, ambient so that they
@@ -148,7 +148,10 @@ int run_container_init() {
   fcntl(kScratchFd, F_SETFD, FD_CLOEXEC);
 
   std::unordered_map<pid_t, int> waiting;  // command pid -> the agent connection awaiting its exit
-  ProcessTable table(original_mask, /*drop_capabilities=*/true);
+  ProcessTable table(
+      original_mask, /*drop_capabilities=*/true,
+      [](std::uint64_t conn, const std::string& reply) { send_process_reply(static_cast<int>(conn), reply); },
+      /*tickets_are_fds=*/true);
   std::vector<pollfd> fds;
   for (;;) {
     fds.assign({{kListenFd, POLLIN, 0}, {sfd, POLLIN, 0}});

@@ -47,6 +47,7 @@
 
 #include "agent/files/sandbox_tree.hpp"
 #include "agent/init/command_start.hpp"
+#include "agent/init/process_table.hpp"
 #include "agent/init/guest_protocol.hpp"
 #include "agent/init/init_main.hpp"
 #include "dsec/error.hpp"
@@ -216,6 +217,13 @@ class GuestInit {
     utsname u{};
     ::uname(&u);
     release_ = u.release;
+    // The processes the agent keeps here (spawned commands, shell sessions): a request's ticket is its channel.
+    processes_.emplace(
+        original_mask_, /*drop_capabilities=*/false,
+        [this](std::uint64_t channel, const std::string& reply) {
+          send(Type::kProcessReply, static_cast<std::uint32_t>(channel), reply);
+        },
+        /*tickets_are_fds=*/false);
   }
 
   [[noreturn]] void serve(const std::string& port_path) {
@@ -248,6 +256,8 @@ class GuestInit {
     reader_ = gp::FrameReader();
     uploads_.clear();
     for (auto& [channel, exec] : execs_) kill_exec(exec);
+    // Processes run on for the next agent; reads it waited on are not answered.
+    processes_->drop_parked();
     if (port_ >= 0) {
       ::close(port_);
       port_ = -1;
@@ -315,7 +325,9 @@ class GuestInit {
         watched.emplace_back(channel, 0);
       }
     }
-    int timeout = -1;
+    const std::size_t first_process_fd = fds.size();
+    processes_->poll_fds(fds);
+    int timeout = processes_->next_timeout_ms();
     auto now = Clock::now();
     for (auto& [channel, exec] : execs_) {
       if (!exec.exited) continue;
@@ -328,6 +340,7 @@ class GuestInit {
     if (rc < 0 && errno != EINTR) throw Error(Code::kInternal, "poll: " + errno_text(errno));
     if (rc > 0) {
       if (fds[1].revents) reap();
+      processes_->poll_done(fds, first_process_fd);
       for (std::size_t i = 0; i < watched.size(); ++i) {
         if (!fds[i + 2].revents) continue;
         auto it = execs_.find(watched[i].first);
@@ -342,6 +355,7 @@ class GuestInit {
       }
       if (port_ >= 0 && !out_.empty() && !flush()) disconnect();
     }
+    processes_->expire();
     finish_exits();
     if (port_ >= 0 && !out_.empty() && !flush()) disconnect();
   }
@@ -407,6 +421,7 @@ class GuestInit {
         }
         case Type::kGetTree: return on_get_tree(f);
         case Type::kCaptureUpper: return on_capture_upper(f);
+        case Type::kProcessRequest: return on_process_request(f);
         default: return send_error(f.channel, Code::kInvalidArgument, "unknown frame type");
       }
     } catch (const Error& e) {
@@ -501,6 +516,27 @@ class GuestInit {
   files::SandboxTree& tree() {
     if (!tree_) throw Error(Code::kFailedPrecondition, "the guest's root is not set up yet");
     return *tree_;
+  }
+
+  // ---- processes (process_protocol.hpp): {u32 op, then the op's payload} ----
+  void on_process_request(const gp::Frame& f) {
+    if (!root_ready_) throw Error(Code::kFailedPrecondition, "the guest's root is not set up yet");
+    if (f.payload.size() < 4) throw Error(Code::kInvalidArgument, "a process request without its op");
+    std::uint32_t op = 0;
+    std::memcpy(&op, f.payload.data(), 4);
+    std::vector<int> fds;
+    if (static_cast<process_protocol::Op>(op) == process_protocol::Op::kSpawn) {
+      // Each process gets a cgroup of its own, as an exec does; those of ended processes go at the next spawn.
+      for (auto it = process_groups_.begin(); it != process_groups_.end();)
+        it = ::rmdir(it->c_str()) == 0 || errno == ENOENT ? process_groups_.erase(it) : std::next(it);
+      std::string group = std::string(kExecCgroups) + "/p" + std::to_string(++process_group_counter_);
+      if (::mkdir(group.c_str(), 0755) == 0) {
+        process_groups_.insert(group);
+        int procs = ::open((group + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
+        if (procs >= 0) fds.push_back(procs);
+      }
+    }
+    processes_->serve(f.channel, static_cast<process_protocol::Op>(op), std::string_view(f.payload).substr(4), fds);
   }
 
   // ---- execs ----
@@ -638,6 +674,7 @@ class GuestInit {
     int status;
     pid_t pid;
     while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      if (processes_->reaped(pid, status)) continue;
       for (auto& [channel, exec] : execs_) {
         if (exec.pid == pid && !exec.exited) {
           exec.exited = true;
@@ -958,6 +995,9 @@ class GuestInit {
   std::map<std::uint32_t, Exec> execs_;
   std::map<std::uint32_t, Upload> uploads_;
   std::set<std::string> lingering_groups_;
+  std::optional<ProcessTable> processes_;
+  std::set<std::string> process_groups_;  // cgroups made for processes, removed once empty
+  std::uint64_t process_group_counter_ = 0;
 };
 
 }  // namespace

@@ -52,6 +52,10 @@
 //   walked with every process of the guest's commands frozen: kEntry frames of every kind (whiteouts, FIFOs,
 //   opaque directories, hard links by their first name), a regular file's bytes as kData, then kDone {u64 entries}
 //   | kError. An upper with metacopy or redirect xattrs is FAILED_PRECONDITION.
+// Processes (channel c): kProcessRequest {u32 op, then the op's payload as process_protocol.hpp has it, to the end of
+//   the frame} -> kProcessReply {the reply's payload, to the end of the frame}. The guest's dsec-init keeps them in the
+//   same table a container's init does (process_table.hpp), each in a cgroup of its own; they outlive the agent's
+//   connection (a parked read is dropped with it), a sleep and a fork (they are part of the VM's memory).
 // kError is {u32 code (dsec::Code), str message}: the guest's file operations throw the same dsec::Error the
 // container tier's do, and the agent rethrows it.
 #pragma once
@@ -98,6 +102,8 @@ enum class Type : std::uint8_t {
   kPutTree = 24,
   kGetTree = 25,
   kCaptureUpper = 30,
+  kProcessRequest = 31,
+  kProcessReply = 32,
   kEntry = 26,
   kData = 27,
   kEnd = 28,

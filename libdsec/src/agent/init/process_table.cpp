@@ -115,16 +115,22 @@ void send_process_reply(int conn, const std::string& payload) {
 
 ProcessTable::~ProcessTable() {
   for (auto& [pid, p] : processes_) release(p);
-  for (auto& r : parked_) close(r.conn);
+  drop_parked();
 }
 
-void ProcessTable::serve(int conn, Op op, std::string_view payload, std::vector<int>& fds) {
+void ProcessTable::drop_parked() {
+  if (tickets_are_fds_)
+    for (auto& r : parked_) close(static_cast<int>(r.ticket));
+  parked_.clear();
+}
+
+void ProcessTable::serve(std::uint64_t ticket, Op op, std::string_view payload, std::vector<int>& fds) {
   std::string reply;
   switch (op) {
     case Op::kSpawn: reply = spawn(payload, fds); break;
     case Op::kList: reply = list(); break;
     case Op::kRead:
-      if (auto r = read(payload, conn)) reply = std::move(*r);
+      if (auto r = read(payload, ticket)) reply = std::move(*r);
       else return;  // parked: answered later
       break;
     case Op::kWrite: reply = write(payload); break;
@@ -135,7 +141,7 @@ void ProcessTable::serve(int conn, Op op, std::string_view payload, std::vector<
     default: reply = status_only(Status::kBadRequest);
   }
   close_all(fds);
-  send_process_reply(conn, reply);
+  reply_(ticket, reply);
 }
 
 ProcessTable::Process* ProcessTable::find(pid_t pid) {
@@ -290,7 +296,7 @@ std::string ProcessTable::read_reply(const Process& p, std::uint64_t out_offset,
   return std::move(w.bytes());
 }
 
-std::optional<std::string> ProcessTable::read(std::string_view payload, int conn) {
+std::optional<std::string> ProcessTable::read(std::string_view payload, std::uint64_t ticket) {
   Reader r(payload);
   std::int32_t pid = 0;
   std::uint64_t out_offset = 0, err_offset = 0;
@@ -304,7 +310,7 @@ std::optional<std::string> ProcessTable::read(std::string_view payload, int conn
                     (err_offset != kSkip && p->err.end() > err_offset);
   if ((has_output && max > 0) || !p->entry.running || wait_ms == 0)
     return read_reply(*p, out_offset, err_offset, max);
-  parked_.push_back({conn, pid, out_offset, err_offset, max, now_ms(CLOCK_MONOTONIC) + wait_ms});
+  parked_.push_back({ticket, pid, out_offset, err_offset, max, now_ms(CLOCK_MONOTONIC) + wait_ms});
   return std::nullopt;
 }
 
@@ -322,8 +328,7 @@ void ProcessTable::wake_readers(pid_t pid, bool all) {
       ++it;
       continue;
     }
-    send_process_reply(it->conn, p ? read_reply(*p, it->out_offset, it->err_offset, it->max)
-                                   : status_only(Status::kNotFound));
+    reply_(it->ticket, p ? read_reply(*p, it->out_offset, it->err_offset, it->max) : status_only(Status::kNotFound));
     it = parked_.erase(it);
   }
 }
@@ -343,8 +348,7 @@ void ProcessTable::expire() {
       continue;
     }
     Process* p = find(it->pid);
-    send_process_reply(it->conn, p ? read_reply(*p, it->out_offset, it->err_offset, it->max)
-                                   : status_only(Status::kNotFound));
+    reply_(it->ticket, p ? read_reply(*p, it->out_offset, it->err_offset, it->max) : status_only(Status::kNotFound));
     it = parked_.erase(it);
   }
 }
@@ -514,7 +518,8 @@ void ProcessTable::poll_fds(std::vector<pollfd>& fds) const {
     if (p.in_fd >= 0 && !p.stdin_pending.empty()) fds.push_back({p.in_fd, POLLOUT, 0});
   }
   // A parked reader whose agent went away (it restarted, or gave up) is dropped rather than kept to its deadline.
-  for (const auto& r : parked_) fds.push_back({r.conn, POLLIN | POLLRDHUP, 0});
+  if (tickets_are_fds_)
+    for (const auto& r : parked_) fds.push_back({static_cast<int>(r.ticket), POLLIN | POLLRDHUP, 0});
 }
 
 void ProcessTable::drain(Process& p, std::size_t budget) {
@@ -562,10 +567,10 @@ void ProcessTable::poll_done(const std::vector<pollfd>& fds, std::size_t first) 
         break;
       }
     }
-    if (handled) continue;
+    if (handled || !tickets_are_fds_) continue;
     for (auto it = parked_.begin(); it != parked_.end(); ++it) {
-      if (it->conn == fd) {
-        close(it->conn);
+      if (it->ticket == static_cast<std::uint64_t>(fd)) {
+        close(fd);
         parked_.erase(it);
         break;
       }

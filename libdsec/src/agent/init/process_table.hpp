@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -36,17 +37,27 @@ class OutputBuffer {
 
 class ProcessTable {
  public:
+  // Where an answer goes: the ticket of its request and the payload. A ticket is the request's connection in a
+  // container (the reply closes it) or its channel in a VM.
+  using Reply = std::function<void(std::uint64_t ticket, const std::string& payload)>;
+
   // `drop_capabilities`: every command gives up all of init's capabilities before it execs (a container's init;
-  // StartRequest::drop_capabilities).
-  ProcessTable(const sigset_t& original_mask, bool drop_capabilities)
-      : original_mask_(original_mask), drop_capabilities_(drop_capabilities) {}
+  // StartRequest::drop_capabilities). `tickets_are_fds`: a parked read's ticket is a descriptor the table watches,
+  // dropping the read when its peer hangs up.
+  ProcessTable(const sigset_t& original_mask, bool drop_capabilities, Reply reply, bool tickets_are_fds)
+      : original_mask_(original_mask),
+        drop_capabilities_(drop_capabilities),
+        reply_(std::move(reply)),
+        tickets_are_fds_(tickets_are_fds) {}
   ~ProcessTable();
   ProcessTable(const ProcessTable&) = delete;
   ProcessTable& operator=(const ProcessTable&) = delete;
 
-  // Serves one request that arrived on `conn`, with the descriptors it carried (taken, closed). Answers on `conn`
-  // and closes it, unless the request is a read that waits: the table then keeps `conn` and answers it later.
-  void serve(int conn, process_protocol::Op op, std::string_view payload, std::vector<int>& fds);
+  // Serves one request, with the descriptors it carried (taken, closed). Answers at once, unless the request is a
+  // read that waits: the table then keeps the ticket and answers it later.
+  void serve(std::uint64_t ticket, process_protocol::Op op, std::string_view payload, std::vector<int>& fds);
+  // Forgets every parked read unanswered (their peer is gone: a VM's agent disconnected).
+  void drop_parked();
 
   // The descriptors to poll (appended to `fds`), and what poll found on them (from index `first`).
   void poll_fds(std::vector<pollfd>& fds) const;
@@ -68,7 +79,7 @@ class ProcessTable {
     OutputBuffer out, err;
   };
   struct ParkedRead {
-    int conn;
+    std::uint64_t ticket;
     pid_t pid;
     std::uint64_t out_offset, err_offset;
     std::uint32_t max;
@@ -78,7 +89,7 @@ class ProcessTable {
   std::string spawn(std::string_view payload, std::vector<int>& fds);
   std::string list() const;
   // Answers the read at once (the reply), or nullopt when it has to wait.
-  std::optional<std::string> read(std::string_view payload, int conn);
+  std::optional<std::string> read(std::string_view payload, std::uint64_t ticket);
   std::string read_reply(const Process& p, std::uint64_t out_offset, std::uint64_t err_offset, std::uint32_t max) const;
   std::string write(std::string_view payload);
   std::string signal(std::string_view payload);
@@ -99,6 +110,8 @@ class ProcessTable {
 
   sigset_t original_mask_;
   bool drop_capabilities_;
+  Reply reply_;
+  bool tickets_are_fds_;
   std::map<pid_t, Process> processes_;
   std::deque<pid_t> order_;  // by spawn, for eviction
   std::vector<ParkedRead> parked_;

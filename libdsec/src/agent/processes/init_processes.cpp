@@ -110,7 +110,7 @@ ProcessOutput InitProcesses::read(int pid, std::uint64_t stdout_offset, std::uin
   w.i32(pid);
   w.u64(stdout_offset);
   w.u64(stderr_offset);
-  w.u32(max);
+  w.u32(std::min(max, max_read_bytes()));
   w.u32(static_cast<std::uint32_t>(std::clamp<std::int64_t>(wait.count(), 0, kMaxWaitMs)));
   std::string reply = exchange(Op::kRead, w.bytes(), wait + kReplyWithin);
   Reader r(reply);

@@ -80,6 +80,8 @@ class InitProcesses : public Processes {
   // errors (UNAVAILABLE when init does not answer within `reply_within`, NOT_FOUND for a destroyed sandbox).
   virtual std::string exchange(process_protocol::Op op, const std::string& payload,
                                std::chrono::milliseconds reply_within) = 0;
+  // The most output one read brings back per stream (a VM's line carries less than a socket in one answer).
+  virtual std::uint32_t max_read_bytes() const { return process_protocol::kMaxReadBytes; }
   // A spawn's payload (process_protocol.hpp) for a command already resolved into init's start payload.
   static std::string spawn_payload(const SpawnOptions& options, const std::string& start_payload);
   // Decodes a spawn's reply; a failed start becomes the exec's result (start_failure_result) or its error.

@@ -107,10 +107,6 @@ int read_cap_last_cap() {
 }
 
 void append_u32(std::string& out, std::uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
-void append_str(std::string& out, std::string_view s) {
-  append_u32(out, static_cast<std::uint32_t>(s.size()));
-  out.append(s);
-}
 
 struct Pipe {
   UniqueFd read, write;
@@ -234,7 +230,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     ExecCommand command = resolve_command(req);
     const std::vector<std::string>& argv = command.argv;
     const std::string& cwd = command.cwd;
-    std::string payload = start_payload(command);
+    std::string payload = command.start_payload();
 
     // The group init was placed in ahead of this exec, if there is one no exec has used: the command starts in it
     // with no move (schedule_init_placement); otherwise a new group, which the command joins itself.
@@ -407,7 +403,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   std::variant<ProcessEntry, ExecResult> spawn(const ExecRequest& req, const SpawnOptions& options) override {
     check_awake();
     ExecCommand command = resolve_command(req);
-    std::string payload = spawn_payload(options, start_payload(command));
+    std::string payload = spawn_payload(options, command.start_payload());
     // The process gets an exec group of its own, as an exec does (no mark: an agent restart leaves it running).
     std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
     std::vector<UniqueFd> group_fds;
@@ -704,25 +700,6 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
       }
     });
     return exec_command(spec_, req, hostname(), user);
-  }
-
-  // The command as init_protocol.hpp's start payload.
-  static std::string start_payload(const ExecCommand& command) {
-    std::string payload;
-    append_u32(payload, static_cast<std::uint32_t>(command.argv.size()));
-    for (const auto& a : command.argv) append_str(payload, a);
-    append_u32(payload, static_cast<std::uint32_t>(command.env.size()));
-    for (const auto& kv : command.env_strings()) append_str(payload, kv);
-    append_str(payload, command.cwd);
-    if (command.named_user) {  // the user part (init_protocol.hpp); root by default goes without
-      append_u32(payload, command.uid);
-      append_u32(payload, command.gid);
-      append_u32(payload, static_cast<std::uint32_t>(command.groups.size()));
-      for (std::uint32_t g : command.groups) append_u32(payload, g);
-    }
-    if (payload.size() > init_protocol::kMaxRequestBytes)
-      throw Error(Code::kInvalidArgument, "argv and env together exceed 4 MiB");
-    return payload;
   }
 
   void check_running() {

@@ -42,12 +42,13 @@ auto guarded(const std::string& id, F&& fn) -> decltype(fn()) {
   }
 }
 
-class MicroVmSandbox final : public BackendSandbox {
+class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
  public:
   MicroVmSandbox(BackendContext& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
                  std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm,
                  bool sleeping = false)
-      : shared_(shared),
+      : InitProcesses(id),
+        shared_(shared),
         id_(std::move(id)),
         spec_(std::move(spec)),
         run_dir_(std::move(run_dir)),
@@ -87,18 +88,7 @@ class MicroVmSandbox final : public BackendSandbox {
     ExecCommand command;
     gp::ExecStart start;
     try {
-      // The user's entry, from the guest's own /etc/passwd and /etc/group (read through dsec-init, like any file).
-      ExecUser user = resolve_exec_user(spec_, req, [&](const std::string& path) -> std::optional<std::string> {
-        try {
-          return guarded(id_, [&] {
-            return vm->guest().read_file(path, kMaxUserDatabaseBytes, Clock::now() + kUserDatabaseTimeout);
-          });
-        } catch (const Error& e) {
-          if (e.code() == Code::kNotFound) return std::nullopt;
-          throw;
-        }
-      });
-      command = exec_command(spec_, req, hostname(), user);
+      command = resolve_command(vm->guest(), req);
       start = gp::ExecStart{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false,
                             command.named_user, command.uid, command.gid, command.groups};
       return guarded(id_, [&] { return vm->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
@@ -106,6 +96,19 @@ class MicroVmSandbox final : public BackendSandbox {
       if (e.code() == Code::kUnavailable) check_running();
       throw;
     }
+  }
+
+  Processes* processes() override { return this; }
+
+  std::variant<ProcessEntry, ExecResult> spawn(const ExecRequest& req, const SpawnOptions& options) override {
+    std::string payload;
+    ExecCommand command;
+    with_guest([&](guest::GuestChannel& g) {
+      command = resolve_command(g, req);
+      payload = spawn_payload(options, command.start_payload());
+    });
+    return spawn_reply(exchange(process_protocol::Op::kSpawn, payload, std::chrono::seconds(30)), command.argv[0],
+                       command.cwd);
   }
 
   // Sleep saves the guest's RAM and device state to the sandbox's run directory on local disk and ends QEMU, so
@@ -332,6 +335,29 @@ class MicroVmSandbox final : public BackendSandbox {
       if (e.code() == Code::kUnavailable) check_running();
       throw;
     }
+  }
+
+  // Process requests go to the guest's init over the VM's line (GuestChannel::process_request).
+  std::string exchange(process_protocol::Op op, const std::string& payload,
+                       std::chrono::milliseconds reply_within) override {
+    return with_guest([&](guest::GuestChannel& g) { return g.process_request(op, payload, Clock::now() + reply_within); });
+  }
+  std::uint32_t max_read_bytes() const override { return gp::kMaxDataChunk; }
+
+  // What an exec or a spawn runs, with the user's entry from the guest's own /etc/passwd and /etc/group (read
+  // through dsec-init, like any file).
+  ExecCommand resolve_command(guest::GuestChannel& guest, const ExecRequest& req) {
+    ExecUser user = resolve_exec_user(spec_, req, [&](const std::string& path) -> std::optional<std::string> {
+      try {
+        return guarded(id_, [&] {
+          return guest.read_file(path, kMaxUserDatabaseBytes, Clock::now() + kUserDatabaseTimeout);
+        });
+      } catch (const Error& e) {
+        if (e.code() == Code::kNotFound) return std::nullopt;
+        throw;
+      }
+    });
+    return exec_command(spec_, req, hostname(), user);
   }
 
   void check_running() {
