@@ -6,6 +6,7 @@ ran differently than meant, can never pass."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -279,6 +280,15 @@ def test_memory_hog_is_oom_killed_inside_its_sandbox_only(client, agent, probe):
                     counters = dict(line.split() for line in f if len(line.split()) == 2)
                 assert int(counters.get("oom_kill", "0")) >= 1, counters
                 break
+        # The result says so (the wire's oom_killed); a SIGKILL the command sent itself does not.
+        body = json.dumps({"argv": [probe(hog), "memhog", "512"], "timeout": 60}).encode()
+        again = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{hog.id}/exec", body,
+                                 {"Content-Type": "application/json"}, timeout=90).json()
+        assert again["signal"] == 9 and again.get("oom_killed") is True, again
+        body = json.dumps({"shell": "kill -9 $$", "timeout": 60}).encode()
+        own = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{hog.id}/exec", body,
+                               {"Content-Type": "application/json"}).json()
+        assert own["signal"] == 9 and not own.get("oom_killed", False), own
         # Neither the agent nor another sandbox felt it.
         assert agent.alive()
         assert b"sleep 999" in bystander.exec("ps -o args").stdout

@@ -37,6 +37,9 @@ struct ExecResult {
   bool stdout_truncated = false;
   bool stderr_truncated = false;
   bool timed_out = false;
+  // The kernel's OOM killer ended it: the sandbox's memory limit was reached (signal is then 9). A result, like
+  // a timeout: what the task's command used is the task's.
+  bool oom_killed = false;
   double duration_seconds = 0;
   // Why the command did not run, when what it named was not there (a result like a shell's, never an exception:
   // what the task's command does is the task's): "executable_not_found" (exit code 127), "not_executable" (126),

@@ -585,6 +585,7 @@ json encode(const ExecResult& r) {
          {"timed_out", r.timed_out},
          {"duration", r.duration_seconds}};
   if (!r.reason.empty()) j["reason"] = r.reason;
+  if (r.oom_killed) j["oom_killed"] = true;
   return j;
 }
 
@@ -600,6 +601,7 @@ ExecResult decode_exec_result(const json& j) {
   r.timed_out = member(j, "timed_out", false);
   r.duration_seconds = member(j, "duration", 0.0);
   r.reason = member(j, "reason", "");
+  r.oom_killed = member(j, "oom_killed", false);
   return r;
 }
 

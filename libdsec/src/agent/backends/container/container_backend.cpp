@@ -201,6 +201,10 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
         exec_counter_(first_exec),
         sleeping_(sleeping) {
     cgroup_->spare(init_.pid);
+    try {
+      oom_kills_seen_ = cgroup_->oom_kills();
+    } catch (const std::exception&) {
+    }
     schedule_init_placement();
   }
 
@@ -389,6 +393,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     } else if (WIFSIGNALED(status)) {
       result.exit_code = -1;
       result.signal = WTERMSIG(status);
+      if (result.signal == SIGKILL && !result.timed_out) result.oom_killed = oom_killed_since_last_look();
     }
     result.stdout_data = std::move(cout.data);
     result.stderr_data = std::move(cerr.data);
@@ -702,6 +707,19 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     return exec_command(spec_, req, hostname(), user);
   }
 
+  // Whether the sandbox's memory cgroup counted an OOM kill since the last look (a command killed by SIGKILL that
+  // no timeout sent: the OOM killer's, unless something inside sent it while another process hit the limit).
+  bool oom_killed_since_last_look() {
+    std::uint64_t now = 0;
+    try {
+      now = cgroup_->oom_kills();
+    } catch (const std::exception&) {
+      return false;
+    }
+    std::uint64_t seen = oom_kills_seen_.exchange(now);
+    return now > seen;
+  }
+
   void check_running() {
     if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
     if (!alive())
@@ -805,6 +823,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
   std::atomic<std::uint64_t> exec_counter_;
+  std::atomic<std::uint64_t> oom_kills_seen_{0};  // the memory cgroup's OOM kill count when last looked at
   std::mutex placement_mu_;   // guards the three below
   std::string init_group_;    // the exec group init sits in, unused by any exec yet; empty: none
   bool placing_ = false;      // a placement thread is moving init
