@@ -489,11 +489,14 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("pid", &dsec::SessionInfo::pid, "The shell's pid inside the sandbox.")
       .def_readonly("alive", &dsec::SessionInfo::alive, "False once the shell ended, until restart().")
       .def_readonly("busy", &dsec::SessionInfo::busy, "A run is in progress.")
-      .def_readonly("runs", &dsec::SessionInfo::runs)
+      .def_readonly("exit_code", &dsec::SessionInfo::exit_code,
+                    "Once the shell ended: its exit status, or -1 when a signal ended it.")
+      .def_readonly("signal", &dsec::SessionInfo::signal, "The signal that ended the shell, 0 otherwise.")
       .def("__repr__", [](const dsec::SessionInfo& i) {
         return "SessionInfo(name='" + i.name + "', shell='" + i.shell + "', pid=" + std::to_string(i.pid) +
                ", alive=" + (i.alive ? "True" : "False") + ", busy=" + (i.busy ? "True" : "False") +
-               ", runs=" + std::to_string(i.runs) + ")";
+               (i.alive ? "" : ", exit_code=" + std::to_string(i.exit_code) + ", signal=" + std::to_string(i.signal)) +
+               ")";
       });
 
   // Handles: they own nothing and never change, so any thread may use them; every call releases the GIL.

@@ -141,7 +141,7 @@ def test_exit_ends_the_session_until_restart(sb):
         assert r.reason == "session_ended" and r.exit_code == 3, r
         assert r.stdout == b"bye\n", r
         info = sh.info()
-        assert not info.alive, info
+        assert not info.alive and (info.exit_code, info.signal) == (3, 0), info
         assert [s.alive for s in sb.sessions() if s.name == sh.name] == [False]
         info = sh.restart()
         assert info.alive and info.name == sh.name and info.pid != first_pid, info
@@ -175,7 +175,7 @@ def test_listing_info_and_names(sb):
         sh.run("true")
         info = sh.info()
         assert isinstance(info, dsec.SessionInfo)
-        assert info.name == "main" and info.alive and not info.busy and info.runs == 2 and info.pid > 1, info
+        assert info.name == "main" and info.alive and not info.busy and info.pid > 1, info
         assert info.shell.endswith("sh"), info
         listed = [s for s in sb.sessions() if s.name == "main"]
         assert len(listed) == 1 and listed[0].pid == info.pid

@@ -104,13 +104,13 @@ TEST(ProcessCodec, RefusesOutputThatDoesNotAddUp) {
 
 TEST(ProcessCodec, DecodesASessionInfo) {
   SessionInfo s = decode_session_info(
-      json::parse(R"({"name": "main", "shell": "/bin/bash", "pid": 17, "alive": true, "busy": false, "runs": 3})"));
+      json::parse(R"({"name": "main", "shell": "/bin/bash", "pid": 17, "alive": false, "busy": false, "exit_code": 3, "signal": 0})"));
   EXPECT_EQ(s.name, "main");
   EXPECT_EQ(s.shell, "/bin/bash");
   EXPECT_EQ(s.pid, 17);
-  EXPECT_TRUE(s.alive);
+  EXPECT_FALSE(s.alive);
   EXPECT_FALSE(s.busy);
-  EXPECT_EQ(s.runs, 3u);
+  EXPECT_EQ(s.exit_code, 3);
   EXPECT_EQ(code_of([] { decode_session_info(json::parse(R"({"shell": "/bin/sh"})")); }), Code::kDataLoss);
   EXPECT_EQ(code_of([] { decode_session_info(json::parse(R"({"name": "a", "busy": "no"})")); }), Code::kDataLoss);
 }

@@ -48,6 +48,8 @@ struct ProcessInfo {
   double started_at = 0, ended_at = 0;  // Unix seconds; ended_at 0 while it runs
   std::uint64_t stdout_bytes = 0, stderr_bytes = 0;  // everything it wrote so far: the offsets its output reaches
   bool stdin_open = false;
+  // A command that could not start (pid 0, reason set): the line a shell would print, which is also its stderr.
+  std::string message;
 };
 
 // One read of a process's output. Each stream's bytes start at its *_offset, which is the offset asked for unless
@@ -67,10 +69,14 @@ struct ProcessOutput {
 //
 // Reads (info, wait, read, follow, resize, kill) are retried on transient errors; spawn, write_stdin, close_stdin
 // and signal are not once the request may have reached the agent, so they never act twice.
+// A handle on one process. A spawn whose command could not start for what it names (a missing executable or
+// working directory) answers a handle of pid 0 that knows its end already: info() and wait() give it (exit code
+// 127 or 126, reason), its stderr is the message, and stdin, signals and resizes are FAILED_PRECONDITION.
 class Process {
  public:
   Process() = default;
   Process(std::shared_ptr<detail::ClientCore> core, std::string sandbox_id, int pid);
+  Process(std::shared_ptr<detail::ClientCore> core, std::string sandbox_id, ProcessInfo never_started);
 
   int pid() const noexcept { return pid_; }
   const std::string& sandbox_id() const noexcept { return sandbox_id_; }
@@ -104,9 +110,13 @@ class Process {
   detail::ClientCore& core() const;
   std::string path(std::string_view suffix) const;  // /v1/sandboxes/{id}/processes/{pid}{suffix}
 
+  // FAILED_PRECONDITION for what a process that never started cannot do.
+  void check_started(std::string_view what) const;
+
   std::shared_ptr<detail::ClientCore> core_;
   std::string sandbox_id_;
   int pid_ = 0;
+  std::shared_ptr<const ProcessInfo> never_started_;  // set for pid 0
 };
 
 }  // namespace dsec

@@ -35,7 +35,8 @@ struct SessionInfo {
   int pid = 0;         // the shell's pid inside the sandbox
   bool alive = false;  // false once the shell ended (an `exit`, a kill) until restart()
   bool busy = false;   // a run is in progress
-  std::uint64_t runs = 0;
+  int exit_code = -1;  // once the shell ended: its exit status, or -1 when a signal ended it
+  int signal = 0;      // the signal that ended the shell, 0 if it exited or runs
 };
 
 // A handle on one session: its sandbox's id and its name. It owns nothing (dropping it leaves the shell running;

@@ -135,8 +135,10 @@ ProcessInfo decode_process_info(const json& j) {
   constexpr std::string_view what = "process info";
   const auto& o = object_of(j, what);
   ProcessInfo p;
-  p.pid = member(o, what, "pid", 0);
-  if (p.pid <= 0) malformed(what, "pid", "is missing or not a pid");
+  p.pid = member(o, what, "pid", -1);
+  // pid 0: a command that could not start for what it names (a result, with its reason and message).
+  if (p.pid < 0 || (p.pid == 0 && member<std::string>(o, what, "reason", "").empty()))
+    malformed(what, "pid", "is missing or not a pid");
   if (auto it = o.find("argv"); it != o.end() && !it->is_null()) {
     if (!it->is_array()) malformed(what, "argv", "is not an array");
     for (const auto& a : *it) {
@@ -155,6 +157,7 @@ ProcessInfo decode_process_info(const json& j) {
   p.stdout_bytes = member<std::uint64_t>(o, what, "stdout_bytes", 0);
   p.stderr_bytes = member<std::uint64_t>(o, what, "stderr_bytes", 0);
   p.stdin_open = member(o, what, "stdin_open", false);
+  p.message = member<std::string>(o, what, "message", "");
   return p;
 }
 
@@ -192,7 +195,8 @@ SessionInfo decode_session_info(const json& j) {
   s.pid = member(o, what, "pid", 0);
   s.alive = member(o, what, "alive", false);
   s.busy = member(o, what, "busy", false);
-  s.runs = member<std::uint64_t>(o, what, "runs", 0);
+  s.exit_code = member(o, what, "exit_code", -1);
+  s.signal = member(o, what, "signal", 0);
   return s;
 }
 

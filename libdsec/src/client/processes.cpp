@@ -46,6 +46,18 @@ void check_wait(double seconds, std::string_view field) {
 Process::Process(std::shared_ptr<detail::ClientCore> core, std::string sandbox_id, int pid)
     : core_(std::move(core)), sandbox_id_(std::move(sandbox_id)), pid_(pid) {}
 
+Process::Process(std::shared_ptr<detail::ClientCore> core, std::string sandbox_id, ProcessInfo never_started)
+    : core_(std::move(core)),
+      sandbox_id_(std::move(sandbox_id)),
+      never_started_(std::make_shared<const ProcessInfo>(std::move(never_started))) {}
+
+void Process::check_started(std::string_view what) const {
+  if (never_started_)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("{}: the command never started ({}): {}", what, never_started_->reason,
+                            never_started_->message));
+}
+
 detail::ClientCore& Process::core() const {
   if (!core_) throw Error(Code::kFailedPrecondition, "empty dsec::Process handle");
   return *core_;
@@ -56,12 +68,14 @@ std::string Process::path(std::string_view suffix) const {
 }
 
 ProcessInfo Process::info() const {
+  if (never_started_) return *never_started_;
   auto r = core().call_sandbox(sandbox_id_, detail::http_request("GET", path("")));
   return info_of(r, "GET /v1/sandboxes/{id}/processes/{pid}");
 }
 
 ProcessInfo Process::wait(double timeout_seconds) const {
   if (std::isnan(timeout_seconds)) throw Error(Code::kInvalidArgument, "timeout: not a number");
+  if (never_started_) return *never_started_;
   std::optional<SteadyClock::time_point> until;
   if (!std::isinf(timeout_seconds) || timeout_seconds < 0)
     until = SteadyClock::now() + poll_time(std::min(timeout_seconds, 366.0 * 86400));
@@ -81,6 +95,17 @@ ProcessInfo Process::wait(double timeout_seconds) const {
 ProcessOutput Process::read(std::optional<std::uint64_t> stdout_offset, std::optional<std::uint64_t> stderr_offset,
                             double wait_seconds, std::size_t max_bytes) const {
   check_wait(wait_seconds, "wait");
+  if (never_started_) {  // its stderr is the message
+    ProcessOutput out;
+    const std::string& message = never_started_->message;
+    if (stderr_offset) {
+      out.stderr_offset = std::min<std::uint64_t>(*stderr_offset, message.size());
+      out.stderr_data = message.substr(out.stderr_offset, max_bytes);
+    }
+    out.stderr_end = message.size();
+    out.exit_code = never_started_->exit_code;
+    return out;
+  }
   if (max_bytes < 1 || max_bytes > detail::kMaxOutputRead)
     throw Error(Code::kInvalidArgument, fmt::format("max_bytes: 1 to {}, got {}", detail::kMaxOutputRead, max_bytes));
   std::string query;
@@ -102,17 +127,20 @@ ProcessOutput Process::read(std::optional<std::uint64_t> stdout_offset, std::opt
 }
 
 void Process::write_stdin(std::string_view data) const {
+  check_started("stdin");
   core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/stdin"), data, kOctets),
                       {milliseconds{0}, false});
 }
 
 void Process::close_stdin() const {
+  check_started("stdin");
   core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/stdin?close=true"), {}, kOctets),
                       {milliseconds{0}, false});
 }
 
 ProcessInfo Process::signal(int sig, bool group) const {
   if (sig < 0) throw Error(Code::kInvalidArgument, fmt::format("signal: {} is not a signal number", sig));
+  check_started("signal");
   const std::string body = protocol::json{{"signal", sig}, {"group", group}}.dump();
   auto r = core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/signal"), body, kJson),
                                {milliseconds{0}, false});
@@ -121,6 +149,7 @@ ProcessInfo Process::signal(int sig, bool group) const {
 
 ProcessInfo Process::resize(unsigned rows, unsigned cols) const {
   detail::check_terminal_size(rows, cols);
+  check_started("resize");
   // The same size twice is the same state: retried like a read.
   const std::string body = protocol::json{{"rows", rows}, {"cols", cols}}.dump();
   auto r = core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/resize"), body, kJson));
@@ -128,6 +157,7 @@ ProcessInfo Process::resize(unsigned rows, unsigned cols) const {
 }
 
 ProcessInfo Process::kill() const {
+  if (never_started_) return *never_started_;
   auto r = core().call_sandbox(sandbox_id_, detail::http_request("DELETE", path("")));
   return info_of(r, "DELETE /v1/sandboxes/{id}/processes/{pid}");
 }
@@ -150,7 +180,9 @@ Process Sandbox::spawn(const ProcessRequest& request) const {
   // Not retried once the agent may have it: a second attempt would start the command twice.
   auto r = core().call_sandbox(id_, detail::http_request("POST", core().sandbox_path(id_, "/processes"), body, kJson),
                                {milliseconds{0}, false});
-  return Process(core_, id_, info_of(r, "POST /v1/sandboxes/{id}/processes").pid);
+  ProcessInfo info = info_of(r, "POST /v1/sandboxes/{id}/processes");
+  if (info.pid == 0) return Process(core_, id_, std::move(info));  // it never started: a result, not an error
+  return Process(core_, id_, info.pid);
 }
 
 Process Sandbox::process(int pid) const {

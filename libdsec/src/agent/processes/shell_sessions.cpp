@@ -24,12 +24,22 @@ using process_protocol::Kind;
 using process_protocol::kSkip;
 using process_protocol::Scope;
 
-// After a run's timeout killed what it started, how long the shell has to print its markers before it is killed
-// too (it is then looping in a built-in, or waiting on something the kill did not reach).
+// A run's timeout signals the shell (kAbandon: its trap returns from the run's function, abandoning the rest of
+// the command, once the command the shell waits for has ended) and kills every process the run started; when the
+// markers still have not come kShellGrace later (the command replaced the trap, or ignores the signal), the shell
+// is killed too.
+constexpr int kAbandon = SIGUSR1;  // the trap's signal in kStartLines; the run's exit code is then 124, as timeout(1)'s
 constexpr auto kShellGrace = std::chrono::seconds(2);
-// The copies of the shell's stdout and stderr its markers go to (made at start; closed for every command, so what
-// a command does to its own stdout and stderr cannot hide a marker). Single digits: every POSIX shell has them.
-constexpr const char* kStartLines = "exec 8>&1 9>&2\n";
+// How long a new shell has to answer its first marker.
+constexpr auto kStartWithin = std::chrono::seconds(20);
+// At start: copies of the shell's stdout and stderr for the markers (closed for every command, so what a command
+// does to its own stdout and stderr cannot hide a marker; single digits, which every POSIX shell has), and the trap
+// a timeout springs: inside a run, it returns from the run's function. A run defines that function with its
+// command and calls it (so `$1` and friends are the shell's own, and a `return` in the command ends only the run).
+constexpr const char* kStartLines =
+    "exec 8>&1 9>&2\n"
+    "trap '[ -n \"${__dsec_in_run-}\" ] && __dsec_in_run= && return 124' USR1\n";
+constexpr const char* kBashStartLines = "shopt -s expand_aliases\n";
 
 std::string random_nonce() {
   unsigned char bytes[16];
@@ -209,8 +219,22 @@ ShellSessions::Found ShellSessions::start(Processes& processes, const SessionOpt
   }
   Found f{std::get<ProcessEntry>(std::move(started)), options};
   std::string start_lines = kStartLines;
-  if (is_bash(shell)) start_lines += "shopt -s expand_aliases\n";
-  processes.write_stdin(f.entry.pid, start_lines, false);
+  if (is_bash(shell)) start_lines += kBashStartLines;
+  // Whatever the shell says as it starts is nobody's run's: the first marker ends it.
+  ExecResult first = run_framed(processes, f.entry.pid, start_lines, f.entry.stdout_end, f.entry.stderr_end,
+                                Clock::now() + kStartWithin, 1 << 20, {}, /*interrupt=*/false);
+  if (first.reason == "session_ended" || first.timed_out) {
+    try {
+      processes.forget(f.entry.pid);
+    } catch (const Error&) {
+    }
+    std::string said = first.stderr_data.substr(0, 500);
+    while (!said.empty() && (said.back() == '\n' || said.back() == '\r')) said.pop_back();
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("the session's shell {} {}{}", shell,
+                            first.timed_out ? "did not answer its first command" : "exited as it started",
+                            said.empty() ? "" : ": " + said));
+  }
   return f;
 }
 
@@ -284,42 +308,68 @@ ExecResult ShellSessions::run(const std::string& sandbox_id, Processes& processe
     }
   } not_busy{*this, {sandbox_id, name}};
 
-  const int pid = f.entry.pid;
+  const auto deadline = started + std::chrono::microseconds(static_cast<std::int64_t>(run.timeout_seconds * 1e6));
+  // `command` keeps a syntax error in the command from ending the shell (eval is a special built-in).
+  std::string line = "__dsec_run() { __dsec_in_run=1; command eval " + single_quoted(run.command) +
+                     "; }\n__dsec_run </dev/null 8>&- 9>&-\n";
+  ExecResult result = run_framed(processes, f.entry.pid, line, f.entry.stdout_end, f.entry.stderr_end, deadline,
+                                 run.max_output_bytes, sink, /*interrupt=*/true);
+  result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  return result;
+}
+
+ExecResult ShellSessions::run_framed(Processes& processes, int pid, const std::string& lines, std::uint64_t out_at,
+                                     std::uint64_t err_at, Clock::time_point deadline, std::size_t cap,
+                                     const OutputSink& sink, bool interrupt) {
   // What runs in the background from earlier runs is spared by this run's timeout.
-  std::vector<int> spared = processes.children(pid);
+  const std::vector<int> spared = interrupt ? processes.children(pid) : std::vector<int>{};
   const std::string nonce = random_nonce();
   const std::string marker = "\037" + nonce;
-  std::string script = "command eval " + single_quoted(run.command) + " </dev/null 8>&- 9>&-\n" +
-                       fmt::format("printf '\\037%s %d\\037' {} \"$?\" >&8; printf '\\037%s\\037' {} >&9\n", nonce,
-                                   nonce);
-  std::uint64_t out_at = f.entry.stdout_end, err_at = f.entry.stderr_end;
-  processes.write_stdin(pid, script, false);
+  processes.write_stdin(pid,
+                        lines + fmt::format("__dsec_rc=$?; __dsec_in_run=; printf '\\037%s %d\\037' {} \"$__dsec_rc\" "
+                                            ">&8; printf '\\037%s\\037' {} >&9\n",
+                                            nonce, nonce),
+                        false);
 
   const OutputSink* to = sink ? &sink : nullptr;
-  MarkerScan out(marker + " ", run.max_output_bytes, 1, to);
-  MarkerScan err(marker, run.max_output_bytes, 2, to);
+  MarkerScan out(marker + " ", cap, 1, to);
+  MarkerScan err(marker, cap, 2, to);
   ExecResult result;
-  const auto deadline = started + std::chrono::microseconds(static_cast<std::int64_t>(run.timeout_seconds * 1e6));
-  std::optional<Clock::time_point> kill_shell_at;
-  ProcessEntry last = f.entry;
+  // The steps a timeout takes, in order: abandon the run and kill its processes, then kill the shell.
+  enum class Step { kRunning, kAbandoned, kShellKilled } step = Step::kRunning;
+  Clock::time_point next_step = deadline;
+  ProcessEntry last;
   auto out_done = [&] { return out.found() && out.marker_rest().has_value(); };
+  auto ignore_ended = [](const std::function<void()>& send) {
+    try {
+      send();
+    } catch (const Error& e) {
+      if (e.code() != Code::kFailedPrecondition) throw;  // the shell ended meanwhile
+    }
+  };
   for (;;) {
     if (out_done() && err.found()) break;
     auto now = Clock::now();
-    if (!result.timed_out && now >= deadline) {
+    if (now >= next_step) {
       result.timed_out = true;
-      processes.signal(pid, SIGKILL, Scope::kTreeExcept, spared);
-      kill_shell_at = now + kShellGrace;
-    }
-    if (kill_shell_at && now >= *kill_shell_at) {
-      kill_shell_at.reset();
-      try {
-        processes.signal(pid, SIGKILL, Scope::kGroup);
-      } catch (const Error& e) {
-        if (e.code() != Code::kFailedPrecondition) throw;  // it ended meanwhile
+      if (!interrupt) break;  // a start that did not answer
+      switch (step) {
+        case Step::kRunning:
+          // The shell first (its trap waits for the command it runs to end), then what the run started.
+          ignore_ended([&] { processes.signal(pid, kAbandon, Scope::kProcess); });
+          ignore_ended([&] { processes.signal(pid, SIGKILL, Scope::kTreeExcept, spared); });
+          step = Step::kAbandoned;
+          next_step = now + kShellGrace;
+          break;
+        case Step::kAbandoned:
+          ignore_ended([&] { processes.signal(pid, SIGKILL, Scope::kGroup); });
+          step = Step::kShellKilled;
+          next_step = Clock::time_point::max();
+          break;
+        case Step::kShellKilled: break;
       }
     }
-    auto until = kill_shell_at ? *kill_shell_at : (result.timed_out ? now + std::chrono::seconds(1) : deadline);
+    auto until = std::min(next_step, now + std::chrono::seconds(60));
     auto wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(until - now),
                            std::chrono::milliseconds(0), std::chrono::milliseconds(60'000));
     ProcessOutput got = processes.read(pid, out_done() ? kSkip : out_at, err.found() ? kSkip : err_at,
@@ -342,22 +392,23 @@ ExecResult ShellSessions::run(const std::string& sandbox_id, Processes& processe
     auto [ptr, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), code);
     result.exit_code = ec == std::errc() ? code : -1;
   } else {
-    // The shell is gone: by `exit`, or killed. What it printed is the run's output.
     out.flush();
     err.flush();
-    result.reason = "session_ended";
-    if (WIFEXITED(last.wait_status)) {
-      result.exit_code = WEXITSTATUS(last.wait_status);
-    } else if (WIFSIGNALED(last.wait_status)) {
-      result.exit_code = -1;
-      result.signal = WTERMSIG(last.wait_status);
+    if (!last.running) {
+      // The shell is gone: by `exit`, or killed. What it printed is the run's output.
+      result.reason = "session_ended";
+      if (WIFEXITED(last.wait_status)) {
+        result.exit_code = WEXITSTATUS(last.wait_status);
+      } else if (WIFSIGNALED(last.wait_status)) {
+        result.exit_code = -1;
+        result.signal = WTERMSIG(last.wait_status);
+      }
     }
   }
   result.stdout_data = out.take();
   result.stderr_data = err.take();
   result.stdout_truncated = out.truncated();
   result.stderr_truncated = err.truncated();
-  result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
   return result;
 }
 

@@ -5,6 +5,7 @@
 // stdout and of its stderr made at start; the run's output is what came before the markers.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -71,8 +72,15 @@ class ShellSessions {
   Found find(const std::string& sandbox_id, Processes& processes, const std::string& name);
   std::vector<Found> all(Processes& processes);
   SessionInfo info(const std::string& sandbox_id, const Found& found);
-  // Starts a shell for `options` (which names it) and writes its start-up lines.
+  // Starts a shell for `options` (which names it), writes its start-up lines and waits for its first marker.
   Found start(Processes& processes, const SessionOptions& options);
+  // Writes `lines` and a marker with a fresh nonce to the shell, and collects what it writes to stdout and stderr
+  // from the given offsets until both markers came (exit_code: the `$?` the marker carries), or the shell ended
+  // (reason "session_ended"), or `deadline` passed: with `interrupt`, the timeout's steps (interrupt, kill the
+  // run's processes, kill the shell), timed_out set; without, it returns timed_out at once.
+  ExecResult run_framed(Processes& processes, int pid, const std::string& lines, std::uint64_t out_at,
+                        std::uint64_t err_at, std::chrono::steady_clock::time_point deadline, std::size_t cap,
+                        const OutputSink& sink, bool interrupt);
 
   std::mutex mu_;
   std::set<std::pair<std::string, std::string>> busy_;  // (sandbox, session) with a run under way
