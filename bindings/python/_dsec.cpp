@@ -36,8 +36,10 @@ void raise_dsec_error(const dsec::Error& e) {
   try {
     py::object errors = py::module_::import("dsec.errors");
     const bool node_lost = dynamic_cast<const dsec::NodeLost*>(&e) != nullptr;
+    const auto* unknown = dynamic_cast<const dsec::OutcomeUnknown*>(&e);
     py::object exc = errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable(), node_lost,
-                                          e.infrastructure());
+                                          e.infrastructure(),
+                                          unknown ? py::object(py::str(unknown->request_id())) : py::object(py::none()));
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   } catch (py::error_already_set& inner) {
     // dsec.errors itself failed to import: still raise something that says what went wrong.
@@ -288,6 +290,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("stderr_truncated", &dsec::ExecResult::stderr_truncated)
       .def_readonly("timed_out", &dsec::ExecResult::timed_out,
                     "The timeout passed and the command's processes were killed.")
+      .def_readonly("oom_killed", &dsec::ExecResult::oom_killed,
+                    "The OOM killer ended it: the sandbox's memory limit was reached (signal is 9).")
       .def_readonly("duration", &dsec::ExecResult::duration_seconds, "Wall-clock seconds.")
       .def_readonly("reason", &dsec::ExecResult::reason,
                     "Why the command did not run, when what it named was not there: 'executable_not_found' (127), "
@@ -299,6 +303,7 @@ PYBIND11_MODULE(_dsec, m) {
         std::string s = "ExecResult(exit_code=" + std::to_string(r.exit_code);
         if (r.signal) s += ", signal=" + std::to_string(r.signal);
         if (r.timed_out) s += ", timed_out=True";
+        if (r.oom_killed) s += ", oom_killed=True";
         if (!r.reason.empty()) s += ", reason='" + r.reason + "'";
         s += ", stdout=" + py::repr(py::bytes(r.stdout_data.substr(0, 80))).cast<std::string>();
         if (r.stdout_data.size() > 80) s += "...";
@@ -651,12 +656,13 @@ PYBIND11_MODULE(_dsec, m) {
           "exec",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
              std::map<std::string, std::string> env, std::string cwd, py::object stdin_data, double timeout,
-             std::size_t max_output, py::object on_output, std::string user) {
+             std::size_t max_output, py::object on_output, std::string user, std::string request_id) {
             auto req = command_request<dsec::ExecRequest>(std::move(argv), std::move(shell), std::move(env),
                                                           std::move(cwd), std::move(user));
             if (!stdin_data.is_none()) req.stdin_data = bytes_or_str(stdin_data, "stdin");
             req.timeout_seconds = timeout;
             req.max_output_bytes = max_output;
+            req.request_id = std::move(request_id);
             if (on_output.is_none()) {
               py::gil_scoped_release release;
               return self.get().exec(req);
@@ -667,7 +673,8 @@ PYBIND11_MODULE(_dsec, m) {
           },
           py::arg("argv") = py::none(), py::arg("shell") = py::none(), py::arg("env") = std::map<std::string, std::string>{},
           py::arg("cwd") = "", py::arg("stdin") = py::none(), py::arg("timeout") = 600.0,
-          py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none(), py::arg("user") = "")
+          py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none(), py::arg("user") = "",
+          py::arg("request_id") = "")
       .def(
           "write_file",
           [](PySandbox& self, const std::string& path, py::object data, unsigned mode) {

@@ -8,6 +8,8 @@ import base64
 import json
 import threading
 
+import pytest
+
 import dsec_testlib as lib
 
 
@@ -87,3 +89,23 @@ def test_session_runs_take_request_ids(agent, module_sandbox):
         assert base64.b64decode(nxt.json()["stdout"]) == b"1\n"  # the repeat did not run it a second time
     finally:
         lib.http_request(agent.socket_path, "DELETE", f"/v1/sandboxes/{sid}/sessions/once")
+
+
+def test_the_client_sends_ids_and_repeats_answer_alike(module_sandbox):
+    sb = module_sandbox
+    first = sb.exec(COUNT.format(tag="py"), request_id="py-1")
+    again = sb.exec(COUNT.format(tag="py"), request_id="py-1")
+    assert first.stdout == again.stdout == b"1\n"
+    # Without an id the client makes one per call: two calls run twice.
+    assert sb.exec(COUNT.format(tag="py")).stdout == b"2\n"
+    assert sb.exec(COUNT.format(tag="py")).stdout == b"3\n"
+    with pytest.raises(lib.dsec.InvalidArgument):
+        sb.exec("true", request_id="py-1")
+    with pytest.raises(lib.dsec.InvalidArgument):
+        sb.exec("true", request_id="x" * 200)
+    # Streamed, the repeat's output comes once, as the first call's was.
+    chunks = []
+    r = sb.exec("printf 'a'; " + COUNT.format(tag="py"), request_id="py-2", on_output=lambda s, d: chunks.append(d))
+    again = []
+    sb.exec("printf 'a'; " + COUNT.format(tag="py"), request_id="py-2", on_output=lambda s, d: again.append(d))
+    assert b"".join(chunks) == b"".join(again) == b"a4\n" and r.exit_code == 0

@@ -638,6 +638,15 @@ def test_processes_and_sessions_survive_kill_9(own_home):
                        {"shell": "sleep 300", "request_id": "cut", "timeout": 600})
         assert unknown.status == 500 and unknown.json()["code"] == "DATA_LOSS", unknown
         assert "outcome unknown" in unknown.json()["message"] and unknown.json()["fault"] == "infrastructure"
+        client = lib.dsec.Client(endpoints=[b.endpoint])
+        try:
+            with pytest.raises(lib.dsec.OutcomeUnknown) as raised:
+                client.attach(sid).exec("sleep 300", timeout=600, request_id="cut")
+            assert raised.value.request_id == "cut" and raised.value.infra
+            assert client.attach(sid).exec("echo once >> /tmp/once; cat /tmp/once", request_id="before").stdout == \
+                base64.b64decode(done.json()["stdout"])
+        finally:
+            client.close()
         assert sh(b, sid, "cat /tmp/once")[1] == "once\n"  # the finished one did not run again
         assert b.stop() == 0, b.log_tail()
     finally:

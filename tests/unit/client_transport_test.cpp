@@ -338,30 +338,64 @@ TEST(ClientCore, TheCallDeadlineBoundsAllRetries) {
   EXPECT_GT(core.stats().requests, 2u);
 }
 
-TEST(ClientCore, ExecIsNotRetriedOnceItMayHaveReachedTheAgent) {
+TEST(ClientCore, ExecIsRetriedUnderItsRequestIdAndALostOutcomeSaysSo) {
+  // Every answer lost: the exec is retried with the same request id (the agent runs it at most once), and in the
+  // end the client cannot know whether it ran.
   TestServer server([](const Request&) { return Reply{.close_without_reply = true}; });
   ClientCore core(fast_options({server.endpoint()}));
   try {
     core.exec("n1-1", shell_exec("echo once"));
     FAIL();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Code::kUnavailable);
+  } catch (const OutcomeUnknown& e) {
+    EXPECT_EQ(e.code(), Code::kDataLoss);
+    EXPECT_TRUE(e.infrastructure());
     EXPECT_FALSE(e.retryable());
-    EXPECT_NE(std::string(e.what()).find("not retried"), std::string::npos) << e.what();
+    EXPECT_EQ(e.request_id().size(), 32u);
+    EXPECT_NE(std::string(e.what()).find(e.request_id()), std::string::npos) << e.what();
   }
-  EXPECT_EQ(server.requests().size(), 1u);
-  // The same broken answer to an idempotent call is retried.
-  EXPECT_EQ(code_of([&] { core.get("n1-1"); }), Code::kUnavailable);
-  EXPECT_EQ(server.requests().size(), 1u + 4u);
+  auto reqs = server.requests();
+  ASSERT_GT(reqs.size(), 1u);
+  for (const auto& r : reqs) EXPECT_EQ(json::parse(r.body).at("request_id"), json::parse(reqs[0].body).at("request_id"));
 }
 
-TEST(ClientCore, ExecErrorsFromTheAgentAreNotRetried) {
-  TestServer server([](const Request&) {
-    return Reply{503, json{{"code", "UNAVAILABLE"}, {"message", "draining"}, {"retryable", true}}.dump()};
+TEST(ClientCore, ALostExecAnswerIsRecoveredByItsRetry) {
+  std::atomic<int> calls{0};
+  TestServer server([&](const Request& r) -> Reply {
+    if (++calls == 1) return {.close_without_reply = true};
+    return {200, json{{"exit_code", 0}, {"stdout", "b25jZQo="}}.dump()};
   });
   ClientCore core(fast_options({server.endpoint()}));
+  ExecRequest req = shell_exec("echo once");
+  req.request_id = "mine";
+  EXPECT_EQ(core.exec("n1-1", req).stdout_data, "once\n");
+  auto reqs = server.requests();
+  ASSERT_EQ(reqs.size(), 2u);
+  EXPECT_EQ(json::parse(reqs[1].body).at("request_id"), "mine");
+}
+
+TEST(ClientCore, ExecErrorsFromTheAgent) {
+  // A refusal the agent says may be retried is (the command did not run); in the end it is the agent's error.
+  TestServer draining([](const Request&) {
+    return Reply{503, json{{"code", "UNAVAILABLE"}, {"message", "draining"}, {"retryable", true}}.dump()};
+  });
+  ClientCore core(fast_options({draining.endpoint()}));
   EXPECT_EQ(code_of([&] { core.exec("n1-1", shell_exec("true")); }), Code::kUnavailable);
-  EXPECT_EQ(server.requests().size(), 1u);
+  EXPECT_GT(draining.requests().size(), 1u);
+  // The agent knows an id's command was under way when it stopped: the outcome is unknown, never run again.
+  TestServer restarted([](const Request&) {
+    return Reply{500, json{{"code", "DATA_LOSS"}, {"message", "outcome unknown: exec request 'r' ..."},
+                           {"retryable", false}, {"fault", "infrastructure"}}.dump()};
+  });
+  ClientCore again(fast_options({restarted.endpoint()}));
+  ExecRequest req = shell_exec("true");
+  req.request_id = "r";
+  try {
+    again.exec("n1-1", req);
+    FAIL();
+  } catch (const OutcomeUnknown& e) {
+    EXPECT_EQ(e.request_id(), "r");
+  }
+  EXPECT_EQ(restarted.requests().size(), 1u);
 }
 
 TEST(ClientCore, ExecRequestsAreCheckedBeforeTheyAreSent) {

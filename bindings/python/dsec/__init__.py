@@ -71,6 +71,7 @@ from .errors import (
     InvalidArgument,
     NodeLost,
     NotFound,
+    OutcomeUnknown,
     OutOfRange,
     PermissionDenied,
     RequestError,

@@ -69,6 +69,8 @@ class ExecResult:
     @property
     def timed_out(self) -> bool: ...
     @property
+    def oom_killed(self) -> bool: ...
+    @property
     def duration(self) -> float: ...
     @property
     def ok(self) -> bool: ...
@@ -412,6 +414,7 @@ class Sandbox:
         max_output: int = ...,
         on_output: Callable[[str, bytes], object] | None = None,
         user: str = "",
+        request_id: str = "",
     ) -> ExecResult: ...
     def spawn(
         self,

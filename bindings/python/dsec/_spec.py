@@ -211,3 +211,12 @@ def _user(user: str | int | None) -> str:
     if not isinstance(user, str):
         raise InvalidArgument(f"user: expected a user name, a uid or \"uid:gid\", got {user!r}")
     return user
+
+
+def _request_id(request_id: str | None) -> str:
+    """A ``request_id`` argument as the wire has it (None is "": the client makes one)."""
+    if request_id is None:
+        return ""
+    if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 128 or "\0" in request_id:
+        raise InvalidArgument(f"request_id: expected a non-empty str of at most 128 bytes, got {request_id!r}")
+    return request_id

@@ -37,6 +37,7 @@ __all__ = [
     "Unavailable",
     "NodeLost",
     "DataLoss",
+    "OutcomeUnknown",
     "Unauthenticated",
     "error_class",
 ]
@@ -173,6 +174,19 @@ class DataLoss(InfraError):
     code = "DATA_LOSS"
 
 
+class OutcomeUnknown(DataLoss):
+    """An exec or a session run whose outcome cannot be known: its answer was lost and no retry could learn what
+    became of its command (the node's agent restarted while it ran, or the node stopped answering). The command is
+    never run a second time for it. ``request_id`` names the call. A trainer masks the rollout."""
+
+    code = "DATA_LOSS"
+
+    def __init__(self, message: str = "", *, retryable: bool = False, request_id: str = "", **kwargs) -> None:
+        super().__init__(message, retryable=retryable, **kwargs)
+        self.request_id = request_id
+
+
+
 class Unauthenticated(RequestError):
     code = "UNAUTHENTICATED"
 
@@ -205,9 +219,13 @@ def error_class(code: str) -> type[DsecError]:
     return _BY_CODE.get(code, Unknown)
 
 
-def _make(code: str, message: str, retryable: bool, node_lost: bool = False, infra: bool | None = None) -> DsecError:
+def _make(code: str, message: str, retryable: bool, node_lost: bool = False, infra: bool | None = None,
+          outcome_unknown: str | None = None) -> DsecError:
     """Called by the C++ binding to build the exception it raises; ``infra`` is the error's fault where it differs
-    from its code's usual one (an agent says a FAILED_PRECONDITION is the infrastructure's: the sandbox is lost)."""
+    from its code's usual one (an agent says a FAILED_PRECONDITION is the infrastructure's: the sandbox is lost);
+    ``outcome_unknown`` is the request id of an exec whose outcome is unknown."""
+    if outcome_unknown is not None:
+        return OutcomeUnknown(message, retryable=retryable, request_id=outcome_unknown)
     if node_lost:
         return NodeLost(message, retryable=retryable)
     cls = error_class(code)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
 from . import _dsec
 from .errors import InvalidArgument
-from ._spec import _field_size, _network_dict, _network_policy, _policy_of, _str_map, _user
+from ._spec import _field_size, _network_dict, _network_policy, _policy_of, _request_id, _str_map, _user
 from ._types import BytesLike, ExecResult, ProcessInfo, SandboxInfo, SessionInfo, Size, SleepResult
 from .process import Process
 from .session import Session
@@ -77,6 +77,7 @@ class Sandbox:
         max_output: Size = 16 << 20,
         on_output: Callable[[str, bytes], object] | None = None,
         user: str | int | None = None,
+        request_id: str | None = None,
     ) -> ExecResult:
         """Runs a command and waits for it.
 
@@ -90,7 +91,12 @@ class Sandbox:
         stdout and stderr (bytes) keep at most ``max_output`` bytes each; ``stdout_truncated`` tells.
 
         Raises :class:`NotFound` for an unknown sandbox and :class:`Unavailable` when its node cannot be reached.
-        An exec is never retried once it may have reached the agent, so a command never runs twice.
+        An exec runs exactly once: it carries ``request_id`` (one is made when None; at most 128 bytes), so the
+        client retries a lost answer safely and the agent answers a repeat with the first call's result, even after
+        it restarted. When no retry can learn what became of the command (its agent restarted while it ran, or its
+        node is gone), :class:`OutcomeUnknown` (an :class:`InfraError`) says so with the id; the command is never
+        run twice. The same id with another command is :class:`InvalidArgument`. A command killed by the OOM killer
+        is a result with ``oom_killed=True``.
 
         With ``on_output``, the output is streamed instead: ``on_output(stream, data)`` is called on this thread with
         ``stream`` ``"stdout"`` or ``"stderr"`` and ``data`` (bytes) as the command writes it, and the result's
@@ -109,6 +115,7 @@ class Sandbox:
             max_output=_field_size(max_output, "max_output"),
             on_output=on_output,
             user=_user(user),
+            request_id=_request_id(request_id),
         )
 
     def spawn(

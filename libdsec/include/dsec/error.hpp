@@ -86,4 +86,19 @@ class NodeLost : public Error {
   std::string node_;
 };
 
+// An exec (or a session's run) whose outcome cannot be known: it carried request id `request_id`, its answer was
+// lost, and no retry could learn what became of it (its agent restarted while the command ran, so the command was
+// killed part way; or its node stopped answering). The command is never run a second time for it. DATA_LOSS, the
+// infrastructure's, not retryable: a trainer masks the rollout. Python raises dsec.OutcomeUnknown.
+class OutcomeUnknown : public Error {
+ public:
+  OutcomeUnknown(std::string request_id, std::string message)
+      : Error(Code::kDataLoss, std::move(message), false, Fault::kInfrastructure),
+        request_id_(std::move(request_id)) {}
+  const std::string& request_id() const noexcept { return request_id_; }
+
+ private:
+  std::string request_id_;
+};
+
 }  // namespace dsec

@@ -706,10 +706,47 @@ HttpResponse ClientCore::call_once(const NodePtr& node, const HttpRequest& reque
 
 HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& request, SandboxCall how) {
   auto deadline = deadline_after(how.extra);
-  return retrying(deadline, [&] {
-    NodePtr node = route(id, deadline);
-    return how.repeatable ? call(node, request, deadline, how.extra) : call_once(node, request, deadline, how.extra);
+  if (how.request_id.empty())
+    return retrying(deadline, [&] {
+      NodePtr node = route(id, deadline);
+      return how.repeatable ? call(node, request, deadline, how.extra) : call_once(node, request, deadline, how.extra);
+    });
+  bool maybe_sent = false;
+  return exactly_once(id, how.request_id, maybe_sent, [&] {
+    return retrying(deadline, [&] {
+      NodePtr node = route(id, deadline);
+      try {
+        return call(node, request, deadline, how.extra);
+      } catch (const TransportError& e) {
+        maybe_sent = maybe_sent || e.maybe_sent();
+        throw;
+      }
+    });
   });
+}
+
+template <typename Op>
+auto ClientCore::exactly_once(const std::string& id, const std::string& request_id, const bool& maybe_sent, Op&& op)
+    -> decltype(op()) {
+  try {
+    return op();
+  } catch (const OutcomeUnknown&) {
+    throw;
+  } catch (const Error& e) {
+    // The agent knows the command was under way when it stopped, and so never learnt how it ended.
+    if (e.code() == Code::kDataLoss && std::string_view(e.what()).find("outcome unknown:") != std::string_view::npos)
+      throw OutcomeUnknown(request_id, e.what());
+    // The request may have reached the agent and every retry failed to ask it again: whether the command ran is
+    // not known here.
+    const bool lost = e.code() == Code::kUnavailable || e.code() == Code::kDeadlineExceeded ||
+                      dynamic_cast<const NodeLost*>(&e) != nullptr;
+    if (maybe_sent && lost)
+      throw OutcomeUnknown(request_id,
+                           fmt::format("outcome unknown: request '{}' to sandbox {} may have run, and no retry could "
+                                       "learn how it ended: {}",
+                                       request_id, id, e.what()));
+    throw;
+  }
 }
 
 SandboxInfo ClientCore::get(const std::string& id) {
@@ -906,10 +943,13 @@ ExecResult ClientCore::exec(const std::string& id, const ExecRequest& request) {
   // The agent's own validation, run here first: a malformed request fails before it costs a round trip.
   const protocol::json encoded = protocol::encode(request);
   protocol::decode_exec_request(encoded);
-  const std::string body = encoded.dump();
   const milliseconds exec_time{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)};
-  // An exec is not idempotent: once the agent may have it, running it twice is worse than failing.
-  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, "/exec"), body, kJson), {exec_time, false});
+  // Exactly once on the agent by its request id (one is made when the caller gave none), so retries are safe.
+  const std::string request_id = request.request_id.empty() ? random_request_id() : request.request_id;
+  protocol::json with_id = encoded;
+  with_id["request_id"] = request_id;
+  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, "/exec"), with_id.dump(), kJson),
+                        {exec_time, true, request_id});
   return protocol::decode_exec_result(parse_json(r, "POST /v1/sandboxes/{id}/exec"));
 }
 
@@ -923,23 +963,35 @@ ExecResult ClientCore::exec_stream(const std::string& id, const ExecRequest& req
   protocol::json encoded = protocol::encode(request);
   protocol::decode_exec_request(encoded);
   encoded["stream"] = true;
+  const std::string request_id = request.request_id.empty() ? random_request_id() : request.request_id;
+  encoded["request_id"] = request_id;
   const milliseconds exec_time{static_cast<std::int64_t>(request.timeout_seconds * 1000.0)};
-  return stream_command(id, "/exec", encoded.dump(), exec_time, on_output);
+  return stream_command(id, "/exec", encoded.dump(), exec_time, on_output, request_id);
 }
 
 ExecResult ClientCore::stream_command(const std::string& id, std::string_view suffix, const std::string& body,
                                       milliseconds run_time,
-                                      const std::function<void(int fd, std::string_view data)>& on_output) {
+                                      const std::function<void(int fd, std::string_view data)>& on_output,
+                                      const std::string& request_id) {
   auto deadline = deadline_after(run_time);
   std::exception_ptr callback_error;
   std::optional<ExecStreamDecoder> decoder;
   HttpRequest http = http_request("POST", sandbox_path(id, suffix), body, kJson);
   http.on_body = [&](std::string_view bytes) { decoder->feed(bytes); };
-  try {
-    retrying(deadline, [&] {
+  // Bytes of each stream on_output has had, over every attempt: a retry's answer starts again from the first.
+  std::uint64_t delivered[2] = {0, 0};
+  bool maybe_sent = false;
+  auto attempts = [&] {
+    return retrying(deadline, [&] {
       NodePtr node = route(id, deadline);
-      decoder.emplace([&](int fd, std::string_view data) {
-        if (!on_output) return;
+      std::uint64_t seen[2] = {0, 0};  // this attempt's
+      decoder.emplace([&, seen](int fd, std::string_view data) mutable {
+        const int i = fd == 2 ? 1 : 0;
+        std::uint64_t skip = delivered[i] > seen[i] ? std::min<std::uint64_t>(delivered[i] - seen[i], data.size()) : 0;
+        seen[i] += data.size();
+        data.remove_prefix(static_cast<std::size_t>(skip));
+        if (data.empty() || !on_output) return;
+        delivered[i] += data.size();
         try {
           on_output(fd, data);
         } catch (...) {
@@ -947,9 +999,18 @@ ExecResult ClientCore::stream_command(const std::string& id, std::string_view su
           throw OutputCallbackFailed{};
         }
       });
-      // Like exec: once the agent may have the command, running it twice is worse than failing.
-      return call_once(node, http, deadline, run_time);
+      if (request_id.empty()) return call_once(node, http, deadline, run_time);  // never twice
+      try {
+        return call(node, http, deadline, run_time);
+      } catch (const TransportError& e) {
+        maybe_sent = maybe_sent || e.maybe_sent();
+        throw;
+      }
     });
+  };
+  try {
+    if (request_id.empty()) attempts();
+    else exactly_once(id, request_id, maybe_sent, attempts);
   } catch (const OutputCallbackFailed&) {
     std::rethrow_exception(callback_error);
   }

@@ -32,11 +32,17 @@ namespace dsec::detail {
 
 // How a call about a sandbox may be repeated, and how long each of its exchanges may take.
 struct SandboxCall {
+  SandboxCall(std::chrono::milliseconds extra_in = {}, bool repeatable_in = true, std::string request_id_in = {})
+      : extra(extra_in), repeatable(repeatable_in), request_id(std::move(request_id_in)) {}
   // Beyond request_timeout for each exchange: a long poll's wait, a command's timeout.
   std::chrono::milliseconds extra{0};
   // False for a call that must not act twice (it starts something, writes bytes, sends a signal): it is not
   // retried once the request may have reached the agent, and an error the agent answered is final.
   bool repeatable = true;
+  // Set: the request carries this id, which makes it exactly-once on the agent (an exec, a session's run). It is
+  // then retried like a repeatable call, and a failure that leaves its outcome unknown (the answer lost and no
+  // retry could learn it, or the agent says so) is thrown as dsec::OutcomeUnknown.
+  std::string request_id;
 };
 
 class ClientCore {
@@ -94,9 +100,12 @@ class ClientCore {
   // A command whose answer streams as NDJSON (exec's "stream": true, a session run's): `body` POSTed to
   // sandbox_path(id, suffix), each exchange allowed `run_time` beyond request_timeout; on_output and retries as
   // exec_stream.
+  // With `request_id` (in the body too), retried like call_sandbox's exactly-once calls: a retry's answer replays the
+  // output from its start, and what on_output already had is not handed to it twice.
   ExecResult stream_command(const std::string& id, std::string_view suffix, const std::string& body,
                             std::chrono::milliseconds run_time,
-                            const std::function<void(int fd, std::string_view data)>& on_output);
+                            const std::function<void(int fd, std::string_view data)>& on_output,
+                            const std::string& request_id = {});
 
   void write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode);
   std::string read_file(const std::string& id, std::string_view path);
@@ -123,6 +132,12 @@ class ClientCore {
   // agent, and any error the agent answered, are thrown as not retryable.
   HttpResponse call_once(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
                          std::chrono::milliseconds extra);
+  // Runs `op` (the retried exchanges of an exactly-once request) and turns a failure that leaves the outcome
+  // unknown into OutcomeUnknown: the agent's DATA_LOSS "outcome unknown", or a lost answer (`maybe_sent`, set by
+  // `op`) that no retry recovered.
+  template <typename Op>
+  auto exactly_once(const std::string& id, const std::string& request_id, const bool& maybe_sent, Op&& op)
+      -> decltype(op());
   // The node that made sandbox `id` (asks unidentified nodes for their ids when needed). NodeLost when that node has
   // left the cluster or is ejected.
   NodePtr route(const std::string& id, SteadyClock::time_point deadline);

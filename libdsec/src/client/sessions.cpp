@@ -43,18 +43,23 @@ std::string Session::path(std::string_view suffix) const {
 }
 
 ExecResult Session::run(std::string command, double timeout_seconds, std::size_t max_output) const {
-  const std::string body = detail::encode_session_run(command, timeout_seconds, max_output, false).dump();
-  // Not retried once the agent may have it: the command would run twice in the same shell.
+  // Exactly once on the agent by a request id of its own, so a retry never runs the command twice in the shell.
+  const std::string request_id = detail::random_request_id();
+  protocol::json encoded = detail::encode_session_run(command, timeout_seconds, max_output, false);
+  encoded["request_id"] = request_id;
   auto r = core().call_sandbox(
-      sandbox_id_, detail::http_request("POST", core().sandbox_path(sandbox_id_, path("/run")), body, kJson),
-      {run_time(timeout_seconds), false});
+      sandbox_id_, detail::http_request("POST", core().sandbox_path(sandbox_id_, path("/run")), encoded.dump(), kJson),
+      {run_time(timeout_seconds), true, request_id});
   return protocol::decode_exec_result(detail::parse_json(r, "POST /v1/sandboxes/{id}/sessions/{name}/run"));
 }
 
 ExecResult Session::run_stream(std::string command, const std::function<void(int fd, std::string_view data)>& on_output,
                                double timeout_seconds, std::size_t max_output) const {
-  const std::string body = detail::encode_session_run(command, timeout_seconds, max_output, true).dump();
-  return core().stream_command(sandbox_id_, path("/run"), body, run_time(timeout_seconds), on_output);
+  const std::string request_id = detail::random_request_id();
+  protocol::json encoded = detail::encode_session_run(command, timeout_seconds, max_output, true);
+  encoded["request_id"] = request_id;
+  return core().stream_command(sandbox_id_, path("/run"), encoded.dump(), run_time(timeout_seconds), on_output,
+                               request_id);
 }
 
 SessionInfo Session::info() const {

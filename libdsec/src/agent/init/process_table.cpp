@@ -419,27 +419,27 @@ std::string ProcessTable::signal(std::string_view payload) {
   if (!p) return status_only(Status::kNotFound);
   if (!p->entry.running) return status_only(Status::kEnded);
   std::uint32_t signalled = 0;
+  std::set<pid_t> signalled_pids;
   switch (static_cast<Scope>(scope)) {
     case Scope::kProcess: signalled = ::kill(pid, sig) == 0; break;
     case Scope::kGroup: signalled = ::kill(-pid, sig) == 0; break;
     case Scope::kTreeExcept:
-      // A few rounds: what forked while the first one ran is found by the next.
-      for (int round = 0; round < 3; ++round) {
+      // A few rounds: what forked while the first one ran is found by the next (each process signalled once; one
+      // that is dying stays listed a while).
+      for (int round = 0, sent_before = -1; round < 3 && static_cast<int>(signalled) != sent_before; ++round) {
+        sent_before = static_cast<int>(signalled);
         std::map<pid_t, pid_t> parent = parents();
         std::map<pid_t, std::vector<pid_t>> kids;
         for (auto [child, ppid] : parent) kids[ppid].push_back(child);
         std::vector<pid_t> stack;
         for (pid_t c : kids[pid])
           if (!spared.count(c)) stack.push_back(c);
-        std::uint32_t found = 0;
         while (!stack.empty()) {
           pid_t c = stack.back();
           stack.pop_back();
-          if (::kill(c, sig) == 0) ++found;
+          if (signalled_pids.insert(c).second && ::kill(c, sig) == 0) ++signalled;
           for (pid_t g : kids[c]) stack.push_back(g);
         }
-        signalled += found;
-        if (found == 0) break;
       }
       break;
   }
