@@ -518,6 +518,11 @@ MicroVmBenchResult run_microvm(const Options& options, const std::string& home);
 void print_create(const CreateResult& r);
 void print_throughput(const ThroughputResult& r);
 void print_exec(const ExecBenchResult& r);
+// A latency table: its header (p50, p90, p99, max, mean) and one row.
+void print_header();
+void print_row(const std::string& name, const Latency& l);
+// dsec-bench session: shell sessions next to exec (round trips, after think time, a 40-step episode); prints.
+void run_session(const Options& options, Client& client);
 void print_density(const DensityResult& r);
 void print_cgroup_join(const CgroupJoinResult& r);
 void print_image(const ImageBenchResult& r);

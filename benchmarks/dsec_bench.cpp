@@ -82,6 +82,8 @@ Commands:
   network      create-to-ready with network "egress" (3 rules) against "none", alternating; the latency of a rule
                change (set_network) on a live sandbox; both again with -k sandboxes holding rules on the node. No
                traffic is sent. Not part of `all`
+  session      shell sessions: run("true") next to an exec of `true` (alternating, back to back and after 1 s
+               idle), then a 40-step SWE-style episode through one session and through execs. Not part of `all`
   all          all of the above but image, pulse, sleep, snapshot, fncall, microvm and network, then a Markdown summary
                for docs/benchmarks.md
 
@@ -311,7 +313,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "microvm", "network", "all"})
+                        "fncall", "microvm", "network", "session", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -536,6 +538,10 @@ int run(int argc, char** argv) {
   }
   if (o.command == "network") {
     run_network(o, *client);
+    std::fflush(stdout);
+  }
+  if (o.command == "session") {
+    run_session(o, *client);
     std::fflush(stdout);
   }
   if (o.command == "fncall") {

@@ -48,16 +48,6 @@ std::string kib(double bytes) {
   return fmt::format("{:.0f} KiB", bytes / 1024.0);
 }
 
-void print_row(const std::string& name, const Latency& l) {
-  if (l.empty()) return;
-  fmt::print("  {:<44} {:>10} {:>10} {:>10} {:>10} {:>10}\n", name, ms(l.percentile(50)), ms(l.percentile(90)),
-             ms(l.percentile(99)), ms(l.max()), ms(l.mean()));
-}
-
-void print_header() {
-  fmt::print("  {:<44} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "", "p50", "p90", "p99", "max", "mean");
-}
-
 std::string md_row(const std::string& name, const Latency& l) {
   return fmt::format("| {} | {} | {} | {} | {} |\n", name, ms(l.percentile(50)), ms(l.percentile(90)),
                      ms(l.percentile(99)), ms(l.max()));
@@ -73,6 +63,17 @@ std::string cpu_text(const CpuUse& c, int cores) {
 std::string yes_no(bool met) { return met ? "**met**" : "**not met**"; }
 
 }  // namespace
+
+void print_row(const std::string& name, const Latency& l) {
+  if (l.empty()) return;
+  fmt::print("  {:<44} {:>10} {:>10} {:>10} {:>10} {:>10}\n", name, ms(l.percentile(50)), ms(l.percentile(90)),
+             ms(l.percentile(99)), ms(l.max()), ms(l.mean()));
+}
+
+void print_header() {
+  fmt::print("  {:<44} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "", "p50", "p90", "p99", "max", "mean");
+}
+
 
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix) {
   fmt::print("{}{}\n", prefix, cpu_text(cpu, cores));

@@ -76,14 +76,14 @@ std::uint64_t ExecJournal::append(const std::string& sandbox_id, Sandbox& sb, co
   auto open_file = [&] {
     return UniqueFd(::open(file_of(sandbox_id).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
   };
-  UniqueFd fd = open_file();
-  if (!fd && errno == ENOENT) {  // the directory is made with the first id, and goes with the last sandbox's
+  if (!sb.file) sb.file = open_file();
+  if (!sb.file && errno == ENOENT) {  // the directory is made with the first id, and goes with the last sandbox's
     std::error_code ec;
     fs::create_directories(dir_, ec);
-    fd = open_file();
+    sb.file = open_file();
   }
   std::string text = line + '\n';
-  if (!fd || ::write(fd.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+  if (!sb.file || ::write(sb.file.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
     // Kept in memory all the same: only a restart would forget it.
     log_warn("exec request ids of sandbox {}: cannot write {}: {}", sandbox_id, file_of(sandbox_id).string(),
              std::strerror(errno));
@@ -106,7 +106,9 @@ void ExecJournal::load(const fs::path& file) {
       std::string id = j.at("id").get<std::string>();
       if (j.contains("started")) {
         if (!sb.ids.count(id)) sb.order.push_back(id);
-        sb.ids[id] = Entry{State::kRunning, j.at("fingerprint").get<std::string>()};
+        Entry& e = sb.ids[id];
+        e = Entry{};
+        e.fingerprint = j.at("fingerprint").get<std::string>();
       } else if (j.contains("result")) {
         if (auto it = sb.ids.find(id); it != sb.ids.end()) {
           it->second.state = State::kDone;
@@ -155,7 +157,7 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
       Sandbox& sb = sandboxes_[sandbox_id];
       auto it = sb.ids.find(request_id);
       if (it == sb.ids.end()) {
-        sb.ids[request_id] = Entry{State::kRunning, fingerprint};
+        sb.ids[request_id].fingerprint = fingerprint;  // kRunning
         sb.order.push_back(request_id);
         append(sandbox_id, sb,
                json{{"id", request_id}, {"fingerprint", fingerprint}, {"started", unix_now()}}.dump());
@@ -247,6 +249,7 @@ void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
     if (!fd || ::write(fd.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size()))
       throw_errno(errno, "write " + tmp.string());
     if (::rename(tmp.c_str(), file.c_str()) != 0) throw_errno(errno, "rename " + tmp.string());
+    sb.file.reset();  // the next line goes to the new file
   } catch (const std::exception& e) {
     ::unlink(tmp.c_str());
     log_warn("exec request ids of sandbox {}: compacting {}: {}", sandbox_id, file.string(), e.what());

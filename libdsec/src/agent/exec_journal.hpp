@@ -29,6 +29,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "common/unique_fd.hpp"
 #include "dsec/exec.hpp"
 
 namespace dsec::agent {
@@ -72,6 +73,7 @@ class ExecJournal {
     std::deque<std::string> order;  // oldest first
     std::uint64_t file_bytes = 0;
     std::size_t lines = 0;
+    UniqueFd file;  // open for appending once the sandbox's first line was written
   };
 
   std::filesystem::path file_of(const std::string& sandbox_id) const;
