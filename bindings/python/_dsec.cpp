@@ -19,6 +19,8 @@
 
 #include "dsec/dsec.hpp"
 
+#include "_dsec_aio.hpp"
+
 namespace py = pybind11;
 
 namespace {
@@ -34,12 +36,7 @@ milliseconds to_ms(double seconds, const char* what) {
 // Raises the dsec.errors class for e's code, carrying .code and .retryable.
 void raise_dsec_error(const dsec::Error& e) {
   try {
-    py::object errors = py::module_::import("dsec.errors");
-    const bool node_lost = dynamic_cast<const dsec::NodeLost*>(&e) != nullptr;
-    const auto* unknown = dynamic_cast<const dsec::OutcomeUnknown*>(&e);
-    py::object exc = errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable(), node_lost,
-                                          e.infrastructure(),
-                                          unknown ? py::object(py::str(unknown->request_id())) : py::object(py::none()));
+    py::object exc = dsec_exception(e);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   } catch (py::error_already_set& inner) {
     // dsec.errors itself failed to import: still raise something that says what went wrong.
@@ -199,6 +196,17 @@ std::string repr_bytes(const std::string& b) {
 }
 
 }  // namespace
+
+py::object dsec_exception(const dsec::Error& e) {
+  py::object errors = py::module_::import("dsec.errors");
+  const bool node_lost = dynamic_cast<const dsec::NodeLost*>(&e) != nullptr;
+  const auto* unknown = dynamic_cast<const dsec::OutcomeUnknown*>(&e);
+  return errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable(), node_lost,
+                              e.infrastructure(),
+                              unknown ? py::object(py::str(unknown->request_id())) : py::object(py::none()));
+}
+
+std::shared_ptr<dsec::Client> client_of(py::handle py_client) { return py_client.cast<PyClient&>().get(); }
 
 PYBIND11_MODULE(_dsec, m) {
   m.doc() = "dsec's C++ client (use the `dsec` package, not this module)";
@@ -950,4 +958,6 @@ PYBIND11_MODULE(_dsec, m) {
       .def_property_readonly("endpoint", [](PyClient& self) { return self.get()->endpoint(); })
       .def("close", &PyClient::close)
       .def_property_readonly("closed", &PyClient::closed);
+
+  bind_aio(m);
 }

@@ -35,6 +35,13 @@ The package's modules: :mod:`dsec.client` (:class:`Client`), :mod:`dsec.sandbox`
 :mod:`dsec.group` (:class:`SandboxGroup`), :mod:`dsec.fncall` (:func:`fncall_request`) and :mod:`dsec.errors`;
 everything public is importable from ``dsec`` itself.
 
+asyncio programs use :class:`AsyncClient` (:mod:`dsec.aio`): the same calls with ``await``, driven by one native
+I/O thread per client however many are in flight::
+
+        async with dsec.AsyncClient() as client:
+            sb = await client.create(image="busybox")
+            results = await asyncio.gather(*(sb.exec(f"echo {i}") for i in range(1000)))
+
 Errors are exceptions from :mod:`dsec.errors` (``dsec.NotFound``, ``dsec.Unavailable``, ...), each with ``.code``
 and ``.retryable``. A command that runs past its timeout is a result (``timed_out=True``), not an exception.
 """
@@ -57,6 +64,7 @@ from ._types import (
     SleepResult,
     SnapshotResult,
 )
+from .aio import AsyncClient, AsyncProcess, AsyncSandbox, AsyncSandboxGroup, AsyncSession
 from .client import Client, agent_binary
 from .errors import (
     Aborted,
@@ -94,6 +102,11 @@ PROTOCOL_VERSION: str = _dsec.PROTOCOL_VERSION
 
 __all__ = [
     "Client",
+    "AsyncClient",
+    "AsyncSandbox",
+    "AsyncSandboxGroup",
+    "AsyncSession",
+    "AsyncProcess",
     "Sandbox",
     "ExecResult",
     "Process",

@@ -123,6 +123,9 @@ class Client {
   // Stops the embedded agent (if any) and closes the client. Idempotent; the destructor does the same.
   void close();
 
+  // What dsec's own layers build on (the Python binding's asyncio core); nothing a trainer calls.
+  const std::shared_ptr<detail::ClientCore>& core_handle() const noexcept { return core_; }
+
  private:
   std::shared_ptr<detail::ClientCore> core_;
 };

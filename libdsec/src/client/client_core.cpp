@@ -225,6 +225,15 @@ HttpResponse ClientCore::call(const NodePtr& node, const HttpRequest& request, S
   // An agent that answers is alive, whatever it answered.
   nodes_.succeeded(node);
   if (r.status >= 200 && r.status < 300) return r;
+  throw agent_error(request, node->endpoint, r);
+}
+
+void ClientCore::count_exchange(const NodePtr& node, bool answered) {
+  if (answered) nodes_.succeeded(node);
+  else nodes_.failed(node);
+}
+
+Error agent_error(const HttpRequest& request, const std::string& endpoint, const HttpResponse& r) {
   protocol::json body;
   try {
     body = protocol::json::parse(r.body);
@@ -232,8 +241,8 @@ HttpResponse ClientCore::call(const NodePtr& node, const HttpRequest& request, S
     body = nullptr;  // decode_error falls back to the HTTP status
   }
   Error e = protocol::decode_error(body, static_cast<int>(r.status));
-  throw Error(e.code(), fmt::format("{} {} on {}: {}", request.method, request.target, node->endpoint, e.what()),
-              e.retryable(), e.fault());
+  return Error(e.code(), fmt::format("{} {} on {}: {}", request.method, request.target, endpoint, e.what()),
+               e.retryable(), e.fault());
 }
 
 NodePtr ClientCore::route(const std::string& id, SteadyClock::time_point deadline) {
@@ -733,20 +742,27 @@ auto ClientCore::exactly_once(const std::string& id, const std::string& request_
   } catch (const OutcomeUnknown&) {
     throw;
   } catch (const Error& e) {
-    // The agent knows the command was under way when it stopped, and so never learnt how it ended.
-    if (e.code() == Code::kDataLoss && std::string_view(e.what()).find("outcome unknown:") != std::string_view::npos)
-      throw OutcomeUnknown(request_id, e.what());
-    // The request may have reached the agent and every retry failed to ask it again: whether the command ran is
-    // not known here.
-    const bool lost = e.code() == Code::kUnavailable || e.code() == Code::kDeadlineExceeded ||
-                      dynamic_cast<const NodeLost*>(&e) != nullptr;
-    if (maybe_sent && lost)
-      throw OutcomeUnknown(request_id,
-                           fmt::format("outcome unknown: request '{}' to sandbox {} may have run, and no retry could "
-                                       "learn how it ended: {}",
-                                       request_id, id, e.what()));
+    if (auto unknown = outcome_unknown(e, id, request_id, maybe_sent)) throw *unknown;
     throw;
   }
+}
+
+std::optional<OutcomeUnknown> outcome_unknown(const Error& e, const std::string& id, const std::string& request_id,
+                                              bool maybe_sent) {
+  if (dynamic_cast<const OutcomeUnknown*>(&e)) return std::nullopt;
+  // The agent knows the command was under way when it stopped, and so never learnt how it ended.
+  if (e.code() == Code::kDataLoss && std::string_view(e.what()).find("outcome unknown:") != std::string_view::npos)
+    return OutcomeUnknown(request_id, e.what());
+  // The request may have reached the agent and every retry failed to ask it again: whether the command ran is
+  // not known here.
+  const bool lost = e.code() == Code::kUnavailable || e.code() == Code::kDeadlineExceeded ||
+                    dynamic_cast<const NodeLost*>(&e) != nullptr;
+  if (maybe_sent && lost)
+    return OutcomeUnknown(request_id,
+                          fmt::format("outcome unknown: request '{}' to sandbox {} may have run, and no retry could "
+                                      "learn how it ended: {}",
+                                      request_id, id, e.what()));
+  return std::nullopt;
 }
 
 SandboxInfo ClientCore::get(const std::string& id) {
@@ -838,7 +854,6 @@ void ClientCore::destroy(const std::string& id) {
 }
 
 SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
-  const char* what = sleep ? "POST /v1/sandboxes/{id}/sleep" : "POST /v1/sandboxes/{id}/wake";
   // Every attempt of this call carries the same request id: when an answer is lost and the call is retried, the
   // agent answers the retry as it answered the first attempt instead of "already sleeping".
   const std::string body = protocol::json{{"request_id", random_request_id()}}.dump();
@@ -855,6 +870,11 @@ SleepResult ClientCore::sleep_or_wake(const std::string& id, bool sleep) {
       throw;
     }
   });
+  return decode_sleep_result(r, sleep);
+}
+
+SleepResult decode_sleep_result(const HttpResponse& r, bool sleep) {
+  const char* what = sleep ? "POST /v1/sandboxes/{id}/sleep" : "POST /v1/sandboxes/{id}/wake";
   protocol::json j = parse_json(r, what);
   SleepResult out;
   out.info = protocol::decode_sandbox_info(j);
@@ -978,20 +998,16 @@ ExecResult ClientCore::stream_command(const std::string& id, std::string_view su
   std::optional<ExecStreamDecoder> decoder;
   HttpRequest http = http_request("POST", sandbox_path(id, suffix), body, kJson);
   http.on_body = [&](std::string_view bytes) { decoder->feed(bytes); };
-  // Bytes of each stream on_output has had, over every attempt: a retry's answer starts again from the first.
-  std::uint64_t delivered[2] = {0, 0};
+  // What on_output has had, over every attempt: a retry's answer starts again from the first byte.
+  StreamReplayFilter replay;
   bool maybe_sent = false;
   auto attempts = [&] {
     return retrying(deadline, [&] {
       NodePtr node = route(id, deadline);
-      std::uint64_t seen[2] = {0, 0};  // this attempt's
-      decoder.emplace([&, seen](int fd, std::string_view data) mutable {
-        const int i = fd == 2 ? 1 : 0;
-        std::uint64_t skip = delivered[i] > seen[i] ? std::min<std::uint64_t>(delivered[i] - seen[i], data.size()) : 0;
-        seen[i] += data.size();
-        data.remove_prefix(static_cast<std::size_t>(skip));
+      replay.new_attempt();
+      decoder.emplace([&](int fd, std::string_view data) {
+        data = replay.fresh(fd, data);
         if (data.empty() || !on_output) return;
-        delivered[i] += data.size();
         try {
           on_output(fd, data);
         } catch (...) {

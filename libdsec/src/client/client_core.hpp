@@ -118,12 +118,21 @@ class ClientCore {
   TransportStats stats() const;
   const EmbeddedAgent* embedded_agent() const noexcept { return agent_.get(); }
 
+  // What the asyncio core (async_transport.hpp) builds its exchanges from, so they route, count a node's health,
+  // retry and time out as this class's own calls do.
+  const ClientOptions& options() const noexcept { return options_; }
+  SteadyClock::time_point deadline_after(std::chrono::milliseconds extra = {}) const;
+  void check_open() const;
+  // The node that made sandbox `id` (asks unidentified nodes for their ids when needed). NodeLost when that node has
+  // left the cluster or is ejected.
+  NodePtr route(const std::string& id, SteadyClock::time_point deadline);
+  // Counts one exchange with `node` in its health: it answered (whatever it answered), or it could not be reached.
+  void count_exchange(const NodePtr& node, bool answered);
+
  private:
   template <typename Op>
   auto retrying(SteadyClock::time_point deadline, Op&& op) -> decltype(op());
 
-  SteadyClock::time_point deadline_after(std::chrono::milliseconds extra = {}) const;
-  void check_open() const;
   // One HTTP exchange with `node`; a non-2xx answer is thrown as the agent's dsec::Error. Counts the node's health.
   // Each exchange is bounded by request_timeout (+ `extra`, an exec's own timeout) within the call's deadline.
   HttpResponse call(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
@@ -138,9 +147,6 @@ class ClientCore {
   template <typename Op>
   auto exactly_once(const std::string& id, const std::string& request_id, const bool& maybe_sent, Op&& op)
       -> decltype(op());
-  // The node that made sandbox `id` (asks unidentified nodes for their ids when needed). NodeLost when that node has
-  // left the cluster or is ejected.
-  NodePtr route(const std::string& id, SteadyClock::time_point deadline);
   // GET /v1/node of every node whose information is older than kInfoMaxAge (concurrently), for placement.
   void refresh_node_info(SteadyClock::time_point deadline);
   // Records a GET /v1/node answer of `node`: its NodeInfo and its function-call pools.
@@ -172,6 +178,18 @@ class ClientCore {
 
 // An agent's answer as JSON; a body that is not JSON is INTERNAL naming `what` (the call).
 nlohmann::json parse_json(const HttpResponse& r, std::string_view what);
+
+// The dsec::Error of a non-2xx answer of `node` to `request`, as the agent's error body tells it.
+Error agent_error(const HttpRequest& request, const std::string& endpoint, const HttpResponse& response);
+
+// An exactly-once request's failure `e` (request `request_id` about sandbox `id`) as OutcomeUnknown when it leaves
+// the outcome unknown: the agent's DATA_LOSS "outcome unknown", or a lost answer (`maybe_sent`: the request may
+// have reached the agent) that no retry recovered. Nothing otherwise.
+std::optional<OutcomeUnknown> outcome_unknown(const Error& e, const std::string& id, const std::string& request_id,
+                                              bool maybe_sent);
+
+// A sleep's or wake's answer.
+SleepResult decode_sleep_result(const HttpResponse& r, bool sleep);
 
 // 32 hex digits from a random 128-bit value: request ids for creates that came without one.
 std::string random_request_id();

@@ -1,5 +1,7 @@
 #include "client/exec_stream.hpp"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "common/protocol.hpp"
@@ -63,6 +65,16 @@ void ExecStreamDecoder::line(std::string_view text) {
   } else {
     throw Error(Code::kInternal, fmt::format("the agent's exec stream has an unknown line \"{}\"", key), false);
   }
+}
+
+std::string_view StreamReplayFilter::fresh(int fd, std::string_view data) noexcept {
+  const int i = fd == 2 ? 1 : 0;
+  const std::uint64_t skip =
+      delivered_[i] > seen_[i] ? std::min<std::uint64_t>(delivered_[i] - seen_[i], data.size()) : 0;
+  seen_[i] += data.size();
+  data.remove_prefix(static_cast<std::size_t>(skip));
+  delivered_[i] += data.size();
+  return data;
 }
 
 ExecResult ExecStreamDecoder::finish() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -50,6 +51,20 @@ class ExecStreamDecoder {
   LineSplitter lines_;
   std::optional<ExecResult> result_;
   std::optional<Error> error_;
+};
+
+// A streamed command's output over its attempts: an exactly-once request's retry replays the output from its
+// start, and the caller's on_output gets only the bytes it had not had.
+class StreamReplayFilter {
+ public:
+  // A new attempt's answer starts.
+  void new_attempt() noexcept { seen_[0] = seen_[1] = 0; }
+  // The part of `data` (stream `fd`: 1 or 2) not delivered by an earlier attempt; counted as delivered.
+  std::string_view fresh(int fd, std::string_view data) noexcept;
+
+ private:
+  std::uint64_t delivered_[2] = {0, 0};  // over every attempt
+  std::uint64_t seen_[2] = {0, 0};       // this attempt's
 };
 
 }  // namespace dsec::detail

@@ -1,5 +1,7 @@
 #include "client/transport.hpp"
 
+#include "client/curl_exchange.hpp"
+
 #include <curl/curl.h>
 
 #include <algorithm>
@@ -171,40 +173,58 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
     ~Return() { t->give_back(h); }
   } give_back_on_exit{this, h};
 
-  curl_easy_reset(h);  // options only: live connections stay in the handle
-  HttpResponse resp;
-  char errbuf[CURL_ERROR_SIZE] = {0};
-  std::string url = endpoint_.base_url + req.target;
-  HeaderList headers;
-  headers.add("Expect:");  // no 100-continue round trip before uploads
-  headers.add("Accept: application/json");
-  if (!req.content_type.empty()) headers.add(fmt::format("Content-Type: {}", req.content_type));
-  if (credentials_ && !credentials_->token.empty()) headers.add("Authorization: Bearer " + credentials_->token);
+  CurlExchange exchange(h, endpoint_, credentials_.get(), req, static_cast<long>(remaining));
+  requests_.fetch_add(1, std::memory_order_relaxed);
+  CURLcode rc = curl_easy_perform(h);
+  connects_.fetch_add(exchange.connects(), std::memory_order_relaxed);
+  return exchange.finish(rc);
+}
 
-  set(h, CURLOPT_URL, url.c_str());
-  if (!endpoint_.unix_path.empty()) set(h, CURLOPT_UNIX_SOCKET_PATH, endpoint_.unix_path.c_str());
+struct CurlExchange::State {
+  char errbuf[CURL_ERROR_SIZE] = {0};
+  std::string url;
+  HeaderList headers;
+  HttpResponse response;
+  BodySink sink{nullptr, nullptr, nullptr, nullptr};
+};
+
+CurlExchange::CurlExchange(void* handle, const Endpoint& endpoint, const Credentials* credentials,
+                           const HttpRequest& req, long timeout_ms)
+    : handle_(handle), endpoint_(endpoint), request_(req), state_(std::make_unique<State>()) {
+  global_init_once();
+  CURL* h = static_cast<CURL*>(handle);
+  curl_easy_reset(h);  // options only: live connections stay in the handle
+  State& s = *state_;
+  s.url = endpoint.base_url + req.target;
+  s.headers.add("Expect:");  // no 100-continue round trip before uploads
+  s.headers.add("Accept: application/json");
+  if (!req.content_type.empty()) s.headers.add(fmt::format("Content-Type: {}", req.content_type));
+  if (credentials && !credentials->token.empty()) s.headers.add("Authorization: Bearer " + credentials->token);
+
+  set(h, CURLOPT_URL, s.url.c_str());
+  if (!endpoint.unix_path.empty()) set(h, CURLOPT_UNIX_SOCKET_PATH, endpoint.unix_path.c_str());
   set(h, CURLOPT_NOSIGNAL, 1L);  // no SIGALRM in a multi-threaded trainer
   set(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));
   set(h, CURLOPT_TCP_KEEPALIVE, 1L);
   set(h, CURLOPT_TCP_NODELAY, 1L);
-  set(h, CURLOPT_TIMEOUT_MS, static_cast<long>(std::max<long long>(remaining, 1)));
-  set(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min<long long>(remaining, kMaxConnectTimeoutMs)));
+  set(h, CURLOPT_TIMEOUT_MS, std::max<long>(timeout_ms, 1));
+  set(h, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(std::max<long>(timeout_ms, 1), kMaxConnectTimeoutMs));
   set(h, CURLOPT_USERAGENT, "dsec-client/0.1.0");
-  set(h, CURLOPT_HTTPHEADER, headers.list);
-  set(h, CURLOPT_ERRORBUFFER, errbuf);
-  BodySink body_sink{h, &req.on_body, &resp.body, nullptr};
+  set(h, CURLOPT_HTTPHEADER, s.headers.list);
+  set(h, CURLOPT_ERRORBUFFER, s.errbuf);
+  s.sink = BodySink{h, &req.on_body, &s.response.body, nullptr};
   if (req.on_body) {
     set(h, CURLOPT_WRITEFUNCTION, &stream_body);
-    set(h, CURLOPT_WRITEDATA, static_cast<void*>(&body_sink));
+    set(h, CURLOPT_WRITEDATA, static_cast<void*>(&s.sink));
   } else {
     set(h, CURLOPT_WRITEFUNCTION, &append_body);
-    set(h, CURLOPT_WRITEDATA, static_cast<void*>(&resp.body));
+    set(h, CURLOPT_WRITEDATA, static_cast<void*>(&s.response.body));
   }
   set(h, CURLOPT_PROTOCOLS_STR, "http,https");
-  if (credentials_) {
-    if (!credentials_->ca_file.empty()) set(h, CURLOPT_CAINFO, credentials_->ca_file.c_str());
-    if (!credentials_->client_cert.empty()) set(h, CURLOPT_SSLCERT, credentials_->client_cert.c_str());
-    if (!credentials_->client_key.empty()) set(h, CURLOPT_SSLKEY, credentials_->client_key.c_str());
+  if (credentials) {
+    if (!credentials->ca_file.empty()) set(h, CURLOPT_CAINFO, credentials->ca_file.c_str());
+    if (!credentials->client_cert.empty()) set(h, CURLOPT_SSLCERT, credentials->client_cert.c_str());
+    if (!credentials->client_key.empty()) set(h, CURLOPT_SSLKEY, credentials->client_key.c_str());
   }
 
   if (req.method == "GET") {
@@ -219,15 +239,24 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
   } else {
     throw Error(Code::kInternal, fmt::format("unsupported HTTP method {}", req.method));
   }
+}
 
-  requests_.fetch_add(1, std::memory_order_relaxed);
-  CURLcode rc = curl_easy_perform(h);
+CurlExchange::~CurlExchange() = default;
 
+void CurlExchange::global_init() { global_init_once(); }
+
+std::uint64_t CurlExchange::connects() const {
   long connects = 0;
-  if (curl_easy_getinfo(h, CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects > 0)
-    connects_.fetch_add(static_cast<std::uint64_t>(connects), std::memory_order_relaxed);
+  if (curl_easy_getinfo(static_cast<CURL*>(handle_), CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects > 0)
+    return static_cast<std::uint64_t>(connects);
+  return 0;
+}
 
-  if (body_sink.error) std::rethrow_exception(body_sink.error);
+HttpResponse CurlExchange::finish(int code) {
+  CURL* h = static_cast<CURL*>(handle_);
+  const auto rc = static_cast<CURLcode>(code);
+  State& s = *state_;
+  if (s.sink.error) std::rethrow_exception(s.sink.error);
   if (rc != CURLE_OK) {
     // Conservative: the request may have reached the agent once curl was ready to send or sent any byte.
     curl_off_t pretransfer_us = 0;
@@ -236,12 +265,13 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
     curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &request_bytes);
     long os_errno = 0;
     curl_easy_getinfo(h, CURLINFO_OS_ERRNO, &os_errno);
-    throw to_error(rc, errbuf, static_cast<int>(os_errno), endpoint_, req, pretransfer_us > 0 || request_bytes > 0);
+    throw to_error(rc, s.errbuf, static_cast<int>(os_errno), endpoint_, request_,
+                   pretransfer_us > 0 || request_bytes > 0);
   }
-  curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &resp.status);
+  curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &s.response.status);
   char* ct = nullptr;
-  if (curl_easy_getinfo(h, CURLINFO_CONTENT_TYPE, &ct) == CURLE_OK && ct) resp.content_type = ct;
-  return resp;
+  if (curl_easy_getinfo(h, CURLINFO_CONTENT_TYPE, &ct) == CURLE_OK && ct) s.response.content_type = ct;
+  return std::move(s.response);
 }
 
 }  // namespace dsec::detail

@@ -89,6 +89,7 @@ class Transport {
   HttpResponse send(const HttpRequest& request, SteadyClock::time_point deadline);
 
   const Endpoint& endpoint() const noexcept { return endpoint_; }
+  const std::shared_ptr<const Credentials>& credentials() const noexcept { return credentials_; }
   TransportStats stats() const;
 
  private:

@@ -1,0 +1,351 @@
+#include "client/async_transport.hpp"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "client/curl_exchange.hpp"
+
+namespace dsec::detail {
+namespace {
+
+using std::chrono::duration_cast;
+using std::chrono::milliseconds;
+
+// Easy handles kept for the next transfers (their connections live in the multi handle's cache).
+constexpr std::size_t kMaxIdleHandles = 256;
+// The longest the I/O thread sleeps in curl_multi_poll when nothing is due (a wakeup ends it sooner).
+constexpr long kMaxPollMs = 1'000;
+
+// One call in flight: its request, where its retries are, and its transfer when one is on the multi handle.
+struct Pending {
+  std::uint64_t ticket = 0;
+  AsyncCall call;
+  AsyncDone done;
+  HttpRequest request;  // views into call
+  SteadyClock::time_point deadline;
+  int attempt = 0;
+  bool maybe_sent = false;  // an exactly-once request may have reached the agent
+  NodePtr node;
+  CURL* easy = nullptr;
+  std::unique_ptr<CurlExchange> exchange;
+  std::multimap<SteadyClock::time_point, std::uint64_t>::iterator timer;
+  bool waiting = false;  // timer is set
+};
+
+}  // namespace
+
+struct AsyncTransport::Impl {
+  explicit Impl(std::shared_ptr<ClientCore> c) : core(std::move(c)) {
+    CurlExchange::global_init();
+    multi = curl_multi_init();
+    if (!multi) throw Error(Code::kResourceExhausted, "curl_multi_init failed (out of memory?)");
+    std::random_device rd;
+    rng.seed((static_cast<std::uint64_t>(rd()) << 32) ^ rd());
+    thread = std::thread([this] { run(); });
+  }
+
+  void run();
+  void take_requests(std::vector<std::unique_ptr<Pending>>& fresh, std::vector<std::uint64_t>& cancelled,
+                     bool& stop);
+  void start(Pending& p);
+  void transfer_done(CURL* easy, CURLcode rc);
+  // The attempt failed with `error` (thrown by the exchange itself when `exchange` is true, else by routing): retry
+  // after a backoff, or end the call.
+  void attempt_failed(Pending& p, std::exception_ptr error, bool exchange);
+  void finish(Pending& p, HttpResponse* response, std::exception_ptr error);
+  void detach_transfer(Pending& p);
+  long poll_timeout_ms();
+
+  std::shared_ptr<ClientCore> core;
+  CURLM* multi = nullptr;
+  std::thread thread;
+
+  std::mutex mu;  // guards what other threads hand the I/O thread
+  std::vector<std::unique_ptr<Pending>> incoming;
+  std::vector<std::uint64_t> cancels;
+  bool closing = false;
+  std::atomic<std::uint64_t> next_ticket{1};
+  std::atomic<std::size_t> in_flight{0};
+
+  // The I/O thread's own.
+  std::unordered_map<std::uint64_t, std::unique_ptr<Pending>> calls;
+  std::multimap<SteadyClock::time_point, std::uint64_t> timers;  // retries waiting out their backoff
+  std::vector<CURL*> idle;
+  std::mt19937_64 rng;
+};
+
+AsyncTransport::AsyncTransport(std::shared_ptr<ClientCore> core) : impl_(std::make_unique<Impl>(std::move(core))) {}
+
+AsyncTransport::~AsyncTransport() { close(); }
+
+std::uint64_t AsyncTransport::submit(AsyncCall call, AsyncDone done) {
+  auto p = std::make_unique<Pending>();
+  p->ticket = impl_->next_ticket.fetch_add(1);
+  p->call = std::move(call);
+  p->done = std::move(done);
+  p->request = http_request(p->call.method, p->call.target, p->call.body, p->call.content_type);
+  p->request.on_body = p->call.on_body;
+  const std::uint64_t ticket = p->ticket;
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->closing) throw Error(Code::kFailedPrecondition, "this dsec client is closed");
+    p->deadline = impl_->core->deadline_after(p->call.how.extra);
+    impl_->incoming.push_back(std::move(p));
+    impl_->in_flight.fetch_add(1);
+  }
+  curl_multi_wakeup(impl_->multi);
+  return ticket;
+}
+
+void AsyncTransport::cancel(std::uint64_t ticket) {
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->closing) return;
+    impl_->cancels.push_back(ticket);
+  }
+  curl_multi_wakeup(impl_->multi);
+}
+
+void AsyncTransport::close() {
+  if (!impl_) return;
+  {
+    std::lock_guard lock(impl_->mu);
+    if (impl_->closing && !impl_->thread.joinable()) return;
+    impl_->closing = true;
+  }
+  curl_multi_wakeup(impl_->multi);
+  if (impl_->thread.joinable()) {
+    if (impl_->thread.get_id() == std::this_thread::get_id()) impl_->thread.detach();  // closed from a completion
+    else impl_->thread.join();
+  }
+}
+
+std::size_t AsyncTransport::in_flight() const noexcept { return impl_->in_flight.load(); }
+
+void AsyncTransport::Impl::take_requests(std::vector<std::unique_ptr<Pending>>& fresh,
+                                         std::vector<std::uint64_t>& cancelled, bool& stop) {
+  std::lock_guard lock(mu);
+  fresh.swap(incoming);
+  cancelled.swap(cancels);
+  stop = closing;
+}
+
+void AsyncTransport::Impl::run() {
+  std::vector<std::unique_ptr<Pending>> fresh;
+  std::vector<std::uint64_t> cancelled;
+  bool stop = false;
+  for (;;) {
+    fresh.clear();
+    cancelled.clear();
+    take_requests(fresh, cancelled, stop);
+    for (auto& p : fresh) {
+      Pending& ref = *p;
+      calls.emplace(ref.ticket, std::move(p));
+      if (stop) continue;
+      start(ref);
+    }
+    for (std::uint64_t t : cancelled) {
+      auto it = calls.find(t);
+      if (it == calls.end()) continue;
+      detach_transfer(*it->second);
+      auto gone = std::move(it->second);
+      calls.erase(it);
+      in_flight.fetch_sub(1);
+    }
+    if (stop) break;
+    const auto now = SteadyClock::now();
+    while (!timers.empty() && timers.begin()->first <= now) {
+      auto it = calls.find(timers.begin()->second);
+      timers.erase(timers.begin());
+      if (it == calls.end()) continue;
+      it->second->waiting = false;
+      start(*it->second);
+    }
+    int running = 0;
+    curl_multi_perform(multi, &running);
+    int left = 0;
+    while (CURLMsg* m = curl_multi_info_read(multi, &left))
+      if (m->msg == CURLMSG_DONE) transfer_done(m->easy_handle, m->data.result);
+    curl_multi_poll(multi, nullptr, 0, static_cast<int>(poll_timeout_ms()), nullptr);
+  }
+  // Closed: every call still in flight ends now.
+  const Error closed(Code::kFailedPrecondition, "this dsec client is closed");
+  while (!calls.empty()) {
+    Pending& p = *calls.begin()->second;
+    detach_transfer(p);
+    finish(p, nullptr, std::make_exception_ptr(closed));
+  }
+  for (CURL* h : idle) curl_easy_cleanup(h);
+  idle.clear();
+  curl_multi_cleanup(multi);
+  multi = nullptr;
+}
+
+long AsyncTransport::Impl::poll_timeout_ms() {
+  long ms = -1;
+  curl_multi_timeout(multi, &ms);
+  if (ms < 0 || ms > kMaxPollMs) ms = kMaxPollMs;
+  if (!timers.empty()) {
+    auto due = duration_cast<milliseconds>(timers.begin()->first - SteadyClock::now()).count() + 1;
+    ms = std::clamp<long>(static_cast<long>(due), 0, ms);
+  }
+  return ms;
+}
+
+void AsyncTransport::Impl::start(Pending& p) {
+  ++p.attempt;
+  try {
+    core->check_open();
+    // Routing is a lookup in the node table; only a sandbox of a node whose id is not known yet asks the nodes.
+    p.node = core->route(p.call.sandbox_id, p.deadline);
+    const auto now = SteadyClock::now();
+    const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.how.extra);
+    const auto remaining = duration_cast<milliseconds>(until - now).count();
+    if (remaining <= 0)
+      throw TransportError(Code::kDeadlineExceeded,
+                           fmt::format("deadline exceeded before {} {} on {} was sent", p.request.method,
+                                       p.request.target, p.node->endpoint),
+                           false, false);
+  } catch (...) {
+    attempt_failed(p, std::current_exception(), false);
+    return;
+  }
+  try {
+    if (p.call.on_attempt) p.call.on_attempt();
+    CURL* easy = nullptr;
+    if (!idle.empty()) {
+      easy = idle.back();
+      idle.pop_back();
+    } else if (!(easy = curl_easy_init())) {
+      throw Error(Code::kResourceExhausted, "curl_easy_init failed (out of memory?)");
+    }
+    p.easy = easy;
+    const auto now = SteadyClock::now();
+    const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.how.extra);
+    const auto& transport = p.node->transport;
+    p.exchange = std::make_unique<CurlExchange>(easy, transport.endpoint(), transport.credentials().get(), p.request,
+                                                static_cast<long>(duration_cast<milliseconds>(until - now).count()));
+    curl_easy_setopt(easy, CURLOPT_PRIVATE, static_cast<void*>(&p));
+    if (CURLMcode rc = curl_multi_add_handle(multi, easy); rc != CURLM_OK)
+      throw Error(Code::kInternal, fmt::format("curl_multi_add_handle: {}", curl_multi_strerror(rc)));
+  } catch (...) {
+    detach_transfer(p);
+    finish(p, nullptr, std::current_exception());
+  }
+}
+
+void AsyncTransport::Impl::detach_transfer(Pending& p) {
+  if (p.waiting) {
+    timers.erase(p.timer);
+    p.waiting = false;
+  }
+  if (!p.easy) return;
+  curl_multi_remove_handle(multi, p.easy);  // mid-transfer: the connection is closed
+  p.exchange.reset();
+  if (idle.size() < kMaxIdleHandles) idle.push_back(p.easy);
+  else curl_easy_cleanup(p.easy);
+  p.easy = nullptr;
+}
+
+void AsyncTransport::Impl::transfer_done(CURL* easy, CURLcode rc) {
+  void* priv = nullptr;
+  curl_easy_getinfo(easy, CURLINFO_PRIVATE, &priv);
+  Pending& p = *static_cast<Pending*>(priv);
+  HttpResponse response;
+  std::exception_ptr error;
+  try {
+    response = p.exchange->finish(rc);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  detach_transfer(p);
+  if (error) {
+    attempt_failed(p, error, true);
+    return;
+  }
+  // An agent that answers is alive, whatever it answered.
+  core->count_exchange(p.node, true);
+  if (response.status >= 200 && response.status < 300) {
+    finish(p, &response, nullptr);
+    return;
+  }
+  attempt_failed(p, std::make_exception_ptr(agent_error(p.request, p.node->endpoint, response)), true);
+}
+
+void AsyncTransport::Impl::attempt_failed(Pending& p, std::exception_ptr error, bool exchange) {
+  const SandboxCall& how = p.call.how;
+  std::optional<Error> failure;
+  try {
+    std::rethrow_exception(error);
+  } catch (const TransportError& e) {
+    if (exchange) core->count_exchange(p.node, false);
+    failure = e;
+    if (!how.request_id.empty()) {
+      p.maybe_sent = p.maybe_sent || e.maybe_sent();
+    } else if (exchange && !how.repeatable && e.maybe_sent() && e.retryable()) {
+      // Once the agent may have the request, doing it twice is worse than failing (ClientCore::call_once).
+      failure = Error(e.code(), std::string(e.what()) + " (not retried: the agent may have acted on it)", false,
+                      e.fault());
+    }
+    if (p.call.retry_timeouts && e.code() == Code::kDeadlineExceeded && SteadyClock::now() < p.deadline)
+      failure = Error(Code::kUnavailable, std::string(e.what()) + " (retried with the same request id)", true);
+  } catch (const Error& e) {
+    failure = e;
+    if (exchange && how.request_id.empty() && !how.repeatable) failure = Error(e.code(), e.what(), false, e.fault());
+  } catch (...) {
+    finish(p, nullptr, error);  // not dsec's error (a decoder's bug, out of memory): never retried
+    return;
+  }
+  // The retry policy of dsec::retry_call, with the backoff a timer of this thread.
+  const RetryPolicy& policy = core->options().retry;
+  if (!failure->retryable() || p.attempt >= policy.max_attempts) {
+    finish(p, nullptr, std::make_exception_ptr(*failure));
+    return;
+  }
+  std::uniform_int_distribution<std::int64_t> jitter(0, policy.backoff_cap(p.attempt + 1).count());
+  const auto due = SteadyClock::now() + milliseconds{jitter(rng)};
+  if (due >= p.deadline) {
+    finish(p, nullptr,
+           std::make_exception_ptr(Error(Code::kDeadlineExceeded,
+                                         fmt::format("deadline exceeded after {} attempts; last error: {}: {}",
+                                                     p.attempt, failure->code_name(), failure->what()),
+                                         false)));
+    return;
+  }
+  p.timer = timers.emplace(due, p.ticket);
+  p.waiting = true;
+}
+
+void AsyncTransport::Impl::finish(Pending& p, HttpResponse* response, std::exception_ptr error) {
+  if (error && !p.call.how.request_id.empty()) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const Error& e) {
+      if (auto unknown = outcome_unknown(e, p.call.sandbox_id, p.call.how.request_id, p.maybe_sent))
+        error = std::make_exception_ptr(*unknown);
+    } catch (...) {
+    }
+  }
+  auto it = calls.find(p.ticket);
+  std::unique_ptr<Pending> owned = std::move(it->second);
+  calls.erase(it);
+  in_flight.fetch_sub(1);
+  try {
+    owned->done(response, error);
+  } catch (...) {
+    // A completion must not take the I/O thread down; the binding's own never throws.
+  }
+}
+
+}  // namespace dsec::detail

@@ -1,0 +1,65 @@
+// The asyncio core of a client: calls about sandboxes as non-blocking exchanges on one libcurl multi handle,
+// driven by ONE I/O thread per client, however many calls are in flight. A call is what ClientCore::call_sandbox
+// does (route to the sandbox's node, one HTTP exchange, retries with the same request id and body under one
+// deadline, OutcomeUnknown when no retry can learn an exactly-once request's outcome), with the retry backoff a
+// timer of the I/O thread instead of a sleeping thread. Completions are handed over on the I/O thread; the Python
+// binding (bindings/python/_dsec_aio.cpp) passes them on to the asyncio loop.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "client/client_core.hpp"
+#include "client/transport.hpp"
+
+namespace dsec::detail {
+
+// A request about one sandbox, as ClientCore::call_sandbox takes it.
+struct AsyncCall {
+  std::string sandbox_id;
+  std::string method = "GET";  // GET, POST, PUT, DELETE
+  std::string target;          // sandbox_path(sandbox_id, suffix), escaped
+  std::string body;
+  std::string content_type;
+  SandboxCall how;
+  // Sleep and wake: an exchange that timed out with time left is retried too (the agent answers the same request
+  // id with the first attempt's outcome).
+  bool retry_timeouts = false;
+  // A streamed answer: on_attempt runs as each attempt starts, on_body gets a 2xx answer's bytes as they arrive
+  // (both on the I/O thread; what on_body throws ends the call with it, as a decoding error).
+  std::function<void()> on_attempt;
+  std::function<void(std::string_view)> on_body;
+};
+
+// How a call ended, on the I/O thread: its 2xx answer (error null), or the error call_sandbox would have thrown.
+using AsyncDone = std::function<void(HttpResponse* response, std::exception_ptr error)>;
+
+class AsyncTransport {
+ public:
+  explicit AsyncTransport(std::shared_ptr<ClientCore> core);
+  ~AsyncTransport();  // close()
+  AsyncTransport(const AsyncTransport&) = delete;
+  AsyncTransport& operator=(const AsyncTransport&) = delete;
+
+  // Starts `call`; `done` runs once on the I/O thread when it ends, unless it is cancelled first. Returns its
+  // ticket. FAILED_PRECONDITION once closed.
+  std::uint64_t submit(AsyncCall call, AsyncDone done);
+  // Takes the call's transfer off the multi handle (its connection is dropped) and forgets it: its done never
+  // runs. What the request started on the agent is not stopped. A finished or unknown ticket is ignored.
+  void cancel(std::uint64_t ticket);
+  // Ends the I/O thread: calls in flight end with FAILED_PRECONDITION "closed". Idempotent.
+  void close();
+  // Calls submitted and not ended or cancelled yet.
+  std::size_t in_flight() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dsec::detail
