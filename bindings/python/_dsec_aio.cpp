@@ -1,14 +1,15 @@
 // _dsec.AsyncCore: the asyncio side of dsec._dsec (dsec/aio.py wraps it into dsec.AsyncClient).
 //
 // Each call starts a non-blocking exchange on the client's AsyncTransport (one libcurl multi handle, one I/O thread)
-// and returns a ticket at once. When the exchange ends, the I/O thread decodes the answer without the GIL, then
-// takes the GIL only to schedule `resolve(future, exception, value)` on the call's event loop with
-// loop.call_soon_threadsafe; streamed output is scheduled the same way, `deliver(future, on_output, stream, data)`,
-// in the order it arrived, so on_output runs on the loop's thread, before the result. ticket cancel() takes the
-// transfer off the multi handle.
+// and returns a ticket at once. When the exchange ends, the I/O thread decodes the answer without the GIL and queues
+// `resolve(future, exception, value)`; streamed output is queued as `deliver(future, on_output, stream, data)`, in
+// the order it arrived. After each round of events the I/O thread takes the GIL once and hands each loop its queue
+// with one loop.call_soon_threadsafe(run_batch, [...]), so on_output runs on the loop's thread, before the result.
+// ticket.cancel() takes the transfer off the multi handle.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -59,15 +60,57 @@ struct PyTarget {
     on_output = py::object();
   }
 
-  // Schedules fn(args...) on the loop; with the GIL held. A loop that is closed already drops it.
-  template <typename... Args>
-  void schedule(const py::object& fn, Args&&... args) {
-    try {
-      call_soon(fn, future, std::forward<Args>(args)...);
-    } catch (py::error_already_set&) {
-      // The loop is closed: nobody awaits the future any more.
-    }
+};
+
+// What the I/O thread hands the loops after a round of events, in the order it happened: one
+// call_soon_threadsafe (and one taking of the GIL) per round and loop, however many calls ended in it.
+class Outbox {
+ public:
+  // Queues fn(future, args...) for the target's loop. `make_args` builds the args' Python objects; it runs with
+  // the GIL at the next flush. I/O thread only.
+  void post(std::shared_ptr<PyTarget> target, bool resolve, std::function<py::tuple()> make_args) {
+    items_.push_back({std::move(target), resolve, std::move(make_args)});
   }
+  // Schedules everything queued: run_batch([(fn, future, *args), ...]) on each loop.
+  void flush(const py::object& run_batch) {
+    if (items_.empty()) return;
+    std::vector<Item> items;
+    items.swap(items_);
+    py::gil_scoped_acquire gil;
+    std::vector<std::pair<PyTarget*, py::list>> batches;  // per loop, in first-seen order
+    for (auto& item : items) {
+      PyTarget& t = *item.target;
+      py::tuple args = item.make_args();
+      py::list call;
+      call.append(item.resolve ? t.resolve : t.deliver);
+      call.append(t.future);
+      for (auto a : args) call.append(a);
+      auto it = std::find_if(batches.begin(), batches.end(),
+                             [&](const auto& b) { return b.first->call_soon.is(t.call_soon); });
+      if (it == batches.end()) {
+        batches.emplace_back(&t, py::list());
+        it = std::prev(batches.end());
+      }
+      it->second.append(py::tuple(call));
+    }
+    for (auto& [target, list] : batches) {
+      try {
+        target->call_soon(run_batch, list);
+      } catch (py::error_already_set&) {
+        // The loop is closed: nobody awaits its futures any more.
+      }
+    }
+    batches.clear();
+    items.clear();  // the targets let go of their Python objects with the GIL held
+  }
+
+ private:
+  struct Item {
+    std::shared_ptr<PyTarget> target;
+    bool resolve;
+    std::function<py::tuple()> make_args;
+  };
+  std::vector<Item> items_;
 };
 
 py::object exception_object(std::exception_ptr error) {
@@ -113,6 +156,7 @@ class Ticket {
 // has had.
 struct Streamed {
   std::shared_ptr<PyTarget> target;
+  Outbox* outbox = nullptr;
   std::optional<dsec::detail::ExecStreamDecoder> decoder;
   dsec::detail::StreamReplayFilter replay;
 
@@ -121,24 +165,31 @@ struct Streamed {
     decoder.emplace([this](int fd, std::string_view data) {
       data = replay.fresh(fd, data);
       if (data.empty()) return;
-      py::gil_scoped_acquire gil;
-      target->schedule(target->deliver, target->on_output, fd == 2 ? "stderr" : "stdout",
-                       py::bytes(data.data(), data.size()));
+      outbox->post(target, false, [t = target.get(), fd, bytes = std::string(data)] {
+        return py::make_tuple(t->on_output, fd == 2 ? "stderr" : "stdout", py::bytes(bytes));
+      });
     });
   }
 };
 
 class AsyncCore {
  public:
-  AsyncCore(py::handle client, py::object resolve, py::object deliver)
+  AsyncCore(py::handle client, py::object resolve, py::object deliver, py::object run_batch)
       : core_(client_of(client)->core_handle()),
         resolve_(std::move(resolve)),
-        deliver_(std::move(deliver)) {
+        deliver_(std::move(deliver)),
+        run_batch_(std::make_shared<py::object>(std::move(run_batch))),
+        outbox_(std::make_shared<Outbox>()) {
     py::gil_scoped_release release;
-    transport_ = std::make_shared<dsec::detail::AsyncTransport>(core_);
+    transport_ = std::make_shared<dsec::detail::AsyncTransport>(
+        core_, [outbox = outbox_, run_batch = run_batch_] { outbox->flush(*run_batch); });
   }
 
-  ~AsyncCore() { close(); }
+  ~AsyncCore() {
+    close();
+    py::gil_scoped_acquire gil;
+    *run_batch_ = py::object();
+  }
 
   void close() {
     auto t = std::move(transport_);
@@ -160,20 +211,22 @@ class AsyncCore {
                std::shared_ptr<PyTarget> target = nullptr) {
     if (!transport_) throw dsec::Error(dsec::Code::kFailedPrecondition, "this dsec client is closed");
     if (!target) target = make_target(loop, future, py::none());
-    auto done = [target, decode = std::move(decode)](HttpResponse* response, std::exception_ptr error) {
+    auto done = [target, outbox = outbox_.get(), decode = std::move(decode)](HttpResponse* response,
+                                                                              std::exception_ptr error) {
       using T = decltype(decode(*response));
-      std::optional<T> value;
+      auto value = std::make_shared<std::optional<T>>();
       if (!error) {
         try {
-          value.emplace(decode(*response));
+          value->emplace(decode(*response));
         } catch (...) {
           error = std::current_exception();
         }
       }
-      py::gil_scoped_acquire gil;
-      py::object exc = error ? exception_object(error) : py::none();
-      py::object result = value ? to_python(std::move(*value)) : py::none();
-      target->schedule(target->resolve, exc, result);
+      outbox->post(target, true, [error, value] {
+        py::object exc = error ? exception_object(error) : py::none();
+        py::object result = *value ? to_python(std::move(**value)) : py::none();
+        return py::make_tuple(exc, result);
+      });
     };
     std::uint64_t id;
     {
@@ -224,6 +277,7 @@ class AsyncCore {
     auto target = make_target(loop, future, std::move(on_output));
     auto stream = std::make_shared<Streamed>();
     stream->target = target;
+    stream->outbox = outbox_.get();
     call.on_attempt = [s = stream.get()] { s->new_attempt(); };
     call.on_body = [s = stream.get()](std::string_view bytes) { s->decoder->feed(bytes); };
     return start(
@@ -387,6 +441,8 @@ class AsyncCore {
   std::shared_ptr<dsec::detail::AsyncTransport> transport_;
   py::object resolve_;
   py::object deliver_;
+  std::shared_ptr<py::object> run_batch_;
+  std::shared_ptr<Outbox> outbox_;  // the I/O thread's
 };
 
 }  // namespace
@@ -402,7 +458,8 @@ void bind_aio(py::module_& m) {
                         "The asyncio core of a _dsec.Client: one I/O thread driving a libcurl multi handle. Each call "
                         "takes (loop, future, ...) and returns an AsyncTicket at once; the future is resolved on the "
                         "loop through resolve(future, exception, value).")
-      .def(py::init<py::handle, py::object, py::object>(), py::arg("client"), py::arg("resolve"), py::arg("deliver"))
+      .def(py::init<py::handle, py::object, py::object, py::object>(), py::arg("client"), py::arg("resolve"),
+           py::arg("deliver"), py::arg("run_batch"))
       .def("close", &AsyncCore::close)
       .def_property_readonly("in_flight", &AsyncCore::in_flight)
       .def("exec", &AsyncCore::exec, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"), py::arg("argv"),

@@ -72,6 +72,12 @@ def _deliver(future: asyncio.Future, on_output: Callable[[str, bytes], object], 
         future.set_exception(e)
 
 
+def _run_batch(calls: list) -> None:
+    """Run on the loop once per round of the I/O thread: the _resolve and _deliver calls it queued, in order."""
+    for fn, *args in calls:
+        fn(*args)
+
+
 def _bytes(data: BytesLike | None, what: str) -> Optional[bytes]:
     if data is None:
         return None
@@ -123,7 +129,7 @@ class AsyncClient:
 
     def __init__(self, endpoints: Union[str, Iterable[str], None] = None, **options: Any) -> None:
         self._sync = Client(endpoints, **options)
-        self._core = _dsec.AsyncCore(self._sync._client, _resolve, _deliver)
+        self._core = _dsec.AsyncCore(self._sync._client, _resolve, _deliver, _run_batch)
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     @property

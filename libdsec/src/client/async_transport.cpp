@@ -1,8 +1,13 @@
 #include "client/async_transport.hpp"
 
 #include <curl/curl.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -24,7 +29,9 @@ using std::chrono::milliseconds;
 
 // Easy handles kept for the next transfers (their connections live in the multi handle's cache).
 constexpr std::size_t kMaxIdleHandles = 256;
-// The longest the I/O thread sleeps in curl_multi_poll when nothing is due (a wakeup ends it sooner).
+// Idle connections kept for the next calls, over every node.
+constexpr long kMaxIdleConnections = 1024;
+// The longest the I/O thread sleeps in epoll_wait when nothing is due (work handed to it ends the wait sooner).
 constexpr long kMaxPollMs = 1'000;
 
 // One call in flight: its request, where its retries are, and its transfer when one is on the multi handle.
@@ -45,15 +52,71 @@ struct Pending {
 
 }  // namespace
 
+// The I/O thread waits in epoll for the sockets curl asks it to watch (curl_multi_socket_action), its timers and an
+// eventfd that other threads write to hand it work: each event costs the same however many calls are in flight.
 struct AsyncTransport::Impl {
-  explicit Impl(std::shared_ptr<ClientCore> c) : core(std::move(c)) {
+  Impl(std::shared_ptr<ClientCore> c, std::function<void()> after) : core(std::move(c)), after_events(std::move(after)) {
     CurlExchange::global_init();
+    epoll = ::epoll_create1(EPOLL_CLOEXEC);
+    wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (epoll < 0 || wake < 0) {
+      const int err = errno;
+      if (epoll >= 0) ::close(epoll);
+      if (wake >= 0) ::close(wake);
+      throw Error(Code::kResourceExhausted, fmt::format("the asyncio core's epoll: {}", std::strerror(err)));
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = wake;
+    ::epoll_ctl(epoll, EPOLL_CTL_ADD, wake, &ev);
     multi = curl_multi_init();
     if (!multi) throw Error(Code::kResourceExhausted, "curl_multi_init failed (out of memory?)");
+    curl_multi_setopt(multi, CURLMOPT_SOCKETFUNCTION, &Impl::on_socket);
+    curl_multi_setopt(multi, CURLMOPT_SOCKETDATA, static_cast<void*>(this));
+    curl_multi_setopt(multi, CURLMOPT_TIMERFUNCTION, &Impl::on_timer);
+    curl_multi_setopt(multi, CURLMOPT_TIMERDATA, static_cast<void*>(this));
+    // Connections stay open between calls (by default curl keeps only 4 per transfer in flight, so a burst's
+    // connections would close as it drains and the next burst would connect again).
+    curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, kMaxIdleConnections);
     std::random_device rd;
     rng.seed((static_cast<std::uint64_t>(rd()) << 32) ^ rd());
     thread = std::thread([this] { run(); });
   }
+  ~Impl() {
+    ::close(epoll);
+    ::close(wake);
+  }
+
+  // curl: watch socket `s` for `what` (CURL_POLL_IN/OUT/INOUT), or stop (CURL_POLL_REMOVE).
+  static int on_socket(CURL*, curl_socket_t s, int what, void* self, void* known) {
+    auto* impl = static_cast<Impl*>(self);
+    if (what == CURL_POLL_REMOVE) {
+      ::epoll_ctl(impl->epoll, EPOLL_CTL_DEL, s, nullptr);
+      return 0;
+    }
+    epoll_event ev{};
+    ev.events = (what & CURL_POLL_IN ? EPOLLIN : 0u) | (what & CURL_POLL_OUT ? EPOLLOUT : 0u);
+    ev.data.fd = s;
+    if (!known) {
+      if (::epoll_ctl(impl->epoll, EPOLL_CTL_ADD, s, &ev) != 0 && errno == EEXIST)
+        ::epoll_ctl(impl->epoll, EPOLL_CTL_MOD, s, &ev);
+      curl_multi_assign(impl->multi, s, impl);  // any non-null: known from now on
+    } else if (::epoll_ctl(impl->epoll, EPOLL_CTL_MOD, s, &ev) != 0 && errno == ENOENT) {
+      ::epoll_ctl(impl->epoll, EPOLL_CTL_ADD, s, &ev);
+    }
+    return 0;
+  }
+  // curl: call curl_multi_socket_action(CURL_SOCKET_TIMEOUT) in `ms` (-1: no timer).
+  static int on_timer(CURLM*, long ms, void* self) {
+    auto* impl = static_cast<Impl*>(self);
+    impl->curl_due = ms < 0 ? std::nullopt : std::optional(SteadyClock::now() + milliseconds{ms});
+    return 0;
+  }
+  void poke() {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(wake, &one, sizeof one);
+  }
+  void read_messages();
 
   void run();
   void take_requests(std::vector<std::unique_ptr<Pending>>& fresh, std::vector<std::uint64_t>& cancelled,
@@ -68,7 +131,11 @@ struct AsyncTransport::Impl {
   long poll_timeout_ms();
 
   std::shared_ptr<ClientCore> core;
+  int epoll = -1;
+  int wake = -1;  // eventfd: work for the I/O thread
   CURLM* multi = nullptr;
+  std::optional<SteadyClock::time_point> curl_due;  // curl's timer
+  std::function<void()> after_events;
   std::thread thread;
 
   std::mutex mu;  // guards what other threads hand the I/O thread
@@ -85,7 +152,8 @@ struct AsyncTransport::Impl {
   std::mt19937_64 rng;
 };
 
-AsyncTransport::AsyncTransport(std::shared_ptr<ClientCore> core) : impl_(std::make_unique<Impl>(std::move(core))) {}
+AsyncTransport::AsyncTransport(std::shared_ptr<ClientCore> core, std::function<void()> after_events)
+    : impl_(std::make_unique<Impl>(std::move(core), std::move(after_events))) {}
 
 AsyncTransport::~AsyncTransport() { close(); }
 
@@ -104,7 +172,7 @@ std::uint64_t AsyncTransport::submit(AsyncCall call, AsyncDone done) {
     impl_->incoming.push_back(std::move(p));
     impl_->in_flight.fetch_add(1);
   }
-  curl_multi_wakeup(impl_->multi);
+  impl_->poke();
   return ticket;
 }
 
@@ -114,7 +182,7 @@ void AsyncTransport::cancel(std::uint64_t ticket) {
     if (impl_->closing) return;
     impl_->cancels.push_back(ticket);
   }
-  curl_multi_wakeup(impl_->multi);
+  impl_->poke();
 }
 
 void AsyncTransport::close() {
@@ -124,7 +192,7 @@ void AsyncTransport::close() {
     if (impl_->closing && !impl_->thread.joinable()) return;
     impl_->closing = true;
   }
-  curl_multi_wakeup(impl_->multi);
+  impl_->poke();
   if (impl_->thread.joinable()) {
     if (impl_->thread.get_id() == std::this_thread::get_id()) impl_->thread.detach();  // closed from a completion
     else impl_->thread.join();
@@ -172,12 +240,28 @@ void AsyncTransport::Impl::run() {
       it->second->waiting = false;
       start(*it->second);
     }
+    epoll_event events[128];
+    const int n = ::epoll_wait(epoll, events, 128, static_cast<int>(poll_timeout_ms()));
     int running = 0;
-    curl_multi_perform(multi, &running);
-    int left = 0;
-    while (CURLMsg* m = curl_multi_info_read(multi, &left))
-      if (m->msg == CURLMSG_DONE) transfer_done(m->easy_handle, m->data.result);
-    curl_multi_poll(multi, nullptr, 0, static_cast<int>(poll_timeout_ms()), nullptr);
+    for (int i = 0; i < n; ++i) {
+      const int fd = events[i].data.fd;
+      if (fd == wake) {
+        std::uint64_t count;
+        [[maybe_unused]] auto r = ::read(wake, &count, sizeof count);
+        continue;
+      }
+      int flags = 0;
+      if (events[i].events & EPOLLIN) flags |= CURL_CSELECT_IN;
+      if (events[i].events & EPOLLOUT) flags |= CURL_CSELECT_OUT;
+      if (events[i].events & (EPOLLERR | EPOLLHUP)) flags |= CURL_CSELECT_ERR;
+      curl_multi_socket_action(multi, fd, flags, &running);
+    }
+    if (curl_due && *curl_due <= SteadyClock::now()) {
+      curl_due.reset();
+      curl_multi_socket_action(multi, CURL_SOCKET_TIMEOUT, 0, &running);
+    }
+    read_messages();
+    if (after_events) after_events();
   }
   // Closed: every call still in flight ends now.
   const Error closed(Code::kFailedPrecondition, "this dsec client is closed");
@@ -186,19 +270,26 @@ void AsyncTransport::Impl::run() {
     detach_transfer(p);
     finish(p, nullptr, std::make_exception_ptr(closed));
   }
+  if (after_events) after_events();
   for (CURL* h : idle) curl_easy_cleanup(h);
   idle.clear();
   curl_multi_cleanup(multi);
   multi = nullptr;
 }
 
+void AsyncTransport::Impl::read_messages() {
+  int left = 0;
+  while (CURLMsg* m = curl_multi_info_read(multi, &left))
+    if (m->msg == CURLMSG_DONE) transfer_done(m->easy_handle, m->data.result);
+}
+
 long AsyncTransport::Impl::poll_timeout_ms() {
-  long ms = -1;
-  curl_multi_timeout(multi, &ms);
-  if (ms < 0 || ms > kMaxPollMs) ms = kMaxPollMs;
-  if (!timers.empty()) {
-    auto due = duration_cast<milliseconds>(timers.begin()->first - SteadyClock::now()).count() + 1;
-    ms = std::clamp<long>(static_cast<long>(due), 0, ms);
+  long ms = kMaxPollMs;
+  const auto now = SteadyClock::now();
+  for (const auto& due : {curl_due, timers.empty() ? std::nullopt : std::optional(timers.begin()->first)}) {
+    if (!due) continue;
+    const auto left = duration_cast<milliseconds>(*due - now).count();
+    ms = std::clamp<long>(static_cast<long>(*due > now ? left + 1 : 0), 0, ms);
   }
   return ms;
 }

@@ -41,7 +41,9 @@ using AsyncDone = std::function<void(HttpResponse* response, std::exception_ptr 
 
 class AsyncTransport {
  public:
-  explicit AsyncTransport(std::shared_ptr<ClientCore> core);
+  // `after_events` (optional) runs on the I/O thread after each round of events in which calls ended or streamed,
+  // so that their completions can be handed on together.
+  explicit AsyncTransport(std::shared_ptr<ClientCore> core, std::function<void()> after_events = {});
   ~AsyncTransport();  // close()
   AsyncTransport(const AsyncTransport&) = delete;
   AsyncTransport& operator=(const AsyncTransport&) = delete;
