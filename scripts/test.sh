@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# dsec's whole test suite: installs what is needed, builds, builds the busybox image into a test store, runs the
-# unit tests (ctest), the integration tests (pytest against a real dsecd) and a short run of every fuzz target
-# (scripts/fuzz.sh all $FUZZ_SECONDS, default 10 s each, in ./build-fuzz). Fails if any of them fails. Run as root:
+# dsec's whole test suite: installs what is needed, builds, builds the busybox and bookworm-python images into a
+# test store, runs the unit tests (ctest), the integration tests (pytest against a real dsecd) and a short run of
+# every fuzz target (scripts/fuzz.sh all $FUZZ_SECONDS, default 10 s each, in ./build-fuzz). Fails if any of them fails. Run as root:
 # the tests create real sandboxes.
 #
 #   sudo scripts/test.sh
@@ -26,6 +26,10 @@ export DSEC_HOME=${DSEC_TEST_HOME:-$BUILD_ABS/test-home}
 mkdir -p "$DSEC_HOME"
 "$BUILD_ABS/bin/dsec" image inspect busybox >/dev/null 2>&1 ||
   "$BUILD_ABS/bin/dsec" image build busybox --from busybox-static
+# The images the README's examples use (tests/integration/test_doc_examples.py runs them), as the quickstart builds
+# them: Debian bookworm with python3, debootstrapped from the Debian mirror (cached under $DSEC_HOME/cache).
+"$BUILD_ABS/bin/dsec" image inspect bookworm-python >/dev/null 2>&1 ||
+  "$BUILD_ABS/bin/dsec" image build bookworm-python --from debootstrap:bookworm --include python3
 
 set +e
 echo "== unit tests (ctest) =="

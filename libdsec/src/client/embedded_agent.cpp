@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
 #include <string_view>
 
@@ -329,6 +330,11 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
              "--layer-cache", dir_ + "/layers", "--ready-fd", std::to_string(kReadyFd)};
     for (const auto& store : options.stores) argv_.insert(argv_.end(), {"--store", store});
     argv_.insert(argv_.end(), options.extra_args.begin(), options.extra_args.end());
+    // Function calls that name no image run in the image the quickstart builds, when the home's store has it, unless
+    // the caller's flags name another.
+    if (std::find(options.extra_args.begin(), options.extra_args.end(), "--fncall-image") == options.extra_args.end() &&
+        std::filesystem::exists(std::filesystem::path(home) / "store" / "refs" / "bookworm-python%3Alatest"))
+      argv_.insert(argv_.end(), {"--fncall-image", "bookworm-python"});
 
     // The keeper owns the three child-side fds from here on and closes them once the child has them.
     int rw = ready_write.release(), lf = log_fd.release(), nf = null_fd.release();
