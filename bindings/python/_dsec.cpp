@@ -603,6 +603,33 @@ PYBIND11_MODULE(_dsec, m) {
                ", cached_bytes=" + std::to_string(l.cached_bytes) + ", users=" + std::to_string(l.users) + ")";
       });
 
+  py::class_<dsec::ImageLayerInfo>(m, "ImageLayerInfo", "A layer of an image in a store.")
+      .def_readonly("role", &dsec::ImageLayerInfo::role)
+      .def_readonly("digest", &dsec::ImageLayerInfo::digest)
+      .def_readonly("size", &dsec::ImageLayerInfo::size)
+      .def_readonly("stored_size", &dsec::ImageLayerInfo::stored_size)
+      .def("__repr__", [](const dsec::ImageLayerInfo& l) {
+        return "ImageLayerInfo(role='" + l.role + "', digest='" + l.digest + "', size=" + std::to_string(l.size) +
+               ")";
+      });
+
+  py::class_<dsec::ImageInfo>(m, "ImageInfo", "An image in one of the client's stores, as `dsec image ls` shows it.")
+      .def_readonly("name", &dsec::ImageInfo::name)
+      .def_readonly("tag", &dsec::ImageInfo::tag)
+      .def_readonly("reference", &dsec::ImageInfo::reference)
+      .def_readonly("digest", &dsec::ImageInfo::digest)
+      .def_readonly("layers", &dsec::ImageInfo::layers)
+      .def_readonly("size", &dsec::ImageInfo::size)
+      .def_readonly("stored_size", &dsec::ImageInfo::stored_size)
+      .def_readonly("created_at", &dsec::ImageInfo::created_at)
+      .def_readonly("source", &dsec::ImageInfo::source)
+      .def_readonly("parent", &dsec::ImageInfo::parent)
+      .def_readonly("store", &dsec::ImageInfo::store)
+      .def("__repr__", [](const dsec::ImageInfo& i) {
+        return "ImageInfo(reference='" + i.reference + "', digest='" + i.digest +
+               "', layers=" + std::to_string(i.layers.size()) + ", size=" + std::to_string(i.size) + ")";
+      });
+
   py::class_<dsec::MicroVmNodeInfo>(m, "MicroVmNodeInfo", "The node's microVM backend: offered or why not, on what.")
       .def_readonly("offered", &dsec::MicroVmNodeInfo::offered)
       .def_readonly("unavailable", &dsec::MicroVmNodeInfo::unavailable)
@@ -955,6 +982,11 @@ PYBIND11_MODULE(_dsec, m) {
           py::arg("labels") = dsec::Labels{}, py::arg("tenant") = "", py::call_guard<py::gil_scoped_release>())
       .def(
           "nodes", [](PyClient& self) { return self.get()->nodes(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "images", [](PyClient& self) { return self.get()->images(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "remove_image", [](PyClient& self, const std::string& name) { self.get()->remove_image(name); },
+          py::arg("name"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("endpoint", [](PyClient& self) { return self.get()->endpoint(); })
       .def("close", &PyClient::close)
       .def_property_readonly("closed", &PyClient::closed);

@@ -17,6 +17,8 @@ SleepResult = _dsec.SleepResult
 SnapshotResult = _dsec.SnapshotResult
 NodeInfo = _dsec.NodeInfo
 CachedLayer = _dsec.CachedLayer
+ImageInfo = _dsec.ImageInfo
+ImageLayerInfo = _dsec.ImageLayerInfo
 Resources = _dsec.Resources
 
 Size = Union[int, str]

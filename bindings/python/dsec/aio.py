@@ -186,6 +186,12 @@ class AsyncClient:
     async def nodes(self) -> list:
         return await self._run(self._sync.nodes)
 
+    async def images(self) -> list:
+        return await self._run(self._sync.images)
+
+    async def remove_image(self, name: str) -> None:
+        await self._run(self._sync.remove_image, name)
+
     async def close(self) -> None:
         """Ends the I/O thread (calls still in flight raise :class:`FailedPrecondition`), then stops the embedded
         agent (destroying its sandboxes) off the loop. Idempotent."""

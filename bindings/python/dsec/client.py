@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 from . import _dsec
 from .errors import FailedPrecondition, InvalidArgument
 from ._spec import _spec, _str_map
-from ._types import BytesLike, FnCallRequest, FnCallResult, NodeInfo, SandboxInfo, Size
+from ._types import BytesLike, FnCallRequest, FnCallResult, ImageInfo, NodeInfo, SandboxInfo, Size
 from .fncall import fncall_request
 from .group import SandboxGroup
 from .sandbox import Sandbox
@@ -353,6 +353,22 @@ class Client:
     def nodes(self) -> list[NodeInfo]:
         """Each node's capacity, load, backends and images."""
         return self._c().nodes()
+
+    def images(self) -> list[ImageInfo]:
+        """The images in this client's stores (``stores``; with an embedded agent and none given, the agent's
+        ``<home>/store``), as ``dsec image ls`` lists them: ``reference`` ("name:tag"), ``digest``, ``layers``
+        (each with ``role``, ``digest``, ``size``, ``stored_size``), ``size``, ``created_at``, ``source`` and the
+        ``store`` that holds it. Raises :class:`FailedPrecondition` for a client without stores (its agents
+        resolve images in their own)."""
+        return self._c().images()
+
+    def remove_image(self, name: str) -> None:
+        """Removes the image tag ``name`` ("name[:tag]") from every store of this client that has it, as
+        ``dsec image rm`` does: running sandboxes are not touched and the blobs stay until ``dsec image gc``.
+        Raises :class:`NotFound` (a ``KeyError``) when no store has it."""
+        if not isinstance(name, str):
+            raise InvalidArgument(f"name: expected a str such as 'repo:tag', got {type(name).__name__}")
+        self._c().remove_image(name)
 
     @property
     def endpoint(self) -> str:

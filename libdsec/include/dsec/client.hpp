@@ -118,6 +118,14 @@ class Client {
   std::vector<SandboxInfo> list(const Labels& labels = {}, const std::string& tenant = {});
   // Every node's capacity, load, backends and images; throws when a node cannot be reached.
   std::vector<NodeInfo> nodes();
+  // The images in the client's stores (ClientOptions::stores; with an embedded agent and no stores, its
+  // <home>/store), store by store, as `dsec image ls` lists them. FAILED_PRECONDITION for a client without stores
+  // (its agents resolve images in their own); UNAVAILABLE when a store cannot be reached.
+  std::vector<ImageInfo> images();
+  // Removes the image tag `name` ("name[:tag]", tag "latest" when none) from every store of the client that has
+  // it, as `dsec image rm` does: sandboxes running from it are not touched, its blobs stay until `dsec image gc`.
+  // NOT_FOUND when no store has it; FAILED_PRECONDITION for a client without stores.
+  void remove_image(const std::string& name);
   // The embedded agent's endpoint, or the first configured one.
   std::string endpoint() const;
   // Stops the embedded agent (if any) and closes the client. Idempotent; the destructor does the same.

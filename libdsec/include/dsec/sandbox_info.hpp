@@ -25,6 +25,29 @@ struct SandboxInfo {
   NetworkPolicy network;   // the network policy in force (the spec's, or what set_network made it)
 };
 
+// A layer of an image in a store (Client::images()).
+struct ImageLayerInfo {
+  std::string role;                // "base", "toolchain", "task" or "snapshot"
+  std::string digest;              // "sha256:..." of the layer's EROFS image
+  std::uint64_t size = 0;          // bytes of the EROFS image
+  std::uint64_t stored_size = 0;   // bytes of its compressed chunks in the store
+};
+
+// An image in one of the client's stores, as `dsec image ls` shows it (Client::images()).
+struct ImageInfo {
+  std::string name;                // normalised repository, "swe/task-17"
+  std::string tag;                 // "latest"
+  std::string reference;           // "name:tag", what a create's image names
+  std::string digest;              // "sha256:..." of its manifest
+  std::vector<ImageLayerInfo> layers;  // lowest first
+  std::uint64_t size = 0;          // bytes of all layers
+  std::uint64_t stored_size = 0;   // bytes of their compressed chunks
+  double created_at = 0;           // unix seconds
+  std::string source;              // what it was built from ("busybox-static", "snapshot of sandbox ...")
+  std::string parent;              // "name:tag@sha256:..." of the image it was built on, or empty
+  std::string store;               // the store that holds it, as the client names it
+};
+
 // A layer in a node's local cache.
 struct CachedLayer {
   std::string digest;             // "sha256:..." of the layer's EROFS image

@@ -74,6 +74,10 @@ std::vector<SandboxInfo> Client::list(const Labels& labels, const std::string& t
 
 std::vector<NodeInfo> Client::nodes() { return open_core(core_).nodes(); }
 
+std::vector<ImageInfo> Client::images() { return open_core(core_).images(); }
+
+void Client::remove_image(const std::string& name) { open_core(core_).remove_image(name); }
+
 std::string Client::endpoint() const { return open_core(core_).endpoint(); }
 
 }  // namespace dsec

@@ -835,6 +835,18 @@ std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::strin
   return out;
 }
 
+ImageResolver& ClientCore::stores() {
+  check_open();
+  if (!images_->enabled())
+    throw Error(Code::kFailedPrecondition,
+                "this client has no image stores: its agents resolve images in their own (ClientOptions::stores)");
+  return *images_;
+}
+
+std::vector<ImageInfo> ClientCore::images() { return stores().list(); }
+
+void ClientCore::remove_image(const std::string& name) { stores().remove(name); }
+
 std::vector<NodeInfo> ClientCore::nodes() {
   std::vector<NodeInfo> out;
   for (const auto& v : nodes_.view()) {

@@ -75,6 +75,9 @@ class ClientCore {
   NetworkUsage network_usage(const std::string& id);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();
+  // The images of the client's stores, and removing one (Client::images, Client::remove_image).
+  std::vector<ImageInfo> images();
+  void remove_image(const std::string& name);
   // Idempotent: a sandbox that is already gone is not an error.
   void destroy(const std::string& id);
   SleepResult sleep_or_wake(const std::string& id, bool sleep);
@@ -155,6 +158,8 @@ class ClientCore {
   void node_up(const NodeEvent& event);
   // For function calls with `needs`: what placement needs to know of each of `nodes` (fncall.cpp).
   std::vector<FnCallCandidate> fncall_candidates(const FnCallNeeds& needs, const std::vector<NodeView>& nodes);
+  // The client's image stores; FAILED_PRECONDITION when it has none (its agents resolve images themselves).
+  ImageResolver& stores();
   // The nodes holding `members` (by their ids); ids no node made are left out.
   std::vector<NodePtr> nodes_of(const std::vector<std::string>& members);
   // Chooses a node for each of `count` sandboxes among the healthy nodes not in `excluded`.

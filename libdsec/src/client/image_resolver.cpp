@@ -1,9 +1,32 @@
 #include "client/image_resolver.hpp"
 
+#include <fmt/format.h>
+
+#include "dsec/error.hpp"
 #include "image/store/catalog.hpp"
 #include "image/store/manifest.hpp"
 
 namespace dsec::detail {
+namespace {
+
+ImageInfo image_info(const image::ResolvedManifest& m, const std::string& store) {
+  ImageInfo out;
+  out.name = m.manifest.name;
+  out.tag = m.manifest.tag;
+  out.reference = m.reference.tagged();
+  out.digest = m.digest;
+  for (const auto& l : m.manifest.layers)
+    out.layers.push_back(ImageLayerInfo{std::string(image::to_string(l.role)), l.digest, l.size, l.stored_size});
+  out.size = m.manifest.size();
+  out.stored_size = m.manifest.stored_size();
+  out.created_at = m.manifest.created_at;
+  out.source = m.manifest.source;
+  out.parent = m.manifest.parent;
+  out.store = store;
+  return out;
+}
+
+}  // namespace
 
 ImageResolver::ImageResolver(const std::vector<std::string>& store_urls, std::chrono::milliseconds tag_ttl,
                              const image::StoreOptions& options)
@@ -45,6 +68,35 @@ std::shared_ptr<const ResolvedImageRef> ImageResolver::resolve(const std::string
   digests_[value->digest] = value;
   if (ref.digest.empty()) tags_[tagged] = TagEntry{value, std::chrono::steady_clock::now()};
   return value;
+}
+
+std::vector<ImageInfo> ImageResolver::list() {
+  std::vector<ImageInfo> out;
+  for (auto& store : stores_) {
+    for (const auto& tagged : store->list_refs()) {
+      try {
+        out.push_back(image_info(image::fetch_manifest(*store, image::parse_reference(tagged)), store->url()));
+      } catch (const Error& e) {
+        if (e.code() == Code::kUnavailable) throw;
+      }
+    }
+  }
+  return out;
+}
+
+void ImageResolver::remove(const std::string& image) {
+  const std::string tagged = image::parse_reference(image).tagged();
+  bool removed = false;
+  std::string urls;
+  for (auto& store : stores_) {
+    if (store->remove_ref(tagged)) removed = true;
+    urls += (urls.empty() ? "" : ", ") + store->url();
+  }
+  {
+    std::lock_guard lock(mu_);
+    tags_.erase(tagged);
+  }
+  if (!removed) throw Error(Code::kNotFound, fmt::format("image {} is not in store {}", tagged, urls));
 }
 
 }  // namespace dsec::detail

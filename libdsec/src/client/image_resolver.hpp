@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dsec/sandbox_info.hpp"
 #include "image/store/blob_store.hpp"
 
 namespace dsec::detail {
@@ -32,6 +33,13 @@ class ImageResolver {
   // NOT_FOUND naming the stores when no store has the image; INVALID_ARGUMENT for a malformed name; UNAVAILABLE when
   // a store cannot be reached and none had it.
   std::shared_ptr<const ResolvedImageRef> resolve(const std::string& image);
+
+  // The tagged images of every store, store by store, as `dsec image ls` lists them; an image whose manifest
+  // cannot be read is left out. UNAVAILABLE when a store cannot be reached, UNIMPLEMENTED when one cannot list.
+  std::vector<ImageInfo> list();
+  // Removes the tag `image` ("name[:tag]") from every store that has it, as `dsec image rm` does (the blobs stay
+  // for `dsec image gc`), and forgets it here. NOT_FOUND naming the stores when none had it.
+  void remove(const std::string& image);
 
  private:
   struct TagEntry {
