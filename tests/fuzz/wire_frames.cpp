@@ -21,6 +21,7 @@
 #include "agent/backends/fncall/wire.hpp"
 #include "agent/init/guest_protocol.hpp"
 #include "agent/init/init_protocol.hpp"
+#include "agent/init/process_protocol.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"
@@ -94,7 +95,23 @@ void decode_frame(const gp::Frame& f) {
     case Type::kCaptureUpper:
     case Type::kDone: r.u64(); r.finish(); break;
     case Type::kProcessRequest: r.u32(); break;  // the op's payload follows, to the end
-    case Type::kProcessReply: break;              // the reply's payload, whole
+    case Type::kProcessReply: {
+      // What the agent reads of a guest's process replies (agent/processes/init_processes.cpp): a list of entries,
+      // and a read's entry and output.
+      namespace pp = dsec::process_protocol;
+      std::int32_t status = 0;
+      std::uint32_t n = 0;
+      pp::Entry e;
+      pp::Reader list(f.payload);
+      if (list.i32(status) && list.u32(n))
+        for (std::uint32_t i = 0; i < n && list.entry(e); ++i) {
+        }
+      pp::Reader read(f.payload);
+      std::string data;
+      std::uint64_t at = 0;
+      (void)(read.i32(status) && read.entry(e) && read.u64(at) && read.str(data) && read.u64(at) && read.str(data));
+      break;
+    }
     default: r.finish(); break;  // kOk, kSync, kPowerOff, kKill, kEnd: no payload
   }
 }
