@@ -795,9 +795,9 @@ PYBIND11_MODULE(_dsec, m) {
           "Captures the sandbox's files as a new image named `name`; the result's image is its pinned reference.")
       .def(
           "fork",
-          [](PySandbox& self, std::size_t n, const std::string& name) {
+          [](PySandbox& self, std::size_t n, const std::string& name, bool keep) {
             std::vector<PySandbox> out;
-            auto made = self.get().fork(n, name);
+            auto made = self.get().fork(n, name, keep);
             out.reserve(made.size());
             for (auto& sb : made) {
               out.emplace_back(sb.borrow());  // Python handles never own
@@ -805,8 +805,9 @@ PYBIND11_MODULE(_dsec, m) {
             }
             return out;
           },
-          py::arg("n"), py::arg("name") = "", py::call_guard<py::gil_scoped_release>(),
-          "Snapshots the sandbox and creates n sandboxes from the snapshot with its spec.")
+          py::arg("n"), py::arg("name") = "", py::arg("keep") = false, py::call_guard<py::gil_scoped_release>(),
+          "Snapshots the sandbox and creates n sandboxes from the snapshot with its spec; a generated snapshot goes "
+          "with the last of them unless keep.")
       .def(
           "spawn",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,

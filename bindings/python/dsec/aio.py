@@ -332,9 +332,9 @@ class AsyncSandbox:
         """:meth:`Sandbox.snapshot`; on the bounded executor."""
         return await self._client._run(self._sb.snapshot, name)
 
-    async def fork(self, n: int, name: str | None = None) -> list["AsyncSandbox"]:
+    async def fork(self, n: int, name: str | None = None, keep: bool = False) -> list["AsyncSandbox"]:
         """:meth:`Sandbox.fork`; on the bounded executor."""
-        return [AsyncSandbox(s, self._client) for s in await self._client._run(self._sb.fork, n, name)]
+        return [AsyncSandbox(s, self._client) for s in await self._client._run(self._sb.fork, n, name, keep)]
 
     async def network(self) -> dict:
         return await self._client._run(self._sb.network)

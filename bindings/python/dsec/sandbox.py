@@ -297,14 +297,18 @@ class Sandbox:
             raise InvalidArgument(f"name: expected a str such as 'repo:tag', got {type(name).__name__}")
         return Snapshot(self._sb.snapshot(name))
 
-    def fork(self, n: int, name: str | None = None) -> list["Sandbox"]:
+    def fork(self, n: int, name: str | None = None, keep: bool = False) -> list["Sandbox"]:
         """Branches the sandbox: snapshots it (under ``name``, else ``fork/<sandbox id>:<random>``) and creates
         ``n`` sandboxes from the snapshot with this sandbox's spec (resources, env, labels, workdir, ttl; not its
         group), placed by the client like :meth:`Client.create_many`, all or nothing. Each starts with this
-        sandbox's files as they were and diverges on its own. The snapshot stays in the store."""
+        sandbox's files as they were and diverges on its own.
+
+        A snapshot under a generated name goes when the last of the copies is destroyed (they carry the label
+        ``dsec.fork-snapshot``; their node removes the tag when none of them is left there). With ``keep=True``,
+        or under a ``name`` of your own, it stays in the store (:meth:`Client.remove_image` removes it)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidArgument(f"n: expected a positive int, got {n!r}")
-        return [Sandbox(h, self._client) for h in self._sb.fork(n, name or "")]
+        return [Sandbox(h, self._client) for h in self._sb.fork(n, name or "", bool(keep))]
 
     def destroy(self) -> None:
         """Destroys the sandbox: its processes are killed and its files are gone. Idempotent."""

@@ -143,9 +143,13 @@ class Sandbox {
   // the same processes, memory and files, and so does this sandbox. Other kinds, or with a `name`: the sandbox is
   // snapshotted (under `name`, or "fork/<sandbox id>:<random>" when empty) and n sandboxes are created from the
   // snapshot, placed by the client like Client::create_many; each starts with this sandbox's files as they were at
-  // the call (not its processes). The returned handles own their sandboxes. A snapshot stays in the store (remove
-  // it with `dsec image rm` when no sandbox needs it any more).
-  std::vector<Sandbox> fork(std::size_t n, std::string_view name = {}) const;
+  // the call (not its processes). The returned handles own their sandboxes. A snapshot under a generated name goes
+  // with the copies: the copies carry the label "dsec.fork-snapshot" = its "name:tag", and a node removes that tag
+  // from its snapshot store when the last sandbox carrying it there is destroyed (by destroy(), its TTL, its
+  // group's lease or the agent's shutdown; with copies on several nodes, when the first node's last copy goes).
+  // With `keep`, or under a `name` the caller gave, the snapshot stays in the store (remove it with
+  // Client::remove_image or `dsec image rm` when no sandbox needs it any more).
+  std::vector<Sandbox> fork(std::size_t n, std::string_view name = {}, bool keep = false) const;
   // Destroys the sandbox; idempotent. The handle is empty afterwards.
   void destroy();
   // Gives up ownership: the sandbox lives on (until its TTL) and the handle is empty. Returns its id.

@@ -195,6 +195,9 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   options.node_labels = config_.labels;
   options.tenant_quotas = config_.tenant_quotas;
   options.gpus = 0;  // no GPU backend yet: the node hands out none
+  options.on_fork_snapshot_unused = [this](const std::string& snapshot) {
+    if (snapshots_) snapshots_->release_fork_snapshot(snapshot);
+  };
   Registry::Backends backends;
   for (const auto& [kind, backend] : backends_) backends.emplace(kind, backend.get());
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);

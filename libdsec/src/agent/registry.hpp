@@ -61,6 +61,9 @@ struct RegistryOptions {
   std::size_t batch_parallelism = 4;
   // Unix time in seconds; tests pass a fake clock.
   std::function<double()> clock;
+  // Called (outside the registry's locks) when a destroyed sandbox carried protocol::kForkSnapshotLabel with a
+  // "fork/..." value and no live sandbox of this node carries that value any more: the fork's snapshot is unused.
+  std::function<void(const std::string& snapshot)> on_fork_snapshot_unused;
 };
 
 // What the registry found of an earlier run of the agent at start-up (Registry::recover_earlier_run).
@@ -209,6 +212,9 @@ class Registry {
  private:
   struct Record;
   struct RequestEntry;
+  // `record`'s fork snapshot (protocol::kForkSnapshotLabel) when no live sandbox carries it any more, else empty.
+  // Caller holds mutex_ and has taken `record` out of records_.
+  std::string last_fork_snapshot_user(const Record& record) const;
   struct LoadedRecord;
   struct Recovered;
   struct Tombstone {

@@ -12,6 +12,7 @@
 
 #include "agent/log.hpp"
 #include "agent/registry_internal.hpp"
+#include "common/protocol.hpp"
 #include "common/network_rules.hpp"
 
 namespace dsec::agent {
@@ -277,6 +278,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
   info.state = "destroyed";
   info.message = std::string(reason);
   bool erased = false;
+  std::string unused_snapshot;  // the fork snapshot this sandbox was the last user of on this node
   {
     std::lock_guard lock(mutex_);
     auto it = records_.find(id);
@@ -293,6 +295,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       tombstone_order_.emplace_back(at, id);
       evict(at);
       erased = true;
+      unused_snapshot = last_fork_snapshot_user(*record);
     }
   }
   if (erased) {
@@ -305,7 +308,24 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
     exec_journal_.drop(id);
     metrics_.sandbox_destroyed(info.kind);
   }
+  if (!unused_snapshot.empty() && options_.on_fork_snapshot_unused) {
+    try {
+      options_.on_fork_snapshot_unused(unused_snapshot);
+    } catch (const std::exception& e) {
+      log_warn("fork snapshot {}: {}", unused_snapshot, e.what());
+    }
+  }
   return info;
+}
+
+std::string Registry::last_fork_snapshot_user(const Record& record) const {
+  auto label = record.spec.labels.find(std::string(protocol::kForkSnapshotLabel));
+  if (label == record.spec.labels.end() || !label->second.starts_with(protocol::kForkSnapshotPrefix)) return {};
+  for (const auto& [id, other] : records_) {
+    auto it = other->spec.labels.find(label->first);
+    if (it != other->spec.labels.end() && it->second == label->second) return {};
+  }
+  return label->second;
 }
 
 void Registry::reap() {

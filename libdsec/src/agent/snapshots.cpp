@@ -153,6 +153,13 @@ SnapshotOutcome Snapshots::take(const SnapshotRequest& request) {
   return *outcome;
 }
 
+void Snapshots::release_fork_snapshot(const std::string& tagged) {
+  if (!tagged.starts_with(protocol::kForkSnapshotPrefix)) return;
+  const std::string name = image::parse_reference(tagged).tagged();
+  if (store_->remove_ref(name))
+    log_info("fork snapshot {}: its last sandbox on this node is gone; tag removed from {}", name, store_->url());
+}
+
 SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::ImageReference& ref) {
   const auto started = Clock::now();
   const std::string tagged = ref.tagged();

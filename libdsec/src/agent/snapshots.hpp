@@ -90,6 +90,11 @@ class Snapshots {
   // no tag is written, the staging directory is removed and the sandbox runs on.
   SnapshotOutcome take(const SnapshotRequest& request);
 
+  // Removes the tag of a fork's snapshot (a "fork/..." name; others are left alone) from the snapshot store once no
+  // sandbox made from it lives on this node (RegistryOptions::on_fork_snapshot_unused). Its blobs stay for gc; a
+  // tag already gone, or in another store, is fine.
+  void release_fork_snapshot(const std::string& tagged);
+
   const std::string& store_url() const noexcept { return options_.store; }
 
  private:

@@ -17,6 +17,7 @@
 #include "common/network_rules.hpp"
 #include "common/protocol.hpp"
 #include "dsec/retry.hpp"
+#include "image/store/manifest.hpp"
 
 namespace dsec::detail {
 namespace {
@@ -937,7 +938,7 @@ SnapshotResult ClientCore::snapshot(const std::string& id, std::string_view name
   return out;
 }
 
-std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, std::string_view name) {
+std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, std::string_view name, bool keep) {
   if (n == 0) throw Error(Code::kInvalidArgument, "fork: n must be at least 1");
   if (name.empty()) {
     // A backend that can copy a running sandbox (a microVM: processes and memory too) does it on the sandbox's
@@ -954,11 +955,13 @@ std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, 
     }
   }
   std::string snapshot_name(name);
-  if (snapshot_name.empty()) {
+  const bool generated = snapshot_name.empty();
+  if (generated) {
     // A repository part starts with a letter or digit; sandbox ids are letters, digits, '-', '_' and '.'.
     std::string_view head = id.empty() ? std::string_view("x") : std::string_view(id).substr(0, 1);
     bool alnum = std::isalnum(static_cast<unsigned char>(head.front()));
-    snapshot_name = fmt::format("fork/{}{}:{}", alnum ? "" : "x", id, random_request_id().substr(0, 16));
+    snapshot_name = fmt::format("{}{}{}:{}", protocol::kForkSnapshotPrefix, alnum ? "" : "x", id,
+                                random_request_id().substr(0, 16));
   }
   SnapshotResult snap = snapshot(id, snapshot_name);
   SandboxSpec spec = snap.spec;
@@ -968,6 +971,10 @@ std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, 
   spec.group_ttl = std::chrono::seconds{0};
   spec.labels.erase(std::string(kRequestLabel));
   spec.labels.erase(std::string(kPulseLabel));
+  // A generated snapshot lives as long as the sandboxes made from it: their nodes remove its tag when the last of
+  // them goes (protocol::kForkSnapshotLabel). A copy of a fork child does not keep its parent's snapshot.
+  spec.labels.erase(std::string(protocol::kForkSnapshotLabel));
+  if (generated && !keep) spec.labels[std::string(protocol::kForkSnapshotLabel)] = image::parse_reference(snap.image).tagged();
   return create_many(n, spec);
 }
 

@@ -83,8 +83,9 @@ class ClientCore {
   SleepResult sleep_or_wake(const std::string& id, bool sleep);
   // POST /v1/sandboxes/{id}/snapshot with a fresh request id (retries repeat it, so they never take two).
   SnapshotResult snapshot(const std::string& id, std::string_view name);
-  // A snapshot (under `name`, or a generated one), then create_many(n) of it with the sandbox's spec.
-  std::vector<SandboxInfo> fork(const std::string& id, std::size_t n, std::string_view name);
+  // A snapshot (under `name`, or a generated one), then create_many(n) of it with the sandbox's spec. A generated
+  // snapshot is labelled onto the copies, so it goes with the last of them, unless `keep`.
+  std::vector<SandboxInfo> fork(const std::string& id, std::size_t n, std::string_view name, bool keep = false);
   ExecResult exec(const std::string& id, const ExecRequest& request);
   // A streaming exec: output goes to on_output as the agent sends it; what on_output throws aborts the call (the
   // connection is dropped; the command runs on in the sandbox to its end or timeout) and is rethrown as it was.

@@ -82,8 +82,8 @@ SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }
 
 SnapshotResult Sandbox::snapshot(std::string_view name) const { return core().snapshot(id_, name); }
 
-std::vector<Sandbox> Sandbox::fork(std::size_t n, std::string_view name) const {
-  auto infos = core().fork(id_, n, name);
+std::vector<Sandbox> Sandbox::fork(std::size_t n, std::string_view name, bool keep) const {
+  auto infos = core().fork(id_, n, name, keep);
   std::vector<Sandbox> out;
   out.reserve(infos.size());
   for (auto& info : infos) out.emplace_back(core_, std::move(info.id));

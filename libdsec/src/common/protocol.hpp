@@ -37,6 +37,12 @@ void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_A
 bool valid_group_id(std::string_view id) noexcept;
 inline constexpr double kMaxGroupTtlSeconds = 86400;
 
+// Sandbox::fork labels the sandboxes it makes from a snapshot under a generated name ("fork/...") with this label,
+// whose value is the snapshot's "name:tag"; when the last sandbox carrying it goes from a node, the node removes
+// that tag from its snapshot store. Only names under kForkSnapshotPrefix are ever removed so.
+inline constexpr std::string_view kForkSnapshotLabel = "dsec.fork-snapshot";
+inline constexpr std::string_view kForkSnapshotPrefix = "fork/";
+
 json encode(const ExecRequest& request);
 ExecRequest decode_exec_request(const json& j);
 
