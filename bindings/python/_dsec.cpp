@@ -144,6 +144,20 @@ PySandbox detach(dsec::Client& client, dsec::Sandbox owned) {
   return PySandbox(client.attach(id));
 }
 
+std::vector<PySandbox> detach_all(dsec::Client& client, std::vector<dsec::Sandbox> owned) {
+  std::vector<PySandbox> out;
+  out.reserve(owned.size());
+  for (auto& sb : owned) out.push_back(detach(client, std::move(sb)));
+  return out;
+}
+
+// A group's lease from Python seconds: 1 to 86400, rounded to whole seconds.
+std::chrono::seconds lease_seconds(double lease) {
+  if (!(lease >= 1) || lease > 86400)
+    throw dsec::Error(dsec::Code::kInvalidArgument, "lease: must be 1 to 86400 seconds");
+  return std::chrono::seconds(static_cast<std::int64_t>(lease + 0.5));
+}
+
 std::string bytes_or_str(const py::handle& h, const char* what) {
   if (py::isinstance<py::bytes>(h)) return h.cast<std::string>();
   if (py::isinstance<py::bytearray>(h) || py::isinstance<py::memoryview>(h))
@@ -946,23 +960,32 @@ PYBIND11_MODULE(_dsec, m) {
           "create_many",
           [](PyClient& self, std::size_t n, const dsec::SandboxSpec& spec) {
             auto c = self.get();
-            std::vector<PySandbox> out;
-            auto made = c->create_many(n, spec);
-            out.reserve(made.size());
-            for (auto& sb : made) out.push_back(detach(*c, std::move(sb)));
-            return out;
+            return detach_all(*c, c->create_many(n, spec));
           },
           py::arg("n"), py::arg("spec"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "create_many",
+          [](PyClient& self, const std::vector<dsec::SandboxSpec>& specs) {
+            auto c = self.get();
+            return detach_all(*c, c->create_many(specs));
+          },
+          py::arg("specs"), py::call_guard<py::gil_scoped_release>())
       .def(
           "create_group",
           [](PyClient& self, std::size_t n, const dsec::SandboxSpec& spec, double lease) {
             auto c = self.get();
-            if (!(lease >= 1) || lease > 86400)
-              throw dsec::Error(dsec::Code::kInvalidArgument, "lease: must be 1 to 86400 seconds");
-            auto group = c->create_group(n, spec, std::chrono::seconds(static_cast<std::int64_t>(lease + 0.5)));
+            auto group = c->create_group(n, spec, lease_seconds(lease));
             return std::make_unique<PySandboxGroup>(*c, std::move(group));
           },
           py::arg("n"), py::arg("spec"), py::arg("lease"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "create_group",
+          [](PyClient& self, const std::vector<dsec::SandboxSpec>& specs, double lease) {
+            auto c = self.get();
+            auto group = c->create_group(specs, lease_seconds(lease));
+            return std::make_unique<PySandboxGroup>(*c, std::move(group));
+          },
+          py::arg("specs"), py::arg("lease"), py::call_guard<py::gil_scoped_release>())
       .def(
           "run_code", [](PyClient& self, const dsec::FnCallRequest& request) { return self.get()->run_code(request); },
           py::arg("request"), py::call_guard<py::gil_scoped_release>())

@@ -160,11 +160,11 @@ class AsyncClient:
         """:meth:`Client.create` (same arguments); on the bounded executor."""
         return AsyncSandbox(await self._run(self._sync.create, *args, **kwargs), self)
 
-    async def create_many(self, n: int, *args: Any, **kwargs: Any) -> list["AsyncSandbox"]:
+    async def create_many(self, n: int | Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> list["AsyncSandbox"]:
         """:meth:`Client.create_many` (same arguments); on the bounded executor."""
         return [AsyncSandbox(s, self) for s in await self._run(self._sync.create_many, n, *args, **kwargs)]
 
-    async def create_group(self, n: int, *args: Any, **kwargs: Any) -> "AsyncSandboxGroup":
+    async def create_group(self, n: int | Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> "AsyncSandboxGroup":
         """:meth:`Client.create_group` (same arguments); on the bounded executor."""
         return AsyncSandboxGroup(await self._run(self._sync.create_group, n, *args, **kwargs), self)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import threading
 import weakref
@@ -38,6 +39,28 @@ def _close_live_clients() -> None:
             c.close()
         except Exception:
             pass
+
+
+def _specs(specs: object) -> list[_dsec.SandboxSpec]:
+    """A list of dicts of Client.create's arguments as SandboxSpecs, with create's defaults."""
+    if isinstance(specs, bool) or not isinstance(specs, Sequence) or isinstance(specs, (str, bytes)):
+        raise InvalidArgument(f"n: expected an int or a list of specs (dicts), got {type(specs).__name__}")
+    signature = inspect.signature(Client.create)
+    out = []
+    for i, s in enumerate(specs):
+        if not isinstance(s, Mapping):
+            raise InvalidArgument(f"specs[{i}]: expected a dict of create()'s arguments, got {type(s).__name__}")
+        try:
+            bound = signature.bind(None, **s)
+        except TypeError as e:
+            raise InvalidArgument(f"specs[{i}]: {e}") from None
+        bound.apply_defaults()
+        args = list(bound.arguments.values())[1:]
+        try:
+            out.append(_spec(*args))
+        except InvalidArgument as e:
+            raise InvalidArgument(f"specs[{i}]: {e.message}") from None
+    return out
 
 
 class Client:
@@ -192,7 +215,7 @@ class Client:
 
     def create_many(
         self,
-        n: int,
+        n: int | Sequence[Mapping[str, Any]],
         image: str = "busybox",
         kind: str = "container",
         *,
@@ -224,8 +247,14 @@ class Client:
         that refuses or fails has its share made on others. All or nothing: if the sandboxes cannot all be made,
         the ones made are destroyed and the error is raised. With one node, calling again with the same
         ``request_id`` returns the same sandboxes instead of making new ones.
+
+        ``n`` may instead be a list of specs, one sandbox each (``[{"image": "task-1", "env": {...}}, ...]``: each
+        a dict of :meth:`create`'s arguments), made as one pulse (equal specs share their batches); the first
+        spec's ``request_id`` names the pulse. The other arguments are not used then.
         """
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int):
+            return [Sandbox(h, self) for h in self._c().create_many(_specs(n))]
+        if n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
@@ -234,7 +263,7 @@ class Client:
 
     def create_group(
         self,
-        n: int,
+        n: int | Sequence[Mapping[str, Any]],
         image: str = "busybox",
         kind: str = "container",
         *,
@@ -266,8 +295,12 @@ class Client:
         Placed over the nodes by the client's placement policy and sent as one batch request per node, all at once;
         a node that refuses or fails has its share made on others. All or nothing. The lease is renewed in the
         background; when this process dies, the agents destroy the group's sandboxes once it runs out.
+
+        ``n`` may instead be a list of specs, one member each, as in :meth:`create_many`.
         """
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int):
+            return SandboxGroup(self._c().create_group(_specs(n), float(lease)), self)
+        if n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,

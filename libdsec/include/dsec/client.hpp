@@ -97,11 +97,18 @@ class Client {
   // if any create fails, the ones made are destroyed and the first error is thrown. Sandbox i carries the request
   // id "<spec.request_id>-<i>" (a random base when spec.request_id is empty), so the whole batch can be retried.
   std::vector<Sandbox> create_many(std::size_t n, const SandboxSpec& spec);
+  // One sandbox per spec (sandbox i from specs[i], e.g. one image per task), as one pulse: equal specs are placed
+  // and sent together, one batch request per node and distinct spec. All or nothing; the first spec's request_id
+  // (a random one when empty) names the pulse, so the whole call can be retried.
+  std::vector<Sandbox> create_many(const std::vector<SandboxSpec>& specs);
   // n sandboxes as one group under a lease (see dsec/group.hpp): placed over the nodes by the placement policy, one
   // batch request per node, all sent at once; a node that refuses or fails has its share made elsewhere. All or
   // nothing, like create_many. Renewed in the background every lease/3; when the trainer dies the agents destroy
   // the group's sandboxes once the lease runs out.
   SandboxGroup create_group(std::size_t n, const SandboxSpec& spec,
+                            std::chrono::seconds lease = std::chrono::seconds(30));
+  // A group of one sandbox per spec, placed and sent as create_many(specs) does.
+  SandboxGroup create_group(const std::vector<SandboxSpec>& specs,
                             std::chrono::seconds lease = std::chrono::seconds(30));
   // Runs code in a node's warm pool of its language (dsec/fncall.hpp; protocol POST /v1/fncall) and returns what it
   // did. A program that fails, times out or runs out of memory is a result, not an error; errors are for calls that

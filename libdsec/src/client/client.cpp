@@ -35,7 +35,11 @@ Sandbox Client::create(const SandboxSpec& spec) {
 }
 
 std::vector<Sandbox> Client::create_many(std::size_t n, const SandboxSpec& spec) {
-  auto infos = open_core(core_).create_many(n, spec);
+  return create_many(std::vector<SandboxSpec>(n, spec));
+}
+
+std::vector<Sandbox> Client::create_many(const std::vector<SandboxSpec>& specs) {
+  auto infos = open_core(core_).create_many(specs);
   std::vector<Sandbox> out;
   out.reserve(infos.size());
   for (auto& info : infos) out.emplace_back(core_, std::move(info.id));
@@ -43,12 +47,17 @@ std::vector<Sandbox> Client::create_many(std::size_t n, const SandboxSpec& spec)
 }
 
 SandboxGroup Client::create_group(std::size_t n, const SandboxSpec& spec, std::chrono::seconds lease) {
+  return create_group(std::vector<SandboxSpec>(n, spec), lease);
+}
+
+SandboxGroup Client::create_group(const std::vector<SandboxSpec>& specs, std::chrono::seconds lease) {
   if (lease.count() < 1 || lease.count() > 86400)
     throw Error(Code::kInvalidArgument, "create_group: the lease must be 1 to 86400 seconds");
-  std::string group = spec.request_id.empty() ? detail::random_request_id() : spec.request_id;
-  SandboxSpec s = spec;
-  s.request_id = group;
-  auto infos = open_core(core_).create_many(n, s, group, lease);
+  const std::string first = specs.empty() ? std::string() : specs.front().request_id;
+  std::string group = first.empty() ? detail::random_request_id() : first;
+  std::vector<SandboxSpec> named = specs;
+  if (!named.empty()) named.front().request_id = group;
+  auto infos = open_core(core_).create_many(named, group, lease);
   std::vector<Sandbox> members;
   members.reserve(infos.size());
   for (auto& info : infos) members.emplace_back(core_, std::move(info.id));

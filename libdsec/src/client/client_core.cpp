@@ -455,19 +455,45 @@ SandboxInfo ClientCore::create(SandboxSpec spec) {
   }
 }
 
-std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpec& spec_in, const std::string& group,
+std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpec& spec, const std::string& group,
                                                  std::chrono::seconds group_ttl) {
+  return create_many(std::vector<SandboxSpec>(n, spec), group, group_ttl);
+}
+
+std::vector<SandboxInfo> ClientCore::create_many(const std::vector<SandboxSpec>& specs, const std::string& group,
+                                                 std::chrono::seconds group_ttl) {
+  const std::size_t n = specs.size();
   if (n == 0) return {};
-  protocol::validate(spec_in);
+  for (const auto& s : specs) protocol::validate(s);
   auto deadline = deadline_after();
-  SandboxSpec spec = spec_in;
-  const std::string base = spec.request_id.empty() ? random_request_id() : spec.request_id;
-  if (nodes_.live_count() > 1) spec.labels[std::string(kPulseLabel)] = base;
-  std::shared_ptr<const ResolvedImageRef> image;
-  if (images_->enabled()) image = images_->resolve(spec.image);
+  const std::string base = specs.front().request_id.empty() ? random_request_id() : specs.front().request_id;
+  const bool pulse_labelled = nodes_.live_count() > 1;
+  // The distinct specs of the pulse (equal specs share one), each placed and sent as batches of its own.
+  struct Kind {
+    SandboxSpec spec;
+    std::shared_ptr<const ResolvedImageRef> image;
+  };
+  std::vector<Kind> kinds;
+  std::vector<std::size_t> kind_of(n);  // slot -> index into kinds
+  {
+    std::map<std::string, std::size_t> by_encoding;
+    for (std::size_t i = 0; i < n; ++i) {
+      SandboxSpec s = specs[i];
+      s.request_id.clear();
+      if (pulse_labelled) s.labels[std::string(kPulseLabel)] = base;
+      auto [it, added] = by_encoding.try_emplace(protocol::encode(s).dump(), kinds.size());
+      if (added) {
+        std::shared_ptr<const ResolvedImageRef> image;
+        if (images_->enabled()) image = images_->resolve(s.image);
+        kinds.push_back(Kind{std::move(s), std::move(image)});
+      }
+      kind_of[i] = it->second;
+    }
+  }
 
   struct Batch {
     NodePtr node;
+    std::size_t kind = 0;
     std::vector<std::size_t> slots;  // indices into the result
     std::string request_id;
   };
@@ -529,7 +555,7 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
                                      last_error ? fmt::format(" (last error: {})", last_error->what()) : std::string()));
       break;
     }
-    std::vector<NodePtr> where;
+    std::vector<NodePtr> where(pending.size());
     auto all = nodes_.view();
     if (all.size() == 1) {
       // One node: it decides admission itself; nothing to choose, nowhere else to go.
@@ -538,25 +564,33 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
     } else {
       refresh_node_info(deadline);
       try {
-        where = place(spec, pending.size(), image.get(), excluded);
+        for (std::size_t k = 0; k < kinds.size(); ++k) {
+          std::vector<std::size_t> at;  // positions in `pending` of this kind's slots
+          for (std::size_t p = 0; p < pending.size(); ++p)
+            if (kind_of[pending[p]] == k) at.push_back(p);
+          if (at.empty()) continue;
+          auto placed = place(kinds[k].spec, at.size(), kinds[k].image.get(), excluded);
+          for (std::size_t j = 0; j < at.size(); ++j) where[at[j]] = std::move(placed[j]);
+        }
       } catch (const Error& e) {
         if (!last_error || e.code() != Code::kUnavailable) last_error = e;
         break;
       }
     }
-    // One batch request per node (split at the agent's batch limit), all sent at once.
+    // One batch request per node and spec (split at the agent's batch limit), all sent at once.
     std::vector<Batch> batches;
     {
-      std::map<Node*, std::vector<std::size_t>> by_node;
+      std::map<std::pair<Node*, std::size_t>, std::vector<std::size_t>> by_node;
       std::map<Node*, NodePtr> owner;
       for (std::size_t k = 0; k < pending.size(); ++k) {
-        by_node[where[k].get()].push_back(pending[k]);
+        by_node[{where[k].get(), kind_of[pending[k]]}].push_back(pending[k]);
         owner[where[k].get()] = where[k];
       }
-      for (auto& [raw, slots] : by_node)
+      for (auto& [key, slots] : by_node)
         for (std::size_t at = 0; at < slots.size(); at += kMaxBatch) {
           Batch b;
-          b.node = owner[raw];
+          b.node = owner[key.first];
+          b.kind = key.second;
           b.slots.assign(slots.begin() + static_cast<std::ptrdiff_t>(at),
                          slots.begin() + static_cast<std::ptrdiff_t>(std::min(slots.size(), at + kMaxBatch)));
           b.request_id = fmt::format("{}-{}", base, batch_no++);
@@ -568,7 +602,8 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
     run_workers(std::min(batches.size(), options_.create_concurrency), [&] {
       for (std::size_t b = next.fetch_add(1); b < batches.size(); b = next.fetch_add(1)) {
         Batch& batch = batches[b];
-        SandboxSpec s = spec;
+        const Kind& kind = kinds[batch.kind];
+        SandboxSpec s = kind.spec;
         s.request_id = batch.request_id;
         protocol::json request = protocol::encode(s);
         request["count"] = batch.slots.size();
@@ -576,7 +611,7 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
           request["group"] = group;
           request["group_ttl"] = group_ttl.count();
         }
-        pin_image(request, image.get());
+        pin_image(request, kind.image.get());
         const std::string body = request.dump();
         try {
           auto r = retrying(deadline, [&] {
@@ -591,8 +626,8 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
             if (!infos[k].node.empty()) nodes_.learn(batch.node, infos[k].node);
             made[batch.slots[k]] = std::move(infos[k]);
           }
-          nodes_.placed(batch.node, spec.resources.cpu * static_cast<double>(batch.slots.size()),
-                        spec.resources.memory_bytes * batch.slots.size(), batch.slots.size());
+          nodes_.placed(batch.node, s.resources.cpu * static_cast<double>(batch.slots.size()),
+                        s.resources.memory_bytes * batch.slots.size(), batch.slots.size());
         } catch (const Error& e) {
           std::lock_guard lock(mu);
           auto* transport = dynamic_cast<const TransportError*>(&e);
@@ -620,7 +655,7 @@ std::vector<SandboxInfo> ClientCore::create_many(std::size_t n, const SandboxSpe
   std::vector<std::string> kept;
   for (const auto& m : made)
     if (m) kept.push_back(m->id);
-  if (spec.labels.count(std::string(kPulseLabel)))
+  if (pulse_labelled)
     for (const NodePtr& node : maybe_made) remove_strays(node, std::string(kPulseLabel), base, kept, deadline_after());
 
   const bool complete = std::all_of(made.begin(), made.end(), [](const auto& m) { return m.has_value(); });

@@ -60,6 +60,10 @@ class ClientCore {
   // With `group` set, every sandbox joins that group under a lease of `group_ttl` seconds (see dsec/group.hpp).
   std::vector<SandboxInfo> create_many(std::size_t n, const SandboxSpec& spec, const std::string& group = {},
                                        std::chrono::seconds group_ttl = {});
+  // One sandbox per spec (sandbox i from specs[i]), as one pulse: equal specs are placed and batched together, one
+  // batch request per node and distinct spec. The first spec's request_id (or a random one) names the pulse.
+  std::vector<SandboxInfo> create_many(const std::vector<SandboxSpec>& specs, const std::string& group = {},
+                                       std::chrono::seconds group_ttl = {});
   // POST /v1/groups/{group}/renew on every node that holds one of `members`. UNAVAILABLE naming the nodes that could
   // not be reached (the others are renewed).
   void renew_group(const std::string& group, const std::vector<std::string>& members, std::chrono::seconds ttl);
