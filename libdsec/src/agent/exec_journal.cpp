@@ -185,9 +185,14 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
     result = run();
   } catch (...) {
     std::lock_guard lock(mutex_);
-    Sandbox& sb = sandboxes_[sandbox_id];
-    if (sb.ids.erase(request_id)) append(sandbox_id, sb, json{{"id", request_id}, {"forget", true}}.dump());
-    std::erase(sb.order, request_id);
+    auto it = sandboxes_.find(sandbox_id);
+    if (it != sandboxes_.end()) {
+      Sandbox& sb = it->second;
+      if (sb.ids.erase(request_id)) append(sandbox_id, sb, json{{"id", request_id}, {"forget", true}}.dump());
+      std::erase(sb.order, request_id);
+      // Nothing kept for it (its first exec failed, as on a sandbox destroyed meanwhile): no file either.
+      if (sb.ids.empty()) forget_sandbox(sandbox_id);
+    }
     done_.notify_all();
     throw;
   }
@@ -266,12 +271,15 @@ void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
 
 void ExecJournal::drop(const std::string& sandbox_id) {
   std::lock_guard lock(mutex_);
-  sandboxes_.erase(sandbox_id);
-  if (!dir_.empty()) {
-    ::unlink(file_of(sandbox_id).c_str());
-    if (sandboxes_.empty()) ::rmdir(dir_.c_str());  // fails, harmlessly, while files of other sandboxes are there
-  }
+  forget_sandbox(sandbox_id);
   done_.notify_all();
+}
+
+void ExecJournal::forget_sandbox(const std::string& sandbox_id) {
+  sandboxes_.erase(sandbox_id);
+  if (dir_.empty()) return;
+  ::unlink(file_of(sandbox_id).c_str());
+  if (sandboxes_.empty()) ::rmdir(dir_.c_str());  // fails, harmlessly, while files of other sandboxes are there
 }
 
 void ExecJournal::retain(const std::set<std::string>& live) {

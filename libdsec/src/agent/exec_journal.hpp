@@ -83,6 +83,8 @@ class ExecJournal {
   void load(const std::filesystem::path& file);
   void evict(const std::string& sandbox_id, Sandbox& sb);  // caller holds mutex_
   void compact(const std::string& sandbox_id, Sandbox& sb);  // caller holds mutex_
+  // Forgets a sandbox's ids and removes its file (and the directory after the last). Caller holds mutex_.
+  void forget_sandbox(const std::string& sandbox_id);
 
   std::filesystem::path dir_;
   std::mutex mutex_;

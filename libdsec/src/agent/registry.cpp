@@ -7,6 +7,8 @@
 #include <atomic>
 #include <chrono>
 #include <optional>
+#include <set>
+#include <string>
 #include <thread>
 
 #include <fmt/format.h>
@@ -432,6 +434,14 @@ void Registry::forget_requests() {
     }
   }
   request_log_.remove();
+  // The sandboxes are gone: so are their exec request ids (a sandbox whose destroy raced an exec may have left
+  // some).
+  std::set<std::string> live;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [id, record] : records_) live.insert(id);
+  }
+  exec_journal_.retain(live);
 }
 
 void Registry::evict(double t) {
