@@ -261,10 +261,11 @@ def normalise(text: str) -> list[str]:
 def verdict_of(result: dsec.FnCallResult, expected: str) -> str:
     if result.error:
         return "SE"
-    if result.timed_out:
-        return "TLE"
+    # The OOM killer's kill is a memory verdict even when the wall clock ran out too while the kernel reclaimed.
     if result.oom_killed or b"MemoryError" in result.stderr:
         return "MLE"
+    if result.timed_out:
+        return "TLE"
     if result.exit_code != 0:
         return "CE" if b"SyntaxError" in result.stderr else "RE"
     return "AC" if normalise(result.stdout_text) == normalise(expected) else "WA"

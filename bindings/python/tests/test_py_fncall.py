@@ -243,8 +243,10 @@ def test_judge_example_small(fncall_home, short_tmp):
     # A home of its own (the agent's records, layer cache and cgroups), images from the module's store.
     own_home = os.path.join(short_tmp, "jhome")
     os.makedirs(own_home, exist_ok=True)
+    # A wall limit above the default 2 s: on 2 cores, a dozen memory hogs at once take up to 2 s each to reach
+    # their limit (the kernel reclaims before its OOM killer acts), and one that has not by then is judged TLE.
     p = subprocess.run([sys.executable, os.path.join(EXAMPLES, "judge.py"), "--solutions", "50", "--image", image,
-                        "--home", own_home, "--store", os.path.join(home, "store"), "--json"],
+                        "--home", own_home, "--store", os.path.join(home, "store"), "--json", "--wall-limit", "5"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     summary = json.loads(p.stdout.strip().splitlines()[-1])
