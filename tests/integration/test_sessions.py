@@ -251,3 +251,10 @@ def test_session_shell_option(sb):
     with sb.shell("/bin/sh") as sh:
         assert sh.info().shell == "/bin/sh"
         assert sh.run("echo $0").exit_code == 0
+
+
+def test_a_command_over_the_limit_is_refused_and_the_session_lives_on(sb):
+    with sb.shell() as sh:
+        with pytest.raises(dsec.InvalidArgument, match="command"):
+            sh.run("true #" + "x" * (600 << 10))
+        assert sh.run("echo fine").stdout == b"fine\n"

@@ -86,6 +86,19 @@ bool become_user(const StartRequest& req) {
 
 }  // namespace
 
+StartRequest start_request_of(init_protocol::StartPayload&& command, bool drop_capabilities) {
+  StartRequest req;
+  req.argv = std::move(command.argv);
+  req.env = std::move(command.env);
+  req.cwd = std::move(command.cwd);
+  req.set_user = command.has_user;
+  req.uid = command.uid;
+  req.gid = command.gid;
+  req.groups.assign(command.groups.begin(), command.groups.end());
+  req.drop_capabilities = drop_capabilities;
+  return req;
+}
+
 void close_all(std::vector<int>& fds) {
   for (int fd : fds)
     if (fd >= 0) close(fd);

@@ -36,6 +36,9 @@ struct StartRequest {
   bool controlling_tty = false;
 };
 
+// The command a start payload names (argv, env, cwd, its user), with no descriptors yet.
+StartRequest start_request_of(init_protocol::StartPayload&& command, bool drop_capabilities);
+
 // Starts the command; returns its pid, or -1 with `err` and `stage` saying why not. `original_mask` is the signal
 // mask the command starts with (dsec-init blocks SIGCHLD for its signalfd).
 pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, init_protocol::FailStage& stage);

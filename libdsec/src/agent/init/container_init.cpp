@@ -86,14 +86,9 @@ bool read_request(int conn, std::uint32_t len, StartRequest& req) {
 
   dsec::init_protocol::StartPayload command;
   if (!dsec::init_protocol::decode_start_payload(payload, command)) return false;
-  req.argv = std::move(command.argv);
-  req.env = std::move(command.env);
-  req.cwd = std::move(command.cwd);
-  req.set_user = command.has_user;
-  req.uid = command.uid;
-  req.gid = command.gid;
-  req.groups.assign(command.groups.begin(), command.groups.end());
-  req.drop_capabilities = true;
+  std::vector<int> fds = std::move(req.fds);
+  req = start_request_of(std::move(command), /*drop_capabilities=*/true);
+  req.fds = std::move(fds);
   return true;
 }
 

@@ -225,15 +225,8 @@ std::string ProcessTable::spawn(std::string_view payload, std::vector<int>& fds)
     return system_error(e);
   }
 
-  StartRequest req;
-  req.argv = command.argv;
-  req.env = std::move(command.env);
-  req.cwd = std::move(command.cwd);
-  req.set_user = command.has_user;
-  req.uid = command.uid;
-  req.gid = command.gid;
-  req.groups.assign(command.groups.begin(), command.groups.end());
-  req.drop_capabilities = drop_capabilities_;
+  std::vector<std::string> argv = command.argv;  // kept for the entry
+  StartRequest req = start_request_of(std::move(command), drop_capabilities_);
   req.controlling_tty = pty != 0;
   req.fds = {child_in, child_out, child_err};
   req.fds.insert(req.fds.end(), fds.begin(), fds.end());
@@ -257,7 +250,7 @@ std::string ProcessTable::spawn(std::string_view payload, std::vector<int>& fds)
   p.entry.pid = pid;
   p.entry.kind = static_cast<Kind>(kind);
   p.entry.meta = std::move(meta);
-  p.entry.argv = std::move(command.argv);
+  p.entry.argv = std::move(argv);
   p.entry.pty = pty != 0;
   p.entry.running = true;
   p.entry.stdin_open = true;

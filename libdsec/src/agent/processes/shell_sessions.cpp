@@ -288,6 +288,13 @@ ExecResult ShellSessions::run(const std::string& sandbox_id, Processes& processe
                               const SessionRun& run, const OutputSink& sink) {
   if (run.command.find('\0') != std::string::npos)
     throw Error(Code::kInvalidArgument, "command: holds a NUL byte, which no shell command can");
+  // It travels through the shell's stdin, which init buffers up to kStdinBuffer (and a VM's line carries frames of
+  // 1 MiB): longer scripts belong in a file (write_file, then `. file` or `sh file`).
+  if (run.command.size() > kMaxCommandBytes)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("command: {} bytes, over the {} a session run takes; write longer scripts to a file and "
+                            "run that",
+                            run.command.size(), kMaxCommandBytes));
   const auto started = Clock::now();
   Found f = find(sandbox_id, processes, name);
   if (!f.entry.running)

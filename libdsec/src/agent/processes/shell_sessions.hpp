@@ -45,6 +45,7 @@ struct SessionRun {
 };
 
 inline constexpr std::size_t kMaxSessions = 16;
+inline constexpr std::size_t kMaxCommandBytes = 512u << 10;  // one session run's command text
 
 // Every sandbox's sessions on this node. What it keeps itself is which sessions have a run under way.
 class ShellSessions {
