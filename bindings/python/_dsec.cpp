@@ -826,19 +826,21 @@ PYBIND11_MODULE(_dsec, m) {
           "spawn",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
              std::map<std::string, std::string> env, std::string cwd, std::string user, bool pty, unsigned rows,
-             unsigned cols, std::string tag) {
+             unsigned cols, std::string tag, std::string request_id) {
             auto req = command_request<dsec::ProcessRequest>(std::move(argv), std::move(shell), std::move(env),
                                                              std::move(cwd), std::move(user));
             req.pty = pty;
             req.rows = rows;
             req.cols = cols;
             req.tag = std::move(tag);
+            req.request_id = std::move(request_id);
             py::gil_scoped_release release;
             return self.get().spawn(req);
           },
           py::arg("argv") = py::none(), py::arg("shell") = py::none(),
           py::arg("env") = std::map<std::string, std::string>{}, py::arg("cwd") = "", py::arg("user") = "",
-          py::arg("pty") = false, py::arg("rows") = 24u, py::arg("cols") = 80u, py::arg("tag") = "")
+          py::arg("pty") = false, py::arg("rows") = 24u, py::arg("cols") = 80u, py::arg("tag") = "",
+          py::arg("request_id") = "")
       .def(
           "process", [](PySandbox& self, int pid) { return self.get().process(pid); }, py::arg("pid"))
       .def(

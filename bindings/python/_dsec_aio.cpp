@@ -332,7 +332,7 @@ class AsyncCore {
   Ticket spawn(const py::object& loop, const py::object& future, const std::string& id,
                std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
                std::map<std::string, std::string> env, std::string cwd, std::string user, bool pty, unsigned rows,
-               unsigned cols, std::string tag) {
+               unsigned cols, std::string tag, std::string request_id) {
     dsec::ProcessRequest req;
     if (argv) req.argv = std::move(*argv);
     if (shell) req.shell = std::move(*shell);
@@ -343,10 +343,14 @@ class AsyncCore {
     req.rows = rows;
     req.cols = cols;
     req.tag = std::move(tag);
-    // Not retried once the agent may have it: a second attempt would start the command twice.
+    // Exactly-once on the agent by its request id (one is made when the caller gave none): a retry after a lost
+    // answer gets the first spawn's process, never a second one.
+    dsec::protocol::json encoded = dsec::detail::encode(req);
+    if (request_id.empty()) request_id = dsec::detail::random_request_id();
+    if (request_id.size() > 128) throw dsec::Error(dsec::Code::kInvalidArgument, "request_id: at most 128 bytes");
+    encoded["request_id"] = request_id;
     return start(loop, future,
-                 sandbox_call(id, "POST", "/processes", dsec::detail::encode(req).dump(), kJson,
-                              {milliseconds{0}, false}),
+                 sandbox_call(id, "POST", "/processes", encoded.dump(), kJson, {milliseconds{0}, true, request_id}),
                  [](HttpResponse& r) {
                    return dsec::detail::decode_process_info(
                        dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/processes"));
@@ -471,7 +475,7 @@ void bind_aio(py::module_& m) {
            py::arg("shell"), py::arg("env") = Env{}, py::arg("cwd") = Str{}, py::arg("user") = Str{})
       .def("spawn", &AsyncCore::spawn, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"), py::arg("argv"),
            py::arg("shell"), py::arg("env"), py::arg("cwd"), py::arg("user"), py::arg("pty"), py::arg("rows"),
-           py::arg("cols"), py::arg("tag"))
+           py::arg("cols"), py::arg("tag"), py::arg("request_id") = Str{})
       .def("process_read", &AsyncCore::process_read, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"),
            py::arg("pid"), py::arg("stdout_offset"), py::arg("stderr_offset"), py::arg("wait"), py::arg("max_bytes"))
       .def("sleep_or_wake", &AsyncCore::sleep_or_wake, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"),

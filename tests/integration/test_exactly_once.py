@@ -109,3 +109,67 @@ def test_the_client_sends_ids_and_repeats_answer_alike(module_sandbox):
     again = []
     sb.exec("printf 'a'; " + COUNT.format(tag="py"), request_id="py-2", on_output=lambda s, d: again.append(d))
     assert b"".join(chunks) == b"".join(again) == b"a4\n" and r.exit_code == 0
+
+
+def test_spawns_stdin_writes_and_signals_take_request_ids(agent, module_sandbox):
+    sid = module_sandbox.id
+    base = f"/v1/sandboxes/{sid}/processes"
+    # A spawn repeated with its id answers the first process and starts no second one.
+    body = {"shell": "echo started >> /tmp/spawns; cat", "request_id": "spawn-1"}
+    first = post(agent, base, body)
+    again = post(agent, base, body)
+    assert first.status == again.status == 200, (first, again)
+    pid = first.json()["pid"]
+    assert pid > 0 and again.json()["pid"] == pid
+    other = post(agent, base, {"shell": "true", "request_id": "spawn-1"})
+    assert other.status == 400 and "request_id" in other.json()["message"], other
+    try:
+        # A write repeated with its id reaches the process once.
+        for _ in range(2):
+            r = lib.http_request(agent.socket_path, "POST", f"{base}/{pid}/stdin?request_id=w-1", b"hello\n",
+                                 {"Content-Type": "application/octet-stream"})
+            assert r.status == 200 and r.json()["written"] == 6, r
+        r = lib.http_request(agent.socket_path, "POST", f"{base}/{pid}/stdin?request_id=w-1", b"other\n",
+                             {"Content-Type": "application/octet-stream"})
+        assert r.status == 400, r
+        r = lib.http_request(agent.socket_path, "POST", f"{base}/{pid}/stdin?close=true&request_id=w-2", b"",
+                             {"Content-Type": "application/octet-stream"})
+        assert r.status == 200, r
+        ended = lib.http_request(agent.socket_path, "GET", f"{base}/{pid}?wait=10").json()
+        assert not ended["running"] and ended["exit_code"] == 0, ended
+        out = lib.http_request(agent.socket_path, "GET", f"{base}/{pid}/output?stdout=0").json()
+        assert base64.b64decode(out["stdout"]) == b"hello\n"
+        runs = module_sandbox.exec("cat /tmp/spawns").stdout
+        assert runs == b"started\n", runs
+        # A signal repeated with its id is sent once: the trap counts what arrives.
+        trap = post(agent, base, {"shell": "trap 'echo usr1 >> /tmp/sigs' USR1; while :; do sleep 0.05; done",
+                                  "request_id": "spawn-2"}).json()["pid"]
+        module_sandbox.exec("sleep 0.3")
+        for _ in range(2):
+            r = post(agent, f"{base}/{trap}/signal", {"signal": "SIGUSR1", "request_id": "sig-1"})
+            assert r.status == 200 and r.json()["running"], r
+        module_sandbox.exec("sleep 0.5")
+        assert module_sandbox.exec("cat /tmp/sigs").stdout == b"usr1\n"
+        r = post(agent, f"{base}/{trap}/signal", {"signal": "SIGUSR1", "request_id": "sig-2"})
+        module_sandbox.exec("sleep 0.5")
+        assert module_sandbox.exec("cat /tmp/sigs").stdout == b"usr1\nusr1\n"
+        lib.http_request(agent.socket_path, "DELETE", f"{base}/{trap}")
+    finally:
+        lib.http_request(agent.socket_path, "DELETE", f"{base}/{pid}")
+
+
+def test_the_clients_spawn_is_exactly_once_by_its_id(module_sandbox):
+    sb = module_sandbox
+    p1 = sb.spawn("echo one >> /tmp/client-spawns; sleep 30", request_id="client-spawn-1")
+    p2 = sb.spawn("echo one >> /tmp/client-spawns; sleep 30", request_id="client-spawn-1")
+    try:
+        assert p1.pid == p2.pid > 0
+        with pytest.raises(lib.dsec.InvalidArgument):
+            sb.spawn("true", request_id="client-spawn-1")
+        sb.exec("while [ ! -s /tmp/client-spawns ]; do sleep 0.05; done", timeout=10)
+        p1.write_stdin(b"x")  # writes and signals carry ids of their own
+        p1.signal("SIGTERM")
+        assert p1.wait(10).signal == 15
+        assert sb.exec("cat /tmp/client-spawns").stdout == b"one\n"
+    finally:
+        p1.kill()

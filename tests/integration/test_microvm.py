@@ -287,6 +287,7 @@ def test_memory_hog_is_oom_killed_inside_the_guest(vmc, mvm, programs):
     vmc.exec("sleep 999 >/dev/null 2>&1 &")
     r = vmc.exec(["probe", "memhog", "400"], timeout=120)
     assert r.signal == signal.SIGKILL, f"{r} stdout={r.stdout[-200:]!r}"
+    assert r.oom_killed, r  # reported as an OOM kill, as a container's is
     assert b"allocated 400 MiB" not in r.stdout
     # The guest's kernel killed it, not the host: QEMU is the same process, the VM answers, init lives on.
     assert qemu_pids(vmc.id) == qemu
@@ -297,7 +298,10 @@ def test_memory_hog_is_oom_killed_inside_the_guest(vmc, mvm, programs):
     assert any("sleep 999" in p for p in exec_cases.user_processes(vmc))
     assert vmc.info().state == "running"
     assert mvm.alive()
-    assert vmc.exec(["probe", "memhog", "16"], timeout=60).exit_code == 0
+    small = vmc.exec(["probe", "memhog", "16"], timeout=60)
+    assert small.exit_code == 0 and not small.oom_killed
+    # A SIGKILL the command sends itself after that is not an OOM kill.
+    assert not vmc.exec("kill -9 $$").oom_killed
     vmc.exec("rm -f /usr/local/bin/probe")
 
 

@@ -1,5 +1,5 @@
 // The processes a sandbox's init keeps (init/process_table, init/process_protocol), driven on the host with a small
-// event loop standing in for pid 1's; exactly-once execs (agent/exec_journal); the routes of processes and sessions.
+// event loop standing in for pid 1's; exactly-once execs (agent/request_journal); the routes of processes and sessions.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "agent/exec_journal.hpp"
+#include "agent/request_journal.hpp"
 #include "agent/init/process_protocol.hpp"
 #include "agent/init/process_table.hpp"
 #include "agent/routes.hpp"
@@ -260,7 +260,7 @@ TEST(ProcessTable, UnknownPidsAndMalformedRequests) {
   EXPECT_EQ(static_cast<Status>(status), Status::kBadRequest);
 }
 
-class ExecJournalTest : public ::testing::Test {
+class RequestJournalTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("dsec-journal-" + std::to_string(::getpid()) + "-" +
@@ -278,8 +278,8 @@ ExecResult result_with(std::string out) {
   return r;
 }
 
-TEST_F(ExecJournalTest, RunsOnceAndAnswersRepeatsWithTheFirstResult) {
-  agent::ExecJournal journal(dir_);
+TEST_F(RequestJournalTest, RunsOnceAndAnswersRepeatsWithTheFirstResult) {
+  agent::RequestJournal journal(dir_);
   int runs = 0;
   auto run = [&] { return result_with("run " + std::to_string(++runs)); };
   EXPECT_EQ(journal.run_once("sb", "r1", "fp", run).stdout_data, "run 1");
@@ -298,9 +298,9 @@ TEST_F(ExecJournalTest, RunsOnceAndAnswersRepeatsWithTheFirstResult) {
   EXPECT_EQ(journal.run_once("sb", "r2", "fp", run).stdout_data, "run 3");
 }
 
-TEST_F(ExecJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
+TEST_F(RequestJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
   {
-    agent::ExecJournal journal(dir_);
+    agent::RequestJournal journal(dir_);
     journal.run_once("sb", "done", "fp", [] { return result_with(std::string(3u << 20, 'x')); });
   }
   {
@@ -310,9 +310,9 @@ TEST_F(ExecJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
     std::fputs("{\"id\":\"cut\",\"fingerprint\":\"fp\",\"started\":1}\n", f);
     std::fclose(f);
   }
-  agent::ExecJournal after(dir_);
+  agent::RequestJournal after(dir_);
   ExecResult kept = after.run_once("sb", "done", "fp", [] { return result_with("ran again"); });
-  EXPECT_EQ(kept.stdout_data.size(), agent::ExecJournal::kKeptOutput);
+  EXPECT_EQ(kept.stdout_data.size(), agent::RequestJournal::kKeptOutput);
   EXPECT_TRUE(kept.stdout_truncated);
   try {
     after.run_once("sb", "cut", "fp", [] { return result_with("ran again"); });
@@ -325,9 +325,9 @@ TEST_F(ExecJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
   EXPECT_FALSE(fs::exists(dir_ / "sb.log"));
 }
 
-TEST_F(ExecJournalTest, KeepsTheLastIdsOfASandboxAndCompacts) {
-  agent::ExecJournal journal(dir_);
-  const std::size_t n = agent::ExecJournal::kIdsPerSandbox * 3;
+TEST_F(RequestJournalTest, KeepsTheLastIdsOfASandboxAndCompacts) {
+  agent::RequestJournal journal(dir_);
+  const std::size_t n = agent::RequestJournal::kIdsPerSandbox * 3;
   for (std::size_t i = 0; i < n; ++i)
     journal.run_once("sb", "r" + std::to_string(i), "fp", [&] { return result_with("out " + std::to_string(i)); });
   // The newest are answered from the (compacted) file; the oldest are forgotten.
@@ -335,6 +335,23 @@ TEST_F(ExecJournalTest, KeepsTheLastIdsOfASandboxAndCompacts) {
             "out " + std::to_string(n - 1));
   EXPECT_EQ(journal.run_once("sb", "r0", "fp", [] { return result_with("again"); }).stdout_data, "again");
   EXPECT_LT(fs::file_size(dir_ / "sb.log"), 200u * 1024);
+}
+
+TEST_F(RequestJournalTest, JsonAnswersAreKeptWholeAcrossARestart) {
+  // Spawns, stdin writes and signals keep their JSON answer (a spawn's pid) under their id.
+  int runs = 0;
+  {
+    agent::RequestJournal journal(dir_);
+    auto first = journal.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; });
+    EXPECT_EQ(first["pid"], 41);
+    EXPECT_EQ(journal.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; }),
+              first);
+  }
+  agent::RequestJournal after(dir_);
+  EXPECT_EQ(after.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; })["pid"],
+            41);
+  EXPECT_EQ(runs, 1);
+  EXPECT_THROW(after.run_once_json("sb", "spawn/s1", "other", [] { return protocol::json::object(); }), Error);
 }
 
 TEST(ProcessRoutes, ParseWithTheirItem) {

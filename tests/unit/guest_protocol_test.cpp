@@ -338,13 +338,19 @@ TEST(GuestProtocol, SetupRoundTripsAndIsStrict) {
 
 TEST(GuestProtocol, ExitedRoundTripsAndIsStrict) {
   for (gp::Exited e : {gp::Exited{0, false, false}, gp::Exited{3 << 8, true, false}, gp::Exited{SIGKILL, false, true},
-                       gp::Exited{-1, true, true}}) {
+                       gp::Exited{-1, true, true}, gp::Exited{SIGKILL, false, false, true}}) {
     std::string p = gp::encode(e);
     gp::Exited back = gp::decode_exited(p);
     EXPECT_EQ(back.status, e.status);
     EXPECT_EQ(back.stdout_truncated, e.stdout_truncated);
     EXPECT_EQ(back.stderr_truncated, e.stderr_truncated);
-    expect_strict(p, gp::decode_exited, "Exited");
+    EXPECT_EQ(back.oom_killed, e.oom_killed);
+    // Cuts short of the older form (no OOM byte) are refused, the older form itself is read as no OOM kill, and a
+    // byte past the newer form is refused.
+    for (std::size_t n = 0; n < 6; ++n) EXPECT_THROW(gp::decode_exited(p.substr(0, n)), std::out_of_range) << n;
+    EXPECT_FALSE(gp::decode_exited(p.substr(0, 6)).oom_killed);
+    EXPECT_EQ(gp::decode_exited(p.substr(0, 6)).status, e.status);
+    EXPECT_THROW(gp::decode_exited(p + '\0'), std::out_of_range);
   }
 }
 

@@ -365,15 +365,16 @@ class AsyncSandbox:
         rows: int = 24,
         cols: int = 80,
         tag: str | None = None,
+        request_id: str | None = None,
     ) -> "AsyncProcess":
-        """:meth:`Sandbox.spawn`, awaited: an :class:`AsyncProcess`. Never retried once it may have reached the
-        agent."""
+        """:meth:`Sandbox.spawn`, awaited: an :class:`AsyncProcess`. Exactly-once by ``request_id`` (made when not
+        given), so a lost answer is retried without starting the command twice."""
         argv, shell = _command(command)
         for field, value in (("rows", rows), ("cols", cols)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
                 raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
         info = await _await(self._core().spawn, self.id, argv, shell, _str_map(env, "env"), cwd or "", _user(user),
-                            bool(pty), rows, cols, tag or "")
+                            bool(pty), rows, cols, tag or "", _request_id(request_id))
         return AsyncProcess(self, info.pid, info if info.pid == 0 else None)
 
     def process(self, pid: int) -> "AsyncProcess":

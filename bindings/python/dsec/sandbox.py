@@ -129,6 +129,7 @@ class Sandbox:
         rows: int = 24,
         cols: int = 80,
         tag: str | None = None,
+        request_id: str | None = None,
     ) -> Process:
         """Starts a command that outlives this call (a server, a REPL, a long build) and returns its
         :class:`Process` at once. ``command``, ``env``, ``cwd`` and ``user`` are as for :meth:`exec`.
@@ -139,14 +140,17 @@ class Sandbox:
         stdin, stdout and stderr, so interactive programs work (everything arrives as stdout). ``tag`` (at most 128
         bytes) is a label listed with it. A command that cannot start is a process that ended at once, as exec
         gives it (exit code 127 with ``reason="executable_not_found"``, ...). At most 64 processes run in a sandbox
-        (:class:`ResourceExhausted`). Never retried once it may have reached the agent.
+        (:class:`ResourceExhausted`). ``request_id`` (at most 128 bytes; one is made when not given) makes the
+        spawn exactly-once on the agent: a retry after a lost answer, or a call repeated with the same id, gets
+        the first spawn's process and starts nothing; :class:`OutcomeUnknown` when that cannot be known.
         """
         argv, shell = _command(command)
         for field, value in (("rows", rows), ("cols", cols)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
                 raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
         handle = self._sb.spawn(argv=argv, shell=shell, env=_str_map(env, "env"), cwd=cwd or "", user=_user(user),
-                                pty=bool(pty), rows=rows, cols=cols, tag=tag or "")
+                                pty=bool(pty), rows=rows, cols=cols, tag=tag or "",
+                                request_id=_request_id(request_id))
         return Process(handle, self)
 
     def process(self, pid: int) -> Process:

@@ -32,6 +32,9 @@ struct ProcessRequest {
   bool pty = false;
   unsigned rows = 24, cols = 80;
   std::string tag;  // the caller's label, listed with the process (at most 128 bytes)
+  // Makes the spawn exactly-once on the agent, as ExecRequest::request_id does an exec: a spawn repeated with the
+  // same id answers the first one's process and starts nothing. Empty: the client makes one for its own retries.
+  std::string request_id;
 };
 
 struct ProcessInfo {

@@ -61,7 +61,7 @@ Registry::Registry(RegistryOptions options, Backends backends, ImageSource& imag
       images_(images),
       metrics_(metrics),
       request_log_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "requests.log"),
-      exec_journal_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "execs"),
+      request_journal_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "execs"),
       rng_(std::random_device{}()) {
   if (!options_.clock) options_.clock = unix_now;
   if (options_.batch_parallelism == 0) options_.batch_parallelism = 1;
@@ -441,7 +441,7 @@ void Registry::forget_requests() {
     std::lock_guard lock(mutex_);
     for (const auto& [id, record] : records_) live.insert(id);
   }
-  exec_journal_.retain(live);
+  request_journal_.retain(live);
 }
 
 void Registry::evict(double t) {

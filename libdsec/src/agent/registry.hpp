@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "agent/backend.hpp"
-#include "agent/exec_journal.hpp"
+#include "agent/request_journal.hpp"
 #include "agent/images.hpp"
 #include "agent/metrics.hpp"
 #include "agent/request_log.hpp"
@@ -164,7 +164,7 @@ class Registry {
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
   // Execs with request ids (exactly once); a sandbox's ids go with it.
-  ExecJournal& exec_journal() { return exec_journal_; }
+  RequestJournal& request_journal() { return request_journal_; }
   // The spec a live sandbox was created from (snapshots hand it on to the sandboxes made from them). NOT_FOUND like
   // acquire().
   SandboxSpec spec(const std::string& id) const;
@@ -275,7 +275,7 @@ class Registry {
   ImageSource& images_;
   Metrics& metrics_;
   RequestLog request_log_;  // <state>/requests.log
-  ExecJournal exec_journal_;  // <state>/execs/
+  RequestJournal request_journal_;  // <state>/execs/
 
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<Record>> records_;

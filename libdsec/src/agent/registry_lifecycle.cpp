@@ -305,7 +305,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       record->info.message = info.message;
     }
     remove_record_file(*record);
-    exec_journal_.drop(id);
+    request_journal_.drop(id);
     metrics_.sandbox_destroyed(info.kind);
   }
   if (!unused_snapshot.empty() && options_.on_fork_snapshot_unused) {

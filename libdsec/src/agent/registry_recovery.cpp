@@ -411,7 +411,7 @@ RecoveryReport Registry::recover(bool adopt) {
   std::set<std::string> with_records;
   for (const auto& e : std::filesystem::directory_iterator(options_.state_dir, ec))
     if (e.path().extension() == ".json") with_records.insert(e.path().stem().string());
-  exec_journal_.retain(with_records);
+  request_journal_.retain(with_records);
   return report;
 }
 

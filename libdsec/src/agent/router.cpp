@@ -101,7 +101,7 @@ HttpResponse exec_answer(const HttpRequest& request, ResponseStream* stream, boo
   return HttpResponse{http::status::ok, 11};
 }
 
-ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id, const std::string& request_id,
+ExecResult run_exactly_once(RequestJournal& journal, const std::string& sandbox_id, const std::string& request_id,
                             const std::string& fingerprint, const OutputSink& sink,
                             const std::function<ExecResult(const OutputSink&)>& run) {
   if (request_id.empty()) return run(sink);
@@ -114,7 +114,7 @@ ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id,
     bool dropped[2] = {false, false};
     ExecResult r = run([&](int fd, std::string_view data) {
       const int i = fd == 2 ? 1 : 0;
-      std::size_t room = ExecJournal::kKeptOutput - std::min(ExecJournal::kKeptOutput, kept[i].size());
+      std::size_t room = RequestJournal::kKeptOutput - std::min(RequestJournal::kKeptOutput, kept[i].size());
       kept[i].append(data.substr(0, room));
       dropped[i] = dropped[i] || data.size() > room;
       sink(fd, data);
@@ -489,8 +489,8 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
   ExecRequest exec_request = protocol::decode_exec_request(body);
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
   return exec_answer(request, stream, streaming, exec_request.timeout_seconds, [&](const OutputSink& sink) {
-    return run_exactly_once(registry_.exec_journal(), target.sandbox_id, exec_request.request_id,
-                            ExecJournal::fingerprint(exec_request), sink, [&](const OutputSink& to) {
+    return run_exactly_once(registry_.request_journal(), target.sandbox_id, exec_request.request_id,
+                            RequestJournal::fingerprint(exec_request), sink, [&](const OutputSink& to) {
                               auto started = std::chrono::steady_clock::now();
                               ExecResult result = handle.sandbox->exec(exec_request, to);
                               metrics_.exec_done(handle.kind, std::chrono::duration<double>(

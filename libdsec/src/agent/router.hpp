@@ -71,6 +71,10 @@ class Router {
   HttpResponse process(HttpRequest& request, const Target& target);
   HttpResponse sessions(HttpRequest& request, const Target& target);
   HttpResponse session(HttpRequest& request, const Target& target, ResponseStream* stream);
+  // `answer`, once per request id of the sandbox (RequestJournal, ids under `kind`): a repeat gets the first answer.
+  // `request` is what the id stands for; an empty id simply answers.
+  protocol::json once(const std::string& sandbox_id, std::string_view kind, const std::string& request_id,
+                      const std::string& request, const std::function<protocol::json()>& answer);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
   HttpResponse snapshot(HttpRequest& request, const Target& target, const auth::Principal& who);

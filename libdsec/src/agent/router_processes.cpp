@@ -14,6 +14,7 @@
 
 #include "agent/router.hpp"
 #include "agent/router_util.hpp"
+#include "image/store/digest.hpp"
 
 namespace dsec::agent {
 namespace http = boost::beast::http;
@@ -204,7 +205,9 @@ HttpResponse Router::processes(HttpRequest& request, const Target& target) {
       if (e.kind == process_protocol::Kind::kProcess) list.push_back(encode_process(e));
     return json_response(http::status::ok, json{{"processes", std::move(list)}});
   }
-  json body = body_object(request, {"argv", "shell", "env", "cwd", "user", "pty", "rows", "cols", "tag"});
+  json body = body_object(request, {"argv", "shell", "env", "cwd", "user", "pty", "rows", "cols", "tag", "request_id"});
+  const std::string request_id = string_field(body, "request_id", 128);
+  body.erase("request_id");
   SpawnOptions options;
   options.pty = bool_field(body, "pty");
   options.rows = number_field<unsigned>(body, "rows", 24, 1, process_protocol::kMaxTerminalSide);
@@ -214,10 +217,19 @@ HttpResponse Router::processes(HttpRequest& request, const Target& target) {
   for (const char* k : {"argv", "shell", "env", "cwd", "user"})
     if (body.contains(k)) command_fields[k] = body[k];
   ExecRequest command = protocol::decode_exec_request(command_fields);
-  auto started = procs.spawn(command, options);
-  if (auto* failed = std::get_if<ExecResult>(&started))
-    return json_response(http::status::ok, encode_failed_start(command, *failed));
-  return json_response(http::status::ok, encode_process(std::get<ProcessEntry>(started)));
+  // A retried spawn with the first one's id gets the first one's answer (its pid) and starts nothing.
+  return json_response(http::status::ok, once(target.sandbox_id, "spawn/", request_id, body.dump(), [&] {
+    auto started = procs.spawn(command, options);
+    if (auto* failed = std::get_if<ExecResult>(&started)) return encode_failed_start(command, *failed);
+    return encode_process(std::get<ProcessEntry>(started));
+  }));
+}
+
+json Router::once(const std::string& sandbox_id, std::string_view kind, const std::string& request_id,
+                  const std::string& request, const std::function<json()>& answer) {
+  if (request_id.empty()) return answer();
+  return registry_.request_journal().run_once_json(sandbox_id, std::string(kind) + request_id,
+                                                   image::sha256_digest(request), answer);
 }
 
 HttpResponse Router::process(HttpRequest& request, const Target& target) {
@@ -266,23 +278,38 @@ HttpResponse Router::process(HttpRequest& request, const Target& target) {
     }
     case Route::kSandboxProcessStdin: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/stdin", {http::verb::post});
-      only_params(target.query, {"close"});
-      check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
+      only_params(target.query, {"close", "request_id"});
+      const std::string request_id = std::string(target.query.get("request_id").value_or(""));
+      if (request_id.size() > 128) bad("request_id", "at most 128 bytes");
       if (request.body().size() > process_protocol::kStdinBuffer)
         bad("body", fmt::format("at most {} bytes per write", process_protocol::kStdinBuffer));
-      procs.write_stdin(pid, request.body(), bool_param(target.query, "close"));
-      return json_response(http::status::ok, json{{"written", request.body().size()}});
+      const bool close = bool_param(target.query, "close");
+      // A retried write with the first one's id writes nothing more: the bytes reach the process once.
+      return json_response(
+          http::status::ok,
+          once(target.sandbox_id, fmt::format("stdin/{}/", pid), request_id,
+               fmt::format("{}\n{}", close, request.body()), [&] {
+                 check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
+                 procs.write_stdin(pid, request.body(), close);
+                 return json{{"written", request.body().size()}};
+               }));
     }
     case Route::kSandboxProcessSignal: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/signal", {http::verb::post});
       only_params(target.query, {});
-      json body = body_object(request, {"signal", "group"});
+      json body = body_object(request, {"signal", "group", "request_id"});
       if (!body.contains("signal")) bad("signal", "missing");
       int sig = signal_number(body["signal"]);
-      check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
-      procs.signal(pid, sig, bool_field(body, "group") ? process_protocol::Scope::kGroup
-                                                      : process_protocol::Scope::kProcess);
-      return json_response(http::status::ok, encode_process(procs.read(pid, kSkip, kSkip, 0, {}).entry));
+      const std::string request_id = string_field(body, "request_id", 128);
+      body.erase("request_id");
+      // A retried signal with the first one's id is not sent again (a second SIGINT can end what one would not).
+      once(target.sandbox_id, fmt::format("signal/{}/", pid), request_id, body.dump(), [&] {
+        check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
+        procs.signal(pid, sig, bool_field(body, "group") ? process_protocol::Scope::kGroup
+                                                        : process_protocol::Scope::kProcess);
+        return json{{"signal", sig}};
+      });
+      return json_response(http::status::ok, encode_process(check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry)));
     }
     case Route::kSandboxProcessResize: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/resize", {http::verb::post});
@@ -362,11 +389,11 @@ HttpResponse Router::session(HttpRequest& request, const Target& target, Respons
       as_exec.shell = run.command;
       as_exec.timeout_seconds = run.timeout_seconds;
       as_exec.max_output_bytes = run.max_output_bytes;
-      const std::string fingerprint = ExecJournal::fingerprint(as_exec);
+      const std::string fingerprint = RequestJournal::fingerprint(as_exec);
       return exec_answer(request, stream, bool_field(body, "stream"), run.timeout_seconds,
                          [&](const OutputSink& sink) {
                            return run_exactly_once(
-                               registry_.exec_journal(), target.sandbox_id, journal_id, fingerprint, sink,
+                               registry_.request_journal(), target.sandbox_id, journal_id, fingerprint, sink,
                                [&](const OutputSink& to) {
                                  auto started = std::chrono::steady_clock::now();
                                  ExecResult r = sessions_.run(target.sandbox_id, procs, name, run, to);

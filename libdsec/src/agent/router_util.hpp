@@ -8,7 +8,7 @@
 #include <string_view>
 
 #include "agent/backend.hpp"
-#include "agent/exec_journal.hpp"
+#include "agent/request_journal.hpp"
 #include "agent/http.hpp"
 #include "agent/routes.hpp"
 #include "common/protocol.hpp"
@@ -29,9 +29,9 @@ void only_params(const Query& query, std::initializer_list<std::string_view> kno
 HttpResponse exec_answer(const HttpRequest& request, ResponseStream* stream, bool streaming, double timeout_seconds,
                          const std::function<ExecResult(const OutputSink&)>& run);
 
-// Runs `run` once per request id of the sandbox (ExecJournal; an empty id: simply runs it). Streamed, the output
+// Runs `run` once per request id of the sandbox (RequestJournal; an empty id: simply runs it). Streamed, the output
 // sent to `sink` is kept too, and a repeat sends the first call's kept output to its sink before its result.
-ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id, const std::string& request_id,
+ExecResult run_exactly_once(RequestJournal& journal, const std::string& sandbox_id, const std::string& request_id,
                             const std::string& fingerprint, const OutputSink& sink,
                             const std::function<ExecResult(const OutputSink&)>& run);
 

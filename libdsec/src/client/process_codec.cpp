@@ -103,6 +103,8 @@ json encode(const ProcessRequest& r) {
   if (r.tag.size() > kMaxProcessTag) bad("tag", fmt::format("{} bytes, at most {}", r.tag.size(), kMaxProcessTag));
   if (r.tag.find('\0') != std::string::npos) bad("tag", "must not contain NUL");
   if (!r.tag.empty()) j["tag"] = r.tag;
+  if (r.request_id.size() > 128 || r.request_id.find('\0') != std::string::npos)
+    bad("request_id", "at most 128 bytes, no NUL");
   return j;
 }
 

@@ -126,24 +126,30 @@ ProcessOutput Process::read(std::optional<std::uint64_t> stdout_offset, std::opt
   return out;
 }
 
+// Writes, closes and signals carry a request id of their own, which makes them exactly-once on the agent: a lost
+// answer is retried without writing the bytes or sending the signal twice.
 void Process::write_stdin(std::string_view data) const {
   check_started("stdin");
-  core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/stdin"), data, kOctets),
-                      {milliseconds{0}, false});
+  const std::string id = detail::random_request_id();
+  core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/stdin?request_id=" + id), data, kOctets),
+                      {milliseconds{0}, true, id});
 }
 
 void Process::close_stdin() const {
   check_started("stdin");
-  core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/stdin?close=true"), {}, kOctets),
-                      {milliseconds{0}, false});
+  const std::string id = detail::random_request_id();
+  core().call_sandbox(sandbox_id_,
+                      detail::http_request("POST", path("/stdin?close=true&request_id=" + id), {}, kOctets),
+                      {milliseconds{0}, true, id});
 }
 
 ProcessInfo Process::signal(int sig, bool group) const {
   if (sig < 0) throw Error(Code::kInvalidArgument, fmt::format("signal: {} is not a signal number", sig));
   check_started("signal");
-  const std::string body = protocol::json{{"signal", sig}, {"group", group}}.dump();
+  const std::string id = detail::random_request_id();
+  const std::string body = protocol::json{{"signal", sig}, {"group", group}, {"request_id", id}}.dump();
   auto r = core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/signal"), body, kJson),
-                               {milliseconds{0}, false});
+                               {milliseconds{0}, true, id});
   return info_of(r, "POST /v1/sandboxes/{id}/processes/{pid}/signal");
 }
 
@@ -176,10 +182,15 @@ ProcessInfo Process::follow(const std::function<void(int fd, std::string_view da
 }
 
 Process Sandbox::spawn(const ProcessRequest& request) const {
-  const std::string body = detail::encode(request).dump();
-  // Not retried once the agent may have it: a second attempt would start the command twice.
-  auto r = core().call_sandbox(id_, detail::http_request("POST", core().sandbox_path(id_, "/processes"), body, kJson),
-                               {milliseconds{0}, false});
+  // Exactly-once on the agent by its request id (one is made when the caller gave none): a retry after a lost
+  // answer gets the first spawn's process, never a second one.
+  protocol::json encoded = detail::encode(request);
+  const std::string request_id = request.request_id.empty() ? detail::random_request_id() : request.request_id;
+  encoded["request_id"] = request_id;
+  auto r = core().call_sandbox(id_,
+                               detail::http_request("POST", core().sandbox_path(id_, "/processes"), encoded.dump(),
+                                                    kJson),
+                               {milliseconds{0}, true, request_id});
   ProcessInfo info = info_of(r, "POST /v1/sandboxes/{id}/processes");
   if (info.pid == 0) return Process(core_, id_, std::move(info));  // it never started: a result, not an error
   return Process(core_, id_, info.pid);

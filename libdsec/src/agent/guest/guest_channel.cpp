@@ -360,6 +360,7 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
       status = e.status;
       result.stdout_truncated = result.stdout_truncated || e.stdout_truncated;
       result.stderr_truncated = result.stderr_truncated || e.stderr_truncated;
+      result.oom_killed = e.oom_killed && !result.timed_out;
       break;
     }
     if (f->type == Type::kError) {

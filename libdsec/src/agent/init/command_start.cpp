@@ -2,13 +2,18 @@
 
 #include <fcntl.h>
 #include <linux/capability.h>
+#include <linux/magic.h>
+#include <linux/sched.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 namespace dsec::init {
@@ -84,6 +89,109 @@ bool become_user(const StartRequest& req) {
   return true;
 }
 
+
+// Whether the kernel takes clone3 with CLONE_INTO_CGROUP (Linux 5.7+); cleared at the first ENOSYS or E2BIG.
+bool clone_into_cgroup_works = true;
+
+bool is_cgroup2_dir(int fd) {
+  struct stat st;
+  struct statfs fs;
+  return fstat(fd, &st) == 0 && S_ISDIR(st.st_mode) && fstatfs(fd, &fs) == 0 && fs.f_type == CGROUP2_SUPER_MAGIC;
+}
+
+#if defined(__x86_64__)
+// The child's stack for clone_vfork_into: dsec-init starts one command at a time, and waits while the child runs.
+alignas(64) char child_stack[128 * 1024];
+
+// clone3(CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP): what vfork does, with the child born in the cgroup that
+// `group_dir` (a cgroup2 directory) names, so the command never moves between groups. A move waits for an RCU
+// grace period after an idle spell (milliseconds), which every agent-loop step after think time would pay. The child
+// runs fn(arg) on a stack of its own and exits with its value; the parent gets the child's pid, or -errno. glibc
+// has no clone3 wrapper, and a child sharing the parent's memory must not return into the parent's frames: so the
+// system call is made here, and the child calls fn straight from it.
+long clone_vfork_into(int group_dir, int (*fn)(void*), void* arg) {
+  clone_args args{};
+  args.flags = CLONE_VM | CLONE_VFORK | CLONE_INTO_CGROUP;
+  args.exit_signal = SIGCHLD;
+  args.stack = reinterpret_cast<std::uint64_t>(child_stack);
+  args.stack_size = sizeof child_stack;
+  args.cgroup = static_cast<std::uint64_t>(group_dir);
+  long ret;
+  // fn and arg ride in callee-saved registers, which the child starts with too; the kernel points the child's rsp
+  // at the top of the stack (16-byte aligned, as the call below needs).
+  register void* fn_reg asm("r12") = reinterpret_cast<void*>(fn);
+  register void* arg_reg asm("r13") = arg;
+  asm volatile(
+      "syscall\n\t"
+      "test %%rax, %%rax\n\t"
+      "jnz 1f\n\t"
+      "xor %%ebp, %%ebp\n\t"
+      "mov %%r13, %%rdi\n\t"
+      "call *%%r12\n\t"
+      "mov %%eax, %%edi\n\t"
+      "mov %[exit], %%eax\n\t"
+      "syscall\n\t"
+      "hlt\n\t"
+      "1:\n\t"
+      : "=a"(ret)
+      : "0"(SYS_clone3), "D"(&args), "S"(sizeof args), "r"(fn_reg), "r"(arg_reg), [exit] "i"(SYS_exit)
+      : "rcx", "r11", "memory");
+  return ret;
+}
+#else
+// Elsewhere the child joins its group by writing to cgroup.procs.
+long clone_vfork_into(int, int (*)(void*), void*) { return -ENOSYS; }
+#endif
+
+// What the child of start_command needs, and what it reports back before it execs (it shares dsec-init's memory,
+// and dsec-init waits until it has exec'd or exited: volatile, written by the child, read after).
+struct ChildStart {
+  const StartRequest& req;
+  const sigset_t& original_mask;
+  char* const* argv;
+  char* const* envp;
+  const char* path;
+  int group_dir = -1;   // a cgroup2 directory among req.fds: the group the command starts in
+  bool joined = false;  // the clone put the child in that group already
+  volatile int err = 0;
+  volatile int stage = 0;
+};
+
+// The child's side of a start, up to the exec. Runs on dsec-init's memory (vfork, or a clone with CLONE_VM), so it
+// allocates nothing and never returns.
+[[noreturn]] int run_child(void* arg) {
+  ChildStart& c = *static_cast<ChildStart*>(arg);
+  const StartRequest& req = c.req;
+  auto fail = [&](FailStage stage) {
+    c.err = errno;
+    c.stage = static_cast<int>(stage);
+    _exit(127);
+  };
+  setsid();
+  if (!c.joined) {
+    for (std::size_t i = 3; i < req.fds.size(); ++i) {
+      if (req.fds[i] == c.group_dir) continue;
+      if (write(req.fds[i], "0", 1) != 1) fail(FailStage::kCgroup);
+    }
+  }
+  // dsec-init is shielded from the OOM killer; its commands are not.
+  int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+  if (oom >= 0) {
+    (void)write(oom, "0", 1);
+    close(oom);
+  }
+  if (dup2(req.fds[0], 0) < 0 || dup2(req.fds[1], 1) < 0 || dup2(req.fds[2], 2) < 0) fail(FailStage::kRequest);
+  if (req.controlling_tty && ioctl(0, TIOCSCTTY, 0) != 0) fail(FailStage::kRequest);
+  close_range(3, ~0u, 0);
+  for (int sig = 1; sig < NSIG; ++sig) signal(sig, SIG_DFL);
+  sigprocmask(SIG_SETMASK, &c.original_mask, nullptr);
+  if (!become_user(req)) fail(FailStage::kUser);
+  // As the user: a directory it may not enter fails here, as it would for a login.
+  if (chdir(req.cwd.c_str()) != 0) fail(FailStage::kChdir);
+  exec_search(c.argv[0], c.argv, c.envp, c.path);
+  fail(FailStage::kExec);
+}
+
 }  // namespace
 
 StartRequest start_request_of(init_protocol::StartPayload&& command, bool drop_capabilities) {
@@ -110,73 +218,49 @@ pid_t start_command(StartRequest& req, const sigset_t& original_mask, int& err, 
   std::vector<char*> argv, envp;
   for (auto& a : req.argv) argv.push_back(a.data());
   argv.push_back(nullptr);
-  // volatile: read in the vfork child, which shares this frame.
-  const char* volatile path = kDefaultPath;
+  ChildStart child{req, original_mask, argv.data(), envp.data(), kDefaultPath};
   for (auto& e : req.env) {
     envp.push_back(e.data());
-    if (e.rfind("PATH=", 0) == 0) path = e.c_str() + 5;
+    if (e.rfind("PATH=", 0) == 0) child.path = e.c_str() + 5;
   }
   envp.push_back(nullptr);
+  child.envp = envp.data();
 
-  volatile int child_err = 0;
-  volatile int child_stage = 0;
-  pid_t pid = vfork();
-  if (pid == 0) {
-    setsid();
-    for (std::size_t i = 3; i < req.fds.size(); ++i) {
-      if (write(req.fds[i], "0", 1) != 1) {
-        child_err = errno;
-        child_stage = static_cast<int>(FailStage::kCgroup);
-        _exit(127);
-      }
+  // The command's cgroup: a cgroup2 directory among the descriptors is joined by the clone itself; where that is
+  // refused, or there is none, the child writes "0" to the cgroup.procs descriptors.
+  for (std::size_t i = 3; i < req.fds.size(); ++i)
+    if (is_cgroup2_dir(req.fds[i])) child.group_dir = req.fds[i];
+  pid_t pid = -1;
+  bool cloned = false;
+  if (child.group_dir >= 0 && clone_into_cgroup_works) {
+    child.joined = true;
+    long r = clone_vfork_into(child.group_dir, &run_child, &child);
+    if (r >= 0) {
+      pid = static_cast<pid_t>(r);
+      cloned = true;
+    } else {
+      child.joined = false;
+      // An old kernel (ENOSYS, E2BIG) never will; a refusal (EACCES: a user namespace's root may not write the
+      // group's cgroup.procs) is this sandbox's, so the next command tries again.
+      if (r == -ENOSYS || r == -E2BIG) clone_into_cgroup_works = false;
     }
-    // dsec-init is shielded from the OOM killer; its commands are not.
-    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-    if (oom >= 0) {
-      (void)write(oom, "0", 1);
-      close(oom);
-    }
-    if (dup2(req.fds[0], 0) < 0 || dup2(req.fds[1], 1) < 0 || dup2(req.fds[2], 2) < 0) {
-      child_err = errno;
-      child_stage = static_cast<int>(FailStage::kRequest);
-      _exit(127);
-    }
-    if (req.controlling_tty && ioctl(0, TIOCSCTTY, 0) != 0) {
-      child_err = errno;
-      child_stage = static_cast<int>(FailStage::kRequest);
-      _exit(127);
-    }
-    close_range(3, ~0u, 0);
-    for (int sig = 1; sig < NSIG; ++sig) signal(sig, SIG_DFL);
-    sigprocmask(SIG_SETMASK, &original_mask, nullptr);
-    if (!become_user(req)) {
-      child_err = errno;
-      child_stage = static_cast<int>(FailStage::kUser);
-      _exit(127);
-    }
-    // As the user: a directory it may not enter fails here, as it would for a login.
-    if (chdir(req.cwd.c_str()) != 0) {
-      child_err = errno;
-      child_stage = static_cast<int>(FailStage::kChdir);
-      _exit(127);
-    }
-    exec_search(argv[0], argv.data(), envp.data(), path);
-    child_err = errno;
-    child_stage = static_cast<int>(FailStage::kExec);
-    _exit(127);
+  }
+  if (!cloned) {
+    pid = vfork();
+    if (pid == 0) run_child(&child);
   }
   if (pid < 0) {
     err = errno;
     stage = FailStage::kFork;
     return -1;
   }
-  if (child_stage != 0) {
+  if (child.stage != 0) {
     // The child failed before exec and has exited; reap it here so no kExited is reported for it.
     int status;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
-    err = child_err;
-    stage = static_cast<FailStage>(child_stage);
+    err = child.err;
+    stage = static_cast<FailStage>(child.stage);
     return -1;
   }
   return pid;

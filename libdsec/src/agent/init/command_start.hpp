@@ -1,5 +1,6 @@
 // How dsec-init starts a command, in a container and in a virtual machine alike: vfork, a new session, the
-// command's cgroup joined (by writing "0" to the cgroup.procs descriptors it is given), its standard streams, its
+// command's cgroup joined (born in it by clone3's CLONE_INTO_CGROUP when given the group's cgroup2 directory, else
+// by writing "0" to the cgroup.procs descriptors it is given), its standard streams, its
 // signals and OOM score reset, its capabilities dropped (in a container) and its user set, its directory, and an
 // exec that searches the command's own PATH.
 #pragma once
@@ -21,7 +22,9 @@ struct StartRequest {
   std::vector<std::string> argv;
   std::vector<std::string> env;
   std::string cwd;
-  std::vector<int> fds;  // stdin, stdout, stderr, then cgroup.procs descriptors the command joins
+  // stdin, stdout, stderr, then the command's cgroup: cgroup.procs descriptors it joins, and (cgroup v2) the group's
+  // directory, which the clone starts it in where the kernel lets it (the cgroup.procs descriptor is the fallback)
+  std::vector<int> fds;
   // Run as this user: the supplementary groups, then the gid, then the uid are set (all three ids of each). A
   // non-root user also gets no_new_privs, so no setuid program makes it root again. False: dsec-init's own ids.
   bool set_user = false;

@@ -193,6 +193,7 @@ struct Exec {
   bool exited = false;
   int status = 0;
   Clock::time_point exited_at{};
+  std::uint64_t oom_kills_at_start = 0;  // the guest kernel's OOM kill count when the command started
 };
 
 // A write of a file or a tree coming from the agent, frame by frame.
@@ -518,6 +519,29 @@ class GuestInit {
     return *tree_;
   }
 
+  // OOM kills by the guest kernel since boot (/proc/vmstat oom_kill; 0 where it is not counted).
+  static std::uint64_t oom_kill_count() {
+    char buf[8192];
+    UniqueFd fd(::open("/proc/vmstat", O_RDONLY | O_CLOEXEC));
+    if (!fd) return 0;
+    std::size_t len = 0;
+    ssize_t n;
+    while (len < sizeof buf - 1 && (n = ::read(fd.get(), buf + len, sizeof buf - 1 - len)) > 0)
+      len += static_cast<std::size_t>(n);
+    buf[len] = '\0';
+    const char* at = std::strstr(buf, "\noom_kill ");
+    return at ? std::strtoull(at + 10, nullptr, 10) : 0;
+  }
+
+  // The descriptors a command joins cgroup `group` with (start_command): the group's directory, which the clone
+  // starts it in, and its cgroup.procs as the fallback.
+  static void join_fds(const std::string& group, std::vector<int>& fds) {
+    int dir = ::open(group.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) fds.push_back(dir);
+    int procs = ::open((group + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
+    if (procs >= 0) fds.push_back(procs);
+  }
+
   // ---- processes (process_protocol.hpp): {u32 op, then the op's payload} ----
   void on_process_request(const gp::Frame& f) {
     if (!root_ready_) throw Error(Code::kFailedPrecondition, "the guest's root is not set up yet");
@@ -532,8 +556,7 @@ class GuestInit {
       std::string group = std::string(kExecCgroups) + "/p" + std::to_string(++process_group_counter_);
       if (::mkdir(group.c_str(), 0755) == 0) {
         process_groups_.insert(group);
-        int procs = ::open((group + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
-        if (procs >= 0) fds.push_back(procs);
+        join_fds(group, fds);
       }
     }
     processes_->serve(f.channel, static_cast<process_protocol::Op>(op), std::string_view(f.payload).substr(4), fds);
@@ -550,16 +573,22 @@ class GuestInit {
     exec.cgroup = std::string(kExecCgroups) + "/x" + std::to_string(f.channel);
     if (::mkdir(exec.cgroup.c_str(), 0755) != 0 && errno != EEXIST)
       throw Error(Code::kInternal, "mkdir " + exec.cgroup + ": " + errno_text(errno));
-    int procs = ::open((exec.cgroup + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC);
+    std::vector<int> group_fds;
+    join_fds(exec.cgroup, group_fds);
     int in[2], out[2], err[2];
-    if (::pipe2(in, O_CLOEXEC) != 0) throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
+    if (::pipe2(in, O_CLOEXEC) != 0) {
+      close_all(group_fds);
+      throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
+    }
     if (::pipe2(out, O_CLOEXEC) != 0) {
       ::close(in[0]);
       ::close(in[1]);
+      close_all(group_fds);
       throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
     }
     if (::pipe2(err, O_CLOEXEC) != 0) {
       for (int fd : {in[0], in[1], out[0], out[1]}) ::close(fd);
+      close_all(group_fds);
       throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
     }
     StartRequest req{std::move(m.argv), std::move(m.env), std::move(m.cwd), {in[0], out[1], err[1]}};
@@ -570,7 +599,7 @@ class GuestInit {
     req.uid = m.uid;
     req.gid = m.gid;
     req.groups.assign(m.groups.begin(), m.groups.end());
-    if (procs >= 0) req.fds.push_back(procs);
+    req.fds.insert(req.fds.end(), group_fds.begin(), group_fds.end());
     int error = 0;
     init_protocol::FailStage stage = init_protocol::FailStage::kRequest;
     pid_t pid = start_command(req, original_mask_, error, stage);
@@ -582,6 +611,7 @@ class GuestInit {
       return;
     }
     exec.pid = pid;
+    exec.oom_kills_at_start = oom_kill_count();
     exec.out = out[0];
     exec.err = err[0];
     exec.in = in[1];
@@ -708,7 +738,12 @@ class GuestInit {
       }
       for (int fd : {exec.out, exec.err, exec.in})
         if (fd >= 0) ::close(fd);
-      send(Type::kExited, exec.channel, gp::encode(gp::Exited{exec.status, exec.out_truncated, exec.err_truncated}));
+      // A SIGKILL while the kernel's OOM killer struck: the OOM killer's (the agent's timeout kill is told apart
+      // by the agent; another process's SIGKILL at that moment would be taken for it, as in a container).
+      const bool oom = WIFSIGNALED(exec.status) && WTERMSIG(exec.status) == SIGKILL &&
+                       oom_kill_count() > exec.oom_kills_at_start;
+      send(Type::kExited, exec.channel,
+           gp::encode(gp::Exited{exec.status, exec.out_truncated, exec.err_truncated, oom}));
       // Background processes keep the group; it is removed once they are gone.
       if (::rmdir(exec.cgroup.c_str()) != 0) lingering_groups_.insert(exec.cgroup);
       it = execs_.erase(it);

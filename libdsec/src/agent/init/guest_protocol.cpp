@@ -203,7 +203,7 @@ Setup decode_setup(std::string_view payload) {
 
 std::string encode(const Exited& m) {
   Writer w;
-  w.i32(m.status).u8(m.stdout_truncated ? 1 : 0).u8(m.stderr_truncated ? 1 : 0);
+  w.i32(m.status).u8(m.stdout_truncated ? 1 : 0).u8(m.stderr_truncated ? 1 : 0).u8(m.oom_killed ? 1 : 0);
   return w.take();
 }
 Exited decode_exited(std::string_view payload) {
@@ -212,6 +212,8 @@ Exited decode_exited(std::string_view payload) {
   m.status = r.i32();
   m.stdout_truncated = r.u8() != 0;
   m.stderr_truncated = r.u8() != 0;
+  // A VM restored from a template its older init made sends no OOM byte.
+  if (!r.done()) m.oom_killed = r.u8() != 0;
   r.finish();
   return m;
 }

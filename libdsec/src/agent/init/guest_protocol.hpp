@@ -213,6 +213,9 @@ struct Exited {
   std::int32_t status = 0;
   bool stdout_truncated = false;
   bool stderr_truncated = false;
+  // Killed by SIGKILL while the guest kernel's OOM killer killed something (an older guest init leaves the byte out:
+  // false). A timeout's kill never sets it.
+  bool oom_killed = false;
 };
 std::string encode(const Exited& m);
 Exited decode_exited(std::string_view payload);

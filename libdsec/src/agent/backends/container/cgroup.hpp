@@ -21,7 +21,10 @@ class SandboxCgroup {
   virtual ~SandboxCgroup() = default;
   // cgroup.procs of the sandbox's group(s), opened for writing: the sandbox's first process joins by writing "0".
   virtual std::vector<UniqueFd> open_procs() = 0;
-  // Creates the child group for one exec and opens its cgroup.procs file(s).
+  // Creates the child group for one exec and opens its cgroup.procs file(s), and (v2) the group's directory, which
+  // the command is started in by clone3 (CLONE_INTO_CGROUP): no move, which waits on the kernel after an idle spell.
+  // let_join_as(uid): the sandbox's init runs as host uid `uid` (a user namespace) and must still be able to start
+  // commands in exec groups that way (v2; v1 has no such start).
   virtual std::vector<UniqueFd> create_exec_group(const std::string& name) = 0;
   // Kills every process in the exec's group and stops new forks there (the spared process excepted).
   virtual void kill_exec_group(const std::string& name) = 0;
@@ -36,6 +39,7 @@ class SandboxCgroup {
   // the kernel's cgroup lock, which a placement under way holds through its wait.
   virtual void end_exec_group(const std::string& name) { release_exec_group(name); }
   virtual void spare(pid_t pid) {}
+  virtual void let_join_as(uid_t uid) {}
   // The exec of group `name` has ended: its group is removed once its processes have all ended (background processes
   // keep it), and so are earlier ended execs' groups that are empty now. Groups of execs still starting or running
   // are never touched (an empty group may be one whose command is about to join it).

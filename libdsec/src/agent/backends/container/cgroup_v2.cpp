@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -75,10 +76,26 @@ class SandboxCgroupV2 final : public SandboxCgroup {
       std::lock_guard lock(mu_);
       exec_groups_.insert(name);
     }
+    // The command is born in the group (clone3 with CLONE_INTO_CGROUP on the directory), which needs its init to
+    // be allowed to write the group's cgroup.procs; the descriptor opened here is the fallback where it is not.
+    if (joiner_ && ::chown((dir + "/cgroup.procs").c_str(), *joiner_, static_cast<gid_t>(-1)) != 0)
+      throw_errno_fmt(errno, "chown {}/cgroup.procs", dir);
     std::vector<UniqueFd> fds;
     fds.emplace_back(::open((dir + "/cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC));
     if (!fds.back()) throw_errno_fmt(errno, "open {}/cgroup.procs", dir);
+    fds.emplace_back(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (!fds.back()) throw_errno_fmt(errno, "open {}", dir);
     return fds;
+  }
+
+  // A start into an exec group by the sandbox's init needs write access to cgroup.procs of the exec group and of
+  // their common ancestor, the sandbox's group (the kernel's delegation rule). Init in a user namespace is not the
+  // host's root: those files are given to its host uid, as a delegated subtree's are. Nothing inside the sandbox
+  // can reach them (it mounts no cgroupfs), and the sandbox's limits and its parent stay root's.
+  void let_join_as(uid_t uid) override {
+    if (::chown((dir_ + "/cgroup.procs").c_str(), uid, static_cast<gid_t>(-1)) != 0)
+      throw_errno_fmt(errno, "chown {}/cgroup.procs", dir_);
+    joiner_ = uid;
   }
 
   void kill_exec_group(const std::string& name) override { kill_and_wait(dir_ + "/" + name); }
@@ -251,6 +268,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   std::set<std::string> exec_groups_;   // every exec group that exists
   std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
   bool destroyed_ = false;
+  std::optional<uid_t> joiner_;  // let_join_as
   std::uint64_t peak_at_reset_ = 0, current_at_reset_ = 0;  // see memory_peak()
 };
 

@@ -918,6 +918,7 @@ class ContainerBackend final : public Backend {
     if (::listen(listener.get(), 256) != 0) throw_errno(errno, "listen");
 
     std::unique_ptr<SandboxCgroup> cgroup = cgroups_->create(params.id, params.spec.resources);
+    if (userns) cgroup->let_join_as(userns->first);
     std::vector<UniqueFd> procs = cgroup->open_procs();
     UniqueFd netns = netns_->take();
 
@@ -1065,6 +1066,7 @@ class ContainerBackend final : public Backend {
 
     // From here the groups are this object's: if taking the sandbox over fails, they (and its processes) go.
     std::unique_ptr<SandboxCgroup> cgroup = cgroups_->adopt(cgroup_path);
+    if (userns_first) cgroup->let_join_as(*userns_first);
     // A freeze the record does not explain (a sleep, wake or snapshot cut short) is undone, and a sleeping sandbox
     // stays asleep; either way the memory limit a wake puts back is the sandbox's own.
     const bool frozen = cgroup->frozen();

@@ -1,4 +1,4 @@
-#include "agent/exec_journal.hpp"
+#include "agent/request_journal.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <optional>
 
 #include "agent/log.hpp"
 #include "common/protocol.hpp"
@@ -27,12 +28,12 @@ double unix_now() {
 }
 
 ExecResult kept_result(ExecResult r) {
-  if (r.stdout_data.size() > ExecJournal::kKeptOutput) {
-    r.stdout_data.resize(ExecJournal::kKeptOutput);
+  if (r.stdout_data.size() > RequestJournal::kKeptOutput) {
+    r.stdout_data.resize(RequestJournal::kKeptOutput);
     r.stdout_truncated = true;
   }
-  if (r.stderr_data.size() > ExecJournal::kKeptOutput) {
-    r.stderr_data.resize(ExecJournal::kKeptOutput);
+  if (r.stderr_data.size() > RequestJournal::kKeptOutput) {
+    r.stderr_data.resize(RequestJournal::kKeptOutput);
     r.stderr_truncated = true;
   }
   return r;
@@ -40,22 +41,22 @@ ExecResult kept_result(ExecResult r) {
 
 Error outcome_unknown(const std::string& sandbox_id, const std::string& request_id) {
   return Error(Code::kDataLoss,
-               fmt::format("outcome unknown: exec request '{}' of sandbox {} was under way when the node's agent "
-                           "stopped; whether its command ran to its end cannot be known, and it is not run again",
+               fmt::format("outcome unknown: request '{}' of sandbox {} was under way when the node's agent "
+                           "stopped; whether it was carried out cannot be known, and it is not carried out again",
                            request_id, sandbox_id),
                false, Fault::kInfrastructure);
 }
 
 }  // namespace
 
-ExecJournal::ExecJournal(fs::path dir) : dir_(std::move(dir)) {
+RequestJournal::RequestJournal(fs::path dir) : dir_(std::move(dir)) {
   if (dir_.empty()) return;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir_, ec))
     if (e.path().extension() == ".log") load(e.path());
 }
 
-std::string ExecJournal::fingerprint(const ExecRequest& r) {
+std::string RequestJournal::fingerprint(const ExecRequest& r) {
   json j{{"argv", r.argv},
          {"shell", r.shell},
          {"env", r.env},
@@ -67,9 +68,9 @@ std::string ExecJournal::fingerprint(const ExecRequest& r) {
   return image::sha256_digest(j.dump(-1, ' ', false, json::error_handler_t::replace));
 }
 
-fs::path ExecJournal::file_of(const std::string& sandbox_id) const { return dir_ / (sandbox_id + ".log"); }
+fs::path RequestJournal::file_of(const std::string& sandbox_id) const { return dir_ / (sandbox_id + ".log"); }
 
-std::uint64_t ExecJournal::append(const std::string& sandbox_id, Sandbox& sb, const std::string& line) {
+std::uint64_t RequestJournal::append(const std::string& sandbox_id, Sandbox& sb, const std::string& line) {
   std::uint64_t at = sb.file_bytes;
   ++sb.lines;
   if (dir_.empty()) return at;
@@ -85,7 +86,7 @@ std::uint64_t ExecJournal::append(const std::string& sandbox_id, Sandbox& sb, co
   std::string text = line + '\n';
   if (!sb.file || ::write(sb.file.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
     // Kept in memory all the same: only a restart would forget it.
-    log_warn("exec request ids of sandbox {}: cannot write {}: {}", sandbox_id, file_of(sandbox_id).string(),
+    log_warn("request ids of sandbox {}: cannot write {}: {}", sandbox_id, file_of(sandbox_id).string(),
              std::strerror(errno));
     return at;
   }
@@ -93,7 +94,7 @@ std::uint64_t ExecJournal::append(const std::string& sandbox_id, Sandbox& sb, co
   return at;
 }
 
-void ExecJournal::load(const fs::path& file) {
+void RequestJournal::load(const fs::path& file) {
   const std::string sandbox_id = file.stem().string();
   std::ifstream in(file, std::ios::binary);
   Sandbox sb;
@@ -133,24 +134,40 @@ void ExecJournal::load(const fs::path& file) {
   sandboxes_[sandbox_id] = std::move(sb);
 }
 
-ExecResult ExecJournal::read_result(const std::string& sandbox_id, const Entry& entry) {
+json RequestJournal::read_result(const std::string& sandbox_id, const Entry& entry) {
   if (entry.memory_result) return *entry.memory_result;
   std::string line(entry.result_len, '\0');
   UniqueFd fd(::open(file_of(sandbox_id).c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd || ::pread(fd.get(), line.data(), line.size(), static_cast<off_t>(entry.result_at)) !=
                  static_cast<ssize_t>(line.size()))
-    throw Error(Code::kDataLoss, fmt::format("sandbox {}: the kept result of an exec cannot be read back: {}",
+    throw Error(Code::kDataLoss, fmt::format("sandbox {}: the kept result of a request cannot be read back: {}",
                                              sandbox_id, std::strerror(errno)));
   try {
-    return protocol::decode_exec_result(json::parse(line).at("result"));
+    return json::parse(line).at("result");
+  } catch (const std::exception& e) {
+    throw Error(Code::kDataLoss,
+                fmt::format("sandbox {}: the kept result of a request does not read back: {}", sandbox_id, e.what()));
+  }
+}
+
+ExecResult RequestJournal::run_once(const std::string& sandbox_id, const std::string& request_id,
+                                    const std::string& fingerprint, const std::function<ExecResult()>& run) {
+  std::optional<ExecResult> ran;
+  json kept = run_once_json(sandbox_id, request_id, fingerprint, [&] {
+    ran = run();
+    return protocol::encode(kept_result(*ran));
+  });
+  if (ran) return std::move(*ran);  // this call ran it: its whole output, not only what is kept
+  try {
+    return protocol::decode_exec_result(kept);
   } catch (const std::exception& e) {
     throw Error(Code::kDataLoss,
                 fmt::format("sandbox {}: the kept result of an exec does not read back: {}", sandbox_id, e.what()));
   }
 }
 
-ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::string& request_id,
-                                 const std::string& fingerprint, const std::function<ExecResult()>& run) {
+json RequestJournal::run_once_json(const std::string& sandbox_id, const std::string& request_id,
+                                   const std::string& fingerprint, const std::function<json()>& run) {
   {
     std::unique_lock lock(mutex_);
     for (;;) {
@@ -167,8 +184,8 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
       Entry& e = it->second;
       if (e.fingerprint != fingerprint)
         throw Error(Code::kInvalidArgument,
-                    fmt::format("request_id: '{}' was used for another command on sandbox {}; a request id names "
-                                "one exec",
+                    fmt::format("request_id: '{}' was used for another request on sandbox {}; a request id names "
+                                "one request",
                                 request_id, sandbox_id));
       if (e.state == State::kUnknown) throw outcome_unknown(sandbox_id, request_id);
       if (e.state == State::kDone) {
@@ -180,7 +197,7 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
     }
   }
 
-  ExecResult result;
+  json result;
   try {
     result = run();
   } catch (...) {
@@ -196,9 +213,7 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
     done_.notify_all();
     throw;
   }
-  ExecResult kept = kept_result(result);
-  std::string line = json{{"id", request_id}, {"result", protocol::encode(kept)}}.dump(
-      -1, ' ', false, json::error_handler_t::replace);
+  std::string line = json{{"id", request_id}, {"result", result}}.dump(-1, ' ', false, json::error_handler_t::replace);
   std::lock_guard lock(mutex_);
   auto sb_it = sandboxes_.find(sandbox_id);
   if (sb_it != sandboxes_.end()) {
@@ -207,7 +222,7 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
       std::uint64_t before = sb.file_bytes;
       it->second.result_at = append(sandbox_id, sb, line);
       it->second.result_len = sb.file_bytes - before;
-      if (it->second.result_len == 0) it->second.memory_result = std::make_shared<ExecResult>(std::move(kept));
+      if (it->second.result_len == 0) it->second.memory_result = std::make_shared<json>(result);
       it->second.state = State::kDone;
     }
   }
@@ -215,7 +230,7 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
   return result;
 }
 
-void ExecJournal::evict(const std::string& sandbox_id, Sandbox& sb) {
+void RequestJournal::evict(const std::string& sandbox_id, Sandbox& sb) {
   while (sb.ids.size() > kIdsPerSandbox) {
     auto old = std::find_if(sb.order.begin(), sb.order.end(),
                             [&](const std::string& id) { return sb.ids.at(id).state != State::kRunning; });
@@ -226,7 +241,7 @@ void ExecJournal::evict(const std::string& sandbox_id, Sandbox& sb) {
   if (sb.lines > 4 * sb.ids.size() + 64) compact(sandbox_id, sb);
 }
 
-void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
+void RequestJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
   if (dir_.empty()) {
     sb.lines = sb.ids.size();
     return;
@@ -242,9 +257,9 @@ void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
       text += json{{"id", id}, {"fingerprint", e.fingerprint}, {"started", unix_now()}}.dump() + '\n';
       ++lines;
       if (e.state != State::kDone) continue;
-      ExecResult r = read_result(sandbox_id, e);
       std::string line =
-          json{{"id", id}, {"result", protocol::encode(r)}}.dump(-1, ' ', false, json::error_handler_t::replace) +
+          json{{"id", id}, {"result", read_result(sandbox_id, e)}}.dump(-1, ' ', false,
+                                                                         json::error_handler_t::replace) +
           '\n';
       moved[id] = {text.size(), line.size()};
       text += line;
@@ -257,7 +272,7 @@ void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
     sb.file.reset();  // the next line goes to the new file
   } catch (const std::exception& e) {
     ::unlink(tmp.c_str());
-    log_warn("exec request ids of sandbox {}: compacting {}: {}", sandbox_id, file.string(), e.what());
+    log_warn("request ids of sandbox {}: compacting {}: {}", sandbox_id, file.string(), e.what());
     return;
   }
   for (auto& [id, where] : moved) {
@@ -269,20 +284,20 @@ void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
   sb.lines = lines;
 }
 
-void ExecJournal::drop(const std::string& sandbox_id) {
+void RequestJournal::drop(const std::string& sandbox_id) {
   std::lock_guard lock(mutex_);
   forget_sandbox(sandbox_id);
   done_.notify_all();
 }
 
-void ExecJournal::forget_sandbox(const std::string& sandbox_id) {
+void RequestJournal::forget_sandbox(const std::string& sandbox_id) {
   sandboxes_.erase(sandbox_id);
   if (dir_.empty()) return;
   ::unlink(file_of(sandbox_id).c_str());
   if (sandboxes_.empty()) ::rmdir(dir_.c_str());  // fails, harmlessly, while files of other sandboxes are there
 }
 
-void ExecJournal::retain(const std::set<std::string>& live) {
+void RequestJournal::retain(const std::set<std::string>& live) {
   std::vector<std::string> gone;
   {
     std::lock_guard lock(mutex_);
