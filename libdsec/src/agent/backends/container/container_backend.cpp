@@ -297,8 +297,16 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
       check_running();
       throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
     }
-    // Init forked the command (or tried): the next group is made and init moved there while this one runs.
-    if (placed) schedule_init_placement();
+    // Init forked the command (or tried): once this exec is over, the next group is made and init moved there. Not
+    // while the command runs: the move holds the kernel's threadgroup lock for writing, which every fork and exit
+    // on the host waits for, the command's own exit among them (milliseconds after an idle spell).
+    struct PlaceNext {
+      ContainerSandbox& self;
+      bool placed;
+      ~PlaceNext() {
+        if (placed) self.schedule_init_placement();
+      }
+    } place_next{*this, placed};
     if (reply.type == ReplyType::kFailed) {
       if (auto r = init::start_failure_result(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd)) {
         r->duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
