@@ -1254,3 +1254,32 @@ TEST(GuestChannel, TarTreesRoundTripAgainstAFakeGuest) {
 
 }  // namespace
 }  // namespace dsec
+
+namespace dsec {
+namespace {
+
+namespace gpr = guest_protocol;
+
+TEST(GuestProtocol, RootWordRoundTripsAndRefusesWhatIsNotASerial) {
+  gpr::Setup s;
+  s.disk_serial = "dsec-disk";
+  s.layers = {{"dsec-layer-0", ""}, {"dsec-layer-1", "dsec-data-1"}, {"dsec-layer-2", ""}};
+  std::string word = gpr::encode_root_word(s);
+  EXPECT_EQ(word, "dsec-disk/dsec-layer-0,dsec-layer-1+dsec-data-1,dsec-layer-2");
+  gpr::Setup back = gpr::decode_root_word(word);
+  EXPECT_EQ(back.disk_serial, "dsec-disk");
+  ASSERT_EQ(back.layers.size(), 3u);
+  EXPECT_EQ(back.layers[1].serial, "dsec-layer-1");
+  EXPECT_EQ(back.layers[1].data_serial, "dsec-data-1");
+  EXPECT_EQ(back.layers[2].data_serial, "");
+  EXPECT_TRUE(gpr::decode_root_word("d/").layers.empty());  // an image of no layer: the disk alone
+  for (const char* bad : {"", "no-slash", "/l0", "d/l0,", "d/l0,,l1", "d/l0+", "d/a b", "d/l0;reboot",
+                          "d/123456789012345678901", "d/l0+x+y"})
+    EXPECT_THROW(gpr::decode_root_word(bad), std::invalid_argument) << bad;
+  gpr::Setup spaced = s;
+  spaced.disk_serial = "a disk";
+  EXPECT_THROW(gpr::encode_root_word(spaced), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace dsec

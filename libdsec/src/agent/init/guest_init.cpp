@@ -49,6 +49,7 @@
 #include "agent/init/command_start.hpp"
 #include "agent/init/process_table.hpp"
 #include "agent/init/guest_protocol.hpp"
+#include "agent/init/guest_system.hpp"
 #include "agent/init/init_main.hpp"
 #include "dsec/error.hpp"
 
@@ -62,121 +63,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kOutputGrace = std::chrono::milliseconds(50);
 constexpr std::size_t kOutputBackpressure = 4u << 20;  // stop reading commands' output while this much waits
-constexpr const char* kModulesDir = "/lib/dsec/modules";
-constexpr const char* kExecCgroups = "/sys/fs/cgroup/dsec";
-
-void log_line(const std::string& line) {
-  std::string out = "dsec-init: " + line + "\n";
-  (void)::write(2, out.data(), out.size());
-}
-
-std::string errno_text(int err) { return std::strerror(err); }
-
-std::string read_small_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return {};
-  char buf[512];
-  ssize_t n = ::read(fd, buf, sizeof buf);
-  ::close(fd);
-  if (n <= 0) return {};
-  std::string s(buf, static_cast<std::size_t>(n));
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
-  return s;
-}
-
-bool write_small_file(const std::string& path, std::string_view value) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  bool ok = ::write(fd, value.data(), value.size()) == static_cast<ssize_t>(value.size());
-  ::close(fd);
-  return ok;
-}
-
-void mount_or_log(const char* source, const char* target, const char* type, unsigned long flags, const char* data) {
-  ::mkdir(target, 0755);
-  if (::mount(source, target, type, flags, data) != 0 && errno != EBUSY)
-    log_line(std::string("mount ") + type + " on " + target + ": " + errno_text(errno));
-}
-
-// Loads the initramfs's modules in the order of their names, then removes the files (their memory is the guest's).
-void load_modules() {
-  DIR* dir = ::opendir(kModulesDir);
-  if (!dir) return;
-  std::vector<std::string> names;
-  while (dirent* d = ::readdir(dir))
-    if (std::strstr(d->d_name, ".ko")) names.emplace_back(d->d_name);
-  ::closedir(dir);
-  std::sort(names.begin(), names.end());
-  for (const auto& name : names) {
-    std::string path = std::string(kModulesDir) + "/" + name;
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;
-    if (::syscall(SYS_finit_module, fd, "", 0) != 0 && errno != EEXIST)
-      log_line("load module " + name + ": " + errno_text(errno));
-    ::close(fd);
-    ::unlink(path.c_str());
-  }
-}
-
-// The /dev node of the virtio-serial port named `name`, waiting for it to appear; empty after the wait.
-std::string find_port(const char* name, std::chrono::milliseconds wait) {
-  auto until = Clock::now() + wait;
-  for (;;) {
-    if (DIR* dir = ::opendir("/sys/class/virtio-ports")) {
-      std::string found;
-      while (dirent* d = ::readdir(dir)) {
-        if (d->d_name[0] == '.') continue;
-        if (read_small_file(std::string("/sys/class/virtio-ports/") + d->d_name + "/name") == name) {
-          found = std::string("/dev/") + d->d_name;
-          break;
-        }
-      }
-      ::closedir(dir);
-      if (!found.empty() && ::access(found.c_str(), F_OK) == 0) return found;
-    }
-    if (Clock::now() >= until) return {};
-    ::usleep(2000);
-  }
-}
-
-// /dev/vdX by virtio-blk serial, waiting until all wanted serials are there.
-std::map<std::string, std::string> find_disks(const std::set<std::string>& serials, std::chrono::milliseconds wait) {
-  auto until = Clock::now() + wait;
-  for (;;) {
-    std::map<std::string, std::string> found;
-    if (DIR* dir = ::opendir("/sys/block")) {
-      while (dirent* d = ::readdir(dir)) {
-        if (std::strncmp(d->d_name, "vd", 2) != 0) continue;
-        std::string serial = read_small_file(std::string("/sys/block/") + d->d_name + "/serial");
-        if (serials.count(serial)) found[serial] = std::string("/dev/") + d->d_name;
-      }
-      ::closedir(dir);
-    }
-    bool complete = found.size() == serials.size();
-    for (const auto& [serial, dev] : found)
-      if (::access(dev.c_str(), F_OK) != 0) complete = false;
-    if (complete || Clock::now() >= until) return found;
-    ::usleep(2000);
-  }
-}
-
-// The guest's only network: loopback, up (as a container's namespace has it).
-void loopback_up() {
-  int sock = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (sock < 0) return;
-  ifreq ifr{};
-  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
-  if (::ioctl(sock, SIOCGIFFLAGS, &ifr) == 0) {
-    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
-    if (::ioctl(sock, SIOCSIFFLAGS, &ifr) != 0) log_line("bring loopback up: " + errno_text(errno));
-  }
-  ::close(sock);
-}
-
-[[noreturn]] void fail_setup(int err, const std::string& what) {
-  throw Error(err == ENOSPC ? Code::kResourceExhausted : Code::kFailedPrecondition,
-              "guest setup: " + what + (err ? ": " + errno_text(err) : std::string()));
-}
 
 struct Exec {
   std::uint32_t channel = 0;
@@ -205,9 +91,37 @@ struct Upload {
   bool failed = false;  // an error was sent: the rest of the upload is read and dropped
 };
 
+// How dsec-init runs in the VM: as its pid 1 (a microVM: it builds the root when the agent's kSetup asks, and owns
+// the whole cgroup tree), or as a service of the image's own init (a full VM: the root was built at boot, systemd
+// delegates a cgroup subtree to it, and powering off is systemd's).
+enum class GuestMode { kPid1, kService };
+
+// Where a service's commands get their cgroups: below its own (systemd's Delegate=yes), from /proc/self/cgroup.
+std::string delegated_cgroup() {
+  std::string text = read_small_file("/proc/self/cgroup");
+  for (std::size_t at = 0; at < text.size();) {
+    std::size_t end = text.find('\n', at);
+    std::string line = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    if (line.rfind("0::", 0) == 0) return "/sys/fs/cgroup" + line.substr(3) + "/dsec";
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return "/sys/fs/cgroup/dsec";
+}
+
 class GuestInit {
  public:
-  GuestInit() {
+  explicit GuestInit(GuestMode mode) : mode_(mode) {
+    if (mode_ == GuestMode::kService) {
+      // The root is the image's own, set up at boot (guest_boot.cpp); the writable layer's upper directory is where
+      // the boot stage left it.
+      exec_cgroups_ = delegated_cgroup();
+      if (::mkdir(exec_cgroups_.c_str(), 0755) != 0 && errno != EEXIST)
+        log_line("mkdir " + exec_cgroups_ + ": " + errno_text(errno));
+      upper_ = UniqueFd(::open(kServiceUpper, O_PATH | O_DIRECTORY | O_CLOEXEC));
+      tree_.emplace(UniqueFd(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC)));
+      root_ready_ = true;
+    }
     sigset_t mask;
     sigprocmask(SIG_SETMASK, nullptr, &original_mask_);
     sigemptyset(&mask);
@@ -391,7 +305,8 @@ class GuestInit {
           ::sync();
           send(Type::kOk, f.channel);
           flush();
-          ::reboot(RB_POWER_OFF);
+          if (mode_ == GuestMode::kPid1) ::reboot(RB_POWER_OFF);
+          else ::kill(1, SIGRTMIN + 4);  // systemd's orderly power-off
           return;
         case Type::kExec: return on_exec(f);
         case Type::kStdin: return on_stdin(f);
@@ -463,52 +378,13 @@ class GuestInit {
 
   void on_setup(const gp::Frame& f) {
     if (root_ready_) throw Error(Code::kFailedPrecondition, "guest setup: the root is set up already");
-    gp::Setup s = gp::decode_setup(f.payload);
-    std::set<std::string> serials{s.disk_serial};
-    for (const auto& l : s.layers) {
-      serials.insert(l.serial);
-      if (!l.data_serial.empty()) serials.insert(l.data_serial);
-    }
-    auto disks = find_disks(serials, std::chrono::seconds(10));
-    for (const auto& serial : serials)
-      if (!disks.count(serial)) fail_setup(0, "no virtio-blk disk with serial " + serial);
-    std::string lower;
-    for (std::size_t i = 0; i < s.layers.size(); ++i) {
-      std::string dir = "/layers/" + std::to_string(i);
-      ::mkdir("/layers", 0755);
-      ::mkdir(dir.c_str(), 0755);
-      std::string options;
-      if (!s.layers[i].data_serial.empty()) options = "device=" + disks[s.layers[i].data_serial];
-      if (::mount(disks[s.layers[i].serial].c_str(), dir.c_str(), "erofs", MS_RDONLY | MS_NODEV,
-                  options.empty() ? nullptr : options.c_str()) != 0)
-        fail_setup(errno, "mount layer " + std::to_string(i) + " (EROFS on " + disks[s.layers[i].serial] + ")");
-      lower = lower.empty() ? dir : dir + ":" + lower;  // overlayfs lists the top layer first
-    }
-    ::mkdir("/rw", 0755);
-    if (::mount(disks[s.disk_serial].c_str(), "/rw", "ext4", MS_NOATIME | MS_NODEV, nullptr) != 0)
-      fail_setup(errno, "mount the writable disk (ext4 on " + disks[s.disk_serial] + ")");
-    ::mkdir("/rw/upper", 0755);
-    ::mkdir("/rw/work", 0755);
-    ::mkdir("/newroot", 0755);
-    std::string options = "lowerdir=" + (lower.empty() ? std::string("/rw/empty") : lower) +
-                          ",upperdir=/rw/upper,workdir=/rw/work,metacopy=off,redirect_dir=off";
-    if (lower.empty()) ::mkdir("/rw/empty", 0755);
-    if (::mount("overlay", "/newroot", "overlay", MS_NODEV, options.c_str()) != 0)
-      fail_setup(errno, "mount overlay");
-    for (const char* d : {"/newroot/dev", "/newroot/proc", "/newroot/sys", "/newroot/tmp"}) ::mkdir(d, 0755);
-    for (const char* d : {"/dev", "/proc", "/sys"}) {
-      std::string target = std::string("/newroot") + d;
-      if (::mount(d, target.c_str(), nullptr, MS_MOVE, nullptr) != 0) fail_setup(errno, std::string("move ") + d);
-    }
+    build_overlay_root(gp::decode_setup(f.payload));
     upper_ = UniqueFd(::open("/rw/upper", O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (::chdir("/newroot") != 0) fail_setup(errno, "chdir /newroot");
-    if (::mount(".", "/", nullptr, MS_MOVE, nullptr) != 0) fail_setup(errno, "move the overlay to /");
-    if (::chroot(".") != 0) fail_setup(errno, "chroot");
-    if (::chdir("/") != 0) fail_setup(errno, "chdir /");
+    enter_new_root();
     mount_or_log("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
     mount_or_log("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     mount_or_log("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
-    ::mkdir(kExecCgroups, 0755);
+    ::mkdir(exec_cgroups_.c_str(), 0755);
     tree_.emplace(UniqueFd(::open("/", O_PATH | O_DIRECTORY | O_CLOEXEC)));
     root_ready_ = true;
     send(Type::kOk, f.channel);
@@ -553,7 +429,7 @@ class GuestInit {
       // Each process gets a cgroup of its own, as an exec does; those of ended processes go at the next spawn.
       for (auto it = process_groups_.begin(); it != process_groups_.end();)
         it = ::rmdir(it->c_str()) == 0 || errno == ENOENT ? process_groups_.erase(it) : std::next(it);
-      std::string group = std::string(kExecCgroups) + "/p" + std::to_string(++process_group_counter_);
+      std::string group = exec_cgroups_ + "/p" + std::to_string(++process_group_counter_);
       if (::mkdir(group.c_str(), 0755) == 0) {
         process_groups_.insert(group);
         join_fds(group, fds);
@@ -570,7 +446,7 @@ class GuestInit {
     Exec exec;
     exec.channel = f.channel;
     exec.cap = m.max_output;
-    exec.cgroup = std::string(kExecCgroups) + "/x" + std::to_string(f.channel);
+    exec.cgroup = exec_cgroups_ + "/x" + std::to_string(f.channel);
     if (::mkdir(exec.cgroup.c_str(), 0755) != 0 && errno != EEXIST)
       throw Error(Code::kInternal, "mkdir " + exec.cgroup + ": " + errno_text(errno));
     std::vector<int> group_fds;
@@ -828,7 +704,7 @@ class GuestInit {
     if (!top) throw Error(Code::kInternal, "open the upper directory: " + errno_text(errno));
     struct stat st {};
     ::fstat(top.get(), &st);
-    const std::string freeze = std::string(kExecCgroups) + "/cgroup.freeze";
+    const std::string freeze = exec_cgroups_ + "/cgroup.freeze";
     write_small_file(freeze, "1");
     struct Thaw {
       std::string path;
@@ -849,8 +725,8 @@ class GuestInit {
     std::map<std::pair<dev_t, ino_t>, std::string> links;
   };
 
-  static void wait_frozen() {
-    const std::string events = std::string(kExecCgroups) + "/cgroup.events";
+  void wait_frozen() const {
+    const std::string events = exec_cgroups_ + "/cgroup.events";
     for (int i = 0; i < 200; ++i) {
       if (read_small_file(events).find("frozen 1") != std::string::npos) return;
       ::usleep(5000);
@@ -1022,6 +898,8 @@ class GuestInit {
   int sigchld_ = -1;
   sigset_t original_mask_{};
   std::string release_;
+  GuestMode mode_;
+  std::string exec_cgroups_ = "/sys/fs/cgroup/dsec";  // execs' groups are x<channel> in it, processes' p<n>
   bool root_ready_ = false;
   std::optional<files::SandboxTree> tree_;
   UniqueFd upper_;
@@ -1038,9 +916,7 @@ class GuestInit {
 }  // namespace
 
 int run_guest_init() {
-  mount_or_log("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
-  mount_or_log("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
-  mount_or_log("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+  mount_api_file_systems();
   write_small_file("/proc/self/oom_score_adj", "-1000");
   // The guest's console is where its kernel and this init log; the agent keeps its last lines for errors.
   int console = ::open("/dev/console", O_RDWR | O_NOCTTY | O_CLOEXEC);
@@ -1062,7 +938,19 @@ int run_guest_init() {
     ::reboot(RB_POWER_OFF);
     for (;;) ::pause();
   }
-  GuestInit init;
+  GuestInit init(GuestMode::kPid1);
+  init.serve(port);
+}
+
+int run_guest_service() {
+  // Started by the image's init from the unit the boot stage wrote: the API file systems, the modules, the console
+  // and the network are the system's. Without the port there is nothing to serve: exit, and the unit restarts it.
+  std::string port = find_port(guest_protocol::kPortName, std::chrono::seconds(30));
+  if (port.empty()) {
+    log_line("no virtio-serial port named dsec.agent");
+    return 1;
+  }
+  GuestInit init(GuestMode::kService);
   init.serve(port);
 }
 

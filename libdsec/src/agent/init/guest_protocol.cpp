@@ -1,5 +1,6 @@
 #include "agent/init/guest_protocol.hpp"
 
+#include <cctype>
 #include <cstring>
 #include <stdexcept>
 
@@ -198,6 +199,55 @@ Setup decode_setup(std::string_view payload) {
   }
   m.disk_serial = r.str();
   r.finish();
+  return m;
+}
+
+namespace {
+
+bool valid_serial(std::string_view s) {
+  if (s.empty() || s.size() > 20) return false;
+  for (char c : s)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) return false;
+  return true;
+}
+
+std::string_view checked_serial(std::string_view s) {
+  if (!valid_serial(s)) throw std::invalid_argument("dsec_root: '" + std::string(s) + "' is not a disk serial");
+  return s;
+}
+
+}  // namespace
+
+std::string encode_root_word(const Setup& m) {
+  std::string word(checked_serial(m.disk_serial));
+  word += '/';
+  for (std::size_t i = 0; i < m.layers.size(); ++i) {
+    if (i) word += ',';
+    word += checked_serial(m.layers[i].serial);
+    if (!m.layers[i].data_serial.empty()) word += "+" + std::string(checked_serial(m.layers[i].data_serial));
+  }
+  return word;
+}
+
+Setup decode_root_word(std::string_view word) {
+  Setup m;
+  std::size_t slash = word.find('/');
+  if (slash == std::string_view::npos) throw std::invalid_argument("dsec_root: no '/' after the disk's serial");
+  m.disk_serial = checked_serial(word.substr(0, slash));
+  std::string_view rest = word.substr(slash + 1);
+  while (!rest.empty()) {
+    std::size_t comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    SetupLayer l;
+    std::size_t plus = item.find('+');
+    l.serial = checked_serial(item.substr(0, plus));
+    if (plus != std::string_view::npos) l.data_serial = checked_serial(item.substr(plus + 1));
+    m.layers.push_back(std::move(l));
+    if (m.layers.size() > 128) throw std::invalid_argument("dsec_root: more than 128 layers");
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
+    if (rest.empty()) throw std::invalid_argument("dsec_root: a ',' with no layer after it");
+  }
   return m;
 }
 

@@ -208,6 +208,12 @@ struct Setup {
 };
 std::string encode(const Setup& m);
 Setup decode_setup(std::string_view payload);
+// The same layout as one word of a kernel command line, for a full VM whose initramfs builds its root before any
+// agent speaks to it (`dsec_root=<disk>/<layer>[+<data>],...`, layers lowest first): serials of 1 to 20 bytes of
+// [A-Za-z0-9._-] (virtio-blk keeps 20), at most 128 layers. decode_root_word throws std::invalid_argument on
+// anything else.
+std::string encode_root_word(const Setup& m);
+Setup decode_root_word(std::string_view word);
 
 struct Exited {
   std::int32_t status = 0;
