@@ -40,7 +40,8 @@
 #include <fmt/format.h>
 
 #include "agent/backends/microvm/guest_kernel.hpp"
-#include "agent/backends/microvm/qemu_command.hpp"
+#include "agent/backends/qemu/initramfs.hpp"
+#include "agent/backends/qemu/qemu_command.hpp"
 #include "bench.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
@@ -427,10 +428,11 @@ class QemuPeer {
     out.close();
     log_ = dir / "peer-qemu.log";
 
-    agent::microvm::CmdlineOptions co;
-    co.accelerator = kvm ? agent::microvm::Accelerator::kKvm : agent::microvm::Accelerator::kTcg;
+    agent::qemu::CmdlineOptions co;
+    co.guest_mode = "1";  // the microvm tier's line, as dsec boots its guests
+    co.accelerator = kvm ? agent::qemu::Accelerator::kKvm : agent::qemu::Accelerator::kTcg;
     co.tsc_khz = tsc_khz;
-    const std::string append = agent::microvm::kernel_cmdline(co);
+    const std::string append = agent::qemu::kernel_cmdline(co);
     argv_ = {"/usr/bin/qemu-system-x86_64",
              "-name",
              "dsec-bench-peer,debug-threads=on",
@@ -1113,7 +1115,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
     try {
       agent::microvm::GuestKernel k = agent::microvm::find_guest_kernel({});
       r.kernel_path = k.kernel.string();
-      r.tsc_khz = kvm ? 0 : agent::microvm::host_tsc_khz();
+      r.tsc_khz = kvm ? 0 : agent::qemu::host_tsc_khz();
       peer = std::make_unique<QemuPeer>(fs::path(work.dir) / "peer", kvm, static_cast<std::uint32_t>(r.tsc_khz),
                                         k.kernel);
       r.peer_command = peer->command();

@@ -1,5 +1,5 @@
-// The microvm backend's accelerator choice (agent/backends/microvm/accelerator): who may open /dev/kvm, what is
-// chosen and why; and the probe on this host when KVM is required.
+// The accelerator choice the QEMU tiers share (agent/backends/qemu/accelerator): who may open /dev/kvm, what is
+// chosen and why; and the microvm backend's probe on this host when KVM is required.
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -10,12 +10,17 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/backends/microvm/accelerator.hpp"
-#include "agent/backends/microvm/guest_kernel.hpp"
 #include "agent/backends/microvm/microvm_backend.hpp"
+#include "agent/backends/qemu/accelerator.hpp"
 
 namespace dsec::agent::microvm {
 namespace {
+
+using qemu::AcceleratorChoice;
+using qemu::choose_accelerator;
+using qemu::host_kvm_access;
+using qemu::kvm_access;
+using qemu::KvmAccess;
 
 struct stat device(mode_t perm, gid_t gid) {
   struct stat st {};
@@ -46,21 +51,26 @@ TEST(MicrovmAccelerator, KvmAccessByTheDevicesMode) {
 TEST(MicrovmAccelerator, ChoosesKvmOnlyWhenItsProbeAnswered) {
   KvmAccess open{true, std::nullopt, {}};
   KvmAccess closed{false, std::nullopt, "closed"};
-  EXPECT_TRUE(choose_accelerator("auto", open, "", true, false).kvm);
-  AcceleratorChoice failed = choose_accelerator("auto", open, "KVM internal error: emulation failure", true, true);
+  constexpr std::string_view kFlag = "--microvm-accelerator";
+  EXPECT_TRUE(choose_accelerator(kFlag, "auto", open, "", true, false).kvm);
+  AcceleratorChoice failed =
+      choose_accelerator(kFlag, "auto", open, "KVM internal error: emulation failure", true, true);
   EXPECT_FALSE(failed.kvm);
   EXPECT_TRUE(failed.unavailable.empty());
   EXPECT_NE(failed.reason.find("emulation failure"), std::string::npos) << failed.reason;
   EXPECT_NE(failed.reason.find("kvm_pvm"), std::string::npos) << failed.reason;
-  AcceleratorChoice no_access = choose_accelerator("auto", closed, "", false, false);
+  AcceleratorChoice no_access = choose_accelerator(kFlag, "auto", closed, "", false, false);
   EXPECT_FALSE(no_access.kvm);
   EXPECT_EQ(no_access.reason, "closed");
-  AcceleratorChoice required = choose_accelerator("kvm", closed, "", false, false);
+  AcceleratorChoice required = choose_accelerator(kFlag, "kvm", closed, "", false, false);
   EXPECT_FALSE(required.kvm);
-  EXPECT_NE(required.unavailable.find("--microvm-accelerator kvm"), std::string::npos) << required.unavailable;
-  AcceleratorChoice tcg = choose_accelerator("tcg", open, "", false, false);
+  EXPECT_EQ(required.unavailable, "--microvm-accelerator kvm: closed");
+  AcceleratorChoice tcg = choose_accelerator(kFlag, "tcg", open, "", false, false);
   EXPECT_FALSE(tcg.kvm);
-  EXPECT_NE(tcg.reason.find("configured"), std::string::npos);
+  EXPECT_EQ(tcg.reason, "configured (--microvm-accelerator tcg)");
+  // Each tier quotes its own option.
+  EXPECT_EQ(choose_accelerator("--vm-accelerator", "kvm", closed, "", false, false).unavailable,
+            "--vm-accelerator kvm: closed");
 }
 
 // The real probe on this host: with KVM required, a host where QEMU cannot run the guest with KVM (this one:

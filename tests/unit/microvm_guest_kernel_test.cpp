@@ -1,5 +1,6 @@
-// The microVM backend's guest kernel pieces: reading a module's depends= from its ELF .modinfo section, ordering
-// modules dependencies first, the initramfs as a reproducible cpio, the host's TSC rate, and finding the kernel.
+// The microVM backend's guest kernel and the QEMU tiers' initramfs helpers it uses (qemu/initramfs): reading a
+// module's depends= from its ELF .modinfo section, ordering modules dependencies first, the initramfs as a
+// reproducible cpio, the host's TSC rate, and finding the kernel.
 // Module files here are tiny hand-made ELF64 relocatables; the real Debian modules are read too when
 // scripts/guest-kernel.sh has unpacked them.
 #include <elf.h>
@@ -25,12 +26,18 @@
 #include <gtest/gtest.h>
 
 #include "agent/backends/microvm/guest_kernel.hpp"
+#include "agent/backends/qemu/initramfs.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec::agent::microvm {
 namespace {
 
 namespace fs = std::filesystem;
+using qemu::host_tsc_khz;
+using qemu::module_load_order;
+using qemu::ModuleInfo;
+using qemu::read_module_info;
+using qemu::write_initramfs;
 
 const fs::path kInstalledModules = "/var/cache/dsec/guest-kernel/current/modules";
 
@@ -210,14 +217,14 @@ TEST_F(MicrovmGuestKernelTest, DashAndUnderscoreAreTheSameName) {
 TEST_F(MicrovmGuestKernelTest, MissingModuleIsNamed) {
   add_module("erofs", "erofs", "libcrc32c");
   try {
-    module_load_order(mods_, {"erofs"});
+    module_load_order(mods_, {"erofs"}, {}, "install the modules");
     ADD_FAILURE() << "missing dependency accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Code::kFailedPrecondition);
     std::string msg = e.what();
     EXPECT_NE(msg.find("libcrc32c"), std::string::npos) << msg;
     EXPECT_NE(msg.find("needed by erofs"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("scripts/guest-kernel.sh"), std::string::npos) << msg;
+    EXPECT_TRUE(msg.ends_with("; install the modules")) << msg;
   }
   try {
     module_load_order(mods_, {"no_such_module"});
@@ -271,6 +278,20 @@ TEST_F(MicrovmGuestKernelTest, MissingModulesDirectory) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Code::kFailedPrecondition);
     EXPECT_NE(std::string(e.what()).find("nowhere"), std::string::npos) << e.what();
+  }
+}
+
+// The microvm tier's modules: none for a kernel without a modules directory; a missing one says how to get them.
+TEST_F(MicrovmGuestKernelTest, GuestModuleFilesSayHowToGetThem) {
+  EXPECT_TRUE(guest_module_files(GuestKernel{base_ / "vmlinux", {}, ""}).empty());
+  add_module("virtio_mmio", "virtio_mmio", "");
+  try {
+    guest_module_files(GuestKernel{base_ / "vmlinux", mods_, ""});
+    ADD_FAILURE() << "missing guest modules accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kFailedPrecondition);
+    EXPECT_NE(std::string(e.what()).find("virtio_blk"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("scripts/guest-kernel.sh"), std::string::npos) << e.what();
   }
 }
 

@@ -1,4 +1,4 @@
-// The microVM backend's QEMU pieces: the command-line builder (qemu_command) and the QMP client (qmp).
+// The QEMU tiers' command-line builder (qemu/qemu_command) and QMP client (qemu/qmp).
 // The client is driven first by a fake QMP server on a socketpair (greeting, capabilities, replies matched by id with
 // events and late replies in between, split and merged reads, error replies, a closed socket, time-outs, fd passing),
 // then against a real QEMU: "-M none" over a unix socket, and the builder's full microvm argv (paused, its block
@@ -34,13 +34,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "agent/backends/microvm/qemu_command.hpp"
-#include "agent/backends/microvm/qmp.hpp"
+#include "agent/backends/qemu/qemu_command.hpp"
+#include "agent/backends/qemu/qmp.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace {
 
 namespace fs = std::filesystem;
@@ -128,7 +128,179 @@ QemuSpec typical_spec(Accelerator accel) {
   return s;
 }
 
-TEST(MicrovmQemuCommand, TypicalTcgArgv) {
+// A VM as the microvm backend starts one (vm_instance.cpp: guest RAM, kernel and initramfs as /proc/self/fd paths,
+// the sockets, the console and every disk in fd sets, no balloon), under TCG.
+QemuSpec microvm_backend_spec() {
+  QemuSpec s;
+  s.name = "sb-0123456789abcdef";
+  s.binary = "/usr/bin/qemu-system-x86_64";
+  s.accelerator = Accelerator::kTcg;
+  s.vcpus = 2;
+  s.memory_bytes = 256ull << 20;
+  s.memory_path = "/proc/self/fd/3";
+  s.kernel = "/proc/self/fd/4";
+  s.initrd = "/proc/self/fd/5";
+  s.qmp_listen_fd = 6;
+  s.agent_listen_fd = 7;
+  s.fds = {{8, 1}, {9, 2}, {10, 3}, {11, 4}};
+  s.console_path = "/dev/fdset/1";
+  s.block_devices = {{"layer0", "/dev/fdset/2", true, 0, 0, "dsec-layer-0", "raw"},
+                     {"layer0data", "/dev/fdset/3", true, 0, 0, "dsec-data-0", "raw"},
+                     {"disk", "/dev/fdset/4", false, 0, 0, "dsec-disk", "raw"}};
+  s.balloon = false;
+  CmdlineOptions c;
+  c.guest_mode = "1";
+  c.accelerator = Accelerator::kTcg;
+  c.tsc_khz = 2445453;
+  s.kernel_cmdline = kernel_cmdline(c);
+  return s;
+}
+
+// The microvm argv word for word, as it was before the q35 machine, screens and USB input existed: a change here
+// changes every microVM (and a template or saved VM restores only into the same devices).
+const std::vector<std::string> kMicrovmBackendArgv = {
+    "/usr/bin/qemu-system-x86_64",
+    "-name", "sb-0123456789abcdef,debug-threads=on",
+    "-nodefaults", "-no-user-config",
+    "-nographic",
+    "-display", "none",
+    "-no-reboot",
+    "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    "-machine", "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram",
+    "-accel", "tcg,tb-size=32",
+    "-cpu", "max",
+    "-smp", "2",
+    "-m", "256M",
+    "-object", "memory-backend-file,id=ram,size=256M,mem-path=/proc/self/fd/3,share=on",
+    "-kernel", "/proc/self/fd/4",
+    "-initrd", "/proc/self/fd/5",
+    "-append",
+    "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1 tsc_early_khz=2445453 "
+    "tsc=reliable",
+    "-add-fd", "fd=8,set=1",
+    "-add-fd", "fd=9,set=2",
+    "-add-fd", "fd=10,set=3",
+    "-add-fd", "fd=11,set=4",
+    "-chardev", "socket,id=qmp,fd=6,server=on,wait=off",
+    "-mon", "chardev=qmp,mode=control",
+    "-chardev", "file,id=console,path=/dev/fdset/1,append=on",
+    "-serial", "chardev:console",
+    "-device", "virtio-serial-device,max_ports=2",
+    "-chardev", "socket,id=agent,fd=7,server=on,wait=off",
+    "-device", "virtserialport,chardev=agent,name=dsec.agent",
+    "-blockdev",
+    "driver=raw,node-name=layer0,read-only=on,file.driver=file,file.filename=/dev/fdset/2,"
+    "file.locking=off",
+    "-device", "virtio-blk-device,drive=layer0,serial=dsec-layer-0",
+    "-blockdev",
+    "driver=raw,node-name=layer0data,read-only=on,file.driver=file,file.filename=/dev/fdset/3,"
+    "file.locking=off",
+    "-device", "virtio-blk-device,drive=layer0data,serial=dsec-data-0",
+    "-blockdev",
+    "driver=raw,node-name=disk,discard=unmap,detect-zeroes=unmap,file.driver=file,"
+    "file.filename=/dev/fdset/4,file.locking=off",
+    "-device", "virtio-blk-device,drive=disk,serial=dsec-disk"};
+
+TEST(QemuCommand, MicrovmArgvIsUnchanged) {
+  EXPECT_EQ(qemu_argv(microvm_backend_spec()), kMicrovmBackendArgv);
+  // Spelled out, the defaults are the microvm machine without a screen or USB.
+  QemuSpec explicit_spec = microvm_backend_spec();
+  explicit_spec.machine = Machine::kMicrovm;
+  explicit_spec.display = DisplaySpec{DisplaySpec::Kind::kNone, 1920, 1080, 64};
+  explicit_spec.usb_input = false;
+  EXPECT_EQ(qemu_argv(explicit_spec), kMicrovmBackendArgv);
+}
+
+// q35 without a screen: the microvm argv but for the machine line and the virtio devices' bus (PCI).
+TEST(QemuCommand, Q35IsTheMicrovmArgvOnPci) {
+  QemuSpec s = microvm_backend_spec();
+  s.machine = Machine::kQ35;
+  s.balloon = true;
+  std::vector<std::string> want = kMicrovmBackendArgv;
+  for (auto& w : want) {
+    if (w.starts_with("microvm,")) w = "q35,memory-backend=ram,smm=off,vmport=off,i8042=off";
+    for (const char* dev : {"virtio-serial", "virtio-blk"}) {
+      if (w.starts_with(std::string(dev) + "-device")) w = std::string(dev) + "-pci" + w.substr(strlen(dev) + 7);
+    }
+  }
+  want.insert(want.end(), {"-device", "virtio-balloon-pci,free-page-reporting=on"});
+  EXPECT_EQ(qemu_argv(s), want);
+  auto argv = qemu_argv(s);
+  EXPECT_GE(index_of(argv, "-nographic"), 0);
+  EXPECT_EQ(index_of(argv, "-vnc"), -1);
+}
+
+TEST(QemuCommand, Q35ScreensAndUsbInput) {
+  QemuSpec s = microvm_backend_spec();
+  s.machine = Machine::kQ35;
+  s.display = {DisplaySpec::Kind::kVga, 1280, 800, 16};
+  s.usb_input = true;
+  s.start_paused = true;
+  auto argv = qemu_argv(s);
+  // A screen: no -nographic, no window and no VNC server of QEMU's own.
+  EXPECT_EQ(index_of(argv, "-nographic"), -1);
+  EXPECT_EQ(std::vector<std::string>(argv.begin() + 3, argv.begin() + 10),
+            (std::vector<std::string>{"-nodefaults", "-no-user-config", "-display", "none", "-vnc", "none",
+                                      "-no-reboot"}));
+  EXPECT_EQ(value_after(argv, "-machine"), "q35,memory-backend=ram,smm=off,vmport=off,i8042=off");
+  // The screen and the USB devices come after the disks, before -S.
+  std::vector<std::string> devices = values_of(argv, "-device");
+  ASSERT_GE(devices.size(), 4u);
+  EXPECT_THAT(std::vector<std::string>(devices.end() - 4, devices.end()),
+              ElementsAre("VGA,id=video0,xres=1280,yres=800,vgamem_mb=16", "qemu-xhci,id=xhci",
+                          "usb-kbd,bus=xhci.0", "usb-tablet,bus=xhci.0"));
+  EXPECT_EQ(argv.back(), "-S");
+
+  s.display = {DisplaySpec::Kind::kVirtioGpu, 1920, 1080, 16};
+  s.usb_input = false;
+  argv = qemu_argv(s);
+  EXPECT_EQ(values_of(argv, "-device").back(), "virtio-gpu-pci,id=video0,xres=1920,yres=1080");
+  EXPECT_EQ(value_after(argv, "-vnc"), "none");
+  for (const auto& d : values_of(argv, "-device")) EXPECT_THAT(d, ::testing::Not(HasSubstr("usb")));
+
+  // USB input without a screen (a keyboard for a headless guest) keeps -nographic.
+  s.display = {};
+  s.usb_input = true;
+  argv = qemu_argv(s);
+  EXPECT_GE(index_of(argv, "-nographic"), 0);
+  EXPECT_THAT(values_of(argv, "-device"), ::testing::Contains("usb-tablet,bus=xhci.0"));
+}
+
+TEST(QemuCommand, ScreenValidationNamesTheField) {
+  struct Case {
+    const char* field;
+    void (*mutate)(QemuSpec&);
+  };
+  const Case cases[] = {
+      // microvm has no PCI: no screen, no xHCI.
+      {"display", [](QemuSpec& s) { s.machine = Machine::kMicrovm, s.display.kind = DisplaySpec::Kind::kVga; }},
+      {"display", [](QemuSpec& s) { s.machine = Machine::kMicrovm, s.display.kind = DisplaySpec::Kind::kVirtioGpu; }},
+      {"usb_input", [](QemuSpec& s) { s.machine = Machine::kMicrovm, s.display = {}, s.usb_input = true; }},
+      {"display.width", [](QemuSpec& s) { s.display.width = 0; }},
+      {"display.height", [](QemuSpec& s) { s.display.height = 20000; }},
+      {"display.vgamem_mb", [](QemuSpec& s) { s.display.vgamem_mb = 0; }},
+      {"display.vgamem_mb", [](QemuSpec& s) { s.display.vgamem_mb = 24; }},
+      {"display.vgamem_mb", [](QemuSpec& s) { s.display.vgamem_mb = 1024; }},
+      // 1920 x 1080 x 4 bytes is more than 4 MiB.
+      {"display.vgamem_mb", [](QemuSpec& s) { s.display = {DisplaySpec::Kind::kVga, 1920, 1080, 4}; }},
+  };
+  for (const Case& c : cases) {
+    QemuSpec s = microvm_backend_spec();
+    s.machine = Machine::kQ35;
+    s.display = {DisplaySpec::Kind::kVga, 1024, 768, 16};
+    c.mutate(s);
+    std::string message;
+    EXPECT_EQ(code_of([&] { qemu_argv(s); }, &message), Code::kInvalidArgument) << c.field;
+    EXPECT_THAT(message, HasSubstr(fmt::format("QemuSpec.{}:", c.field))) << message;
+  }
+  // virtio-gpu has no vgamem_mb: whatever it says is not checked.
+  QemuSpec gpu = microvm_backend_spec();
+  gpu.machine = Machine::kQ35;
+  gpu.display = {DisplaySpec::Kind::kVirtioGpu, 3840, 2160, 0};
+  EXPECT_EQ(code_of([&] { qemu_argv(gpu); }), Code::kOk);
+}
+
+TEST(QemuCommand, TypicalTcgArgv) {
   auto argv = qemu_argv(typical_spec(Accelerator::kTcg));
   ASSERT_FALSE(argv.empty());
   EXPECT_EQ(argv[0], "/usr/bin/qemu-system-x86_64");
@@ -173,7 +345,7 @@ TEST(MicrovmQemuCommand, TypicalTcgArgv) {
   EXPECT_LT(index_of(argv, "-add-fd"), index_of(argv, "-chardev"));
 }
 
-TEST(MicrovmQemuCommand, TypicalKvmArgvAndOptions) {
+TEST(QemuCommand, TypicalKvmArgvAndOptions) {
   QemuSpec s = typical_spec(Accelerator::kKvm);
   s.memory_share = false;
   s.balloon = false;
@@ -213,7 +385,7 @@ TEST(MicrovmQemuCommand, TypicalKvmArgvAndOptions) {
   EXPECT_EQ(value_after(argv, "-m"), "1M");
 }
 
-TEST(MicrovmQemuCommand, CommasInValuesAreDoubled) {
+TEST(QemuCommand, CommasInValuesAreDoubled) {
   EXPECT_EQ(qemu_opt_escape("a,b,,c"), "a,,b,,,,c");
   EXPECT_EQ(qemu_opt_escape("plain=x"), "plain=x");
   QemuSpec s = typical_spec(Accelerator::kTcg);
@@ -233,7 +405,7 @@ TEST(MicrovmQemuCommand, CommasInValuesAreDoubled) {
   EXPECT_THAT(value_after(argv, "-blockdev"), HasSubstr("file.filename=/img/a,,b.raw,file.locking=off"));
 }
 
-TEST(MicrovmQemuCommand, ValidationNamesTheField) {
+TEST(QemuCommand, ValidationNamesTheField) {
   struct Case {
     const char* field;
     void (*mutate)(QemuSpec&);
@@ -287,9 +459,12 @@ TEST(MicrovmQemuCommand, ValidationNamesTheField) {
   EXPECT_EQ(code_of([&] { qemu_argv(ok); }), Code::kOk);
 }
 
-TEST(MicrovmQemuCmdline, DsecWordsTcgClockAndExtras) {
-  EXPECT_EQ(kernel_cmdline({}), "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1");
+TEST(QemuCmdline, DsecWordsTcgClockAndExtras) {
+  CmdlineOptions pid1;
+  pid1.guest_mode = "1";
+  EXPECT_EQ(kernel_cmdline(pid1), "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1");
   CmdlineOptions tcg;
+  tcg.guest_mode = "1";
   tcg.accelerator = Accelerator::kTcg;
   tcg.tsc_khz = 2445453;
   tcg.extra = {"dsec.vsock=0", "nokaslr", "loglevel=7"};
@@ -298,6 +473,7 @@ TEST(MicrovmQemuCmdline, DsecWordsTcgClockAndExtras) {
             "tsc=reliable dsec.vsock=0 nokaslr loglevel=7");
 
   CmdlineOptions no_tsc;
+  no_tsc.guest_mode = "1";
   no_tsc.accelerator = Accelerator::kTcg;
   std::string message;
   EXPECT_EQ(code_of([&] { kernel_cmdline(no_tsc); }, &message), Code::kInvalidArgument);
@@ -305,13 +481,33 @@ TEST(MicrovmQemuCmdline, DsecWordsTcgClockAndExtras) {
 
   for (std::string bad : {"a b", "a=\"b\"", "x='1'", "", "=v", "-- init", "--", "k=v\n", "a\\b", "ke;y=1", "k=\x7f"}) {
     CmdlineOptions o;
+    o.guest_mode = "1";
     o.extra = {"ok=1", bad};
     EXPECT_EQ(code_of([&] { kernel_cmdline(o); }, &message), Code::kInvalidArgument) << "'" << bad << "'";
     EXPECT_THAT(message, HasSubstr("extra[1]"));
   }
   CmdlineOptions too_long;
+  too_long.guest_mode = "1";
   too_long.extra = {"x=" + std::string(2100, 'y')};
   EXPECT_EQ(code_of([&] { kernel_cmdline(too_long); }), Code::kInvalidArgument);
+}
+
+// dsec_guest= says which life dsec-init leads: the mode is the caller's, checked like a parameter's name.
+TEST(QemuCmdline, GuestModeIsRequiredAndChecked) {
+  CmdlineOptions boot;
+  boot.guest_mode = "boot";
+  boot.extra = {"console=tty0"};
+  EXPECT_EQ(kernel_cmdline(boot),
+            "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=boot console=tty0");
+  std::string message;
+  EXPECT_EQ(code_of([&] { kernel_cmdline({}); }, &message), Code::kInvalidArgument);
+  EXPECT_THAT(message, HasSubstr("CmdlineOptions.guest_mode: required"));
+  for (std::string bad : {"a b", "1 init=/bin/sh", "x=y", "b\\oot", "boot\n", "\"1\""}) {
+    CmdlineOptions o;
+    o.guest_mode = bad;
+    EXPECT_EQ(code_of([&] { kernel_cmdline(o); }, &message), Code::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_THAT(message, HasSubstr("CmdlineOptions.guest_mode")) << message;
+  }
 }
 
 // --- the QMP client against a fake server ---
@@ -401,7 +597,7 @@ std::vector<std::string> names(const std::vector<json>& events) {
 
 Clock::time_point soon() { return Clock::now() + std::chrono::seconds(5); }
 
-TEST(MicrovmQmpFake, GreetingAndCapabilities) {
+TEST(QemuQmpFake, GreetingAndCapabilities) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -419,7 +615,7 @@ TEST(MicrovmQmpFake, GreetingAndCapabilities) {
   EXPECT_EQ(server.read_request(), (json{{"execute", "device_del"}, {"id", 3}, {"arguments", {{"id", "blk1"}}}}));
 }
 
-TEST(MicrovmQmpFake, RepliesMatchedByIdWithEventsAndLateRepliesBetween) {
+TEST(QemuQmpFake, RepliesMatchedByIdWithEventsAndLateRepliesBetween) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -442,7 +638,7 @@ TEST(MicrovmQmpFake, RepliesMatchedByIdWithEventsAndLateRepliesBetween) {
   EXPECT_EQ(qmp.wait_event("SHUTDOWN", milliseconds(0))["event"], "SHUTDOWN");
 }
 
-TEST(MicrovmQmpFake, MessagesSplitAcrossReadsAndBareNewlines) {
+TEST(QemuQmpFake, MessagesSplitAcrossReadsAndBareNewlines) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -461,7 +657,7 @@ TEST(MicrovmQmpFake, MessagesSplitAcrossReadsAndBareNewlines) {
   EXPECT_THAT(names(qmp.take_events()), ElementsAre("A"));
 }
 
-TEST(MicrovmQmpFake, ErrorRepliesBecomeCodes) {
+TEST(QemuQmpFake, ErrorRepliesBecomeCodes) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -494,7 +690,7 @@ TEST(MicrovmQmpFake, ErrorRepliesBecomeCodes) {
   EXPECT_EQ(code_of([&] { qmp.execute(""); }), Code::kInvalidArgument);
 }
 
-TEST(MicrovmQmpFake, ClosedSocketIsUnavailableButQueuedEventsRemain) {
+TEST(QemuQmpFake, ClosedSocketIsUnavailableButQueuedEventsRemain) {
   // QEMU answers, then goes away (as after "quit"): the answer and what came before it are read.
   {
     FakeQmp server;
@@ -537,7 +733,7 @@ TEST(MicrovmQmpFake, ClosedSocketIsUnavailableButQueuedEventsRemain) {
   EXPECT_EQ(code_of([&] { QmpClient q(early.take_client_end(), soon()); }), Code::kUnavailable);
 }
 
-TEST(MicrovmQmpFake, TimeoutsAndLateRepliesDropped) {
+TEST(QemuQmpFake, TimeoutsAndLateRepliesDropped) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -566,7 +762,7 @@ TEST(MicrovmQmpFake, TimeoutsAndLateRepliesDropped) {
   EXPECT_LT(Clock::now() - t0, milliseconds(1000));
 }
 
-TEST(MicrovmQmpFake, WaitEventTakesQueuedThenWaits) {
+TEST(QemuQmpFake, WaitEventTakesQueuedThenWaits) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -582,7 +778,7 @@ TEST(MicrovmQmpFake, WaitEventTakesQueuedThenWaits) {
   EXPECT_THAT(names(qmp.take_events()), ElementsAre("A", "A", "C"));
 }
 
-TEST(MicrovmQmpFake, FdsTravelWithTheCommand) {
+TEST(QemuQmpFake, FdsTravelWithTheCommand) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -605,7 +801,7 @@ TEST(MicrovmQmpFake, FdsTravelWithTheCommand) {
   EXPECT_EQ(code_of([&] { qmp.execute_with_fds("add-fd", json::object(), too_many); }), Code::kInvalidArgument);
 }
 
-TEST(MicrovmQmpFake, GarbageIsInternal) {
+TEST(QemuQmpFake, GarbageIsInternal) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -616,7 +812,7 @@ TEST(MicrovmQmpFake, GarbageIsInternal) {
   EXPECT_EQ(code_of([&] { QmpClient q(wrong.take_client_end(), soon()); }), Code::kInternal);
 }
 
-TEST(MicrovmQmpFake, WaitMigration) {
+TEST(QemuQmpFake, WaitMigration) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
@@ -654,7 +850,7 @@ TEST(MicrovmQmpFake, WaitMigration) {
   t.join();
 }
 
-TEST(MicrovmQmpConnect, RetriesUntilTheSocketListens) {
+TEST(QemuQmpConnect, RetriesUntilTheSocketListens) {
   TempDir dir;
   fs::path sock = dir.path() / "qmp.sock";
   // Nothing there until the deadline: DEADLINE_EXCEEDED naming the path.
@@ -784,7 +980,7 @@ UniqueFd open_fd(const fs::path& p, int flags) {
   return fd;
 }
 
-TEST(MicrovmQmpRealQemu, QueryStatusVersionErrorsFdsAndQuit) {
+TEST(QemuQmpReal, QueryStatusVersionErrorsFdsAndQuit) {
   auto qemu = find_qemu();
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   TempDir dir;
@@ -838,8 +1034,8 @@ QmpClient connect_or_explain(const fs::path& sock, QemuProcess& proc, const std:
   }
 }
 
-// A microvm the way the backend starts one: every resource an inherited fd, the argv from qemu_argv.
-struct MicrovmRig {
+// A VM the way a backend starts one: every resource an inherited fd, the argv from qemu_argv.
+struct VmRig {
   TempDir dir;
   UniqueFd ram, kernel, qmp_listen, agent_listen, console, base, img;
   std::vector<int> keep;
@@ -847,7 +1043,8 @@ struct MicrovmRig {
   fs::path qmp_path, console_path;
 
   // `ram_fd`: guest RAM to map (the template of a clone); -1: a new memfd.
-  MicrovmRig(const fs::path& qemu, const fs::path& vmlinux, bool with_qcow2, int ram_fd = -1) {
+  VmRig(const fs::path& qemu, const fs::path& vmlinux, bool with_qcow2, int ram_fd = -1,
+        Machine machine = Machine::kMicrovm) {
     qmp_path = dir.path() / "qmp.sock";
     console_path = dir.path() / "console.log";
     ram = UniqueFd(ram_fd >= 0 ? ::fcntl(ram_fd, F_DUPFD_CLOEXEC, 3) : ::memfd_create("dsec-ram", MFD_CLOEXEC));
@@ -866,12 +1063,14 @@ struct MicrovmRig {
 
     spec.name = "sb-test,1";
     spec.binary = qemu.string();
+    spec.machine = machine;
     spec.accelerator = Accelerator::kTcg;
     spec.vcpus = 1;
     spec.memory_bytes = 128 << 20;
     spec.memory_path = fmt::format("/proc/self/fd/{}", ram.get());
     spec.kernel = fmt::format("/proc/self/fd/{}", kernel.get());
     CmdlineOptions cmdline;
+    cmdline.guest_mode = "1";
     cmdline.accelerator = Accelerator::kTcg;
     cmdline.tsc_khz = 2000000;
     cmdline.extra = {"loglevel=7"};  // overrides dsec's loglevel=3: the boot shows on the console
@@ -895,14 +1094,36 @@ struct MicrovmRig {
     keep = {ram.get(), kernel.get(), qmp_listen.get(), agent_listen.get(), console.get(), base.get()};
     if (img) keep.push_back(img.get());
   }
-  // After the spawn: the parent's copies go (a connection to a dead QEMU then fails instead of waiting forever).
-  void drop_parent_copies() {
+  // Starts QEMU on qemu_argv(spec) and connects to its QMP (failing the test with what QEMU said when it cannot).
+  // After the spawn the parent's copies of the listening sockets go: a connection to a dead QEMU then fails instead
+  // of waiting forever.
+  QmpClient start() {
+    std::vector<std::string> argv = qemu_argv(spec);
+    proc.emplace(argv, keep, dir.path() / "qemu.log");
     qmp_listen.reset();
     agent_listen.reset();
+    return connect_or_explain(qmp_path, *proc, argv);
   }
+
+  std::optional<QemuProcess> proc;  // last: killed before the directory goes
 };
 
-TEST(MicrovmQemuRealArgv, StartsPausedWithItsDevicesThenBootsToTheConsole) {
+// Lets the rig's paused guest run to its kernel's panic (with no initrd it panics at once: panic=-1, reboot=t) and
+// -no-reboot end QEMU; the console, which went to the file through the fd set, is returned.
+std::string boot_to_panic(QmpClient& qmp, VmRig& rig) {
+  QemuProcess& proc = *rig.proc;
+  qmp.execute("cont");
+  json shutdown = qmp.wait_event("SHUTDOWN", milliseconds(60000));
+  EXPECT_EQ(shutdown["data"]["guest"], true) << shutdown.dump();
+  auto status = proc.wait(milliseconds(5000));
+  EXPECT_TRUE(status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << proc.log();
+  std::string console = read_file(rig.console_path);
+  EXPECT_THAT(console, HasSubstr("Kernel panic")) << console.substr(0, 4000);
+  EXPECT_EQ(proc.log(), "") << "QEMU complained";
+  return console;
+}
+
+TEST(QemuRealArgv, StartsPausedWithItsDevicesThenBootsToTheConsole) {
   auto qemu = find_qemu();
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
@@ -910,14 +1131,10 @@ TEST(MicrovmQemuRealArgv, StartsPausedWithItsDevicesThenBootsToTheConsole) {
     GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux): QEMU loads "
                     "-kernel at machine init, so the microvm argv cannot be checked without one";
   }
-  MicrovmRig rig(*qemu, *vmlinux, /*with_qcow2=*/true);
+  VmRig rig(*qemu, *vmlinux, /*with_qcow2=*/true);
   rig.spec.start_paused = true;
-  auto argv = qemu_argv(rig.spec);
-  QemuProcess proc(argv, rig.keep, rig.dir.path() / "qemu.log");
-  rig.drop_parent_copies();
-
   std::optional<QmpClient> qmp;
-  qmp.emplace(connect_or_explain(rig.qmp_path, proc, argv));
+  qmp.emplace(rig.start());
   EXPECT_EQ(qmp_status(*qmp), "prelaunch");
   EXPECT_EQ(qmp->execute("query-name")["name"], "sb-test,1");
 
@@ -940,36 +1157,23 @@ TEST(MicrovmQemuRealArgv, StartsPausedWithItsDevicesThenBootsToTheConsole) {
   json balloon = qmp->execute("query-balloon");
   EXPECT_EQ(balloon["actual"], 128 << 20);
 
-  // Boot: with no initrd the kernel panics at once (panic=-1, reboot=t), and -no-reboot ends QEMU. The panic is on
-  // the console, which went to the file through the fd set.
-  qmp->execute("cont");
-  json shutdown = qmp->wait_event("SHUTDOWN", milliseconds(30000));
-  EXPECT_EQ(shutdown["data"]["guest"], true) << shutdown.dump();
-  auto status = proc.wait(milliseconds(5000));
-  ASSERT_TRUE(status.has_value());
-  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << proc.log();
-  std::string console = read_file(rig.console_path);
-  EXPECT_THAT(console, HasSubstr("Kernel panic")) << console.substr(0, 4000);
+  std::string console = boot_to_panic(*qmp, rig);
   EXPECT_THAT(console, HasSubstr("tsc_early_khz=2000000")) << console.substr(0, 4000);
-  EXPECT_EQ(proc.log(), "") << "QEMU complained";
 }
 
 // The console in a ring buffer inside QEMU (bounded, whatever the guest writes), read over QMP.
-TEST(MicrovmQemuRealArgv, RingBufferConsoleReadOverQmp) {
+TEST(QemuRealArgv, RingBufferConsoleReadOverQmp) {
   auto qemu = find_qemu();
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
   if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
-  MicrovmRig rig(*qemu, *vmlinux, false);
+  VmRig rig(*qemu, *vmlinux, false);
   rig.spec.console_path.clear();
   rig.spec.console_ringbuf_bytes = 1 << 16;
   rig.spec.block_devices.clear();
   rig.spec.balloon = false;
   rig.spec.agent_listen_fd = -1;
-  auto argv = qemu_argv(rig.spec);
-  QemuProcess proc(argv, rig.keep, rig.dir.path() / "qemu.log");
-  rig.drop_parent_copies();
-  QmpClient qmp = connect_or_explain(rig.qmp_path, proc, argv);
+  QmpClient qmp = rig.start();
   EXPECT_EQ(qmp_status(qmp), "running");  // not paused this time
   std::string console;
   auto deadline = Clock::now() + std::chrono::seconds(20);
@@ -980,8 +1184,41 @@ TEST(MicrovmQemuRealArgv, RingBufferConsoleReadOverQmp) {
   }
   EXPECT_THAT(console, HasSubstr("Linux version"));
   qmp.execute("quit");
-  ASSERT_TRUE(proc.wait(milliseconds(5000)).has_value());
-  EXPECT_EQ(proc.log(), "");
+  ASSERT_TRUE(rig.proc->wait(milliseconds(5000)).has_value());
+  EXPECT_EQ(rig.proc->log(), "");
+}
+
+// q35 with a VGA screen and USB input, the way the full VM tier will start one: QEMU takes the argv, shows the
+// devices on PCI, offers the tablet as the only mouse (no PS/2 controller), and boots the kernel (through SeaBIOS)
+// to its panic, the console in the file as on microvm.
+TEST(QemuRealArgv, Q35WithAScreenAndUsbInputBootsToTheConsole) {
+  auto qemu = find_qemu();
+  if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
+  auto vmlinux = find_guest_kernel();
+  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
+  VmRig rig(*qemu, *vmlinux, false, -1, Machine::kQ35);
+  rig.spec.display = {DisplaySpec::Kind::kVga, 1280, 800, 16};
+  rig.spec.usb_input = true;
+  rig.spec.start_paused = true;
+  QmpClient qmp = rig.start();
+  EXPECT_EQ(qmp_status(qmp), "prelaunch");
+
+  std::map<std::string, int> classes;  // PCI device classes by description, counted
+  json buses = qmp.execute("query-pci");
+  for (const auto& bus : buses)
+    for (const auto& d : bus["devices"]) ++classes[d["class_info"].value("desc", "?")];
+  EXPECT_EQ(classes["VGA controller"], 1) << buses.dump();
+  EXPECT_EQ(classes["USB controller"], 1) << buses.dump();
+  EXPECT_EQ(classes["SCSI controller"], 2) << buses.dump();  // virtio-blk-pci, one a disk
+  std::vector<std::string> mice;
+  for (const auto& m : qmp.execute("query-mice")) mice.push_back(m["name"].get<std::string>());
+  EXPECT_THAT(mice, ElementsAre("QEMU HID Tablet"));
+  std::map<std::string, json> nodes;
+  for (auto& n : qmp.execute("query-named-block-nodes")) nodes[n["node-name"].get<std::string>()] = n;
+  EXPECT_TRUE(nodes.count("base") && nodes.count("scratch"));
+
+  std::string console = boot_to_panic(qmp, rig);
+  EXPECT_THAT(console, HasSubstr("dsec_guest=1")) << console.substr(0, 4000);
 }
 
 // A hash of a memfd's contents (mapped, not copied).
@@ -998,7 +1235,7 @@ std::size_t memfd_hash(int fd) {
 // The clone path: a VM boots a little, is paused and saved with x-ignore-shared (its RAM stays in the memfd, only
 // device state goes to the file); a second QEMU maps that memfd copy-on-write (share=off), restores the state
 // through -incoming defer, and carries on booting from where the first stopped, leaving the memfd untouched.
-TEST(MicrovmQemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
+TEST(QemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
   auto qemu = find_qemu();
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
@@ -1009,12 +1246,9 @@ TEST(MicrovmQemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
 
   UniqueFd template_ram;
   {
-    MicrovmRig rig(*qemu, *vmlinux, false);
+    VmRig rig(*qemu, *vmlinux, false);
     rig.spec.start_paused = true;
-    auto argv = qemu_argv(rig.spec);
-    QemuProcess proc(argv, rig.keep, rig.dir.path() / "qemu.log");
-    rig.drop_parent_copies();
-    QmpClient qmp = connect_or_explain(rig.qmp_path, proc, argv);
+    QmpClient qmp = rig.start();
     qmp.execute("cont");
     // Into the kernel's boot (its first line on the console), well before its panic.
     auto booting = Clock::now() + std::chrono::seconds(20);
@@ -1031,7 +1265,7 @@ TEST(MicrovmQemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
     qmp_wait_migration(qmp, milliseconds(10000));
     EXPECT_EQ(qmp_status(qmp), "postmigrate");
     qmp.execute("quit");
-    ASSERT_TRUE(proc.wait(milliseconds(5000)).has_value()) << proc.log();
+    ASSERT_TRUE(rig.proc->wait(milliseconds(5000)).has_value()) << rig.proc->log();
     std::string console = read_file(rig.console_path);
     EXPECT_THAT(console, HasSubstr("Linux version"));
     EXPECT_THAT(console, ::testing::Not(HasSubstr("Kernel panic")));
@@ -1041,17 +1275,14 @@ TEST(MicrovmQemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
   EXPECT_LT(fs::file_size(state), 8u << 20) << "RAM went into the state file despite x-ignore-shared";
   const std::size_t template_hash = memfd_hash(template_ram.get());
 
-  MicrovmRig rig(*qemu, *vmlinux, false, template_ram.get());
+  VmRig rig(*qemu, *vmlinux, false, template_ram.get());
   // The other way to name the file; then the fd must not be in an fd set too (QEMU's -add-fd takes it over).
   rig.spec.console_path = fmt::format("/proc/self/fd/{}", rig.console.get());
   rig.spec.fds = {{rig.base.get(), 3}};
   rig.spec.incoming = true;
   rig.spec.start_paused = true;
   rig.spec.memory_share = false;
-  auto argv = qemu_argv(rig.spec);
-  QemuProcess proc(argv, rig.keep, rig.dir.path() / "qemu.log");
-  rig.drop_parent_copies();
-  QmpClient qmp = connect_or_explain(rig.qmp_path, proc, argv);
+  QmpClient qmp = rig.start();
   EXPECT_EQ(qmp_status(qmp), "inmigrate");
   qmp.execute("migrate-set-capabilities", ignore_shared);
   UniqueFd in = open_fd(state, O_RDONLY);
@@ -1067,13 +1298,13 @@ TEST(MicrovmQemuRealArgv, CloneRestoredThroughIncomingDeferOnCopyOnWriteRam) {
   qmp.execute("cont");
   json shutdown = qmp.wait_event("SHUTDOWN", milliseconds(30000));
   EXPECT_EQ(shutdown["data"]["guest"], true) << shutdown.dump();
-  ASSERT_TRUE(proc.wait(milliseconds(5000)).has_value());
+  ASSERT_TRUE(rig.proc->wait(milliseconds(5000)).has_value());
   std::string console = read_file(rig.console_path);
   EXPECT_THAT(console, HasSubstr("Kernel panic")) << console.substr(0, 4000);
   EXPECT_EQ(console.find("Linux version"), std::string::npos) << "the clone booted afresh instead of resuming";
   EXPECT_EQ(memfd_hash(template_ram.get()), template_hash) << "the clone wrote through to its template";
-  EXPECT_EQ(proc.log(), "");
+  EXPECT_EQ(rig.proc->log(), "");
 }
 
 }  // namespace
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

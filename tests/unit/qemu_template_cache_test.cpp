@@ -1,4 +1,4 @@
-// The microvm backend's template cache (agent/backends/microvm/vm_template): one template per key, made once, and
+// The QEMU tiers' template cache (agent/backends/qemu/vm_template): one template per key, made once, and
 // kept within a memory budget by dropping the least recently used. Templates here are bookkeeping only (no RAM, no
 // files); freezing real VMs into templates is covered by tests/integration/test_microvm.py.
 #include <atomic>
@@ -7,9 +7,9 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/backends/microvm/vm_template.hpp"
+#include "agent/backends/qemu/vm_template.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace {
 
 constexpr std::uint64_t kMiB = 1ull << 20;
@@ -27,8 +27,8 @@ struct Makers {
   }
 };
 
-TEST(MicrovmTemplateCache, AKeyIsMadeOnceAndThenServed) {
-  TemplateCache cache;
+TEST(QemuTemplateCache, AKeyIsMadeOnceAndThenServed) {
+  TemplateCache cache("test");
   Makers m;
   TemplatePtr a = cache.get("a", m.of("a", 128 * kMiB));
   EXPECT_EQ(cache.get("a", m.of("a", 128 * kMiB)), a);
@@ -37,8 +37,8 @@ TEST(MicrovmTemplateCache, AKeyIsMadeOnceAndThenServed) {
   EXPECT_EQ(cache.bytes(), 128 * kMiB);
 }
 
-TEST(MicrovmTemplateCache, OverTheBudgetTheLeastRecentlyUsedGoes) {
-  TemplateCache cache(300 * kMiB);
+TEST(QemuTemplateCache, OverTheBudgetTheLeastRecentlyUsedGoes) {
+  TemplateCache cache("test", 300 * kMiB);
   Makers m;
   TemplatePtr a = cache.get("a", m.of("a", 128 * kMiB));
   (void)cache.get("b", m.of("b", 128 * kMiB));
@@ -54,8 +54,8 @@ TEST(MicrovmTemplateCache, OverTheBudgetTheLeastRecentlyUsedGoes) {
   EXPECT_EQ(cache.evictions(), 2u);
 }
 
-TEST(MicrovmTemplateCache, ADroppedTemplateLivesOnForWhoeverHoldsIt) {
-  TemplateCache cache(100 * kMiB);
+TEST(QemuTemplateCache, ADroppedTemplateLivesOnForWhoeverHoldsIt) {
+  TemplateCache cache("test", 100 * kMiB);
   Makers m;
   TemplatePtr a = cache.get("a", m.of("a", 64 * kMiB));
   (void)cache.get("b", m.of("b", 64 * kMiB));
@@ -64,8 +64,8 @@ TEST(MicrovmTemplateCache, ADroppedTemplateLivesOnForWhoeverHoldsIt) {
   EXPECT_EQ(a->memory_bytes, 64 * kMiB);  // a VM starting from it still has it
 }
 
-TEST(MicrovmTemplateCache, TheTemplateJustMadeIsKeptEvenAloneOverTheBudget) {
-  TemplateCache cache(100 * kMiB);
+TEST(QemuTemplateCache, TheTemplateJustMadeIsKeptEvenAloneOverTheBudget) {
+  TemplateCache cache("test", 100 * kMiB);
   Makers m;
   TemplatePtr big = cache.get("big", m.of("big", 512 * kMiB));
   EXPECT_EQ(cache.size(), 1u);
@@ -78,8 +78,8 @@ TEST(MicrovmTemplateCache, TheTemplateJustMadeIsKeptEvenAloneOverTheBudget) {
   EXPECT_EQ(cache.size(), 1u);
 }
 
-TEST(MicrovmTemplateCache, InvalidateDropsOnlyTheTemplateNamed) {
-  TemplateCache cache;
+TEST(QemuTemplateCache, InvalidateDropsOnlyTheTemplateNamed) {
+  TemplateCache cache("test");
   Makers m;
   TemplatePtr a = cache.get("a", m.of("a", kMiB));
   auto stale = std::make_shared<VmTemplate>();
@@ -91,4 +91,4 @@ TEST(MicrovmTemplateCache, InvalidateDropsOnlyTheTemplateNamed) {
 }
 
 }  // namespace
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

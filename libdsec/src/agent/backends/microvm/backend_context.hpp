@@ -10,10 +10,10 @@
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
-#include "agent/host_id_pool.hpp"
-#include "agent/backends/microvm/vm_template.hpp"
-#include "agent/backends/microvm/writable_disk.hpp"
+#include "agent/backends/qemu/vm_template.hpp"
+#include "agent/backends/qemu/writable_disk.hpp"
 #include "agent/config.hpp"
+#include "agent/host_id_pool.hpp"
 
 namespace dsec::agent::microvm {
 
@@ -30,18 +30,19 @@ struct BackendContext {
   // saved state of sleeping VMs, templates' files; a directory per sandbox, per template and per pooled VM.
   std::filesystem::path data_dir;
   std::unique_ptr<container::CgroupDriver> cgroups;
-  WritableDisks disks;
+  qemu::WritableDisks disks;
   HostIdPool uids;
   std::uint32_t host_cores = 1;
   std::uint64_t host_memory = 0;
   std::atomic<std::uint32_t> vms{0};  // sandboxes' VMs running now
-  TemplateCache templates;
+  qemu::TemplateCache templates;
 
   explicit BackendContext(const AgentConfig& c)
       : config(c),
         data_dir(c.home / "microvm" / c.cgroup_name),
         disks(data_dir / "disks"),
-        uids(c.microvm.uid_base, c.microvm.uid_count, 1, "microVM uids") {}
+        uids(c.microvm.uid_base, c.microvm.uid_count, 1, "microVM uids"),
+        templates("microvm") {}
 };
 
 }  // namespace dsec::agent::microvm

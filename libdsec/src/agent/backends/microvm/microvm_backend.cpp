@@ -16,14 +16,15 @@
 
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/process_identity.hpp"
-#include "agent/backends/microvm/accelerator.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
 #include "agent/backends/microvm/microvm_sandbox.hpp"
 #include "agent/backends/microvm/vm_instance.hpp"
 #include "agent/backends/microvm/vm_pool.hpp"
-#include "agent/backends/microvm/vm_record.hpp"
-#include "agent/backends/microvm/vm_template.hpp"
-#include "agent/backends/microvm/writable_disk.hpp"
+#include "agent/backends/qemu/accelerator.hpp"
+#include "agent/backends/qemu/initramfs.hpp"
+#include "agent/backends/qemu/vm_record.hpp"
+#include "agent/backends/qemu/vm_template.hpp"
+#include "agent/backends/qemu/writable_disk.hpp"
 #include "agent/exec_command.hpp"
 #include "agent/host.hpp"
 #include "agent/log.hpp"
@@ -37,7 +38,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace gp = guest_protocol;
-namespace key = record_key;
+namespace key = qemu::record_key;
 
 constexpr std::uint64_t kMinGuestMemory = 128ull << 20;
 constexpr std::uint64_t kProbeMemory = 128ull << 20;
@@ -100,13 +101,10 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     fs::remove_all(shared_.data_dir / "forks", ec);
     fs::create_directories(shared_.data_dir);
     ::chmod(shared_.data_dir.c_str(), 0700);
-    std::vector<fs::path> modules;
-    if (!shared_.kernel.modules_dir.empty())
-      modules = module_load_order(shared_.kernel.modules_dir, guest_modules(), optional_guest_modules());
     shared_.initramfs = shared_.work_dir / "initramfs.cpio";
-    write_initramfs(shared_.initramfs, init, modules);
+    qemu::write_initramfs(shared_.initramfs, init, guest_module_files(shared_.kernel));
     ::chmod(shared_.initramfs.c_str(), 0644);
-    shared_.tsc_khz = static_cast<std::uint32_t>(host_tsc_khz());
+    shared_.tsc_khz = static_cast<std::uint32_t>(qemu::host_tsc_khz());
     shared_.cgroups = container::make_cgroup_driver(config.cgroup_name);
     remove_pool_leftovers(shared_);
     HostCapacity host = probe_host();
@@ -222,7 +220,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
         boot.layers = source->parent_boot.layers;
         boot.memory_bytes = source->parent_boot.memory_bytes;
         boot.vcpus = source->parent_boot.vcpus;
-        copy_sparse(source->frozen->disk, boot.disk);
+        qemu::copy_sparse(source->frozen->disk, boot.disk);
         vm = restore_in(boot, *cgroup, VmRestore{source->frozen->state, source->frozen->memory});
       } else {
         vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
@@ -252,7 +250,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       // A template that cannot be made fails the create with what a boot of this shape says.
       TemplatePtr t = shared_.templates.get(key, [&] { return make_template(key, boot, disk_bytes); });
       try {
-        copy_sparse(t->disk, boot.disk);
+        qemu::copy_sparse(t->disk, boot.disk);
         return restore_in(boot, cgroup, VmRestore{t->state, t->memory});
       } catch (const Error& e) {
         log_warn("sandbox {}: start from template failed ({}); booting instead, and the template is made anew",
@@ -366,7 +364,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     b.layers = shape.layers;
     b.disk = p->data_dir / "disk.ext4";
     b.hostname = "dsec-pool";
-    copy_sparse(t->disk, b.disk);
+    qemu::copy_sparse(t->disk, b.disk);
     p->vm = restore_in(b, *p->cgroup, VmRestore{t->state, t->memory});
     p->boot = b;
     // The first command in a fresh QEMU runs through code TCG has not translated yet (a quarter of a second): run
@@ -394,16 +392,18 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   std::unique_ptr<BackendSandbox> adopt(const AdoptParams& p) override {
     const BackendState& st = p.state;
     fs::path run_dir = shared_.config.run_dir / p.id;
-    if (state_value(st, key::kBootId) != container::boot_id())
+    auto value = [this, &st](const char* name) -> const std::string& { return qemu::state_value(kind(), st, name); };
+    auto number = [this, &st](const char* name) { return qemu::state_number(kind(), st, name); };
+    if (value(key::kBootId) != container::boot_id())
       throw Error(Code::kNotFound, fmt::format("sandbox {}: the host rebooted since its VM started", p.id));
-    VmBootSpec boot = boot_spec(p.id, run_dir, static_cast<std::uint32_t>(state_number(st, key::kUid)));
-    boot.accelerator = state_value(st, key::kAccelerator) == "kvm" ? Accelerator::kKvm : Accelerator::kTcg;
-    boot.memory_bytes = state_number(st, key::kMemory);
-    boot.vcpus = static_cast<std::uint32_t>(state_number(st, key::kVcpus));
-    boot.hostname = state_value(st, key::kHostname);
-    boot.layers = decode_layers(state_value(st, key::kLayers));
+    VmBootSpec boot = boot_spec(p.id, run_dir, static_cast<std::uint32_t>(number(key::kUid)));
+    boot.accelerator = value(key::kAccelerator) == "kvm" ? Accelerator::kKvm : Accelerator::kTcg;
+    boot.memory_bytes = number(key::kMemory);
+    boot.vcpus = static_cast<std::uint32_t>(number(key::kVcpus));
+    boot.hostname = value(key::kHostname);
+    boot.layers = qemu::decode_layers(kind(), value(key::kLayers));
     boot.disk = shared_.data_dir / p.id / "disk.ext4";
-    const std::string cgroup_path = state_value(st, key::kCgroup);
+    const std::string cgroup_path = value(key::kCgroup);
     container::check_adoptable_path(cgroup_path);
     std::unique_ptr<container::SandboxCgroup> cgroup;
     try {
@@ -418,16 +418,16 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       if (!fs::exists(shared_.data_dir / p.id / "sleep.state"))
         throw Error(Code::kNotFound, fmt::format("sandbox {}: its saved state is gone", p.id));
     } else {
-      auto pid = static_cast<pid_t>(state_number(st, key::kQemuPid));
+      auto pid = static_cast<pid_t>(number(key::kQemuPid));
       UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
       if (!pidfd) throw Error(Code::kNotFound, fmt::format("sandbox {}: its QEMU (pid {}) is gone", p.id, pid));
       auto start = container::process_start_time(pid);
-      if (!start || std::to_string(*start) != state_value(st, key::kQemuStart))
+      if (!start || std::to_string(*start) != value(key::kQemuStart))
         throw Error(Code::kNotFound, fmt::format("sandbox {}: its QEMU (pid {}) is gone", p.id, pid));
       if (!container::process_in_cgroup(pid, cgroup_path, shared_.cgroups->version()))
         throw Error(Code::kFailedPrecondition,
                     fmt::format("sandbox {}: pid {} is not in the sandbox's cgroup", p.id, pid));
-      vm = VmInstance::attach(p.id, run_dir, pid, std::move(pidfd), state_value(st, key::kRam) == "clone",
+      vm = VmInstance::attach(p.id, run_dir, pid, std::move(pidfd), value(key::kRam) == "clone",
                               boot.hostname, Clock::now() + std::chrono::seconds(10));
     }
     shared_.uids.claim(boot.uid);
@@ -539,7 +539,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
 
   void probe() {
     const std::string wanted = shared_.config.microvm.accelerator;
-    KvmAccess access = host_kvm_access();
+    qemu::KvmAccess access = qemu::host_kvm_access();
     std::string failure;
     double boot_seconds = 0;
     bool probed = false;
@@ -553,7 +553,8 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       failure = why;
       boot_seconds = seconds;
     }
-    AcceleratorChoice choice = choose_accelerator(wanted, access, failure, probed, fs::exists("/sys/module/kvm_pvm"));
+    qemu::AcceleratorChoice choice = qemu::choose_accelerator("--microvm-accelerator", wanted, access, failure, probed,
+                                                              fs::exists("/sys/module/kvm_pvm"));
     const Accelerator chosen = choice.kvm ? Accelerator::kKvm : Accelerator::kTcg;
     const std::string& reason = choice.reason;
     const std::string& unavailable = choice.unavailable;

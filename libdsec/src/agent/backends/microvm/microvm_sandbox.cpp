@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 
 #include "agent/backends/container/process_identity.hpp"
-#include "agent/backends/microvm/vm_record.hpp"
+#include "agent/backends/qemu/vm_record.hpp"
 #include "agent/exec_command.hpp"
 #include "agent/exec_user.hpp"
 #include "agent/host.hpp"
@@ -21,7 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace gp = guest_protocol;
-namespace key = record_key;
+namespace key = qemu::record_key;
 
 constexpr std::size_t kMaxFileBytes = 1ull << 30;
 constexpr auto kFileTimeout = std::chrono::seconds(300);
@@ -207,7 +207,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
                      {key::kMemory, std::to_string(boot_.memory_bytes)},
                      {key::kVcpus, std::to_string(boot_.vcpus)},
                      {key::kHostname, boot_.hostname},
-                     {key::kLayers, encode_layers(boot_.layers)},
+                     {key::kLayers, qemu::encode_layers(boot_.layers)},
                      {key::kAccelerator, boot_.accelerator == Accelerator::kKvm ? "kvm" : "tcg"}};
     if (vm_) {
       out[key::kQemuPid] = std::to_string(vm_->pid());
@@ -279,7 +279,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
     // The VM stopped by itself (the guest panicked or powered off, QEMU crashed or was killed): what it held goes
     // at once, not when the sandbox is destroyed. A guest that powered off closes its port a moment before QEMU
     // exits: QEMU gets that moment, so the console's last lines say why.
-    if (vm && !vm->exited()) wait_exit(vm->pidfd(), vm->pid(), std::chrono::seconds(2));
+    if (vm && !vm->exited()) qemu::wait_exit(vm->pidfd(), vm->pid(), std::chrono::seconds(2));
     release_once(/*stopped_by_itself=*/true);
     return false;
   }

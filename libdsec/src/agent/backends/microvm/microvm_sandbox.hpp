@@ -12,7 +12,7 @@
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/microvm/backend_context.hpp"
 #include "agent/backends/microvm/vm_instance.hpp"
-#include "agent/backends/microvm/vm_template.hpp"
+#include "agent/backends/qemu/vm_template.hpp"
 
 namespace dsec::agent::microvm {
 

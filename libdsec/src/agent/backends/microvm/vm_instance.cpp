@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -13,12 +14,18 @@
 
 #include <fmt/format.h>
 
+#include "agent/backends/qemu/writable_disk.hpp"
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::microvm {
 namespace fs = std::filesystem;
 namespace gp = guest_protocol;
+using qemu::BlockDevice;
+using qemu::CmdlineOptions;
+using qemu::QemuSpec;
+using qemu::QmpClient;
+using qemu::VmLaunch;
 
 namespace {
 
@@ -173,17 +180,18 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     setup.disk_serial = disk.serial;
   }
   CmdlineOptions cmdline;
+  cmdline.guest_mode = "1";  // dsec-init as the guest's pid 1, serving the agent
   cmdline.accelerator = spec.accelerator;
   cmdline.tsc_khz = spec.tsc_khz;
-  q.kernel_cmdline = kernel_cmdline(cmdline);
+  q.kernel_cmdline = qemu::kernel_cmdline(cmdline);
 
-  launch.argv = qemu_argv(q);
+  launch.argv = qemu::qemu_argv(q);
   launch.uid = spec.uid;
   launch.gid = spec.gid;
   launch.extra_group = spec.kvm_group;
   launch.cgroup_procs = spec.cgroup_procs;
   launch.log_fd = qemu_log.get();
-  vm->process_ = launch_vm(launch);
+  vm->process_ = qemu::launch_vm(launch);
   // QEMU holds its copies now. The agent keeps none of the listening sockets: with a copy here, a connection to a
   // QEMU that died would wait in the backlog forever instead of failing.
   qmp_listen.reset();
@@ -224,7 +232,7 @@ std::unique_ptr<VmInstance> VmInstance::attach(const std::string& id, const fs::
   if (memory && ::fcntl(memory.get(), F_GET_SEALS) >= 0)
     (clone ? vm->template_ : vm->memory_) = std::make_shared<const UniqueFd>(std::move(memory));
   vm->qmp_.emplace(QmpClient::connect(run_dir / "qmp.sock", deadline));
-  std::string status = qmp_status(*vm->qmp_);
+  std::string status = qemu::qmp_status(*vm->qmp_);
   if (status != "running")
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM is {}, not running", id, status));
   vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(run_dir / "agent.sock"), id);
@@ -277,7 +285,7 @@ void VmInstance::load_state(const UniqueFd& state, bool ignore_shared, bool paus
   qmp_->execute("migrate-incoming", {{"uri", "fd:state"}}, left());
   // QEMU runs the guest on its own once the stream is loaded (no -S).
   for (;;) {
-    std::string status = qmp_status(*qmp_);
+    std::string status = qemu::qmp_status(*qmp_);
     if (status == "running") return;
     if (status == "paused" || status == "postmigrate") {
       if (!paused) qmp_->execute("cont", nlohmann::json::object(), left());
@@ -301,7 +309,7 @@ void VmInstance::save(const fs::path& state_file, bool ignore_shared, std::chron
   qmp_->execute("migrate-set-parameters", {{"max-bandwidth", std::int64_t{1} << 40}});
   qmp_->execute_with_fds("getfd", {{"fdname", "save"}}, {out.get()});
   qmp_->execute("migrate", {{"uri", "fd:save"}});
-  qmp_wait_migration(*qmp_, timeout);
+  qemu::qmp_wait_migration(*qmp_, timeout);
   if (::fsync(out.get()) != 0) throw_errno_fmt(errno, "fsync {}", state_file.string());
   // The page cache of what QEMU wrote is charged to the sandbox: on disk now, it need not stay in memory.
   ::posix_fadvise(out.get(), 0, 0, POSIX_FADV_DONTNEED);
@@ -338,22 +346,22 @@ VmInstance::~VmInstance() {
   }
 }
 
-bool VmInstance::exited() const { return !process_.pidfd || process_exited(process_.pidfd.get()); }
+bool VmInstance::exited() const { return !process_.pidfd || qemu::process_exited(process_.pidfd.get()); }
 
 void VmInstance::kill() {
   if (guest_) guest_->close();
   if (killed_ || !process_.pidfd) return;
   killed_ = true;
-  if (!kill_and_wait(process_.pidfd.get(), process_.pid, std::chrono::seconds(10)))
+  if (!qemu::kill_and_wait(process_.pidfd.get(), process_.pid, std::chrono::seconds(10)))
     log_warn("sandbox {}: QEMU (pid {}) did not exit 10 s after SIGKILL", id_, process_.pid);
 }
 
 std::string VmInstance::last_words() const {
   std::string out;
-  std::string console = file_tail(run_dir_ / "console.log", 6);
-  std::string qemu = file_tail(run_dir_ / "qemu.log", 4);
+  std::string console = qemu::file_tail(run_dir_ / "console.log", 6);
+  std::string qemu_log = qemu::file_tail(run_dir_ / "qemu.log", 4);
   if (!console.empty()) out += "; guest console: " + console;
-  if (!qemu.empty()) out += "; qemu: " + qemu;
+  if (!qemu_log.empty()) out += "; qemu: " + qemu_log;
   return out;
 }
 
@@ -361,6 +369,35 @@ nlohmann::json VmInstance::qmp(std::string_view command, const nlohmann::json& a
   std::lock_guard lock(qmp_mu_);
   if (!qmp_) throw Error(Code::kUnavailable, fmt::format("sandbox {}: no QMP connection", id_));
   return qmp_->execute(command, arguments);
+}
+
+TemplatePtr freeze_vm(VmInstance& vm, std::string key, const fs::path& dir, const fs::path& disk,
+                      std::uint64_t memory_bytes) {
+  if (!vm.memory()) throw Error(Code::kFailedPrecondition, "a clone of a template cannot itself be frozen");
+  const auto started = Clock::now();
+  fs::create_directories(dir);
+  ::chmod(dir.c_str(), 0700);
+  auto t = std::make_shared<qemu::VmTemplate>();
+  t->key = std::move(key);
+  t->dir = dir;
+  t->state = dir / "state";
+  t->disk = dir / "disk";
+  t->memory_bytes = memory_bytes;
+  vm.save(t->state, /*ignore_shared=*/true, std::chrono::seconds(60));
+  GuestMemory memory = vm.memory();
+  vm.kill();
+  // The disk as the stopped guest left it: it and the RAM are one consistent machine.
+  if (disk != t->disk) qemu::copy_sparse(disk, t->disk);
+  // Every page of the template exists before it is sealed: a clone's fault on a page the template never touched
+  // (a read of never-written memory, a migration save reading all of it) would otherwise add the page to the
+  // template's memfd, charged to that clone and kept until the template goes. Allocated, the template costs its
+  // size once, and clones only ever copy the pages they write.
+  if (::fallocate(memory->get(), 0, 0, static_cast<off_t>(memory_bytes)) != 0)
+    throw_errno(errno, "allocate the template's guest RAM");
+  qemu::seal_memory(memory->get());
+  t->memory = std::move(memory);
+  t->build_seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  return t;
 }
 
 }  // namespace dsec::agent::microvm

@@ -19,9 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "agent/backends/microvm/qemu_command.hpp"
-#include "agent/backends/microvm/qmp.hpp"
-#include "agent/backends/microvm/vm_process.hpp"
+#include "agent/backends/qemu/qemu_command.hpp"
+#include "agent/backends/qemu/qmp.hpp"
+#include "agent/backends/qemu/vm_process.hpp"
+#include "agent/backends/qemu/vm_template.hpp"
 #include "agent/guest/guest_channel.hpp"
 #include "agent/layers/layer_image.hpp"
 #include "common/unique_fd.hpp"
@@ -29,6 +30,9 @@
 namespace dsec::agent::microvm {
 
 using Clock = std::chrono::steady_clock;
+using qemu::Accelerator;
+using qemu::GuestMemory;
+using qemu::TemplatePtr;
 
 struct VmBootSpec {
   std::string id;                // the sandbox id (QEMU's -name)
@@ -49,9 +53,6 @@ struct VmBootSpec {
   std::vector<int> cgroup_procs;  // joined by QEMU before it runs
   std::string hostname;
 };
-
-// Guest RAM: a memfd, shared by a frozen template with the clones that map it copy-on-write.
-using GuestMemory = std::shared_ptr<const UniqueFd>;
 
 // A VM started from saved state instead of booted: QEMU's device state (a migration stream in a file) and where its
 // RAM comes from.
@@ -130,15 +131,21 @@ class VmInstance {
 
   std::string id_;
   std::filesystem::path run_dir_;
-  VmProcess process_;
+  qemu::VmProcess process_;
   GuestMemory memory_;    // this VM's own RAM (shared with QEMU)
   GuestMemory template_;  // or the template its RAM is a copy-on-write view of
   std::mutex qmp_mu_;
-  std::optional<QmpClient> qmp_;
+  std::optional<qemu::QmpClient> qmp_;
   std::unique_ptr<guest::GuestChannel> guest_;
   bool killed_ = false;
   bool adopted_ = false;
 };
+
+// Freezes a running VM into a template in `dir` (created): saves its device state without RAM, ends its QEMU, seals
+// its RAM, and keeps its writable disk `disk` as the template's (moved when it is in `dir` already as "disk", else
+// copied). The VM must be one with RAM of its own (not a clone); it is gone afterwards.
+TemplatePtr freeze_vm(VmInstance& vm, std::string key, const std::filesystem::path& dir,
+                      const std::filesystem::path& disk, std::uint64_t memory_bytes);
 
 // A unix stream socket bound at `path` (replacing a stale one) and listening.
 UniqueFd listen_unix(const std::filesystem::path& path);

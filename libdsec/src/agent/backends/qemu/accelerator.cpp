@@ -1,8 +1,8 @@
-#include "agent/backends/microvm/accelerator.hpp"
+#include "agent/backends/qemu/accelerator.hpp"
 
 #include <fmt/format.h>
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 KvmAccess kvm_access(const struct stat& st) {
   KvmAccess out;
@@ -31,11 +31,11 @@ KvmAccess host_kvm_access() {
   return kvm_access(st);
 }
 
-AcceleratorChoice choose_accelerator(const std::string& wanted, const KvmAccess& access,
+AcceleratorChoice choose_accelerator(std::string_view flag, const std::string& wanted, const KvmAccess& access,
                                      const std::string& probe_failure, bool probe_ran, bool host_is_pvm) {
   AcceleratorChoice c;
   if (wanted == "tcg") {
-    c.reason = "configured (--microvm-accelerator tcg)";
+    c.reason = fmt::format("configured ({} tcg)", flag);
     return c;
   }
   if (access.usable && probe_ran && probe_failure.empty()) {
@@ -47,8 +47,8 @@ AcceleratorChoice choose_accelerator(const std::string& wanted, const KvmAccess&
              : probe_ran    ? "KVM did not run the guest: " + probe_failure
                             : "KVM was not probed";
   if (host_is_pvm) c.reason += " (this host's KVM is kvm_pvm, which runs only guest kernels built for PVM)";
-  if (wanted == "kvm") c.unavailable = "--microvm-accelerator kvm: " + c.reason;
+  if (wanted == "kvm") c.unavailable = fmt::format("{} kvm: {}", flag, c.reason);
   return c;
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -1,5 +1,6 @@
-#include "agent/backends/microvm/qemu_command.hpp"
+#include "agent/backends/qemu/qemu_command.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <set>
 
@@ -7,7 +8,7 @@
 
 #include "dsec/error.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 namespace {
 
@@ -73,26 +74,18 @@ void check_path(std::string_view field, std::string_view path, const std::set<in
   }
 }
 
+bool is_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+// [A-Za-z0-9._-]: what node names, serials and kernel parameter names are made of.
+bool is_name_char(char c) { return is_alpha(c) || (c >= '0' && c <= '9') || c == '-' || c == '.' || c == '_'; }
+bool all_name_chars(std::string_view s) { return std::all_of(s.begin(), s.end(), is_name_char); }
+
 // QEMU's node names (block.c): a letter first, then letters, digits, '-', '.', '_'; at most 31 bytes.
 bool valid_node_name(std::string_view n) {
-  if (n.empty() || n.size() > 31) return false;
-  auto alpha = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); };
-  if (!alpha(n[0])) return false;
-  for (char c : n) {
-    if (!alpha(c) && !(c >= '0' && c <= '9') && c != '-' && c != '.' && c != '_') return false;
-  }
-  return true;
+  return !n.empty() && n.size() <= 31 && is_alpha(n[0]) && all_name_chars(n);
 }
 
-bool valid_serial(std::string_view s) {
-  if (s.size() > 20) return false;  // virtio-blk's ID field
-  for (char c : s) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '.' ||
-              c == '_';
-    if (!ok) return false;
-  }
-  return true;
-}
+// virtio-blk's ID field: at most 20 bytes.
+bool valid_serial(std::string_view s) { return s.size() <= 20 && all_name_chars(s); }
 
 std::string blockdev_options(const BlockDevice& d) {
   std::string o = fmt::format("driver={},node-name={}", d.format, d.node_name);
@@ -106,6 +99,26 @@ std::string blockdev_options(const BlockDevice& d) {
   // No image locks: the agent alone decides which VM opens which file (a read-only base is shared by many).
   o += fmt::format(",file.driver=file,file.filename={},file.locking=off", qemu_opt_escape(d.filename));
   return o;
+}
+
+void check_display(const QemuSpec& spec) {
+  const DisplaySpec& d = spec.display;
+  if (d.kind == DisplaySpec::Kind::kNone) return;
+  if (spec.machine != Machine::kQ35) invalid("display", "a screen needs machine q35 (microvm has no PCI)");
+  constexpr std::uint32_t kMaxSide = 16384;
+  for (auto [field, side] : {std::pair<std::string_view, std::uint32_t>{"display.width", d.width},
+                             {"display.height", d.height}}) {
+    if (side < 1 || side > kMaxSide) invalid(field, fmt::format("{} is not in [1, {}]", side, kMaxSide));
+  }
+  if (d.kind != DisplaySpec::Kind::kVga) return;
+  if (d.vgamem_mb < 1 || d.vgamem_mb > 512 || (d.vgamem_mb & (d.vgamem_mb - 1)) != 0) {
+    invalid("display.vgamem_mb", fmt::format("{} is not a power of two up to 512", d.vgamem_mb));
+  }
+  const std::uint64_t frame = std::uint64_t{d.width} * d.height * 4;
+  if (frame > std::uint64_t{d.vgamem_mb} * kMiB) {
+    invalid("display.vgamem_mb", fmt::format("{} MiB does not hold a {}x{} frame of 32-bit pixels ({} bytes)",
+                                             d.vgamem_mb, d.width, d.height, frame));
+  }
 }
 
 void check_fd(std::string_view field, int fd, std::set<int>& seen) {
@@ -141,6 +154,8 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
     check_text("cpu_model", spec.cpu_model);
     if (spec.cpu_model.find(',') != std::string::npos) invalid("cpu_model", "must be a bare model name");
   }
+  check_display(spec);
+  if (spec.usb_input && spec.machine != Machine::kQ35) invalid("usb_input", "needs machine q35 (microvm has no PCI)");
 
   std::set<int> seen_fds;
   std::set<int> fdsets;
@@ -218,15 +233,27 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
 
   // --- the command line ---
   const bool kvm = spec.accelerator == Accelerator::kKvm;
+  const bool q35 = spec.machine == Machine::kQ35;
+  const bool screen = spec.display.kind != DisplaySpec::Kind::kNone;
+  // virtio devices: on the virtio-mmio transport (microvm) or on PCI (q35).
+  auto virtio = [q35](std::string_view device) { return fmt::format("virtio-{}-{}", device, q35 ? "pci" : "device"); };
   const std::uint64_t mib = (spec.memory_bytes + kMiB - 1) / kMiB;
   std::vector<std::string> a;
   auto add = [&a](std::initializer_list<std::string> words) { a.insert(a.end(), words); };
 
   a.push_back(spec.binary);
   add({"-name", fmt::format("{},debug-threads=on", qemu_opt_escape(spec.name))});
-  add({"-nodefaults", "-no-user-config", "-nographic", "-display", "none", "-no-reboot"});
+  add({"-nodefaults", "-no-user-config"});
+  // A screen is a device only: no window, and no VNC server of QEMU's own listening.
+  if (screen)
+    add({"-display", "none", "-vnc", "none"});
+  else
+    add({"-nographic", "-display", "none"});
+  a.push_back("-no-reboot");
   add({"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"});
-  add({"-machine", "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram"});
+  // q35: no SMM (SeaBIOS does not use it), no VMware port and no PS/2 controller (input is USB when asked for).
+  add({"-machine", q35 ? "q35,memory-backend=ram,smm=off,vmport=off,i8042=off"
+                       : "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram"});
   add({"-accel", kvm ? std::string("kvm") : fmt::format("tcg,tb-size={}", spec.tcg_tb_size_mib)});
   add({"-cpu", !spec.cpu_model.empty() ? spec.cpu_model : std::string(kvm ? "host" : "max")});
   add({"-smp", std::to_string(spec.vcpus)});
@@ -255,18 +282,29 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   }
 
   if (spec.agent_listen_fd >= 0) {
-    add({"-device", "virtio-serial-device,max_ports=2"});
+    add({"-device", virtio("serial") + ",max_ports=2"});
     add({"-chardev", fmt::format("socket,id=agent,fd={},server=on,wait=off", spec.agent_listen_fd)});
     add({"-device", "virtserialport,chardev=agent,name=dsec.agent"});
   }
 
   for (const BlockDevice& d : spec.block_devices) {
     add({"-blockdev", blockdev_options(d)});
-    add({"-device", d.serial.empty() ? fmt::format("virtio-blk-device,drive={}", d.node_name)
-                                     : fmt::format("virtio-blk-device,drive={},serial={}", d.node_name, d.serial)});
+    add({"-device", d.serial.empty() ? fmt::format("{},drive={}", virtio("blk"), d.node_name)
+                                     : fmt::format("{},drive={},serial={}", virtio("blk"), d.node_name, d.serial)});
   }
 
-  if (spec.balloon) add({"-device", "virtio-balloon-device,free-page-reporting=on"});
+  if (spec.balloon) add({"-device", virtio("balloon") + ",free-page-reporting=on"});
+  const DisplaySpec& d = spec.display;
+  if (d.kind == DisplaySpec::Kind::kVga) {
+    add({"-device", fmt::format("VGA,id=video0,xres={},yres={},vgamem_mb={}", d.width, d.height, d.vgamem_mb)});
+  } else if (d.kind == DisplaySpec::Kind::kVirtioGpu) {
+    add({"-device", fmt::format("virtio-gpu-pci,id=video0,xres={},yres={}", d.width, d.height)});
+  }
+  if (spec.usb_input) {
+    add({"-device", "qemu-xhci,id=xhci"});
+    add({"-device", "usb-kbd,bus=xhci.0"});
+    add({"-device", "usb-tablet,bus=xhci.0"});
+  }
   if (spec.start_paused) a.push_back("-S");
   if (spec.incoming) add({"-incoming", "defer"});
   return a;
@@ -276,9 +314,13 @@ std::string kernel_cmdline(const CmdlineOptions& options) {
   auto bad = [](std::string_view field, std::string_view why) {
     throw Error(Code::kInvalidArgument, fmt::format("CmdlineOptions.{}: {}", field, why));
   };
-  std::string line = "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1";
+  if (options.guest_mode.empty()) bad("guest_mode", "required");
+  if (!all_name_chars(options.guest_mode)) {
+    bad("guest_mode", fmt::format("'{}' is not [A-Za-z0-9._-]", options.guest_mode));
+  }
+  std::string line = "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=" + options.guest_mode;
   if (options.accelerator == Accelerator::kTcg) {
-    // microvm under TCG: the kernel has no reliable clock to calibrate the TSC against; give it the rate.
+    // Under TCG a guest may have no reliable clock to calibrate the TSC against (microvm has none): give it the rate.
     if (options.tsc_khz == 0) bad("tsc_khz", "required under TCG");
     line += fmt::format(" tsc_early_khz={} tsc=reliable", options.tsc_khz);
   }
@@ -294,10 +336,8 @@ std::string kernel_cmdline(const CmdlineOptions& options) {
         bad(field, fmt::format("'{}' contains a space, quote, backslash or non-printable character", w));
       }
       // The key: letters, digits and . _ - (the kernel treats - and _ alike); no "--" (that starts init's args).
-      if (j < (eq == std::string::npos ? w.size() : eq)) {
-        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                  c == '_' || c == '-';
-        if (!ok) bad(field, fmt::format("'{}' has a key that is not [A-Za-z0-9._-]", w));
+      if (j < (eq == std::string::npos ? w.size() : eq) && !is_name_char(static_cast<char>(c))) {
+        bad(field, fmt::format("'{}' has a key that is not [A-Za-z0-9._-]", w));
       }
     }
     if (w[0] == '-') bad(field, fmt::format("'{}' starts with '-'", w));
@@ -311,4 +351,4 @@ std::string kernel_cmdline(const CmdlineOptions& options) {
   return line;
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

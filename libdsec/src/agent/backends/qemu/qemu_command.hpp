@@ -1,8 +1,8 @@
-// The QEMU command line of one microVM, and the guest kernel's command line. Pure: no I/O, nothing is opened or
-// checked on disk; every input is validated (INVALID_ARGUMENT naming the field) and every value that QEMU splits at
-// commas is escaped (',' -> ',,').
+// The QEMU command line of one VM of a QEMU tier (a microvm machine, or a q35 one with a screen), and the guest
+// kernel's command line. Pure: no I/O, nothing is opened or checked on disk; every input is validated
+// (INVALID_ARGUMENT naming the field) and every value that QEMU splits at commas is escaped (',' -> ',,').
 //
-// What QEMU 7.2 (Debian 1:7.2+dfsg-7+deb12u18) was checked to accept, by running it (tests/unit/microvm_qemu_test.cpp):
+// What QEMU 7.2 (Debian 1:7.2+dfsg-7+deb12u18) was checked to accept, by running it (tests/unit/qemu_command_test.cpp):
 //  - chardev socket with fd=N of a LISTENING unix socket and server=on,wait=off, for both the QMP monitor and the
 //    agent's virtserialport. The caller binds and listens before it starts QEMU, so it can connect at once (the
 //    connection waits in the backlog until QEMU accepts). It should close its own copy of the listening socket after
@@ -26,11 +26,16 @@
 //    the guest more of the ISA (7.2's TCG max has SSE4.2, POPCNT, AVX, AVX2; no AVX-512). KVM uses -cpu host.
 //  - -sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny with all of the above, and
 //    "migrate" / "migrate-incoming" to fd:<name> after "getfd" (a snapshot file), x-ignore-shared included.
+//  - q35 with smm=off,vmport=off,i8042=off and memory-backend=ram, the same -kernel/-initrd/-append, the devices'
+//    -pci forms, a VGA (xres, yres, vgamem_mb) or virtio-gpu-pci screen with -display none -vnc none, and qemu-xhci
+//    with usb-kbd and usb-tablet (then the tablet is the only mouse: i8042=off leaves no PS/2 one).
 //
-// The argv, in order: binary, -name, -nodefaults -no-user-config -nographic -display none -no-reboot, -sandbox,
-// -machine microvm,...,memory-backend=ram, -accel kvm | tcg,tb-size=N, -cpu, -smp, -m, -object memory-backend-file,
-// -kernel [-initrd] -append, -add-fd..., the QMP chardev and -mon, the console chardev and -serial, the agent's
-// virtio-serial, each disk's -blockdev and -device virtio-blk-device, the balloon, [-S], [-incoming defer].
+// The argv, in order: binary, -name, -nodefaults -no-user-config, -nographic -display none (no screen) or -display
+// none -vnc none (a screen), -no-reboot, -sandbox, -machine microvm,... | q35,..., -accel kvm | tcg,tb-size=N, -cpu,
+// -smp, -m, -object memory-backend-file, -kernel [-initrd] -append, -add-fd..., the QMP chardev and -mon, the console
+// chardev and -serial, the agent's virtio-serial, each disk's -blockdev and virtio-blk -device, the balloon, the
+// screen's -device, the USB controller, keyboard and tablet, [-S], [-incoming defer]. Devices are virtio-*-device
+// (virtio-mmio) on microvm and virtio-*-pci on q35.
 #pragma once
 
 #include <cstdint>
@@ -38,9 +43,24 @@
 #include <string_view>
 #include <vector>
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 enum class Accelerator { kKvm, kTcg };
+
+// The machine QEMU emulates: microvm (virtio-mmio devices, no PCI, no firmware, no screen) or q35 (PCI devices,
+// firmware, a screen and USB input if asked for).
+enum class Machine { kMicrovm, kQ35 };
+
+// The guest's screen (q35 only). None: no display device at all.
+struct DisplaySpec {
+  enum class Kind { kNone, kVga, kVirtioGpu };
+  Kind kind = Kind::kNone;
+  // The resolution the screen offers the guest (its EDID's preferred mode).
+  std::uint32_t width = 1024;
+  std::uint32_t height = 768;
+  // VGA's video memory in MiB: a power of two, large enough for width x height x 4 bytes.
+  std::uint32_t vgamem_mb = 16;
+};
 
 // One virtio-blk disk: a -blockdev node and its -device.
 struct BlockDevice {
@@ -62,6 +82,7 @@ struct FdSetMember {
 struct QemuSpec {
   std::string name;    // the sandbox id: -name <name>,debug-threads=on
   std::string binary;  // qemu-system-x86_64's path: argv[0]
+  Machine machine = Machine::kMicrovm;
   Accelerator accelerator = Accelerator::kKvm;
   std::uint32_t tcg_tb_size_mib = 32;  // TCG's translation cache (per VM, in host memory)
   std::string cpu_model;               // empty: "host" under KVM, "max" under TCG
@@ -89,6 +110,8 @@ struct QemuSpec {
   std::uint64_t console_ringbuf_bytes = 0;
 
   bool balloon = true;        // virtio-balloon with free page reporting
+  DisplaySpec display;        // q35 only
+  bool usb_input = false;     // q35 only: an xHCI controller with a USB keyboard and tablet (absolute pointer)
   bool start_paused = false;  // -S
   bool incoming = false;      // -incoming defer: restore from a snapshot with migrate-incoming
 };
@@ -100,6 +123,9 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec);
 std::string qemu_opt_escape(std::string_view value);
 
 struct CmdlineOptions {
+  // dsec_guest=<this> tells dsec-init, the initramfs's /init, which life it leads: "1", the guest's pid 1 serving the
+  // agent (the microvm tier); otherwise a mode init_main knows. Required; letters, digits and . _ -.
+  std::string guest_mode;
   Accelerator accelerator = Accelerator::kKvm;
   // TCG only, and required there: the guest's TSC rate in kHz, given as tsc_early_khz= so the kernel need not
   // calibrate it. Under TCG the guest TSC runs at the host's TSC rate, so this is the host's (e.g. from the host
@@ -110,9 +136,9 @@ struct CmdlineOptions {
   std::vector<std::string> extra;
 };
 
-// "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1" [+ "tsc_early_khz=K tsc=reliable"
-// under TCG] + the extra words. INVALID_ARGUMENT for a bad word, a missing tsc_khz under TCG, or a line longer than
-// the x86 kernel takes (2047 bytes).
+// "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=<guest_mode>" [+ "tsc_early_khz=K
+// tsc=reliable" under TCG] + the extra words. INVALID_ARGUMENT for a bad mode or word, a missing tsc_khz under TCG,
+// or a line longer than the x86 kernel takes (2047 bytes).
 std::string kernel_cmdline(const CmdlineOptions& options);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/qmp.hpp"
+#include "agent/backends/qemu/qmp.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -13,7 +13,7 @@
 
 #include "common/syscall.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 namespace {
 
@@ -312,4 +312,4 @@ void qmp_wait_migration(QmpClient& qmp, milliseconds timeout) {
   }
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -31,7 +31,7 @@
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 // A QMP error reply. error_class() is QMP's "class" ("GenericError", "DeviceNotFound", ...).
 class QmpError : public Error {
@@ -124,4 +124,4 @@ std::string qmp_status(QmpClient& qmp);
 // CANCELLED, each with QEMU's error-desc; DEADLINE_EXCEEDED (naming the last status) after `timeout`.
 void qmp_wait_migration(QmpClient& qmp, std::chrono::milliseconds timeout);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

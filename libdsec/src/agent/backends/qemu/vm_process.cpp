@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/vm_process.hpp"
+#include "agent/backends/qemu/vm_process.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -15,7 +15,7 @@
 
 #include "common/syscall.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace {
 
 enum Step : int { kNone = 0, kDup, kCgroup, kGroups, kGid, kUid, kNoNewPrivs, kExec };
@@ -168,4 +168,4 @@ std::string file_tail(const std::filesystem::path& path, std::size_t lines, std:
   return clean.substr(pos == 0 ? 0 : pos + 1);
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -16,7 +16,7 @@
 
 #include "common/unique_fd.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 struct InheritedFd {
   int source = -1;  // a descriptor of the agent
@@ -54,4 +54,4 @@ bool wait_exit(int pidfd, pid_t pid, std::chrono::milliseconds wait);
 // control characters other than newline and tab dropped; "" when it cannot be read.
 std::string file_tail(const std::filesystem::path& path, std::size_t lines, std::size_t max_bytes = 8192);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

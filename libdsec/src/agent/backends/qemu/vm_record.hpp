@@ -1,15 +1,16 @@
-// What a microVM sandbox's record keeps for a restarted agent (BackendState): its QEMU's identity, cgroup, uid and
+// What a QEMU tier's sandbox record keeps for a restarted agent (BackendState): its QEMU's identity, cgroup, uid and
 // how it was started, so that the next run can take it over or wake it.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "agent/backend.hpp"
 #include "agent/layers/layer_image.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 namespace record_key {
 constexpr const char* kBootId = "boot_id";
@@ -25,12 +26,14 @@ constexpr const char* kRam = "ram";              // "own" (a memfd), "clone" (of
 constexpr const char* kAccelerator = "accelerator";
 }  // namespace record_key
 
+// The readers' errors name the record by its tier, `kind` ("microvm record: no uid").
+
 std::string encode_layers(const std::vector<layers::LayerImage>& images);
 // INVALID_ARGUMENT for a malformed list.
-std::vector<layers::LayerImage> decode_layers(const std::string& text);
+std::vector<layers::LayerImage> decode_layers(std::string_view kind, const std::string& text);
 
 // A value of the record; INVALID_ARGUMENT when it is missing (or, for a number, not one).
-const std::string& state_value(const BackendState& state, const char* name);
-std::uint64_t state_number(const BackendState& state, const char* name);
+const std::string& state_value(std::string_view kind, const BackendState& state, const char* name);
+std::uint64_t state_number(std::string_view kind, const BackendState& state, const char* name);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

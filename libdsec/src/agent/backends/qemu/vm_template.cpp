@@ -1,15 +1,11 @@
-#include "agent/backends/microvm/vm_template.hpp"
+#include "agent/backends/qemu/vm_template.hpp"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 
-#include <fmt/format.h>
-
-#include "agent/backends/microvm/writable_disk.hpp"
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace fs = std::filesystem;
 
 VmTemplate::~VmTemplate() {
@@ -20,35 +16,6 @@ VmTemplate::~VmTemplate() {
 void seal_memory(int memfd) {
   if (::fcntl(memfd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
     throw_errno(errno, "seal the template's guest RAM");
-}
-
-TemplatePtr freeze_vm(VmInstance& vm, std::string key, const fs::path& dir, const fs::path& disk,
-                      std::uint64_t memory_bytes) {
-  if (!vm.memory()) throw Error(Code::kFailedPrecondition, "a clone of a template cannot itself be frozen");
-  const auto started = Clock::now();
-  fs::create_directories(dir);
-  ::chmod(dir.c_str(), 0700);
-  auto t = std::make_shared<VmTemplate>();
-  t->key = std::move(key);
-  t->dir = dir;
-  t->state = dir / "state";
-  t->disk = dir / "disk";
-  t->memory_bytes = memory_bytes;
-  vm.save(t->state, /*ignore_shared=*/true, std::chrono::seconds(60));
-  GuestMemory memory = vm.memory();
-  vm.kill();
-  // The disk as the stopped guest left it: it and the RAM are one consistent machine.
-  if (disk != t->disk) copy_sparse(disk, t->disk);
-  // Every page of the template exists before it is sealed: a clone's fault on a page the template never touched
-  // (a read of never-written memory, a migration save reading all of it) would otherwise add the page to the
-  // template's memfd, charged to that clone and kept until the template goes. Allocated, the template costs its
-  // size once, and clones only ever copy the pages they write.
-  if (::fallocate(memory->get(), 0, 0, static_cast<off_t>(memory_bytes)) != 0)
-    throw_errno(errno, "allocate the template's guest RAM");
-  seal_memory(memory->get());
-  t->memory = std::move(memory);
-  t->build_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  return t;
 }
 
 void TemplateCache::set_budget(std::uint64_t bytes) {
@@ -95,9 +62,8 @@ void TemplateCache::evict_over_budget(const Slot* keep) {
       }
     }
     if (total <= budget_ || !oldest) return;
-    log_info("microvm: template {} dropped ({} MiB of templates over the budget of {} MiB; the least recently used "
-             "goes)",
-             oldest->current->dir.filename().string(), total >> 20, budget_ >> 20);
+    log_info("{}: template {} dropped ({} MiB of templates over the budget of {} MiB; the least recently used goes)",
+             kind_, oldest->current->dir.filename().string(), total >> 20, budget_ >> 20);
     oldest->current.reset();
     ++evictions_;
   }
@@ -135,4 +101,4 @@ std::uint64_t TemplateCache::evictions() const {
   return evictions_;
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

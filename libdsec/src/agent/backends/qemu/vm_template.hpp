@@ -1,10 +1,10 @@
-// Frozen microVMs that new ones start from instead of booting: a template is a guest booted once (its root made
-// from an image's layers) and stopped, kept as QEMU's device state in a file, its RAM in a sealed memfd and its
-// writable disk in a file. A VM started from it maps that RAM privately (copy-on-write: pages it never writes stay
-// shared with every other VM of the template, in host memory once), gets a copy of the disk, and runs on from the
-// instant the template stopped, under its own hostname, clock and entropy (the hello after a restore renews them).
-// The template's RAM is allocated whole before it is sealed (a template costs its guest's RAM once), so clones
-// never add pages to it.
+// Frozen VMs that new ones start from instead of booting: a template is a guest booted once (its root made from an
+// image's layers) and stopped, kept as QEMU's device state in a file, its RAM in a sealed memfd and its writable disk
+// in a file. A VM started from it maps that RAM privately (copy-on-write: pages it never writes stay shared with
+// every other VM of the template, in host memory once), gets a copy of the disk, and runs on from the instant the
+// template stopped, under its own hostname, clock and entropy (the hello after a restore renews them). The
+// template's RAM is allocated whole before it is sealed (a template costs its guest's RAM once), so clones never add
+// pages to it.
 //
 // Sealing (F_SEAL_WRITE, SHRINK, GROW, SEAL) makes the RAM immutable for everyone, QEMU processes and the agent
 // alike: a VM whose QEMU the guest took over still cannot change what its siblings map.
@@ -20,10 +20,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 
-#include "agent/backends/microvm/vm_instance.hpp"
+#include "common/unique_fd.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
+
+// Guest RAM: a memfd, shared by a frozen template with the clones that map it copy-on-write.
+using GuestMemory = std::shared_ptr<const UniqueFd>;
 
 struct VmTemplate {
   std::string key;
@@ -37,12 +41,6 @@ struct VmTemplate {
   ~VmTemplate();
 };
 using TemplatePtr = std::shared_ptr<const VmTemplate>;
-
-// Freezes a running VM into a template in `dir` (created): saves its device state without RAM, ends its QEMU, seals
-// its RAM, and keeps its writable disk `disk` as the template's (moved when it is in `dir` already as "disk", else
-// copied). The VM must be one with RAM of its own (not a clone); it is gone afterwards.
-TemplatePtr freeze_vm(VmInstance& vm, std::string key, const std::filesystem::path& dir,
-                      const std::filesystem::path& disk, std::uint64_t memory_bytes);
 
 // Seals a memfd against every write, resize and further seal (F_SEAL_WRITE needs no writable shared mapping of it to
 // exist: the QEMU that had one must have exited).
@@ -58,8 +56,9 @@ void seal_memory(int memfd);
 // keeps templates of the shapes in use, not of every image it ever ran.
 class TemplateCache {
  public:
-  // `budget_bytes` 0: no budget (every template is kept).
-  explicit TemplateCache(std::uint64_t budget_bytes = 0) : budget_(budget_bytes) {}
+  // `kind` names the tier in the log ("microvm: template ... dropped"); `budget_bytes` 0: no budget (every template
+  // is kept).
+  explicit TemplateCache(std::string_view kind, std::uint64_t budget_bytes = 0) : kind_(kind), budget_(budget_bytes) {}
   void set_budget(std::uint64_t bytes);
   TemplatePtr get(const std::string& key, const std::function<TemplatePtr()>& make);
   void invalidate(const std::string& key, const TemplatePtr& which);
@@ -77,6 +76,7 @@ class TemplateCache {
   // Drops least recently used templates but `keep` while the total is over the budget (mu_ held).
   void evict_over_budget(const Slot* keep);
 
+  const std::string kind_;
   mutable std::mutex mu_;
   std::uint64_t budget_ = 0;
   std::uint64_t use_clock_ = 0;
@@ -84,4 +84,4 @@ class TemplateCache {
   std::map<std::string, std::shared_ptr<Slot>, std::less<>> slots_;
 };
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/writable_disk.hpp"
+#include "agent/backends/qemu/writable_disk.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include "common/unique_fd.hpp"
 #include "image/process.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace fs = std::filesystem;
 
 void copy_sparse(const fs::path& from, const fs::path& to) {
@@ -69,4 +69,4 @@ void WritableDisks::make(const fs::path& path, std::uint64_t bytes) {
   copy_sparse(template_for(bytes), path);
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

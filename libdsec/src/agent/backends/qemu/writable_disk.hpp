@@ -11,7 +11,7 @@
 #include <map>
 #include <mutex>
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 class WritableDisks {
  public:
@@ -32,4 +32,4 @@ class WritableDisks {
 // Copies `from` to a new file `to` (mode 0600), only the data extents: holes stay holes.
 void copy_sparse(const std::filesystem::path& from, const std::filesystem::path& to);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu
