@@ -72,10 +72,14 @@ void route(const dsec::agent::HttpRequest& request) {
     return;
   }
   if (route_template(target.route).empty()) fuzz::fail("route_template: empty for a route");
-  bool per_sandbox = target.route >= Route::kSandbox && target.route <= Route::kSandboxFork;
+  // Every route from /v1/sandboxes/{id} to the last one below it (networks, processes, sessions) names a sandbox.
+  bool per_sandbox = target.route >= Route::kSandbox && target.route <= Route::kSandboxSessionRestart;
   bool per_group = target.route == Route::kGroup || target.route == Route::kGroupRenew;
+  bool per_item = (target.route >= Route::kSandboxProcess && target.route <= Route::kSandboxProcessResize) ||
+                  (target.route >= Route::kSandboxSession && target.route <= Route::kSandboxSessionRestart);
   if (per_sandbox != !target.sandbox_id.empty()) fuzz::fail("parse_target: a sandbox id without its route, or back");
   if (per_group != !target.group_id.empty()) fuzz::fail("parse_target: a group id without its route, or back");
+  if (per_item != !target.item.empty()) fuzz::fail("parse_target: a pid or session name without its route, or back");
   // Every decoded query item came from the raw query: decoding never makes a string longer.
   for (const auto& [k, v] : target.query.items())
     if (k.size() + v.size() > raw.size()) fuzz::fail("parse_query: an item longer than the target");
