@@ -179,8 +179,19 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     q.block_devices.push_back(disk);
     setup.disk_serial = disk.serial;
   }
+  q.machine = spec.full_system ? qemu::Machine::kQ35 : qemu::Machine::kMicrovm;
+  q.display = spec.display;
+  q.usb_input = spec.usb_input;
   CmdlineOptions cmdline;
-  cmdline.guest_mode = "1";  // dsec-init as the guest's pid 1, serving the agent
+  if (spec.full_system) {
+    // dsec-init as the initramfs's /init: the root from these disks, then the image's own init.
+    if (spec.layers.empty() || spec.disk.empty())
+      throw Error(Code::kInvalidArgument, fmt::format("sandbox {}: a full system boots from layers and a disk", spec.id));
+    cmdline.guest_mode = "boot";
+    cmdline.extra.push_back("dsec_root=" + gp::encode_root_word(setup));
+  } else {
+    cmdline.guest_mode = "1";  // dsec-init as the guest's pid 1, serving the agent
+  }
   cmdline.accelerator = spec.accelerator;
   cmdline.tsc_khz = spec.tsc_khz;
   q.kernel_cmdline = qemu::kernel_cmdline(cmdline);
@@ -202,8 +213,8 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     if (from) vm->load_state(state, !!vm->template_, from->paused, deadline);
     if (from && from->paused) return vm;
     vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(dir / "agent.sock"), spec.id);
-    vm->greet(spec.hostname, deadline, from != nullptr);
-    if (!from && (!spec.layers.empty() || !spec.disk.empty())) vm->guest_->setup(setup, deadline);
+    vm->greet(spec.hostname, deadline, from != nullptr || spec.full_system);
+    if (!from && !spec.full_system && (!spec.layers.empty() || !spec.disk.empty())) vm->guest_->setup(setup, deadline);
   } catch (const Error& e) {
     // Give QEMU a moment to finish writing why it stopped.
     if (!vm->exited()) vm->kill();
@@ -236,7 +247,7 @@ std::unique_ptr<VmInstance> VmInstance::attach(const std::string& id, const fs::
   if (status != "running")
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM is {}, not running", id, status));
   vm->guest_ = std::make_unique<guest::GuestChannel>(connect_unix(run_dir / "agent.sock"), id);
-  vm->greet(hostname, deadline, /*restored=*/true);
+  vm->greet(hostname, deadline, /*repeat=*/true);
   return vm;
 }
 
@@ -245,17 +256,17 @@ void VmInstance::become(const std::string& id, const fs::path& run_dir, const st
   id_ = id;
   run_dir_ = run_dir;
   guest().relabel(id);
-  greet(hostname, deadline, /*restored=*/false);
+  greet(hostname, deadline, /*repeat=*/false);
 }
 
-void VmInstance::greet(const std::string& hostname, Clock::time_point deadline, bool restored) {
+void VmInstance::greet(const std::string& hostname, Clock::time_point deadline, bool repeat) {
   gp::Hello hello;
   hello.realtime_ns = realtime_ns();
   hello.entropy.resize(32);
   if (::getrandom(hello.entropy.data(), hello.entropy.size(), 0) != static_cast<ssize_t>(hello.entropy.size()))
     hello.entropy.clear();
   hello.hostname = hostname;
-  if (!restored) {
+  if (!repeat) {
     (void)guest_->hello(hello, deadline);
     return;
   }

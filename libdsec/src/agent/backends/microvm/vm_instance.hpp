@@ -52,6 +52,13 @@ struct VmBootSpec {
   std::optional<gid_t> kvm_group;
   std::vector<int> cgroup_procs;  // joined by QEMU before it runs
   std::string hostname;
+  // A full system (the vm tier): a q35 machine booting the image's own kernel and init (`kernel` and `initrd` from
+  // vm::prepare_image_boot). dsec-init builds the root at boot from the kernel command line's root word, so no
+  // kSetup follows the hello, and then answers as a service of the image's init, which takes a while to start it:
+  // the hello is repeated until the deadline.
+  bool full_system = false;
+  qemu::DisplaySpec display;  // a screen (full systems only)
+  bool usb_input = false;     // a USB keyboard and tablet (full systems only)
 };
 
 // A VM started from saved state instead of booted: QEMU's device state (a migration stream in a file) and where its
@@ -127,7 +134,9 @@ class VmInstance {
   VmInstance() = default;
   static std::unique_ptr<VmInstance> start(const VmBootSpec& spec, const VmRestore* from, Clock::time_point deadline);
   void load_state(const UniqueFd& state, bool ignore_shared, bool paused, Clock::time_point deadline);
-  void greet(const std::string& hostname, Clock::time_point deadline, bool restored);
+  // `repeat`: ask again until one hello is answered (a restored guest, or a full system whose init starts the guest
+  // agent late).
+  void greet(const std::string& hostname, Clock::time_point deadline, bool repeat);
 
   std::string id_;
   std::filesystem::path run_dir_;
