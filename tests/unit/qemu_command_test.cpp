@@ -35,6 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "agent/backends/qemu/qemu_command.hpp"
+#include "agent/backends/qemu/screen.hpp"
 #include "agent/backends/qemu/qmp.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
@@ -1188,6 +1189,15 @@ TEST(QemuRealArgv, RingBufferConsoleReadOverQmp) {
   EXPECT_EQ(rig.proc->log(), "");
 }
 
+// A q35 machine with a 1280x800 VGA screen and USB input, to be started paused.
+std::unique_ptr<VmRig> paused_q35_with_a_screen(const fs::path& qemu, const fs::path& vmlinux) {
+  auto rig = std::make_unique<VmRig>(qemu, vmlinux, false, -1, Machine::kQ35);
+  rig->spec.display = {DisplaySpec::Kind::kVga, 1280, 800, 16};
+  rig->spec.usb_input = true;
+  rig->spec.start_paused = true;
+  return rig;
+}
+
 // q35 with a VGA screen and USB input, the way the full VM tier will start one: QEMU takes the argv, shows the
 // devices on PCI, offers the tablet as the only mouse (no PS/2 controller), and boots the kernel (through SeaBIOS)
 // to its panic, the console in the file as on microvm.
@@ -1196,10 +1206,8 @@ TEST(QemuRealArgv, Q35WithAScreenAndUsbInputBootsToTheConsole) {
   if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
   auto vmlinux = find_guest_kernel();
   if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
-  VmRig rig(*qemu, *vmlinux, false, -1, Machine::kQ35);
-  rig.spec.display = {DisplaySpec::Kind::kVga, 1280, 800, 16};
-  rig.spec.usb_input = true;
-  rig.spec.start_paused = true;
+  auto rig_holder = paused_q35_with_a_screen(*qemu, *vmlinux);
+  VmRig& rig = *rig_holder;
   QmpClient qmp = rig.start();
   EXPECT_EQ(qmp_status(qmp), "prelaunch");
 
@@ -1219,6 +1227,48 @@ TEST(QemuRealArgv, Q35WithAScreenAndUsbInputBootsToTheConsole) {
 
   std::string console = boot_to_panic(qmp, rig);
   EXPECT_THAT(console, HasSubstr("dsec_guest=1")) << console.substr(0, 4000);
+}
+
+// The screen of such a VM (agent/backends/qemu/screen): a screenshot is a PNG of the display's size that QEMU writes
+// into a memfd it is handed (no file of the node), before the guest runs and again once SeaBIOS has drawn on it (a
+// different picture); input events go in while it runs and are refused, as FAILED_PRECONDITION, while it is stopped.
+TEST(QemuRealArgv, Q35ScreenshotsAndInput) {
+  auto qemu = find_qemu();
+  if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
+  auto vmlinux = find_guest_kernel();
+  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
+  auto rig_holder = paused_q35_with_a_screen(*qemu, *vmlinux);
+  VmRig& rig = *rig_holder;
+  QmpClient qmp = rig.start();
+  std::string before = screenshot_png(qmp, milliseconds(10000));
+  EXPECT_GT(png_size(before).first, 0u);
+  // Stopped (not started yet): input is refused, saying why.
+  try {
+    send_input(qmp, key_press_events(parse_key_combo("a")), milliseconds(5000));
+    ADD_FAILURE() << "a stopped VM took input";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kFailedPrecondition) << e.what();
+  }
+  // Running (SeaBIOS, then the kernel, which panics after a second or two): every kind of input is taken.
+  qmp.execute("cont");
+  send_input(qmp, pointer_move_events(1279, 799, 1280, 800), milliseconds(5000));
+  send_input(qmp, click_events("left", 2), milliseconds(5000));
+  send_input(qmp, scroll_events(-3), milliseconds(5000));
+  for (const auto& press : text_to_key_presses("Hi!\n")) send_input(qmp, key_press_events(press), milliseconds(5000));
+  send_input(qmp, key_press_events(parse_key_combo("ctrl+alt+F2")), milliseconds(5000));
+  // SeaBIOS draws on the screen: the next screenshots differ from the first; stopped there, before the panic.
+  std::string after = before;
+  auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (after == before && Clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(50));
+    after = screenshot_png(qmp, milliseconds(10000));
+  }
+  qmp.execute("stop");
+  EXPECT_NE(after, before) << "the display never changed once the VM ran";
+  EXPECT_GT(png_size(after).first, 0u);
+  EXPECT_GT(png_size(after).second, 0u);
+  qmp.execute("quit");
+  rig.proc->wait(milliseconds(5000));
 }
 
 // A hash of a memfd's contents (mapped, not copied).
