@@ -2,9 +2,12 @@
 // claims of live agents and of dead agents whose run directory remains are honoured, stale ones are taken over, and
 // an agent restarted on its run directory takes its own back.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
+#include <optional>
 #include <set>
 
 #include "agent/backends/container/process_identity.hpp"
@@ -82,6 +85,32 @@ TEST(HostIdClaims, HonoursLiveHoldersAndKeptRunDirectoriesAndTakesOverStaleOnes)
   EXPECT_TRUE(fs::exists(dir / "200"));
   // Nothing written aside is left.
   for (const auto& e : fs::directory_iterator(dir)) EXPECT_NE(e.path().filename().string()[0], '.') << e.path();
+}
+
+// A holder that was killed but not reaped yet (a zombie: its parent has not waited for it) holds nothing: its claim
+// is the run directory's, as a dead holder's is.
+TEST(HostIdClaims, AnUnreapedDeadHolderIsDead) {
+  ScratchDir scratch;
+  const fs::path dir = scratch.path() / "claims", run = scratch.path() / "run";
+  fs::create_directories(run);
+  HostIdClaims claims(dir, run);
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) _exit(0);
+  // Alive or not yet: its start time is readable until it has exited.
+  std::optional<std::uint64_t> started;
+  for (int i = 0; i < 1000; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(child) + "/stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), {});
+    if (text.find(") Z ") != std::string::npos) break;
+    started = container::process_start_time(child);
+    ::usleep(1000);
+  }
+  EXPECT_EQ(container::process_start_time(child), std::nullopt) << "a zombie counted as a live process";
+  write_claim(dir, 500, child, started.value_or(1), "/nonexistent");
+  EXPECT_TRUE(claims.claim(500));  // stale: its holder is dead and its run directory gone
+  int status;
+  ::waitpid(child, &status, 0);
 }
 
 TEST(HostIdClaims, ReleasesWhatTheAgentBeforeARestartLeftExceptWhatIsKept) {

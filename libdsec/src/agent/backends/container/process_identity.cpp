@@ -34,8 +34,12 @@ std::optional<std::uint64_t> process_start_time(pid_t pid) {
   if (paren == std::string::npos) return std::nullopt;
   std::istringstream fields(stat.substr(paren + 1));
   std::string field;
-  for (int i = 3; i <= 22; ++i)
+  for (int i = 3; i <= 22; ++i) {
     if (!(fields >> field)) return std::nullopt;
+    // A process that has exited and waits to be reaped (a killed agent whose parent has not waited for it yet)
+    // holds nothing any more: as good as gone.
+    if (i == 3 && (field == "Z" || field == "X" || field == "x")) return std::nullopt;
+  }
   try {
     return std::stoull(field);
   } catch (const std::exception&) {

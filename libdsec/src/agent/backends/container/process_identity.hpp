@@ -18,7 +18,8 @@ namespace dsec::agent::container {
 // The running kernel's boot id (/proc/sys/kernel/random/boot_id); empty when unreadable.
 std::string boot_id();
 
-// The start time of process `pid` in clock ticks since boot, or nullopt when there is no such process.
+// The start time of process `pid` in clock ticks since boot, or nullopt when there is no such process or it has
+// exited (a zombie not reaped yet: a dead agent or init whose parent has not waited for it).
 std::optional<std::uint64_t> process_start_time(pid_t pid);
 
 // Whether process `pid` is in the cgroup at `path` (relative to the hierarchy's root, as /proc/<pid>/cgroup shows it
