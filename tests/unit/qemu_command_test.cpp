@@ -1265,8 +1265,39 @@ TEST(QemuRealArgv, Q35ScreenshotsAndInput) {
   }
   qmp.execute("stop");
   EXPECT_NE(after, before) << "the display never changed once the VM ran";
+  // However many screenshots that took, QEMU holds one fd set for them, and none of their descriptors once it has run
+  // (the one of the screenshot taken while stopped included).
+  std::size_t sets_with_fds = 0, sets = 0;
+  for (const auto& set : qmp.execute("query-fdsets")) {
+    ++sets;
+    if (set["fdset-id"] == 4096 && !set["fds"].empty()) ++sets_with_fds;
+  }
+  EXPECT_EQ(sets_with_fds, 0u) << qmp.execute("query-fdsets").dump();
+  EXPECT_LE(sets, 1u + rig.spec.fds.size());
   EXPECT_GT(png_size(after).first, 0u);
   EXPECT_GT(png_size(after).second, 0u);
+  qmp.execute("quit");
+  rig.proc->wait(milliseconds(5000));
+}
+
+// A VM made without a display (a microvm) has no screenshot: FAILED_PRECONDITION, not an internal error.
+TEST(QemuRealArgv, AScreenshotOfAVmWithoutADisplayIsRefused) {
+  auto qemu = find_qemu();
+  if (!qemu) GTEST_SKIP() << "qemu-system-x86_64 is not installed";
+  auto vmlinux = find_guest_kernel();
+  if (!vmlinux) GTEST_SKIP() << "no guest kernel (/var/cache/dsec/guest-kernel/current/vmlinux)";
+  VmRig rig(*qemu, *vmlinux, false);
+  rig.spec.start_paused = true;
+  QmpClient qmp = rig.start();
+  const std::size_t fdsets = qmp.execute("query-fdsets").size();  // the rig's own (disks, console)
+  for (int i = 0; i < 3; ++i) {
+    std::string message;
+    EXPECT_EQ(code_of([&] { screenshot_png(qmp, milliseconds(10000)); }, &message), Code::kFailedPrecondition)
+        << message;
+    EXPECT_THAT(message, HasSubstr("no screen"));
+  }
+  // Screenshots share one fd set in QEMU, however many are taken.
+  EXPECT_LE(qmp.execute("query-fdsets").size(), fdsets + 1) << qmp.execute("query-fdsets").dump();
   qmp.execute("quit");
   rig.proc->wait(milliseconds(5000));
 }

@@ -22,6 +22,8 @@ using nlohmann::json;
 
 constexpr std::string_view kPngSignature("\x89PNG\r\n\x1a\n", 8);
 constexpr std::uint32_t kAbsMax = 0x7fff;  // QEMU's absolute axis range
+// The fd set screenshots go through: far above the ones qemu_command numbers from 1 for a VM's disks and console.
+constexpr std::int64_t kScreenshotFdSet = 4096;
 
 std::string lower(std::string_view s) {
   std::string out(s);
@@ -89,25 +91,28 @@ std::string screenshot_png(QmpClient& qmp, std::chrono::milliseconds timeout, st
   // QEMU opens /dev/fdset/N with the access mode it needs (write-only) and finds a descriptor of that mode in the set.
   UniqueFd writable(::open(fmt::format("/proc/self/fd/{}", memfd.get()).c_str(), O_WRONLY | O_CLOEXEC));
   if (!writable) throw_errno(errno, "reopen the screenshot's memfd");
-  json added = qmp.execute_with_fds("add-fd", json::object(), {writable.get()}, timeout);
-  const std::int64_t fdset = added.at("fdset-id").get<std::int64_t>();
-  struct RemoveFdSet {
+  // Always the same fd set: QEMU 7.2 never frees a set screendump has opened (its entry stays after remove-fd), so a
+  // new set per screenshot would grow QEMU by one per screenshot. The descriptor itself goes with remove-fd (closed by
+  // QEMU at once while the VM runs, and when it runs again if it is stopped).
+  json added = qmp.execute_with_fds("add-fd", {{"fdset-id", kScreenshotFdSet}}, {writable.get()}, timeout);
+  const std::int64_t fd_in_qemu = added.at("fd").get<std::int64_t>();
+  struct RemoveFd {
     QmpClient& qmp;
-    std::int64_t fdset;
+    std::int64_t fd;
     std::chrono::milliseconds timeout;
-    ~RemoveFdSet() {
+    ~RemoveFd() {
       try {
-        qmp.execute("remove-fd", {{"fdset-id", fdset}}, timeout);
+        qmp.execute("remove-fd", {{"fdset-id", kScreenshotFdSet}, {"fd", fd}}, timeout);
       } catch (...) {
       }
     }
-  } remove{qmp, fdset, timeout};
+  } remove{qmp, fd_in_qemu, timeout};
   try {
-    qmp.execute("screendump", {{"filename", fmt::format("/dev/fdset/{}", fdset)}, {"format", "png"}}, timeout);
+    qmp.execute("screendump", {{"filename", fmt::format("/dev/fdset/{}", kScreenshotFdSet)}, {"format", "png"}},
+                timeout);
   } catch (const QmpError& e) {
-    std::string what = lower(e.what());
-    if (what.find("no graphic console") != std::string::npos || what.find("no console") != std::string::npos ||
-        what.find("not a graphical console") != std::string::npos)
+    // QEMU 7.2 without a display: "There is no console to take a screendump from".
+    if (lower(e.what()).find("no console") != std::string::npos)
       throw Error(Code::kFailedPrecondition, "this VM has no screen (create it with a display)");
     throw;
   }
