@@ -30,6 +30,11 @@ mkdir -p "$DSEC_HOME"
 # them: Debian bookworm with python3, debootstrapped from the Debian mirror (cached under $DSEC_HOME/cache).
 "$BUILD_ABS/bin/dsec" image inspect bookworm-python >/dev/null 2>&1 ||
   "$BUILD_ABS/bin/dsec" image build bookworm-python --from debootstrap:bookworm --include python3
+# The full VM tier's tests (tests/integration/test_vm.py) and examples/computer_use.py boot the desktop image
+# (scripts/desktop-image.sh: Debian with its kernel, systemd and an X session; about 6 minutes to build), where QEMU is.
+if command -v qemu-system-x86_64 >/dev/null 2>&1; then
+  "$BUILD_ABS/bin/dsec" image inspect desktop >/dev/null 2>&1 || DSEC="$BUILD_ABS/bin/dsec" scripts/desktop-image.sh
+fi
 
 set +e
 echo "== unit tests (ctest) =="

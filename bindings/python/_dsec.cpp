@@ -222,6 +222,21 @@ py::object dsec_exception(const dsec::Error& e) {
 
 std::shared_ptr<dsec::Client> client_of(py::handle py_client) { return py_client.cast<PyClient&>().get(); }
 
+namespace {
+
+py::dict screen_dict(const dsec::ScreenState& st) {
+  py::dict d;
+  d["width"] = st.width;
+  d["height"] = st.height;
+  if (st.cursor_x && st.cursor_y)
+    d["cursor"] = py::make_tuple(*st.cursor_x, *st.cursor_y);
+  else
+    d["cursor"] = py::none();
+  return d;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_dsec, m) {
   m.doc() = "dsec's C++ client (use the `dsec` package, not this module)";
   m.attr("__version__") = dsec::kVersion;
@@ -298,6 +313,8 @@ PYBIND11_MODULE(_dsec, m) {
                      "\"uid:gid\"; \"\" is root.")
       .def_readwrite("protected_paths", &dsec::SandboxSpec::protected_paths,
                      "Absolute paths made root's own (0:0, mode 0700) at create.")
+      .def_readwrite("display", &dsec::SandboxSpec::display,
+                     "A full VM's screen: \"WIDTHxHEIGHT\" or \"none\"; \"\" is the kind's default.")
       .def_readwrite("request_id", &dsec::SandboxSpec::request_id)
       .def_readwrite("node_selector", &dsec::SandboxSpec::node_selector)
       .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity)
@@ -644,7 +661,32 @@ PYBIND11_MODULE(_dsec, m) {
                "', layers=" + std::to_string(i.layers.size()) + ", size=" + std::to_string(i.size) + ")";
       });
 
-  py::class_<dsec::MicroVmNodeInfo>(m, "MicroVmNodeInfo", "The node's microVM backend: offered or why not, on what.")
+  {
+    py::class_<dsec::InputAction> action(m, "InputAction", "One input action on a full VM's screen (dsec/screen.hpp).");
+    py::enum_<dsec::InputAction::Type>(action, "Type")
+        .value("MOVE", dsec::InputAction::Type::kMove)
+        .value("CLICK", dsec::InputAction::Type::kClick)
+        .value("SCROLL", dsec::InputAction::Type::kScroll)
+        .value("DRAG", dsec::InputAction::Type::kDrag)
+        .value("KEY", dsec::InputAction::Type::kKey)
+        .value("TYPE", dsec::InputAction::Type::kType)
+        .value("WAIT", dsec::InputAction::Type::kWait);
+    action.def(py::init<>())
+        .def_readwrite("type", &dsec::InputAction::type)
+        .def_readwrite("x", &dsec::InputAction::x)
+        .def_readwrite("y", &dsec::InputAction::y)
+        .def_readwrite("to_x", &dsec::InputAction::to_x)
+        .def_readwrite("to_y", &dsec::InputAction::to_y)
+        .def_readwrite("button", &dsec::InputAction::button)
+        .def_readwrite("count", &dsec::InputAction::count)
+        .def_readwrite("dy", &dsec::InputAction::dy)
+        .def_readwrite("keys", &dsec::InputAction::keys)
+        .def_readwrite("text", &dsec::InputAction::text)
+        .def_readwrite("interval_ms", &dsec::InputAction::interval_ms);
+  }
+
+  py::class_<dsec::QemuTierNodeInfo>(m, "MicroVmNodeInfo",
+                                     "A QEMU tier of the node (microvm, vm): offered or why not, on what.")
       .def_readonly("offered", &dsec::MicroVmNodeInfo::offered)
       .def_readonly("unavailable", &dsec::MicroVmNodeInfo::unavailable)
       .def_readonly("ready", &dsec::MicroVmNodeInfo::ready)
@@ -691,6 +733,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("swap_bytes", &dsec::NodeInfo::swap_bytes, "The node's swap (0: none).")
       .def_readonly("swap_free_bytes", &dsec::NodeInfo::swap_free_bytes)
       .def_readonly("microvm", &dsec::NodeInfo::microvm, "The microVM backend (offered, accelerator, ...).")
+      .def_readonly("vm", &dsec::NodeInfo::vm, "The full VM backend (offered, accelerator, ...).")
       .def("__repr__", [](const dsec::NodeInfo& n) {
         std::string backends;
         for (const auto& b : n.backends) backends += (backends.empty() ? "" : ",") + b;
@@ -779,6 +822,39 @@ PYBIND11_MODULE(_dsec, m) {
           py::call_guard<py::gil_scoped_release>())
       .def(
           "exposed", [](PySandbox& self) { return self.get().exposed(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "screenshot",
+          [](PySandbox& self) {
+            std::string png;
+            {
+              py::gil_scoped_release release;
+              png = self.get().screenshot();
+            }
+            return py::bytes(png);
+          },
+          "PNG bytes of a full VM's screen now.")
+      .def(
+          "screen",
+          [](PySandbox& self) {
+            dsec::ScreenState st;
+            {
+              py::gil_scoped_release release;
+              st = self.get().screen();
+            }
+            return screen_dict(st);
+          },
+          "The screen's size and where the pointer was last put.")
+      .def(
+          "input",
+          [](PySandbox& self, const std::vector<dsec::InputAction>& actions) {
+            dsec::ScreenState st;
+            {
+              py::gil_scoped_release release;
+              st = self.get().input(actions);
+            }
+            return screen_dict(st);
+          },
+          py::arg("actions"), "Sends input actions in order; answers the screen's state after them.")
       .def(
           "network_usage",
           [](PySandbox& self) {

@@ -10,7 +10,7 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/backends/microvm/microvm_backend.hpp"
+#include "agent/backends/qemu/qemu_backend.hpp"
 #include "agent/backends/qemu/accelerator.hpp"
 
 namespace dsec::agent::microvm {

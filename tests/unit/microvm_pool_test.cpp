@@ -1,4 +1,4 @@
-// The microvm backend's pre-booted pools (agent/backends/microvm/vm_pool): what fills a shape's pool, what a create
+// The microvm backend's pre-booted pools (agent/backends/qemu/vm_pool): what fills a shape's pool, what a create
 // takes, how misses, failures and idle shapes are handled. The VMs here are empty PooledVm objects (no QEMU): the
 // pool's bookkeeping is what is tested; claiming a real VM is in tests/integration/test_microvm_pool.py.
 #include <atomic>
@@ -9,9 +9,9 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/backends/microvm/vm_pool.hpp"
+#include "agent/backends/qemu/vm_pool.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace {
 
 using namespace std::chrono_literals;
@@ -33,7 +33,7 @@ bool eventually(F&& done, std::chrono::milliseconds limit = 5000ms) {
 }
 
 struct Counter {
-  BackendContext ctx{test_config()};
+  BackendContext ctx{test_config(), Tier::kMicrovm};
   std::atomic<int> made{0};
   VmPool::Maker maker(const std::string& label) {
     return [this, label] {
@@ -78,7 +78,7 @@ TEST(MicrovmPool, ATakeClaimsTheOldestAndThePoolIsRefilled) {
 }
 
 TEST(MicrovmPool, ATakeFromAnEmptyPoolOfAKnownShapeIsAMiss) {
-  BackendContext ctx{test_config()};
+  BackendContext ctx{test_config(), Tier::kMicrovm};
   std::mutex mu;
   std::condition_variable cv;
   bool release = false;
@@ -140,7 +140,7 @@ TEST(MicrovmPool, SizeZeroKeepsNothing) {
 }
 
 TEST(MicrovmPool, StopWaitsForAVmBeingMadeAndDropsTheRest) {
-  BackendContext ctx{test_config()};
+  BackendContext ctx{test_config(), Tier::kMicrovm};
   std::atomic<int> calls{0};
   VmPool::Maker slowish = [&] {
     ++calls;
@@ -160,4 +160,4 @@ TEST(MicrovmPool, StopWaitsForAVmBeingMadeAndDropsTheRest) {
 }
 
 }  // namespace
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

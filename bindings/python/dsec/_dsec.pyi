@@ -32,6 +32,28 @@ class NetworkPolicy:
     rules: list[NetworkRule]
     def __init__(self) -> None: ...
 
+class InputAction:
+    class Type:
+        MOVE: InputAction.Type
+        CLICK: InputAction.Type
+        SCROLL: InputAction.Type
+        DRAG: InputAction.Type
+        KEY: InputAction.Type
+        TYPE: InputAction.Type
+        WAIT: InputAction.Type
+    type: InputAction.Type
+    x: int | None
+    y: int | None
+    to_x: int
+    to_y: int
+    button: str
+    count: int
+    dy: int
+    keys: str
+    text: str
+    interval_ms: int
+    def __init__(self) -> None: ...
+
 class SandboxSpec:
     image: str
     kind: str
@@ -49,6 +71,7 @@ class SandboxSpec:
     request_id: str
     node_selector: dict[str, str]
     anti_affinity: str
+    display: str
     def __init__(self) -> None: ...
 
 class ExecResult:
@@ -486,6 +509,9 @@ class Sandbox:
     def unexpose(self, port: int) -> None: ...
     def exposed(self) -> dict[int, str]: ...
     def network_usage(self) -> dict[str, Any]: ...
+    def screenshot(self) -> bytes: ...
+    def screen(self) -> dict[str, Any]: ...
+    def input(self, actions: list[InputAction]) -> dict[str, Any]: ...
     def sleep(self) -> SleepResult: ...
     def wake(self) -> SleepResult: ...
     def snapshot(self, name: str) -> SnapshotResult: ...

@@ -71,6 +71,7 @@ def _spec(
     network: str | Mapping[str, Any] | None = None,
     egress_mbps: int = 0,
     connections: int = 0,
+    display: str = "",
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -114,6 +115,9 @@ def _spec(
         s.protected_paths = list(protected_paths)
     if network is not None:
         s.network = _network_policy(network)
+    if not isinstance(display, str):
+        raise InvalidArgument(f"display: expected \"WIDTHxHEIGHT\" or \"none\", got {display!r}")
+    s.display = display
     return s
 
 

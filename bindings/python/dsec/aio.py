@@ -354,6 +354,38 @@ class AsyncSandbox:
     async def network_usage(self) -> dict:
         return await self._client._run(self._sb.network_usage)
 
+    # A full VM's screen (dsec.screen): the same calls as Sandbox's.
+    async def screenshot(self) -> bytes:
+        return await self._client._run(self._sb.screenshot)
+
+    async def screen(self) -> dict:
+        return await self._client._run(self._sb.screen)
+
+    async def cursor(self):
+        return await self._client._run(self._sb.cursor)
+
+    async def input(self, actions: Sequence[Mapping[str, Any]]) -> dict:
+        return await self._client._run(self._sb.input, actions)
+
+    async def mouse_move(self, x: int, y: int) -> dict:
+        return await self._client._run(self._sb.mouse_move, x, y)
+
+    async def click(self, x: Optional[int] = None, y: Optional[int] = None, button: str = "left",
+                    double: bool = False) -> dict:
+        return await self._client._run(self._sb.click, x, y, button, double)
+
+    async def scroll(self, dy: int, x: Optional[int] = None, y: Optional[int] = None) -> dict:
+        return await self._client._run(self._sb.scroll, dy, x, y)
+
+    async def drag(self, x: int, y: int, to_x: int, to_y: int, button: str = "left") -> dict:
+        return await self._client._run(self._sb.drag, x, y, to_x, to_y, button)
+
+    async def key(self, keys: str) -> dict:
+        return await self._client._run(self._sb.key, keys)
+
+    async def type_text(self, text: str, interval_ms: int = 0) -> dict:
+        return await self._client._run(self._sb.type_text, text, interval_ms)
+
     async def spawn(
         self,
         command: Union[str, Sequence[str]],

@@ -187,6 +187,7 @@ class Client:
         network: str | Mapping[str, Any] | None = None,
         egress_mbps: int = 0,
         connections: int = 0,
+        display: str = "",
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -206,11 +207,14 @@ class Client:
         (docs/networking.md); ``egress_mbps`` shapes what it sends and ``connections`` caps the connections it holds
         to the outside at once (0: unlimited).
 
+        ``display`` is a full VM's screen (``kind="vm"``): "1280x800" (from 320x200 to 3840x2160), or "none";
+        a vm gets 1024x768 when it is not given, other kinds have none (docs/vm.md).
+
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections)
+                     egress_mbps, connections, display)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -240,6 +244,7 @@ class Client:
         network: str | Mapping[str, Any] | None = None,
         egress_mbps: int = 0,
         connections: int = 0,
+        display: str = "",
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -258,7 +263,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections)
+                     egress_mbps, connections, display)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -289,6 +294,7 @@ class Client:
         network: str | Mapping[str, Any] | None = None,
         egress_mbps: int = 0,
         connections: int = 0,
+        display: str = "",
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -304,7 +310,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections)
+                     egress_mbps, connections, display)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

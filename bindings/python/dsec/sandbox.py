@@ -13,6 +13,7 @@ from .errors import InvalidArgument
 from ._spec import _field_size, _network_dict, _network_policy, _policy_of, _request_id, _str_map, _user
 from ._types import BytesLike, ExecResult, ProcessInfo, SandboxInfo, SessionInfo, Size, SleepResult
 from .process import Process
+from .screen import ScreenMethods
 from .session import Session
 
 if TYPE_CHECKING:  # annotations only: the client module imports this one
@@ -44,7 +45,7 @@ class Snapshot(str):
                 f"seconds={self.seconds:.3f})")
 
 
-class Sandbox:
+class Sandbox(ScreenMethods):
     """One live sandbox: run commands in it, read and write its files, destroy it.
 
     Not destroyed by garbage collection: call :meth:`destroy` or use ``with``. A sandbox left alone is destroyed

@@ -11,6 +11,7 @@
 #include "dsec/retry.hpp"
 #include "dsec/sandbox.hpp"
 #include "dsec/sandbox_info.hpp"
+#include "dsec/screen.hpp"
 #include "dsec/session.hpp"
 #include "dsec/spec.hpp"
 #include "dsec/version.hpp"

@@ -16,6 +16,7 @@
 #include "dsec/exec.hpp"
 #include "dsec/process.hpp"
 #include "dsec/sandbox_info.hpp"
+#include "dsec/screen.hpp"
 #include "dsec/session.hpp"
 #include "dsec/spec.hpp"
 
@@ -125,6 +126,18 @@ class Sandbox {
   // INVALID_ARGUMENT for a port outside 1-65535 or exposed already; RESOURCE_EXHAUSTED when the node's range of
   // ports (dsecd --expose-ports) is used up.
   std::string expose(std::uint32_t port) const;
+
+  // A full VM's screen (kind "vm", dsec/screen.hpp, docs/vm.md). FAILED_PRECONDITION for a sandbox without one, or
+  // while it sleeps. Input is never retried once sent (a lost answer would press the keys twice).
+  std::string screenshot() const;  // PNG bytes of the screen now
+  ScreenState screen() const;      // its size and where the pointer was last put
+  ScreenState input(const std::vector<InputAction>& actions) const;
+  ScreenState mouse_move(std::uint32_t x, std::uint32_t y) const;
+  ScreenState click(std::uint32_t x, std::uint32_t y, std::string button = "left", bool double_click = false) const;
+  ScreenState scroll(std::int32_t dy) const;  // notches; negative: up
+  ScreenState drag(std::uint32_t x, std::uint32_t y, std::uint32_t to_x, std::uint32_t to_y) const;
+  ScreenState key(std::string combo) const;   // "ctrl+s", "Return", "alt+F4"
+  ScreenState type_text(std::string text) const;
   void unexpose(std::uint32_t port) const;             // NOT_FOUND when it is not exposed
   std::map<std::uint32_t, std::string> exposed() const;  // its port -> "host:port"
   // Captures the sandbox's files as a new image named `name` ("repo" or "repo:tag", the tag "latest" when none) in

@@ -56,15 +56,15 @@ struct CachedLayer {
   std::uint32_t users = 0;        // sandboxes using it now
 };
 
-// The node's microvm backend (GET /v1/node "microvm"): whether it offers microVMs, and on what.
-struct MicroVmNodeInfo {
-  bool offered = false;            // the node serves kind "microvm"
+// One of the node's QEMU tiers (GET /v1/node "microvm" and "vm"): whether it offers its kind, and on what.
+struct QemuTierNodeInfo {
+  bool offered = false;            // the node serves the kind ("microvm", "vm")
   std::string unavailable;         // why it does not, or why its VMs cannot start (empty when they can)
   bool ready = false;              // the accelerator probe is done
   std::string accelerator;         // "kvm" or "tcg"
   std::string accelerator_reason;  // why this accelerator (e.g. why KVM was not usable)
-  std::string kernel;              // the guest kernel's release
-  std::uint32_t vms = 0;           // running microVMs
+  std::string kernel;              // microvm: the guest kernel's release (a full VM boots its image's own)
+  std::uint32_t vms = 0;           // running VMs
   // Pre-booted pools (dsecd --microvm-pool): VMs kept ready per shape in use, ready now, creates served from a
   // pool and creates of a pooled shape that found it empty.
   std::uint32_t pool_size = 0;
@@ -75,6 +75,7 @@ struct MicroVmNodeInfo {
   std::uint32_t templates = 0;
   std::uint64_t template_bytes = 0;
 };
+using MicroVmNodeInfo = QemuTierNodeInfo;
 
 struct NodeInfo {
   std::string id;
@@ -107,7 +108,8 @@ struct NodeInfo {
   // The node's swap (every swap area of the host): where sleeping sandboxes' anonymous memory goes. 0: none.
   std::uint64_t swap_bytes = 0;
   std::uint64_t swap_free_bytes = 0;
-  MicroVmNodeInfo microvm;
+  QemuTierNodeInfo microvm;
+  QemuTierNodeInfo vm;  // full VMs with a screen (docs/vm.md)
 };
 
 }  // namespace dsec

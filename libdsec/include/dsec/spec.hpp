@@ -33,7 +33,7 @@ struct Resources {
 
 struct SandboxSpec {
   std::string image = "busybox";      // image name in the node's store
-  std::string kind = "container";     // backend: container (fncall, microvm, vm come later)
+  std::string kind = "container";     // backend: container, microvm or vm (a full VM with a screen)
   Resources resources;
   std::chrono::seconds ttl{3600};     // the agent destroys the sandbox this long after creation; 0 = never
   Env env;                            // environment every exec starts with (exec env overrides)
@@ -65,7 +65,17 @@ struct SandboxSpec {
   // 128 of letters, digits, '.', '_' and '-'; group_ttl is 1 to 86400 s and required with a group.
   std::string group;
   std::chrono::seconds group_ttl{0};
+  // The screen of a full VM (kind "vm"): "WIDTHxHEIGHT" (from 320x200 to 3840x2160) or "none". Empty: the kind's
+  // default (a vm gets 1024x768; other kinds have no screen and refuse one).
+  std::string display;
 };
+
+// A screen's size; parse_display("1280x800") -> {1280, 800}; nullopt for "", "none" and anything not WxH.
+struct DisplaySize {
+  std::uint32_t width = 0;
+  std::uint32_t height = 0;
+};
+std::optional<DisplaySize> parse_display(std::string_view text);
 
 // Parses "512Mi", "2G", "1.5GiB", "4096", "100k" into bytes. SI suffixes (k, M, G, T) are powers of 1000, binary ones
 // (Ki, Mi, Gi, Ti) powers of 1024; a trailing "B" is allowed. Returns nullopt for anything else.

@@ -12,7 +12,7 @@
 #include "agent/backends/container/user_namespace.hpp"
 #include "agent/network/node_network.hpp"
 #include "agent/backends/fncall/fncall_service.hpp"
-#include "agent/backends/microvm/microvm_backend.hpp"
+#include "agent/backends/qemu/qemu_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
 #include "agent/log.hpp"
 #include "dsec/version.hpp"
@@ -26,18 +26,41 @@ bool valid_node_id(std::string_view id) noexcept {
   return true;
 }
 
+QemuTierNodeInfo Agent::QemuTier::node_info() const {
+  QemuTierNodeInfo n;
+  if (!backend) {
+    n.unavailable = unavailable;
+    return n;
+  }
+  QemuTierStatus m = backend->status();
+  n.offered = true;
+  n.ready = m.ready;
+  n.unavailable = m.unavailable;
+  n.accelerator = m.accelerator;
+  n.accelerator_reason = m.accelerator_reason;
+  n.kernel = m.kernel;
+  n.vms = m.vms;
+  n.pool_size = m.pool_size;
+  n.pool_ready = m.pool_ready;
+  n.pool_claims = m.pool_claims;
+  n.pool_misses = m.pool_misses;
+  n.templates = m.templates;
+  n.template_bytes = m.template_bytes;
+  return n;
+}
+
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
     const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns,
     std::shared_ptr<network::NodeNetwork> network) {
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
-    if (out.count(name) || name == "fncall" || name == "microvm") continue;
+    if (out.count(name) || name == "fncall" || name == "microvm" || name == "vm") continue;
     if (name == "container") out.emplace(name, make_container_backend(config, userns, network));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
       throw Error(Code::kInvalidArgument,
-                  fmt::format("backends: unknown backend '{}' (known: container, microvm, null, fncall)", name));
+                  fmt::format("backends: unknown backend '{}' (known: container, microvm, vm, null, fncall)", name));
   }
   return out;
 }
@@ -170,18 +193,23 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   }
   const bool backends_from_config = parts.backends.empty();
   backends_ = backends_from_config ? make_backends(config_, userns_, network_) : std::move(parts.backends);
-  if (backends_from_config &&
-      std::find(config_.backends.begin(), config_.backends.end(), "microvm") != config_.backends.end()) {
-    // A node without QEMU or a guest kernel still serves its other backends; GET /v1/node says why not this one.
+  // A node without QEMU (or, for microVMs, a guest kernel) still serves its other backends; GET /v1/node says why
+  // not these.
+  auto add_qemu_tier = [&](const char* kind, QemuTier& tier, auto make) {
+    if (!backends_from_config ||
+        std::find(config_.backends.begin(), config_.backends.end(), kind) == config_.backends.end())
+      return;
     try {
-      auto microvm = make_microvm_backend(config_);
-      microvm_ = microvm.get();
-      backends_.emplace("microvm", std::move(microvm));
+      auto backend = make(config_);
+      tier.backend = backend.get();
+      backends_.emplace(kind, std::move(backend));
     } catch (const Error& e) {
-      microvm_unavailable_ = e.what();
-      log_warn("microvm backend not offered: {}", microvm_unavailable_);
+      tier.unavailable = e.what();
+      log_warn("{} backend not offered: {}", kind, tier.unavailable);
     }
-  }
+  };
+  add_qemu_tier("microvm", microvm_, make_microvm_backend);
+  add_qemu_tier("vm", vm_, make_vm_backend);
   cgroup_version_ = "none";
   if (backends_.count("container") || fncall_) cgroup_version_ = container_cgroup_version();
 
@@ -393,24 +421,8 @@ NodeInfo Agent::node_info() const {
   n.swap_bytes = swap.total_bytes;
   n.swap_free_bytes = swap.free_bytes;
   n.load1 = load_average_1m();
-  if (microvm_) {
-    MicroVmStatus m = microvm_->status();
-    n.microvm.offered = true;
-    n.microvm.ready = m.ready;
-    n.microvm.unavailable = m.unavailable;
-    n.microvm.accelerator = m.accelerator;
-    n.microvm.accelerator_reason = m.accelerator_reason;
-    n.microvm.kernel = m.kernel;
-    n.microvm.vms = m.vms;
-    n.microvm.pool_size = m.pool_size;
-    n.microvm.pool_ready = m.pool_ready;
-    n.microvm.pool_claims = m.pool_claims;
-    n.microvm.pool_misses = m.pool_misses;
-    n.microvm.templates = m.templates;
-    n.microvm.template_bytes = m.template_bytes;
-  } else {
-    n.microvm.unavailable = microvm_unavailable_;
-  }
+  n.microvm = microvm_.node_info();
+  n.vm = vm_.node_info();
   return n;
 }
 

@@ -23,7 +23,7 @@
 
 namespace dsec::agent {
 
-class MicroVmBackend;
+class QemuBackend;
 
 namespace fncall {
 class FnCallService;
@@ -99,8 +99,14 @@ class Agent {
   std::shared_ptr<container::UserNamespaces> userns_;
   std::shared_ptr<network::NodeNetwork> network_;  // sandboxes' links and rules (container backend)
   std::unique_ptr<fncall::FnCallService> fncall_;  // with "fncall" among config.backends
-  MicroVmBackend* microvm_ = nullptr;              // in backends_, when "microvm" is among config.backends
-  std::string microvm_unavailable_;                // why it is not, when it was asked for
+  // The QEMU tiers: in backends_ when among config.backends and the node can run them, else why not.
+  struct QemuTier {
+    QemuBackend* backend = nullptr;
+    std::string unavailable;
+    QemuTierNodeInfo node_info() const;
+  };
+  QemuTier microvm_;
+  QemuTier vm_;
   std::shared_ptr<auth::TlsServerContext> tls_;  // the TCP listener's, when it speaks TLS
   std::unique_ptr<Router> router_;
   std::unique_ptr<Server> server_;

@@ -13,6 +13,7 @@
 
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
+#include "dsec/screen.hpp"
 #include "dsec/spec.hpp"
 #include "agent/layers/layer_image.hpp"
 #include "agent/processes/processes.hpp"
@@ -72,6 +73,17 @@ struct FilesCapture {
   double frozen_seconds = 0;       // how long the sandbox's processes were stopped for it (0 if it was asleep)
 };
 
+// A sandbox's screen (full VMs): what a computer-use agent sees and does. Errors: FAILED_PRECONDITION while the
+// sandbox sleeps or its VM stopped; INVALID_ARGUMENT for a key, character or pixel the screen does not have.
+class Screen {
+ public:
+  virtual ~Screen() = default;
+  virtual std::string screenshot_png() = 0;
+  // Runs the actions in order (a failing one ends the request; those before it took effect).
+  virtual ScreenState input(const std::vector<InputAction>& actions) = 0;
+  virtual ScreenState state() = 0;
+};
+
 // One live sandbox. Every method may be called from several threads at once; all of them throw dsec::Error.
 class BackendSandbox {
  public:
@@ -85,6 +97,9 @@ class BackendSandbox {
   // The processes the sandbox keeps for its callers, shell sessions among them (agent/processes/); null when the
   // backend keeps none. Lives as long as the sandbox.
   virtual Processes* processes() { return nullptr; }
+
+  // Its screen; null for a sandbox without one (every kind but a full VM, or a VM made with display "none").
+  virtual Screen* screen() { return nullptr; }
 
   // Paths are absolute paths inside the sandbox; they are resolved inside its root, never outside.
   virtual void write_file(std::string_view path, std::string_view data, unsigned mode) = 0;

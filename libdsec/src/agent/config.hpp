@@ -53,11 +53,12 @@ struct FnCallConfig {
   double call_cpu = 1.0;
 };
 
-// The microvm backend (docs/microvm.md): one QEMU microvm per sandbox.
-struct MicroVmConfig {
+// A QEMU tier: the microvm backend (docs/microvm.md: one QEMU microvm per sandbox, a kernel of the node's) or the
+// vm backend (docs/vm.md: a q35 machine booting the image's own kernel and systemd, with a screen).
+struct QemuTierConfig {
   std::filesystem::path qemu;    // qemu-system-x86_64; empty: found on PATH
-  std::filesystem::path kernel;  // the guest kernel (a file or a directory as scripts/guest-kernel.sh lays it
-                                 // out); empty: /var/cache/dsec/guest-kernel/current
+  std::filesystem::path kernel;  // microvm: the guest kernel (a file or a directory as scripts/guest-kernel.sh lays
+                                 // it out); empty: /var/cache/dsec/guest-kernel/current. A full VM boots its image's.
   std::string accelerator = "auto";  // auto (KVM where it really runs the guest, else TCG) | kvm | tcg
   std::uint32_t tcg_tb_size_mib = 32;  // TCG's translation cache per VM
   // QEMU processes run as uid_base + n (gid the same), n < uid_count: a uid of its own per VM.
@@ -81,6 +82,19 @@ struct MicroVmConfig {
   std::uint32_t pool_size = 0;
   std::chrono::milliseconds pool_idle{600000};
 };
+using MicroVmConfig = QemuTierConfig;
+
+// The full VM tier's defaults: its QEMU processes get uids of their own range, a screen's memory and a whole
+// system's boot (minutes under TCG) are allowed for.
+inline QemuTierConfig default_vm_config() {
+  QemuTierConfig c;
+  c.uid_base = 2000000000u + 65536;
+  c.overhead_bytes = 256ull << 20;
+  c.boot_timeout = std::chrono::milliseconds(300000);
+  c.boot_attempts = 1;
+  c.tcg_tb_size_mib = 64;
+  return c;
+}
 
 struct AgentConfig {
   std::string node_id;                        // default: hostname; prefixes every sandbox id
@@ -134,7 +148,8 @@ struct AgentConfig {
   // dsecd's own default (without --backends) is container and fncall.
   std::vector<std::string> backends{"container"};
   FnCallConfig fncall;
-  MicroVmConfig microvm;
+  QemuTierConfig microvm;
+  QemuTierConfig vm = default_vm_config();
   // At start-up, the sandboxes an earlier run left (it was killed, crashed, or left them on purpose) are taken over
   // (true; dsecd --on-restart adopt) or destroyed (false; --on-restart remove). See Registry::recover_earlier_run.
   bool adopt_sandboxes = true;

@@ -65,9 +65,10 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --label KEY=VALUE       a label of this node, reported in GET /v1/node for placement (node_selector); repeat
                           for more
   --init PATH             the dsec-init binary (default: dsec-init next to dsecd)
-  --backends LIST         comma-separated: container, microvm, null, fncall (default container,fncall,microvm;
-                          null simulates the control plane; fncall serves function calls, POST /v1/fncall;
-                          microvm is left out, and GET /v1/node says why, where QEMU or the guest kernel is missing)
+  --backends LIST         comma-separated: container, microvm, vm, null, fncall (default
+                          container,fncall,microvm,vm; null simulates the control plane; fncall serves function
+                          calls, POST /v1/fncall; microvm and vm are left out, and GET /v1/node says why, where QEMU
+                          or the microVMs' guest kernel is missing)
   --microvm-kernel PATH   the microVMs' guest kernel: a vmlinux/bzImage file (modules from a "modules" directory
                           beside it) or a directory as scripts/guest-kernel.sh lays it out (default
                           /var/cache/dsec/guest-kernel/current)
@@ -86,6 +87,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
                           a shape's pool is stopped once no create of it came for this long (default 600)
   --microvm-boot-timeout SECS
                           how long a guest may take to answer after QEMU starts (default 30)
+  --vm-qemu, --vm-accelerator, --vm-templates, --vm-template-memory, --vm-pool, --vm-pool-idle, --vm-boot-timeout
+                          the same for full VMs (kind vm, docs/vm.md), which boot their image's own kernel; their
+                          boot timeout covers the whole system's start (default 300)
   --on-restart MODE       what to do at start with the sandboxes an earlier run left (it was killed, crashed, or
                           left them on SIGUSR2): adopt takes over those still alive and marks the dead ones failed;
                           remove destroys them all (default adopt)
@@ -203,10 +207,54 @@ std::filesystem::path self_directory() {
 
 }  // namespace
 
+// "--microvm-pool" -> {"microvm", "pool"}, "--vm-pool" -> {"vm", "pool"}: the flags both QEMU tiers take.
+std::optional<std::pair<std::string_view, std::string_view>> qemu_tier_flag(std::string_view flag) {
+  static constexpr std::string_view kNames[] = {"qemu",      "accelerator", "templates",    "template-memory",
+                                                "pool",      "pool-idle",   "boot-timeout"};
+  for (std::string_view tier : {std::string_view("microvm"), std::string_view("vm")}) {
+    std::string prefix = fmt::format("--{}-", tier);
+    if (!flag.starts_with(prefix)) continue;
+    std::string_view name = flag.substr(prefix.size());
+    for (std::string_view known : kNames)
+      if (name == known) return std::pair{tier, name};
+  }
+  return std::nullopt;
+}
+
+void set_qemu_tier_flag(dsec::agent::QemuTierConfig& tier, std::string_view flag, std::string_view name,
+                        std::string_view value) {
+  if (name == "qemu") {
+    tier.qemu = std::string(value);
+  } else if (name == "accelerator") {
+    if (value != "auto" && value != "kvm" && value != "tcg")
+      fail(fmt::format("{}: '{}' is not one of auto, kvm, tcg", flag, value));
+    tier.accelerator = std::string(value);
+  } else if (name == "templates") {
+    if (value != "on" && value != "off") fail(fmt::format("{}: '{}' is not on or off", flag, value));
+    tier.templates = value == "on";
+  } else if (name == "template-memory") {
+    auto size = dsec::parse_size(value);
+    if (!size || *size == 0) fail(fmt::format("{}: '{}' is not a size such as 4Gi", flag, value));
+    tier.template_memory_bytes = *size;
+  } else if (name == "pool") {
+    std::size_t n = parse_unsigned(flag, value);
+    if (n > 1000) fail(fmt::format("{}: at most 1000 VMs per shape", flag));
+    tier.pool_size = static_cast<std::uint32_t>(n);
+  } else if (name == "pool-idle") {
+    std::size_t secs = parse_unsigned(flag, value);
+    if (secs == 0) fail(fmt::format("{}: must be at least 1", flag));
+    tier.pool_idle = std::chrono::seconds(secs);
+  } else if (name == "boot-timeout") {
+    std::size_t secs = parse_unsigned(flag, value);
+    if (secs == 0) fail(fmt::format("{}: must be at least 1", flag));
+    tier.boot_timeout = std::chrono::seconds(secs);
+  }
+}
+
 int main(int argc, char** argv) {
   using dsec::agent::AgentConfig;
   AgentConfig config;
-  config.backends = {"container", "fncall", "microvm"};
+  config.backends = {"container", "fncall", "microvm", "vm"};
   std::optional<int> ready_fd;
 
   std::vector<std::string_view> args(argv + 1, argv + argc);
@@ -301,31 +349,8 @@ int main(int argc, char** argv) {
       config.backends = split_list(value);
     } else if (flag == "--microvm-kernel") {
       config.microvm.kernel = std::string(value);
-    } else if (flag == "--microvm-qemu") {
-      config.microvm.qemu = std::string(value);
-    } else if (flag == "--microvm-accelerator") {
-      if (value != "auto" && value != "kvm" && value != "tcg")
-        fail(fmt::format("--microvm-accelerator: '{}' is not one of auto, kvm, tcg", value));
-      config.microvm.accelerator = std::string(value);
-    } else if (flag == "--microvm-templates") {
-      if (value != "on" && value != "off") fail(fmt::format("--microvm-templates: '{}' is not on or off", value));
-      config.microvm.templates = value == "on";
-    } else if (flag == "--microvm-template-memory") {
-      auto size = dsec::parse_size(value);
-      if (!size || *size == 0) fail(fmt::format("--microvm-template-memory: '{}' is not a size such as 4Gi", value));
-      config.microvm.template_memory_bytes = *size;
-    } else if (flag == "--microvm-pool") {
-      std::size_t n = parse_unsigned(flag, value);
-      if (n > 1000) fail("--microvm-pool: at most 1000 VMs per shape");
-      config.microvm.pool_size = static_cast<std::uint32_t>(n);
-    } else if (flag == "--microvm-pool-idle") {
-      std::size_t secs = parse_unsigned(flag, value);
-      if (secs == 0) fail("--microvm-pool-idle: must be at least 1");
-      config.microvm.pool_idle = std::chrono::seconds(secs);
-    } else if (flag == "--microvm-boot-timeout") {
-      std::size_t secs = parse_unsigned(flag, value);
-      if (secs == 0) fail("--microvm-boot-timeout: must be at least 1");
-      config.microvm.boot_timeout = std::chrono::seconds(secs);
+    } else if (auto tier_flag = qemu_tier_flag(flag)) {
+      set_qemu_tier_flag(tier_flag->first == "vm" ? config.vm : config.microvm, flag, tier_flag->second, value);
     } else if (flag == "--on-restart") {
       if (value != "adopt" && value != "remove")
         fail(fmt::format("--on-restart: '{}' is not one of adopt, remove", value));

@@ -51,6 +51,7 @@ class GoneSandbox final : public BackendSandbox {
   SleepReport sleep() override { throw gone(); }
   SleepReport wake() override { throw gone(); }
   Processes* processes() override { throw gone(); }
+  Screen* screen() override { throw gone(); }
   bool alive() override { return false; }
   void destroy() override {
     std::lock_guard lock(mutex_);

@@ -354,6 +354,9 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     }
     case Route::kSandboxWake: return sleep_or_wake(request, target, false);
     case Route::kSandboxProcesses: return processes(request, target);
+    case Route::kSandboxScreen:
+    case Route::kSandboxScreenState:
+    case Route::kSandboxScreenInput: return screen(request, target);
     case Route::kSandboxProcess:
     case Route::kSandboxProcessOutput:
     case Route::kSandboxProcessStdin:

@@ -76,6 +76,7 @@ class Router {
   protocol::json once(const std::string& sandbox_id, std::string_view kind, const std::string& request_id,
                       const std::string& request, const std::function<protocol::json()>& answer);
   HttpResponse files(HttpRequest& request, const Target& target);
+  HttpResponse screen(HttpRequest& request, const Target& target);
   HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
   HttpResponse snapshot(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse fork(HttpRequest& request, const Target& target);

@@ -38,6 +38,9 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandboxNetwork: return "/v1/sandboxes/{id}/network";
     case Route::kSandboxPorts: return "/v1/sandboxes/{id}/ports";
     case Route::kSandboxNetworkUsage: return "/v1/sandboxes/{id}/network/usage";
+    case Route::kSandboxScreen: return "/v1/sandboxes/{id}/screen";
+    case Route::kSandboxScreenState: return "/v1/sandboxes/{id}/screen/state";
+    case Route::kSandboxScreenInput: return "/v1/sandboxes/{id}/screen/input";
     case Route::kSandboxProcesses: return "/v1/sandboxes/{id}/processes";
     case Route::kSandboxProcess: return "/v1/sandboxes/{id}/processes/{pid}";
     case Route::kSandboxProcessOutput: return "/v1/sandboxes/{id}/processes/{pid}/output";
@@ -153,6 +156,11 @@ Target parse_target(std::string_view target) {
         else if (parts.size() == 4 && parts[3] == "ports") out.route = Route::kSandboxPorts;
         else if (parts.size() == 5 && parts[3] == "network" && parts[4] == "usage")
           out.route = Route::kSandboxNetworkUsage;
+        else if (parts.size() == 4 && parts[3] == "screen") out.route = Route::kSandboxScreen;
+        else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "state")
+          out.route = Route::kSandboxScreenState;
+        else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "input")
+          out.route = Route::kSandboxScreenInput;
         else if (parts.size() == 4 && parts[3] == "processes") out.route = Route::kSandboxProcesses;
         else if (parts.size() == 4 && parts[3] == "sessions") out.route = Route::kSandboxSessions;
         else if (parts.size() >= 5 && parts.size() <= 6 && !parts[4].empty() &&

@@ -38,6 +38,9 @@ enum class Route {
   kSandboxSession,         // /v1/sandboxes/{id}/sessions/{name}
   kSandboxSessionRun,      // /v1/sandboxes/{id}/sessions/{name}/run
   kSandboxSessionRestart,  // /v1/sandboxes/{id}/sessions/{name}/restart
+  kSandboxScreen,          // /v1/sandboxes/{id}/screen
+  kSandboxScreenState,     // /v1/sandboxes/{id}/screen/state
+  kSandboxScreenInput,     // /v1/sandboxes/{id}/screen/input
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

@@ -16,6 +16,7 @@
 
 #include "common/network_rules.hpp"
 #include "common/protocol.hpp"
+#include "common/screen_protocol.hpp"
 #include "dsec/retry.hpp"
 #include "image/store/manifest.hpp"
 
@@ -43,6 +44,10 @@ constexpr std::string_view kPulseLabel = "dsec.pulse";
 constexpr milliseconds kSleepTime{60'000};
 // The longest one snapshot exchange may take on top of request_timeout (a large writable layer to copy and pack).
 constexpr milliseconds kSnapshotTime{600'000};
+// A full VM's create may boot a whole system (its kernel, systemd, a desktop: about a minute under TCG, and the
+// agent's boot timeout is 300 s) before it answers: each exchange and the call may take that much longer.
+constexpr milliseconds kFullSystemBootTime{600'000};
+milliseconds create_time(const SandboxSpec& spec) { return spec.kind == "vm" ? kFullSystemBootTime : milliseconds{0}; }
 
 std::mt19937_64& thread_rng() {
   thread_local std::mt19937_64 rng = [] {
@@ -385,7 +390,8 @@ std::string ClientCore::sandbox_path(const std::string& id, std::string_view suf
 SandboxInfo ClientCore::create(SandboxSpec spec) {
   if (spec.request_id.empty()) spec.request_id = random_request_id();
   protocol::validate(spec);
-  auto deadline = deadline_after();
+  const milliseconds boot_time = create_time(spec);
+  auto deadline = deadline_after(boot_time);
   std::shared_ptr<const ResolvedImageRef> image;
   if (images_->enabled()) image = images_->resolve(spec.image);
   // With several nodes the request id is also a label, so a copy made by a node that timed out (while another made
@@ -425,7 +431,9 @@ SandboxInfo ClientCore::create(SandboxSpec spec) {
     try {
       // On one node, transient failures are retried there (the request id makes that safe); past the retries the
       // create moves to another node with the same request id.
-      r = retrying(deadline, [&] { return call(node, http_request("POST", "/v1/sandboxes", body, kJson), deadline); });
+      r = retrying(deadline, [&] {
+        return call(node, http_request("POST", "/v1/sandboxes", body, kJson), deadline, boot_time);
+      });
     } catch (const TransportError& e) {
       if (e.maybe_sent()) maybe_made.push_back(node);
       excluded.push_back(node);
@@ -464,8 +472,12 @@ std::vector<SandboxInfo> ClientCore::create_many(const std::vector<SandboxSpec>&
                                                  std::chrono::seconds group_ttl) {
   const std::size_t n = specs.size();
   if (n == 0) return {};
-  for (const auto& s : specs) protocol::validate(s);
-  auto deadline = deadline_after();
+  milliseconds boot_time{0};
+  for (const auto& s : specs) {
+    protocol::validate(s);
+    boot_time = std::max(boot_time, create_time(s));
+  }
+  auto deadline = deadline_after(boot_time);
   const std::string base = specs.front().request_id.empty() ? random_request_id() : specs.front().request_id;
   const bool pulse_labelled = nodes_.live_count() > 1;
   // The distinct specs of the pulse (equal specs share one), each placed and sent as batches of its own.
@@ -615,7 +627,7 @@ std::vector<SandboxInfo> ClientCore::create_many(const std::vector<SandboxSpec>&
         const std::string body = request.dump();
         try {
           auto r = retrying(deadline, [&] {
-            return call(batch.node, http_request("POST", "/v1/sandboxes", body, kJson), deadline);
+            return call(batch.node, http_request("POST", "/v1/sandboxes", body, kJson), deadline, create_time(s));
           });
           auto infos = decode_sandbox_list(r, "POST /v1/sandboxes (count)");
           if (infos.size() != batch.slots.size())
@@ -821,6 +833,34 @@ NetworkPolicy ClientCore::set_network(const std::string& id, const NetworkPolicy
 NetworkUsage ClientCore::network_usage(const std::string& id) {
   auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/network/usage")));
   return protocol::decode_network_usage(parse_json(r, "GET /v1/sandboxes/{id}/network/usage"));
+}
+
+std::string ClientCore::screenshot(const std::string& id) {
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/screen")));
+  if (r.content_type != "image/png")
+    throw Error(Code::kDataLoss, fmt::format("GET /v1/sandboxes/{{id}}/screen: the answer is {}, not a PNG",
+                                             r.content_type.empty() ? "untyped" : r.content_type));
+  return std::move(r.body);
+}
+
+ScreenState ClientCore::screen_state(const std::string& id) {
+  auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/screen/state")));
+  return protocol::decode_screen_state(parse_json(r, "GET /v1/sandboxes/{id}/screen/state"));
+}
+
+ScreenState ClientCore::input(const std::string& id, const std::vector<InputAction>& actions) {
+  const std::string body = protocol::encode_input(actions).dump();
+  (void)protocol::decode_input(protocol::json::parse(body));  // a malformed action never leaves the client
+  // Not retried once sent: a lost answer would press the keys twice. Typing and waits take their time on top.
+  std::chrono::milliseconds paced{0};
+  for (const InputAction& a : actions) {
+    if (a.type == InputAction::Type::kWait) paced += std::chrono::milliseconds(a.interval_ms);
+    if (a.type == InputAction::Type::kType)
+      paced += std::chrono::milliseconds(std::uint64_t{a.interval_ms ? a.interval_ms : 30} * a.text.size());
+  }
+  auto deadline = deadline_after(paced);
+  auto r = call(route(id, deadline), http_request("POST", sandbox_path(id, "/screen/input"), body, kJson), deadline);
+  return protocol::decode_screen_state(parse_json(r, "POST /v1/sandboxes/{id}/screen/input"));
 }
 
 std::string ClientCore::expose(const std::string& id, std::uint32_t port) {

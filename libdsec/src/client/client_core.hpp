@@ -16,6 +16,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "client/discovery.hpp"
+#include "dsec/screen.hpp"
 #include "client/embedded_agent.hpp"
 #include "client/image_resolver.hpp"
 #include "client/node_table.hpp"
@@ -77,6 +78,9 @@ class ClientCore {
   void unexpose(const std::string& id, std::uint32_t port);
   std::map<std::uint32_t, std::string> exposed(const std::string& id);
   NetworkUsage network_usage(const std::string& id);
+  std::string screenshot(const std::string& id);
+  ScreenState screen_state(const std::string& id);
+  ScreenState input(const std::string& id, const std::vector<InputAction>& actions);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();
   // The images of the client's stores, and removing one (Client::images, Client::remove_image).

@@ -78,6 +78,20 @@ void Sandbox::unexpose(std::uint32_t port) const { core().unexpose(id_, port); }
 std::map<std::uint32_t, std::string> Sandbox::exposed() const { return core().exposed(id_); }
 NetworkUsage Sandbox::network_usage() const { return core().network_usage(id_); }
 
+std::string Sandbox::screenshot() const { return core().screenshot(id_); }
+ScreenState Sandbox::screen() const { return core().screen_state(id_); }
+ScreenState Sandbox::input(const std::vector<InputAction>& actions) const { return core().input(id_, actions); }
+ScreenState Sandbox::mouse_move(std::uint32_t x, std::uint32_t y) const { return input({InputAction::move(x, y)}); }
+ScreenState Sandbox::click(std::uint32_t x, std::uint32_t y, std::string button, bool double_click) const {
+  return input({InputAction::click(x, y, std::move(button), double_click ? 2 : 1)});
+}
+ScreenState Sandbox::scroll(std::int32_t dy) const { return input({InputAction::scroll(dy)}); }
+ScreenState Sandbox::drag(std::uint32_t x, std::uint32_t y, std::uint32_t to_x, std::uint32_t to_y) const {
+  return input({InputAction::drag(x, y, to_x, to_y)});
+}
+ScreenState Sandbox::key(std::string combo) const { return input({InputAction::key(std::move(combo))}); }
+ScreenState Sandbox::type_text(std::string text) const { return input({InputAction::type_text(std::move(text))}); }
+
 SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }
 
 SnapshotResult Sandbox::snapshot(std::string_view name) const { return core().snapshot(id_, name); }

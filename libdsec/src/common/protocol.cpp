@@ -231,6 +231,7 @@ json encode(const SandboxSpec& s) {
   if (!s.user.empty()) j["user"] = s.user;
   if (!s.protected_paths.empty()) j["protected_paths"] = s.protected_paths;
   if (s.network.mode != "none" || !s.network.rules.empty()) j["network"] = encode(s.network);
+  if (!s.display.empty()) j["display"] = s.display;
   return j;
 }
 
@@ -280,6 +281,7 @@ SandboxSpec decode_spec(const json& j) {
   s.user = get_string(j, "user", "user");
   s.protected_paths = get_string_list(j, "protected_paths", "protected_paths");
   if (const json* n = find(j, "network")) s.network = decode_network(*n);
+  s.display = get_string(j, "display", "display");
   validate(s);
   return s;
 }
@@ -452,6 +454,14 @@ void validate(const SandboxSpec& s) {
   if (s.tenant.size() > 128 || has_nul(s.tenant)) bad("tenant", "at most 128 bytes");
   (void)parse_user(s.user, "user");
   validate_protected_paths(s.protected_paths, "protected_paths");
+  if (!s.display.empty() && s.display != "none") {
+    std::optional<DisplaySize> size = parse_display(s.display);
+    if (!size)
+      bad("display", fmt::format("'{}' is not a screen size: WIDTHxHEIGHT from 320x200 to 3840x2160, or none",
+                                 s.display.substr(0, 40)));
+    if (s.kind != "vm")
+      bad("display", fmt::format("kind '{}' has no screen: only full VMs (kind 'vm') do", s.kind.substr(0, 40)));
+  }
 }
 
 UserRef parse_user(std::string_view user, std::string_view field) {
@@ -841,6 +851,44 @@ SandboxInfo decode_sandbox_info(const json& j) {
   return s;
 }
 
+// A QEMU tier's part of the node info, under `name` (written only when the tier is offered or says why not).
+static void encode_tier(json& out, const char* name, const QemuTierNodeInfo& m) {
+  if (!m.offered && m.unavailable.empty()) return;
+  out[name] = json{{"offered", m.offered},
+                   {"unavailable", m.unavailable},
+                   {"ready", m.ready},
+                   {"accelerator", m.accelerator},
+                   {"accelerator_reason", m.accelerator_reason},
+                   {"kernel", m.kernel},
+                   {"vms", m.vms},
+                   {"pool", {{"size", m.pool_size}, {"ready", m.pool_ready}, {"claims", m.pool_claims},
+                             {"misses", m.pool_misses}}},
+                   {"templates", {{"count", m.templates}, {"bytes", m.template_bytes}}}};
+}
+
+static void decode_tier(const json& j, const std::string& name, QemuTierNodeInfo& v) {
+  auto m = j.find(name);
+  if (m == j.end() || !m->is_object()) return;
+  auto field = [&](const char* f) { return name + "." + f; };
+  v.offered = member(*m, "offered", false, field("offered"));
+  v.unavailable = member(*m, "unavailable", "", field("unavailable"));
+  v.ready = member(*m, "ready", false, field("ready"));
+  v.accelerator = member(*m, "accelerator", "", field("accelerator"));
+  v.accelerator_reason = member(*m, "accelerator_reason", "", field("accelerator_reason"));
+  v.kernel = member(*m, "kernel", "", field("kernel"));
+  v.vms = member(*m, "vms", 0u, field("vms"));
+  if (auto p = m->find("pool"); p != m->end() && p->is_object()) {
+    v.pool_size = member(*p, "size", 0u, field("pool.size"));
+    v.pool_ready = member(*p, "ready", 0u, field("pool.ready"));
+    v.pool_claims = member(*p, "claims", std::uint64_t{0}, field("pool.claims"));
+    v.pool_misses = member(*p, "misses", std::uint64_t{0}, field("pool.misses"));
+  }
+  if (auto t = m->find("templates"); t != m->end() && t->is_object()) {
+    v.templates = member(*t, "count", 0u, field("templates.count"));
+    v.template_bytes = member(*t, "bytes", std::uint64_t{0}, field("templates.bytes"));
+  }
+}
+
 json encode(const NodeInfo& n) {
   json layers = json::array();
   for (const auto& l : n.cached_layers)
@@ -865,18 +913,8 @@ json encode(const NodeInfo& n) {
               {"network", n.network},
               {"cached_layers", layers},
               {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
-  const MicroVmNodeInfo& m = n.microvm;
-  if (m.offered || !m.unavailable.empty())
-    out["microvm"] = json{{"offered", m.offered},          {"unavailable", m.unavailable},
-                          {"ready", m.ready},              {"accelerator", m.accelerator},
-                          {"accelerator_reason", m.accelerator_reason}, {"kernel", m.kernel},
-                          {"vms", m.vms},
-                          {"pool",
-                           {{"size", m.pool_size},
-                            {"ready", m.pool_ready},
-                            {"claims", m.pool_claims},
-                            {"misses", m.pool_misses}}},
-                          {"templates", {{"count", m.templates}, {"bytes", m.template_bytes}}}};
+  encode_tier(out, "microvm", n.microvm);
+  encode_tier(out, "vm", n.vm);
   return out;
 }
 
@@ -917,26 +955,8 @@ NodeInfo decode_node_info(const json& j) {
     n.swap_bytes = member(*s, "total", std::uint64_t{0}, "swap.total");
     n.swap_free_bytes = member(*s, "free", std::uint64_t{0}, "swap.free");
   }
-  if (auto m = j.find("microvm"); m != j.end() && m->is_object()) {
-    auto& v = n.microvm;
-    v.offered = member(*m, "offered", false, "microvm.offered");
-    v.unavailable = member(*m, "unavailable", "", "microvm.unavailable");
-    v.ready = member(*m, "ready", false, "microvm.ready");
-    v.accelerator = member(*m, "accelerator", "", "microvm.accelerator");
-    v.accelerator_reason = member(*m, "accelerator_reason", "", "microvm.accelerator_reason");
-    v.kernel = member(*m, "kernel", "", "microvm.kernel");
-    v.vms = member(*m, "vms", 0u, "microvm.vms");
-    if (auto p = m->find("pool"); p != m->end() && p->is_object()) {
-      v.pool_size = member(*p, "size", 0u, "microvm.pool.size");
-      v.pool_ready = member(*p, "ready", 0u, "microvm.pool.ready");
-      v.pool_claims = member(*p, "claims", std::uint64_t{0}, "microvm.pool.claims");
-      v.pool_misses = member(*p, "misses", std::uint64_t{0}, "microvm.pool.misses");
-    }
-    if (auto t = m->find("templates"); t != m->end() && t->is_object()) {
-      v.templates = member(*t, "count", 0u, "microvm.templates.count");
-      v.template_bytes = member(*t, "bytes", std::uint64_t{0}, "microvm.templates.bytes");
-    }
-  }
+  decode_tier(j, "microvm", n.microvm);
+  decode_tier(j, "vm", n.vm);
   if (auto c = j.find("cached_layers"); c != j.end() && c->is_array()) {
     for (const auto& l : *c) {
       if (!l.is_object()) continue;

@@ -7,6 +7,24 @@
 
 namespace dsec {
 
+std::optional<DisplaySize> parse_display(std::string_view text) {
+  auto number = [](std::string_view digits) -> std::optional<std::uint32_t> {
+    if (digits.empty() || digits.size() > 5) return std::nullopt;
+    std::uint32_t v = 0;
+    for (char c : digits) {
+      if (c < '0' || c > '9') return std::nullopt;
+      v = v * 10 + static_cast<std::uint32_t>(c - '0');
+    }
+    return v;
+  };
+  std::size_t x = text.find('x');
+  if (x == std::string_view::npos) return std::nullopt;
+  auto w = number(text.substr(0, x));
+  auto h = number(text.substr(x + 1));
+  if (!w || !h || *w < 320 || *w > 3840 || *h < 200 || *h > 2160) return std::nullopt;
+  return DisplaySize{*w, *h};
+}
+
 std::optional<std::uint64_t> parse_size(std::string_view text) {
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.remove_prefix(1);
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);

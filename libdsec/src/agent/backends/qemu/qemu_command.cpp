@@ -138,6 +138,16 @@ std::string qemu_opt_escape(std::string_view value) {
   return out;
 }
 
+DisplaySpec make_display(DisplaySpec::Kind kind, std::uint32_t width, std::uint32_t height) {
+  DisplaySpec d;
+  d.kind = kind;
+  d.width = width;
+  d.height = height;
+  const std::uint64_t two_frames = 2ull * width * height * 4;
+  while (std::uint64_t{d.vgamem_mb} << 20 < two_frames && d.vgamem_mb < 512) d.vgamem_mb *= 2;
+  return d;
+}
+
 std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   // --- validation, field by field ---
   check_text("name", spec.name);

@@ -62,6 +62,9 @@ struct DisplaySpec {
   std::uint32_t vgamem_mb = 16;
 };
 
+// A screen of `width` x `height` on `kind`, with video memory for two frames of it (at least 16 MiB).
+DisplaySpec make_display(DisplaySpec::Kind kind, std::uint32_t width, std::uint32_t height);
+
 // One virtio-blk disk: a -blockdev node and its -device.
 struct BlockDevice {
   std::string node_name;  // QEMU node name: a letter, then letters, digits, '-', '.', '_' (at most 31)

@@ -48,4 +48,27 @@ std::uint64_t state_number(std::string_view kind, const BackendState& state, con
   }
 }
 
+std::string encode_display(const DisplaySpec& display) {
+  switch (display.kind) {
+    case DisplaySpec::Kind::kNone: return "none";
+    case DisplaySpec::Kind::kVga: return fmt::format("vga {}x{}", display.width, display.height);
+    case DisplaySpec::Kind::kVirtioGpu: return fmt::format("virtio-gpu {}x{}", display.width, display.height);
+  }
+  return "none";
+}
+
+DisplaySpec decode_display(std::string_view kind, const std::string& text) {
+  if (text == "none") return {};
+  auto malformed = [&] {
+    return Error(Code::kInvalidArgument, fmt::format("{} record: malformed display '{}'", kind, text.substr(0, 60)));
+  };
+  auto space = text.find(' ');
+  if (space == std::string::npos) throw malformed();
+  std::string device = text.substr(0, space);
+  auto size = parse_display(std::string_view(text).substr(space + 1));
+  if (!size || (device != "vga" && device != "virtio-gpu")) throw malformed();
+  return make_display(device == "vga" ? DisplaySpec::Kind::kVga : DisplaySpec::Kind::kVirtioGpu, size->width,
+                      size->height);
+}
+
 }  // namespace dsec::agent::qemu

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "agent/backend.hpp"
+#include "agent/backends/qemu/qemu_command.hpp"
 #include "agent/layers/layer_image.hpp"
 
 namespace dsec::agent::qemu {
@@ -24,6 +25,10 @@ constexpr const char* kHostname = "hostname";
 constexpr const char* kLayers = "layer_images";  // "file\tdata file" per line
 constexpr const char* kRam = "ram";              // "own" (a memfd), "clone" (of a template), "anonymous"
 constexpr const char* kAccelerator = "accelerator";
+// Full VMs only: the image's kernel and initramfs in the agent's cache, the screen ("vga 1280x800", "none").
+constexpr const char* kKernel = "kernel";
+constexpr const char* kInitrd = "initrd";
+constexpr const char* kDisplay = "display";
 }  // namespace record_key
 
 // The readers' errors name the record by its tier, `kind` ("microvm record: no uid").
@@ -31,6 +36,11 @@ constexpr const char* kAccelerator = "accelerator";
 std::string encode_layers(const std::vector<layers::LayerImage>& images);
 // INVALID_ARGUMENT for a malformed list.
 std::vector<layers::LayerImage> decode_layers(std::string_view kind, const std::string& text);
+
+// A screen as the record keeps it: "none", or "<device> <width>x<height>" (device: vga, virtio-gpu).
+std::string encode_display(const DisplaySpec& display);
+// INVALID_ARGUMENT for a malformed one.
+DisplaySpec decode_display(std::string_view kind, const std::string& text);
 
 // A value of the record; INVALID_ARGUMENT when it is missing (or, for a number, not one).
 const std::string& state_value(std::string_view kind, const BackendState& state, const char* name);

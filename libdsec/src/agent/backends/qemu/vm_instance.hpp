@@ -1,4 +1,5 @@
-// One running microVM: its QEMU process, its QMP monitor and the line to dsec-init inside (guest::GuestChannel).
+// One running VM of a QEMU tier: its QEMU process, its QMP monitor and the line to dsec-init inside
+// (guest::GuestChannel).
 //
 // Everything QEMU reads comes as descriptors the agent opened (guest RAM, kernel, initramfs, the image's layer
 // files, the writable disk, the console log, two listening sockets), so QEMU's own uid needs access to no file of
@@ -27,12 +28,9 @@
 #include "agent/layers/layer_image.hpp"
 #include "common/unique_fd.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 using Clock = std::chrono::steady_clock;
-using qemu::Accelerator;
-using qemu::GuestMemory;
-using qemu::TemplatePtr;
 
 struct VmBootSpec {
   std::string id;                // the sandbox id (QEMU's -name)
@@ -129,6 +127,13 @@ class VmInstance {
   std::string last_words() const;
   // Runs a QMP command (one at a time).
   nlohmann::json qmp(std::string_view command, const nlohmann::json& arguments = nlohmann::json::object());
+  // Runs `fn` with the QMP connection to itself (for exchanges of several commands: a screenshot's fd passing).
+  template <typename F>
+  auto with_qmp(F&& fn) -> decltype(fn(std::declval<QmpClient&>())) {
+    std::lock_guard lock(qmp_mu_);
+    if (!qmp_) throw Error(Code::kUnavailable, "this VM has no QMP connection");
+    return fn(*qmp_);
+  }
 
  private:
   VmInstance() = default;
@@ -161,4 +166,4 @@ UniqueFd listen_unix(const std::filesystem::path& path);
 // A connection to the unix socket at `path`.
 UniqueFd connect_unix(const std::filesystem::path& path);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

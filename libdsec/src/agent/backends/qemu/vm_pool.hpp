@@ -24,10 +24,10 @@
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
-#include "agent/backends/microvm/backend_context.hpp"
-#include "agent/backends/microvm/vm_instance.hpp"
+#include "agent/backends/qemu/tier_context.hpp"
+#include "agent/backends/qemu/vm_instance.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 // One VM of a pool and what it holds. Destroying it (unclaimed) kills its QEMU and releases its cgroup, uid and
 // directories; claim_into() hands all of them to a sandbox instead.
@@ -113,4 +113,4 @@ class VmPool {
 // their directories.
 void remove_pool_leftovers(BackendContext& ctx);
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/microvm_sandbox.hpp"
+#include "agent/backends/qemu/qemu_sandbox.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,12 +11,13 @@
 
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/qemu/vm_record.hpp"
+#include "agent/backends/qemu/vm_screen.hpp"
 #include "agent/exec_command.hpp"
 #include "agent/exec_user.hpp"
 #include "agent/host.hpp"
 #include "agent/log.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace {
 
 namespace fs = std::filesystem;
@@ -42,9 +43,9 @@ auto guarded(const std::string& id, F&& fn) -> decltype(fn()) {
   }
 }
 
-class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
+class QemuSandbox final : public BackendSandbox, public InitProcesses {
  public:
-  MicroVmSandbox(BackendContext& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
+  QemuSandbox(BackendContext& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
                  std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm,
                  bool sleeping = false)
       : InitProcesses(id),
@@ -59,10 +60,13 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
         vm_(std::move(vm)),
         sleeping_(sleeping) {
     boot_.cgroup_procs.clear();
+    if (boot_.display.kind != DisplaySpec::Kind::kNone)
+      screen_ = std::make_unique<VmScreen>(id_, boot_.display.width, boot_.display.height,
+                                           [this] { return running_vm("its screen"); });
     ++shared_.vms;
   }
 
-  ~MicroVmSandbox() override {
+  ~QemuSandbox() override {
     try {
       destroy();
     } catch (...) {
@@ -79,7 +83,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
       vm = vm_;
     }
     struct ExecCount {
-      MicroVmSandbox& self;
+      QemuSandbox& self;
       ~ExecCount() {
         std::lock_guard lock(self.power_mu_);
         --self.running_execs_;
@@ -99,6 +103,8 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
   }
 
   Processes* processes() override { return this; }
+
+  Screen* screen() override { return screen_.get(); }
 
   std::variant<ProcessEntry, ExecResult> spawn(const ExecRequest& req, const SpawnOptions& options) override {
     std::string payload;
@@ -156,7 +162,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
     fs::path state = data_dir_ / "sleep.state";
     VmBootSpec boot = with_cgroup(boot_);
     for (const char* log : {"console.log", "qemu.log"}) ::truncate((run_dir_ / log).c_str(), 0);
-    vm_ = VmInstance::restore(boot, VmRestore{state, nullptr}, Clock::now() + shared_.config.microvm.boot_timeout);
+    vm_ = VmInstance::restore(boot, VmRestore{state, nullptr}, Clock::now() + shared_.settings.boot_timeout);
     ::unlink(state.c_str());
     sleeping_ = false;
     report.memory_after_bytes = cgroup_->memory_current();
@@ -188,7 +194,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
     std::lock_guard lock(power_mu_);  // one capture at a time, never during a sleep, a wake or a fork
     if (sleeping_)
       throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} is sleeping: a microVM is snapshotted awake (its files live in the guest)",
+                  fmt::format("sandbox {} is sleeping: a VM is snapshotted awake (its files live in the guest)",
                               id_));
     std::shared_ptr<VmInstance> vm = vm_;
     if (!vm) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
@@ -209,6 +215,11 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
                      {key::kHostname, boot_.hostname},
                      {key::kLayers, qemu::encode_layers(boot_.layers)},
                      {key::kAccelerator, boot_.accelerator == Accelerator::kKvm ? "kvm" : "tcg"}};
+    if (boot_.full_system) {
+      out[key::kKernel] = boot_.kernel.string();
+      out[key::kInitrd] = boot_.initrd.string();
+      out[key::kDisplay] = encode_display(boot_.display);
+    }
     if (vm_) {
       out[key::kQemuPid] = std::to_string(vm_->pid());
       out[key::kQemuStart] = std::to_string(container::process_start_time(vm_->pid()).value_or(0));
@@ -229,7 +240,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
                   fmt::format("sandbox {} has {} exec{} running; it can be forked once they end", id_, running_execs_,
                               running_execs_ == 1 ? "" : "s"));
     if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
-    const auto deadline = Clock::now() + shared_.config.microvm.boot_timeout;
+    const auto deadline = Clock::now() + shared_.settings.boot_timeout;
     if (!vm_->memory()) {
       // A clone of a template, or a VM woken into anonymous memory: its RAM is not a memfd of its own yet.
       fs::path whole = data_dir_ / "fork.state";
@@ -238,12 +249,12 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
       vm_.reset();
       VmBootSpec b = with_cgroup(boot_);
       // Loading the RAM into a memfd allocates all of it before the zero pages are given back: room for that.
-      cgroup_->set_limits(2 * boot_.memory_bytes + shared_.config.microvm.overhead_bytes, kQemuPids);
+      cgroup_->set_limits(2 * boot_.memory_bytes + shared_.settings.overhead_bytes, kQemuPids);
       struct Limits {
-        MicroVmSandbox& self;
+        QemuSandbox& self;
         ~Limits() {
           try {
-            self.cgroup_->set_limits(self.spec_.resources.memory_bytes + self.shared_.config.microvm.overhead_bytes,
+            self.cgroup_->set_limits(self.spec_.resources.memory_bytes + self.shared_.settings.overhead_bytes,
                                      kQemuPids);
           } catch (const std::exception& e) {
             log_warn("sandbox {}: memory limit after a fork: {}", self.id_, e.what());
@@ -263,7 +274,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
     vm_.reset();
     VmBootSpec b = with_cgroup(boot_);
     vm_ = VmInstance::restore(b, VmRestore{t->state, t->memory}, deadline);
-    return std::make_shared<MicroVmForkSource>(std::move(t), boot_);
+    return std::make_shared<QemuForkSource>(std::move(t), boot_);
   }
 
   bool alive() override {
@@ -301,6 +312,17 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
  private:
   std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
 
+  // The VM while it runs (for `what`: "its screen"); FAILED_PRECONDITION while the sandbox sleeps.
+  std::shared_ptr<VmInstance> running_vm(std::string_view what) {
+    check_running();
+    std::lock_guard lock(power_mu_);
+    if (sleeping_)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {} is sleeping: {} is back once it is woken", id_, what));
+    if (!vm_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
+    return vm_;
+  }
+
   // The boot spec with this sandbox's cgroup to join (its descriptors live as long as procs_).
   VmBootSpec with_cgroup(const VmBootSpec& boot) {
     procs_ = cgroup_->open_procs();
@@ -326,7 +348,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
       std::lock_guard lock(power_mu_);
       if (sleeping_)
         throw Error(Code::kFailedPrecondition,
-                    fmt::format("sandbox {} is sleeping: a microVM's files are reachable once it is woken", id_));
+                    fmt::format("sandbox {} is sleeping: a VM's files are reachable once it is woken", id_));
       vm = vm_;
     }
     try {
@@ -392,7 +414,7 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
         }
         last_words_ = (ooms > 0 ? fmt::format(": QEMU was killed by the out-of-memory killer (its cgroup's limit: "
                                               "the guest's {} MiB of RAM plus {} MiB for QEMU)",
-                                              boot_.memory_bytes >> 20, shared_.config.microvm.overhead_bytes >> 20)
+                                              boot_.memory_bytes >> 20, shared_.settings.overhead_bytes >> 20)
                                 : std::string()) +
                       vm->last_words();
       }
@@ -427,16 +449,17 @@ class MicroVmSandbox final : public BackendSandbox, public InitProcesses {
   std::mutex release_mu_;
   bool released_ = false;
   std::string last_words_;
+  std::unique_ptr<VmScreen> screen_;  // a full VM with a display
 };
 
 }  // namespace
 
-std::unique_ptr<BackendSandbox> make_microvm_sandbox(BackendContext& shared, std::string id, SandboxSpec spec,
+std::unique_ptr<BackendSandbox> make_qemu_sandbox(BackendContext& shared, std::string id, SandboxSpec spec,
                                                      fs::path run_dir, std::uint32_t uid,
                                                      std::unique_ptr<container::SandboxCgroup> cgroup,
                                                      VmBootSpec boot, std::unique_ptr<VmInstance> vm, bool sleeping) {
-  return std::make_unique<MicroVmSandbox>(shared, std::move(id), std::move(spec), std::move(run_dir), uid,
+  return std::make_unique<QemuSandbox>(shared, std::move(id), std::move(spec), std::move(run_dir), uid,
                                           std::move(cgroup), std::move(boot), std::move(vm), sleeping);
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

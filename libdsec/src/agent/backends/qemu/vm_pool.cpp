@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/vm_pool.hpp"
+#include "agent/backends/qemu/vm_pool.hpp"
 
 #include <algorithm>
 #include <fstream>
@@ -7,7 +7,7 @@
 
 #include "agent/log.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 
 namespace fs = std::filesystem;
 
@@ -115,7 +115,7 @@ std::vector<std::unique_ptr<PooledVm>> VmPool::take_idle(Clock::time_point now) 
       ++it;
       continue;
     }
-    log_info("microvm pool: no create of a shape for {:.1f} s: its {} pooled VMs stopped",
+    log_info("VM pool: no create of a shape for {:.1f} s: its {} pooled VMs stopped",
              std::chrono::duration<double>(idle_).count(), it->second.ready.size());
     for (auto& vm : it->second.ready) out.push_back(std::move(vm));
     it = shapes_.erase(it);
@@ -175,7 +175,7 @@ void VmPool::fill() {
         ++shape.failures_in_row;
         auto backoff = std::chrono::seconds(std::min<std::uint32_t>(60, 1u << std::min(shape.failures_in_row, 6u)));
         shape.next_try = Clock::now() + backoff;
-        log_warn("microvm pool: a VM could not be made ({}); next try in {} s", failure, backoff.count());
+        log_warn("VM pool: a VM could not be made ({}); next try in {} s", failure, backoff.count());
       }
       continue;
     }
@@ -205,4 +205,4 @@ void remove_pool_leftovers(BackendContext& ctx) {
   fs::remove_all(ctx.work_dir / "pool", ec);
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/microvm_backend.hpp"
+#include "agent/backends/qemu/qemu_backend.hpp"
 
 #include <fcntl.h>
 #include <sys/random.h>
@@ -17,9 +17,10 @@
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/microvm/guest_kernel.hpp"
-#include "agent/backends/microvm/microvm_sandbox.hpp"
-#include "agent/backends/microvm/vm_instance.hpp"
-#include "agent/backends/microvm/vm_pool.hpp"
+#include "agent/backends/qemu/qemu_sandbox.hpp"
+#include "agent/backends/qemu/vm_instance.hpp"
+#include "agent/backends/qemu/vm_pool.hpp"
+#include "agent/backends/vm/image_kernel.hpp"
 #include "agent/backends/qemu/accelerator.hpp"
 #include "agent/backends/qemu/initramfs.hpp"
 #include "agent/backends/qemu/vm_record.hpp"
@@ -33,7 +34,7 @@
 #include <sys/syscall.h>
 
 namespace dsec::agent {
-namespace microvm {
+namespace qemu {
 namespace {
 
 namespace fs = std::filesystem;
@@ -42,6 +43,18 @@ namespace key = qemu::record_key;
 
 constexpr std::uint64_t kMinGuestMemory = 128ull << 20;
 constexpr std::uint64_t kProbeMemory = 128ull << 20;
+constexpr std::uint64_t kMinSystemMemory = 256ull << 20;  // systemd and its services
+
+// Run in a full VM before it is handed out (QemuBackendImpl::wait_system_started); exits 0 once it has started.
+constexpr const char* kWaitSystemStarted = R"sh(
+state=$(systemctl is-system-running --wait 2>&1)
+case "$state" in running|degraded) ;; *) echo "systemd: $state"; exit 1;; esac
+[ -f /etc/dsec/ready-files ] || exit 0
+while read -r f; do
+  case "$f" in /*) ;; *) continue;; esac
+  while [ ! -e "$f" ]; do sleep 0.2; done
+done < /etc/dsec/ready-files
+)sh";
 
 std::string find_on_path(const std::string& name) {
   const char* path = std::getenv("PATH");
@@ -62,7 +75,7 @@ std::string find_on_path(const std::string& name) {
 }
 
 // The QEMU to run, "" when there is none (a configured path that is not an executable counts as none).
-std::string qemu_binary(const MicroVmConfig& config) {
+std::string qemu_binary(const QemuTierConfig& config) {
   if (!config.qemu.empty()) return ::access(config.qemu.c_str(), X_OK) == 0 ? config.qemu.string() : std::string();
   return find_on_path("qemu-system-x86_64");
 }
@@ -75,25 +88,31 @@ fs::path init_binary(const AgentConfig& config) {
 }
 
 
-class MicroVmBackendImpl final : public MicroVmBackend {
+class QemuBackendImpl final : public QemuBackend {
  public:
-  explicit MicroVmBackendImpl(const AgentConfig& config)
-      : shared_(config), pool_(config.microvm.templates ? config.microvm.pool_size : 0, config.microvm.pool_idle) {
+  QemuBackendImpl(const AgentConfig& config, Tier tier)
+      : shared_(config, tier),
+        pool_(shared_.settings.templates ? shared_.settings.pool_size : 0, shared_.settings.pool_idle) {
+    const QemuTierConfig& settings = shared_.settings;
     if (::geteuid() != 0)
-      throw Error(Code::kFailedPrecondition, "the microvm backend needs root (cgroups, uids for QEMU)");
-    shared_.qemu = qemu_binary(config.microvm);
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("the {} backend needs root (cgroups, uids for QEMU)", shared_.kind));
+    shared_.qemu = qemu_binary(settings);
     if (shared_.qemu.empty())
       throw Error(Code::kFailedPrecondition,
-                  config.microvm.qemu.empty()
-                      ? "the microvm backend needs qemu-system-x86_64 (Debian package qemu-system-x86; "
-                        "scripts/install-deps.sh)"
-                      : fmt::format("the microvm backend needs QEMU: {} is not an executable",
-                                    config.microvm.qemu.string()));
-    shared_.kernel = find_guest_kernel(config.microvm.kernel);
+                  settings.qemu.empty()
+                      ? fmt::format("the {} backend needs qemu-system-x86_64 (Debian package qemu-system-x86; "
+                                    "scripts/install-deps.sh)",
+                                    shared_.kind)
+                      : fmt::format("the {} backend needs QEMU: {} is not an executable", shared_.kind,
+                                    settings.qemu.string()));
+    if (!full_system()) shared_.kernel = microvm::find_guest_kernel(settings.kernel);
     fs::path init = init_binary(config);
     if (::access(init.c_str(), R_OK) != 0)
-      throw Error(Code::kFailedPrecondition, fmt::format("the microvm backend needs dsec-init at {}", init.string()));
-    shared_.work_dir = config.run_dir / ".microvm";
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("the {} backend needs dsec-init at {}", shared_.kind, init.string()));
+    shared_.init_binary = init;
+    shared_.work_dir = config.run_dir / ("." + shared_.kind);
     fs::create_directories(shared_.work_dir);
     // Templates of an earlier run: VMs started from them (taken over after a restart) hold their RAM themselves.
     std::error_code ec;
@@ -101,16 +120,18 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     fs::remove_all(shared_.data_dir / "forks", ec);
     fs::create_directories(shared_.data_dir);
     ::chmod(shared_.data_dir.c_str(), 0700);
-    shared_.initramfs = shared_.work_dir / "initramfs.cpio";
-    qemu::write_initramfs(shared_.initramfs, init, guest_module_files(shared_.kernel));
-    ::chmod(shared_.initramfs.c_str(), 0644);
+    if (!full_system()) {
+      shared_.initramfs = shared_.work_dir / "initramfs.cpio";
+      qemu::write_initramfs(shared_.initramfs, init, microvm::guest_module_files(shared_.kernel));
+      ::chmod(shared_.initramfs.c_str(), 0644);
+    }
     shared_.tsc_khz = static_cast<std::uint32_t>(qemu::host_tsc_khz());
     shared_.cgroups = container::make_cgroup_driver(config.cgroup_name);
     remove_pool_leftovers(shared_);
     HostCapacity host = probe_host();
     shared_.host_cores = std::max<std::uint32_t>(1, host.cores);
     shared_.host_memory = host.memory_bytes;
-    shared_.templates.set_budget(config.microvm.template_memory_bytes ? config.microvm.template_memory_bytes
+    shared_.templates.set_budget(settings.template_memory_bytes ? settings.template_memory_bytes
                                                                       : shared_.host_memory / 4);
     {
       std::lock_guard lock(mu_);
@@ -119,17 +140,17 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     prober_ = std::thread([this] { probe(); });
   }
 
-  ~MicroVmBackendImpl() override {
+  ~QemuBackendImpl() override {
     pool_.stop();  // its filler runs this object's code
     stopping_ = true;
     if (prober_.joinable()) prober_.join();
   }
 
-  std::string_view kind() const override { return "microvm"; }
+  std::string_view kind() const override { return shared_.kind; }
 
-  MicroVmStatus status() const override {
+  QemuTierStatus status() const override {
     std::lock_guard lock(mu_);
-    MicroVmStatus s = status_;
+    QemuTierStatus s = status_;
     s.vms = shared_.vms.load();
     VmPoolStatus pool = pool_.status();
     s.pool_size = pool.size;
@@ -146,30 +167,41 @@ class MicroVmBackendImpl final : public MicroVmBackend {
 
   std::unique_ptr<BackendSandbox> create(const CreateParams& params) override {
     const auto started = Clock::now();
-    wait_probe(started + shared_.config.microvm.boot_timeout);
+    wait_probe(started + shared_.settings.boot_timeout);
     const SandboxSpec& spec = params.spec;
-    if (spec.resources.memory_bytes < kMinGuestMemory)
+    if (spec.resources.memory_bytes < min_memory())
       throw Error(Code::kInvalidArgument,
-                  fmt::format("resources.memory: a microvm needs at least {} MiB (asked for {} bytes)",
-                              kMinGuestMemory >> 20, spec.resources.memory_bytes));
-    const std::uint64_t overhead = shared_.config.microvm.overhead_bytes;
+                  fmt::format("resources.memory: a {} needs at least {} MiB (asked for {} bytes)", vm_noun(),
+                              min_memory() >> 20, spec.resources.memory_bytes));
+    const std::uint64_t overhead = shared_.settings.overhead_bytes;
     if (spec.resources.memory_bytes + overhead > shared_.host_memory)
       throw Error(Code::kResourceExhausted,
-                  fmt::format("resources.memory: a microvm of {} MiB (plus {} MiB for QEMU) does not fit in this "
+                  fmt::format("resources.memory: a {} of {} MiB (plus {} MiB for QEMU) does not fit in this "
                               "node's {} MiB",
-                              spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20),
+                              vm_noun(), spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20),
                   /*retryable=*/false);
     if (params.layer_images.size() != params.image_layers.size())
       throw Error(Code::kFailedPrecondition,
-                  "the microvm backend attaches an image's layers as disks, which needs the node's lazy layer mode "
-                  "(this node keeps layers extracted)");
+                  fmt::format("the {} backend attaches an image's layers as disks, which needs the node's lazy layer "
+                              "mode (this node keeps layers extracted)",
+                              shared_.kind));
+    if (spec.resources.gpus > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("resources.gpus: this node has no GPU to pass through to a {} (asked for {})", vm_noun(),
+                              spec.resources.gpus),
+                  /*retryable=*/false);
+    const qemu::DisplaySpec display = display_for(spec);
+    // A full VM boots its image's own kernel: found in the image (and its initramfs made) before anything else.
+    std::optional<vm::ImageBoot> image_boot;
+    if (full_system()) image_boot = image_boot_for(params);
 
     const std::string hostname = spec.hostname.empty() ? params.id : spec.hostname;
-    if (!params.fork_of && shared_.config.microvm.templates && shared_.config.microvm.pool_size > 0) {
+    if (!params.fork_of && shared_.settings.templates && shared_.settings.pool_size > 0) {
       VmBootSpec shape;
       shape.vcpus = vcpus_for(spec);
       shape.memory_bytes = spec.resources.memory_bytes;
       shape.layers = params.layer_images;
+      set_system(shape, image_boot, display);
       const std::uint64_t disk_bytes = spec.resources.disk_bytes;
       const std::string template_name = template_key(shape, shape.layers, disk_bytes);
       const Resources limits = vm_limits(spec);
@@ -182,10 +214,10 @@ class MicroVmBackendImpl final : public MicroVmBackend {
         try {
           fs::path run_dir = shared_.config.run_dir / params.id;
           std::unique_ptr<VmInstance> vm =
-              pooled->claim_into(params.id, run_dir, hostname, Clock::now() + shared_.config.microvm.boot_timeout);
+              pooled->claim_into(params.id, run_dir, hostname, Clock::now() + shared_.settings.boot_timeout);
           // The sandbox owns its cgroup, uid and directories from here on.
           pooled->has_uid = false;
-          return make_microvm_sandbox(shared_, params.id, spec, run_dir, pooled->uid, std::move(pooled->cgroup),
+          return make_qemu_sandbox(shared_, params.id, spec, run_dir, pooled->uid, std::move(pooled->cgroup),
                                       pooled->boot, std::move(vm));
         } catch (const std::exception& e) {
           log_warn("sandbox {}: claiming pooled VM {} failed ({}); starting one instead", params.id, pooled->name,
@@ -213,19 +245,22 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       boot.layers = params.layer_images;
       boot.disk = shared_.data_dir / params.id / "disk.ext4";
       boot.hostname = hostname;
+      set_system(boot, image_boot, display);
       std::unique_ptr<VmInstance> vm;
       if (params.fork_of) {
-        const auto* source = dynamic_cast<const MicroVmForkSource*>(params.fork_of.get());
-        if (!source) throw Error(Code::kInvalidArgument, "fork: the source is not a microVM");
-        boot.layers = source->parent_boot.layers;
-        boot.memory_bytes = source->parent_boot.memory_bytes;
-        boot.vcpus = source->parent_boot.vcpus;
+        const auto* source = dynamic_cast<const QemuForkSource*>(params.fork_of.get());
+        if (!source) throw Error(Code::kInvalidArgument, fmt::format("fork: the source is not a {}", vm_noun()));
+        const VmBootSpec& parent = source->parent_boot;
+        boot.layers = parent.layers;
+        boot.memory_bytes = parent.memory_bytes;
+        boot.vcpus = parent.vcpus;
+        copy_system(boot, parent);
         qemu::copy_sparse(source->frozen->disk, boot.disk);
         vm = restore_in(boot, *cgroup, VmRestore{source->frozen->state, source->frozen->memory});
       } else {
         vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
       }
-      return make_microvm_sandbox(shared_, params.id, spec, run_dir, uid, std::move(cgroup),
+      return make_qemu_sandbox(shared_, params.id, spec, run_dir, uid, std::move(cgroup),
                                               std::move(boot), std::move(vm));
     } catch (...) {
       if (cgroup) {
@@ -245,7 +280,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   // A VM for a create: a clone of the template of its shape (made on first use), or a boot of its own.
   std::unique_ptr<VmInstance> start_vm(VmBootSpec& boot, container::SandboxCgroup& cgroup,
                                        const std::vector<layers::LayerImage>& layers, std::uint64_t disk_bytes) {
-    if (shared_.config.microvm.templates) {
+    if (shared_.settings.templates) {
       std::string key = template_key(boot, layers, disk_bytes);
       // A template that cannot be made fails the create with what a boot of this shape says.
       TemplatePtr t = shared_.templates.get(key, [&] { return make_template(key, boot, disk_bytes); });
@@ -269,21 +304,33 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     std::vector<UniqueFd> procs = cgroup.open_procs();  // open until QEMU has joined
     VmBootSpec b = boot;
     for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
-    return VmInstance::restore(b, from, Clock::now() + shared_.config.microvm.boot_timeout);
+    return VmInstance::restore(b, from, Clock::now() + shared_.settings.boot_timeout);
   }
 
   // Boots; a guest that stays silent is booted once more (a boot can stall early under a loaded TCG host), any
   // other failure would only repeat.
-  std::unique_ptr<VmInstance> boot_with_retries(const VmBootSpec& boot, container::SandboxCgroup* cgroup) {
-    const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.config.microvm.boot_attempts);
+  // A full system's boot that KVM did not run is tried once more under TCG (`boot` then says TCG).
+  std::unique_ptr<VmInstance> boot_with_retries(VmBootSpec& boot, container::SandboxCgroup* cgroup) {
+    const std::uint32_t attempts = std::max<std::uint32_t>(1, shared_.settings.boot_attempts);
     for (std::uint32_t attempt = 1;; ++attempt) {
       std::vector<UniqueFd> procs;
       if (cgroup) procs = cgroup->open_procs();
       VmBootSpec b = boot;
       for (const auto& fd : procs) b.cgroup_procs.push_back(fd.get());
       try {
-        return VmInstance::boot(b, Clock::now() + shared_.config.microvm.boot_timeout);
+        const auto deadline = Clock::now() + shared_.settings.boot_timeout;
+        std::unique_ptr<VmInstance> vm = VmInstance::boot(b, deadline);
+        if (b.full_system) wait_system_started(*vm, b, deadline);
+        return vm;
       } catch (const Error& e) {
+        if (boot.full_system && boot.accelerator == Accelerator::kKvm && shared_.settings.accelerator != "kvm") {
+          fall_back_to_tcg(e.what());
+          boot.accelerator = Accelerator::kTcg;
+          boot.kvm_group.reset();
+          --attempt;
+          for (const char* log : {"console.log", "qemu.log"}) ::unlink((boot.run_dir / log).c_str());
+          continue;
+        }
         if (e.code() != Code::kDeadlineExceeded || attempt >= attempts) throw;
         log_warn("{}: boot attempt {} failed ({}); trying again", boot.id, attempt, e.what());
         for (const char* log : {"console.log", "qemu.log"}) ::unlink((boot.run_dir / log).c_str());
@@ -302,6 +349,8 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   static std::string template_key(const VmBootSpec& boot, const std::vector<layers::LayerImage>& layers,
                                   std::uint64_t disk_bytes) {
     std::string key = fmt::format("m{}-c{}-d{}", boot.memory_bytes, boot.vcpus, disk_bytes);
+    if (boot.full_system) key += fmt::format("|{}|{}|{}", boot.kernel.string(), boot.initrd.string(),
+                                             encode_display(boot.display));
     for (const auto& l : layers) key += "|" + l.file.string() + ":" + l.data_file.string();
     return key;
   }
@@ -325,7 +374,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       shared_.disks.make(b.disk, disk_bytes);
       std::unique_ptr<VmInstance> vm = boot_with_retries(b, nullptr);
       TemplatePtr t = freeze_vm(*vm, key, dir, b.disk, b.memory_bytes);
-      log_info("microvm template {} ready in {:.2f} s ({} MiB RAM, {} layers)", b.id,
+      log_info("{} template {} ready in {:.2f} s ({} MiB RAM, {} layers)", shared_.kind, b.id,
                std::chrono::duration<double>(Clock::now() - started).count(), b.memory_bytes >> 20, like.layers.size());
       return t;
     } catch (...) {
@@ -362,6 +411,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     b.vcpus = shape.vcpus;
     b.memory_bytes = shape.memory_bytes;
     b.layers = shape.layers;
+    copy_system(b, shape);
     b.disk = p->data_dir / "disk.ext4";
     b.hostname = "dsec-pool";
     qemu::copy_sparse(t->disk, b.disk);
@@ -403,6 +453,18 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     boot.hostname = value(key::kHostname);
     boot.layers = qemu::decode_layers(kind(), value(key::kLayers));
     boot.disk = shared_.data_dir / p.id / "disk.ext4";
+    if (full_system()) {
+      // What a wake or a fork starts its next QEMU with: the same kernel, initramfs and screen.
+      boot.full_system = true;
+      boot.kernel = value(key::kKernel);
+      boot.initrd = value(key::kInitrd);
+      boot.display = qemu::decode_display(kind(), value(key::kDisplay));
+      boot.usb_input = true;
+      for (const fs::path& f : {boot.kernel, boot.initrd})
+        if (f.parent_path() != shared_.data_dir / "kernels" / f.parent_path().filename() || !fs::exists(f))
+          throw Error(Code::kNotFound, fmt::format("sandbox {}: its kernel {} is gone from the agent's cache", p.id,
+                                                   f.string()));
+    }
     const std::string cgroup_path = value(key::kCgroup);
     container::check_adoptable_path(cgroup_path);
     std::unique_ptr<container::SandboxCgroup> cgroup;
@@ -431,7 +493,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
                               boot.hostname, Clock::now() + std::chrono::seconds(10));
     }
     shared_.uids.claim(boot.uid);
-    return make_microvm_sandbox(shared_, p.id, p.spec, run_dir, boot.uid, std::move(cgroup),
+    return make_qemu_sandbox(shared_, p.id, p.spec, run_dir, boot.uid, std::move(cgroup),
                                             std::move(boot), std::move(vm), p.sleeping);
   }
 
@@ -465,12 +527,19 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     std::error_code ec;
     fs::remove_all(shared_.work_dir, ec);
     for (const char* d : {"templates", "forks", "disks", "pool"}) fs::remove_all(shared_.data_dir / d, ec);
+    // Full VMs' kernels stay while a sleeping VM (kept for the next run) may need them.
+    if (fs::is_directory(shared_.data_dir)) {
+      bool only_kernels = true;
+      for (const auto& e : fs::directory_iterator(shared_.data_dir, ec))
+        if (e.path().filename() != "kernels") only_kernels = false;
+      if (only_kernels) fs::remove_all(shared_.data_dir / "kernels", ec);
+    }
     fs::remove(shared_.data_dir, ec);  // when no sleeping VM's state is left in it
     fs::remove(shared_.data_dir.parent_path(), ec);
     try {
       shared_.cgroups->remove_subtree_if_empty();
     } catch (const std::exception& e) {
-      log_warn("microvm: remove the agent's cgroup subtree: {}", e.what());
+      log_warn("{}: remove the agent's cgroup subtree: {}", shared_.kind, e.what());
     }
   }
 
@@ -478,7 +547,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   // A VM's cgroup: its cores, its guest RAM plus QEMU's own overhead, QEMU's threads.
   Resources vm_limits(const SandboxSpec& spec) const {
     Resources limits = spec.resources;
-    limits.memory_bytes += shared_.config.microvm.overhead_bytes;
+    limits.memory_bytes += shared_.settings.overhead_bytes;
     limits.pids = kQemuPids;
     return limits;
   }
@@ -498,7 +567,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       b.accelerator = accelerator_;
       b.kvm_group = kvm_group_;
     }
-    b.tcg_tb_size_mib = shared_.config.microvm.tcg_tb_size_mib;
+    b.tcg_tb_size_mib = shared_.settings.tcg_tb_size_mib;
     b.tsc_khz = shared_.tsc_khz;
     b.kernel = shared_.kernel.kernel;
     b.initrd = shared_.initramfs;
@@ -510,9 +579,11 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   void wait_probe(Clock::time_point deadline) {
     std::unique_lock lock(mu_);
     if (!probed_.wait_until(lock, deadline, [&] { return status_.ready; }))
-      throw Error(Code::kUnavailable, "the microvm backend is still probing its accelerator", true);
+      throw Error(Code::kUnavailable, fmt::format("the {} backend is still probing its accelerator", shared_.kind),
+                  true);
     if (!status_.unavailable.empty())
-      throw Error(Code::kFailedPrecondition, "this node cannot run microVMs: " + status_.unavailable);
+      throw Error(Code::kFailedPrecondition, fmt::format("this node cannot run {}s: {}", vm_noun(),
+                                                         status_.unavailable));
   }
 
   // Boots one small guest with the given accelerator; the boot's seconds, or the reason it failed.
@@ -525,7 +596,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
     b.memory_bytes = kProbeMemory;
     auto started = Clock::now();
     try {
-      auto vm = VmInstance::boot(b, started + shared_.config.microvm.boot_timeout);
+      auto vm = VmInstance::boot(b, started + shared_.settings.boot_timeout);
       double seconds = std::chrono::duration<double>(Clock::now() - started).count();
       vm->kill();
       fs::remove_all(dir, ec);
@@ -538,8 +609,12 @@ class MicroVmBackendImpl final : public MicroVmBackend {
   }
 
   void probe() {
-    const std::string wanted = shared_.config.microvm.accelerator;
+    const std::string wanted = shared_.settings.accelerator;
     qemu::KvmAccess access = qemu::host_kvm_access();
+    if (full_system()) {
+      choose_full_system_accelerator(wanted, access);
+      return;
+    }
     std::string failure;
     double boot_seconds = 0;
     bool probed = false;
@@ -554,7 +629,7 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       boot_seconds = seconds;
     }
     qemu::AcceleratorChoice choice = qemu::choose_accelerator("--microvm-accelerator", wanted, access, failure, probed,
-                                                              fs::exists("/sys/module/kvm_pvm"));
+                                                              host_is_pvm());
     const Accelerator chosen = choice.kvm ? Accelerator::kKvm : Accelerator::kTcg;
     const std::string& reason = choice.reason;
     const std::string& unavailable = choice.unavailable;
@@ -583,6 +658,135 @@ class MicroVmBackendImpl final : public MicroVmBackend {
       log_warn("microvm: cannot run VMs: {}", unavailable);
   }
 
+  // A full VM boots the image's kernel, which no probe at start can boot (there is no image yet): KVM is used where
+  // it is usable and not kvm_pvm (which dies on stock kernels), and the first boot whose guest KVM does not run
+  // falls back to TCG for good (boot_with_retries).
+  void choose_full_system_accelerator(const std::string& wanted, const qemu::KvmAccess& access) {
+    qemu::AcceleratorChoice choice;
+    if (wanted == "tcg") {
+      choice.reason = "configured (--vm-accelerator tcg)";
+    } else if (!access.usable) {
+      choice.reason = access.reason;
+      if (wanted == "kvm") choice.unavailable = "--vm-accelerator kvm: " + access.reason;
+    } else if (host_is_pvm() && wanted != "kvm") {
+      choice.reason = "this host's KVM is kvm_pvm, which runs only guest kernels built for PVM (an image's stock "
+                      "kernel dies in it); --vm-accelerator kvm tries it anyway";
+    } else {
+      choice.kvm = true;
+      choice.reason = "KVM is usable (a boot whose guest it does not run falls back to TCG)";
+    }
+    {
+      std::lock_guard lock(mu_);
+      accelerator_ = choice.kvm ? Accelerator::kKvm : Accelerator::kTcg;
+      if (choice.kvm) kvm_group_ = access.group;
+      status_.ready = true;
+      status_.accelerator = choice.kvm ? "kvm" : "tcg";
+      status_.accelerator_reason = choice.reason;
+      status_.unavailable = choice.unavailable;
+    }
+    probed_.notify_all();
+    if (choice.unavailable.empty())
+      log_info("vm: {} ({})", choice.kvm ? "kvm" : "tcg", choice.reason);
+    else
+      log_warn("vm: cannot run VMs: {}", choice.unavailable);
+  }
+
+  // KVM did not run a full VM's guest: every later VM of this backend uses TCG, and the node says why.
+  void fall_back_to_tcg(const std::string& why) {
+    std::lock_guard lock(mu_);
+    if (accelerator_ == Accelerator::kTcg) return;
+    accelerator_ = Accelerator::kTcg;
+    kvm_group_.reset();
+    status_.accelerator = "tcg";
+    status_.accelerator_reason = "KVM did not run a full VM's guest: " + why.substr(0, 400);
+    log_warn("vm: KVM did not run the guest ({}); TCG from now on", why);
+  }
+
+  static bool host_is_pvm() { return fs::exists("/sys/module/kvm_pvm"); }
+
+  bool full_system() const { return shared_.tier == Tier::kVm; }
+  const char* vm_noun() const { return full_system() ? "full VM" : "microVM"; }
+  std::uint64_t min_memory() const { return full_system() ? kMinSystemMemory : kMinGuestMemory; }
+
+  // The create's screen: full VMs have one unless it asks for none (1024x768 by default); the others none.
+  qemu::DisplaySpec display_for(const SandboxSpec& spec) const {
+    if (!full_system() || spec.display == "none") {
+      if (!full_system() && !spec.display.empty() && spec.display != "none")
+        throw Error(Code::kInvalidArgument,
+                    fmt::format("display: a {} has no screen (only kind 'vm' does)", vm_noun()));
+      return {};
+    }
+    DisplaySize size{1024, 768};
+    if (!spec.display.empty()) {
+      auto asked = parse_display(spec.display);
+      if (!asked)
+        throw Error(Code::kInvalidArgument,
+                    fmt::format("display: '{}' is not WIDTHxHEIGHT from 320x200 to 3840x2160, or none",
+                                spec.display.substr(0, 40)));
+      size = *asked;
+    }
+    return qemu::make_display(qemu::DisplaySpec::Kind::kVga, size.width, size.height);
+  }
+
+  // The image's own kernel and an initramfs for it: from the highest layer that has a kernel (/vmlinuz), its
+  // modules from the same layer.
+  vm::ImageBoot image_boot_for(const CreateParams& params) {
+    for (auto it = params.image_layers.rbegin(); it != params.image_layers.rend(); ++it) {
+      struct stat st {};
+      if (::lstat((*it / "vmlinuz").c_str(), &st) != 0) continue;
+      return vm::prepare_image_boot(*it, shared_.init_binary, shared_.data_dir / "kernels");
+    }
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("image {}: no kernel to boot (/vmlinuz): a full VM boots its image's own kernel and "
+                            "init; build the image with --include systemd-sysv,linux-image-amd64,udev",
+                            params.spec.image),
+                /*retryable=*/false);
+  }
+
+  // A full system's boot: the image's kernel, q35, the screen, USB input.
+  static void set_system(VmBootSpec& b, const std::optional<vm::ImageBoot>& image_boot,
+                         const qemu::DisplaySpec& display) {
+    if (!image_boot) return;
+    b.full_system = true;
+    b.kernel = image_boot->kernel;
+    b.initrd = image_boot->initramfs;
+    b.display = display;
+    b.usb_input = true;
+  }
+  static void copy_system(VmBootSpec& b, const VmBootSpec& from) {
+    if (!from.full_system) return;
+    b.full_system = true;
+    b.kernel = from.kernel;
+    b.initrd = from.initrd;
+    b.display = from.display;
+    b.usb_input = from.usb_input;
+  }
+
+  // A full system is handed out once it has started: systemd's boot is over (running or degraded) and what the
+  // image names in /etc/dsec/ready-files (a path a line, e.g. a file its desktop session writes once its windows
+  // are up) exists. Templates are frozen at that point, so their clones start with a system that is up.
+  void wait_system_started(VmInstance& vm, const VmBootSpec& b, Clock::time_point deadline) {
+    const auto left = std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count();
+    if (left <= 0) throw Error(Code::kDeadlineExceeded, fmt::format("{}: no time left to wait for its system", b.id));
+    gp::ExecStart wait{{"/bin/sh", "-c", kWaitSystemStarted},
+                       {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"},
+                       "/",
+                       64 << 10,
+                       false};
+    ExecResult r;
+    try {
+      r = vm.guest().exec(std::move(wait), "", static_cast<double>(left), OutputSink{});
+    } catch (const Error& e) {
+      throw Error(e.code(), fmt::format("{}: waiting for its system to start: {}{}", b.id, e.what(), vm.last_words()),
+                  e.retryable());
+    }
+    if (r.timed_out || r.exit_code != 0)
+      throw Error(Code::kDeadlineExceeded,
+                  fmt::format("{}: its system did not start in time ({}): {}{}", b.id,
+                              r.timed_out ? "timed out" : fmt::format("exit {}", r.exit_code),
+                              r.stdout_data.substr(0, 2000), vm.last_words()));
+  }
+
   BackendContext shared_;
   VmPool pool_;
   mutable std::mutex mu_;
@@ -595,14 +799,18 @@ class MicroVmBackendImpl final : public MicroVmBackend {
 };
 
 }  // namespace
-}  // namespace microvm
+}  // namespace qemu
 
-std::unique_ptr<MicroVmBackend> make_microvm_backend(const AgentConfig& config) {
-  return std::make_unique<microvm::MicroVmBackendImpl>(config);
+std::unique_ptr<QemuBackend> make_microvm_backend(const AgentConfig& config) {
+  return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kMicrovm);
+}
+
+std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config) {
+  return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kVm);
 }
 
 std::string microvm_unavailable_reason(const AgentConfig& config) {
-  if (microvm::qemu_binary(config.microvm).empty())
+  if (qemu::qemu_binary(config.microvm).empty())
     return config.microvm.qemu.empty() ? "qemu-system-x86_64 is not installed"
                                        : config.microvm.qemu.string() + " is not an executable";
   try {
@@ -610,6 +818,13 @@ std::string microvm_unavailable_reason(const AgentConfig& config) {
   } catch (const Error& e) {
     return e.what();
   }
+  return {};
+}
+
+std::string vm_unavailable_reason(const AgentConfig& config) {
+  if (qemu::qemu_binary(config.vm).empty())
+    return config.vm.qemu.empty() ? "qemu-system-x86_64 is not installed"
+                                  : config.vm.qemu.string() + " is not an executable";
   return {};
 }
 

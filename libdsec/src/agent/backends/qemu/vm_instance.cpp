@@ -1,4 +1,4 @@
-#include "agent/backends/microvm/vm_instance.hpp"
+#include "agent/backends/qemu/vm_instance.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -18,7 +18,7 @@
 #include "agent/log.hpp"
 #include "common/syscall.hpp"
 
-namespace dsec::agent::microvm {
+namespace dsec::agent::qemu {
 namespace fs = std::filesystem;
 namespace gp = guest_protocol;
 using qemu::BlockDevice;
@@ -411,4 +411,4 @@ TemplatePtr freeze_vm(VmInstance& vm, std::string key, const fs::path& dir, cons
   return t;
 }
 
-}  // namespace dsec::agent::microvm
+}  // namespace dsec::agent::qemu

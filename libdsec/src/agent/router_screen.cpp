@@ -1,0 +1,31 @@
+// The router's room for a full VM's screen (docs/protocol.md, "Screen"): a PNG of it, its state, and input.
+#include <fmt/format.h>
+
+#include "agent/router.hpp"
+#include "agent/router_util.hpp"
+#include "common/screen_protocol.hpp"
+
+namespace dsec::agent {
+namespace http = boost::beast::http;
+
+HttpResponse Router::screen(HttpRequest& request, const Target& target) {
+  const std::string path(route_template(target.route));
+  allow(request, path, {target.route == Route::kSandboxScreenInput ? http::verb::post : http::verb::get});
+  only_params(target.query, {});
+  SandboxHandle handle = registry_.acquire(target.sandbox_id);
+  Screen* screen = handle.sandbox->screen();
+  if (!screen)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("sandbox {} has no screen: only full VMs (kind 'vm') made with a display have one (it "
+                            "is a {} sandbox)",
+                            target.sandbox_id, handle.kind));
+  switch (target.route) {
+    case Route::kSandboxScreen: return text_response(http::status::ok, screen->screenshot_png(), "image/png");
+    case Route::kSandboxScreenState: return json_response(http::status::ok, protocol::encode(screen->state()));
+    default: break;
+  }
+  std::vector<InputAction> actions = protocol::decode_input(protocol::parse_body(request.body()));
+  return json_response(http::status::ok, protocol::encode(screen->input(actions)));
+}
+
+}  // namespace dsec::agent
