@@ -273,6 +273,29 @@ def test_asleep_it_has_no_screen_and_wakes_with_it(desktop):
     assert desktop.exec("pgrep -x Xorg").exit_code == 0
 
 
+def test_a_snapshot_of_the_running_system(desktop, vm_client):
+    """The writable layer as the running system has it (its services writing beside the frozen commands, its file
+    system frozen while it is read), as an image a container starts from; the system runs on."""
+    desktop.exec("mkdir -p /srv/work && echo from-the-vm > /srv/work/result.txt")
+    name = f"snap/vm-it-{os.getpid()}:1"
+    try:
+        image = desktop.snapshot(name)
+        assert image.startswith(name + "@sha256:"), image
+        assert image.entries > 0 and image.layer_bytes > 0, image.result
+        with vm_client.create(image, "container") as c:
+            assert c.exec("cat /srv/work/result.txt").stdout == b"from-the-vm\n"
+        # dsec-init froze the writable disk's file system (it logs to its journal when it cannot).
+        journal = desktop.exec("journalctl -u dsec-guest.service --no-pager -o cat").stdout
+        assert b"dsec-init" in journal and b"snapshot: freeze" not in journal, journal[-2000:]
+        # Thawed: the system writes again, and its screen answers.
+        assert desktop.exec("echo after > /srv/work/after.txt && cat /srv/work/after.txt").stdout == b"after\n"
+        assert png_pixels(desktop.screenshot())[:2] == (WIDTH, HEIGHT)
+    finally:
+        subprocess.run([str(lib.DSEC_CLI), "image", "rm", name, "--home", os.environ["DSEC_HOME"]],
+                       capture_output=True, timeout=60)
+        desktop.exec("rm -rf /srv/work")
+
+
 # ---------------------------------------------------------------------------------------------------- the example
 
 def test_computer_use_example(vm_agent, desktop, tmp_path):

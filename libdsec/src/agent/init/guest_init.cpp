@@ -20,6 +20,7 @@
 #include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
+#include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -712,6 +713,21 @@ class GuestInit {
     } thaw{freeze};
     wait_frozen();
     ::sync();
+    // A full system's services (systemd's journal, a desktop session) write to the writable layer too, outside the
+    // frozen commands: its file system is frozen as well while it is read (reads go on; writes wait).
+    struct FsFreeze {
+      UniqueFd fd;
+      ~FsFreeze() {
+        if (fd) ::ioctl(fd.get(), FITHAW, 0);
+      }
+    } fs_freeze;
+    if (mode_ == GuestMode::kService) {
+      UniqueFd disk(::open(kServiceDisk, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+      if (disk && ::ioctl(disk.get(), FIFREEZE, 0) == 0)
+        fs_freeze.fd = std::move(disk);
+      else
+        log_line(std::string("snapshot: freeze ") + kServiceDisk + ": " + errno_text(errno));
+    }
     Capture c{f.channel, max, st.st_dev, 0, 0, {}};
     capture_dir(top.get(), "", c);
     send(Type::kDone, f.channel, gp::Writer().u64(c.entries).take());

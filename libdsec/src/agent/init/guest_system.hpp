@@ -18,6 +18,7 @@
 namespace dsec::init {
 
 // Where a full VM's boot stage leaves dsec's part of the system for the guest agent's service (guest_boot.cpp).
+inline constexpr const char* kServiceDisk = "/run/dsec/rw";  // the writable disk's ext4
 inline constexpr const char* kServiceUpper = "/run/dsec/rw/upper";
 
 void log_line(const std::string& line);  // "dsec-init: <line>" on stderr (the console, or a service's journal)
