@@ -89,6 +89,8 @@ struct Options {
   std::size_t microvm_idle_cold = 4;
   std::size_t microvm_density = 200;
   std::size_t microvm_batch = 10;  // density: creates per create_many batch
+  // vm: full VMs of the desktop image, --vm-n creates (the first boots the shape's template; -n screenshots)
+  std::size_t vm_creates = 3;
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   std::set<std::string> given;  // the flags given on the command line (a command's own defaults yield to them)
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
@@ -464,6 +466,64 @@ struct MicroVmBenchResult {
   int cores = 0;
 };
 
+// dsec-bench vm: full VMs (kind "vm": q35, the desktop image's own kernel and systemd, a screen), every figure
+// naming the accelerator (GET /v1/node: vm.accelerator) and the load it ran under.
+struct VmIdleMemory {
+  std::string id;
+  double cgroup_charge = std::nan("");  // the sandbox's memory cgroup (its QEMU: guest RAM touched, heap, TCG cache)
+  double shmem = std::nan("");          // of which shmem (memory.stat)
+  double qemu_rss = std::nan(""), qemu_pss = std::nan("");  // its QEMU process (/proc/<pid>/smaps_rollup)
+};
+
+struct VmBenchResult {
+  std::string accelerator, accelerator_reason, qemu_version, agent_version;
+  std::string image, display;  // the desktop image (pinned) and the screen asked for
+  double cpu = 0;
+  std::uint64_t memory_bytes = 0;
+  int cores = 0;
+  // 1. create to ready: the shape's first (a boot of the whole system, frozen as the template, then the sandbox
+  // started from it) and the next ones (clones of the template).
+  std::size_t creates = 0;
+  double first_create_ms = std::nan("");
+  std::string first_load;  // load averages when it returned
+  Latency next_create;
+  std::string next_load;
+  // 2. screenshots (PNG) of an idle desktop
+  Latency screenshot;
+  std::uint32_t png_width = 0, png_height = 0;
+  std::size_t png_bytes = 0;  // the last one's size
+  std::string screenshot_load;
+  // 3. one key typed into the focused terminal until a screenshot differs (polling back to back), and the input
+  // call alone; samples whose screen did not change within the timeout are counted apart.
+  Latency input_to_screen, input_call;
+  std::size_t input_unchanged = 0;
+  std::string input_load;
+  // 4. the VMs of (1), idle and settled
+  std::vector<VmIdleMemory> idle;
+  double idle_settle_seconds = 0;
+  double template_resident = std::nan("");  // the templates' memfds' pages held by the agent
+  std::uint32_t node_templates = 0;         // GET /v1/node vm.templates and the guest RAM they hold
+  std::uint64_t node_template_bytes = 0;
+  double subtree_charge = std::nan("");     // the agent's whole cgroup subtree with the VMs up
+  std::string idle_load;
+  // 5. sleep and wake of one VM, then snapshots of it (the first into an empty store copies the image's layers too)
+  std::string sleep_error;
+  double sleep_seconds = 0, sleep_call_ms = 0, wake_seconds = 0, wake_call_ms = 0;
+  double sleep_before_bytes = 0, sleep_after_bytes = 0, wake_after_bytes = 0;
+  double wake_to_screenshot_ms = std::nan(""), wake_to_exec_ms = std::nan("");
+  std::string sleep_load;
+  struct Snapshot {
+    std::string what, error;
+    double call_ms = 0, seconds = 0, frozen_seconds = 0;
+    std::uint64_t layer_bytes = 0, stored_bytes = 0, file_bytes = 0, entries = 0;
+  };
+  std::vector<Snapshot> snapshots;
+  std::string snapshot_load;
+  std::vector<std::pair<std::string, std::string>> section_load;  // section -> its CPU and load
+  std::vector<std::string> notes;
+  std::vector<std::string> problems;  // a section that failed, with its error
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -478,6 +538,7 @@ struct Report {
   std::optional<SnapshotBenchResult> snapshot;
   std::optional<FnCallBenchResult> fncall;
   std::optional<MicroVmBenchResult> microvm;
+  std::optional<VmBenchResult> vm;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -513,6 +574,9 @@ std::vector<std::string> network_agent_args();
 // QEMU microVMs: starts its own agents (templates on, serving container and microvm; and one with
 // --microvm-templates off), builds the image in <home>/store when missing.
 MicroVmBenchResult run_microvm(const Options& options, const std::string& home);
+// Full VMs of the desktop image (scripts/desktop-image.sh builds it into <home>/store): starts its own agent
+// (--backends container,vm) on <home>.
+VmBenchResult run_vm(const Options& options, const std::string& home);
 
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
@@ -537,6 +601,8 @@ void print_fncall(const FnCallBenchResult& r);
 std::string markdown_fncall(const FnCallBenchResult& r);
 void print_microvm(const MicroVmBenchResult& r);
 std::string markdown_microvm(const MicroVmBenchResult& r);
+void print_vm(const VmBenchResult& r);
+std::string markdown_vm(const VmBenchResult& r);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

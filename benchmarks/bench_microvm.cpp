@@ -51,6 +51,7 @@
 #include "image/store/blob_store.hpp"
 #include "image/store/catalog.hpp"
 #include "image/store/manifest.hpp"
+#include "qemu_tier.hpp"
 
 extern char** environ;
 
@@ -58,8 +59,6 @@ namespace dsec::bench {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr double kMiB = 1024.0 * 1024.0;
-constexpr double kGiB = kMiB * 1024.0;
 constexpr std::uint64_t kVmMemory = 128ull << 20;  // the backend's smallest guest
 constexpr const char* kPeerMarker = "DSEC-BENCH-PEER-UP";
 constexpr auto kSettle = std::chrono::seconds(10);
@@ -67,44 +66,6 @@ constexpr auto kCpuWindow = std::chrono::seconds(10);
 constexpr double kDensityMemoryFloor = 2 * kGiB;
 constexpr auto kThink = std::chrono::seconds(1);
 constexpr const char* kHoldDir = "/tmp/h";
-
-std::string trim(std::string s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
-  return s;
-}
-
-std::string mib(double bytes) {
-  if (std::isnan(bytes)) return "n/a";
-  double m = bytes / kMiB;
-  if (std::fabs(m) < 10) return fmt::format("{:.2f} MiB", m);
-  return fmt::format("{:.1f} MiB", m);
-}
-
-std::string ms(double v) {
-  if (std::isnan(v)) return "n/a";
-  if (v < 10) return fmt::format("{:.2f} ms", v);
-  if (v < 100) return fmt::format("{:.1f} ms", v);
-  return fmt::format("{:.0f} ms", v);
-}
-
-std::vector<std::string> cmdline_of(int pid) {
-  std::string text = read_text_file(fmt::format("/proc/{}/cmdline", pid));
-  std::vector<std::string> out;
-  std::size_t pos = 0;
-  while (pos < text.size()) {
-    std::size_t end = text.find('\0', pos);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(text.substr(pos, end - pos));
-    pos = end + 1;
-  }
-  return out;
-}
-
-std::string arg_after(const std::vector<std::string>& argv, const std::string& flag) {
-  for (std::size_t i = 0; i + 1 < argv.size(); ++i)
-    if (argv[i] == flag) return argv[i + 1];
-  return {};
-}
 
 // utime + stime of one process (not its children), in clock ticks; 0 when it is gone.
 std::uint64_t own_ticks(int pid) {
@@ -130,34 +91,6 @@ std::uint64_t node_busy_ticks() {
 }
 
 double ticks_per_second() { return static_cast<double>(::sysconf(_SC_CLK_TCK)); }
-
-std::string load_text() {
-  double l1 = 0, l5 = 0, l15 = 0;
-  read_loadavg(l1, l5, l15);
-  return fmt::format("{:.2f} {:.2f} {:.2f}", l1, l5, l15);
-}
-
-double load1_now() {
-  double l1 = 0, l5 = 0, l15 = 0;
-  read_loadavg(l1, l5, l15);
-  return l1;
-}
-
-// Every "Key: N kB" of a /proc file, in bytes.
-std::map<std::string, double> kb_fields(const std::string& path) {
-  std::map<std::string, double> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    std::istringstream v(line.substr(colon + 1));
-    double kb = 0;
-    std::string unit;
-    if (v >> kb >> unit && unit == "kB") out[line.substr(0, colon)] = kb * 1024;
-  }
-  return out;
-}
 
 // The guest RAM mapping of a QEMU (a memfd "dsec-ram-..."), from /proc/<pid>/smaps.
 struct RamMapping {
@@ -192,35 +125,6 @@ RamMapping ram_mapping(int pid) {
   return r;
 }
 
-// The pages of the templates' memfds the agent holds (descriptors named memfd:dsec-ram-template-...), each once.
-double template_resident_bytes(int agent_pid) {
-  double total = 0;
-  std::set<ino_t> seen;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(fmt::format("/proc/{}/fd", agent_pid), ec)) {
-    std::error_code lec;
-    std::string target = fs::read_symlink(e.path(), lec).string();
-    if (lec || target.find("memfd:dsec-ram-template") == std::string::npos) continue;
-    struct stat st {};
-    if (::stat(e.path().c_str(), &st) != 0 || !seen.insert(st.st_ino).second) continue;
-    total += static_cast<double>(st.st_blocks) * 512;
-  }
-  return total;
-}
-
-// Memory charged to an agent's cgroup subtree (v1 memory.usage_in_bytes, v2 memory.current); NaN when not found.
-double subtree_charge(const std::string& cgroup_name) {
-  for (const std::string& dir : {"/sys/fs/cgroup/memory/" + cgroup_name, "/sys/fs/cgroup/" + cgroup_name,
-                                "/sys/fs/cgroup/unified/" + cgroup_name}) {
-    std::error_code ec;
-    if (!fs::is_directory(dir, ec)) continue;
-    std::string text = read_text_file(dir + "/memory.usage_in_bytes");
-    if (text.empty()) text = read_text_file(dir + "/memory.current");
-    if (!text.empty()) return std::strtod(text.c_str(), nullptr);
-  }
-  return std::nan("");
-}
-
 // The cgroup directories named `cgroup_name` directly under the hierarchies' roots (an agent's subtree).
 std::vector<fs::path> subtree_dirs(const std::string& cgroup_name) {
   std::vector<fs::path> out;
@@ -232,44 +136,6 @@ std::vector<fs::path> subtree_dirs(const std::string& cgroup_name) {
   }
   if (fs::is_directory(fs::path("/sys/fs/cgroup") / cgroup_name, ec)) out.push_back(fs::path("/sys/fs/cgroup") / cgroup_name);
   return out;
-}
-
-// The QEMU processes in an agent's cgroup subtree, by the sandbox id their -name gives.
-std::map<std::string, int> agent_qemus(const std::string& cgroup_name) {
-  std::map<std::string, int> out;
-  const std::string needle = "/" + cgroup_name + "/";
-  for (int pid : all_pids()) {
-    std::string comm = trim(read_text_file(fmt::format("/proc/{}/comm", pid)));
-    if (comm.rfind("qemu-system", 0) != 0) continue;
-    std::string cg = read_text_file(fmt::format("/proc/{}/cgroup", pid));
-    if (cg.find(needle) == std::string::npos) continue;
-    std::string name = arg_after(cmdline_of(pid), "-name");
-    name = name.substr(0, name.find(','));
-    out[name.empty() ? fmt::format("pid-{}", pid) : name] = pid;
-  }
-  return out;
-}
-
-ExecRequest true_request(double timeout = 60) {
-  ExecRequest r;
-  r.argv = {"true"};
-  r.timeout_seconds = timeout;
-  return r;
-}
-
-void check_ok(const ExecResult& r, const std::string& what) {
-  if (r.exit_code != 0 || r.timed_out)
-    throw Error(Code::kInternal, fmt::format("{}: exit code {} (signal {}){}: {}", what, r.exit_code, r.signal,
-                                             r.timed_out ? ", timed out" : "", r.stderr_data));
-}
-
-ExecResult run_shell(const Sandbox& sb, const std::string& command, double timeout_seconds = 300) {
-  ExecRequest request;
-  request.shell = command;
-  request.timeout_seconds = timeout_seconds;
-  ExecResult r = sb.exec(request);
-  check_ok(r, fmt::format("`{}` in {}", command, sb.id()));
-  return r;
 }
 
 std::string wait_for_file(const Sandbox& sb, const std::string& path, std::chrono::seconds timeout) {
@@ -284,65 +150,6 @@ std::string wait_for_file(const Sandbox& sb, const std::string& path, std::chron
     if (Clock::now() > deadline) throw Error(Code::kDeadlineExceeded, fmt::format("{} stayed empty", path));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-}
-
-// ---------------------------------------------------------------------------------------------- the agents
-
-struct Agent {
-  std::string label;
-  std::unique_ptr<Client> client;
-  int pid = -1;
-  fs::path run_dir;
-  std::string cgroup_name;
-  NodeInfo node;
-
-  ~Agent() {
-    if (client) {
-      try {
-        client->close();
-      } catch (...) {
-      }
-    }
-  }
-};
-
-std::unique_ptr<Agent> start_agent(const Options& o, const std::string& home, const std::string& label,
-                                   std::vector<std::string> args) {
-  auto a = std::make_unique<Agent>();
-  a->label = label;
-  ClientOptions c;
-  c.home = home;
-  c.agent_binary = o.agent_binary;
-  c.agent_args = std::move(args);
-  c.call_deadline = std::chrono::minutes(10);
-  c.request_timeout = std::chrono::minutes(3);
-  c.create_concurrency = 8;
-  c.agent_start_timeout = std::chrono::seconds(90);
-  std::string line;
-  for (const auto& w : c.agent_args) line += " " + w;
-  fmt::print(stderr, "dsec-bench microvm: starting the {} agent (dsecd{})\n", label, line);
-  a->client = std::make_unique<Client>(c);
-  const auto deadline = Clock::now() + std::chrono::seconds(90);
-  for (;;) {
-    a->node = a->client->nodes().front();
-    if (!a->node.microvm.offered)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("the {} agent does not serve microvm: {}", label, a->node.microvm.unavailable));
-    if (a->node.microvm.ready) break;
-    if (Clock::now() > deadline)
-      throw Error(Code::kDeadlineExceeded, fmt::format("the {} agent's accelerator probe did not finish", label));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  if (!a->node.microvm.unavailable.empty())
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("the {} agent cannot run microVMs: {}", label, a->node.microvm.unavailable));
-  a->pid = agent_pid_for(*a->client);
-  if (a->pid > 0) {
-    auto argv = cmdline_of(a->pid);
-    a->run_dir = arg_after(argv, "--run-dir");
-    a->cgroup_name = arg_after(argv, "--cgroup-name");
-  }
-  return a;
 }
 
 SandboxSpec vm_spec(const Options& o, std::uint64_t memory = kVmMemory) {
@@ -545,16 +352,6 @@ class QemuPeer {
   std::vector<std::string> argv_;
 };
 
-std::string qemu_version() {
-  std::string out;
-  if (FILE* f = ::popen("/usr/bin/qemu-system-x86_64 --version 2>/dev/null", "r")) {
-    char buf[256];
-    if (std::fgets(buf, sizeof buf, f)) out = trim(buf);
-    ::pclose(f);
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------- measures
 
 struct Lifecycle {
@@ -576,16 +373,6 @@ Lifecycle create_exec_destroy(Client& client, const SandboxSpec& spec) {
   l.second_exec_ms = ms_since(t2);
   sb.destroy();
   return l;
-}
-
-// A key of a cgroup's memory.stat ("shmem"), in bytes; NaN when unreadable.
-double memory_stat(const std::string& dir, const std::string& key) {
-  std::ifstream in(dir + "/memory.stat");
-  std::string k;
-  double v = 0;
-  while (in >> k >> v)
-    if (k == key) return v;
-  return std::nan("");
 }
 
 // How many of the VMs' QEMU logs report a failed ram_block_discard_range (the balloon's free page reporting could
@@ -666,32 +453,6 @@ double idle_cpu_pct(const Agent& agent, std::chrono::seconds window, std::size_t
   if (node_cores) *node_cores = static_cast<double>(node_busy_ticks() - n0) / hz / secs;
   if (t0.empty()) return std::nan("");
   return static_cast<double>(total) / hz / secs / static_cast<double>(t0.size()) * 100;
-}
-
-void destroy_all(std::vector<Sandbox>& vms, std::size_t threads, std::vector<std::string>* errors = nullptr) {
-  std::atomic<std::size_t> next{0};
-  std::mutex mu;
-  std::vector<std::thread> pool;
-  for (std::size_t t = 0; t < std::min(threads, vms.size()); ++t)
-    pool.emplace_back([&] {
-      for (std::size_t i = next++; i < vms.size(); i = next++) {
-        try {
-          vms[i].destroy();
-        } catch (const std::exception& e) {
-          std::lock_guard lock(mu);
-          if (errors) errors->push_back(e.what());
-        }
-      }
-    });
-  for (auto& t : pool) t.join();
-  vms.clear();
-}
-
-std::string cpu_line(const CpuUse& c, int cores) {
-  return fmt::format("{:.1f} s; CPU busy {:.2f} of {} cores (dsec-bench, agents and their QEMUs {:.2f}, kernel {:.2f}, "
-                     "steal {:.2f}, other processes {:.2f}); load average at the end {}",
-                     c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores,
-                     load_text());
 }
 
 // Memory of K idle VMs made by `make`.
@@ -868,12 +629,6 @@ Touch touch_all(const Sandbox& sb, int pid, const std::string& sum) {
   return t;
 }
 
-double vm_charged(const std::string& id) {
-  SandboxProcesses found = find_sandbox_processes({id});
-  auto it = found.memory_cgroup.find(id);
-  return it == found.memory_cgroup.end() ? std::nan("") : static_cast<double>(cgroup_memory_bytes(it->second));
-}
-
 MicroVmSleepRun sleep_run(const Options& o, Agent& agent, const std::string& memhold, std::size_t held) {
   MicroVmSleepRun r;
   r.mib = held;
@@ -1032,24 +787,12 @@ MicroVmForkRun fork_run(const Options& o, Agent& agent, std::size_t count, std::
   return f;
 }
 
-template <typename F>
-void section(MicroVmBenchResult& r, const std::string& name, int cores, const std::vector<int>& pids, F&& body) {
-  fmt::print(stderr, "dsec-bench microvm: == {} (load {}) ==\n", name, load_text());
-  CpuMeter cpu(pids, /*descendants=*/true);
-  try {
-    body();
-  } catch (const std::exception& e) {
-    r.problems.push_back(fmt::format("{}: failed (load {}): {}", name, load_text(), e.what()));
-    fmt::print(stderr, "dsec-bench microvm: {} failed: {}\n", name, e.what());
-  }
-  r.section_load.emplace_back(name, cpu_line(cpu.stop(), cores));
-}
-
 }  // namespace
 
 MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
   MicroVmBenchResult r;
   r.cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
+  const Sections sections{"microvm", r.cores, r.section_load, r.problems};
   r.n = o.given.count("-n") ? o.n : 20;
   r.warmup = o.given.count("--warmup") ? o.warmup : 1;
   const std::vector<std::size_t> sleep_sizes =
@@ -1066,31 +809,23 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
     if (in) memhold.assign((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
 
-  std::string templ = "/tmp/dsec-bench-microvm-XXXXXX";
-  if (::mkdtemp(templ.data()) == nullptr) throw_errno(errno, "mkdtemp /tmp/dsec-bench-microvm-XXXXXX");
-  struct RemoveDir {
-    fs::path dir;
-    ~RemoveDir() {
-      std::error_code ec;
-      fs::remove_all(dir, ec);
-    }
-  } work{templ};
+  const ScratchDir work("dsec-bench-microvm");
 
   // Admission: the density run's VMs (1 core, 128 MiB each) must be let in.
   const double cpu_ratio = std::max(32.0, static_cast<double>(o.microvm_density + o.microvm_idle + 16) / r.cores * 1.5);
-  auto tmpl_agent = start_agent(o, home, "templates",
+  auto tmpl_agent = start_agent(o, home, "templates", "microvm",
                                 {"--backends", "container,microvm", "--microvm-templates", "on", "--cpu-overcommit",
                                  fmt::format("{:.0f}", cpu_ratio), "--memory-overcommit", "4"});
   std::unique_ptr<Agent> cold_agent;
   try {
-    cold_agent = start_agent(o, home, "cold", {"--backends", "microvm", "--microvm-templates", "off"});
+    cold_agent = start_agent(o, home, "cold", "microvm", {"--backends", "microvm", "--microvm-templates", "off"});
   } catch (const std::exception& e) {
     r.problems.push_back(fmt::format("the agent with --microvm-templates off did not start: {}", e.what()));
   }
   constexpr std::uint32_t kPoolSize = 2;
   std::unique_ptr<Agent> pool_agent;
   try {
-    pool_agent = start_agent(o, home, "pool",
+    pool_agent = start_agent(o, home, "pool", "microvm",
                              {"--backends", "microvm", "--microvm-pool", std::to_string(kPoolSize)});
     r.pool_size = kPoolSize;
   } catch (const std::exception& e) {
@@ -1110,7 +845,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
   if (pool_agent) pids.push_back(pool_agent->pid);
 
   // 1. create to the first exec's result.
-  section(r, fmt::format("create to first exec [{}]", acc), r.cores, pids, [&] {
+  sections.run(fmt::format("create to first exec [{}]", acc), pids, [&] {
     std::unique_ptr<QemuPeer> peer;
     try {
       agent::microvm::GuestKernel k = agent::microvm::find_guest_kernel({});
@@ -1219,7 +954,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
   }
 
   // 2. exec round trips.
-  section(r, fmt::format("exec round trip [{}]", acc), r.cores, pids, [&] {
+  sections.run(fmt::format("exec round trip [{}]", acc), pids, [&] {
     struct Log {
       MicroVmBenchResult& r;
       int pid;
@@ -1274,14 +1009,14 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
 
   // 3. memory per idle VM.
   if (o.microvm_idle > 0)
-    section(r, fmt::format("memory per idle VM, template clones [{}]", acc), r.cores, pids, [&] {
+    sections.run(fmt::format("memory per idle VM, template clones [{}]", acc), pids, [&] {
       r.memory.push_back(idle_memory(A, "template clones", o.microvm_idle,
                                      [&] { return A.client->create_many(o.microvm_idle, vm_spec(o)); }));
       r.template_resident.emplace_back(fmt::format("after {} idle clones", o.microvm_idle),
                                        template_resident_bytes(A.pid));
     });
   if (o.microvm_idle_cold > 0 && cold_agent)
-    section(r, fmt::format("memory per idle VM, cold boots [{}]", acc), r.cores, pids, [&] {
+    sections.run(fmt::format("memory per idle VM, cold boots [{}]", acc), pids, [&] {
       r.memory.push_back(idle_memory(*cold_agent, "cold boots", o.microvm_idle_cold, [&] {
         std::vector<Sandbox> v;
         for (std::size_t i = 0; i < o.microvm_idle_cold; ++i) v.push_back(cold_agent->client->create(vm_spec(o)));
@@ -1311,7 +1046,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
 
   // 4. density.
   if (o.microvm_density > 0)
-    section(r, fmt::format("density [{}]", acc), r.cores, pids, [&] {
+    sections.run(fmt::format("density [{}]", acc), pids, [&] {
       r.density = density_run(o, A, r.problems);
       r.template_resident.emplace_back("after the density run", template_resident_bytes(A.pid));
       r.subtree_charge.emplace_back("after the density run's teardown", subtree_charge(A.cgroup_name));
@@ -1319,7 +1054,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
 
   // 5. sleep and wake.
   if (!sleep_sizes.empty())
-    section(r, fmt::format("sleep and wake [{}]", acc), r.cores, pids, [&] {
+    sections.run(fmt::format("sleep and wake [{}]", acc), pids, [&] {
       if (memhold.empty())
         throw Error(Code::kFailedPrecondition,
                     fmt::format("{} is missing: build the dsec-memhold target", memhold_path.string()));
@@ -1345,7 +1080,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
 
   // 6. fork.
   if (fork_count > 0)
-    section(r, fmt::format("fork({}) [{}]", fork_count, acc), r.cores, pids,
+    sections.run(fmt::format("fork({}) [{}]", fork_count, acc), pids,
             [&] { r.fork = fork_run(o, A, fork_count, r.problems); });
   r.template_resident.emplace_back("at the end (templates of every shape used)", template_resident_bytes(A.pid));
   r.subtree_charge.emplace_back("at the end, no VM running", subtree_charge(A.cgroup_name));
@@ -1557,10 +1292,7 @@ void print_microvm(const MicroVmBenchResult& r) {
   }
   fmt::print("\n  -- [{}] targets --\n", a);
   for (const auto& t : targets(r)) fmt::print("  {:<70} {:<56} {}\n", t.target, t.measured, t.verdict);
-  fmt::print("\n  -- [{}] load per section --\n", a);
-  for (const auto& [name, text] : r.section_load) fmt::print("  {}: {}\n", name, text);
-  for (const auto& n : r.notes) fmt::print("  note: {}\n", n);
-  for (const auto& p : r.problems) fmt::print("  PROBLEM [{}]: {}\n", a, p);
+  print_run_log(a, r.section_load, r.notes, r.problems);
 }
 
 std::string markdown_microvm(const MicroVmBenchResult& r) {
@@ -1668,14 +1400,7 @@ std::string markdown_microvm(const MicroVmBenchResult& r) {
   }
   md += fmt::format("\n#### [{}] Targets\n\n| target | measured | verdict |\n| --- | --- | --- |\n", a);
   for (const auto& t : targets(r)) md += fmt::format("| {} | {} | {} |\n", t.target, t.measured, t.verdict);
-  md += fmt::format("\n#### [{}] Load per section\n\n", a);
-  for (const auto& [name, text] : r.section_load) md += fmt::format("- {}: {}\n", name, text);
-  for (const auto& n : r.notes) md += fmt::format("- note: {}\n", n);
-  if (!r.problems.empty()) {
-    md += "\nProblems seen:\n\n";
-    for (const auto& p : r.problems) md += fmt::format("- [{}] {}\n", a, p);
-  }
-  return md;
+  return md + markdown_run_log(a, r.section_load, r.notes, r.problems);
 }
 
 }  // namespace dsec::bench

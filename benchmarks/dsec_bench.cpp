@@ -79,12 +79,20 @@ Commands:
                sleep and wake of VMs holding 64 and 192 MiB (dsec-memhold; --sleep-sizes); fork(8) of a VM running a
                background process (--forks). Starts its own agents; builds the image with the dsec CLI when missing.
                Not part of `all`
+  vm           full VMs (kind "vm": q35 booting the image's own kernel and systemd, with a screen) of the desktop
+               image (scripts/desktop-image.sh builds it), 2 vCPUs, 1 GiB, 1024x768, every figure naming the
+               accelerator (GET /v1/node) and the load: create to ready of the shape's first VM (a boot of the whole
+               system, frozen as the template) and of the next ones (its clones; --vm-n creates in all, default 3);
+               screenshot latency (-n, default 20); one key typed into the focused terminal until a screenshot
+               differs (half as many samples); memory of the idle VMs (cgroup charge, QEMU PSS, the template's RAM);
+               sleep and wake of one VM; snapshots of it (into a store of the run's own). Starts its own agent
+               (--backends container,vm). Not part of `all`
   network      create-to-ready with network "egress" (3 rules) against "none", alternating; the latency of a rule
                change (set_network) on a live sandbox; both again with -k sandboxes holding rules on the node. No
                traffic is sent. Not part of `all`
   session      shell sessions: run("true") next to an exec of `true` (alternating, back to back and after 1 s
                idle), then a 40-step SWE-style episode through one session and through execs. Not part of `all`
-  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm and network, then a Markdown summary
+  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm and network, then a Markdown summary
                for docs/benchmarks.md
 
 Flags:
@@ -98,7 +106,7 @@ Flags:
   --rootfs DIR           the peers' root instead of the image's directory in the store
   --work-dir DIR         where the OCI bundle, crun's state and the peers' logs go (default: a new /tmp dir)
   --peers LIST           crun,bwrap (default); "none" for dsec alone. Explicit peers that cannot run are an error
-  -n N                   samples per latency measure (default 200; microvm: 20)
+  -n N                   samples per latency measure (default 200; microvm, vm: 20)
   --warmup N             discarded iterations before measuring (default 10; microvm: 1)
   --concurrency LIST     throughput levels (default 1,2,4,8,16)
   --duration SECONDS     throughput: measured time per system and level (default 5)
@@ -130,6 +138,7 @@ Flags:
   --idle-cold K          microvm: idle cold-booted VMs measured for memory (default 4; 0 skips)
   --density N            microvm: idle clones to reach in the density run (default 200; 0 skips it)
   --density-batch N      microvm: creates per batch in the density run (default 10)
+  --vm-n N               vm: full VMs created, kept up until their memory is measured (default 3; the first boots)
   --markdown             also print the Markdown summary after a single benchmark
   --help
 )";
@@ -301,6 +310,9 @@ Options parse_options(int argc, char** argv) {
       o.microvm_density = parse_count(flag, take(), 0);
     } else if (flag == "--density-batch") {
       o.microvm_batch = parse_count(flag, take(), 1);
+    } else if (flag == "--vm-n") {
+      o.vm_creates = parse_count(flag, take(), 1);
+      if (o.vm_creates > 16) throw UsageError("--vm-n: at most 16 (each VM holds 1 GiB of guest RAM)");
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -313,7 +325,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "microvm", "network", "session", "all"})
+                        "fncall", "microvm", "vm", "network", "session", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -407,7 +419,8 @@ int run(int argc, char** argv) {
   const bool snapshots = o.command == "snapshot" || o.command == "sleep";
   if (snapshots && o.endpoints.empty()) snapshot_store = (work_dir / "snapshots").string();
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
-  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse" && o.command != "microvm") {
+  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse" && o.command != "microvm" &&
+      o.command != "vm") {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -536,6 +549,11 @@ int run(int argc, char** argv) {
     print_microvm(*report.microvm);
     std::fflush(stdout);
   }
+  if (o.command == "vm") {
+    report.vm = run_vm(o, home);
+    print_vm(*report.vm);
+    std::fflush(stdout);
+  }
   if (o.command == "network") {
     run_network(o, *client);
     std::fflush(stdout);
@@ -550,12 +568,13 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}", markdown_report(report, o),
+    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}{}", markdown_report(report, o),
                report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
                report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string(),
                report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string(),
                report.fncall ? "\n" + markdown_fncall(*report.fncall) : std::string(),
-               report.microvm ? "\n" + markdown_microvm(*report.microvm) : std::string());
+               report.microvm ? "\n" + markdown_microvm(*report.microvm) : std::string(),
+               report.vm ? "\n" + markdown_vm(*report.vm) : std::string());
   return 0;
 }
 
