@@ -856,6 +856,11 @@ PYBIND11_MODULE(_dsec, m) {
           },
           py::arg("actions"), "Sends input actions in order; answers the screen's state after them.")
       .def(
+          "vnc", [](PySandbox& self) { return self.get().vnc(); }, py::call_guard<py::gil_scoped_release>(),
+          "A VNC endpoint 'host:port' to watch (and drive) the screen.")
+      .def(
+          "stop_vnc", [](PySandbox& self) { self.get().stop_vnc(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
           "network_usage",
           [](PySandbox& self) {
             dsec::NetworkUsage u;

@@ -386,6 +386,12 @@ class AsyncSandbox:
     async def type_text(self, text: str, interval_ms: int = 0) -> dict:
         return await self._client._run(self._sb.type_text, text, interval_ms)
 
+    async def vnc(self) -> str:
+        return await self._client._run(self._sb.vnc)
+
+    async def stop_vnc(self) -> None:
+        await self._client._run(self._sb.stop_vnc)
+
     async def spawn(
         self,
         command: Union[str, Sequence[str]],

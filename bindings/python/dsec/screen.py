@@ -118,6 +118,15 @@ class ScreenMethods:
         """Presses a key combination: "ctrl+s", "Return", "alt+F4", "ctrl+shift+t"."""
         return self.input([{"type": "key", "keys": keys}])
 
+    def vnc(self) -> str:
+        """A VNC endpoint, ``"host:port"`` on the sandbox's node, for a person to watch the screen (a VNC viewer
+        there drives it too: whoever reaches the node's port can). The same one while it lasts."""
+        return self._sb.vnc()
+
+    def stop_vnc(self) -> None:
+        """Ends the VNC endpoint (viewers connected stay until they close)."""
+        self._sb.stop_vnc()
+
     def type_text(self, text: str, interval_ms: int = 0) -> dict:
         """Types ``text`` a character every ``interval_ms`` (0: the agent's pace, 30 ms)."""
         return self.input([{"type": "type", "text": text, "interval_ms": interval_ms}])

@@ -165,7 +165,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     userns_ = std::make_shared<container::UserNamespaces>(std::move(u));
     log_info("user namespaces: {}", userns_->describe());
   }
-  if (serves("container")) {
+  if (serves("container") || serves("vm")) {  // full VMs take ports for their VNC screens
     network::NodeNetworkOptions n;
     n.range = config_.network_range;
     n.egress_deny = config_.egress_deny;
@@ -209,7 +209,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     }
   };
   add_qemu_tier("microvm", microvm_, make_microvm_backend);
-  add_qemu_tier("vm", vm_, make_vm_backend);
+  add_qemu_tier("vm", vm_, [this](const AgentConfig& c) { return make_vm_backend(c, network_); });
   cgroup_version_ = "none";
   if (backends_.count("container") || fncall_) cgroup_version_ = container_cgroup_version();
 

@@ -356,7 +356,8 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxProcesses: return processes(request, target);
     case Route::kSandboxScreen:
     case Route::kSandboxScreenState:
-    case Route::kSandboxScreenInput: return screen(request, target);
+    case Route::kSandboxScreenInput:
+    case Route::kSandboxScreenVnc: return screen(request, target);
     case Route::kSandboxProcess:
     case Route::kSandboxProcessOutput:
     case Route::kSandboxProcessStdin:

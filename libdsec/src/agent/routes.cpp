@@ -41,6 +41,7 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandboxScreen: return "/v1/sandboxes/{id}/screen";
     case Route::kSandboxScreenState: return "/v1/sandboxes/{id}/screen/state";
     case Route::kSandboxScreenInput: return "/v1/sandboxes/{id}/screen/input";
+    case Route::kSandboxScreenVnc: return "/v1/sandboxes/{id}/screen/vnc";
     case Route::kSandboxProcesses: return "/v1/sandboxes/{id}/processes";
     case Route::kSandboxProcess: return "/v1/sandboxes/{id}/processes/{pid}";
     case Route::kSandboxProcessOutput: return "/v1/sandboxes/{id}/processes/{pid}/output";
@@ -161,6 +162,8 @@ Target parse_target(std::string_view target) {
           out.route = Route::kSandboxScreenState;
         else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "input")
           out.route = Route::kSandboxScreenInput;
+        else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "vnc")
+          out.route = Route::kSandboxScreenVnc;
         else if (parts.size() == 4 && parts[3] == "processes") out.route = Route::kSandboxProcesses;
         else if (parts.size() == 4 && parts[3] == "sessions") out.route = Route::kSandboxSessions;
         else if (parts.size() >= 5 && parts.size() <= 6 && !parts[4].empty() &&

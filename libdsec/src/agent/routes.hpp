@@ -41,6 +41,7 @@ enum class Route {
   kSandboxScreen,          // /v1/sandboxes/{id}/screen
   kSandboxScreenState,     // /v1/sandboxes/{id}/screen/state
   kSandboxScreenInput,     // /v1/sandboxes/{id}/screen/input
+  kSandboxScreenVnc,       // /v1/sandboxes/{id}/screen/vnc
   kGroups,          // /v1/groups
   kGroup,           // /v1/groups/{id}
   kGroupRenew,      // /v1/groups/{id}/renew

@@ -863,6 +863,20 @@ ScreenState ClientCore::input(const std::string& id, const std::vector<InputActi
   return protocol::decode_screen_state(parse_json(r, "POST /v1/sandboxes/{id}/screen/input"));
 }
 
+std::string ClientCore::vnc(const std::string& id) {
+  // Idempotent: the same endpoint while it lasts.
+  auto r = call_sandbox(id, http_request("POST", sandbox_path(id, "/screen/vnc"), "{}", kJson));
+  const protocol::json answer = parse_json(r, "POST /v1/sandboxes/{id}/screen/vnc");
+  auto it = answer.find("address");
+  if (it == answer.end() || !it->is_string())
+    throw Error(Code::kDataLoss, "POST /v1/sandboxes/{id}/screen/vnc: the answer names no address");
+  return it->get<std::string>();
+}
+
+void ClientCore::stop_vnc(const std::string& id) {
+  call_sandbox(id, http_request("DELETE", sandbox_path(id, "/screen/vnc")));
+}
+
 std::string ClientCore::expose(const std::string& id, std::uint32_t port) {
   if (port < 1 || port > 65535) throw Error(Code::kInvalidArgument, fmt::format("port: {} is not a TCP port", port));
   // Not retried blindly: a lost answer would expose the port twice (the retry is refused as exposed already).

@@ -667,6 +667,17 @@ std::string NodeNetwork::address_of(std::uint16_t node_port) const {
   return fmt::format("{}:{}", options_.expose_host, node_port);
 }
 
+std::uint16_t NodeNetwork::claim_agent_port() {
+  std::lock_guard lock(mu_);
+  if (!port_claims_) port_claims_.emplace(options_.ports_claims_dir, options_.run_dir);
+  return static_cast<std::uint16_t>(node_ports_.take([this](std::uint32_t n) { return port_claims_->claim(n); }));
+}
+
+void NodeNetwork::release_agent_port(std::uint16_t node_port) {
+  std::lock_guard lock(mu_);
+  release_node_port(node_port);
+}
+
 std::string NodeNetwork::expose(const std::string& id, std::uint32_t port) {
   if (port < 1 || port > 65535)
     throw Error(Code::kInvalidArgument, fmt::format("port: {} is not a TCP port (1-65535)", port));

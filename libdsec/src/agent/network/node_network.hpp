@@ -97,6 +97,10 @@ class NodeNetwork {
   // The sandbox's exposed ports: its port -> the node's port.
   std::map<std::uint16_t, std::uint16_t> exposed(const std::string& id) const;
   std::string address_of(std::uint16_t node_port) const;
+  // A port of the same range for a listener of the agent's own (a full VM's VNC screen): claimed host-wide like an
+  // exposed port, with no rule; back with release_agent_port. RESOURCE_EXHAUSTED when the range is used up.
+  std::uint16_t claim_agent_port();
+  void release_agent_port(std::uint16_t node_port);
 
   // At the agent's stop: with no sandbox left on a network, the table goes (an agent that leaves its sandboxes for
   // the next start keeps their rules in force). Also run by the destructor.

@@ -90,10 +90,11 @@ fs::path init_binary(const AgentConfig& config) {
 
 class QemuBackendImpl final : public QemuBackend {
  public:
-  QemuBackendImpl(const AgentConfig& config, Tier tier)
+  QemuBackendImpl(const AgentConfig& config, Tier tier, std::shared_ptr<network::NodeNetwork> network = nullptr)
       : shared_(config, tier),
         pool_(shared_.settings.templates ? shared_.settings.pool_size : 0, shared_.settings.pool_idle) {
     const QemuTierConfig& settings = shared_.settings;
+    shared_.network = std::move(network);
     if (::geteuid() != 0)
       throw Error(Code::kFailedPrecondition,
                   fmt::format("the {} backend needs root (cgroups, uids for QEMU)", shared_.kind));
@@ -805,8 +806,9 @@ std::unique_ptr<QemuBackend> make_microvm_backend(const AgentConfig& config) {
   return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kMicrovm);
 }
 
-std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config) {
-  return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kVm);
+std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config,
+                                             std::shared_ptr<network::NodeNetwork> network) {
+  return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kVm, std::move(network));
 }
 
 std::string microvm_unavailable_reason(const AgentConfig& config) {

@@ -14,6 +14,9 @@
 #include "agent/config.hpp"
 
 namespace dsec::agent {
+namespace network {
+class NodeNetwork;
+}
 
 // What a QEMU tier runs on, for GET /v1/node: the accelerator it chose (probed at start), why not KVM, the guest
 // kernel. `ready` is false while the probe runs; `unavailable` says why the backend cannot create anything.
@@ -49,7 +52,9 @@ using MicroVmBackend = QemuBackend;
 // FAILED_PRECONDITION (naming what is missing: QEMU, the guest kernel, dsec-init, root) when this node cannot run
 // the tier's VMs; the accelerator probe then runs in the background.
 std::unique_ptr<QemuBackend> make_microvm_backend(const AgentConfig& config);
-std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config);
+// `network` (may be null) gives full VMs' VNC screens their ports.
+std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config,
+                                             std::shared_ptr<network::NodeNetwork> network = nullptr);
 
 // Why this node cannot run the tier's VMs (QEMU or, for microVMs, the guest kernel missing), or "" when it has what
 // they need; cheap, for dsecd's default of serving a tier only where it can.

@@ -62,7 +62,7 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
     boot_.cgroup_procs.clear();
     if (boot_.display.kind != DisplaySpec::Kind::kNone)
       screen_ = std::make_unique<VmScreen>(id_, boot_.display.width, boot_.display.height,
-                                           [this] { return running_vm("its screen"); });
+                                           [this] { return running_vm("its screen"); }, shared_.network);
     ++shared_.vms;
   }
 
@@ -304,6 +304,7 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
   void destroy() override {
     std::lock_guard lock(destroy_mu_);
     if (destroyed_.exchange(true)) return;
+    if (screen_) screen_->stop_vnc();
     release_once(/*stopped_by_itself=*/false);
     std::error_code ec;
     fs::remove_all(run_dir_, ec);

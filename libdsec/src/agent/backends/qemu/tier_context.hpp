@@ -15,6 +15,7 @@
 #include "agent/backends/qemu/writable_disk.hpp"
 #include "agent/config.hpp"
 #include "agent/host_id_pool.hpp"
+#include "agent/network/node_network.hpp"
 
 namespace dsec::agent::qemu {
 
@@ -48,6 +49,7 @@ struct BackendContext {
   std::uint64_t host_memory = 0;
   std::atomic<std::uint32_t> vms{0};  // sandboxes' VMs running now
   qemu::TemplateCache templates;
+  std::shared_ptr<network::NodeNetwork> network;  // full VMs: ports for VNC screens (null: none)
 
   BackendContext(const AgentConfig& c, Tier t)
       : config(c),

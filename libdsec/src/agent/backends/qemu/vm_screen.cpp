@@ -19,8 +19,42 @@ void pause(std::uint32_t ms) { std::this_thread::sleep_for(std::chrono::millisec
 
 }  // namespace
 
-VmScreen::VmScreen(std::string sandbox_id, std::uint32_t width, std::uint32_t height, RunningVm vm)
-    : id_(std::move(sandbox_id)), vm_(std::move(vm)), width_(width), height_(height) {}
+VmScreen::VmScreen(std::string sandbox_id, std::uint32_t width, std::uint32_t height, RunningVm vm,
+                   std::shared_ptr<network::NodeNetwork> network)
+    : id_(std::move(sandbox_id)), vm_(std::move(vm)), width_(width), height_(height), network_(std::move(network)) {}
+
+VmScreen::~VmScreen() {
+  try {
+    stop_vnc();
+  } catch (...) {
+  }
+}
+
+std::string VmScreen::vnc() {
+  if (!network_)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("sandbox {}: this node has no ports to give a VNC screen (it serves no networks)", id_));
+  (void)vm_();  // not while it sleeps
+  std::lock_guard lock(vnc_mu_);
+  if (!vnc_) {
+    const std::uint16_t port = network_->claim_agent_port();
+    try {
+      vnc_ = std::make_unique<VncListener>(id_, port, vm_);
+    } catch (...) {
+      network_->release_agent_port(port);
+      throw;
+    }
+  }
+  return network_->address_of(vnc_->port());
+}
+
+void VmScreen::stop_vnc() {
+  std::lock_guard lock(vnc_mu_);
+  if (!vnc_) return;
+  const std::uint16_t port = vnc_->port();
+  vnc_.reset();
+  network_->release_agent_port(port);
+}
 
 std::string VmScreen::screenshot_png() {
   std::shared_ptr<VmInstance> vm = vm_();

@@ -17,6 +17,8 @@
 
 #include "agent/backend.hpp"
 #include "agent/backends/qemu/vm_instance.hpp"
+#include "agent/backends/qemu/vnc_listener.hpp"
+#include "agent/network/node_network.hpp"
 
 namespace dsec::agent::qemu {
 
@@ -27,11 +29,16 @@ class VmScreen final : public Screen {
   // The running VM, or an Error (FAILED_PRECONDITION while the sandbox sleeps, NOT_FOUND once it is destroyed).
   using RunningVm = std::function<std::shared_ptr<VmInstance>()>;
 
-  VmScreen(std::string sandbox_id, std::uint32_t width, std::uint32_t height, RunningVm vm);
+  // `network` gives the VNC endpoint its port (null: the node has none to give).
+  VmScreen(std::string sandbox_id, std::uint32_t width, std::uint32_t height, RunningVm vm,
+           std::shared_ptr<network::NodeNetwork> network);
+  ~VmScreen() override;
 
   std::string screenshot_png() override;
   ScreenState input(const std::vector<InputAction>& actions) override;
   ScreenState state() override;
+  std::string vnc() override;
+  void stop_vnc() override;
 
  private:
   void run(VmInstance& vm, const InputAction& a);
@@ -44,6 +51,9 @@ class VmScreen final : public Screen {
   std::mutex mu_;  // one input request at a time; guards what follows
   std::uint32_t width_, height_;
   std::optional<std::uint32_t> cursor_x_, cursor_y_;
+  std::shared_ptr<network::NodeNetwork> network_;
+  std::mutex vnc_mu_;  // guards vnc_ (apart from mu_, which a long input request holds)
+  std::unique_ptr<VncListener> vnc_;
 };
 
 }  // namespace dsec::agent::qemu
