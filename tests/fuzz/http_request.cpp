@@ -72,8 +72,9 @@ void route(const dsec::agent::HttpRequest& request) {
     return;
   }
   if (route_template(target.route).empty()) fuzz::fail("route_template: empty for a route");
-  // Every route from /v1/sandboxes/{id} to the last one below it (networks, processes, sessions) names a sandbox.
-  bool per_sandbox = target.route >= Route::kSandbox && target.route <= Route::kSandboxSessionRestart;
+  // Every route from /v1/sandboxes/{id} to the last one below it (networks, processes, sessions, the screen) names a
+  // sandbox.
+  bool per_sandbox = target.route >= Route::kSandbox && target.route <= Route::kSandboxScreenVnc;
   bool per_group = target.route == Route::kGroup || target.route == Route::kGroupRenew;
   bool per_item = (target.route >= Route::kSandboxProcess && target.route <= Route::kSandboxProcessResize) ||
                   (target.route >= Route::kSandboxSession && target.route <= Route::kSandboxSessionRestart);

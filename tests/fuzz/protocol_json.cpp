@@ -17,6 +17,7 @@
 #include <string_view>
 
 #include "common/protocol.hpp"
+#include "common/screen_protocol.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"
 
@@ -83,6 +84,27 @@ void decode_all(const json& j) {
   request_round_trip(j, protocol::decode_exec_request, "decode_exec_request");
   request_round_trip(j, protocol::decode_fncall_request, "decode_fncall_request");
   request_round_trip(j, protocol::decode_network, "decode_network");
+  // A full VM's screen input (POST /v1/sandboxes/{id}/screen/input): INVALID_ARGUMENT, or actions that survive
+  // encode and decode.
+  {
+    json first;
+    try {
+      first = protocol::encode_input(protocol::decode_input(j));
+    } catch (const Error& e) {
+      fuzz::expect_code(e, Code::kInvalidArgument, "decode_input");
+    } catch (const std::exception& e) {
+      fuzz::fail(std::string("decode_input: threw something other than dsec::Error: ") + e.what());
+    }
+    if (!first.is_null()) {
+      json again;
+      try {
+        again = protocol::encode_input(protocol::decode_input(reparse(first, "decode_input")));
+      } catch (const std::exception& e) {
+        fuzz::fail("decode_input: refused its own encoding " + first.dump() + ": " + e.what());
+      }
+      if (again != first) fuzz::fail("decode_input: encode/decode changed " + first.dump() + " to " + again.dump());
+    }
+  }
   answer_round_trip(j, protocol::decode_exec_result, "decode_exec_result");
   answer_round_trip(j, protocol::decode_fncall_result, "decode_fncall_result");
   answer_round_trip(j, protocol::decode_sandbox_info, "decode_sandbox_info");

@@ -326,6 +326,55 @@ def test_a_snapshot_of_the_running_system(desktop, vm_client):
         desktop.exec("rm -rf /srv/work")
 
 
+def test_an_image_that_cannot_boot_fails_with_its_console(desktop, vm_client, vm_agent):
+    """An image whose kernel boots but that has no init to hand over to (a snapshot of the desktop without
+    /sbin/init): the create fails within its boot, quoting the guest's console, and leaves nothing."""
+    name = f"snap/vm-it-noinit-{os.getpid()}:1"
+    desktop.exec("mv /sbin/init /sbin/init.kept")
+    try:
+        image = desktop.snapshot(name)
+    finally:
+        desktop.exec("mv /sbin/init.kept /sbin/init")
+    try:
+        before, runs = {s.id for s in vm_client.list()}, set(os.listdir(vm_agent.run_dir))
+        t0 = time.monotonic()
+        with pytest.raises(dsec.DsecError) as failure:
+            vm_client.create(image, "vm", cpu=2, memory=MEMORY)
+        took = time.monotonic() - t0
+        message = str(failure.value)
+        assert "/sbin/init" in message and "console" in message, message
+        assert took < 120, took
+        assert {s.id for s in vm_client.list()} == before
+        assert set(os.listdir(vm_agent.run_dir)) == runs
+        assert lib.wait_for(lambda: len([p for p, argv in lib.process_argvs()
+                                         if argv and argv[0].endswith(b"qemu-system-x86_64")]) == 1, 10)
+        print(f"\nan image without /sbin/init: refused in {took:.1f} s")
+    finally:
+        subprocess.run([str(lib.DSEC_CLI), "image", "rm", name, "--home", os.environ["DSEC_HOME"]],
+                       capture_output=True, timeout=60)
+
+
+def test_processes_sessions_and_asyncio(desktop, vm_agent):
+    """A full VM serves processes and shell sessions as every tier does, and the asyncio client drives its screen."""
+    p = desktop.spawn("sleep 0.2; echo spawned")
+    assert p.wait(timeout=30).exit_code == 0
+    with desktop.shell() as sh:
+        assert sh.run("cd /tmp && X=kept").exit_code == 0
+        assert sh.run("echo $PWD $X").stdout == b"/tmp kept\n"
+
+    async def drive():
+        async with dsec.AsyncClient(endpoints=[vm_agent.endpoint]) as ac:
+            sb = ac.attach(desktop.id)
+            png = await sb.screenshot()
+            state = await sb.mouse_move(7, 9)
+            return png, state
+
+    import asyncio
+    png, state = asyncio.run(drive())
+    assert png_pixels(png)[:2] == (WIDTH, HEIGHT)
+    assert state["cursor"] == (7, 9)
+
+
 # ---------------------------------------------------------------------------------------------------- the example
 
 def test_computer_use_example(vm_agent, desktop, tmp_path):
