@@ -169,7 +169,7 @@ def test_qemu_is_confined(desktop):
 
 # ---------------------------------------------------------------------------------------------------- the screen
 
-def test_screenshot_is_a_png_of_the_screen(desktop):
+def test_screenshot_is_a_png_of_the_screen(desktop, vm_agent, tmp_path):
     t0 = time.monotonic()
     png = desktop.screenshot()
     took = time.monotonic() - t0
@@ -179,6 +179,12 @@ def test_screenshot_is_a_png_of_the_screen(desktop):
     state = desktop.screen()
     assert (state["width"], state["height"]) == (WIDTH, HEIGHT), state
     print(f"\nscreenshot: {len(png)} bytes in {took * 1000:.0f} ms")
+    # The CLI's: dsec screenshot ID FILE.
+    out = tmp_path / "cli.png"
+    r = subprocess.run([str(lib.DSEC_CLI), "--endpoint", vm_agent.endpoint, "screenshot", desktop.id, str(out)],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert png_pixels(out.read_bytes())[:2] == (WIDTH, HEIGHT)
 
 
 def test_keys_reach_the_focused_terminal(desktop):
@@ -219,7 +225,7 @@ def recv_exactly(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def test_a_person_can_watch_through_vnc(desktop):
+def test_a_person_can_watch_through_vnc(desktop, vm_agent):
     """A VNC endpoint on a port of the node: QEMU's VNC server answers on it (RFB 3.8, no authentication: the port
     is the capability) with the screen's size; the same endpoint twice; gone once stopped."""
     address = desktop.vnc()
@@ -236,9 +242,15 @@ def test_a_person_can_watch_through_vnc(desktop):
         s.sendall(b"\x01")  # ClientInit: shared
         width, height = struct.unpack(">HH", recv_exactly(s, 4))
         assert (width, height) == (WIDTH, HEIGHT)
-    desktop.stop_vnc()
+    # The CLI names the same endpoint, and stops it.
+    cli = [str(lib.DSEC_CLI), "--endpoint", vm_agent.endpoint, "vnc", desktop.id]
+    r = subprocess.run(cli, capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.decode().strip() == address, r
+    r = subprocess.run(cli + ["--stop"], capture_output=True, timeout=60)
+    assert r.returncode == 0, r
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    desktop.stop_vnc()  # stopping what is stopped is fine
 
 
 def test_bad_screen_input_is_refused_and_changes_nothing(desktop, vm_client, vm_agent):

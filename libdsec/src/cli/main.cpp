@@ -48,6 +48,8 @@ Sandbox commands (through a node agent):
   exec ID -- CMD...                run CMD in an existing sandbox
   rm ID...                         destroy sandboxes
   snapshot ID NAME                 capture a sandbox's files as a new image NAME
+  screenshot ID FILE               a PNG of a full VM's screen
+  vnc ID [--stop]                  a VNC endpoint to watch a full VM's screen
   node                             show the node's capacity, load and images
 
 Global options:

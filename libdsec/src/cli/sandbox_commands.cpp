@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <iterator>
 #include <string>
@@ -59,7 +60,8 @@ system agent running, a private agent is started for the command (on --home's im
   --protect PATH       make PATH a directory only root inside may enter, before CMD runs (repeatable)
   --timeout SECONDS    wall-clock limit for CMD (default 600)
   --ttl SECONDS        the agent destroys the sandbox after this long (default 3600; 0 = never)
-  --kind KIND          backend (default container)
+  --kind KIND          backend (default container): container, microvm, or vm (a full VM with a screen)
+  --display WxH        a full VM's screen, e.g. 1280x800, or none (default for kind vm: 1024x768)
   -i, --interactive    send this process's standard input to CMD
   --keep               do not destroy the sandbox; print its id on stderr (with no CMD: just create it and print
                        the id on stdout)
@@ -80,6 +82,19 @@ if it timed out, 125 if dsec failed).
 constexpr std::string_view kRmHelp = R"(usage: dsec rm ID... [--endpoint URL]
 
 Destroys sandboxes. Destroying one that is already gone is not an error.
+)";
+
+constexpr std::string_view kScreenshotHelp = R"(usage: dsec screenshot ID FILE [--endpoint URL]
+
+Writes a PNG of full VM ID's screen to FILE ("-": standard output). A sandbox without a screen (other kinds, or a
+VM made with --display none) or a sleeping one is an error.
+)";
+
+constexpr std::string_view kVncHelp = R"(usage: dsec vnc ID [--stop] [--endpoint URL]
+
+Prints a VNC endpoint (host:port on the sandbox's node) where a person can watch full VM ID's screen with any VNC
+viewer, and drive it: whoever reaches that port can, so stop it when done. The same one while it lasts.
+  --stop    end it (viewers connected stay until they close)
 )";
 
 constexpr std::string_view kSnapshotHelp = R"(usage: dsec snapshot ID NAME [--json] [--endpoint URL]
@@ -283,6 +298,7 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
                              {"--timeout", true},
                              {"--ttl", true},
                              {"--kind", true},
+                             {"--display", true},
                              {"-i", false},
                              {"--interactive", false},
                              {"--keep", false}},
@@ -298,6 +314,7 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
   SandboxSpec spec;
   spec.image = p.positional[0];
   spec.kind = p.get("--kind").value_or(spec.kind);
+  spec.display = p.get("--display").value_or("");
   spec.resources.cpu = number_option(p, "--cpu", spec.resources.cpu, help);
   spec.resources.memory_bytes = size_option(p, "--memory", spec.resources.memory_bytes, help);
   spec.resources.disk_bytes = size_option(p, "--disk", spec.resources.disk_bytes, help);
@@ -395,6 +412,47 @@ int cmd_rm(const std::vector<std::string>& args, GlobalOptions& global) {
   return status;
 }
 
+int cmd_screenshot(const std::vector<std::string>& args, GlobalOptions& global) {
+  const std::string help = with_endpoint_help(kScreenshotHelp);
+  ParsedArgs p = parse_args(args, {}, global, help);
+  if (p.help) {
+    fmt::print("{}", help);
+    return 0;
+  }
+  if (p.positional.size() != 2) throw UsageError("screenshot needs a sandbox ID and a FILE", help);
+  std::string endpoint = require_endpoint(global, "screenshot", help);
+  Client client(client_options(global, endpoint));
+  const std::string png = client.attach(p.positional[0]).screenshot();
+  const std::string& file = p.positional[1];
+  if (file == "-") {
+    std::fwrite(png.data(), 1, png.size(), stdout);
+    return std::fflush(stdout) == 0 ? 0 : kExitFailure;
+  }
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  out.write(png.data(), static_cast<std::streamsize>(png.size()));
+  if (!out.flush()) throw Error(Code::kPermissionDenied, fmt::format("cannot write {}", file));
+  return 0;
+}
+
+int cmd_vnc(const std::vector<std::string>& args, GlobalOptions& global) {
+  const std::string help = with_endpoint_help(kVncHelp);
+  ParsedArgs p = parse_args(args, {{"--stop", false}}, global, help);
+  if (p.help) {
+    fmt::print("{}", help);
+    return 0;
+  }
+  if (p.positional.size() != 1) throw UsageError("vnc needs a sandbox ID", help);
+  std::string endpoint = require_endpoint(global, "vnc", help);
+  Client client(client_options(global, endpoint));
+  Sandbox sb = client.attach(p.positional[0]);
+  if (p.has("--stop")) {
+    sb.stop_vnc();
+    return 0;
+  }
+  fmt::print("{}\n", sb.vnc());
+  return 0;
+}
+
 int cmd_snapshot(const std::vector<std::string>& args, GlobalOptions& global) {
   const std::string help = with_endpoint_help(kSnapshotHelp);
   ParsedArgs p = parse_args(args, {{"--json", false}}, global, help);
@@ -479,6 +537,8 @@ std::optional<int> sandbox_command(const std::string& command, const std::vector
   if (command == "exec") return cmd_exec(args, global);
   if (command == "rm") return cmd_rm(args, global);
   if (command == "snapshot") return cmd_snapshot(args, global);
+  if (command == "screenshot") return cmd_screenshot(args, global);
+  if (command == "vnc") return cmd_vnc(args, global);
   if (command == "node") return cmd_node(args, global);
   return std::nullopt;
 }
