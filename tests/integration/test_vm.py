@@ -350,12 +350,12 @@ def test_an_image_that_cannot_boot_fails_with_its_console(desktop, vm_client, vm
     try:
         before, runs = {s.id for s in vm_client.list()}, set(os.listdir(vm_agent.run_dir))
         t0 = time.monotonic()
-        with pytest.raises(dsec.DsecError) as failure:
+        with pytest.raises(dsec.FailedPrecondition) as failure:  # not retried: it would only fail again
             vm_client.create(image, "vm", cpu=2, memory=MEMORY)
         took = time.monotonic() - t0
         message = str(failure.value)
         assert "/sbin/init" in message and "console" in message, message
-        assert took < 120, took
+        assert took < 60, took
         assert {s.id for s in vm_client.list()} == before
         assert set(os.listdir(vm_agent.run_dir)) == runs
         assert lib.wait_for(lambda: len([p for p, argv in lib.process_argvs()

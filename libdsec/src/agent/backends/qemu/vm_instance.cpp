@@ -220,6 +220,11 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     if (!vm->exited()) vm->kill();
     std::string words = vm->last_words();
     Code code = e.code();
+    // A full system's boot stage (dsec-init in the initramfs) that powered the VM off said why on the console: the
+    // image cannot boot (no /sbin/init, a root that cannot be built), and a retry would only repeat it.
+    if (!from && spec.full_system && words.find(": powering off") != std::string::npos)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("sandbox {}: the image cannot boot as a full VM{}", spec.id, words), /*retryable=*/false);
     if (code == Code::kDeadlineExceeded)
       throw Error(code, fmt::format("sandbox {}: the guest did not come up in time ({}){}", spec.id, e.what(), words));
     throw Error(code == Code::kInternal ? Code::kUnavailable : code,
