@@ -412,6 +412,29 @@ def test_computer_use_example(vm_agent, desktop, tmp_path):
     print(f"\ncomputer_use.py: {took:.1f} s, {len(shots)} screenshots")
 
 
+def test_fork_copies_the_running_desktop(desktop):
+    """A running full VM forked: the copy starts where the parent stood (its files, its X session, its screen) and
+    diverges on its own; the parent runs on."""
+    desktop.exec("echo parent > /root/fork.txt")
+    t0 = time.monotonic()
+    copies = desktop.fork(1)
+    took = time.monotonic() - t0
+    try:
+        (copy,) = copies
+        assert copy.info().kind == "vm"
+        assert copy.read_file("/root/fork.txt") == b"parent\n"
+        assert copy.exec("pgrep -x Xorg").exit_code == 0
+        assert png_pixels(copy.screenshot())[:2] == (WIDTH, HEIGHT)
+        copy.exec("echo copy > /root/fork.txt")
+        assert desktop.read_file("/root/fork.txt") == b"parent\n"
+        assert desktop.exec("pgrep -x Xorg").exit_code == 0
+        print(f"\nfull VM fork: a copy in {took:.1f} s")
+    finally:
+        for c in copies:
+            c.destroy()
+        desktop.exec("rm -f /root/fork.txt")
+
+
 # ---------------------------------------------------------------------------------------------------- restart
 
 def test_agent_killed_and_restarted_takes_the_vm_back(vm_agent, vm_client, desktop):
