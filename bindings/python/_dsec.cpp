@@ -272,6 +272,14 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("egress_mbps", &dsec::Resources::egress_mbps, "Megabits a second it may send; 0: unlimited.")
       .def_readwrite("connections", &dsec::Resources::connections,
                      "Connections to the outside it may hold at once; 0: unlimited.")
+      .def_property(
+          "priority", [](const dsec::Resources& r) { return std::string(dsec::priority_name(r.priority)); },
+          [](dsec::Resources& r, const std::string& name) {
+            auto p = dsec::parse_priority(name);
+            if (!p) throw py::value_error("priority: '" + name + "' is not latency, standard or batch");
+            r.priority = *p;
+          },
+          "Its class of service: 'latency', 'standard' or 'batch' (docs/qos.md).")
       .def("__repr__", [](const dsec::Resources& r) {
         return "Resources(cpu=" + py::repr(py::float_(r.cpu)).cast<std::string>() +
                ", memory_bytes=" + std::to_string(r.memory_bytes) + ", disk_bytes=" + std::to_string(r.disk_bytes) +

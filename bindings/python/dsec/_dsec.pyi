@@ -16,6 +16,7 @@ class Resources:
     gpus: int
     egress_mbps: int
     connections: int
+    priority: str
     def __init__(self) -> None: ...
 
 class NetworkRule:

@@ -72,6 +72,7 @@ def _spec(
     egress_mbps: int = 0,
     connections: int = 0,
     display: str = "",
+    priority: str = "standard",
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -95,6 +96,9 @@ def _spec(
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"resources.{field}: must be a non-negative int (0: unlimited), got {value!r}")
         setattr(r, field, value)
+    if priority not in ("latency", "standard", "batch"):
+        raise InvalidArgument(f"priority: expected 'latency', 'standard' or 'batch', got {priority!r}")
+    r.priority = priority
     s.resources = r
     if ttl is None or ttl < 0:
         raise InvalidArgument(f"ttl: must be >= 0 seconds (0 = no TTL), got {ttl!r}")

@@ -188,6 +188,7 @@ class Client:
         egress_mbps: int = 0,
         connections: int = 0,
         display: str = "",
+        priority: str = "standard",
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -210,11 +211,14 @@ class Client:
         ``display`` is a full VM's screen (``kind="vm"``): "1280x800" (from 320x200 to 3840x2160), or "none";
         a vm gets 1024x768 when it is not given, other kinds have none (docs/vm.md).
 
+        ``priority`` is its class of service on the node: "latency" (more CPU weight, memory protected), "standard",
+        or "batch" (SCHED_IDLE: only CPU nobody else wants; memory throttled before its limit) (docs/qos.md).
+
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display)
+                     egress_mbps, connections, display, priority)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -245,6 +249,7 @@ class Client:
         egress_mbps: int = 0,
         connections: int = 0,
         display: str = "",
+        priority: str = "standard",
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -263,7 +268,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display)
+                     egress_mbps, connections, display, priority)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -295,6 +300,7 @@ class Client:
         egress_mbps: int = 0,
         connections: int = 0,
         display: str = "",
+        priority: str = "standard",
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -310,7 +316,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display)
+                     egress_mbps, connections, display, priority)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

@@ -18,6 +18,13 @@ using Env = std::map<std::string, std::string>;
 
 // Limits of one sandbox. The agent enforces each one: cpu and memory and pids through the sandbox's cgroup, disk
 // through the size of its writable layer.
+// A sandbox's class of service on its node (docs/qos.md): latency-critical work gets more CPU weight and its memory
+// protected from reclaim; batch work runs SCHED_IDLE (only on CPU nobody else wants, and it cannot leave that
+// policy) and is throttled (v2 memory.high) before its hard limit; standard is neither.
+enum class Priority { kStandard, kLatency, kBatch };
+std::string_view priority_name(Priority p) noexcept;            // "standard", "latency", "batch"
+std::optional<Priority> parse_priority(std::string_view name);  // nullopt for anything else
+
 struct Resources {
   double cpu = 1.0;                          // cores (CFS quota); fractions allowed
   std::uint64_t memory_bytes = 512ull << 20;  // hard limit, OOM-kill inside the sandbox beyond it
@@ -29,6 +36,7 @@ struct Resources {
   // and it holds at most `connections` connections (and UDP flows) to the outside at once; more are refused.
   std::uint32_t egress_mbps = 0;
   std::uint32_t connections = 0;
+  Priority priority = Priority::kStandard;  // in a spec's JSON: "priority" at its top level
 };
 
 struct SandboxSpec {

@@ -232,6 +232,7 @@ json encode(const SandboxSpec& s) {
   if (!s.protected_paths.empty()) j["protected_paths"] = s.protected_paths;
   if (s.network.mode != "none" || !s.network.rules.empty()) j["network"] = encode(s.network);
   if (!s.display.empty()) j["display"] = s.display;
+  if (s.resources.priority != Priority::kStandard) j["priority"] = priority_name(s.resources.priority);
   return j;
 }
 
@@ -282,6 +283,12 @@ SandboxSpec decode_spec(const json& j) {
   s.protected_paths = get_string_list(j, "protected_paths", "protected_paths");
   if (const json* n = find(j, "network")) s.network = decode_network(*n);
   s.display = get_string(j, "display", "display");
+  {
+    const std::string priority = get_string(j, "priority", "priority", "standard");
+    auto p = parse_priority(priority);
+    if (!p) bad("priority", fmt::format("'{}' is not latency, standard or batch", priority.substr(0, 40)));
+    s.resources.priority = *p;
+  }
   validate(s);
   return s;
 }
@@ -810,6 +817,7 @@ json encode(const SandboxInfo& s) {
                 {"gpus", s.resources.gpus},
                 {"egress_mbps", s.resources.egress_mbps},
                 {"connections", s.resources.connections}}},
+              {"priority", priority_name(s.resources.priority)},
               {"created_at", s.created_at},
               {"expires_at", s.expires_at},
               {"message", s.message},
@@ -837,6 +845,13 @@ SandboxInfo decode_sandbox_info(const json& j) {
     r.gpus = member(*it, "gpus", r.gpus, "resources.gpus");
     r.egress_mbps = member(*it, "egress_mbps", r.egress_mbps, "resources.egress_mbps");
     r.connections = member(*it, "connections", r.connections, "resources.connections");
+  }
+  {
+    // An older agent's answer has none: standard.
+    const std::string priority = member(j, "priority", "standard", "priority");
+    auto p = parse_priority(priority);
+    if (!p) bad_answer("priority", fmt::format("'{}' is not latency, standard or batch", priority.substr(0, 40)));
+    s.resources.priority = *p;
   }
   s.created_at = member(j, "created_at", 0.0);
   s.expires_at = member(j, "expires_at", 0.0);

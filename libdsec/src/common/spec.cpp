@@ -7,6 +7,21 @@
 
 namespace dsec {
 
+std::string_view priority_name(Priority p) noexcept {
+  switch (p) {
+    case Priority::kLatency: return "latency";
+    case Priority::kBatch: return "batch";
+    case Priority::kStandard: break;
+  }
+  return "standard";
+}
+
+std::optional<Priority> parse_priority(std::string_view name) {
+  for (Priority p : {Priority::kStandard, Priority::kLatency, Priority::kBatch})
+    if (name == priority_name(p)) return p;
+  return std::nullopt;
+}
+
 std::optional<DisplaySize> parse_display(std::string_view text) {
   auto number = [](std::string_view digits) -> std::optional<std::uint32_t> {
     if (digits.empty() || digits.size() > 5) return std::nullopt;

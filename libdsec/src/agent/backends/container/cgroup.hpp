@@ -16,6 +16,14 @@
 
 namespace dsec::agent::container {
 
+// CPU weight by class of service: latency 4x a standard sandbox's, batch the least there is.
+constexpr std::uint32_t cpu_weight_v1(Priority p) {  // cpu.shares: 2 to 262144, 1024 the default
+  return p == Priority::kLatency ? 4096 : p == Priority::kBatch ? 2 : 1024;
+}
+constexpr std::uint32_t cpu_weight_v2(Priority p) {  // cpu.weight: 1 to 10000, 100 the default
+  return p == Priority::kLatency ? 400 : p == Priority::kBatch ? 1 : 100;
+}
+
 class SandboxCgroup {
  public:
   virtual ~SandboxCgroup() = default;

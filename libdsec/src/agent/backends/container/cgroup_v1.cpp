@@ -469,6 +469,16 @@ class CgroupV1Driver final : public CgroupDriver {
     auto quota = static_cast<long long>(r.cpu * 100000);
     write_cgroup_file(h_.cpu + rel + "/cpu.cfs_period_us", "100000");
     write_cgroup_file(h_.cpu + rel + "/cpu.cfs_quota_us", std::to_string(std::max(quota, 1000LL)));
+    // The class of service (docs/qos.md): CPU weight, and for batch a soft limit the kernel reclaims down to first
+    // under memory pressure (v1 has no memory.low or memory.high). A batch sandbox's tasks also run SCHED_IDLE,
+    // set on its init (spawn.cpp): v1 has no cpu.idle.
+    write_cgroup_file(h_.cpu + rel + "/cpu.shares", std::to_string(cpu_weight_v1(r.priority)));
+    if (r.priority == Priority::kBatch) {
+      try {
+        write_cgroup_file(mem + "/memory.soft_limit_in_bytes", std::to_string(r.memory_bytes / 2));
+      } catch (const Error&) {
+      }
+    }
     write_cgroup_file(h_.pids + rel + "/pids.max", std::to_string(r.pids));
     return group;
   }

@@ -304,6 +304,18 @@ class CgroupV2Driver final : public CgroupDriver {
     }
     auto quota = static_cast<long long>(r.cpu * 100000);
     write_cgroup_file(dir + "/cpu.max", fmt::format("{} 100000", std::max(quota, 1000LL)));
+    // The class of service (docs/qos.md): CPU weight; latency's memory protected from reclaim (memory.low); batch
+    // throttled at 90% of its limit (memory.high) and idle-scheduled as a group (cpu.idle, Linux 5.15+; its tasks
+    // run SCHED_IDLE anyway, set on its init).
+    write_cgroup_file(dir + "/cpu.weight", std::to_string(cpu_weight_v2(r.priority)));
+    if (r.priority == Priority::kLatency) write_cgroup_file(dir + "/memory.low", std::to_string(r.memory_bytes));
+    if (r.priority == Priority::kBatch) {
+      write_cgroup_file(dir + "/memory.high", std::to_string(r.memory_bytes / 10 * 9));
+      try {
+        write_cgroup_file(dir + "/cpu.idle", "1");
+      } catch (const Error&) {
+      }
+    }
     write_cgroup_file(dir + "/pids.max", std::to_string(r.pids));
     return group;
   }

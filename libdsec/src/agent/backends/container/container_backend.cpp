@@ -949,6 +949,7 @@ class ContainerBackend final : public Backend {
     req.seccomp = &prog;
     req.cap_last_cap = cap_last_cap_;
     req.open_files = params.spec.resources.open_files;
+    req.sched_idle = params.spec.resources.priority == Priority::kBatch;
     if (userns) req.userns_fd = userns->fd.get();
 
     Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers),

@@ -160,6 +160,13 @@ int child_main(void* arg) {
   if (setrlimit(RLIMIT_NOFILE, &files) != 0) fail(a, "setrlimit NOFILE", nullptr);
   rlimit core{0, 0};
   setrlimit(RLIMIT_CORE, &core);
+  // No process inside may raise its scheduling priority (a batch sandbox's SCHED_IDLE stays).
+  rlimit nice{0, 0};
+  setrlimit(RLIMIT_NICE, &nice);
+  if (r.sched_idle) {
+    sched_param idle{};
+    if (sched_setscheduler(0, SCHED_IDLE, &idle) != 0) fail(a, "sched_setscheduler SCHED_IDLE", nullptr);
+  }
 
   // The sandbox's own user namespace, last of all: its root is then root inside only (the mount, pid, network and
   // other namespaces stay the host's, so nothing inside has any power over them). Raw syscalls: glibc's set*id

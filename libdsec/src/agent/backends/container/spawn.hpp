@@ -93,6 +93,9 @@ struct SpawnRequest {
   const sock_fprog* seccomp = nullptr;
   int cap_last_cap = 40;
   std::uint32_t open_files = 4096;
+  // A batch sandbox (Priority::kBatch): its init runs SCHED_IDLE, which every process it starts inherits and none
+  // can leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host).
+  bool sched_idle = false;
   // Another program to start instead of dsec-init (the fncall backend's fork servers): a path inside the new root,
   // executed with these argv and envp (null-terminated arrays). Its fds are then 0-2 /dev/null, 3 listen_fd, 4 the
   // scratch tmpfs; init_binary_fd is not used.
