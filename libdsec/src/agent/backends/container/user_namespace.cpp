@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -25,8 +26,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The child that owns a new namespace until its maps are written and the namespace opened; then it is killed.
-int hold_namespace(void*) {
+struct Holder {
+  pid_t agent;
+};
+
+// The child that owns a new namespace until its maps are written and the namespace opened; then it is killed. It
+// dies with the agent too, and holds none of its descriptors: an agent killed between the clone and that kill left
+// it behind with copies of every descriptor the agent had, the layer file system's /dev/fuse among them, which kept
+// that file system's requests waiting for answers nobody would give.
+int hold_namespace(void* arg) {
+  ::syscall(SYS_close_range, 3U, ~0U, 0U);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != static_cast<const Holder*>(arg)->agent) ::_exit(0);
   for (;;) ::pause();
 }
 
@@ -65,8 +76,9 @@ UniqueFd make_user_namespace(std::uint32_t first, std::uint32_t count) {
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
+  Holder holder{::getpid()};
   pid_t pid = ::clone(hold_namespace, static_cast<char*>(stack) + kStack, CLONE_VM | CLONE_NEWUSER | SIGCHLD,
-                      nullptr);
+                      &holder);
   int clone_errno = errno;
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   struct Reap {
