@@ -56,9 +56,7 @@ std::unique_ptr<QemuBackend> make_microvm_backend(const AgentConfig& config);
 std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config,
                                              std::shared_ptr<network::NodeNetwork> network = nullptr);
 
-// Why this node cannot run the tier's VMs (QEMU or, for microVMs, the guest kernel missing), or "" when it has what
-// they need; cheap, for dsecd's default of serving a tier only where it can.
+// Why this node cannot run microVMs (QEMU or the guest kernel missing), or "" when it has what they need; cheap.
 std::string microvm_unavailable_reason(const AgentConfig& config);
-std::string vm_unavailable_reason(const AgentConfig& config);
 
 }  // namespace dsec::agent
