@@ -88,8 +88,9 @@ def info(agent: lib.Agent, sid: str) -> dict:
     return r.json()
 
 
-COUNTER = ("sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' "
-           ">/dev/null 2>&1 &")
+# The counter renames a whole file into place: a reader never sees it truncated between two writes.
+COUNTER = ("sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; "
+           "sleep 0.1; done' >/dev/null 2>&1 &")
 
 
 def count(agent: lib.Agent, sid: str) -> int:
