@@ -280,6 +280,9 @@ PYBIND11_MODULE(_dsec, m) {
             r.priority = *p;
           },
           "Its class of service: 'latency', 'standard' or 'batch' (docs/qos.md).")
+      .def_readwrite("ksm", &dsec::Resources::ksm, "Its memory is offered to the kernel's same-page merging.")
+      .def_readwrite("reclaim", &dsec::Resources::reclaim,
+                     "False keeps the node's cold-memory reclaimer away from it (docs/qos.md).")
       .def("__repr__", [](const dsec::Resources& r) {
         return "Resources(cpu=" + py::repr(py::float_(r.cpu)).cast<std::string>() +
                ", memory_bytes=" + std::to_string(r.memory_bytes) + ", disk_bytes=" + std::to_string(r.disk_bytes) +
@@ -472,6 +475,16 @@ PYBIND11_MODULE(_dsec, m) {
         return s + ", duration=" + py::repr(py::float_(r.duration_seconds)).cast<std::string>() + ")";
       });
 
+  py::class_<dsec::QosGrant>(m, "QosGrant", "What a node gave a sandbox's class of service (docs/qos.md).")
+      .def_readonly("granted", &dsec::QosGrant::granted, "Mechanisms in force, e.g. 'cpu.shares 4096'.")
+      .def_readonly("missing", &dsec::QosGrant::missing, "What its class asks for that the node cannot give, and why.");
+
+  py::class_<dsec::ColdMemoryInfo>(m, "ColdMemoryInfo", "What the node's cold-memory reclaimer took from a sandbox.")
+      .def_readonly("reclaimed_bytes", &dsec::ColdMemoryInfo::reclaimed_bytes)
+      .def_readonly("reclaims", &dsec::ColdMemoryInfo::reclaims)
+      .def_readonly("last_reclaim_at", &dsec::ColdMemoryInfo::last_reclaim_at, "Unix seconds; 0: never.")
+      .def_readonly("refaults", &dsec::ColdMemoryInfo::refaults, "Pages read back in after a reclaim.");
+
   py::class_<dsec::SandboxInfo>(m, "SandboxInfo", "What the agent knows about a sandbox.")
       .def_readonly("id", &dsec::SandboxInfo::id)
       .def_readonly("node", &dsec::SandboxInfo::node)
@@ -485,6 +498,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("created_at", &dsec::SandboxInfo::created_at, "Unix seconds.")
       .def_readonly("expires_at", &dsec::SandboxInfo::expires_at, "Unix seconds; 0 when it has no TTL.")
       .def_readonly("message", &dsec::SandboxInfo::message, "Why it failed, when it did.")
+      .def_readonly("qos", &dsec::SandboxInfo::qos, "What its class of service got on its node.")
+      .def_readonly("cold_memory", &dsec::SandboxInfo::cold_memory)
       .def("__repr__", [](const dsec::SandboxInfo& i) {
         return "SandboxInfo(id='" + i.id + "', state='" + i.state + "', image='" + i.image + "', kind='" + i.kind +
                "', node='" + i.node + "')";
@@ -714,6 +729,26 @@ PYBIND11_MODULE(_dsec, m) {
                v.accelerator + "', vms=" + std::to_string(v.vms) + ")";
       });
 
+  py::class_<dsec::NodePressure>(m, "NodePressure", "The node's pressure stall information, % of the last 10 s.")
+      .def_readonly("psi", &dsec::NodePressure::psi, "False: the kernel has no PSI.")
+      .def_readonly("cpu_some", &dsec::NodePressure::cpu_some)
+      .def_readonly("memory_some", &dsec::NodePressure::memory_some)
+      .def_readonly("memory_full", &dsec::NodePressure::memory_full)
+      .def_readonly("io_some", &dsec::NodePressure::io_some)
+      .def_readonly("io_full", &dsec::NodePressure::io_full);
+
+  py::class_<dsec::QosNodeInfo>(m, "QosNodeInfo", "What the node's kernel gives classes of service (docs/qos.md).")
+      .def_readonly("core_scheduling", &dsec::QosNodeInfo::core_scheduling)
+      .def_readonly("core_scheduling_reason", &dsec::QosNodeInfo::core_scheduling_reason)
+      .def_readonly("latency_cpus", &dsec::QosNodeInfo::latency_cpus, "CPUs reserved for latency sandboxes ('': none).")
+      .def_readonly("cpu_idle", &dsec::QosNodeInfo::cpu_idle)
+      .def_readonly("reclaim", &dsec::QosNodeInfo::reclaim, "The cold-memory reclaimer: 'idle' or 'off'.")
+      .def_readonly("reclaim_reason", &dsec::QosNodeInfo::reclaim_reason)
+      .def_readonly("reclaimed_bytes", &dsec::QosNodeInfo::reclaimed_bytes)
+      .def_readonly("ksm", &dsec::QosNodeInfo::ksm)
+      .def_readonly("ksm_sandboxes", &dsec::QosNodeInfo::ksm_sandboxes)
+      .def_readonly("ksm_saved_bytes", &dsec::QosNodeInfo::ksm_saved_bytes);
+
   py::class_<dsec::NodeInfo>(m, "NodeInfo", "A node agent: its capacity, load and images.")
       .def_readonly("id", &dsec::NodeInfo::id)
       .def_readonly("version", &dsec::NodeInfo::version)
@@ -742,6 +777,15 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("swap_free_bytes", &dsec::NodeInfo::swap_free_bytes)
       .def_readonly("microvm", &dsec::NodeInfo::microvm, "The microVM backend (offered, accelerator, ...).")
       .def_readonly("vm", &dsec::NodeInfo::vm, "The full VM backend (offered, accelerator, ...).")
+      .def_readonly("memory_used_bytes", &dsec::NodeInfo::memory_used_bytes, "Host memory in use now.")
+      .def_readonly("pressure", &dsec::NodeInfo::pressure)
+      .def_readonly("qos", &dsec::NodeInfo::qos)
+      .def_readonly("warm_pool_size", &dsec::NodeInfo::warm_pool_size,
+                    "Container sandboxes its warm pools keep started ahead of creates (dsecd --warm-pool).")
+      .def_readonly("warm_pool_ready", &dsec::NodeInfo::warm_pool_ready)
+      .def_readonly("warm_pool_claims", &dsec::NodeInfo::warm_pool_claims, "Creates a warm pool served.")
+      .def_readonly("warm_pool_misses", &dsec::NodeInfo::warm_pool_misses,
+                    "Creates of a pooled shape that found its pool empty.")
       .def("__repr__", [](const dsec::NodeInfo& n) {
         std::string backends;
         for (const auto& b : n.backends) backends += (backends.empty() ? "" : ",") + b;

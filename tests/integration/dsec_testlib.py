@@ -344,6 +344,24 @@ class Agent:
     def leftovers(self, sandbox_id: str | None = None) -> list[str]:
         return leftovers(self.run_dir, self.cgroup_name, sandbox_id)
 
+    def start_refused(self, message: str) -> None:
+        """start() must fail, saying `message` (a regular expression); what the attempt left is removed."""
+        import pytest
+        with pytest.raises(RuntimeError, match=message):
+            self.start()
+        self.stop()
+        self.remove_husks()
+
+    def start_or_clean(self) -> "Agent":
+        """start(); when it fails, what the attempt left is removed and the error raised."""
+        try:
+            self.start()
+        except Exception:
+            self.stop()
+            self.remove_husks()
+            raise
+        return self
+
     def stop_and_check(self, problems: Sequence[str] = ()) -> None:
         """SIGTERM; then the agent must have exited with 0 and left nothing on the host (nor any of `problems`, what
         the caller found itself). Removes the husks when it is clean. Nothing to check when it never started."""

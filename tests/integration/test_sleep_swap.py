@@ -90,9 +90,9 @@ def stop_agent(agent: lib.Agent, home: str, swap_paths: list[str]) -> None:
     assert not problems, "dsecd left things behind:\n  " + "\n  ".join(problems) + f"\nlog:\n{log}"
 
 
-@pytest.fixture(scope="module")
-def swap_home():
-    home = tempfile.mkdtemp(prefix="dsec-it-sleepswap-")
+def memhold_home(prefix: str):
+    """A temporary home with busybox in its store and memhold in <home>/bin (a generator, for fixtures)."""
+    home = tempfile.mkdtemp(prefix=prefix)
     try:
         lib.build_busybox_image(home)
         os.makedirs(os.path.join(home, "bin"))
@@ -100,6 +100,11 @@ def swap_home():
         yield home
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def swap_home():
+    yield from memhold_home("dsec-it-sleepswap-")
 
 
 @pytest.fixture(scope="module")

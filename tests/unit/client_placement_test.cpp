@@ -429,3 +429,85 @@ TEST(PlacementProtocol, NewSpecFieldsAreValidated) {
 
 }  // namespace
 }  // namespace dsec
+
+namespace dsec {
+namespace {
+
+TEST(Placement, SpreadAvoidsPressuredNodes) {
+  auto policy = make_placement_policy("spread");
+  std::vector<NodeCandidate> nodes{node("calm"), node("busy")};
+  // The busy node is emptier by requests, but its tasks waited on CPU half the time.
+  nodes[0].info.cpu_requested = 16;
+  nodes[1].info.pressure.psi = true;
+  nodes[1].info.pressure.cpu_some = 50;
+  SandboxSpec spec = small_spec();
+  auto chosen = policy->place(request(spec, 1), nodes);
+  EXPECT_EQ(chosen, std::vector<std::size_t>{0});
+  // Without PSI the same figures mean nothing.
+  nodes[1].info.pressure.psi = false;
+  chosen = policy->place(request(spec, 1), nodes);
+  EXPECT_EQ(chosen, std::vector<std::size_t>{1});
+}
+
+TEST(Placement, ANodeThrashingOnMemoryIsRefusedWithWhy) {
+  auto policy = make_placement_policy("pack");
+  std::vector<NodeCandidate> nodes{node("thrash")};
+  nodes[0].info.pressure.psi = true;
+  nodes[0].info.pressure.memory_full = 35.5;
+  SandboxSpec spec = small_spec();
+  Error e = error_of(*policy, request(spec, 1), nodes);
+  EXPECT_EQ(e.code(), Code::kResourceExhausted);
+  EXPECT_NE(std::string(e.what()).find("memory pressure: every task stalled on memory 35.5%"), std::string::npos)
+      << e.what();
+  nodes[0].info.pressure.memory_full = kMemoryFullRefusal - 1;
+  EXPECT_EQ(policy->place(request(spec, 1), nodes), std::vector<std::size_t>{0});
+}
+
+TEST(Placement, NodeUsageAndQosSurviveTheWire) {
+  NodeInfo n;
+  n.memory_used_bytes = 123456789;
+  n.pressure = {true, 1.5, 2.5, 0.5, 3.25, 0.75};
+  n.qos.core_scheduling_reason = "the kernel has none (CONFIG_SCHED_CORE)";
+  n.qos.latency_cpus = "7";
+  n.qos.reclaim = "idle";
+  n.qos.reclaimed_bytes = 99;
+  n.qos.ksm = true;
+  n.qos.ksm_sandboxes = 2;
+  NodeInfo back = protocol::decode_node_info(protocol::encode(n));
+  EXPECT_EQ(back.memory_used_bytes, 123456789u);
+  EXPECT_TRUE(back.pressure.psi);
+  EXPECT_DOUBLE_EQ(back.pressure.memory_some, 2.5);
+  EXPECT_DOUBLE_EQ(back.pressure.io_some, 3.25);
+  EXPECT_EQ(back.qos.core_scheduling_reason, n.qos.core_scheduling_reason);
+  EXPECT_EQ(back.qos.latency_cpus, "7");
+  EXPECT_EQ(back.qos.reclaim, "idle");
+  EXPECT_EQ(back.qos.reclaimed_bytes, 99u);
+  EXPECT_TRUE(back.qos.ksm);
+  EXPECT_EQ(back.qos.ksm_sandboxes, 2u);
+
+  SandboxSpec spec = small_spec();
+  spec.resources.ksm = true;
+  spec.resources.reclaim = false;
+  SandboxSpec spec_back = protocol::decode_spec(protocol::encode(spec));
+  EXPECT_TRUE(spec_back.resources.ksm);
+  EXPECT_FALSE(spec_back.resources.reclaim);
+  // Written only when not the default: a spec without them fingerprints as before.
+  EXPECT_FALSE(protocol::encode(small_spec()).contains("ksm"));
+  EXPECT_FALSE(protocol::encode(small_spec()).contains("reclaim"));
+
+  SandboxInfo info;
+  info.qos.granted = {"cpu.shares 4096"};
+  info.qos.missing = {"core scheduling: none"};
+  info.cold_memory.reclaimed_bytes = 5 << 20;
+  info.cold_memory.reclaims = 3;
+  info.cold_memory.refaults = 17;
+  SandboxInfo info_back = protocol::decode_sandbox_info(protocol::encode(info));
+  EXPECT_EQ(info_back.qos.granted, info.qos.granted);
+  EXPECT_EQ(info_back.qos.missing, info.qos.missing);
+  EXPECT_EQ(info_back.cold_memory.reclaimed_bytes, 5u << 20);
+  EXPECT_EQ(info_back.cold_memory.reclaims, 3u);
+  EXPECT_EQ(info_back.cold_memory.refaults, 17u);
+}
+
+}  // namespace
+}  // namespace dsec

@@ -17,6 +17,8 @@ class Resources:
     egress_mbps: int
     connections: int
     priority: str
+    ksm: bool
+    reclaim: bool
     def __init__(self) -> None: ...
 
 class NetworkRule:
@@ -227,6 +229,26 @@ class SandboxInfo:
     def expires_at(self) -> float: ...
     @property
     def message(self) -> str: ...
+    @property
+    def qos(self) -> QosGrant: ...
+    @property
+    def cold_memory(self) -> ColdMemoryInfo: ...
+
+class QosGrant:
+    @property
+    def granted(self) -> list[str]: ...
+    @property
+    def missing(self) -> list[str]: ...
+
+class ColdMemoryInfo:
+    @property
+    def reclaimed_bytes(self) -> int: ...
+    @property
+    def reclaims(self) -> int: ...
+    @property
+    def last_reclaim_at(self) -> float: ...
+    @property
+    def refaults(self) -> int: ...
 
 class CachedLayer:
     @property
@@ -325,6 +347,38 @@ class NodeInfo:
     def swap_free_bytes(self) -> int: ...
     @property
     def microvm(self) -> MicroVmNodeInfo: ...
+    @property
+    def vm(self) -> MicroVmNodeInfo: ...
+    @property
+    def memory_used_bytes(self) -> int: ...
+    @property
+    def pressure(self) -> NodePressure: ...
+    @property
+    def qos(self) -> QosNodeInfo: ...
+    warm_pool_size: int
+    warm_pool_ready: int
+    warm_pool_claims: int
+    warm_pool_misses: int
+
+class NodePressure:
+    psi: bool
+    cpu_some: float
+    memory_some: float
+    memory_full: float
+    io_some: float
+    io_full: float
+
+class QosNodeInfo:
+    core_scheduling: bool
+    core_scheduling_reason: str
+    latency_cpus: str
+    cpu_idle: bool
+    reclaim: str
+    reclaim_reason: str
+    reclaimed_bytes: int
+    ksm: bool
+    ksm_sandboxes: int
+    ksm_saved_bytes: int
 
 class MicroVmNodeInfo:
     @property

@@ -73,6 +73,8 @@ def _spec(
     connections: int = 0,
     display: str = "",
     priority: str = "standard",
+    ksm: bool = False,
+    reclaim: bool = True,
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -99,6 +101,10 @@ def _spec(
     if priority not in ("latency", "standard", "batch"):
         raise InvalidArgument(f"priority: expected 'latency', 'standard' or 'batch', got {priority!r}")
     r.priority = priority
+    for field, value in (("ksm", ksm), ("reclaim", reclaim)):
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{field}: expected True or False, got {value!r}")
+        setattr(r, field, value)
     s.resources = r
     if ttl is None or ttl < 0:
         raise InvalidArgument(f"ttl: must be >= 0 seconds (0 = no TTL), got {ttl!r}")

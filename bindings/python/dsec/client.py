@@ -189,6 +189,8 @@ class Client:
         connections: int = 0,
         display: str = "",
         priority: str = "standard",
+        ksm: bool = False,
+        reclaim: bool = True,
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -213,12 +215,14 @@ class Client:
 
         ``priority`` is its class of service on the node: "latency" (more CPU weight, memory protected), "standard",
         or "batch" (SCHED_IDLE: only CPU nobody else wants; memory throttled before its limit) (docs/qos.md).
+        ``ksm`` offers its memory to the kernel's same-page merging; ``reclaim=False`` keeps the node's cold-memory
+        reclaimer away from it (latency sandboxes are never reclaimed). ``info().qos`` says what the node gave.
 
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority)
+                     egress_mbps, connections, display, priority, ksm, reclaim)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -250,6 +254,8 @@ class Client:
         connections: int = 0,
         display: str = "",
         priority: str = "standard",
+        ksm: bool = False,
+        reclaim: bool = True,
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -268,7 +274,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority)
+                     egress_mbps, connections, display, priority, ksm, reclaim)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -301,6 +307,8 @@ class Client:
         connections: int = 0,
         display: str = "",
         priority: str = "standard",
+        ksm: bool = False,
+        reclaim: bool = True,
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -316,7 +324,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority)
+                     egress_mbps, connections, display, priority, ksm, reclaim)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

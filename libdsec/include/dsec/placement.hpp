@@ -8,7 +8,10 @@
 //     node reports as requested, plus what this client placed there since, plus this placement's own choices);
 //   - spread picks the node with the most free capacity after the placement (the smaller of its free cpu and free
 //     memory fractions: the scarcer resource decides), pack the one with the least that still fits;
-//   - both add a locality bonus, kLocalityWeight x (bytes of the image's layers the node caches / image bytes);
+//   - both add a locality bonus, kLocalityWeight x (bytes of the image's layers the node caches / image bytes),
+//     and take off kPressureWeight x the node's pressure (the largest of its PSI cpu "some" / 100, memory "some"
+//     / 50 and io "full" / 50 over the last 10 s, at most 1); a node whose every task stalled on memory for
+//     kMemoryFullRefusal % of the last 10 s is refused;
 //   - with SandboxSpec::anti_affinity, nodes holding fewer sandboxes of the same label value come first, whatever
 //     their score (soft: repeats only once every fitting node has one).
 // A batch updates its own picks as it goes, so 32,000 sandboxes spread over 160 nodes by capacity instead of landing
@@ -65,6 +68,8 @@ class PlacementPolicy {
 
 // The locality bonus a fully cached image adds to a node's score; free capacity is a fraction in [0, 1].
 inline constexpr double kLocalityWeight = 0.25;
+inline constexpr double kPressureWeight = 0.5;
+inline constexpr double kMemoryFullRefusal = 20.0;
 
 // "spread" or "pack"; INVALID_ARGUMENT for any other name.
 std::unique_ptr<PlacementPolicy> make_placement_policy(std::string_view name);

@@ -9,6 +9,22 @@
 
 namespace dsec {
 
+// What a node gave a sandbox's class of service and memory policies (docs/qos.md): the mechanisms in force
+// ("cpu.shares 4096", "SCHED_IDLE", "cpuset 1") and those asked for that the node could not give, each with why
+// ("core scheduling: the kernel has none"). A class is never honoured partly in silence.
+struct QosGrant {
+  std::vector<std::string> granted;
+  std::vector<std::string> missing;
+};
+
+// What the node's cold-memory reclaimer took from a sandbox (docs/qos.md).
+struct ColdMemoryInfo {
+  std::uint64_t reclaimed_bytes = 0;  // its charge released by the reclaimer, all rounds together
+  std::uint32_t reclaims = 0;         // rounds that reclaimed it
+  double last_reclaim_at = 0;         // unix seconds; 0: never
+  std::uint64_t refaults = 0;         // pages read back in after a reclaim, since it was made
+};
+
 struct SandboxInfo {
   std::string id;          // "<node>-<random>": names the node that hosts it
   std::string node;
@@ -23,6 +39,8 @@ struct SandboxInfo {
   double expires_at = 0;   // 0 = no TTL
   std::string message;     // why it failed, when it did
   NetworkPolicy network;   // the network policy in force (the spec's, or what set_network made it)
+  QosGrant qos;            // what its class of service got on this node
+  ColdMemoryInfo cold_memory;
 };
 
 // A layer of an image in a store (Client::images()).
@@ -77,6 +95,37 @@ struct QemuTierNodeInfo {
 };
 using MicroVmNodeInfo = QemuTierNodeInfo;
 
+// Pressure stall information of the node (/proc/pressure): the share of the last 10 s in which some task (for
+// "full": every runnable task at once) waited on the resource, in percent. psi false: the kernel has none.
+struct NodePressure {
+  bool psi = false;
+  double cpu_some = 0;
+  double memory_some = 0;
+  double memory_full = 0;
+  double io_some = 0;
+  double io_full = 0;
+};
+
+// What the node's kernel gives classes of service and memory policies (GET /v1/node "qos", docs/qos.md).
+struct QosNodeInfo {
+  // Core scheduling (PR_SCHED_CORE): a latency sandbox's tasks never share a physical core with another sandbox's.
+  bool core_scheduling = false;
+  std::string core_scheduling_reason;   // why not, when not
+  // CPUs reserved for latency sandboxes (the cpuset fallback, dsecd --latency-cpus): latency sandboxes run there
+  // only, every other sandbox elsewhere. Empty: none reserved.
+  std::string latency_cpus;
+  bool cpu_idle = false;                // cgroup v2 cpu.idle for batch groups (v1: SCHED_IDLE per task only)
+  // The cold-memory reclaimer: "damon" (DAMON's physical-address monitor with per-sandbox memcg filters),
+  // "memory.reclaim" (v2, driven by the agent's idle tracking), "limit steps" (v1, the same by lowering a
+  // sandbox's limit for a moment) or "off"; reclaim_reason says why this one.
+  std::string reclaim;
+  std::string reclaim_reason;
+  std::uint64_t reclaimed_bytes = 0;    // by the reclaimer since the agent started
+  bool ksm = false;                     // same-page merging for sandboxes that ask (PR_SET_MEMORY_MERGE)
+  std::uint32_t ksm_sandboxes = 0;      // live sandboxes that asked
+  std::uint64_t ksm_saved_bytes = 0;    // memory the kernel's merging saves now (pages_sharing)
+};
+
 struct NodeInfo {
   std::string id;
   std::string version;
@@ -110,6 +159,17 @@ struct NodeInfo {
   std::uint64_t swap_free_bytes = 0;
   QemuTierNodeInfo microvm;
   QemuTierNodeInfo vm;  // full VMs with a screen (docs/vm.md)
+  // What the node really uses, for placement beyond requests: memory in use (MemTotal - MemAvailable) and the
+  // pressure on its CPU, memory and I/O.
+  std::uint64_t memory_used_bytes = 0;
+  NodePressure pressure;
+  QosNodeInfo qos;
+  // Warm pools of container sandboxes (dsecd --warm-pool, docs/qos.md): kept ready, ready now, creates they served,
+  // and creates of a pooled shape that found its pool empty.
+  std::uint32_t warm_pool_size = 0;
+  std::uint32_t warm_pool_ready = 0;
+  std::uint64_t warm_pool_claims = 0;
+  std::uint64_t warm_pool_misses = 0;
 };
 
 }  // namespace dsec

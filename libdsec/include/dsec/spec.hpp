@@ -37,6 +37,11 @@ struct Resources {
   std::uint32_t egress_mbps = 0;
   std::uint32_t connections = 0;
   Priority priority = Priority::kStandard;  // in a spec's JSON: "priority" at its top level
+  // Memory policies on the node (docs/qos.md), in a spec's JSON at its top level too. ksm: its processes' memory is
+  // offered to the kernel's same-page merging (identical pages of sandboxes that opt in are kept once). reclaim:
+  // false keeps the node's cold-memory reclaimer away from it (latency sandboxes are never reclaimed either way).
+  bool ksm = false;
+  bool reclaim = true;
 };
 
 struct SandboxSpec {

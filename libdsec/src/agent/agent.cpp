@@ -15,6 +15,8 @@
 #include "agent/backends/qemu/qemu_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
 #include "agent/log.hpp"
+#include "agent/qos/ksm.hpp"
+#include "agent/qos/usage_overcommit.hpp"
 #include "dsec/version.hpp"
 
 namespace dsec::agent {
@@ -51,12 +53,12 @@ QemuTierNodeInfo Agent::QemuTier::node_info() const {
 
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
     const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns,
-    std::shared_ptr<network::NodeNetwork> network) {
+    std::shared_ptr<network::NodeNetwork> network, std::vector<container::WarmShape> warm_pools) {
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
     if (out.count(name) || name == "fncall" || name == "microvm" || name == "vm") continue;
-    if (name == "container") out.emplace(name, make_container_backend(config, userns, network));
+    if (name == "container") out.emplace(name, make_container_backend(config, userns, network, std::move(warm_pools)));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
       throw Error(Code::kInvalidArgument,
@@ -119,6 +121,10 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   if (config_.max_connections == 0) throw Error(Code::kInvalidArgument, "max_connections must be at least 1");
   if (!(config_.cpu_overcommit > 0) || !(config_.memory_overcommit > 0))
     throw Error(Code::kInvalidArgument, "overcommit ratios must be positive");
+  if (config_.memory_overcommit_ceiling != 0 && config_.memory_overcommit_ceiling < config_.memory_overcommit)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("memory overcommit ceiling {} is below the memory overcommit {}: it can only go further",
+                            config_.memory_overcommit_ceiling, config_.memory_overcommit));
   if (!config_.advertise.empty() && config_.advertise.rfind("http://", 0) != 0 &&
       config_.advertise.rfind("https://", 0) != 0 && config_.advertise.rfind("unix:", 0) != 0)
     throw Error(Code::kInvalidArgument, fmt::format("advertised endpoint '{}': use http://host:port, https://host:port "
@@ -138,6 +144,10 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     swap_ = std::make_unique<NodeSwap>(swap);
     for (const auto& line : swap_->summary()) log_info("{}", line);
   }
+
+  // Classes of service: a --latency-cpus the node cannot honour stops the start, with the arithmetic.
+  kernel_qos_ = qos::probe_kernel_qos();
+  latency_cpus_ = qos::resolve_cpu_reservation(config_.latency_cpus, kernel_qos_);
 
   capacity_ = parts.capacity ? *parts.capacity : probe_host();
   if (parts.images) {
@@ -192,7 +202,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
   }
   const bool backends_from_config = parts.backends.empty();
-  backends_ = backends_from_config ? make_backends(config_, userns_, network_) : std::move(parts.backends);
+  backends_ = backends_from_config ? make_backends(config_, userns_, network_, warm_shapes())
+                                   : std::move(parts.backends);
   // A node without QEMU (or, for microVMs, a guest kernel) still serves its other backends; GET /v1/node says why
   // not these.
   auto add_qemu_tier = [&](const char* kind, QemuTier& tier, auto make) {
@@ -231,6 +242,12 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
   if (config_.adopt_sandboxes) recovery_ = registry_->recover_earlier_run();
   else registry_->remove_leftovers_of_earlier_run();
+  qos::ReclaimerOptions reclaim;
+  reclaim.mode = config_.reclaim;
+  reclaim.age = config_.reclaim_age;
+  reclaim.have_swap = read_swap_totals().total_bytes > 0;
+  reclaimer_ = std::make_unique<qos::ColdReclaimer>(*registry_, std::move(reclaim));
+  metrics_.add_source([this](std::string& out) { render_cold_memory_metrics(out); });
 
   SnapshotOptions snapshots;
   snapshots.node_id = config_.node_id;
@@ -265,6 +282,7 @@ void Agent::start() {
   server_->start();
   started_ = true;
   reaper_ = std::thread([this] { reaper_loop(); });
+  reclaimer_->start();
   if (fncall_) fncall_->start();
   if (!config_.etcd_endpoints.empty()) {
     try {
@@ -310,6 +328,10 @@ void Agent::reaper_loop() {
     if (stopping_) break;
     lock.unlock();
     registry_->reap();
+    if (config_.memory_overcommit_ceiling > config_.memory_overcommit)
+      registry_->set_memory_overcommit(qos::usage_overcommit({capacity_.memory_bytes, config_.memory_overcommit,
+                                                             config_.memory_overcommit_ceiling, memory_in_use(),
+                                                             registry_->load().memory_requested}));
     try {
       images_->prune();
     } catch (const std::exception& e) {
@@ -331,6 +353,7 @@ void Agent::stop() {
   }
   reaper_wake_.notify_all();
   if (reaper_.joinable()) reaper_.join();
+  reclaimer_->stop();
   std::size_t destroyed = registry_->destroy_all("agent shutdown");
   // Requests still running (an exec in a sandbox just destroyed ends now) finish and close their connections; a
   // create that was in flight may have added a sandbox meanwhile, so look once more.
@@ -374,6 +397,7 @@ void Agent::leave() {
   }
   reaper_wake_.notify_all();
   if (reaper_.joinable()) reaper_.join();
+  reclaimer_->stop();
   log_info("leaving {} sandboxes running for the next start to take over", registry_->load().sandboxes);
 }
 
@@ -401,7 +425,7 @@ NodeInfo Agent::node_info() const {
   n.gpus_free = n.gpus > load.gpus_requested ? n.gpus - load.gpus_requested : 0;
   n.labels = config_.labels;
   n.cpu_overcommit = config_.cpu_overcommit;
-  n.memory_overcommit = config_.memory_overcommit;
+  n.memory_overcommit = registry_->memory_overcommit();
   n.cgroup_version = cgroup_version_;
   n.userns = userns_ ? userns_->describe() : "off (no container or fncall backend)";
   n.network = network_ ? network_->describe() : "none (no container backend)";
@@ -423,7 +447,101 @@ NodeInfo Agent::node_info() const {
   n.load1 = load_average_1m();
   n.microvm = microvm_.node_info();
   n.vm = vm_.node_info();
+  n.memory_used_bytes = memory_in_use();
+  n.pressure = read_pressure();
+  n.qos = qos_node_info();
+  if (auto it = backends_.find("container"); it != backends_.end()) {
+    PoolStats pool = it->second->pool_stats();
+    n.warm_pool_size = pool.size;
+    n.warm_pool_ready = pool.ready;
+    n.warm_pool_claims = pool.claims;
+    n.warm_pool_misses = pool.misses;
+  }
   return n;
+}
+
+std::vector<container::WarmShape> Agent::warm_shapes() const {
+  std::vector<container::WarmShape> out;
+  if (config_.warm_pools.empty()) return out;
+  if (std::find(config_.backends.begin(), config_.backends.end(), "container") == config_.backends.end())
+    throw Error(Code::kInvalidArgument, "--warm-pool: pools are of container sandboxes, and this agent serves none");
+  // All of them at once could not exceed what the node admits: the arithmetic, if they would.
+  double cpu = 0, memory = 0;
+  for (const WarmPoolConfig& p : config_.warm_pools) {
+    cpu += p.resources.cpu * p.size;
+    memory += static_cast<double>(p.resources.memory_bytes) * p.size;
+  }
+  const double cpu_limit = capacity_.cores * config_.cpu_overcommit;
+  const double memory_limit = static_cast<double>(capacity_.memory_bytes) * config_.memory_overcommit;
+  if (cpu > cpu_limit + 1e-9)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("--warm-pool: the pools hold {:.2f} cores of sandboxes, above the node's {:.2f} ({} cores x "
+                            "cpu overcommit {})",
+                            cpu, cpu_limit, capacity_.cores, config_.cpu_overcommit));
+  if (memory > memory_limit + 0.5)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("--warm-pool: the pools hold {} MiB of sandboxes' memory limits, above the node's {} MiB "
+                            "({} MiB x memory overcommit {})",
+                            static_cast<std::uint64_t>(memory) >> 20, static_cast<std::uint64_t>(memory_limit) >> 20,
+                            capacity_.memory_bytes >> 20, config_.memory_overcommit));
+  for (const WarmPoolConfig& p : config_.warm_pools) {
+    ResolvedImage image;
+    try {
+      image = images_->resolve(p.image);
+    } catch (const Error& e) {
+      throw Error(e.code() == Code::kNotFound ? Code::kInvalidArgument : e.code(),
+                  fmt::format("--warm-pool {}: {}", p.image, e.what()));
+    }
+    out.push_back(container::WarmShape{p, std::move(image.layers), std::move(image.hold)});
+    log_info("warm pool: {}", container::describe_warm_pool(p));
+  }
+  return out;
+}
+
+QosNodeInfo Agent::qos_node_info() const {
+  QosNodeInfo q;
+  q.core_scheduling = kernel_qos_.core_scheduling;
+  q.core_scheduling_reason = kernel_qos_.core_scheduling_reason;
+  q.latency_cpus = latency_cpus_.latency;
+  q.cpu_idle = cgroup_version_ == "v2" &&
+               ::access(fmt::format("/sys/fs/cgroup/{}/cpu.idle", config_.cgroup_name).c_str(), F_OK) == 0;
+  qos::ReclaimerStatus reclaim = reclaimer_->status();
+  q.reclaim = reclaim.mode;
+  q.reclaim_reason = reclaim.reason;
+  q.reclaimed_bytes = reclaim.reclaimed_bytes;
+  q.ksm = kernel_qos_.memory_merge;
+  qos::KsmStatus ksm = qos::ksm_status();
+  q.ksm_sandboxes = ksm.holders;
+  q.ksm_saved_bytes = ksm.saved_bytes;
+  return q;
+}
+
+void Agent::render_cold_memory_metrics(std::string& out) const {
+  qos::ReclaimerStatus reclaim = reclaimer_->status();
+  out += fmt::format(
+      "# HELP dsec_reclaimed_bytes_total Memory the cold-memory reclaimer released from idle sandboxes.\n"
+      "# TYPE dsec_reclaimed_bytes_total counter\ndsec_reclaimed_bytes_total {}\n"
+      "# HELP dsec_reclaims_total Reclaims of idle sandboxes (one sandbox in one round each).\n"
+      "# TYPE dsec_reclaims_total counter\ndsec_reclaims_total {}\n",
+      reclaim.reclaimed_bytes, reclaim.sandboxes_reclaimed);
+  // Per sandbox, only those the reclaimer has touched (their refaults are read from the kernel).
+  std::string reclaimed, refaults;
+  for (const SandboxInfo& info : registry_->list({}, {})) {
+    if (info.cold_memory.reclaims == 0) continue;
+    std::uint64_t faults = 0;
+    try {
+      faults = registry_->get(info.id).cold_memory.refaults;
+    } catch (const std::exception&) {
+      continue;
+    }
+    reclaimed += fmt::format("dsec_sandbox_reclaimed_bytes_total{{sandbox=\"{}\"}} {}\n", info.id,
+                             info.cold_memory.reclaimed_bytes);
+    refaults += fmt::format("dsec_sandbox_refaults_total{{sandbox=\"{}\"}} {}\n", info.id, faults);
+  }
+  out += "# HELP dsec_sandbox_reclaimed_bytes_total Memory the reclaimer released from the sandbox.\n"
+         "# TYPE dsec_sandbox_reclaimed_bytes_total counter\n" + reclaimed;
+  out += "# HELP dsec_sandbox_refaults_total Pages of the sandbox read back in after reclaim.\n"
+         "# TYPE dsec_sandbox_refaults_total counter\n" + refaults;
 }
 
 }  // namespace dsec::agent

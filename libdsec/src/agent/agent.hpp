@@ -10,10 +10,13 @@
 #include <thread>
 
 #include "agent/backend.hpp"
+#include "agent/backends/container/warm_pool.hpp"
 #include "agent/config.hpp"
 #include "agent/host.hpp"
 #include "agent/images.hpp"
 #include "agent/metrics.hpp"
+#include "agent/qos/kernel_qos.hpp"
+#include "agent/qos/reclaimer.hpp"
 #include "agent/registration.hpp"
 #include "agent/registry.hpp"
 #include "agent/router.hpp"
@@ -37,10 +40,10 @@ class NodeNetwork;
 
 // The backends named in config.backends ("container", "null"; "fncall" is not a sandbox backend: the Agent makes
 // its FnCallService itself). Unknown names are INVALID_ARGUMENT; a backend the
-// host cannot run throws what its factory throws.
+// host cannot run throws what its factory throws. `warm_pools`: the container backend's, resolved.
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
     const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns = nullptr,
-    std::shared_ptr<network::NodeNetwork> network = nullptr);
+    std::shared_ptr<network::NodeNetwork> network = nullptr, std::vector<container::WarmShape> warm_pools = {});
 
 // What can be swapped out, mostly for tests: the image source (default: the stores of config.stores through the
 // node's layer cache), the backends (default: make_backends(config)), and the node's capacity (default: probed from
@@ -85,6 +88,8 @@ class Agent {
  private:
   void reaper_loop();
   void start_registration();
+  QosNodeInfo qos_node_info() const;
+  void render_cold_memory_metrics(std::string& out) const;
 
   AgentConfig config_;
   HostCapacity capacity_;
@@ -112,6 +117,13 @@ class Agent {
   std::unique_ptr<Server> server_;
   std::unique_ptr<Registration> registration_;  // with etcd endpoints only
   RecoveryReport recovery_;
+  // The warm pools' shapes (config.warm_pools with their images resolved), checked against the node's capacity.
+  std::vector<container::WarmShape> warm_shapes() const;
+  // Classes of service (docs/qos.md): what the kernel gives them, the CPUs reserved for latency sandboxes, and the
+  // cold-memory reclaimer (stopped before the registry goes).
+  qos::KernelQos kernel_qos_;
+  qos::CpuReservation latency_cpus_;
+  std::unique_ptr<qos::ColdReclaimer> reclaimer_;
 
   std::mutex reaper_mutex_;
   std::condition_variable reaper_wake_;

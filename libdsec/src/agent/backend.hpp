@@ -2,17 +2,20 @@
 // requests into these typed calls and encodes what they return or throw (dsec::Error).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
+#include "dsec/sandbox_info.hpp"
 #include "dsec/screen.hpp"
 #include "dsec/spec.hpp"
 #include "agent/layers/layer_image.hpp"
@@ -64,6 +67,14 @@ struct SleepReport {
   double seconds = 0;
   std::uint64_t swap_bytes = 0;      // the sandbox's memory in swap after the call
   bool reclaim_timed_out = false;    // sleep: releasing memory stopped at its time limit with some left
+};
+
+// What one cold-memory reclaim of an awake sandbox did (BackendSandbox::reclaim_cold, qos/reclaimer.hpp).
+struct ColdReclaim {
+  std::uint64_t memory_before_bytes = 0;
+  std::uint64_t memory_after_bytes = 0;
+  std::uint64_t swap_bytes = 0;  // its memory in swap after
+  double seconds = 0;            // how long its processes were stopped for it
 };
 
 // What a capture of a sandbox's files did (BackendSandbox::capture_files).
@@ -119,6 +130,16 @@ class BackendSandbox {
   // sandbox and wake only on a sleeping one. Files stay readable and writable while it sleeps; exec is refused.
   virtual SleepReport sleep() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
   virtual SleepReport wake() { throw Error(Code::kUnimplemented, "this backend's sandboxes cannot sleep"); }
+  // Cold-memory reclaim of an idle, awake sandbox (qos/reclaimer.hpp): its processes stop for a moment while what
+  // memory the kernel can take goes to the node's swap (page cache is dropped), then run on; what they touch again
+  // comes back as it is touched (a refault). nullopt when it is busy (an exec runs, it sleeps) and nothing was
+  // done; UNIMPLEMENTED where the backend cannot. Never called during a sleep or a wake.
+  virtual std::optional<ColdReclaim> reclaim_cold(std::chrono::steady_clock::time_point deadline) {
+    throw Error(Code::kUnimplemented, "this backend's sandboxes have no cold-memory reclaim");
+  }
+  // Pages of the sandbox read back in after they were reclaimed (the kernel's workingset refaults), since it was
+  // made; 0 where unknown.
+  virtual std::uint64_t refaults() { return 0; }
 
   // Puts a new network policy in force (docs/networking.md), running or asleep; a failure leaves the old one.
   virtual void set_network(const NetworkPolicy&) {
@@ -154,6 +175,9 @@ class BackendSandbox {
   // What Backend::adopt needs to take this sandbox over after an agent restart; the registry writes it into the
   // sandbox's record once create returned. Empty for backends that need nothing.
   virtual BackendState recovery_state() { return {}; }
+  // What its class of service and memory policies got on this node (docs/qos.md); the registry puts it in the
+  // sandbox's info. Empty for backends without classes.
+  virtual QosGrant qos_grant() { return {}; }
 
   // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
   virtual bool alive() = 0;
@@ -165,10 +189,20 @@ class BackendSandbox {
   virtual void destroy() = 0;
 };
 
+// A backend's pool of sandboxes started ahead of creates (GET /v1/node "warm_pool" for containers).
+struct PoolStats {
+  std::uint32_t size = 0;      // kept ready, all shapes
+  std::uint32_t ready = 0;     // ready now
+  std::uint64_t claims = 0;    // creates served from it
+  std::uint64_t misses = 0;    // creates of a pooled shape that found it empty
+  std::uint64_t failures = 0;  // starts that failed
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view kind() const = 0;
+  virtual PoolStats pool_stats() { return {}; }
   // Starts a sandbox and returns once it can take an exec.
   virtual std::unique_ptr<BackendSandbox> create(const CreateParams& params) = 0;
   // Takes over a sandbox that an earlier run of this agent made and left running (the agent was killed or crashed):

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "agent/tenant_quota.hpp"
+#include "dsec/spec.hpp"
 
 namespace dsec::agent {
 
@@ -51,6 +52,14 @@ struct FnCallConfig {
   std::uint64_t compile_memory_bytes = 1ull << 30;
   // CPU (cores, a CFS quota) each call may use.
   double call_cpu = 1.0;
+};
+
+// A warm pool of container sandboxes (dsecd --warm-pool, backends/container/warm_pool.hpp): `size` sandboxes of
+// `image` with `resources` started ahead of any create; a create of that image and those resources claims one.
+struct WarmPoolConfig {
+  std::string image;
+  Resources resources;
+  std::uint32_t size = 0;
 };
 
 // A QEMU tier: the microvm backend (docs/microvm.md: one QEMU microvm per sandbox, a kernel of the node's) or the
@@ -171,6 +180,9 @@ struct AgentConfig {
   std::string layer_mode = "auto";                      // auto | lazy (EROFS over FUSE) | extract
   double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
   double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
+  // Overcommit that follows real use (qos/usage_overcommit.hpp): admission may go up to memory x this ratio while
+  // the memory really in use stays low. 0: off (memory_overcommit is the limit).
+  double memory_overcommit_ceiling = 0;
   // The node's labels (dsecd --label k=v), reported in GET /v1/node; a create's node_selector must match them.
   std::map<std::string, std::string> labels;
   // Discovery: register in etcd under <etcd_prefix>nodes/<node_id> with a lease (empty: no registration). The
@@ -189,6 +201,15 @@ struct AgentConfig {
   std::string zram_algorithm;                  // empty: lz4 where offered
   // How long a sleep may spend pushing a sandbox's memory out; what is left when it runs out stays resident.
   std::chrono::milliseconds sleep_reclaim_timeout{60000};
+  // Classes of service (docs/qos.md). CPUs reserved for latency sandboxes where the kernel has no core scheduling:
+  // "auto", "none" or a cpu list (qos/kernel_qos.hpp, resolve_cpu_reservation).
+  std::string latency_cpus = "auto";
+  // Cold-memory reclaim (qos/reclaimer.hpp): "auto" or "idle" (the agent's own idle tracking) or "off". Memory of a
+  // standard sandbox unused for reclaim_age goes to the node's swap (batch: after a quarter of it; latency: never).
+  std::string reclaim = "auto";
+  std::chrono::seconds reclaim_age{120};
+  // Warm pools of container sandboxes (dsecd --warm-pool, repeatable): checked against the node's capacity at start.
+  std::vector<WarmPoolConfig> warm_pools;
 };
 
 }  // namespace dsec::agent

@@ -20,6 +20,7 @@
 #include <fmt/ranges.h>
 
 #include "agent/agent.hpp"
+#include "agent/backends/container/warm_pool.hpp"
 #include "agent/log.hpp"
 #include "dsec/error.hpp"
 #include "dsec/spec.hpp"
@@ -114,6 +115,9 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --max-connections N     connections served at once (default 4096)
   --cpu-overcommit R      admit cpu requests up to cores x R (default 32)
   --memory-overcommit R   admit memory limits up to RAM x R (default 2)
+  --memory-overcommit-ceiling R
+                          admit further, up to RAM x R, while the memory really in use stays low: the limit follows
+                          what the node's sandboxes use per byte they were granted (docs/qos.md; default: off)
   --etcd URL[,URL...]     register this node in etcd (client URLs of its members, e.g. http://10.0.0.2:2379):
                           endpoint and node info under <prefix>nodes/<node id>, kept under a lease
   --etcd-prefix PREFIX    key prefix in etcd (default /dsec/)
@@ -133,6 +137,18 @@ The dsec node agent: serves protocol v1 (docs/protocol.md) over HTTP on a unix s
   --zram-algorithm NAME   the zram device's compression (default lz4 where the kernel offers it)
   --sleep-reclaim-timeout SECS
                           how long a sleep may spend pushing a sandbox's memory out (default 60)
+  --warm-pool IMAGE,size=N[,cpu=C][,memory=M][,disk=D][,pids=P][,open_files=F][,priority=CLASS][,ksm=true]
+                          keep N container sandboxes of IMAGE with these resources started ahead of creates; a
+                          create of that image and those resources claims one (docs/qos.md). Repeatable; all pools
+                          together must fit the node's capacity with overcommit
+  --latency-cpus auto|none|LIST
+                          CPUs reserved for priority=latency sandboxes where the kernel has no core scheduling
+                          (docs/qos.md): they run there only, every other sandbox elsewhere. auto (the default):
+                          1 CPU in 16 on nodes of 8 or more CPUs, none on smaller ones
+  --reclaim auto|idle|off  cold-memory reclaim to the node's swap (docs/qos.md), driven by the agent's idle
+                          tracking (auto: idle)
+  --reclaim-age SECS      memory a standard sandbox has not touched this long is reclaimed; batch after a quarter
+                          of it, latency never (default 120)
   --fncall-image REF      the image of function calls that name none (needs python3; gcc and g++ for C and C++)
   --fncall-pool LANG=MIN:MAX
                           fork servers per pool of language LANG (python, shell, c, cpp): pools of the default
@@ -411,6 +427,8 @@ int main(int argc, char** argv) {
       config.cpu_overcommit = parse_ratio(flag, value);
     } else if (flag == "--memory-overcommit") {
       config.memory_overcommit = parse_ratio(flag, value);
+    } else if (flag == "--memory-overcommit-ceiling") {
+      config.memory_overcommit_ceiling = parse_ratio(flag, value);
     } else if (flag == "--etcd") {
       config.etcd_endpoints = split_list(value);
       if (config.etcd_endpoints.empty()) fail("--etcd needs at least one URL such as http://127.0.0.1:2379");
@@ -442,6 +460,23 @@ int main(int argc, char** argv) {
       auto secs = parse_unsigned(flag, value);
       if (secs < 1 || secs > 3600) fail(fmt::format("--sleep-reclaim-timeout: {} is not between 1 and 3600 seconds", secs));
       config.sleep_reclaim_timeout = std::chrono::seconds(secs);
+    } else if (flag == "--warm-pool") {
+      try {
+        config.warm_pools.push_back(dsec::agent::container::parse_warm_pool(value));
+      } catch (const dsec::Error& e) {
+        fail(e.what());
+      }
+    } else if (flag == "--latency-cpus") {
+      if (value.empty()) fail("--latency-cpus needs auto, none or a cpu list such as 3 or 6-7");
+      config.latency_cpus = std::string(value);
+    } else if (flag == "--reclaim") {
+      if (value != "auto" && value != "idle" && value != "off")
+        fail(fmt::format("--reclaim: '{}' is not auto, idle or off", value));
+      config.reclaim = std::string(value);
+    } else if (flag == "--reclaim-age") {
+      auto secs = parse_unsigned(flag, value);
+      if (secs < 1 || secs > 86400) fail(fmt::format("--reclaim-age: {} is not between 1 and 86400 seconds", secs));
+      config.reclaim_age = std::chrono::seconds(secs);
     } else if (flag == "--fncall-image") {
       config.fncall.default_image = std::string(value);
     } else if (flag == "--fncall-pool") {

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <filesystem>
 
+#include "dsec/sandbox_info.hpp"
+
 namespace dsec::agent {
 
 struct HostCapacity {
@@ -21,5 +23,9 @@ HostCapacity probe_host();
 DiskUsage probe_disk(const std::filesystem::path& dir);
 // The 1-minute load average.
 double load_average_1m();
+// Memory in use on the host: MemTotal - MemAvailable of /proc/meminfo (0 when it cannot be read).
+std::uint64_t memory_in_use();
+// The node's pressure stall information (avg10 of /proc/pressure/{cpu,memory,io}); psi false without PSI.
+NodePressure read_pressure(const std::filesystem::path& dir = "/proc/pressure");
 
 }  // namespace dsec::agent

@@ -219,6 +219,7 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     info.group = spec.group;
     info.resources = spec.resources;
     info.network = spec.network;
+    info.qos = record->sandbox->qos_grant();
     info.created_at = created_at;
     info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
     record->image_hold = std::move(image.hold);
@@ -371,7 +372,14 @@ SandboxInfo Registry::get(const std::string& id) {
     record = it->second;
   }
   check_alive(*record);
-  return record->snapshot();
+  SandboxInfo info = record->snapshot();
+  if (record->sandbox && info.state != "creating") {
+    try {
+      info.cold_memory.refaults = record->sandbox->refaults();
+    } catch (const std::exception&) {
+    }
+  }
+  return info;
 }
 
 std::vector<SandboxInfo> Registry::list(const Labels& labels, const std::string& tenant) const {
@@ -407,6 +415,7 @@ SandboxHandle Registry::acquire(const std::string& id) const {
   const std::shared_ptr<Record>& record = it->second;
   if (record->destroying.load())
     throw Error(Code::kNotFound, fmt::format("sandbox '{}' is being destroyed", id));
+  record->last_used_ms.store(steady_ms(), std::memory_order_relaxed);
   // Aliasing: the handle points at the backend object and owns the whole record.
   return SandboxHandle{std::shared_ptr<BackendSandbox>(record, record->sandbox.get()), record->info.kind};
 }

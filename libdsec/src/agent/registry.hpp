@@ -180,6 +180,24 @@ class Registry {
   // Destroys every sandbox of the group and forgets it; returns the group as it was.
   GroupInfo destroy_group(const std::string& group);
 
+  // Cold-memory reclaim (qos/reclaimer.hpp): every running sandbox that allows it (spec reclaim, not latency) and
+  // that nobody has used (no exec, files or other call through acquire()) for its class's age, nor was reclaimed
+  // within it, gives back what memory it can (BackendSandbox::reclaim_cold), at most `max_sandboxes` per round,
+  // the longest idle first. Sandboxes that are busy (an exec runs, a sleep or a capture is under way) are passed
+  // over. Returns what the round did.
+  struct ColdReclaimPolicy {
+    std::chrono::milliseconds standard_age{120000};
+    std::chrono::milliseconds batch_age{30000};
+    std::chrono::milliseconds per_sandbox{1000};  // how long one sandbox's processes may stay stopped
+    std::size_t max_sandboxes = 64;
+  };
+  struct ColdReclaimRound {
+    std::size_t sandboxes = 0;          // reclaimed in this round
+    std::uint64_t released_bytes = 0;   // their charge before minus after
+    std::size_t busy = 0;               // idle long enough but passed over (busy, or a backend without reclaim)
+  };
+  ColdReclaimRound reclaim_cold(const ColdReclaimPolicy& policy);
+
   // Destroys sandboxes whose TTL passed and every sandbox of a group whose lease expired (and forgets the group),
   // marks dead ones failed, forgets old request ids and tombstones.
   void reap();
@@ -206,6 +224,9 @@ class Registry {
   std::size_t remove_leftovers_of_earlier_run();
 
   NodeLoad load() const;
+  // The memory overcommit ratio admission uses from now on (qos/usage_overcommit.hpp; starts at the options').
+  void set_memory_overcommit(double ratio);
+  double memory_overcommit() const;
   std::vector<std::string> kinds() const;
   const RegistryOptions& options() const noexcept { return options_; }
 
@@ -281,6 +302,7 @@ class Registry {
   std::unordered_map<std::string, std::shared_ptr<Record>> records_;
   double live_cpu_ = 0;
   std::uint64_t live_memory_ = 0;
+  double memory_overcommit_now_ = 0;  // set_memory_overcommit; 0: options_.memory_overcommit
   std::uint32_t live_gpus_ = 0;
   double reserved_cpu_ = 0;       // creates in flight
   std::uint64_t reserved_memory_ = 0;

@@ -40,6 +40,16 @@ void Registry::reserve(const SandboxSpec& spec, int sign) {
   }
 }
 
+void Registry::set_memory_overcommit(double ratio) {
+  std::lock_guard lock(mutex_);
+  memory_overcommit_now_ = ratio;
+}
+
+double Registry::memory_overcommit() const {
+  std::lock_guard lock(mutex_);
+  return memory_overcommit_now_ > 0 ? memory_overcommit_now_ : options_.memory_overcommit;
+}
+
 void Registry::admit(const Resources& r, std::size_t count, const std::string& tenant) const {
   const double n = static_cast<double>(count);
   if (r.gpus > 0) {
@@ -52,7 +62,8 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                               free, options_.gpus));
   }
   const double cpu_limit = options_.cores * options_.cpu_overcommit;
-  const double memory_limit = static_cast<double>(options_.memory_bytes) * options_.memory_overcommit;
+  const double memory_ratio = memory_overcommit_now_ > 0 ? memory_overcommit_now_ : options_.memory_overcommit;
+  const double memory_limit = static_cast<double>(options_.memory_bytes) * memory_ratio;
   // More than the node could ever grant, empty: no retry can help (the client's placement tries another node).
   if (r.cpu * n > cpu_limit + kEpsilon || static_cast<double>(r.memory_bytes) * n > memory_limit + 0.5)
     throw Error(Code::kResourceExhausted,
@@ -77,7 +88,7 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                             mib(static_cast<std::uint64_t>(static_cast<double>(r.memory_bytes) * n)), options_.node_id,
                             mib(static_cast<std::uint64_t>(memory_after)),
                             mib(static_cast<std::uint64_t>(memory_limit)), mib(options_.memory_bytes),
-                            options_.memory_overcommit));
+                            memory_ratio));
   if (tenant.empty()) return;
   auto quota = options_.tenant_quotas.find(tenant);
   if (quota == options_.tenant_quotas.end()) return;

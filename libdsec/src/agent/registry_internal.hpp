@@ -3,6 +3,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <exception>
 #include <filesystem>
 #include <memory>
@@ -35,6 +37,11 @@ inline Error as_error(const std::exception& e) {
 // (in registry_records.cpp).
 void write_file_replacing(const std::filesystem::path& path, std::string_view text, std::string_view what);
 
+inline std::int64_t steady_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Registry::Record {
   mutable std::mutex mutex;  // guards info.state, info.message and image_hold
   SandboxInfo info;
@@ -57,6 +64,10 @@ struct Registry::Record {
   bool power_request_sleep = false;
   SleepReport power_report;
   bool cpu_released = false;  // asleep: its cpu is not in live_cpu_ (guarded by the registry's mutex_)
+  // Idle tracking for the cold-memory reclaimer (Registry::reclaim_cold), steady-clock milliseconds: the last call
+  // that used it (acquire()), and its last reclaim (guarded by power_mutex).
+  std::atomic<std::int64_t> last_used_ms{steady_ms()};
+  std::int64_t last_reclaim_ms = 0;
 
   SandboxInfo snapshot() const {
     std::lock_guard lock(mutex);

@@ -154,6 +154,7 @@ Registry::Recovered Registry::recover_one(LoadedRecord& loaded, bool adopt) {
     try {
       r.sandbox = backend.adopt(params);
       if (!r.sandbox) throw Error(Code::kInternal, fmt::format("backend '{}' adopted no sandbox", r.info.kind));
+      r.info.qos = r.sandbox->qos_grant();
       hold_image(r);
       return {Outcome::kAdopted, loaded.record};
     } catch (const std::exception& e) {

@@ -509,7 +509,19 @@ int cmd_node(const std::vector<std::string>& args, GlobalOptions& global) {
                      {"memory_overcommit", n.memory_overcommit},
                      {"cgroup_version", n.cgroup_version},
                      {"images", n.images},
-                     {"load1", n.load1}});
+                     {"load1", n.load1},
+                     {"memory_used_bytes", n.memory_used_bytes},
+                     {"pressure",
+                      {{"cpu_some", n.pressure.cpu_some},
+                       {"memory_some", n.pressure.memory_some},
+                       {"memory_full", n.pressure.memory_full},
+                       {"io_full", n.pressure.io_full}}},
+                     {"qos",
+                      {{"core_scheduling", n.qos.core_scheduling},
+                       {"latency_cpus", n.qos.latency_cpus},
+                       {"reclaim", n.qos.reclaim},
+                       {"reclaimed_bytes", n.qos.reclaimed_bytes},
+                       {"ksm", n.qos.ksm}}}});
     fmt::print("{}\n", out.dump(2));
     return 0;
   }
@@ -521,6 +533,13 @@ int cmd_node(const std::vector<std::string>& args, GlobalOptions& global) {
                "load1 {:.2f}\n",
                n.sandboxes, n.cpu_requested, human_bytes(n.memory_requested), n.cpu_overcommit, n.memory_overcommit,
                n.load1);
+    fmt::print("  in use     {} memory; pressure (avg10) cpu {:.1f}%, memory {:.1f}% (full {:.1f}%), io full {:.1f}%\n",
+               human_bytes(n.memory_used_bytes), n.pressure.cpu_some, n.pressure.memory_some, n.pressure.memory_full,
+               n.pressure.io_full);
+    fmt::print("  qos        core scheduling {}; latency cpus {}; reclaim {} ({} released); ksm {}\n",
+               n.qos.core_scheduling ? "yes" : "no", n.qos.latency_cpus.empty() ? "none" : n.qos.latency_cpus,
+               n.qos.reclaim.empty() ? "-" : n.qos.reclaim, human_bytes(n.qos.reclaimed_bytes),
+               n.qos.ksm ? fmt::format("yes ({} sandboxes)", n.qos.ksm_sandboxes) : std::string("no"));
     fmt::print("  backends   {}\n", fmt::join(n.backends, ", "));
     fmt::print("  cgroups    {}\n", n.cgroup_version.empty() ? "-" : n.cgroup_version);
     fmt::print("  images     {}\n", n.images.empty() ? std::string("-") : fmt::format("{}", fmt::join(n.images, ", ")));

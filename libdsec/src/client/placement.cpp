@@ -33,6 +33,10 @@ std::string static_refusal(const SandboxSpec& spec, const NodeCandidate& node) {
   if (std::find(backends.begin(), backends.end(), spec.kind) == backends.end())
     return fmt::format("kind: does not serve '{}' (serves: {})", spec.kind,
                        backends.empty() ? std::string("nothing") : fmt::format("{}", fmt::join(backends, ", ")));
+  const NodePressure& p = node.info.pressure;
+  if (p.psi && p.memory_full >= kMemoryFullRefusal)
+    return fmt::format("memory pressure: every task stalled on memory {:.1f}% of the last 10 s (refused from {:.0f}%)",
+                       p.memory_full, kMemoryFullRefusal);
   for (const auto& [key, value] : spec.node_selector) {
     auto it = node.info.labels.find(key);
     if (it == node.info.labels.end()) return fmt::format("node_selector: no label '{}'", key);
@@ -74,6 +78,12 @@ std::string capacity_refusal(const Resources& r, const NodeInfo& info, const Usa
                        bytes_text(static_cast<double>(r.memory_bytes)), bytes_text(memory_cap),
                        bytes_text(static_cast<double>(info.memory_bytes)), info.memory_overcommit);
   return {};
+}
+
+double pressure_of(const NodeInfo& info) {
+  const NodePressure& p = info.pressure;
+  if (!p.psi) return 0;
+  return std::clamp(std::max({p.cpu_some / 100.0, p.memory_some / 50.0, p.io_full / 50.0}), 0.0, 1.0);
 }
 
 // Free capacity after one more sandbox of `r`: the smaller of the free cpu and memory fractions.
@@ -129,7 +139,7 @@ class HeapPolicy : public PlacementPolicy {
     };
     auto score = [&](std::size_t i) {
       double free = free_after(r, nodes[i].info, state[i].usage);
-      return (pack_ ? 1.0 - free : free) + state[i].locality;
+      return (pack_ ? 1.0 - free : free) + state[i].locality - kPressureWeight * pressure_of(nodes[i].info);
     };
 
     std::vector<Entry> heap;

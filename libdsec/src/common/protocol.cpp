@@ -233,6 +233,8 @@ json encode(const SandboxSpec& s) {
   if (s.network.mode != "none" || !s.network.rules.empty()) j["network"] = encode(s.network);
   if (!s.display.empty()) j["display"] = s.display;
   if (s.resources.priority != Priority::kStandard) j["priority"] = priority_name(s.resources.priority);
+  if (s.resources.ksm) j["ksm"] = true;
+  if (!s.resources.reclaim) j["reclaim"] = false;
   return j;
 }
 
@@ -289,6 +291,8 @@ SandboxSpec decode_spec(const json& j) {
     if (!p) bad("priority", fmt::format("'{}' is not latency, standard or batch", priority.substr(0, 40)));
     s.resources.priority = *p;
   }
+  s.resources.ksm = get_bool(j, "ksm", "ksm", false);
+  s.resources.reclaim = get_bool(j, "reclaim", "reclaim", true);
   validate(s);
   return s;
 }
@@ -818,6 +822,14 @@ json encode(const SandboxInfo& s) {
                 {"egress_mbps", s.resources.egress_mbps},
                 {"connections", s.resources.connections}}},
               {"priority", priority_name(s.resources.priority)},
+              {"ksm", s.resources.ksm},
+              {"reclaim", s.resources.reclaim},
+              {"qos", {{"granted", s.qos.granted}, {"missing", s.qos.missing}}},
+              {"cold_memory",
+               {{"reclaimed_bytes", s.cold_memory.reclaimed_bytes},
+                {"reclaims", s.cold_memory.reclaims},
+                {"last_reclaim_at", s.cold_memory.last_reclaim_at},
+                {"refaults", s.cold_memory.refaults}}},
               {"created_at", s.created_at},
               {"expires_at", s.expires_at},
               {"message", s.message},
@@ -852,6 +864,19 @@ SandboxInfo decode_sandbox_info(const json& j) {
     auto p = parse_priority(priority);
     if (!p) bad_answer("priority", fmt::format("'{}' is not latency, standard or batch", priority.substr(0, 40)));
     s.resources.priority = *p;
+  }
+  s.resources.ksm = member(j, "ksm", false);
+  s.resources.reclaim = member(j, "reclaim", true);
+  if (auto it = j.find("qos"); it != j.end() && it->is_object()) {
+    s.qos.granted = member(*it, "granted", std::vector<std::string>{}, "qos.granted");
+    s.qos.missing = member(*it, "missing", std::vector<std::string>{}, "qos.missing");
+  }
+  if (auto it = j.find("cold_memory"); it != j.end() && it->is_object()) {
+    auto& c = s.cold_memory;
+    c.reclaimed_bytes = member(*it, "reclaimed_bytes", c.reclaimed_bytes, "cold_memory.reclaimed_bytes");
+    c.reclaims = member(*it, "reclaims", c.reclaims, "cold_memory.reclaims");
+    c.last_reclaim_at = member(*it, "last_reclaim_at", c.last_reclaim_at, "cold_memory.last_reclaim_at");
+    c.refaults = member(*it, "refaults", c.refaults, "cold_memory.refaults");
   }
   s.created_at = member(j, "created_at", 0.0);
   s.expires_at = member(j, "expires_at", 0.0);
@@ -928,6 +953,29 @@ json encode(const NodeInfo& n) {
               {"network", n.network},
               {"cached_layers", layers},
               {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
+  out["load"]["memory_used"] = n.memory_used_bytes;
+  const NodePressure& p = n.pressure;
+  out["pressure"] = {{"psi", p.psi},
+                     {"cpu_some", p.cpu_some},
+                     {"memory_some", p.memory_some},
+                     {"memory_full", p.memory_full},
+                     {"io_some", p.io_some},
+                     {"io_full", p.io_full}};
+  const QosNodeInfo& q = n.qos;
+  out["qos"] = {{"core_scheduling", q.core_scheduling},
+                {"core_scheduling_reason", q.core_scheduling_reason},
+                {"latency_cpus", q.latency_cpus},
+                {"cpu_idle", q.cpu_idle},
+                {"reclaim", q.reclaim},
+                {"reclaim_reason", q.reclaim_reason},
+                {"reclaimed_bytes", q.reclaimed_bytes},
+                {"ksm", q.ksm},
+                {"ksm_sandboxes", q.ksm_sandboxes},
+                {"ksm_saved_bytes", q.ksm_saved_bytes}};
+  out["warm_pool"] = {{"size", n.warm_pool_size},
+                       {"ready", n.warm_pool_ready},
+                       {"claims", n.warm_pool_claims},
+                       {"misses", n.warm_pool_misses}};
   encode_tier(out, "microvm", n.microvm);
   encode_tier(out, "vm", n.vm);
   return out;
@@ -956,6 +1004,29 @@ NodeInfo decode_node_info(const json& j) {
     n.cpu_requested = member(*l, "cpu_requested", 0.0, "load.cpu_requested");
     n.memory_requested = member(*l, "memory_requested", std::uint64_t{0}, "load.memory_requested");
     n.load1 = member(*l, "load1", 0.0, "load.load1");
+    n.memory_used_bytes = member(*l, "memory_used", std::uint64_t{0}, "load.memory_used");
+  }
+  if (auto p = j.find("pressure"); p != j.end() && p->is_object()) {
+    NodePressure& out = n.pressure;
+    out.psi = member(*p, "psi", false, "pressure.psi");
+    out.cpu_some = member(*p, "cpu_some", 0.0, "pressure.cpu_some");
+    out.memory_some = member(*p, "memory_some", 0.0, "pressure.memory_some");
+    out.memory_full = member(*p, "memory_full", 0.0, "pressure.memory_full");
+    out.io_some = member(*p, "io_some", 0.0, "pressure.io_some");
+    out.io_full = member(*p, "io_full", 0.0, "pressure.io_full");
+  }
+  if (auto q = j.find("qos"); q != j.end() && q->is_object()) {
+    QosNodeInfo& out = n.qos;
+    out.core_scheduling = member(*q, "core_scheduling", false, "qos.core_scheduling");
+    out.core_scheduling_reason = member(*q, "core_scheduling_reason", "", "qos.core_scheduling_reason");
+    out.latency_cpus = member(*q, "latency_cpus", "", "qos.latency_cpus");
+    out.cpu_idle = member(*q, "cpu_idle", false, "qos.cpu_idle");
+    out.reclaim = member(*q, "reclaim", "", "qos.reclaim");
+    out.reclaim_reason = member(*q, "reclaim_reason", "", "qos.reclaim_reason");
+    out.reclaimed_bytes = member(*q, "reclaimed_bytes", std::uint64_t{0}, "qos.reclaimed_bytes");
+    out.ksm = member(*q, "ksm", false, "qos.ksm");
+    out.ksm_sandboxes = member(*q, "ksm_sandboxes", 0u, "qos.ksm_sandboxes");
+    out.ksm_saved_bytes = member(*q, "ksm_saved_bytes", std::uint64_t{0}, "qos.ksm_saved_bytes");
   }
   if (auto o = j.find("overcommit"); o != j.end() && o->is_object()) {
     n.cpu_overcommit = member(*o, "cpu", n.cpu_overcommit, "overcommit.cpu");
@@ -969,6 +1040,12 @@ NodeInfo decode_node_info(const json& j) {
   if (auto s = j.find("swap"); s != j.end() && s->is_object()) {
     n.swap_bytes = member(*s, "total", std::uint64_t{0}, "swap.total");
     n.swap_free_bytes = member(*s, "free", std::uint64_t{0}, "swap.free");
+  }
+  if (auto w = j.find("warm_pool"); w != j.end() && w->is_object()) {
+    n.warm_pool_size = member(*w, "size", 0u, "warm_pool.size");
+    n.warm_pool_ready = member(*w, "ready", 0u, "warm_pool.ready");
+    n.warm_pool_claims = member(*w, "claims", std::uint64_t{0}, "warm_pool.claims");
+    n.warm_pool_misses = member(*w, "misses", std::uint64_t{0}, "warm_pool.misses");
   }
   decode_tier(j, "microvm", n.microvm);
   decode_tier(j, "vm", n.vm);

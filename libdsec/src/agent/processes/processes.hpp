@@ -89,6 +89,9 @@ class InitProcesses : public Processes {
                                                      const std::string& cwd) const;
 
   const std::string& sandbox_id() const { return sandbox_id_; }
+  // A sandbox started ahead of its create (a warm pool's) takes its id when a create claims it, before anyone
+  // else sees it.
+  void set_sandbox_id(std::string id) { sandbox_id_ = std::move(id); }
 
  private:
   // Reads the status that starts a reply and throws the error it stands for (naming pid).

@@ -70,6 +70,9 @@ class SandboxCgroup {
   virtual void restore_memory() = 0;
   // The sandbox's memory in swap now (0 where the host does not account swap per cgroup).
   virtual std::uint64_t swap_current() = 0;
+  // Pages of the group (and below) read back in after reclaim (memory.stat workingset_refault_anon + _file; v1 its
+  // hierarchical total_ counts), since it was made.
+  virtual std::uint64_t refaults() = 0;
   // Whether the sandbox's processes are frozen, or being frozen (the freezer was asked to).
   virtual bool frozen() = 0;
   // Memory charged to the sandbox now, and the number of OOM kills inside it so far.
@@ -97,6 +100,10 @@ class SandboxCgroup {
   // ahead of time). Lowering the memory limit below what is charged fails with RESOURCE_EXHAUSTED once the kernel
   // could not reclaim enough.
   virtual void set_limits(std::uint64_t memory_bytes, std::uint32_t pids) = 0;
+  // Renames the sandbox's groups to `id` (a warm pool's sandbox claimed by a create); path() follows. False where
+  // the hierarchy cannot rename groups (cgroup v2): they keep their name. Throws when a rename failed (none is left
+  // half done).
+  virtual bool rename(const std::string& id) = 0;
   // Whether any process is in the group or below it.
   virtual bool has_processes() = 0;
 };
@@ -106,6 +113,10 @@ class CgroupDriver {
   virtual ~CgroupDriver() = default;
   virtual std::string version() const = 0;  // "v1" or "v2"
   virtual std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& resources) = 0;
+  // Reserves CPUs for latency sandboxes (the cpuset fallback for core scheduling, docs/qos.md): groups made from
+  // now on run on `latency` (cpu list) when their class is latency and on `shared` otherwise. Call before any
+  // create. FAILED_PRECONDITION where the host has no cpuset controller to do it with.
+  virtual void reserve_cpus(const std::string& latency, const std::string& shared) = 0;
   // Removes groups with no processes under the agent's subtree (left by an earlier run). Groups that still hold
   // processes are left alone: they may belong to another agent that uses the same subtree name.
   virtual void remove_empty_groups() = 0;

@@ -14,10 +14,12 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
@@ -35,10 +37,12 @@ namespace fs = std::filesystem;
 // its files already).
 struct Hierarchies {
   std::string cpu, memory, pids, freezer, cpuacct;
+  std::string cpuset;  // only while CPUs are reserved for latency sandboxes (CgroupDriver::reserve_cpus)
   // Every hierarchy a sandbox has a group in: pids first (where its processes are found and killed).
   std::vector<const std::string*> all() const {
     std::vector<const std::string*> out{&pids, &freezer, &cpu, &memory};
     if (!cpuacct.empty()) out.push_back(&cpuacct);
+    if (!cpuset.empty()) out.push_back(&cpuset);
     return out;
   }
 };
@@ -270,16 +274,42 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     saved_limit_.clear();
   }
 
-  std::uint64_t swap_current() override {
+  // The sum of memory.stat's hierarchical counts (total_<key>: the group and its exec groups below).
+  std::uint64_t memory_stat_total(std::initializer_list<std::string_view> keys) {
+    std::uint64_t sum = 0;
     try {
       std::istringstream in(read_cgroup_file(dir(h_.memory) + "/memory.stat"));
       std::string k;
       std::uint64_t v;
       while (in >> k >> v)
-        if (k == "swap") return v;
+        for (std::string_view key : keys)
+          if (k.size() == key.size() + 6 && k.rfind("total_", 0) == 0 && k.compare(6, key.size(), key) == 0) sum += v;
     } catch (...) {
     }
-    return 0;
+    return sum;
+  }
+
+  std::uint64_t swap_current() override { return memory_stat_total({"swap"}); }
+
+  bool rename(const std::string& id) override {
+    std::lock_guard lock(mu_);
+    const std::string to = rel_.substr(0, rel_.rfind('/') + 1) + id;
+    std::vector<const std::string*> done;
+    for (const auto* root : h_.all()) {
+      if (::rename((*root + rel_).c_str(), (*root + to).c_str()) == 0) {
+        done.push_back(root);
+        continue;
+      }
+      const int err = errno;
+      for (const auto* back : done) ::rename((*back + to).c_str(), (*back + rel_).c_str());
+      throw_errno_fmt(err, "rename cgroup {}{} to {}", *root, rel_, id);
+    }
+    rel_ = to;
+    return true;
+  }
+
+  std::uint64_t refaults() override {
+    return memory_stat_total({"workingset_refault_anon", "workingset_refault_file"});
   }
 
   std::uint64_t memory_current() override {
@@ -480,7 +510,29 @@ class CgroupV1Driver final : public CgroupDriver {
       }
     }
     write_cgroup_file(h_.pids + rel + "/pids.max", std::to_string(r.pids));
+    if (!h_.cpuset.empty())
+      write_cgroup_file(h_.cpuset + rel + "/cpuset.cpus",
+                        r.priority == Priority::kLatency ? latency_cpus_ : shared_cpus_);
     return group;
+  }
+
+  void reserve_cpus(const std::string& latency, const std::string& shared) override {
+    auto mounts = cgroup_v1_mounts();
+    auto it = mounts.find("cpuset");
+    if (it == mounts.end())
+      throw Error(Code::kFailedPrecondition,
+                  "no cgroup v1 hierarchy with the cpuset controller is mounted: CPUs cannot be reserved for latency "
+                  "sandboxes (dsecd --latency-cpus none)");
+    const std::string top = it->second + "/" + name_;
+    make_dir(top);
+    // A new v1 cpuset group has no CPUs and no memory nodes: the agent's group takes its parent's, and every group
+    // below it starts with its parent's (cgroup.clone_children, which new groups inherit).
+    for (const char* file : {"cpuset.cpus", "cpuset.mems"})
+      write_cgroup_file(top + "/" + file, read_cgroup_file(it->second + "/" + file));
+    write_cgroup_file(top + "/cgroup.clone_children", "1");
+    h_.cpuset = it->second;
+    latency_cpus_ = latency;
+    shared_cpus_ = shared;
   }
 
   void remove_empty_groups() override {
@@ -513,12 +565,17 @@ class CgroupV1Driver final : public CgroupDriver {
       struct stat st {};
       if (::stat((*root + path).c_str(), &st) != 0) throw_errno_fmt(errno, "cgroup {}{}", *root, path);
     }
-    return std::make_unique<SandboxCgroupV1>(h_, path);
+    // A sandbox made before CPUs were reserved has no cpuset group: it keeps running where it ran.
+    Hierarchies h = h_;
+    struct stat st {};
+    if (!h.cpuset.empty() && ::stat((h.cpuset + path).c_str(), &st) != 0) h.cpuset.clear();
+    return std::make_unique<SandboxCgroupV1>(h, path);
   }
 
  private:
   Hierarchies h_;
   std::string name_;
+  std::string latency_cpus_, shared_cpus_;
 };
 
 }  // namespace

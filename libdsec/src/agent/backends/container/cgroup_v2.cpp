@@ -165,6 +165,21 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     }
   }
 
+  bool rename(const std::string&) override { return false; }  // cgroup2 has no rename
+
+  std::uint64_t refaults() override {
+    std::uint64_t sum = 0;
+    try {
+      std::istringstream in(read_cgroup_file(dir_ + "/memory.stat"));
+      std::string k;
+      std::uint64_t v;
+      while (in >> k >> v)
+        if (k == "workingset_refault_anon" || k == "workingset_refault_file") sum += v;
+    } catch (...) {
+    }
+    return sum;
+  }
+
   std::uint64_t memory_current() override {
     try {
       return std::stoull(read_cgroup_file(dir_ + "/memory.current"));
@@ -317,7 +332,25 @@ class CgroupV2Driver final : public CgroupDriver {
       }
     }
     write_cgroup_file(dir + "/pids.max", std::to_string(r.pids));
+    if (!latency_cpus_.empty())
+      write_cgroup_file(dir + "/cpuset.cpus", r.priority == Priority::kLatency ? latency_cpus_ : shared_cpus_);
     return group;
+  }
+
+  void reserve_cpus(const std::string& latency, const std::string& shared) override {
+    std::istringstream available(read_cgroup_file(mount_ + "/cgroup.controllers"));
+    std::string word;
+    bool found = false;
+    while (available >> word) found |= word == "cpuset";
+    if (!found)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("cgroup v2 at {} lacks the cpuset controller: CPUs cannot be reserved for latency "
+                              "sandboxes (dsecd --latency-cpus none)",
+                              mount_));
+    write_cgroup_file(mount_ + "/cgroup.subtree_control", "+cpuset");
+    write_cgroup_file(root_ + "/cgroup.subtree_control", "+cpuset");
+    latency_cpus_ = latency;
+    shared_cpus_ = shared;
   }
 
   void remove_empty_groups() override {
@@ -346,6 +379,7 @@ class CgroupV2Driver final : public CgroupDriver {
  private:
   std::string mount_;
   std::string root_;
+  std::string latency_cpus_, shared_cpus_;  // reserve_cpus
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -25,6 +26,7 @@
 #include <fstream>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -40,9 +42,12 @@
 #include "agent/backends/container/seccomp.hpp"
 #include "agent/backends/container/spawn.hpp"
 #include "agent/backends/container/user_namespace.hpp"
+#include "agent/backends/container/warm_pool.hpp"
 #include "agent/network/node_network.hpp"
 #include "agent/processes/processes.hpp"
 #include "agent/log.hpp"
+#include "agent/qos/kernel_qos.hpp"
+#include "agent/qos/ksm.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent {
@@ -176,6 +181,20 @@ struct Identity {
   std::optional<std::uint32_t> userns_first;  // its user namespace's block of host ids, if it has one
   std::optional<network::Attachment> link;    // its veth pair and /30, if it has a network
 };
+
+// Sets the hostname in the UTS namespace of process `pid` (a sandbox's init), from a thread of the agent's own that
+// joins it for the moment (the namespace belongs to the host's user namespace: the agent may).
+void set_hostname_of(pid_t pid, const std::string& hostname) {
+  UniqueFd uts(::open(fmt::format("/proc/{}/ns/uts", pid).c_str(), O_RDONLY | O_CLOEXEC));
+  if (!uts) throw_errno(errno, fmt::format("open the UTS namespace of pid {}", pid));
+  int err = 0;
+  const char* step = nullptr;
+  std::thread([&] {
+    if (::setns(uts.get(), CLONE_NEWUTS) != 0) err = errno, step = "setns";
+    else if (::sethostname(hostname.data(), hostname.size()) != 0) err = errno, step = "sethostname";
+  }).join();
+  if (step) throw_errno(err, fmt::format("{} for the hostname of pid {}", step, pid));
+}
 
 class ContainerSandbox final : public BackendSandbox, public InitProcesses {
  public:
@@ -476,17 +495,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
                               running_execs_ == 1 ? "" : "s"));
     SleepReport report;
     report.memory_before_bytes = cgroup_->memory_current();
-    cgroup_->freeze();
-    try {
-      report.reclaim_timed_out = cgroup_->reclaim_memory(started + reclaim_timeout_);
-    } catch (...) {
-      try {
-        cgroup_->restore_memory();
-        cgroup_->thaw();
-      } catch (...) {
-      }
-      throw;
-    }
+    report.reclaim_timed_out = freeze_and_reclaim(started + reclaim_timeout_);
     sleeping_ = true;
     report.memory_after_bytes = cgroup_->memory_current();
     report.swap_bytes = cgroup_->swap_current();
@@ -496,6 +505,41 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
                report.seconds, report.memory_after_bytes);
     return report;
   }
+
+  // Freezes the sandbox and pushes its memory out until `deadline` (true: stopped there with some left). A failure
+  // leaves it as it was: limits back, running.
+  bool freeze_and_reclaim(Clock::time_point deadline) {
+    cgroup_->freeze();
+    try {
+      return cgroup_->reclaim_memory(deadline);
+    } catch (...) {
+      try {
+        cgroup_->restore_memory();
+        cgroup_->thaw();
+      } catch (...) {
+      }
+      throw;
+    }
+  }
+
+  std::optional<ColdReclaim> reclaim_cold(Clock::time_point deadline) override {
+    auto started = Clock::now();
+    // Held throughout: an exec that comes now waits for the thaw instead of starting inside a frozen sandbox.
+    std::lock_guard lock(power_mu_);
+    check_running();
+    if (sleeping_ || running_execs_ > 0) return std::nullopt;
+    ColdReclaim report;
+    report.memory_before_bytes = cgroup_->memory_current();
+    freeze_and_reclaim(deadline);
+    cgroup_->restore_memory();
+    cgroup_->thaw();
+    report.memory_after_bytes = cgroup_->memory_current();
+    report.swap_bytes = cgroup_->swap_current();
+    report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    return report;
+  }
+
+  std::uint64_t refaults() override { return cgroup_->refaults(); }
 
   void set_network(const NetworkPolicy& policy) override {
     check_running();
@@ -590,6 +634,34 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     }
     return out;
   }
+
+  // A sandbox started ahead of its create (a warm pool's) becomes the create's: its run directory and cgroups take
+  // the sandbox's id (v2 cannot rename cgroups: they keep the pool's name, which its record keeps), its hostname
+  // is set, and it gets the network its spec asks for. Called before anyone else sees it; throws what failed (the
+  // caller then drops it: destroy() cleans up under whichever names it had by then).
+  void claim_as(const std::string& id, const SandboxSpec& spec, const fs::path& run_dir) {
+    join_placement();
+    if (::rename(run_dir_.c_str(), run_dir.c_str()) != 0)
+      throw_errno_fmt(errno, "rename {} to {}", run_dir_.string(), run_dir.string());
+    run_dir_ = run_dir;
+    socket_path_ = (run_dir_ / "init.sock").string();
+    id_ = id;
+    set_sandbox_id(id);
+    spec_ = spec;
+    cgroup_->rename(id);
+    set_hostname_of(init_.pid, hostname());
+    if (spec.network.mode != "none") {
+      if (!network_) throw Error(Code::kUnimplemented, "network: this agent gives sandboxes no network");
+      std::lock_guard lock(network_mu_);
+      attach_now(spec.network);
+    }
+  }
+
+  void set_qos(QosGrant grant, std::shared_ptr<void> ksm_hold) {
+    qos_ = std::move(grant);
+    ksm_hold_ = std::move(ksm_hold);
+  }
+  QosGrant qos_grant() override { return qos_; }
 
   BackendState recovery_state() override {
     BackendState state{{key::kBootId, identity_.boot_id},
@@ -840,13 +912,15 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   std::thread placement_;
   std::mutex power_mu_;  // guards sleeping_ and running_execs_; held through a sleep or a wake
   bool sleeping_ = false;
+  QosGrant qos_;                  // set_qos
+  std::shared_ptr<void> ksm_hold_;  // ksmd runs while it lives (qos::hold_ksm), when it asked for KSM
   int running_execs_ = 0;
 };
 
 class ContainerBackend final : public Backend {
  public:
   ContainerBackend(const AgentConfig& config, std::shared_ptr<UserNamespaces> userns,
-                   std::shared_ptr<network::NodeNetwork> network)
+                   std::shared_ptr<network::NodeNetwork> network, std::vector<WarmShape> warm_pools)
       : config_(config), cap_last_cap_(read_cap_last_cap()), userns_(std::move(userns)), network_(std::move(network)) {
     if (::geteuid() != 0)
       throw Error(Code::kFailedPrecondition, "the container backend needs root (namespaces, cgroups, mounts)");
@@ -873,9 +947,25 @@ class ContainerBackend final : public Backend {
     if (config_.cgroup_favordynmods) log_info("{}", enable_cgroup_favordynmods());
     cgroups_ = make_cgroup_driver(config_.cgroup_name);
     cgroups_->remove_empty_groups();
+    kernel_qos_ = qos::probe_kernel_qos();
+    cpus_ = qos::resolve_cpu_reservation(config_.latency_cpus, kernel_qos_);
+    if (!cpus_.empty()) cgroups_->reserve_cpus(cpus_.latency, cpus_.shared);
     seccomp_default_ = build_seccomp_program(false);
     seccomp_ptrace_ = build_seccomp_program(true);
     netns_ = std::make_unique<NetnsPool>(config_.netns_pool_size);
+    // Sandboxes a warm pool of an earlier run had started and no create claimed: nobody knows them.
+    std::error_code ec;
+    std::vector<std::string> unclaimed;
+    for (const auto& entry : fs::directory_iterator(config_.run_dir, ec))
+      if (entry.path().filename().string().rfind(kPreMadePrefix, 0) == 0)
+        unclaimed.push_back(entry.path().filename().string());
+    for (const auto& name : unclaimed) remove_leftovers(name);
+    if (!warm_pools.empty()) {
+      warm_ = std::make_unique<WarmPools>(std::move(warm_pools), [this](const WarmShape& shape) {
+        return pre_make(shape);
+      });
+      warm_->start();
+    }
   }
 
   ~ContainerBackend() override { shutdown(); }
@@ -883,6 +973,49 @@ class ContainerBackend final : public Backend {
   std::string_view kind() const override { return "container"; }
 
   std::unique_ptr<BackendSandbox> create(const CreateParams& params) override {
+    if (warm_ && !params.fork_of) {
+      if (std::unique_ptr<PreMade> made = warm_->take(params.spec, params.image_layers)) {
+        std::unique_ptr<ContainerSandbox> sandbox = std::move(static_cast<PreMadeSandbox&>(*made).sandbox);
+        try {
+          sandbox->claim_as(params.id, params.spec, config_.run_dir / params.id);
+          return sandbox;
+        } catch (const std::exception& e) {
+          // Dropped (destroyed); a sandbox is made for the create as if there were no pool.
+          log_warn("sandbox {}: claiming a warm pool's sandbox failed ({}); making one", params.id, e.what());
+        }
+      }
+    }
+    return create_cold(params);
+  }
+
+  PoolStats pool_stats() override {
+    if (!warm_) return {};
+    WarmPoolStats s = warm_->stats();
+    return PoolStats{s.size, s.ready, s.claims, s.misses, s.failures};
+  }
+
+ private:
+  // What a warm pool keeps: a sandbox started under a name of its own, destroyed with it when never claimed.
+  struct PreMadeSandbox final : PreMade {
+    std::unique_ptr<ContainerSandbox> sandbox;
+  };
+  static constexpr const char* kPreMadePrefix = "w-";
+
+  std::unique_ptr<PreMade> pre_make(const WarmShape& shape) {
+    static thread_local std::mt19937_64 rng{std::random_device{}()};
+    CreateParams params;
+    params.id = fmt::format("{}{:012x}", kPreMadePrefix, rng() & 0xffffffffffffULL);
+    params.spec.image = shape.config.image;
+    params.spec.resources = shape.config.resources;
+    params.image_layers = shape.layers;
+    auto made = std::make_unique<PreMadeSandbox>();
+    std::unique_ptr<BackendSandbox> sandbox = create_cold(params);
+    made->sandbox.reset(static_cast<ContainerSandbox*>(sandbox.release()));
+    return made;
+  }
+
+ public:
+  std::unique_ptr<BackendSandbox> create_cold(const CreateParams& params) {
     // A user namespace of its own, when the node has them and every layer's file system can be idmapped; taken
     // first, so that a node out of id blocks has nothing to undo.
     std::optional<UserNamespaces::Namespace> userns;
@@ -950,6 +1083,12 @@ class ContainerBackend final : public Backend {
     req.cap_last_cap = cap_last_cap_;
     req.open_files = params.spec.resources.open_files;
     req.sched_idle = params.spec.resources.priority == Priority::kBatch;
+    req.core_cookie = params.spec.resources.priority == Priority::kLatency && kernel_qos_.core_scheduling;
+    std::shared_ptr<void> ksm_hold;
+    if (params.spec.resources.ksm && kernel_qos_.memory_merge) {
+      ksm_hold = qos::hold_ksm();
+      req.memory_merge = true;
+    }
     if (userns) req.userns_fd = userns->fd.get();
 
     Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers),
@@ -980,6 +1119,7 @@ class ContainerBackend final : public Backend {
                                                       std::move(cgroup), std::move(netns),
                                                       config_.sleep_reclaim_timeout, std::move(identity),
                                                       cgroups_->version(), userns_, network_);
+    sandbox->set_qos(describe_qos(params.spec, req.memory_merge), std::move(ksm_hold));
     sandbox->write_resolv_conf();
     return sandbox;
   }
@@ -1151,9 +1291,20 @@ class ContainerBackend final : public Backend {
     }
     Identity identity{boot_id_, start_time, netns_inode, devices, userns_first, link};
     give_back.first.reset();
-    return std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init), std::move(cgroup),
-                                              UniqueFd(), config_.sleep_reclaim_timeout, std::move(identity), version,
-                                              userns_, network_, true, params.sleeping, next_exec);
+    auto sandbox = std::make_unique<ContainerSandbox>(
+        params.id, params.spec, run_dir, std::move(init), std::move(cgroup), UniqueFd(), config_.sleep_reclaim_timeout,
+        std::move(identity), version, userns_, network_, true, params.sleeping, next_exec);
+    // Its processes kept whatever they were started with; ksmd runs again while it lives.
+    const bool merged = params.spec.resources.ksm && kernel_qos_.memory_merge;
+    std::shared_ptr<void> ksm_hold;
+    if (merged) ksm_hold = qos::hold_ksm();
+    sandbox->set_qos(describe_qos(params.spec, merged), std::move(ksm_hold));
+    return sandbox;
+  }
+
+  QosGrant describe_qos(const SandboxSpec& spec, bool merged) const {
+    return qos::describe_grant(spec.resources,
+                               {&kernel_qos_, &cpus_, cgroups_->version(), /*vm=*/false, merged});
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -1166,6 +1317,7 @@ class ContainerBackend final : public Backend {
   }
 
   void shutdown() override {
+    if (warm_) warm_->stop();  // its sandboxes are destroyed
     netns_.reset();
     if (cgroups_) {
       cgroups_->remove_empty_groups();
@@ -1180,11 +1332,14 @@ class ContainerBackend final : public Backend {
   int cap_last_cap_;
   UniqueFd init_binary_;
   std::unique_ptr<CgroupDriver> cgroups_;
+  qos::KernelQos kernel_qos_;
+  qos::CpuReservation cpus_;  // CPUs reserved for latency sandboxes (dsecd --latency-cpus)
   SeccompProgram seccomp_default_, seccomp_ptrace_;
   std::unique_ptr<NetnsPool> netns_;
   std::string boot_id_;
   std::shared_ptr<UserNamespaces> userns_;  // null: sandboxes run with host ids
   std::shared_ptr<network::NodeNetwork> network_;  // null: sandboxes have loopback only
+  std::unique_ptr<WarmPools> warm_;  // dsecd --warm-pool; last: stopped (its sandboxes destroyed) first
 };
 
 }  // namespace
@@ -1192,8 +1347,10 @@ class ContainerBackend final : public Backend {
 
 std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
                                                 std::shared_ptr<container::UserNamespaces> userns,
-                                                std::shared_ptr<network::NodeNetwork> network) {
-  return std::make_unique<container::ContainerBackend>(config, std::move(userns), std::move(network));
+                                                std::shared_ptr<network::NodeNetwork> network,
+                                                std::vector<container::WarmShape> warm_pools) {
+  return std::make_unique<container::ContainerBackend>(config, std::move(userns), std::move(network),
+                                                       std::move(warm_pools));
 }
 
 std::string container_cgroup_version() {

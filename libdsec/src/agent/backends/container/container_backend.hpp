@@ -3,8 +3,10 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "agent/backend.hpp"
+#include "agent/backends/container/warm_pool.hpp"
 #include "agent/config.hpp"
 
 namespace dsec::agent {
@@ -19,9 +21,11 @@ class NodeNetwork;
 // Throws dsec::Error(FAILED_PRECONDITION) when the host cannot run containers (not root, no overlayfs, ...).
 // Sandboxes get user namespaces from `userns` when it is given and enabled, host ids otherwise.
 // Sandboxes whose spec asks for a network get it from `network` (none without it: UNIMPLEMENTED).
+// `warm_pools`: the shapes whose sandboxes it starts ahead of creates (warm_pool.hpp), resolved by the caller.
 std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
                                                 std::shared_ptr<container::UserNamespaces> userns = nullptr,
-                                                std::shared_ptr<network::NodeNetwork> network = nullptr);
+                                                std::shared_ptr<network::NodeNetwork> network = nullptr,
+                                                std::vector<container::WarmShape> warm_pools = {});
 
 // "v1" or "v2": the cgroup hierarchy the backend drives on this host.
 std::string container_cgroup_version();

@@ -25,6 +25,11 @@
 namespace dsec::agent::container {
 namespace {
 
+// prctl options newer than some C libraries' headers (Linux 5.14 and 6.4).
+constexpr int kPrSchedCore = 62;
+constexpr int kPrSchedCoreCreate = 1;
+constexpr int kPrSetMemoryMerge = 67;
+
 using Kind = RootfsStep::Kind;
 
 // What the child reports back through shared memory when a step fails.
@@ -167,6 +172,9 @@ int child_main(void* arg) {
     sched_param idle{};
     if (sched_setscheduler(0, SCHED_IDLE, &idle) != 0) fail(a, "sched_setscheduler SCHED_IDLE", nullptr);
   }
+  // PIDTYPE_TGID (1): the cookie covers this process; children inherit it.
+  if (r.core_cookie && prctl(kPrSchedCore, kPrSchedCoreCreate, 0, 1, 0) != 0) fail(a, "prctl PR_SCHED_CORE", nullptr);
+  if (r.memory_merge && prctl(kPrSetMemoryMerge, 1, 0, 0, 0) != 0) fail(a, "prctl PR_SET_MEMORY_MERGE", nullptr);
 
   // The sandbox's own user namespace, last of all: its root is then root inside only (the mount, pid, network and
   // other namespaces stay the host's, so nothing inside has any power over them). Raw syscalls: glibc's set*id

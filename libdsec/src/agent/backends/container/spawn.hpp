@@ -96,6 +96,12 @@ struct SpawnRequest {
   // A batch sandbox (Priority::kBatch): its init runs SCHED_IDLE, which every process it starts inherits and none
   // can leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host).
   bool sched_idle = false;
+  // A latency sandbox on a kernel with core scheduling: its init takes a core cookie of its own (PR_SCHED_CORE),
+  // which its processes inherit, so no other sandbox's task runs on the SMT sibling of a core it runs on.
+  bool core_cookie = false;
+  // KSM asked for (spec "ksm"): its init marks its memory mergeable (PR_SET_MEMORY_MERGE), inherited by every
+  // process it starts, across exec.
+  bool memory_merge = false;
   // Another program to start instead of dsec-init (the fncall backend's fork servers): a path inside the new root,
   // executed with these argv and envp (null-terminated arrays). Its fds are then 0-2 /dev/null, 3 listen_fd, 4 the
   // scratch tmpfs; init_binary_fd is not used.

@@ -129,6 +129,9 @@ class QemuBackendImpl final : public QemuBackend {
     }
     shared_.tsc_khz = static_cast<std::uint32_t>(qemu::host_tsc_khz());
     shared_.cgroups = container::make_cgroup_driver(config.cgroup_name);
+    shared_.kernel_qos = qos::probe_kernel_qos();
+    shared_.cpus = qos::resolve_cpu_reservation(config.latency_cpus, shared_.kernel_qos);
+    if (!shared_.cpus.empty()) shared_.cgroups->reserve_cpus(shared_.cpus.latency, shared_.cpus.shared);
     remove_pool_leftovers(shared_);
     HostCapacity host = probe_host();
     shared_.host_cores = std::max<std::uint32_t>(1, host.cores);
@@ -208,7 +211,8 @@ class QemuBackendImpl final : public QemuBackend {
       const std::string template_name = template_key(shape, shape.layers, disk_bytes);
       const Resources limits = vm_limits(spec);
       std::unique_ptr<PooledVm> pooled =
-          pool_.take(fmt::format("{}|cpu{}", template_name, spec.resources.cpu),
+          pool_.take(fmt::format("{}|cpu{}|{}", template_name, spec.resources.cpu,
+                                 priority_name(spec.resources.priority)),
                      [this, template_name, shape, limits, disk_bytes] {
                        return make_pooled(template_name, shape, limits, disk_bytes);
                      });
@@ -242,6 +246,7 @@ class QemuBackendImpl final : public QemuBackend {
       }
       cgroup = shared_.cgroups->create(params.id, vm_limits(spec));
       VmBootSpec boot = boot_spec(params.id, run_dir, uid);
+      boot.sched_idle = spec.resources.priority == Priority::kBatch;
       boot.vcpus = vcpus_for(spec);
       boot.memory_bytes = spec.resources.memory_bytes;
       boot.layers = params.layer_images;
@@ -370,6 +375,7 @@ class QemuBackendImpl final : public QemuBackend {
     b.uid = uid.first;
     b.gid = uid.first;
     b.cgroup_procs.clear();
+    b.sched_idle = false;  // templates serve every class
     b.disk = dir / "disk";
     b.hostname = "dsec-template";
     try {

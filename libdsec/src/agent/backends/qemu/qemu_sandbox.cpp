@@ -16,6 +16,7 @@
 #include "agent/exec_user.hpp"
 #include "agent/host.hpp"
 #include "agent/log.hpp"
+#include "agent/qos/ksm.hpp"
 
 namespace dsec::agent::qemu {
 namespace {
@@ -60,6 +61,20 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
         vm_(std::move(vm)),
         sleeping_(sleeping) {
     boot_.cgroup_procs.clear();
+    // Every QEMU this sandbox starts from now on (a wake, a fork) runs in its class; the one it has now may have
+    // been started before the class was known (a pooled VM) or by an earlier agent.
+    boot_.sched_idle = spec_.resources.priority == Priority::kBatch;
+    if (boot_.sched_idle && vm_ && !set_sched_idle_threads(vm_->pid()))
+      log_warn("sandbox {}: not every thread of its QEMU could be made SCHED_IDLE", id_);
+    if (spec_.resources.ksm && shared_.kernel_qos.memory_merge) {
+      try {
+        ksm_hold_ = qos::hold_ksm();
+      } catch (const Error& e) {
+        log_warn("sandbox {}: {}", id_, e.what());
+      }
+    }
+    qos_ = qos::describe_grant(spec_.resources, {&shared_.kernel_qos, &shared_.cpus,
+                                                 shared_.cgroups->version(), /*vm=*/true, ksm_hold_ != nullptr});
     if (boot_.display.kind != DisplaySpec::Kind::kNone)
       screen_ = std::make_unique<VmScreen>(id_, boot_.display.width, boot_.display.height,
                                            [this] { return running_vm("its screen"); }, shared_.network);
@@ -277,6 +292,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
     return std::make_shared<QemuForkSource>(std::move(t), boot_);
   }
 
+  QosGrant qos_grant() override { return qos_; }
+
   bool alive() override {
     if (destroyed_.load()) return false;
     std::shared_ptr<VmInstance> vm;
@@ -451,6 +468,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
   bool released_ = false;
   std::string last_words_;
   std::unique_ptr<VmScreen> screen_;  // a full VM with a display
+  QosGrant qos_;
+  std::shared_ptr<void> ksm_hold_;  // ksmd runs while it lives, when it asked for KSM (QEMU's RAM is mergeable)
 };
 
 }  // namespace

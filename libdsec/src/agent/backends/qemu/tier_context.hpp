@@ -16,6 +16,7 @@
 #include "agent/config.hpp"
 #include "agent/host_id_pool.hpp"
 #include "agent/network/node_network.hpp"
+#include "agent/qos/kernel_qos.hpp"
 
 namespace dsec::agent::qemu {
 
@@ -50,6 +51,9 @@ struct BackendContext {
   std::atomic<std::uint32_t> vms{0};  // sandboxes' VMs running now
   qemu::TemplateCache templates;
   std::shared_ptr<network::NodeNetwork> network;  // full VMs: ports for VNC screens (null: none)
+  // Classes of service (docs/qos.md): what the kernel gives them and the CPUs reserved for latency sandboxes.
+  qos::KernelQos kernel_qos;
+  qos::CpuReservation cpus;
 
   BackendContext(const AgentConfig& c, Tier t)
       : config(c),

@@ -202,6 +202,7 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   launch.extra_group = spec.kvm_group;
   launch.cgroup_procs = spec.cgroup_procs;
   launch.log_fd = qemu_log.get();
+  launch.sched_idle = spec.sched_idle;
   vm->process_ = qemu::launch_vm(launch);
   // QEMU holds its copies now. The agent keeps none of the listening sockets: with a copy here, a connection to a
   // QEMU that died would wait in the backlog forever instead of failing.

@@ -57,6 +57,7 @@ struct VmBootSpec {
   bool full_system = false;
   qemu::DisplaySpec display;  // a screen (full systems only)
   bool usb_input = false;     // a USB keyboard and tablet (full systems only)
+  bool sched_idle = false;    // a batch sandbox's QEMU runs SCHED_IDLE, every thread of it (docs/qos.md)
 };
 
 // A VM started from saved state instead of booted: QEMU's device state (a migration stream in a file) and where its

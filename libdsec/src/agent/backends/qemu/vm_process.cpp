@@ -1,6 +1,7 @@
 #include "agent/backends/qemu/vm_process.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -9,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -18,7 +21,7 @@
 namespace dsec::agent::qemu {
 namespace {
 
-enum Step : int { kNone = 0, kDup, kCgroup, kGroups, kGid, kUid, kNoNewPrivs, kExec };
+enum Step : int { kNone = 0, kDup, kCgroup, kGroups, kGid, kUid, kNoNewPrivs, kSched, kExec };
 
 const char* step_name(int step) {
   switch (step) {
@@ -28,12 +31,29 @@ const char* step_name(int step) {
     case kGid: return "change gid";
     case kUid: return "change uid";
     case kNoNewPrivs: return "set no_new_privs";
+    case kSched: return "run SCHED_IDLE";
     case kExec: return "exec";
     default: return "start";
   }
 }
 
 }  // namespace
+
+bool set_sched_idle_threads(pid_t pid) {
+  bool all = true;
+  // Twice: a thread started during the first pass by a thread not yet changed is caught by the second.
+  for (int pass = 0; pass < 2; ++pass) {
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+      const pid_t tid = static_cast<pid_t>(std::strtol(task.path().filename().c_str(), nullptr, 10));
+      sched_param idle{};
+      if (tid > 0 && ::sched_getscheduler(tid) != SCHED_IDLE && ::sched_setscheduler(tid, SCHED_IDLE, &idle) != 0)
+        all = false;
+    }
+    if (ec) return false;
+  }
+  return all;
+}
 
 VmProcess launch_vm(const VmLaunch& launch) {
   if (launch.argv.empty()) throw Error(Code::kInvalidArgument, "launch_vm: empty argv");
@@ -83,6 +103,10 @@ VmProcess launch_vm(const VmLaunch& launch) {
     if (::syscall(SYS_setresgid, launch.gid, launch.gid, launch.gid) != 0) fail(kGid);
     if (::syscall(SYS_setresuid, launch.uid, launch.uid, launch.uid) != 0) fail(kUid);
     if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(kNoNewPrivs);
+    if (launch.sched_idle) {
+      sched_param idle{};
+      if (::sched_setscheduler(0, SCHED_IDLE, &idle) != 0) fail(kSched);
+    }
     // Everything else of the agent's stays behind.
     ::syscall(SYS_close_range, static_cast<unsigned>(highest_target + 1), ~0u, 0);
     for (int sig = 1; sig < NSIG; ++sig) ::signal(sig, SIG_DFL);

@@ -31,6 +31,7 @@ struct VmLaunch {
   std::optional<gid_t> extra_group;  // e.g. the group of /dev/kvm
   std::vector<int> cgroup_procs;     // cgroup.procs files (open for writing) the process joins before exec
   int log_fd = -1;                   // standard output and error; -1: /dev/null
+  bool sched_idle = false;           // runs SCHED_IDLE (so does every thread it starts)
 };
 
 struct VmProcess {
@@ -41,6 +42,11 @@ struct VmProcess {
 // Starts QEMU. The child's failure before exec (joining the cgroup, changing uid, exec itself) is reported as a
 // dsec::Error naming the step.
 VmProcess launch_vm(const VmLaunch& launch);
+
+// Puts every thread of process `pid` under SCHED_IDLE (a QEMU started before its sandbox's class was known: a
+// pooled VM). Threads it starts later inherit the policy from their creator. False when a thread could not be
+// changed (it may have just ended).
+bool set_sched_idle_threads(pid_t pid);
 
 // Whether the process behind `pidfd` has exited (its pidfd is readable).
 bool process_exited(int pidfd);
