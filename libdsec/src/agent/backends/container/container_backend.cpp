@@ -182,18 +182,22 @@ struct Identity {
   std::optional<network::Attachment> link;    // its veth pair and /30, if it has a network
 };
 
-// Sets the hostname in the UTS namespace of process `pid` (a sandbox's init), from a thread of the agent's own that
-// joins it for the moment (the namespace belongs to the host's user namespace: the agent may).
+// Sets the hostname in the UTS namespace of process `pid` (a sandbox's init): the calling thread joins it for the
+// moment and goes back to its own (a UTS namespace is per thread; the sandbox's belongs to the host's user
+// namespace, so the agent may).
 void set_hostname_of(pid_t pid, const std::string& hostname) {
+  UniqueFd own(::open("/proc/thread-self/ns/uts", O_RDONLY | O_CLOEXEC));
+  if (!own) throw_errno(errno, "open this thread's UTS namespace");
   UniqueFd uts(::open(fmt::format("/proc/{}/ns/uts", pid).c_str(), O_RDONLY | O_CLOEXEC));
   if (!uts) throw_errno(errno, fmt::format("open the UTS namespace of pid {}", pid));
-  int err = 0;
-  const char* step = nullptr;
-  std::thread([&] {
-    if (::setns(uts.get(), CLONE_NEWUTS) != 0) err = errno, step = "setns";
-    else if (::sethostname(hostname.data(), hostname.size()) != 0) err = errno, step = "sethostname";
-  }).join();
-  if (step) throw_errno(err, fmt::format("{} for the hostname of pid {}", step, pid));
+  if (::setns(uts.get(), CLONE_NEWUTS) != 0) throw_errno(errno, fmt::format("setns into the UTS namespace of pid {}", pid));
+  const int err = ::sethostname(hostname.data(), hostname.size()) == 0 ? 0 : errno;
+  if (::setns(own.get(), CLONE_NEWUTS) != 0) {
+    // Cannot happen with a descriptor of its own namespace; a thread left elsewhere would name the wrong host.
+    log_error("setns back into the agent's UTS namespace: {}", std::strerror(errno));
+    std::abort();
+  }
+  if (err) throw_errno(err, fmt::format("sethostname for pid {}", pid));
 }
 
 class ContainerSandbox final : public BackendSandbox, public InitProcesses {

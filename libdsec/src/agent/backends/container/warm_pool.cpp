@@ -12,6 +12,8 @@ namespace dsec::agent::container {
 namespace {
 
 constexpr std::uint32_t kMaxPoolSize = 4096;
+// The refill waits until creates have left the node alone this long: during a pulse the CPU is the creates'.
+constexpr auto kQuietBeforeRefill = std::chrono::milliseconds(25);
 
 [[noreturn]] void bad(std::string_view value, const std::string& why) {
   throw Error(Code::kInvalidArgument, fmt::format("--warm-pool {}: {}", value, why));
@@ -132,6 +134,7 @@ std::unique_ptr<PreMade> WarmPools::take(const SandboxSpec& spec, const std::vec
       }
       break;
     }
+    last_take_ = std::chrono::steady_clock::now();
   }
   wake_.notify_all();
   return out;
@@ -153,6 +156,11 @@ WarmPoolStats WarmPools::stats() const {
 void WarmPools::refill_loop() {
   std::unique_lock lock(mu_);
   while (!stopping_) {
+    const auto quiet_at = last_take_ + kQuietBeforeRefill;
+    if (std::chrono::steady_clock::now() < quiet_at) {
+      wake_.wait_until(lock, quiet_at);
+      continue;
+    }
     // The emptiest pool (by its share of its size) first.
     Pool* next = nullptr;
     double fill = 1.0;

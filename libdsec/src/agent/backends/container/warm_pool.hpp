@@ -69,7 +69,8 @@ class WarmPools {
   WarmPools(const WarmPools&) = delete;
   WarmPools& operator=(const WarmPools&) = delete;
 
-  // Starts the refill thread (one at a time: the node's CPU goes to creates first).
+  // Starts the refill thread: one sandbox at a time, and only once creates have left the node alone for a moment
+  // (the node's CPU goes to creates first).
   void start();
   // Stops refilling and destroys every sandbox still waiting.
   void stop();
@@ -93,6 +94,7 @@ class WarmPools {
   bool stopping_ = false;
   std::thread thread_;
   std::uint64_t claims_ = 0, misses_ = 0, failures_ = 0;
+  std::chrono::steady_clock::time_point last_take_{};
 };
 
 }  // namespace dsec::agent::container
