@@ -329,7 +329,15 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("request_id", &dsec::SandboxSpec::request_id)
       .def_readwrite("node_selector", &dsec::SandboxSpec::node_selector)
       .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity)
-      .def_readwrite("network", &dsec::SandboxSpec::network, "Its network policy (docs/networking.md).");
+      .def_readwrite("network", &dsec::SandboxSpec::network, "Its network policy (docs/networking.md).")
+      .def_property(
+          "queue_timeout", [](const dsec::SandboxSpec& s) { return static_cast<double>(s.queue_timeout.count()) / 1000; },
+          [](dsec::SandboxSpec& s, double seconds) {
+            if (!(seconds >= 0 && seconds <= 3600))
+              throw dsec::Error(dsec::Code::kInvalidArgument, "queue_timeout: must be from 0 to 3600 seconds");
+            s.queue_timeout = std::chrono::milliseconds{static_cast<std::int64_t>(seconds * 1000)};
+          },
+          "Seconds a create may wait on a full node for room, in order (0: refused at once).");
 
   py::class_<dsec::ExecResult>(m, "ExecResult", "What a command run in a sandbox did. stdout/stderr are bytes.")
       .def_readonly("exit_code", &dsec::ExecResult::exit_code, "Exit status, or -1 when a signal ended it.")

@@ -75,6 +75,7 @@ class SandboxSpec:
     node_selector: dict[str, str]
     anti_affinity: str
     display: str
+    queue_timeout: float
     def __init__(self) -> None: ...
 
 class ExecResult:

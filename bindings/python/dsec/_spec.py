@@ -75,6 +75,7 @@ def _spec(
     priority: str = "standard",
     ksm: bool = False,
     reclaim: bool = True,
+    queue_timeout: float = 0,
 ) -> _dsec.SandboxSpec:
     s = _dsec.SandboxSpec()
     s.image = image
@@ -128,6 +129,9 @@ def _spec(
     if not isinstance(display, str):
         raise InvalidArgument(f"display: expected \"WIDTHxHEIGHT\" or \"none\", got {display!r}")
     s.display = display
+    if isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float)) or not 0 <= queue_timeout <= 3600:
+        raise InvalidArgument(f"queue_timeout: expected seconds from 0 to 3600, got {queue_timeout!r}")
+    s.queue_timeout = float(queue_timeout)
     return s
 
 

@@ -191,6 +191,7 @@ class Client:
         priority: str = "standard",
         ksm: bool = False,
         reclaim: bool = True,
+        queue_timeout: float = 0,
     ) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
@@ -218,11 +219,14 @@ class Client:
         ``ksm`` offers its memory to the kernel's same-page merging; ``reclaim=False`` keeps the node's cold-memory
         reclaimer away from it (latency sandboxes are never reclaimed). ``info().qos`` says what the node gave.
 
+        ``queue_timeout`` is how long, in seconds, the create may wait on a node that is full for room (creates
+        wait in the order they came; a sandbox that ends or sleeps makes room); 0 refuses it at once.
+
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority, ksm, reclaim)
+                     egress_mbps, connections, display, priority, ksm, reclaim, queue_timeout)
         return Sandbox(self._c().create(spec), self)
 
     def create_many(
@@ -256,6 +260,7 @@ class Client:
         priority: str = "standard",
         ksm: bool = False,
         reclaim: bool = True,
+        queue_timeout: float = 0,
     ) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
@@ -274,7 +279,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority, ksm, reclaim)
+                     egress_mbps, connections, display, priority, ksm, reclaim, queue_timeout)
         return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
 
     def create_group(
@@ -309,6 +314,7 @@ class Client:
         priority: str = "standard",
         ksm: bool = False,
         reclaim: bool = True,
+        queue_timeout: float = 0,
     ) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
@@ -324,7 +330,7 @@ class Client:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
         spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
                      allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority, ksm, reclaim)
+                     egress_mbps, connections, display, priority, ksm, reclaim, queue_timeout)
         return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
 
     def run_code(

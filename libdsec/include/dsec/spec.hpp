@@ -81,6 +81,11 @@ struct SandboxSpec {
   // The screen of a full VM (kind "vm"): "WIDTHxHEIGHT" (from 320x200 to 3840x2160) or "none". Empty: the kind's
   // default (a vm gets 1024x768; other kinds have no screen and refuse one).
   std::string display;
+  // How long a create may wait on a node that has no room for it (its admission would refuse it): creates wait in
+  // the order they came, and the first whose resources fit goes once a sandbox ends or sleeps; past this it is
+  // RESOURCE_EXHAUSTED as without a wait. 0 (the default): refused at once. At most 3600 s. Not part of what a
+  // request_id must repeat (a retry sends what is left of its deadline).
+  std::chrono::milliseconds queue_timeout{0};
 };
 
 // A screen's size; parse_display("1280x800") -> {1280, 800}; nullopt for "", "none" and anything not WxH.

@@ -39,6 +39,8 @@ class ResponseStream {
   // `give_up_at` (whichever comes first): the rest is dropped, never an exception, so the handler can finish.
   virtual bool write(std::string_view data,
                      std::chrono::steady_clock::time_point give_up_at = std::chrono::steady_clock::time_point::max()) = 0;
+  // Whether the client has closed its side of the connection (it can no longer read an answer), looked at now.
+  virtual bool client_gone() const { return false; }
 };
 
 // Beast (Boost 1.74) speaks boost::string_view; the agent speaks std::string_view.

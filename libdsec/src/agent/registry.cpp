@@ -52,6 +52,7 @@ bool selector_matches(const Labels& selector, const Labels& labels, std::string*
 std::string spec_fingerprint(const SandboxSpec& spec) {
   SandboxSpec copy = spec;
   copy.request_id.clear();
+  copy.queue_timeout = {};  // a retry waits for what is left of its deadline
   return image::sha256_digest(protocol::encode(copy).dump());
 }
 
@@ -82,7 +83,8 @@ std::vector<std::string> Registry::kinds() const {
   return out;
 }
 
-CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_manifest) {
+CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_manifest,
+                               const ClientGone& client_gone) {
   std::shared_ptr<RequestEntry> entry;
   std::string fingerprint;
   if (!spec.request_id.empty()) {
@@ -110,7 +112,7 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
   }
 
   try {
-    CreateOutcome outcome = create_new(spec, image_manifest, fingerprint);
+    CreateOutcome outcome = create_new(spec, image_manifest, fingerprint, nullptr, client_gone);
     double at = 0;
     if (entry) {
       std::lock_guard lock(mutex_);
@@ -142,7 +144,8 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
 }
 
 CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest,
-                                   const std::string& fingerprint, std::shared_ptr<const ForkSource> fork_of) {
+                                   const std::string& fingerprint, std::shared_ptr<const ForkSource> fork_of,
+                                   const ClientGone& client_gone) {
   auto started = std::chrono::steady_clock::now();
   auto backend_it = backends_.find(spec.kind);
   if (backend_it == backends_.end())
@@ -159,8 +162,8 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   double lease_deadline = 0;
   bool persist_lease = false;
   {
-    std::lock_guard lock(mutex_);
-    admit(spec.resources, 1, spec.tenant);
+    std::unique_lock lock(mutex_);
+    admit_or_wait(spec, lock, client_gone);
     reserve(spec, +1);
     id = new_id();
     if (!spec.group.empty()) lease_deadline = join_group(spec, now(), persist_lease);
@@ -275,11 +278,17 @@ std::string Registry::new_id() {
 }
 
 std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::size_t count,
-                                                 std::string_view image_manifest) {
+                                                 std::string_view image_manifest, const ClientGone& client_gone) {
   if (count == 0) return {};
+  // Elements that wait for room share the batch's deadline.
+  const auto queue_deadline = std::chrono::steady_clock::now() + spec.queue_timeout;
   auto element_spec = [&](std::size_t i) {
     SandboxSpec s = spec;
     if (!spec.request_id.empty()) s.request_id = fmt::format("{}/{}", spec.request_id, i);
+    if (spec.queue_timeout.count() > 0)
+      s.queue_timeout = std::max(std::chrono::milliseconds(1),
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     queue_deadline - std::chrono::steady_clock::now()));
     return s;
   };
   // Refuse a batch that cannot fit before making any of it (elements an earlier request already made are free).
@@ -293,8 +302,11 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
       try {
         admit(spec.resources, fresh, spec.tenant);
       } catch (const Error& e) {
-        metrics_.sandbox_create_error(spec.kind, e.code_name());
-        throw;
+        // A batch that may wait goes on when it could fit some day: its elements wait for room one by one.
+        if (spec.queue_timeout.count() == 0 || !e.retryable()) {
+          metrics_.sandbox_create_error(spec.kind, e.code_name());
+          throw;
+        }
       }
     }
   }
@@ -309,7 +321,7 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
       std::size_t i = next.fetch_add(1);
       if (i >= count || failed.load()) return;
       try {
-        results[i] = create(element_spec(i), image_manifest);
+        results[i] = create(element_spec(i), image_manifest, client_gone);
       } catch (const std::exception& e) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = as_error(e);

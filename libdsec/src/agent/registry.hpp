@@ -121,11 +121,16 @@ class Registry {
   // spec is INVALID_ARGUMENT. Errors: INVALID_ARGUMENT (kind), NOT_FOUND (image), RESOURCE_EXHAUSTED (admission),
   // and whatever the backend throws. `image_manifest` is the image's manifest as the client resolved it (for a pinned
   // spec.image), or empty.
-  CreateOutcome create(const SandboxSpec& spec, std::string_view image_manifest = {});
+  // A spec with a queue_timeout waits that long for room when the node is full, in order with other such creates;
+  // `client_gone`, when given, is asked while it waits: a create whose caller went away stops waiting (CANCELLED)
+  // and makes nothing.
+  using ClientGone = std::function<bool()>;
+  CreateOutcome create(const SandboxSpec& spec, std::string_view image_manifest = {},
+                       const ClientGone& client_gone = {});
   // `count` sandboxes from one spec; element i uses request_id + "/" + i. All or nothing: when one fails, the ones
   // this call made are destroyed (and their request ids forgotten) and the first error is thrown.
   std::vector<CreateOutcome> create_batch(const SandboxSpec& spec, std::size_t count,
-                                          std::string_view image_manifest = {});
+                                          std::string_view image_manifest = {}, const ClientGone& client_gone = {});
 
   // The sandbox's info, checking that it is still alive (a dead one turns "failed"). A destroyed one still known
   // as a tombstone answers with state "destroyed"; an unknown id is NOT_FOUND.
@@ -246,7 +251,10 @@ class Registry {
   // Asks the backend again what its record must say (a VM's QEMU changes at a wake or a fork).
   void refresh_backend_state(Record& record);
   CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint,
-                           std::shared_ptr<const ForkSource> fork_of = nullptr);
+                           std::shared_ptr<const ForkSource> fork_of = nullptr, const ClientGone& client_gone = {});
+  // admit() for one sandbox of `spec`; with its queue_timeout, waits for room in order (caller holds `lock` on
+  // mutex_, released while it waits).
+  void admit_or_wait(const SandboxSpec& spec, std::unique_lock<std::mutex>& lock, const ClientGone& client_gone);
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
   // and the creates in flight, on the node and within the quota of `tenant`. Caller holds mutex_.
   void admit(const Resources& resources, std::size_t count, const std::string& tenant) const;
@@ -303,6 +311,10 @@ class Registry {
   double live_cpu_ = 0;
   std::uint64_t live_memory_ = 0;
   double memory_overcommit_now_ = 0;  // set_memory_overcommit; 0: options_.memory_overcommit
+  // Creates waiting for room (admit_or_wait), by ticket in arrival order; room_ is notified whenever room frees.
+  std::deque<std::uint64_t> waiting_;
+  std::uint64_t next_ticket_ = 0;
+  std::condition_variable room_;
   std::uint32_t live_gpus_ = 0;
   double reserved_cpu_ = 0;       // creates in flight
   std::uint64_t reserved_memory_ = 0;

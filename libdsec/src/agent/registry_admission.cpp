@@ -2,7 +2,10 @@
 // with their overcommit, whole GPUs), and the node's load as the registry counts it.
 #include "agent/registry.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -18,6 +21,7 @@ std::string mib(std::uint64_t bytes) { return fmt::format("{:.0f}Mi", static_cas
 
 void Registry::reserve(const SandboxSpec& spec, int sign) {
   const Resources& r = spec.resources;
+  if (sign < 0) room_.notify_all();
   reserved_cpu_ += sign * r.cpu;
   if (sign > 0) {
     reserved_memory_ += r.memory_bytes;
@@ -42,7 +46,67 @@ void Registry::reserve(const SandboxSpec& spec, int sign) {
 
 void Registry::set_memory_overcommit(double ratio) {
   std::lock_guard lock(mutex_);
+  if (ratio > memory_overcommit_now_) room_.notify_all();
   memory_overcommit_now_ = ratio;
+}
+
+void Registry::admit_or_wait(const SandboxSpec& spec, std::unique_lock<std::mutex>& lock,
+                             const ClientGone& client_gone) {
+  if (spec.queue_timeout.count() <= 0) {
+    admit(spec.resources, 1, spec.tenant);
+    return;
+  }
+  // Nobody ahead and room now: no queue at all.
+  if (waiting_.empty()) {
+    try {
+      admit(spec.resources, 1, spec.tenant);
+      return;
+    } catch (const Error& e) {
+      if (!e.retryable()) throw;  // could never fit: waiting cannot help
+    }
+  }
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + spec.queue_timeout;
+  const std::uint64_t ticket = next_ticket_++;
+  waiting_.push_back(ticket);
+  auto leave = [&] {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), ticket));
+    room_.notify_all();  // the next one may be at the head now
+  };
+  std::optional<Error> refused;
+  for (;;) {
+    if (waiting_.front() == ticket) {
+      try {
+        admit(spec.resources, 1, spec.tenant);
+        leave();
+        return;
+      } catch (const Error& e) {
+        if (!e.retryable()) {
+          leave();
+          throw;
+        }
+        refused = e;
+      }
+    }
+    if (client_gone && client_gone()) {
+      leave();
+      throw Error(Code::kCancelled, "create: the client went away while the create waited for room; nothing was made",
+                  /*retryable=*/false);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      const auto ahead = std::find(waiting_.begin(), waiting_.end(), ticket) - waiting_.begin();
+      leave();
+      const double waited = std::chrono::duration<double>(now - started).count();
+      throw Error(Code::kResourceExhausted,
+                  refused ? fmt::format("{} (waited {:.1f} s for room, the queue_timeout)", refused->what(), waited)
+                          : fmt::format("admission: no room on node '{}' within the queue_timeout of {:.1f} s ({} "
+                                        "creates still ahead)",
+                                        options_.node_id, waited, ahead));
+    }
+    // Room frees with a destroy or a sleep; the caller is looked at every 100 ms.
+    room_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(100)));
+  }
 }
 
 double Registry::memory_overcommit() const {

@@ -163,6 +163,7 @@ Registry::SleepOutcome Registry::sleep(const std::string& id, std::string_view r
       live_cpu_ -= record->spec.resources.cpu;
       if (live_cpu_ < kEpsilon) live_cpu_ = 0;
       record->cpu_released = true;
+      room_.notify_all();
     }
   }
   write_record_or_warn(*record, "sleep");
@@ -288,6 +289,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       if (live_cpu_ < kEpsilon) live_cpu_ = 0;
       live_memory_ -= record->spec.resources.memory_bytes;
       live_gpus_ -= record->spec.resources.gpus;
+      room_.notify_all();
       if (!record->spec.group.empty())
         if (auto g = groups_.find(record->spec.group); g != groups_.end()) g->second.members.erase(id);
       double at = now();

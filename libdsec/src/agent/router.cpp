@@ -340,7 +340,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kHealthz: return healthz(request);
     case Route::kMetrics: return metrics_text(request);
     case Route::kNode: return node(request, who);
-    case Route::kSandboxes: return sandboxes(request, target, who);
+    case Route::kSandboxes: return sandboxes(request, target, who, stream);
     case Route::kSandbox: return sandbox(request, target);
     case Route::kSandboxExec: return exec(request, target, stream);
     case Route::kSandboxFiles: return files(request, target);
@@ -402,7 +402,8 @@ HttpResponse Router::node(HttpRequest& request, const auth::Principal& who) {
 }
 
 // POST: create one sandbox, or `count` of them. GET: list, filtered by labels and tenant.
-HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who) {
+HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who,
+                               ResponseStream* stream) {
   allow(request, "/v1/sandboxes", {http::verb::get, http::verb::post});
   if (request.method() == http::verb::get) {
     only_params(target.query, {"label", "tenant"});
@@ -452,11 +453,14 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
                   fmt::format("group: '{}' is in use by another tenant on this node; choose another group id",
                               spec.group));
   }
+  // A create that waits for room (queue_timeout) stops waiting when its caller has gone.
+  Registry::ClientGone client_gone;
+  if (stream) client_gone = [stream] { return stream->client_gone(); };
   if (!count) {
-    CreateOutcome outcome = registry_.create(spec, image_manifest);
+    CreateOutcome outcome = registry_.create(spec, image_manifest, client_gone);
     return json_response(outcome.created ? http::status::created : http::status::ok, protocol::encode(outcome.info));
   }
-  std::vector<CreateOutcome> outcomes = registry_.create_batch(spec, *count, image_manifest);
+  std::vector<CreateOutcome> outcomes = registry_.create_batch(spec, *count, image_manifest, client_gone);
   bool any_created = false;
   std::vector<SandboxInfo> infos;
   for (auto& o : outcomes) {

@@ -62,7 +62,8 @@ class Router {
   HttpResponse node(HttpRequest& request, const auth::Principal& who);
   HttpResponse network(HttpRequest& request, const Target& target);
   HttpResponse ports(HttpRequest& request, const Target& target);
-  HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who);
+  HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who,
+                         ResponseStream* stream);
   HttpResponse sandbox(HttpRequest& request, const Target& target);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   // Processes and shell sessions (router_processes.cpp).

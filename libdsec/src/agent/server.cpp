@@ -102,6 +102,11 @@ class ChunkedStream final : public ResponseStream {
 
   bool begun() const noexcept override { return begun_; }
 
+  bool client_gone() const override {
+    pollfd p{stream_.fd(), POLLRDHUP, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  }
+
   bool write(std::string_view data, std::chrono::steady_clock::time_point give_up_at) override {
     if (!begun_) throw Error(Code::kInternal, "a streamed response wrote a chunk before its head");
     if (!ok_ || data.empty()) return ok_;

@@ -47,7 +47,10 @@ constexpr milliseconds kSnapshotTime{600'000};
 // A full VM's create may boot a whole system (its kernel, systemd, a desktop: about a minute under TCG, and the
 // agent's boot timeout is 300 s) before it answers: each exchange and the call may take that much longer.
 constexpr milliseconds kFullSystemBootTime{600'000};
-milliseconds create_time(const SandboxSpec& spec) { return spec.kind == "vm" ? kFullSystemBootTime : milliseconds{0}; }
+// A create that may wait for room on a full node (queue_timeout) may take that much longer too.
+milliseconds create_time(const SandboxSpec& spec) {
+  return (spec.kind == "vm" ? kFullSystemBootTime : milliseconds{0}) + spec.queue_timeout;
+}
 
 std::mt19937_64& thread_rng() {
   thread_local std::mt19937_64 rng = [] {

@@ -234,6 +234,7 @@ json encode(const SandboxSpec& s) {
   if (!s.display.empty()) j["display"] = s.display;
   if (s.resources.priority != Priority::kStandard) j["priority"] = priority_name(s.resources.priority);
   if (s.resources.ksm) j["ksm"] = true;
+  if (s.queue_timeout.count() > 0) j["queue_timeout"] = static_cast<double>(s.queue_timeout.count()) / 1000;
   if (!s.resources.reclaim) j["reclaim"] = false;
   return j;
 }
@@ -292,6 +293,11 @@ SandboxSpec decode_spec(const json& j) {
     s.resources.priority = *p;
   }
   s.resources.ksm = get_bool(j, "ksm", "ksm", false);
+  {
+    double wait = get_number(j, "queue_timeout", "queue_timeout", 0);
+    if (!(wait >= 0 && wait <= 3600)) bad("queue_timeout", "must be from 0 to 3600 seconds");
+    s.queue_timeout = std::chrono::milliseconds{static_cast<std::int64_t>(wait * 1000)};
+  }
   s.resources.reclaim = get_bool(j, "reclaim", "reclaim", true);
   validate(s);
   return s;
