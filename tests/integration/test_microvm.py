@@ -457,6 +457,25 @@ def test_protected_paths_and_a_default_user_in_a_vm(mvm, mclient):
     assert_gone(mvm, mclient, sid)
 
 
+def test_a_batch_vm_runs_sched_idle_and_says_what_it_got(mvm, mclient):
+    """Every thread of a batch VM's QEMU runs SCHED_IDLE (docs/qos.md); the sandbox's info says so."""
+    sb = mclient.create(image="busybox", kind="microvm", ttl=300, memory=VM_MEMORY, priority="batch")
+    sid = sb.id
+    try:
+        assert sb.exec("true").exit_code == 0
+        (pid,) = qemu_pids(sid)
+        policies = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            policies[int(tid)] = int(stat[stat.rindex(")") + 2:].split()[38])
+        assert policies and set(policies.values()) == {5}, policies  # 5: SCHED_IDLE
+        assert "SCHED_IDLE (its QEMU)" in sb.info().qos.granted
+    finally:
+        sb.destroy()
+    assert_gone(mvm, mclient, sid)
+
+
 def test_vms_of_the_same_shape_share_nothing(vm, mvm, mclient):
     # Two VMs of one spec (with templates, clones of one frozen guest) at once, beside the shared VM: each has its
     # own name, files, processes and random state, and the host's clock.
