@@ -91,6 +91,16 @@ struct Options {
   std::size_t microvm_batch = 10;  // density: creates per create_many batch
   // vm: full VMs of the desktop image, --vm-n creates (the first boots the shape's template; -n screenshots)
   std::size_t vm_creates = 3;
+  // qos: a latency-class sandbox's step (-n steps per row, default 500) beside -k batch spinners (default 2 per core)
+  double qos_think_ms = 20;       // think time between two steps
+  std::string qos_latency_cpus;   // --latency-cpus of the reserved-CPU rows' agent; empty: the last CPU; "none": no
+                                  // such rows
+  // reclaim: -k idle Python sandboxes (default 200) and `reclaim_control` more with reclaim=false; the embedded
+  // agent's cold-memory reclaimer (--reclaim-age) puts them in a swap file of --swap-size (default: enough for all)
+  std::string reclaim_image = "bookworm-numpy";  // needs python3; with numpy the worker imports it
+  std::size_t reclaim_control = 8;
+  std::size_t reclaim_age_seconds = 10;
+  std::optional<std::size_t> reclaim_hold_mib;  // random bytes each worker holds; default 0 with numpy, else 48
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   std::set<std::string> given;  // the flags given on the command line (a command's own defaults yield to them)
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
@@ -524,6 +534,68 @@ struct VmBenchResult {
   std::vector<std::string> problems;  // a section that failed, with its error
 };
 
+// dsec-bench qos: the step of an agent loop in a latency-class sandbox, idle and beside CPU spinners.
+struct QosRow {
+  std::string name;
+  std::string baseline;     // the idle row its inflation is taken against; empty: it is a baseline itself
+  std::size_t spinners = 0;
+  std::string latency_class, spinner_class;
+  Latency step;             // the exec's round trip as the client sees it
+  Latency agent;            // the exec inside the agent (ExecResult::duration_seconds)
+  Latency inside;           // the loop's own time inside the sandbox (empty: its shell has no $EPOCHREALTIME)
+  CpuUse cpu;               // the machine while the steps ran (its turns together)
+  double load1 = 0;         // at the end of its last turn
+  std::vector<std::string> granted, missing;                  // the latency sandbox's qos on its node
+  std::vector<std::string> spinner_granted, spinner_missing;  // one spinner's
+};
+
+struct QosBenchResult {
+  std::string agent, cgroup;
+  QosNodeInfo node_qos;            // the first agent's
+  std::string reserved_agent;      // the second agent's --latency-cpus; empty: no such rows
+  std::string reserved_cpus;       // what it reported
+  std::string image;
+  std::size_t loop_iterations = 0; // the step: a shell loop of this many iterations
+  double think_ms = 0;
+  std::size_t steps = 0, warmup = 0;
+  std::size_t rounds = 0;          // the rows took turns this many times, steps / rounds each
+  std::vector<QosRow> rows;
+  std::vector<std::string> notes;
+  int cores = 0;
+};
+
+// dsec-bench reclaim: idle sandboxes holding a Python process's memory, before and after the cold-memory reclaimer.
+struct ReclaimBenchResult {
+  std::string skipped;      // why nothing was measured (no swap, reclaim off); empty: measured
+  std::string workload;     // what each sandbox runs
+  std::string image, swap, agent, cgroup;
+  std::string reclaim_mode, reclaim_reason;  // the node's
+  std::size_t count = 0, control = 0, age_seconds = 0;
+  std::uint64_t memory_limit = 0;
+  std::size_t modules = 0;  // modules the first worker had loaded
+  double create_seconds = 0;  // create_many of all of them
+  double ready_seconds = 0;   // from the first create until every worker idled
+  std::size_t reclaimed_early = 0;  // sandboxes reclaimed after their worker started, before `before` (should be 0)
+  // Host and sandboxes: before (every worker idle, none reclaimed) and after the reclaimer took them all once.
+  double mem_available_start = 0, mem_available_before = 0, mem_available_after = 0;
+  double charge_before = 0, charge_after = 0;                  // the reclaimable sandboxes' cgroups, summed
+  double control_charge_before = 0, control_charge_after = 0;  // the control's
+  double rss_before = 0, rss_after = 0;                        // the reclaimable sandboxes' processes, summed
+  double swap_used_before = 0, swap_used_after = 0;            // host-wide (SwapTotal - SwapFree)
+  double reclaim_seconds = 0;  // from `before` until every sandbox was reclaimed once (or the timeout)
+  std::size_t reclaimed_once = 0;   // reclaimable sandboxes reclaimed after `before` was read
+  std::uint64_t reclaimed_bytes = 0, reclaims = 0, refaults = 0;  // summed over the reclaimable sandboxes
+  std::uint64_t node_reclaimed_bytes = 0;
+  // The first step after the idle time (an exec signalling the worker, which walks its objects and touches its
+  // memory) and the next one, on reclaimed sandboxes and on the control: exec round trip, and the worker's own time.
+  Latency first_reclaimed, first_reclaimed_inside, second_reclaimed, second_reclaimed_inside;
+  Latency first_control, first_control_inside, second_control, second_control_inside;
+  std::uint64_t probe_refaults = 0;  // pages the probed reclaimed sandboxes read back during their two steps
+  CpuUse cpu;
+  std::vector<std::string> notes;
+  int cores = 0;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -539,6 +611,8 @@ struct Report {
   std::optional<FnCallBenchResult> fncall;
   std::optional<MicroVmBenchResult> microvm;
   std::optional<VmBenchResult> vm;
+  std::optional<QosBenchResult> qos;
+  std::optional<ReclaimBenchResult> reclaim;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -603,6 +677,18 @@ void print_microvm(const MicroVmBenchResult& r);
 std::string markdown_microvm(const MicroVmBenchResult& r);
 void print_vm(const VmBenchResult& r);
 std::string markdown_vm(const VmBenchResult& r);
+// A latency-class sandbox's step idle and beside batch (then standard) spinners; starts its own agents (a second
+// one with --latency-cpus for the reserved-CPU rows), or uses --endpoint's.
+QosBenchResult run_qos(const Options& options, const std::string& home);
+void print_qos(const QosBenchResult& r);
+std::string markdown_qos(const QosBenchResult& r);
+// Idle Python sandboxes before and after the cold-memory reclaimer; starts an agent with a swap file of its own
+// under <home> and a short --reclaim-age (or uses --endpoint's node as it is).
+ReclaimBenchResult run_reclaim(const Options& options, const std::string& home);
+void print_reclaim(const ReclaimBenchResult& r);
+std::string markdown_reclaim(const ReclaimBenchResult& r);
+// "12.3 s; CPU busy 1.98 of 2 cores: dsec-bench, its children and the agent 0.40, kernel threads ..."
+std::string cpu_text(const CpuUse& cpu, int cores);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");
 std::string markdown_report(const Report& report, const Options& options);
 

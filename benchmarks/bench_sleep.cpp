@@ -7,7 +7,6 @@
 // The embedded agent this starts sets up its own swap file under the home (dsecd --swap-file, --swap-size) and
 // turns it off at shutdown; the bench then removes the file. With --endpoint, the node's own swap is used as it is.
 #include <fcntl.h>
-#include <sys/swap.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -88,31 +87,6 @@ double charged_bytes(const std::string& sandbox_id) {
   if (it == found.memory_cgroup.end()) return std::nan("");
   return static_cast<double>(cgroup_memory_bytes(it->second));
 }
-
-bool swap_active(const fs::path& file) {
-  try {
-    for (const auto& s : agent::read_proc_swaps())
-      if (s.path == file.string()) return true;
-  } catch (const Error&) {
-  }
-  return false;
-}
-
-// The bench's swap directory goes after the agent (which turns the file off at shutdown); should the agent not have
-// done so, the bench turns it off itself and says so.
-struct SwapDir {
-  fs::path dir, file;
-  std::vector<std::string>* notes = nullptr;
-  ~SwapDir() {
-    if (dir.empty()) return;
-    if (swap_active(file)) {
-      ::swapoff(file.c_str());
-      if (notes) notes->push_back(fmt::format("the agent left {} on; dsec-bench turned it off", file.string()));
-    }
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-};
 
 SleepSize run_size(const Options& o, Client& client, const std::string& memhold, std::size_t mib) {
   SleepSize sz;
@@ -310,10 +284,7 @@ std::string markdown_sleep(const SleepBenchResult& r) {
                     "| wake to first exec <= 200 ms | {:.1f} ms | {} |\n",
                     worst_release * 100, worst_release >= 0.9 ? "**met**" : "**not met**", worst_wake_exec,
                     worst_wake_exec <= 200 ? "**met**" : "**not met**");
-  md += fmt::format("\nLoad: {:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, "
-                    "kernel threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}.\n",
-                    r.cpu.seconds, r.cpu.busy_cores, r.cores, r.cpu.ours_cores, r.cpu.kernel_cores, r.cpu.steal_cores,
-                    r.cpu.others_cores);
+  md += fmt::format("\nLoad: {}.\n", cpu_text(r.cpu, r.cores));
   for (const auto& n : r.notes) md += fmt::format("- {}\n", n);
   return md;
 }

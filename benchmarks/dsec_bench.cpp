@@ -92,8 +92,19 @@ Commands:
                traffic is sent. Not part of `all`
   session      shell sessions: run("true") next to an exec of `true` (alternating, back to back and after 1 s
                idle), then a 40-step SWE-style episode through one session and through execs. Not part of `all`
-  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm and network, then a Markdown summary
-               for docs/benchmarks.md
+  qos          classes of service: a latency-class sandbox answers a fixed step (an exec of a 3000-iteration
+               shell loop, a few ms, timed by the client, the agent and inside the sandbox) every --think ms, on an
+               idle node, beside -k spinner sandboxes (default 2 per core, a core each) with priorities on (the
+               stepper latency, the spinners batch) and off (all standard): p50/p99 and p99 inflation over idle (-n
+               steps per row, default 500, the rows taking turns --rounds times, default 5); then the same on an
+               agent started with --latency-cpus (default: the last CPU). Starts its own agents. Not part of `all`
+  reclaim      cold-memory reclaim: -k idle sandboxes (default 200) of --reclaim-image each running python3 that
+               imported numpy and ~90 standard modules, plus --control more with reclaim=false; host memory and
+               their cgroup charges before and after the reclaimer took every one (an agent of its own with a swap
+               file under the home, --reclaim-age); the first step on a reclaimed sandbox next to the control's;
+               the time to create them all. Not part of `all`
+  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm, network, qos and reclaim, then a
+               Markdown summary for docs/benchmarks.md
 
 Flags:
   --endpoint URL         use a running agent ("unix:/run/dsec/dsecd.sock", "http://host:7070"); repeatable
@@ -101,7 +112,7 @@ Flags:
                          embedded agent this starts (default $DSEC_HOME, then /var/lib/dsec)
   --agent PATH           the dsecd binary of the embedded agent (default: the library's search)
   --agent-arg ARG        one more flag for the embedded agent of create, throughput, exec, density, fncall,
-                         snapshot and sleep (repeatable: --agent-arg --userns --agent-arg off)
+                         snapshot, sleep, qos and reclaim (repeatable: --agent-arg --userns --agent-arg off)
   --image NAME           image to create (default busybox); its root is also the peers' root
   --rootfs DIR           the peers' root instead of the image's directory in the store
   --work-dir DIR         where the OCI bundle, crun's state and the peers' logs go (default: a new /tmp dir)
@@ -110,8 +121,10 @@ Flags:
   --warmup N             discarded iterations before measuring (default 10; microvm: 1)
   --concurrency LIST     throughput levels (default 1,2,4,8,16)
   --duration SECONDS     throughput: measured time per system and level (default 5)
-  --rounds N             throughput: the systems take turns in N windows of SECONDS/N each (default 5)
-  -k, --count K          density: idle sandboxes (default 500)
+  --rounds N             throughput: the systems take turns in N windows of SECONDS/N each (default 5); qos: the rows
+                         take turns N times, n/N steps each (default 5)
+  -k, --count K          density: idle sandboxes (default 500); qos: spinners (default 2 per core); reclaim: idle
+                         sandboxes (default 200)
   --density-cpu CORES    density: cpu per sandbox (default 0.01)
   --density-memory SIZE  density: memory limit per sandbox (default 16Mi)
   --teardown-concurrency N   density: threads destroying (default 8)
@@ -129,7 +142,8 @@ Flags:
                          figures; give a disk's directory to measure with them)
   --sleep-sizes LIST     sleep: MiB each sandbox holds (default 64,256,1024; microvm: 64,192)
   --sleep-rounds N       sleep: sleep/wake cycles per size (default 2)
-  --swap-size SIZE       sleep: the embedded agent's swap file (default the largest size + 512Mi)
+  --swap-size SIZE       sleep, reclaim: the embedded agent's swap file (default: sleep the largest size + 512Mi;
+                         reclaim (hold + 32 MiB) per sandbox + 1Gi)
   --sizes LIST           snapshot: MiB written before the snapshots (default 1,16,64,256)
   --repeat N             snapshot: snapshots per size and fork rounds (default 3; 256 MiB and more at most 2)
   --forks N              snapshot, microvm: sandboxes per fork (default 16, microvm 8; 0 skips the fork)
@@ -138,6 +152,14 @@ Flags:
   --idle-cold K          microvm: idle cold-booted VMs measured for memory (default 4; 0 skips)
   --density N            microvm: idle clones to reach in the density run (default 200; 0 skips it)
   --density-batch N      microvm: creates per batch in the density run (default 10)
+  --think MS             qos: think time between two steps (default 20)
+  --latency-cpus LIST    qos: the reserved-CPU rows' agent's --latency-cpus (default: the last CPU; none skips them)
+  --reclaim-image NAME   reclaim: the workers' image (default bookworm-numpy, falling back to bookworm-python; needs
+                         python3; build: dsec image build bookworm-numpy --from debootstrap:bookworm --include
+                         python3,python3-numpy)
+  --control K            reclaim: sandboxes with reclaim=false, the never-reclaimed control (default 8)
+  --reclaim-age SECS     reclaim: the embedded agent's --reclaim-age (default 10)
+  --hold MIB             reclaim: random bytes each worker holds (default 0 with numpy, else 48)
   --vm-n N               vm: full VMs created, kept up until their memory is measured (default 3; the first boots)
   --markdown             also print the Markdown summary after a single benchmark
   --help
@@ -313,6 +335,22 @@ Options parse_options(int argc, char** argv) {
     } else if (flag == "--vm-n") {
       o.vm_creates = parse_count(flag, take(), 1);
       if (o.vm_creates > 16) throw UsageError("--vm-n: at most 16 (each VM holds 1 GiB of guest RAM)");
+    } else if (flag == "--think") {
+      o.qos_think_ms = parse_positive(flag, take());
+    } else if (flag == "--latency-cpus") {
+      o.qos_latency_cpus = take();
+      if (o.qos_latency_cpus.empty()) throw UsageError("--latency-cpus needs a cpu list or none");
+    } else if (flag == "--reclaim-image") {
+      o.reclaim_image = take();
+      if (o.reclaim_image.empty()) throw UsageError("--reclaim-image needs an image name");
+    } else if (flag == "--control") {
+      o.reclaim_control = parse_count(flag, take(), 0);
+    } else if (flag == "--reclaim-age") {
+      o.reclaim_age_seconds = parse_count(flag, take(), 1);
+      if (o.reclaim_age_seconds > 86400) throw UsageError("--reclaim-age: at most 86400 seconds");
+    } else if (flag == "--hold") {
+      o.reclaim_hold_mib = parse_count(flag, take(), 0);
+      if (*o.reclaim_hold_mib > 4096) throw UsageError("--hold: at most 4096 MiB per sandbox");
     } else if (flag == "--markdown") {
       o.markdown = true;
     } else if (!a.empty() && a[0] == '-') {
@@ -325,7 +363,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "microvm", "vm", "network", "session", "all"})
+                        "fncall", "microvm", "vm", "network", "session", "qos", "reclaim", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -419,8 +457,9 @@ int run(int argc, char** argv) {
   const bool snapshots = o.command == "snapshot" || o.command == "sleep";
   if (snapshots && o.endpoints.empty()) snapshot_store = (work_dir / "snapshots").string();
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
-  if (o.command != "cgroup-join" && o.command != "image" && o.command != "pulse" && o.command != "microvm" &&
-      o.command != "vm") {
+  const bool own_agents = o.command == "cgroup-join" || o.command == "image" || o.command == "pulse" ||
+                          o.command == "microvm" || o.command == "vm" || o.command == "qos" || o.command == "reclaim";
+  if (!own_agents) {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
     if (o.endpoints.empty()) {
@@ -554,6 +593,16 @@ int run(int argc, char** argv) {
     print_vm(*report.vm);
     std::fflush(stdout);
   }
+  if (o.command == "qos") {
+    report.qos = run_qos(o, home);
+    print_qos(*report.qos);
+    std::fflush(stdout);
+  }
+  if (o.command == "reclaim") {
+    report.reclaim = run_reclaim(o, home);
+    print_reclaim(*report.reclaim);
+    std::fflush(stdout);
+  }
   if (o.command == "network") {
     run_network(o, *client);
     std::fflush(stdout);
@@ -568,13 +617,15 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}{}", markdown_report(report, o),
+    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}{}{}{}", markdown_report(report, o),
                report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
                report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string(),
                report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string(),
                report.fncall ? "\n" + markdown_fncall(*report.fncall) : std::string(),
                report.microvm ? "\n" + markdown_microvm(*report.microvm) : std::string(),
-               report.vm ? "\n" + markdown_vm(*report.vm) : std::string());
+               report.vm ? "\n" + markdown_vm(*report.vm) : std::string(),
+               report.qos ? "\n" + markdown_qos(*report.qos) : std::string(),
+               report.reclaim ? "\n" + markdown_reclaim(*report.reclaim) : std::string());
   return 0;
 }
 

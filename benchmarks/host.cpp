@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <linux/magic.h>
 #include <sys/statfs.h>
+#include <sys/swap.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "agent/swap.hpp"
 #include "common/cgroupfs.hpp"
 #include "dsec/error.hpp"
 
@@ -347,6 +349,21 @@ std::uint64_t rss_of_all_but(const std::set<int>& exclude) {
   for (int pid : all_pids())
     if (!exclude.count(pid)) total += rss_bytes(pid);
   return total;
+}
+
+SwapDir::~SwapDir() {
+  if (dir.empty()) return;
+  bool active = false;
+  try {
+    for (const auto& s : agent::read_proc_swaps()) active |= s.path == file.string();
+  } catch (const Error&) {
+  }
+  if (active) {
+    ::swapoff(file.c_str());
+    if (notes) notes->push_back(fmt::format("the agent left {} on; dsec-bench turned it off", file.string()));
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
 }
 
 int find_pid_with_arg(const std::string& arg) {

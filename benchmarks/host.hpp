@@ -69,6 +69,18 @@ int find_pid_with_arg(const std::string& arg);
 
 std::string read_text_file(const std::string& path);
 
+// The directory of a swap file a benchmark's embedded agent makes under the home (dsecd --swap-file). Destroy it
+// after the agent stopped: the agent turns the file off at shutdown; should it not have, this does so and adds a
+// note saying it. The directory is removed either way.
+struct SwapDir {
+  std::filesystem::path dir, file;
+  std::vector<std::string>* notes = nullptr;
+  SwapDir() = default;
+  SwapDir(const SwapDir&) = delete;
+  SwapDir& operator=(const SwapDir&) = delete;
+  ~SwapDir();
+};
+
 // The numeric entries of /proc; a file named `name` beside this program (dsec, dsecd, dsec-memhold...).
 std::vector<int> all_pids();
 std::filesystem::path beside_self(const char* name);

@@ -53,16 +53,16 @@ std::string md_row(const std::string& name, const Latency& l) {
                      ms(l.percentile(99)), ms(l.max()));
 }
 
+std::string yes_no(bool met) { return met ? "**met**" : "**not met**"; }
+
+}  // namespace
+
 std::string cpu_text(const CpuUse& c, int cores) {
   return fmt::format(
       "{:.1f} s; CPU busy {:.2f} of {} cores: dsec-bench, its children and the agent {:.2f}, kernel "
       "threads and interrupts {:.2f}, steal {:.2f}, other processes {:.2f}",
       c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores);
 }
-
-std::string yes_no(bool met) { return met ? "**met**" : "**not met**"; }
-
-}  // namespace
 
 void print_row(const std::string& name, const Latency& l) {
   if (l.empty()) return;
