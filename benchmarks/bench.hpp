@@ -101,6 +101,9 @@ struct Options {
   std::size_t reclaim_control = 8;
   std::size_t reclaim_age_seconds = 10;
   std::optional<std::size_t> reclaim_hold_mib;  // random bytes each worker holds; default 0 with numpy, else 48
+  // pulse-node: --pulse-n creates at once from --pulse-threads threads on one node, without and with a warm pool
+  std::size_t pulse_node_n = 1000;
+  std::size_t pulse_node_threads = 32;
   bool markdown = false;      // print the Markdown summary after a single benchmark too
   std::set<std::string> given;  // the flags given on the command line (a command's own defaults yield to them)
   bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
@@ -596,6 +599,25 @@ struct ReclaimBenchResult {
   int cores = 0;
 };
 
+// dsec-bench pulse-node: one pulse of creates on one node, on an agent without a pool and on one with a warm pool.
+struct PulseNodeRun {
+  std::string label;
+  std::size_t pool = 0;
+  double fill_seconds = 0;    // until the pool was full
+  double pulse_seconds = 0;   // the first create called until the last answered
+  Latency per_create;
+  std::uint64_t claims = 0, misses = 0;
+  std::size_t made = 0, working = 0;  // made, and answered an exec afterwards
+  std::string error;                  // the first create that failed, if one did
+  CpuUse cpu;
+};
+
+struct PulseNodeResult {
+  std::size_t n = 0, threads = 0;
+  std::string cgroup;
+  std::vector<PulseNodeRun> runs;
+};
+
 struct Report {
   std::string command_line;
   MachineInfo machine;
@@ -613,6 +635,7 @@ struct Report {
   std::optional<VmBenchResult> vm;
   std::optional<QosBenchResult> qos;
   std::optional<ReclaimBenchResult> reclaim;
+  std::optional<PulseNodeResult> pulse_node;
   std::vector<std::string> notes;  // peers skipped and why, workarounds applied
 };
 
@@ -687,6 +710,10 @@ std::string markdown_qos(const QosBenchResult& r);
 ReclaimBenchResult run_reclaim(const Options& options, const std::string& home);
 void print_reclaim(const ReclaimBenchResult& r);
 std::string markdown_reclaim(const ReclaimBenchResult& r);
+
+PulseNodeResult run_pulse_node(const Options& options, const std::string& home);
+void print_pulse_node(const PulseNodeResult& r);
+std::string markdown_pulse_node(const PulseNodeResult& r);
 // "12.3 s; CPU busy 1.98 of 2 cores: dsec-bench, its children and the agent 0.40, kernel threads ..."
 std::string cpu_text(const CpuUse& cpu, int cores);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");

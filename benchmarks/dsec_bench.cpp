@@ -103,7 +103,12 @@ Commands:
                their cgroup charges before and after the reclaimer took every one (an agent of its own with a swap
                file under the home, --reclaim-age); the first step on a reclaimed sandbox next to the control's;
                the time to create them all. Not part of `all`
-  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm, network, qos and reclaim, then a
+  pulse-node   a pulse on one node: --pulse-n creates (default 1000, 0.01 cores and 16 MiB each) at once from
+               --pulse-threads threads (default 32), on an agent without a pool and then on one keeping a warm pool
+               of --pulse-n (dsecd --warm-pool): time until all are ready, per-create latency, the pool's claims and
+               misses. Starts its own agents. Not part of `all`
+  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm, network, qos, reclaim and
+               pulse-node, then a
                Markdown summary for docs/benchmarks.md
 
 Flags:
@@ -159,6 +164,8 @@ Flags:
                          python3,python3-numpy)
   --control K            reclaim: sandboxes with reclaim=false, the never-reclaimed control (default 8)
   --reclaim-age SECS     reclaim: the embedded agent's --reclaim-age (default 10)
+  --pulse-n N            pulse-node: creates in the pulse, and the warm pool's size (default 1000)
+  --pulse-threads N      pulse-node: threads issuing them (default 32)
   --hold MIB             reclaim: random bytes each worker holds (default 0 with numpy, else 48)
   --vm-n N               vm: full VMs created, kept up until their memory is measured (default 3; the first boots)
   --markdown             also print the Markdown summary after a single benchmark
@@ -345,6 +352,10 @@ Options parse_options(int argc, char** argv) {
       if (o.reclaim_image.empty()) throw UsageError("--reclaim-image needs an image name");
     } else if (flag == "--control") {
       o.reclaim_control = parse_count(flag, take(), 0);
+    } else if (flag == "--pulse-n") {
+      o.pulse_node_n = parse_count(flag, take(), 1);
+    } else if (flag == "--pulse-threads") {
+      o.pulse_node_threads = parse_count(flag, take(), 1);
     } else if (flag == "--reclaim-age") {
       o.reclaim_age_seconds = parse_count(flag, take(), 1);
       if (o.reclaim_age_seconds > 86400) throw UsageError("--reclaim-age: at most 86400 seconds");
@@ -363,7 +374,7 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.command.empty()) throw UsageError("no command given");
   for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "microvm", "vm", "network", "session", "qos", "reclaim", "all"})
+                        "fncall", "microvm", "vm", "network", "session", "qos", "reclaim", "pulse-node", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -458,7 +469,8 @@ int run(int argc, char** argv) {
   if (snapshots && o.endpoints.empty()) snapshot_store = (work_dir / "snapshots").string();
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
   const bool own_agents = o.command == "cgroup-join" || o.command == "image" || o.command == "pulse" ||
-                          o.command == "microvm" || o.command == "vm" || o.command == "qos" || o.command == "reclaim";
+                          o.command == "microvm" || o.command == "vm" || o.command == "qos" || o.command == "reclaim" ||
+                          o.command == "pulse-node";
   if (!own_agents) {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
@@ -603,6 +615,11 @@ int run(int argc, char** argv) {
     print_reclaim(*report.reclaim);
     std::fflush(stdout);
   }
+  if (o.command == "pulse-node") {
+    report.pulse_node = run_pulse_node(o, home);
+    print_pulse_node(*report.pulse_node);
+    std::fflush(stdout);
+  }
   if (o.command == "network") {
     run_network(o, *client);
     std::fflush(stdout);
@@ -617,7 +634,7 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (all || o.markdown)
-    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}{}{}{}", markdown_report(report, o),
+    fmt::print("\n---- Markdown ----\n\n{}{}{}{}{}{}{}{}{}{}", markdown_report(report, o),
                report.pulse ? "\n" + markdown_pulse(*report.pulse) : std::string(),
                report.sleep ? "\n" + markdown_sleep(*report.sleep) : std::string(),
                report.snapshot ? "\n" + markdown_snapshot(*report.snapshot, m.cores) : std::string(),
@@ -625,7 +642,8 @@ int run(int argc, char** argv) {
                report.microvm ? "\n" + markdown_microvm(*report.microvm) : std::string(),
                report.vm ? "\n" + markdown_vm(*report.vm) : std::string(),
                report.qos ? "\n" + markdown_qos(*report.qos) : std::string(),
-               report.reclaim ? "\n" + markdown_reclaim(*report.reclaim) : std::string());
+               report.reclaim ? "\n" + markdown_reclaim(*report.reclaim) : std::string(),
+               report.pulse_node ? "\n" + markdown_pulse_node(*report.pulse_node) : std::string());
   return 0;
 }
 

@@ -69,8 +69,8 @@ class WarmPools {
   WarmPools(const WarmPools&) = delete;
   WarmPools& operator=(const WarmPools&) = delete;
 
-  // Starts the refill thread: one sandbox at a time, and only once creates have left the node alone for a moment
-  // (the node's CPU goes to creates first).
+  // Starts the refill: a few sandboxes at a time, and only once creates have left the node alone for a moment (the
+  // node's CPU goes to creates first).
   void start();
   // Stops refilling and destroys every sandbox still waiting.
   void stop();
@@ -83,6 +83,7 @@ class WarmPools {
   struct Pool {
     WarmShape shape;
     std::deque<std::unique_ptr<PreMade>> ready;
+    std::uint32_t starting = 0;  // being started by the refill now
     std::uint32_t failures_in_a_row = 0;
   };
   void refill_loop();
@@ -92,7 +93,7 @@ class WarmPools {
   mutable std::mutex mu_;
   std::condition_variable wake_;
   bool stopping_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;  // the refill's workers
   std::uint64_t claims_ = 0, misses_ = 0, failures_ = 0;
   std::chrono::steady_clock::time_point last_take_{};
 };
