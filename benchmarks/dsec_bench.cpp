@@ -490,6 +490,12 @@ int run(int argc, char** argv) {
                           "--cpu-overcommit",    fmt::format("{:.2f}", cpu_ratio),
                           "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
       copts.agent_args.insert(copts.agent_args.end(), o.agent_args.begin(), o.agent_args.end());
+      if (density) {
+        // Thousands of creates at once: on a slow kernel (a node of 3,200, every create waiting on RCU grace periods)
+        // one create may wait far longer than the default 15 s, and create_many as a whole longer than a minute.
+        copts.request_timeout = std::chrono::minutes(5);
+        copts.call_deadline = std::chrono::minutes(30);
+      }
       if (o.command == "network") {
         auto more = network_agent_args();
         copts.agent_args.insert(copts.agent_args.end(), more.begin(), more.end());

@@ -5,7 +5,8 @@ batch after 1 s, latency never). A sandbox runs memhold (benchmarks/programs/mem
 anonymous memory, keeps its checksum and raises a counter every 50 ms (so its process runs throughout). Reading its
 info does not count as use; an exec or a file read does. Checked: an idle holder's memory leaves RAM for swap and
 reads back intact (its refaults counted), the metrics and the node's total say so; a latency sandbox and one made
-with reclaim=False keep theirs; a sandbox in use is left alone; batch goes first.
+with reclaim=False keep theirs; a sandbox in use is left alone; one already at its floor is not stopped again for
+nothing; batch goes first.
 
 Skips, with the reason, where this host does not let root turn swap on."""
 
@@ -83,6 +84,10 @@ def test_an_idle_sandbox_gives_its_memory_to_swap_and_gets_it_back(cold_agent, c
         assert in_swap(cold_agent, sb.id) >= HOLD_MIB * MiB * 7 // 10
         print(f"\n{HOLD_MIB} MiB holder, idle: {before / MiB:.0f} MiB -> {charged(cold_agent, sb.id) / MiB:.0f} MiB "
               f"charged within {took:.1f} s, {info.reclaims} reclaims")
+        # Idle at its floor, it is not stopped again for nothing when its age comes round once more.
+        done = reclaims(sb)
+        time.sleep(AGE + 1.5)
+        assert reclaims(sb) == done, sb.info().cold_memory
         # Its process ran on throughout (a reclaim stops it for a moment only).
         counted = hold.count()
         time.sleep(0.5)

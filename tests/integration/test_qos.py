@@ -45,8 +45,15 @@ def test_each_class_gets_its_weight_and_policy(client, agent):
             made[priority] = client.create("busybox", priority=priority, memory="64Mi", ttl=300)
         weights = {p: cpu_setting(agent, sb.id) for p, sb in made.items()}
         name = weights["standard"][0]
-        expected = {"cpu.shares": (4096, 1024, 2), "cpu.weight": (400, 100, 1)}[name]
+        # A group of cpu.idle 1 reads back the kernel's idle weight (v1 shares 3) instead of the 2 written before.
+        idle = os.path.join(agent.cgroup_dir("cpu", made["batch"].id), "cpu.idle")
+        batch_idle = os.path.exists(idle) and open(idle).read().strip() == "1"
+        assert batch_idle == client.nodes()[0].qos.cpu_idle
+        expected = {"cpu.shares": (4096, 1024, 3 if batch_idle else 2), "cpu.weight": (400, 100, 1)}[name]
         assert (weights["latency"][1], weights["standard"][1], weights["batch"][1]) == expected, weights
+        for priority in ("latency", "standard"):
+            path = os.path.join(agent.cgroup_dir("cpu", made[priority].id), "cpu.idle")
+            assert not os.path.exists(path) or open(path).read().strip() == "0", priority
         assert policy_of_self(made["batch"]) == SCHED_IDLE
         assert policy_of_self(made["standard"]) == SCHED_OTHER
         assert policy_of_self(made["latency"]) == SCHED_OTHER
@@ -144,6 +151,9 @@ def test_a_sandbox_says_what_its_class_got(client, agent):
             assert any("reserved CPUs" in m for m in got.missing), got.missing
         got = batch.info().qos
         assert "SCHED_IDLE (every process)" in got.granted, got.granted
+        # cpu.idle where the kernel has it, and said to be missing where it has not.
+        assert any(g.startswith("cpu.idle") for g in got.granted) == node.qos.cpu_idle, got.granted
+        assert any(m.startswith("cpu.idle") for m in got.missing) != node.qos.cpu_idle, got.missing
         # The same through the protocol.
         res = lib.http_request(agent.socket_path, "GET", f"/v1/sandboxes/{batch.id}")
         body = res.json()

@@ -84,7 +84,7 @@ TEST(Grant, EachClassSaysWhatItGotAndWhatIsMissing) {
   CpuReservation none;
   Resources latency;
   latency.priority = Priority::kLatency;
-  QosGrant g = describe_grant(latency, {&k, &none, "v1", false, false});
+  QosGrant g = describe_grant(latency, {&k, &none, "v1", false, false, false});
   EXPECT_TRUE(has(g.granted, "cpu.shares 4096"));
   EXPECT_TRUE(has(g.missing, "memory protection: cgroup v1 has no memory.low"));
   EXPECT_TRUE(has(g.missing, "core scheduling: the kernel has none"));
@@ -92,7 +92,7 @@ TEST(Grant, EachClassSaysWhatItGotAndWhatIsMissing) {
 
   CpuReservation split{"3", "0-2"};
   k.core_scheduling = true;
-  g = describe_grant(latency, {&k, &split, "v2", false, false});
+  g = describe_grant(latency, {&k, &split, "v2", true, false, false});
   EXPECT_TRUE(has(g.granted, "cpu.weight 400"));
   EXPECT_TRUE(has(g.granted, "memory.low"));
   EXPECT_TRUE(has(g.granted, "core scheduling"));
@@ -102,15 +102,18 @@ TEST(Grant, EachClassSaysWhatItGotAndWhatIsMissing) {
   Resources batch;
   batch.priority = Priority::kBatch;
   batch.ksm = true;
-  g = describe_grant(batch, {&k, &split, "v2", true, true});
+  g = describe_grant(batch, {&k, &split, "v2", true, true, true});
   EXPECT_TRUE(has(g.granted, "SCHED_IDLE (its QEMU)"));
   EXPECT_TRUE(has(g.granted, "cpu.idle"));
   EXPECT_TRUE(has(g.granted, "cpuset 0-2 (off the latency CPUs)"));
   EXPECT_TRUE(has(g.granted, "ksm"));
   k.memory_merge = false;
   k.memory_merge_reason = "the kernel has no PR_SET_MEMORY_MERGE (Linux 6.4+)";
-  g = describe_grant(batch, {&k, &split, "v1", false, false});
+  g = describe_grant(batch, {&k, &split, "v1", true, false, false});
   EXPECT_TRUE(has(g.granted, "memory.soft_limit_in_bytes"));
+  EXPECT_TRUE(has(g.granted, "cpu.idle"));
+  g = describe_grant(batch, {&k, &split, "v1", false, false, false});
+  EXPECT_TRUE(has(g.missing, "cpu.idle: the kernel's cpu controller has none"));
   EXPECT_TRUE(has(g.missing, "ksm: the kernel has no PR_SET_MEMORY_MERGE"));
 }
 

@@ -503,8 +503,7 @@ QosNodeInfo Agent::qos_node_info() const {
   q.core_scheduling = kernel_qos_.core_scheduling;
   q.core_scheduling_reason = kernel_qos_.core_scheduling_reason;
   q.latency_cpus = latency_cpus_.latency;
-  q.cpu_idle = cgroup_version_ == "v2" &&
-               ::access(fmt::format("/sys/fs/cgroup/{}/cpu.idle", config_.cgroup_name).c_str(), F_OK) == 0;
+  q.cpu_idle = cgroup_version_ != "none" && container_cgroup_cpu_idle(config_.cgroup_name);
   qos::ReclaimerStatus reclaim = reclaimer_->status();
   q.reclaim = reclaim.mode;
   q.reclaim_reason = reclaim.reason;
@@ -526,17 +525,9 @@ void Agent::render_cold_memory_metrics(std::string& out) const {
       reclaim.reclaimed_bytes, reclaim.sandboxes_reclaimed);
   // Per sandbox, only those the reclaimer has touched (their refaults are read from the kernel).
   std::string reclaimed, refaults;
-  for (const SandboxInfo& info : registry_->list({}, {})) {
-    if (info.cold_memory.reclaims == 0) continue;
-    std::uint64_t faults = 0;
-    try {
-      faults = registry_->get(info.id).cold_memory.refaults;
-    } catch (const std::exception&) {
-      continue;
-    }
-    reclaimed += fmt::format("dsec_sandbox_reclaimed_bytes_total{{sandbox=\"{}\"}} {}\n", info.id,
-                             info.cold_memory.reclaimed_bytes);
-    refaults += fmt::format("dsec_sandbox_refaults_total{{sandbox=\"{}\"}} {}\n", info.id, faults);
+  for (const Registry::ColdMemoryUsage& u : registry_->cold_memory_usage()) {
+    reclaimed += fmt::format("dsec_sandbox_reclaimed_bytes_total{{sandbox=\"{}\"}} {}\n", u.id, u.reclaimed_bytes);
+    refaults += fmt::format("dsec_sandbox_refaults_total{{sandbox=\"{}\"}} {}\n", u.id, u.refaults);
   }
   out += "# HELP dsec_sandbox_reclaimed_bytes_total Memory the reclaimer released from the sandbox.\n"
          "# TYPE dsec_sandbox_reclaimed_bytes_total counter\n" + reclaimed;

@@ -75,6 +75,8 @@ struct ColdReclaim {
   std::uint64_t memory_after_bytes = 0;
   std::uint64_t swap_bytes = 0;  // its memory in swap after
   double seconds = 0;            // how long its processes were stopped for it
+  // Its charge has not grown since its last reclaim took it to its floor: nothing to take, nothing was stopped.
+  bool at_floor = false;
 };
 
 // What a capture of a sandbox's files did (BackendSandbox::capture_files).

@@ -200,8 +200,17 @@ class Registry {
     std::size_t sandboxes = 0;          // reclaimed in this round
     std::uint64_t released_bytes = 0;   // their charge before minus after
     std::size_t busy = 0;               // idle long enough but passed over (busy, or a backend without reclaim)
+    std::size_t at_floor = 0;           // idle long enough but nothing new to take since their last reclaim
   };
   ColdReclaimRound reclaim_cold(const ColdReclaimPolicy& policy);
+  // The sandboxes the reclaimer has touched, with what it released and the pages read back in since (from the kernel;
+  // no liveness check, so a metrics scrape changes nothing).
+  struct ColdMemoryUsage {
+    std::string id;
+    std::uint64_t reclaimed_bytes = 0;
+    std::uint64_t refaults = 0;
+  };
+  std::vector<ColdMemoryUsage> cold_memory_usage() const;
 
   // Destroys sandboxes whose TTL passed and every sandbox of a group whose lease expired (and forgets the group),
   // marks dead ones failed, forgets old request ids and tombstones.

@@ -63,6 +63,10 @@ Registry::ColdReclaimRound Registry::reclaim_cold(const ColdReclaimPolicy& polic
       ++round.busy;
       continue;
     }
+    if (done->at_floor) {
+      ++round.at_floor;
+      continue;
+    }
     const std::uint64_t released =
         done->memory_before_bytes > done->memory_after_bytes ? done->memory_before_bytes - done->memory_after_bytes : 0;
     {
@@ -75,6 +79,29 @@ Registry::ColdReclaimRound Registry::reclaim_cold(const ColdReclaimPolicy& polic
     round.released_bytes += released;
   }
   return round;
+}
+
+std::vector<Registry::ColdMemoryUsage> Registry::cold_memory_usage() const {
+  std::vector<std::pair<std::shared_ptr<Record>, ColdMemoryUsage>> touched;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [id, record] : records_) {
+      SandboxInfo info = record->snapshot();
+      if (info.cold_memory.reclaims == 0 || !record->sandbox || record->destroying.load()) continue;
+      touched.push_back({record, {id, info.cold_memory.reclaimed_bytes, 0}});
+    }
+  }
+  std::vector<ColdMemoryUsage> out;
+  for (auto& [record, usage] : touched) {
+    try {
+      usage.refaults = record->sandbox->refaults();
+    } catch (const std::exception&) {
+      continue;  // destroyed meanwhile
+    }
+    out.push_back(std::move(usage));
+  }
+  std::sort(out.begin(), out.end(), [](const ColdMemoryUsage& a, const ColdMemoryUsage& b) { return a.id < b.id; });
+  return out;
 }
 
 }  // namespace dsec::agent

@@ -45,9 +45,7 @@ std::vector<int> affinity_cpus() {
   return out;
 }
 
-}  // namespace
-
-KernelQos probe_kernel_qos() {
+KernelQos probe() {
   KernelQos k;
   unsigned long cookie = 0;
   // PIDTYPE_PID (0) of this thread: a kernel with core scheduling answers its cookie (0), one without EINVAL.
@@ -72,6 +70,13 @@ KernelQos probe_kernel_qos() {
   }
   k.psi = ::access("/proc/pressure/cpu", R_OK) == 0;
   return k;
+}
+
+}  // namespace
+
+const KernelQos& probe_kernel_qos() {
+  static const KernelQos probed = probe();  // the agent, its container backend and each QEMU tier ask once
+  return probed;
 }
 
 std::vector<int> parse_cpu_list(std::string_view list) {
@@ -158,12 +163,10 @@ QosGrant describe_grant(const Resources& r, const GrantInputs& in) {
       break;
     case Priority::kBatch:
       g.granted.push_back("SCHED_IDLE (" + who + ")");
-      if (v2) {
-        g.granted.push_back("cpu.idle");
-        g.granted.push_back("memory.high (90% of its limit)");
-      } else {
-        g.granted.push_back("memory.soft_limit_in_bytes (half its limit)");
-      }
+      if (in.cpu_idle) g.granted.push_back("cpu.idle (its group yields to every other group)");
+      else g.missing.push_back("cpu.idle: the kernel's cpu controller has none (Linux 5.15+)");
+      if (v2) g.granted.push_back("memory.high (90% of its limit)");
+      else g.granted.push_back("memory.soft_limit_in_bytes (half its limit)");
       [[fallthrough]];
     case Priority::kStandard:
       if (in.cpus && !in.cpus->empty()) g.granted.push_back("cpuset " + in.cpus->shared + " (off the latency CPUs)");

@@ -21,7 +21,8 @@ struct KernelQos {
   bool psi = false;  // /proc/pressure
 };
 
-KernelQos probe_kernel_qos();
+// Probed once per process (what the kernel offers does not change while the agent runs).
+const KernelQos& probe_kernel_qos();
 
 // The CPUs reserved for latency sandboxes (the cpuset fallback for core scheduling), as cpu lists ("3", "6-7").
 // Both empty: nothing reserved, every sandbox may run on every CPU of the agent.
@@ -48,6 +49,7 @@ struct GrantInputs {
   const KernelQos* kernel = nullptr;
   const CpuReservation* cpus = nullptr;
   std::string cgroup_version;
+  bool cpu_idle = false;  // the node's groups have cpu.idle (CgroupDriver::cpu_idle)
   bool vm = false;
   bool ksm = false;  // the sandbox's memory is offered to KSM (its processes asked the kernel, successfully)
 };

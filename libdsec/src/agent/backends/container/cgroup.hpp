@@ -117,6 +117,9 @@ class CgroupDriver {
   // now on run on `latency` (cpu list) when their class is latency and on `shared` otherwise. Call before any
   // create. FAILED_PRECONDITION where the host has no cpuset controller to do it with.
   virtual void reserve_cpus(const std::string& latency, const std::string& shared) = 0;
+  // Whether the kernel has cpu.idle for the agent's groups (v2, and v1's cpu controller on Linux 5.15+): a batch
+  // sandbox's group is then idle-scheduled as a whole, so any other group's waking task preempts it at once.
+  virtual bool cpu_idle() const = 0;
   // Removes groups with no processes under the agent's subtree (left by an earlier run). Groups that still hold
   // processes are left alone: they may belong to another agent that uses the same subtree name.
   virtual void remove_empty_groups() = 0;

@@ -468,6 +468,7 @@ class CgroupV1Driver final : public CgroupDriver {
                                 what));
       make_dir(*root + "/" + name_);
     }
+    cpu_idle_ = ::access((h_.cpu + "/" + name_ + "/cpu.idle").c_str(), F_OK) == 0;
     // Children of the agent's groups inherit hierarchical memory accounting.
     try {
       write_cgroup_file(h_.memory + "/" + name_ + "/memory.use_hierarchy", "1");
@@ -476,6 +477,7 @@ class CgroupV1Driver final : public CgroupDriver {
   }
 
   std::string version() const override { return "v1"; }
+  bool cpu_idle() const override { return cpu_idle_; }
 
   std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
     std::string rel = "/" + name_ + "/" + id;
@@ -500,14 +502,17 @@ class CgroupV1Driver final : public CgroupDriver {
     write_cgroup_file(h_.cpu + rel + "/cpu.cfs_period_us", "100000");
     write_cgroup_file(h_.cpu + rel + "/cpu.cfs_quota_us", std::to_string(std::max(quota, 1000LL)));
     // The class of service (docs/qos.md): CPU weight, and for batch a soft limit the kernel reclaims down to first
-    // under memory pressure (v1 has no memory.low or memory.high). A batch sandbox's tasks also run SCHED_IDLE,
-    // set on its init (spawn.cpp): v1 has no cpu.idle.
+    // under memory pressure (v1 has no memory.low or memory.high). A batch sandbox's tasks run SCHED_IDLE (set on
+    // its init, spawn.cpp), which orders them only among themselves; cpu.idle (Linux 5.15+, in v1's cpu controller
+    // too) makes the group idle-scheduled against every other group. It comes after cpu.shares: the kernel then
+    // refuses a weight for the group.
     write_cgroup_file(h_.cpu + rel + "/cpu.shares", std::to_string(cpu_weight_v1(r.priority)));
     if (r.priority == Priority::kBatch) {
       try {
         write_cgroup_file(mem + "/memory.soft_limit_in_bytes", std::to_string(r.memory_bytes / 2));
       } catch (const Error&) {
       }
+      if (cpu_idle_) write_cgroup_file(h_.cpu + rel + "/cpu.idle", "1");
     }
     write_cgroup_file(h_.pids + rel + "/pids.max", std::to_string(r.pids));
     if (!h_.cpuset.empty())
@@ -576,6 +581,7 @@ class CgroupV1Driver final : public CgroupDriver {
   Hierarchies h_;
   std::string name_;
   std::string latency_cpus_, shared_cpus_;
+  bool cpu_idle_ = false;
 };
 
 }  // namespace

@@ -303,9 +303,11 @@ class CgroupV2Driver final : public CgroupDriver {
     write_cgroup_file(mount_ + "/cgroup.subtree_control", "+cpu +memory +pids");
     if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", root_);
     write_cgroup_file(root_ + "/cgroup.subtree_control", "+cpu +memory +pids");
+    cpu_idle_ = ::access((root_ + "/cpu.idle").c_str(), F_OK) == 0;
   }
 
   std::string version() const override { return "v2"; }
+  bool cpu_idle() const override { return cpu_idle_; }
 
   std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
     std::string dir = root_ + "/" + id;
@@ -326,10 +328,7 @@ class CgroupV2Driver final : public CgroupDriver {
     if (r.priority == Priority::kLatency) write_cgroup_file(dir + "/memory.low", std::to_string(r.memory_bytes));
     if (r.priority == Priority::kBatch) {
       write_cgroup_file(dir + "/memory.high", std::to_string(r.memory_bytes / 10 * 9));
-      try {
-        write_cgroup_file(dir + "/cpu.idle", "1");
-      } catch (const Error&) {
-      }
+      if (cpu_idle_) write_cgroup_file(dir + "/cpu.idle", "1");
     }
     write_cgroup_file(dir + "/pids.max", std::to_string(r.pids));
     if (!latency_cpus_.empty())
@@ -380,6 +379,7 @@ class CgroupV2Driver final : public CgroupDriver {
   std::string mount_;
   std::string root_;
   std::string latency_cpus_, shared_cpus_;  // reserve_cpus
+  bool cpu_idle_ = false;
 };
 
 }  // namespace

@@ -47,6 +47,7 @@
 #include "agent/processes/processes.hpp"
 #include "agent/log.hpp"
 #include "agent/qos/kernel_qos.hpp"
+#include "common/cgroupfs.hpp"
 #include "agent/qos/ksm.hpp"
 #include "common/syscall.hpp"
 
@@ -534,10 +535,19 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     if (sleeping_ || running_execs_ > 0) return std::nullopt;
     ColdReclaim report;
     report.memory_before_bytes = cgroup_->memory_current();
+    // An idle sandbox its last reclaim took to its floor has nothing new to give: stopping it again for nothing
+    // would cost its processes a pause every age period. Growth of less than a MiB (or a tenth) counts as none.
+    if (cold_floor_bytes_ > 0 &&
+        report.memory_before_bytes <= cold_floor_bytes_ + std::max<std::uint64_t>(1 << 20, cold_floor_bytes_ / 10)) {
+      report.memory_after_bytes = report.memory_before_bytes;
+      report.at_floor = true;
+      return report;
+    }
     freeze_and_reclaim(deadline);
     cgroup_->restore_memory();
     cgroup_->thaw();
     report.memory_after_bytes = cgroup_->memory_current();
+    cold_floor_bytes_ = std::max<std::uint64_t>(report.memory_after_bytes, 1);
     report.swap_bytes = cgroup_->swap_current();
     report.seconds = std::chrono::duration<double>(Clock::now() - started).count();
     return report;
@@ -919,6 +929,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   QosGrant qos_;                  // set_qos
   std::shared_ptr<void> ksm_hold_;  // ksmd runs while it lives (qos::hold_ksm), when it asked for KSM
   int running_execs_ = 0;
+  std::uint64_t cold_floor_bytes_ = 0;  // its charge after its last cold reclaim (0: none yet); under power_mu_
 };
 
 class ContainerBackend final : public Backend {
@@ -1308,7 +1319,7 @@ class ContainerBackend final : public Backend {
 
   QosGrant describe_qos(const SandboxSpec& spec, bool merged) const {
     return qos::describe_grant(spec.resources,
-                               {&kernel_qos_, &cpus_, cgroups_->version(), /*vm=*/false, merged});
+                               {&kernel_qos_, &cpus_, cgroups_->version(), cgroups_->cpu_idle(), /*vm=*/false, merged});
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -1361,6 +1372,17 @@ std::string container_cgroup_version() {
   struct statfs st {};
   if (::statfs("/sys/fs/cgroup", &st) == 0 && st.f_type == CGROUP2_SUPER_MAGIC) return "v2";
   return "v1";
+}
+
+bool container_cgroup_cpu_idle(const std::string& cgroup_name) {
+  std::string dir = "/sys/fs/cgroup/" + cgroup_name;
+  if (container_cgroup_version() == "v1") {
+    auto mounts = cgroup_v1_mounts();
+    auto it = mounts.find("cpu");
+    if (it == mounts.end()) return false;
+    dir = it->second + "/" + cgroup_name;
+  }
+  return ::access((dir + "/cpu.idle").c_str(), F_OK) == 0;
 }
 
 }  // namespace dsec::agent

@@ -29,5 +29,7 @@ std::unique_ptr<Backend> make_container_backend(const AgentConfig& config,
 
 // "v1" or "v2": the cgroup hierarchy the backend drives on this host.
 std::string container_cgroup_version();
+// Whether the agent's groups (named `cgroup_name`) have cpu.idle: a batch sandbox's group is then idle-scheduled.
+bool container_cgroup_cpu_idle(const std::string& cgroup_name);
 
 }  // namespace dsec::agent

@@ -74,7 +74,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
       }
     }
     qos_ = qos::describe_grant(spec_.resources, {&shared_.kernel_qos, &shared_.cpus,
-                                                 shared_.cgroups->version(), /*vm=*/true, ksm_hold_ != nullptr});
+                                                 shared_.cgroups->version(), shared_.cgroups->cpu_idle(),
+                                                 /*vm=*/true, ksm_hold_ != nullptr});
     if (boot_.display.kind != DisplaySpec::Kind::kNone)
       screen_ = std::make_unique<VmScreen>(id_, boot_.display.width, boot_.display.height,
                                            [this] { return running_vm("its screen"); }, shared_.network);
