@@ -945,10 +945,16 @@ class ContainerBackend final : public Backend {
       throw Error(Code::kFailedPrecondition, "the kernel has no overlayfs (modprobe overlay)");
     // A sandbox's output pipe closing early must not kill the agent.
     ::signal(SIGPIPE, SIG_IGN);
+    // Every sandbox holds a few descriptors in the agent: thousands of sandboxes need more than a login's hard limit
+    // (20,000 on some hosts). Root may raise the hard limit to the kernel's nr_open; otherwise the soft one goes up
+    // to the hard one.
     rlimit files{};
-    if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-      files.rlim_cur = files.rlim_max;
-      ::setrlimit(RLIMIT_NOFILE, &files);
+    if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+      rlimit wanted{1u << 20, 1u << 20};
+      if (files.rlim_max >= wanted.rlim_max || ::setrlimit(RLIMIT_NOFILE, &wanted) != 0) {
+        files.rlim_cur = files.rlim_max;
+        ::setrlimit(RLIMIT_NOFILE, &files);
+      }
     }
     fs::path init = config.init_binary;
     if (init.empty()) init = fs::read_symlink("/proc/self/exe").parent_path() / "dsec-init";
