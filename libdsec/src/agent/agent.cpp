@@ -222,7 +222,10 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   add_qemu_tier("microvm", microvm_, make_microvm_backend);
   add_qemu_tier("vm", vm_, [this](const AgentConfig& c) { return make_vm_backend(c, network_); });
   cgroup_version_ = "none";
-  if (backends_.count("container") || fncall_) cgroup_version_ = container_cgroup_version();
+  if (backends_.count("container") || fncall_) {
+    cgroup_version_ = container_cgroup_version();
+    cgroup_cpu_idle_ = container_cgroup_cpu_idle(config_.cgroup_name);
+  }
 
   RegistryOptions options;
   options.node_id = config_.node_id;
@@ -503,7 +506,7 @@ QosNodeInfo Agent::qos_node_info() const {
   q.core_scheduling = kernel_qos_.core_scheduling;
   q.core_scheduling_reason = kernel_qos_.core_scheduling_reason;
   q.latency_cpus = latency_cpus_.latency;
-  q.cpu_idle = cgroup_version_ != "none" && container_cgroup_cpu_idle(config_.cgroup_name);
+  q.cpu_idle = cgroup_cpu_idle_;
   qos::ReclaimerStatus reclaim = reclaimer_->status();
   q.reclaim = reclaim.mode;
   q.reclaim_reason = reclaim.reason;

@@ -94,6 +94,7 @@ class Agent {
   AgentConfig config_;
   HostCapacity capacity_;
   std::string cgroup_version_;
+  bool cgroup_cpu_idle_ = false;  // the container groups have cpu.idle (probed once at start)
   Metrics metrics_;
   std::unique_ptr<NodeSwap> swap_;  // the node's swap for sleeping sandboxes, when configured; outlives the sandboxes
   std::unique_ptr<ImageSource> images_;

@@ -200,7 +200,6 @@ class Registry {
     std::size_t sandboxes = 0;          // reclaimed in this round
     std::uint64_t released_bytes = 0;   // their charge before minus after
     std::size_t busy = 0;               // idle long enough but passed over (busy, or a backend without reclaim)
-    std::size_t at_floor = 0;           // idle long enough but nothing new to take since their last reclaim
   };
   ColdReclaimRound reclaim_cold(const ColdReclaimPolicy& policy);
   // The sandboxes the reclaimer has touched, with what it released and the pages read back in since (from the kernel;

@@ -63,10 +63,7 @@ Registry::ColdReclaimRound Registry::reclaim_cold(const ColdReclaimPolicy& polic
       ++round.busy;
       continue;
     }
-    if (done->at_floor) {
-      ++round.at_floor;
-      continue;
-    }
+    if (done->at_floor) continue;  // nothing new to take since its last reclaim
     const std::uint64_t released =
         done->memory_before_bytes > done->memory_after_bytes ? done->memory_before_bytes - done->memory_after_bytes : 0;
     {

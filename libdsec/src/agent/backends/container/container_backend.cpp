@@ -47,8 +47,8 @@
 #include "agent/processes/processes.hpp"
 #include "agent/log.hpp"
 #include "agent/qos/kernel_qos.hpp"
-#include "common/cgroupfs.hpp"
 #include "agent/qos/ksm.hpp"
+#include "common/cgroupfs.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent {
@@ -946,8 +946,8 @@ class ContainerBackend final : public Backend {
     // A sandbox's output pipe closing early must not kill the agent.
     ::signal(SIGPIPE, SIG_IGN);
     // Every sandbox holds a few descriptors in the agent: thousands of sandboxes need more than a login's hard limit
-    // (20,000 on some hosts). Root may raise the hard limit to the kernel's nr_open; otherwise the soft one goes up
-    // to the hard one.
+    // (20,000 on some hosts). Root with CAP_SYS_RESOURCE may raise the hard limit to 1,048,576 (the kernel's default
+    // nr_open); otherwise the soft one goes up to the hard one.
     rlimit files{};
     if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
       rlimit wanted{1u << 20, 1u << 20};
