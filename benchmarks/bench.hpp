@@ -616,6 +616,9 @@ struct PulseNodeResult {
   std::size_t n = 0, threads = 0;
   std::string cgroup;
   std::vector<PulseNodeRun> runs;
+  // After the pulse, on the agent with the pool: creates/s in a closed loop against `crun run` and `bwrap`.
+  std::optional<ThroughputResult> closed_loop;
+  std::uint64_t closed_loop_claims = 0, closed_loop_misses = 0;  // of the pool, during the closed loop
 };
 
 struct Report {
@@ -646,7 +649,9 @@ class Peers;
 SandboxSpec bench_spec(const Options& options);
 
 CreateResult run_create(const Options& options, Client& client, Peers& peers);
-ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers);
+// `spec`: what each cycle creates (default bench_spec(options)).
+ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers,
+                                const std::optional<SandboxSpec>& spec = std::nullopt);
 ExecBenchResult run_exec(const Options& options, Client& client, Peers& peers);
 DensityResult run_density(const Options& options, Client& client);
 CgroupJoinResult run_cgroup_join(const Options& options);
@@ -678,6 +683,7 @@ VmBenchResult run_vm(const Options& options, const std::string& home);
 // Text for the terminal, and the Markdown summary for docs/benchmarks.md.
 void print_create(const CreateResult& r);
 void print_throughput(const ThroughputResult& r);
+std::string markdown_throughput(const ThroughputResult& r, int cores);
 void print_exec(const ExecBenchResult& r);
 // A latency table: its header (p50, p90, p99, max, mean) and one row.
 void print_header();
@@ -711,9 +717,9 @@ ReclaimBenchResult run_reclaim(const Options& options, const std::string& home);
 void print_reclaim(const ReclaimBenchResult& r);
 std::string markdown_reclaim(const ReclaimBenchResult& r);
 
-PulseNodeResult run_pulse_node(const Options& options, const std::string& home);
+PulseNodeResult run_pulse_node(const Options& options, const std::string& home, Peers& peers);
 void print_pulse_node(const PulseNodeResult& r);
-std::string markdown_pulse_node(const PulseNodeResult& r);
+std::string markdown_pulse_node(const PulseNodeResult& r, int cores);
 // "12.3 s; CPU busy 1.98 of 2 cores: dsec-bench, its children and the agent 0.40, kernel threads ..."
 std::string cpu_text(const CpuUse& cpu, int cores);
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix = "  load: ");

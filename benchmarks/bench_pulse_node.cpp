@@ -5,7 +5,8 @@
 // pulse: --pulse-n creates from `--pulse-threads` threads at once, each create a call of its own (the way many
 // trainers' workers would ask), until every sandbox is ready. Reported: the time from the first call to the last
 // answer, per-create latency, creates a second, the pool's claims and misses, and one exec in each sandbox to show
-// they all work. Sandboxes are small and idle (0.01 cores, 16 MiB), the density run's shape; the agents get the
+// they all work. Then, on the pooled agent, creates/s in a closed loop against `crun run` and `bwrap` in the same
+// run (dsec-bench throughput's loop). Sandboxes are small and idle (0.01 cores, 16 MiB), the density run's shape; the agents get the
 // overcommit that admits them.
 #include <atomic>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "dsec/error.hpp"
 #include "dsec/sandbox.hpp"
 #include "host.hpp"
+#include "peers.hpp"
 
 namespace dsec::bench {
 namespace {
@@ -128,7 +130,7 @@ PulseNodeRun one_pulse(const Options& o, Client& client, const std::string& labe
 
 }  // namespace
 
-PulseNodeResult run_pulse_node(const Options& o, const std::string& home) {
+PulseNodeResult run_pulse_node(const Options& o, const std::string& home, Peers& peers) {
   if (!o.endpoints.empty())
     throw Error(Code::kInvalidArgument, "pulse-node starts agents of its own (with and without a warm pool): no --endpoint");
   PulseNodeResult result;
@@ -140,6 +142,16 @@ PulseNodeResult run_pulse_node(const Options& o, const std::string& home) {
     Client client(pulse_agent(o, home, pool));
     result.runs.push_back(one_pulse(o, client, pool ? fmt::format("warm pool of {}", pool) : "no pool", pool));
     result.cgroup = client.nodes().front().cgroup_version;
+    if (pool == 0) continue;
+    // The same node's steady rate, against the peers in the same run: C threads each create then destroy (a create
+    // claims from the pool while it has sandboxes, and the pool refills in the background), the systems taking
+    // turns. The pulse's shape, so the pool matches.
+    fmt::print(stderr, "dsec-bench: pulse-node: creates/s in a closed loop against the peers\n");
+    const NodeInfo before = client.nodes().front();
+    result.closed_loop = run_throughput(o, client, peers, pulse_spec(o));
+    const NodeInfo after = client.nodes().front();
+    result.closed_loop_claims = after.warm_pool_claims - before.warm_pool_claims;
+    result.closed_loop_misses = after.warm_pool_misses - before.warm_pool_misses;
   }
   return result;
 }
@@ -155,9 +167,13 @@ void print_pulse_node(const PulseNodeResult& r) {
                run.working, run.error.empty() ? "" : fmt::format(" (first error: {})", run.error));
     if (run.pool) fmt::print("  {:<20} the pool filled in {:.1f} s\n", "", run.fill_seconds);
   }
+  if (r.closed_loop) {
+    print_throughput(*r.closed_loop);
+    fmt::print("  (the pool during the closed loop: {} claims, {} misses)\n", r.closed_loop_claims, r.closed_loop_misses);
+  }
 }
 
-std::string markdown_pulse_node(const PulseNodeResult& r) {
+std::string markdown_pulse_node(const PulseNodeResult& r, int cores) {
   std::string out = fmt::format("### Pulse on one node: {} creates at once ({} threads, 0.01 cores and 16 MiB each, "
                                 "cgroup {})\n\n| agent | all ready | creates/s | per create p50 | p99 | pool claims | "
                                 "misses | answered an exec |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
@@ -169,6 +185,12 @@ std::string markdown_pulse_node(const PulseNodeResult& r) {
                        run.per_create.empty() ? 0 : run.per_create.percentile(50),
                        run.per_create.empty() ? 0 : run.per_create.percentile(99), run.claims, run.misses,
                        run.working, r.n);
+  if (r.closed_loop) {
+    out += "\nThen, on the agent with the pool, in a closed loop against the peers:\n\n";
+    out += markdown_throughput(*r.closed_loop, cores);
+    out += fmt::format("The pool during the closed loop: {} claims, {} misses.\n", r.closed_loop_claims,
+                       r.closed_loop_misses);
+  }
   return out;
 }
 

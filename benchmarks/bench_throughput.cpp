@@ -90,11 +90,12 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
 
 }  // namespace
 
-ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers) {
+ThroughputResult run_throughput(const Options& options, Client& client, Peers& peers,
+                                const std::optional<SandboxSpec>& spec_in) {
   ThroughputResult result;
   result.window_seconds = options.duration_seconds;
   result.rounds = options.rounds;
-  const SandboxSpec spec = bench_spec(options);
+  const SandboxSpec spec = spec_in ? *spec_in : bench_spec(options);
   const double window = options.duration_seconds / static_cast<double>(options.rounds);
   const std::size_t warmup = std::max<std::size_t>(1, std::min<std::size_t>(options.warmup, 3));
   const int agent = agent_pid_for(client);

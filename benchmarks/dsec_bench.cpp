@@ -106,7 +106,8 @@ Commands:
   pulse-node   a pulse on one node: --pulse-n creates (default 1000, 0.01 cores and 16 MiB each) at once from
                --pulse-threads threads (default 32), on an agent without a pool and then on one keeping a warm pool
                of --pulse-n (dsecd --warm-pool): time until all are ready, per-create latency, the pool's claims and
-               misses. Starts its own agents. Not part of `all`
+               misses; then, on the pooled agent, creates/s in a closed loop against `crun run` and `bwrap` (the
+               throughput benchmark's loop, --concurrency levels). Starts its own agents. Not part of `all`
   all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm, network, qos, reclaim and
                pulse-node, then a
                Markdown summary for docs/benchmarks.md
@@ -401,7 +402,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   const bool all = o.command == "all";
-  const bool needs_peers = all || o.command == "create" || o.command == "throughput" || o.command == "exec";
+  const bool needs_peers =
+      all || o.command == "create" || o.command == "throughput" || o.command == "exec" || o.command == "pulse-node";
   auto wants_peer = [&](const char* name) { return std::find(o.peers.begin(), o.peers.end(), name) != o.peers.end(); };
 
   Report report;
@@ -622,7 +624,7 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   if (o.command == "pulse-node") {
-    report.pulse_node = run_pulse_node(o, home);
+    report.pulse_node = run_pulse_node(o, home, *peers);
     print_pulse_node(*report.pulse_node);
     std::fflush(stdout);
   }
@@ -649,7 +651,7 @@ int run(int argc, char** argv) {
                report.vm ? "\n" + markdown_vm(*report.vm) : std::string(),
                report.qos ? "\n" + markdown_qos(*report.qos) : std::string(),
                report.reclaim ? "\n" + markdown_reclaim(*report.reclaim) : std::string(),
-               report.pulse_node ? "\n" + markdown_pulse_node(*report.pulse_node) : std::string());
+               report.pulse_node ? "\n" + markdown_pulse_node(*report.pulse_node, m.cores) : std::string());
   return 0;
 }
 

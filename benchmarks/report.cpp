@@ -104,6 +104,25 @@ void print_throughput(const ThroughputResult& r) {
   }
 }
 
+std::string markdown_throughput(const ThroughputResult& r, int cores) {
+  std::string md = fmt::format(
+      "### Creates per second (closed loop: each of C threads creates then destroys; {:.0f} s per cell, in {} "
+      "turns with the systems alternating)\n\n",
+      r.window_seconds, r.rounds);
+  md +=
+      "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s | CPU (cores): dsec-bench + "
+      "children + agent / kernel threads / other processes |\n"
+      "| --- | --- | --- | --- | --- | --- |\n";
+  for (const auto& p : r.points)
+    md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} | {:.2f} / {:.2f} / {:.2f} |\n", p.concurrency, p.dsec_rate,
+                      ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
+                      p.crun_measured ? fmt::format("{:.1f}", p.crun_rate) : "n/a",
+                      p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.ours_cores,
+                      p.cpu.kernel_cores, p.cpu.others_cores);
+  md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, cores));
+  return md;
+}
+
 void print_exec(const ExecBenchResult& r) {
   fmt::print("\n== exec of `true`: n={} (after {} warm-up), alternating with the host spawn ==\n", r.n, r.warmup);
   print_header();
@@ -198,24 +217,7 @@ std::string markdown_report(const Report& report, const Options& o) {
                         ms(p.first.percentile(99)), ms(p.all.percentile(50)), ms(p.all.percentile(99)));
     md += "\n";
   }
-  if (report.throughput) {
-    const auto& r = *report.throughput;
-    md += fmt::format(
-        "### Creates per second (closed loop: each of C threads creates then destroys; {:.0f} s per cell, in {} "
-        "turns with the systems alternating)\n\n",
-        r.window_seconds, r.rounds);
-    md +=
-        "| concurrency | dsec creates/s | dsec create p50 / p99 | `crun run`/s | `bwrap`/s | CPU (cores): dsec-bench + "
-        "children + agent / kernel threads / other processes |\n"
-        "| --- | --- | --- | --- | --- | --- |\n";
-    for (const auto& p : r.points)
-      md += fmt::format("| {} | {:.1f} | {} / {} | {} | {} | {:.2f} / {:.2f} / {:.2f} |\n", p.concurrency, p.dsec_rate,
-                        ms(p.dsec_create.percentile(50)), ms(p.dsec_create.percentile(99)),
-                        p.crun_measured ? fmt::format("{:.1f}", p.crun_rate) : "n/a",
-                        p.bwrap_measured ? fmt::format("{:.1f}", p.bwrap_rate) : "n/a", p.cpu.ours_cores,
-                        p.cpu.kernel_cores, p.cpu.others_cores);
-    md += fmt::format("\nLoad during this benchmark: {}.\n\n", cpu_text(r.cpu, m.cores));
-  }
+  if (report.throughput) md += markdown_throughput(*report.throughput, m.cores);
   if (report.exec) {
     const auto& r = *report.exec;
     md += fmt::format("### Exec round trip of `true` (n = {}, {} warm-up, alternating)\n\n", r.n, r.warmup);

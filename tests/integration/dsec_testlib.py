@@ -169,6 +169,17 @@ def cgroup_roots(cgroup_name: str) -> list[str]:
         d = os.path.join(base, entry, cgroup_name)
         if os.path.isdir(d):
             roots.append(d)
+    # Batch sandboxes' cpu groups are under <name>.batch, an idle group beside <name>: v2 <name>.batch/<id>, v1
+    # <cpu>/<name>.batch/<name>/<id>.
+    batch = cgroup_name + ".batch"
+    if os.path.isdir(os.path.join(base, batch)) and not os.path.isdir(os.path.join(base, "cpu", batch)):
+        roots.append(os.path.join(base, batch))
+    for entry in sorted(os.listdir(base)):
+        d = os.path.join(base, entry, batch, cgroup_name)
+        if os.path.isdir(d):
+            roots.append(d)
+        elif os.path.isdir(os.path.dirname(d)) and entry != batch:
+            roots.append(os.path.dirname(d))  # the idle group left without its inner group
     return roots
 
 
@@ -181,7 +192,10 @@ def _under(path: str, root: str) -> bool:
 
 
 def processes_in_cgroup(cgroup_name: str) -> list[tuple[int, str]]:
-    """Host processes whose cgroup path (in any hierarchy) is inside this agent's subtree."""
+    """Host processes whose cgroup path (in any hierarchy) is inside this agent's subtree (or its batch twin:
+    <name>.batch/<rest> on v2, <name>.batch/<name>/<rest> in v1's cpu hierarchy)."""
+    head, _, rest = cgroup_name.partition("/")
+    subtrees = ["/" + cgroup_name, f"/{head}.batch" + (f"/{rest}" if rest else ""), f"/{head}.batch/{cgroup_name}"]
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -195,7 +209,7 @@ def processes_in_cgroup(cgroup_name: str) -> list[tuple[int, str]]:
             continue
         for line in text.splitlines():
             path = line.split(":", 2)[-1]
-            if _under(path, "/" + cgroup_name):
+            if any(_under(path, subtree) for subtree in subtrees):
                 found.append((int(pid), comm))
                 break
     return found
@@ -376,11 +390,14 @@ class Agent:
         assert not found, "dsecd left things behind:\n  " + "\n  ".join(found) + f"\nlog:\n{log}"
 
     def cgroup_dir(self, controller: str, sandbox_id: str) -> str:
-        """A sandbox's cgroup directory for a v1 controller, or its v2 directory."""
-        v1 = f"/sys/fs/cgroup/{controller}/{self.cgroup_name}/{sandbox_id}"
-        if os.path.isdir(f"/sys/fs/cgroup/{controller}/{self.cgroup_name}"):
-            return v1
-        return f"/sys/fs/cgroup/{self.cgroup_name}/{sandbox_id}"
+        """A sandbox's cgroup directory for a v1 controller, or its v2 directory (a batch sandbox's cpu group is
+        under <name>.batch where the kernel has cpu.idle)."""
+        name = self.cgroup_name
+        if os.path.isdir(f"/sys/fs/cgroup/{controller}/{name}"):
+            batch = f"/sys/fs/cgroup/{controller}/{name}.batch/{name}/{sandbox_id}"
+            return batch if os.path.isdir(batch) else f"/sys/fs/cgroup/{controller}/{name}/{sandbox_id}"
+        batch = f"/sys/fs/cgroup/{name}.batch/{sandbox_id}"
+        return batch if os.path.isdir(batch) else f"/sys/fs/cgroup/{name}/{sandbox_id}"
 
     def remove_husks(self) -> None:
         """After the checks: remove the (empty) cgroup subtree roots, the run dir and the temp dir."""
@@ -388,6 +405,11 @@ class Agent:
             for dirpath, dirnames, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
                 try:
                     os.rmdir(dirpath)
+                except OSError:
+                    pass
+            if os.path.basename(os.path.dirname(root)) == self.cgroup_name + ".batch":
+                try:
+                    os.rmdir(os.path.dirname(root))
                 except OSError:
                     pass
         for d in (self.run_dir,):

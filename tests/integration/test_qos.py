@@ -49,6 +49,13 @@ def test_each_class_gets_its_weight_and_policy(client, agent):
         idle = os.path.join(agent.cgroup_dir("cpu", made["batch"].id), "cpu.idle")
         batch_idle = os.path.exists(idle) and open(idle).read().strip() == "1"
         assert batch_idle == client.nodes()[0].qos.cpu_idle
+        if batch_idle:
+            # The batch group sits in an idle group at the top of the hierarchy, beside the agent's subtree, so that
+            # everything outside it (the agent's threads, the trainer) preempts it too.
+            d = agent.cgroup_dir("cpu", made["batch"].id)
+            top = d.split(".batch/")[0] + ".batch"
+            assert ".batch/" in d and open(os.path.join(top, "cpu.idle")).read().strip() == "1", d
+            assert ".batch/" not in agent.cgroup_dir("cpu", made["standard"].id)
         expected = {"cpu.shares": (4096, 1024, 3 if batch_idle else 2), "cpu.weight": (400, 100, 1)}[name]
         assert (weights["latency"][1], weights["standard"][1], weights["batch"][1]) == expected, weights
         for priority in ("latency", "standard"):

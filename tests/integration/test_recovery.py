@@ -69,6 +69,11 @@ def spec(**fields) -> dict:
     return out
 
 
+def client_cpu_idle(agent: lib.Agent) -> bool:
+    """Whether the node idle-schedules batch groups (cgroup cpu.idle)."""
+    return call(agent, "GET", "/v1/node").json()["qos"]["cpu_idle"]
+
+
 def create(agent: lib.Agent, **fields) -> dict:
     r = call(agent, "POST", "/v1/sandboxes", spec(**fields))
     assert r.status in (200, 201), r
@@ -312,7 +317,10 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
     a = start_agent(own_home)
     restarted = None
     try:
-        counters = [create(a, labels={"role": "counter", "n": str(i)}) for i in range(2)]
+        # The second is batch-class: its cpu group is in the idle group beside the agent's subtree, and is taken
+        # over from there.
+        counters = [create(a, labels={"role": "counter", "n": str(i)}, **({"priority": "batch"} if i else {}))
+                    for i in range(2)]
         for sb in counters:
             call(a, "PUT", f"/v1/sandboxes/{sb['id']}/files?path=/data/note", b"written before the crash\n")
             assert sh(a, sb["id"], COUNTER)[0] == 0
@@ -375,6 +383,10 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
             assert counter_runs(restarted, sb["id"]), f"the background counter of {sb['id']} stopped"
             assert sh(restarted, sb["id"], "echo alive") == (0, "alive\n")
         assert "sleep 3111" not in sh(restarted, counters[0]["id"], "ps")[1]
+        assert info(restarted, counters[1]["id"])["priority"] == "batch"
+        if client_cpu_idle(restarted):
+            batch_dir = restarted.cgroup_dir("cpu", counters[1]["id"])
+            assert ".batch/" in batch_dir and os.path.isdir(batch_dir), batch_dir
         # Sleep and wake work on a sandbox taken over.
         sid = counters[1]["id"]
         own_limit = read_int(memory_limit_file(restarted, sid))

@@ -195,7 +195,7 @@ def charged(agent: lib.Agent, sandbox_id: str) -> int:
     v1 = v1_memory_file(agent, sandbox_id, "memory.usage_in_bytes")
     if v1 is not None:
         return int(v1)
-    with open(f"/sys/fs/cgroup/{agent.cgroup_name}/{sandbox_id}/memory.current") as f:
+    with open(os.path.join(agent.cgroup_dir("memory", sandbox_id), "memory.current")) as f:
         return int(f.read())
 
 
@@ -207,7 +207,7 @@ def in_swap(agent: lib.Agent, sandbox_id: str) -> int:
             if k == "swap":
                 return int(v)
         return 0
-    with open(f"/sys/fs/cgroup/{agent.cgroup_name}/{sandbox_id}/memory.swap.current") as f:
+    with open(os.path.join(agent.cgroup_dir("memory", sandbox_id), "memory.swap.current")) as f:
         return int(f.read())
 
 

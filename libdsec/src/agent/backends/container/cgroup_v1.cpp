@@ -469,6 +469,17 @@ class CgroupV1Driver final : public CgroupDriver {
       make_dir(*root + "/" + name_);
     }
     cpu_idle_ = ::access((h_.cpu + "/" + name_ + "/cpu.idle").c_str(), F_OK) == 0;
+    // Batch sandboxes' cpu groups live apart, under <cpu>/<name>.batch/<name>/<id>: an idle group yields at once
+    // only to its siblings, so the idle group must sit beside the agent, the trainer and the other sandboxes' common
+    // group at the top of the hierarchy for a waking agent thread or latency sandbox to preempt batch work at once
+    // (inside <name> it would yield to latency sandboxes only, and <name> as a whole would still compete with the
+    // agent at full weight).
+    if (cpu_idle_) {
+      batch_cpu_ = h_.cpu + "/" + name_ + ".batch";
+      make_dir(batch_cpu_);
+      write_cgroup_file(batch_cpu_ + "/cpu.idle", "1");
+      make_dir(batch_cpu_ + "/" + name_);
+    }
     // Children of the agent's groups inherit hierarchical memory accounting.
     try {
       write_cgroup_file(h_.memory + "/" + name_ + "/memory.use_hierarchy", "1");
@@ -481,11 +492,12 @@ class CgroupV1Driver final : public CgroupDriver {
 
   std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
     std::string rel = "/" + name_ + "/" + id;
-    for (const auto* root : h_.all()) {
+    const Hierarchies h = r.priority == Priority::kBatch ? batch_hierarchies() : h_;
+    for (const auto* root : h.all()) {
       std::string d = *root + rel;
       if (::mkdir(d.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", d);
     }
-    auto group = std::make_unique<SandboxCgroupV1>(h_, rel);
+    auto group = std::make_unique<SandboxCgroupV1>(h, rel);
     std::string mem = h_.memory + rel;
     write_cgroup_file(mem + "/memory.limit_in_bytes", std::to_string(r.memory_bytes));
     try {
@@ -499,20 +511,20 @@ class CgroupV1Driver final : public CgroupDriver {
     } catch (const Error&) {
     }
     auto quota = static_cast<long long>(r.cpu * 100000);
-    write_cgroup_file(h_.cpu + rel + "/cpu.cfs_period_us", "100000");
-    write_cgroup_file(h_.cpu + rel + "/cpu.cfs_quota_us", std::to_string(std::max(quota, 1000LL)));
+    write_cgroup_file(h.cpu + rel + "/cpu.cfs_period_us", "100000");
+    write_cgroup_file(h.cpu + rel + "/cpu.cfs_quota_us", std::to_string(std::max(quota, 1000LL)));
     // The class of service (docs/qos.md): CPU weight, and for batch a soft limit the kernel reclaims down to first
     // under memory pressure (v1 has no memory.low or memory.high). A batch sandbox's tasks run SCHED_IDLE (set on
     // its init, spawn.cpp), which orders them only among themselves; cpu.idle (Linux 5.15+, in v1's cpu controller
     // too) makes the group idle-scheduled against every other group. It comes after cpu.shares: the kernel then
     // refuses a weight for the group.
-    write_cgroup_file(h_.cpu + rel + "/cpu.shares", std::to_string(cpu_weight_v1(r.priority)));
+    write_cgroup_file(h.cpu + rel + "/cpu.shares", std::to_string(cpu_weight_v1(r.priority)));
     if (r.priority == Priority::kBatch) {
       try {
         write_cgroup_file(mem + "/memory.soft_limit_in_bytes", std::to_string(r.memory_bytes / 2));
       } catch (const Error&) {
       }
-      if (cpu_idle_) write_cgroup_file(h_.cpu + rel + "/cpu.idle", "1");
+      if (cpu_idle_) write_cgroup_file(h.cpu + rel + "/cpu.idle", "1");
     }
     write_cgroup_file(h_.pids + rel + "/pids.max", std::to_string(r.pids));
     if (!h_.cpuset.empty())
@@ -549,9 +561,12 @@ class CgroupV1Driver final : public CgroupDriver {
         if (sub.is_directory()) empty = empty && read_pids(sub.path().string() + "/cgroup.procs").empty();
       if (!empty) continue;
       std::string id = entry.path().filename().string();
-      for (const auto* root : h_.all()) {
+      std::vector<std::string> roots{batch_cpu_};
+      for (const auto* root : h_.all()) roots.push_back(*root);
+      for (const auto& root : roots) {
+        if (root.empty()) continue;
         try {
-          remove_tree(*root + "/" + name_ + "/" + id);
+          remove_tree(root + "/" + name_ + "/" + id);
         } catch (const Error&) {
         }
       }
@@ -560,28 +575,43 @@ class CgroupV1Driver final : public CgroupDriver {
 
   void remove_subtree_if_empty() override {
     for (const auto* root : h_.all()) ::rmdir((*root + "/" + name_).c_str());
+    if (!batch_cpu_.empty()) {
+      ::rmdir((batch_cpu_ + "/" + name_).c_str());
+      ::rmdir(batch_cpu_.c_str());
+    }
   }
 
-  void remove_sandbox_groups(const std::string& id) override { SandboxCgroupV1(h_, "/" + name_ + "/" + id).destroy(); }
+  void remove_sandbox_groups(const std::string& id) override {
+    const std::string rel = "/" + name_ + "/" + id;
+    SandboxCgroupV1(h_, rel).destroy();
+    if (!batch_cpu_.empty()) remove_tree(batch_cpu_ + rel);
+  }
 
   std::unique_ptr<SandboxCgroup> adopt(const std::string& path) override {
     check_adoptable_path(path);
-    for (const auto* root : {&h_.cpu, &h_.memory, &h_.pids, &h_.freezer}) {
-      struct stat st {};
-      if (::stat((*root + path).c_str(), &st) != 0) throw_errno_fmt(errno, "cgroup {}{}", *root, path);
-    }
-    // A sandbox made before CPUs were reserved has no cpuset group: it keeps running where it ran.
-    Hierarchies h = h_;
+    // A batch sandbox's cpu group is under <name>.batch.
     struct stat st {};
+    Hierarchies h = !batch_cpu_.empty() && ::stat((batch_cpu_ + path).c_str(), &st) == 0 ? batch_hierarchies() : h_;
+    for (const auto* root : {&h.cpu, &h.memory, &h.pids, &h.freezer})
+      if (::stat((*root + path).c_str(), &st) != 0) throw_errno_fmt(errno, "cgroup {}{}", *root, path);
+    // A sandbox made before CPUs were reserved has no cpuset group: it keeps running where it ran.
     if (!h.cpuset.empty() && ::stat((h.cpuset + path).c_str(), &st) != 0) h.cpuset.clear();
     return std::make_unique<SandboxCgroupV1>(h, path);
   }
 
  private:
+  // Where a batch sandbox's groups are: the same but for cpu (and cpuacct where the two share a hierarchy).
+  Hierarchies batch_hierarchies() const {
+    Hierarchies h = h_;
+    if (!batch_cpu_.empty()) h.cpu = batch_cpu_;
+    return h;
+  }
+
   Hierarchies h_;
   std::string name_;
   std::string latency_cpus_, shared_cpus_;
   bool cpu_idle_ = false;
+  std::string batch_cpu_;  // <cpu>/<name>.batch, of cpu.idle 1; empty where the kernel has no cpu.idle
 };
 
 }  // namespace

@@ -304,13 +304,22 @@ class CgroupV2Driver final : public CgroupDriver {
     if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", root_);
     write_cgroup_file(root_ + "/cgroup.subtree_control", "+cpu +memory +pids");
     cpu_idle_ = ::access((root_ + "/cpu.idle").c_str(), F_OK) == 0;
+    // Batch sandboxes live apart, under <mount>/<name>.batch/<id>, a group of cpu.idle 1: an idle group yields at
+    // once only to its siblings, so it must sit beside the agent's, the trainer's and the other sandboxes' groups for
+    // their waking threads to preempt batch work at once.
+    if (cpu_idle_) {
+      batch_root_ = root_ + ".batch";
+      if (::mkdir(batch_root_.c_str(), 0755) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", batch_root_);
+      write_cgroup_file(batch_root_ + "/cgroup.subtree_control", "+cpu +memory +pids");
+      write_cgroup_file(batch_root_ + "/cpu.idle", "1");
+    }
   }
 
   std::string version() const override { return "v2"; }
   bool cpu_idle() const override { return cpu_idle_; }
 
   std::unique_ptr<SandboxCgroup> create(const std::string& id, const Resources& r) override {
-    std::string dir = root_ + "/" + id;
+    std::string dir = (r.priority == Priority::kBatch && !batch_root_.empty() ? batch_root_ : root_) + "/" + id;
     if (::mkdir(dir.c_str(), 0755) != 0) throw_errno_fmt(errno, "mkdir {}", dir);
     auto group = std::make_unique<SandboxCgroupV2>(dir, dir.substr(mount_.size()));
     write_cgroup_file(dir + "/memory.max", std::to_string(r.memory_bytes));
@@ -348,24 +357,35 @@ class CgroupV2Driver final : public CgroupDriver {
                               mount_));
     write_cgroup_file(mount_ + "/cgroup.subtree_control", "+cpuset");
     write_cgroup_file(root_ + "/cgroup.subtree_control", "+cpuset");
+    if (!batch_root_.empty()) write_cgroup_file(batch_root_ + "/cgroup.subtree_control", "+cpuset");
     latency_cpus_ = latency;
     shared_cpus_ = shared;
   }
 
   void remove_empty_groups() override {
     std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(root_, ec)) {
-      if (!entry.is_directory() || populated(entry.path())) continue;
-      for (const auto& child : fs::directory_iterator(entry.path(), ec))
-        if (child.is_directory()) ::rmdir(child.path().c_str());
-      ::rmdir(entry.path().c_str());
+    for (const auto* top : {&root_, &batch_root_}) {
+      if (top->empty()) continue;
+      for (const auto& entry : fs::directory_iterator(*top, ec)) {
+        if (!entry.is_directory() || populated(entry.path())) continue;
+        for (const auto& child : fs::directory_iterator(entry.path(), ec))
+          if (child.is_directory()) ::rmdir(child.path().c_str());
+        ::rmdir(entry.path().c_str());
+      }
     }
   }
 
-  void remove_subtree_if_empty() override { ::rmdir(root_.c_str()); }
+  void remove_subtree_if_empty() override {
+    ::rmdir(root_.c_str());
+    if (!batch_root_.empty()) ::rmdir(batch_root_.c_str());
+  }
 
   void remove_sandbox_groups(const std::string& id) override {
-    SandboxCgroupV2(root_ + "/" + id, root_.substr(mount_.size()) + "/" + id).destroy();
+    for (const auto* top : {&root_, &batch_root_}) {
+      std::error_code ec;
+      if (top->empty() || !fs::exists(*top + "/" + id, ec)) continue;
+      SandboxCgroupV2(*top + "/" + id, top->substr(mount_.size()) + "/" + id).destroy();
+    }
   }
 
   std::unique_ptr<SandboxCgroup> adopt(const std::string& path) override {
@@ -378,6 +398,7 @@ class CgroupV2Driver final : public CgroupDriver {
  private:
   std::string mount_;
   std::string root_;
+  std::string batch_root_;  // <root_>.batch, of cpu.idle 1; empty where the kernel has no cpu.idle
   std::string latency_cpus_, shared_cpus_;  // reserve_cpus
   bool cpu_idle_ = false;
 };

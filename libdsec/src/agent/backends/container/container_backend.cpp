@@ -204,7 +204,7 @@ void set_hostname_of(pid_t pid, const std::string& hostname) {
 class ContainerSandbox final : public BackendSandbox, public InitProcesses {
  public:
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
-                   std::unique_ptr<SandboxCgroup> cgroup, UniqueFd netns, std::chrono::milliseconds reclaim_timeout,
+                   std::unique_ptr<SandboxCgroup> cgroup, std::chrono::milliseconds reclaim_timeout,
                    Identity identity, std::string cgroup_version, std::shared_ptr<UserNamespaces> userns,
                    std::shared_ptr<network::NodeNetwork> network, bool adopted = false, bool sleeping = false,
                    std::uint64_t first_exec = 0)
@@ -216,7 +216,6 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
         socket_path_((run_dir_ / "init.sock").string()),
         init_(std::move(init)),
         cgroup_(std::move(cgroup)),
-        netns_(std::move(netns)),
         identity_(std::move(identity)),
         cgroup_version_(std::move(cgroup_version)),
         userns_(std::move(userns)),
@@ -746,7 +745,6 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
       std::lock_guard lock(network_mu_);
       if (identity_.link && network_) network_->detach(id_);
     }
-    netns_.reset();
     // Every process that had the block's ids is gone: another sandbox may have them.
     if (identity_.userns_first && userns_) userns_->give_back(*identity_.userns_first);
     std::error_code ec;
@@ -907,7 +905,6 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   std::string socket_path_;
   SpawnedInit init_;
   std::unique_ptr<SandboxCgroup> cgroup_;
-  UniqueFd netns_;  // empty for an adopted sandbox: its init holds the namespace
   Identity identity_;
   std::string cgroup_version_;
   std::shared_ptr<UserNamespaces> userns_;  // gets the block back at destroy
@@ -1137,7 +1134,7 @@ class ContainerBackend final : public Backend {
     // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
     identity.init_start_time = process_start_time(init.pid).value_or(0);
     auto sandbox = std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init),
-                                                      std::move(cgroup), std::move(netns),
+                                                      std::move(cgroup),
                                                       config_.sleep_reclaim_timeout, std::move(identity),
                                                       cgroups_->version(), userns_, network_);
     sandbox->set_qos(describe_qos(params.spec, req.memory_merge), std::move(ksm_hold));
@@ -1313,7 +1310,7 @@ class ContainerBackend final : public Backend {
     Identity identity{boot_id_, start_time, netns_inode, devices, userns_first, link};
     give_back.first.reset();
     auto sandbox = std::make_unique<ContainerSandbox>(
-        params.id, params.spec, run_dir, std::move(init), std::move(cgroup), UniqueFd(), config_.sleep_reclaim_timeout,
+        params.id, params.spec, run_dir, std::move(init), std::move(cgroup), config_.sleep_reclaim_timeout,
         std::move(identity), version, userns_, network_, true, params.sleeping, next_exec);
     // Its processes kept whatever they were started with; ksmd runs again while it lives.
     const bool merged = params.spec.resources.ksm && kernel_qos_.memory_merge;
