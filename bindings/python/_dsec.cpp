@@ -868,6 +868,11 @@ PYBIND11_MODULE(_dsec, m) {
       .def(
           "info", [](PySandbox& self) { return self.get().info(); }, py::call_guard<py::gil_scoped_release>())
       .def(
+          "set_ttl",
+          [](PySandbox& self, std::int64_t seconds) { return self.get().set_ttl(std::chrono::seconds(seconds)); },
+          py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+          "Destroys the sandbox that many seconds from now (0: never); answers its info.")
+      .def(
           "network", [](PySandbox& self) { return self.get().network(); }, py::call_guard<py::gil_scoped_release>(),
           "The network policy in force.")
       .def(

@@ -199,6 +199,36 @@ def test_ttl_reaps_the_sandbox(client, agent):
     sb.destroy()  # destroying what the reaper took is fine
 
 
+def test_set_ttl_moves_the_deadline_either_way(client, agent):
+    sb = client.create(image="busybox", ttl=3600)
+    try:
+        before = time.time()
+        longer = sb.set_ttl(7200)
+        assert before + 7200 - 1 <= longer.expires_at <= time.time() + 7200 + 1, longer
+        assert sb.info().expires_at == longer.expires_at
+        assert sb.set_ttl(0).expires_at == 0  # none
+        with pytest.raises(dsec.InvalidArgument):
+            sb.set_ttl(-1)
+        res = lib.http_request(agent.socket_path, "PUT", f"/v1/sandboxes/{sb.id}/ttl", b'{"ttl": "soon"}',
+                               {"Content-Type": "application/json"})
+        assert res.status == 400 and b"ttl" in res.body, res
+        # Shorter than it had left: the reaper takes it at the new deadline.
+        sb.set_ttl(1)
+
+        def gone():
+            try:
+                return sb.info().state == "destroyed"
+            except dsec.NotFound:
+                return True
+
+        assert lib.wait_for(gone, 6, 0.2), sb.info()
+        with pytest.raises(dsec.NotFound):
+            sb.set_ttl(60)
+    finally:
+        sb.destroy()
+    assert lib.wait_for(lambda: not agent.leftovers(sb.id), 3), agent.leftovers(sb.id)
+
+
 def test_destroy_is_idempotent(client, agent):
     sb = client.create(image="busybox", ttl=300)
     sid = sb.id

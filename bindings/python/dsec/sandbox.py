@@ -234,6 +234,13 @@ class Sandbox(ScreenMethods):
         """The agent's record of this sandbox (state, image, resources, labels, expiry)."""
         return self._sb.info()
 
+    def set_ttl(self, seconds: int) -> SandboxInfo:
+        """Sets the sandbox's deadline to ``seconds`` from now (0: none), earlier or later than it was, and returns
+        its info with the new ``expires_at``. More than one year raises :class:`InvalidArgument`."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int) or not 0 <= seconds <= 365 * 86400:
+            raise InvalidArgument(f"seconds: {seconds!r} is not a whole number of seconds from 0 to one year")
+        return self._sb.set_ttl(seconds)
+
     def expose(self, port: int) -> str:
         """Exposes TCP port ``port`` of the sandbox at a port of its node and returns where: ``"host:port"``,
         reachable by whoever reaches the node (a grader, a browser, another machine) and by no sandbox. Gone with

@@ -103,6 +103,9 @@ class Sandbox {
   std::string download_tar(std::string_view dir) const;
 
   SandboxInfo info() const;
+  // Its TTL from now: the agent destroys it `ttl` from now (0: never), whether that is earlier or later than its
+  // deadline was. Answers its info with the new expires_at. INVALID_ARGUMENT beyond one year.
+  SandboxInfo set_ttl(std::chrono::seconds ttl) const;
   // Sleep freezes every process of the sandbox in place and releases the memory it can (page cache always;
   // anonymous memory only where the node has swap); its state becomes "sleeping" and its cpu is free for other
   // sandboxes on the node. Files stay readable and writable; exec is FAILED_PRECONDITION until wake(), which lets

@@ -155,6 +155,8 @@ class Registry {
   // the policy is in its record, so a restart keeps it. NOT_FOUND for an unknown or destroyed sandbox,
   // FAILED_PRECONDITION for a failed one; a malformed policy is INVALID_ARGUMENT and changes nothing.
   SandboxInfo set_network(const std::string& id, const NetworkPolicy& policy);
+  // Its deadline becomes now + ttl (0: none), earlier or later than it was; persisted.
+  SandboxInfo set_ttl(const std::string& id, std::chrono::seconds ttl);
   // Exposed ports (docs/networking.md): expose answers "host:port"; the record keeps them for a restart.
   std::string expose(const std::string& id, std::uint32_t port);
   void unexpose(const std::string& id, std::uint32_t port);

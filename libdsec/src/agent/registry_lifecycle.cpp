@@ -190,6 +190,16 @@ SandboxInfo Registry::set_network(const std::string& id, const NetworkPolicy& po
   return record->snapshot();
 }
 
+SandboxInfo Registry::set_ttl(const std::string& id, std::chrono::seconds ttl) {
+  std::shared_ptr<Record> record = find_live(id);
+  {
+    std::lock_guard lock(record->mutex);
+    record->info.expires_at = ttl.count() > 0 ? now() + static_cast<double>(ttl.count()) : 0;
+  }
+  write_record_or_warn(*record, "ttl");
+  return record->snapshot();
+}
+
 std::string Registry::expose(const std::string& id, std::uint32_t port) {
   std::shared_ptr<Record> record = find_live(id);
   check_alive(*record);

@@ -249,10 +249,21 @@ HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream, const 
 }
 
 auth::Principal Router::authenticate(const HttpRequest& request, const Peer& peer, Route route) {
-  if (!access_.tokens || (!peer.tcp && !access_.tokens_on_unix)) return auth::operator_principal();
+  if (!access_.tokens) return auth::operator_principal();
+  auto header = request.find(http::field::authorization);
+  if (!peer.tcp && !access_.tokens_on_unix) {
+    // The operator's socket: a caller that presents a token acts as that token's tenant (a gateway that serves its
+    // tenants from one socket, docs/e2b.md); one that presents none is the operator.
+    if (header == request.end()) return auth::operator_principal();
+    std::optional<auth::Principal> who = access_.tokens->authenticate(std_view(header->value()));
+    if (!who) {
+      metrics_.unauthenticated();
+      throw Error(Code::kUnauthenticated, "the bearer token is not one of this node's");
+    }
+    return *who;
+  }
   // A load balancer's health check carries no token.
   if (route == Route::kHealthz) return auth::operator_principal();
-  auto header = request.find(http::field::authorization);
   if (header == request.end()) {
     metrics_.unauthenticated();
     throw Error(Code::kUnauthenticated, "this node needs a bearer token: send 'Authorization: Bearer <token>' "
@@ -346,6 +357,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxFiles: return files(request, target);
     case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
     case Route::kSandboxNetwork: return network(request, target);
+    case Route::kSandboxTtl: return ttl(request, target);
     case Route::kSandboxPorts: return ports(request, target);
     case Route::kSandboxNetworkUsage: {
       allow(request, "/v1/sandboxes/{id}/network/usage", {http::verb::get});
@@ -548,6 +560,24 @@ HttpResponse Router::network(HttpRequest& request, const Target& target) {
   NetworkPolicy policy = protocol::decode_network(protocol::parse_body(request.body()));
   SandboxInfo info = registry_.set_network(target.sandbox_id, policy);
   return json_response(http::status::ok, protocol::encode(info.network));
+}
+
+// PUT {"ttl": seconds}: the sandbox is destroyed that long from now (0: never), earlier or later than its deadline
+// was. The answer is its status.
+HttpResponse Router::ttl(HttpRequest& request, const Target& target) {
+  allow(request, "/v1/sandboxes/{id}/ttl", {http::verb::put});
+  only_params(target.query, {});
+  json body = protocol::parse_body(request.body());
+  if (!body.is_object() || !body.contains("ttl"))
+    throw Error(Code::kInvalidArgument, "ttl: the body must be a JSON object such as {\"ttl\": 300}");
+  for (const auto& [key, value] : body.items())
+    if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("ttl: unknown field '{}' (known: ttl)", key));
+  const json& v = body.at("ttl");
+  if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > protocol::kMaxTtlSeconds)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("ttl: {} is not a whole number of seconds from 0 to {}", v.dump(), protocol::kMaxTtlSeconds));
+  return json_response(http::status::ok,
+                       protocol::encode(registry_.set_ttl(target.sandbox_id, std::chrono::seconds(v.get<std::int64_t>()))));
 }
 
 // GET: the exposed ports. POST {"port": N}: expose one (201 with its address). DELETE ?port=N: unexpose it.

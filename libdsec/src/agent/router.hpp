@@ -61,6 +61,7 @@ class Router {
                         const auth::Principal& who);
   HttpResponse node(HttpRequest& request, const auth::Principal& who);
   HttpResponse network(HttpRequest& request, const Target& target);
+  HttpResponse ttl(HttpRequest& request, const Target& target);
   HttpResponse ports(HttpRequest& request, const Target& target);
   HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who,
                          ResponseStream* stream);

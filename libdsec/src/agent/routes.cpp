@@ -36,6 +36,7 @@ std::string_view route_template(Route route) noexcept {
     case Route::kSandboxSnapshot: return "/v1/sandboxes/{id}/snapshot";
     case Route::kSandboxFork: return "/v1/sandboxes/{id}/fork";
     case Route::kSandboxNetwork: return "/v1/sandboxes/{id}/network";
+    case Route::kSandboxTtl: return "/v1/sandboxes/{id}/ttl";
     case Route::kSandboxPorts: return "/v1/sandboxes/{id}/ports";
     case Route::kSandboxNetworkUsage: return "/v1/sandboxes/{id}/network/usage";
     case Route::kSandboxScreen: return "/v1/sandboxes/{id}/screen";
@@ -154,6 +155,7 @@ Target parse_target(std::string_view target) {
         else if (parts.size() == 4 && parts[3] == "snapshot") out.route = Route::kSandboxSnapshot;
         else if (parts.size() == 4 && parts[3] == "fork") out.route = Route::kSandboxFork;
         else if (parts.size() == 4 && parts[3] == "network") out.route = Route::kSandboxNetwork;
+        else if (parts.size() == 4 && parts[3] == "ttl") out.route = Route::kSandboxTtl;
         else if (parts.size() == 4 && parts[3] == "ports") out.route = Route::kSandboxPorts;
         else if (parts.size() == 5 && parts[3] == "network" && parts[4] == "usage")
           out.route = Route::kSandboxNetworkUsage;

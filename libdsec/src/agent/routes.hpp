@@ -26,6 +26,7 @@ enum class Route {
   kSandboxSnapshot, // /v1/sandboxes/{id}/snapshot
   kSandboxFork,     // /v1/sandboxes/{id}/fork
   kSandboxNetwork,  // /v1/sandboxes/{id}/network
+  kSandboxTtl,      // /v1/sandboxes/{id}/ttl
   kSandboxPorts,    // /v1/sandboxes/{id}/ports
   kSandboxNetworkUsage,  // /v1/sandboxes/{id}/network/usage
   kSandboxProcesses,       // /v1/sandboxes/{id}/processes

@@ -833,6 +833,15 @@ NetworkPolicy ClientCore::set_network(const std::string& id, const NetworkPolicy
   return protocol::decode_network(parse_json(r, "PUT /v1/sandboxes/{id}/network"));
 }
 
+SandboxInfo ClientCore::set_ttl(const std::string& id, std::chrono::seconds ttl) {
+  if (ttl.count() < 0 || ttl.count() > protocol::kMaxTtlSeconds)
+    throw Error(Code::kInvalidArgument, fmt::format("ttl: {} s is not from 0 to one year", ttl.count()));
+  // A retry moves the deadline by the time between the two: retried like a read.
+  auto r = call_sandbox(id, http_request("PUT", sandbox_path(id, "/ttl"), protocol::json{{"ttl", ttl.count()}}.dump(),
+                                         kJson));
+  return protocol::decode_sandbox_info(parse_json(r, "PUT /v1/sandboxes/{id}/ttl"));
+}
+
 NetworkUsage ClientCore::network_usage(const std::string& id) {
   auto r = call_sandbox(id, http_request("GET", sandbox_path(id, "/network/usage")));
   return protocol::decode_network_usage(parse_json(r, "GET /v1/sandboxes/{id}/network/usage"));

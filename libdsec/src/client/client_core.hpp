@@ -74,6 +74,7 @@ class ClientCore {
   SandboxInfo get(const std::string& id);
   NetworkPolicy network(const std::string& id);
   NetworkPolicy set_network(const std::string& id, const NetworkPolicy& policy);
+  SandboxInfo set_ttl(const std::string& id, std::chrono::seconds ttl);
   std::string expose(const std::string& id, std::uint32_t port);
   void unexpose(const std::string& id, std::uint32_t port);
   std::map<std::uint32_t, std::string> exposed(const std::string& id);

@@ -72,6 +72,7 @@ SandboxInfo Sandbox::info() const { return core().get(id_); }
 
 SleepResult Sandbox::sleep() const { return core().sleep_or_wake(id_, true); }
 NetworkPolicy Sandbox::network() const { return core().network(id_); }
+SandboxInfo Sandbox::set_ttl(std::chrono::seconds ttl) const { return core().set_ttl(id_, ttl); }
 NetworkPolicy Sandbox::set_network(const NetworkPolicy& policy) const { return core().set_network(id_, policy); }
 std::string Sandbox::expose(std::uint32_t port) const { return core().expose(id_, port); }
 void Sandbox::unexpose(std::uint32_t port) const { core().unexpose(id_, port); }

@@ -266,7 +266,8 @@ SandboxSpec decode_spec(const json& j) {
     s.resources.connections = static_cast<std::uint32_t>(connections);
   }
   double ttl = get_number(j, "ttl", "ttl", static_cast<double>(s.ttl.count()));
-  if (ttl < 0 || ttl > 365.0 * 86400) bad("ttl", "must be between 0 (no TTL) and one year, in seconds");
+  if (ttl < 0 || ttl > static_cast<double>(kMaxTtlSeconds))
+    bad("ttl", "must be between 0 (no TTL) and one year, in seconds");
   s.ttl = std::chrono::seconds{static_cast<std::int64_t>(ttl)};
   s.env = get_string_map(j, "env", "env");
   s.labels = get_string_map(j, "labels", "labels");

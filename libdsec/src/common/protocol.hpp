@@ -36,6 +36,8 @@ void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_A
 // A lease group's id: 1 to 128 of letters, digits, '.', '_' and '-'. Group TTLs are 1 to 86400 seconds.
 bool valid_group_id(std::string_view id) noexcept;
 inline constexpr double kMaxGroupTtlSeconds = 86400;
+// A sandbox's TTL: 0 (none) to one year, in seconds.
+inline constexpr std::int64_t kMaxTtlSeconds = 365LL * 86400;
 
 // Sandbox::fork labels the sandboxes it makes from a snapshot under a generated name ("fork/...") with this label,
 // whose value is the snapshot's "name:tag"; when the last sandbox carrying it goes from a node, the node removes

@@ -1,0 +1,268 @@
+#include "e2b/envd_process.hpp"
+
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "common/protocol.hpp"
+#include "dsec/process.hpp"
+#include "e2b/connect_rpc.hpp"
+
+namespace dsec::e2b {
+namespace {
+
+using agent::HttpRequest;
+using agent::HttpResponse;
+using Clock = std::chrono::steady_clock;
+
+std::string string_field(const json& message, const char* field) {
+  auto it = message.find(field);
+  if (it == message.end() || it->is_null()) return {};
+  if (!it->is_string()) throw RpcError("invalid_argument", fmt::format("{}: must be a string", field));
+  return it->get<std::string>();
+}
+
+// A ProcessSelector: {"pid": N} or {"tag": "..."}.
+Process select_process(EnvdTarget& t, const json& message) {
+  auto it = message.find("process");
+  if (it == message.end() || !it->is_object()) throw RpcError("invalid_argument", "process: a selector is required");
+  if (auto pid = it->find("pid"); pid != it->end() && !pid->is_null()) {
+    if (!pid->is_number_integer() || pid->get<std::int64_t>() <= 0 || pid->get<std::int64_t>() > 4194304)
+      throw RpcError("invalid_argument", "process.pid: must be a process id");
+    return t.sandbox.process(pid->get<int>());
+  }
+  const std::string tag = string_field(*it, "tag");
+  if (tag.empty()) throw RpcError("invalid_argument", "process: give its pid or its tag");
+  for (const auto& p : t.sandbox.processes())
+    if (p.tag == tag && p.running) return t.sandbox.process(p.pid);
+  throw RpcError("not_found", fmt::format("no running process is tagged '{}'", tag));
+}
+
+json end_event(const ProcessInfo& info) {
+  json end{{"exitCode", info.exit_code}, {"exited", info.signal == 0}};
+  if (info.signal != 0) {
+    const char* name = ::sigabbrev_np(info.signal);
+    end["status"] = info.signal == SIGKILL ? std::string("signal: killed")
+                                            : fmt::format("signal: {}", name ? name : std::to_string(info.signal));
+  } else {
+    end["status"] = fmt::format("exit status {}", info.exit_code);
+  }
+  if (!info.message.empty()) end["error"] = info.message;
+  return json{{"event", json{{"end", std::move(end)}}}};
+}
+
+json data_event(const char* stream, std::string_view bytes) {
+  return json{{"event", json{{"data", json{{stream, protocol::base64_encode(bytes)}}}}}};
+}
+
+struct FollowOptions {
+  std::uint64_t stdout_from = 0, stderr_from = 0;
+  bool pty = false;
+  std::optional<Clock::time_point> deadline;  // the process's lifetime (Start's Connect-Timeout-Ms)
+  std::optional<Clock::time_point> stop_at;   // the stream's own end (Connect's timeout): the process runs on
+  std::chrono::milliseconds keepalive{90'000};
+  bool forget_at_end = false;  // Start forgets the process (and its kept output) once its end was delivered
+};
+
+// Streams a process's events until its end, the deadline (then it is killed), or the caller going away.
+void follow(Process& proc, ServerStream& out, const FollowOptions& o) {
+  std::uint64_t so = o.stdout_from, se = o.stderr_from;
+  auto last_sent = Clock::now();
+  out.send(json{{"event", json{{"start", json{{"pid", proc.pid()}}}}}});
+  for (;;) {
+    const auto now = Clock::now();
+    if (o.deadline && now >= *o.deadline) {
+      ProcessInfo last = proc.kill();
+      out.finish(RpcError("deadline_exceeded", fmt::format("process {} ran past its timeout and was killed (exit "
+                                                           "code {})", proc.pid(), last.exit_code)));
+      return;
+    }
+    if (o.stop_at && now >= *o.stop_at) {
+      out.finish(RpcError("deadline_exceeded", "the stream's timeout passed (the process runs on)"));
+      return;
+    }
+    if (out.gone() && !o.deadline) return;  // no lifetime to enforce: it runs on, as envd leaves it
+    auto wait = o.keepalive - std::chrono::duration_cast<std::chrono::milliseconds>(now - last_sent);
+    for (const auto& until : {o.deadline, o.stop_at})
+      if (until) wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(*until - now));
+    wait = std::clamp(wait, std::chrono::milliseconds(0), std::chrono::milliseconds(60'000));
+    const bool reading = !out.gone();
+    ProcessOutput got = proc.read(reading ? std::optional(so) : std::nullopt,
+                                  reading && !o.pty ? std::optional(se) : std::nullopt,
+                                  static_cast<double>(wait.count()) / 1000.0);
+    if (reading) {
+      if (!got.stdout_data.empty()) {
+        out.send(data_event(o.pty ? "pty" : "stdout", got.stdout_data));
+        so = got.stdout_offset + got.stdout_data.size();
+        last_sent = Clock::now();
+      }
+      if (!got.stderr_data.empty()) {
+        out.send(data_event("stderr", got.stderr_data));
+        se = got.stderr_offset + got.stderr_data.size();
+        last_sent = Clock::now();
+      }
+    }
+    const bool drained = !reading || (so >= got.stdout_end && (o.pty || se >= got.stderr_end));
+    if (!got.running && drained) {
+      ProcessInfo info = proc.info();
+      out.send(end_event(info));
+      out.finish();
+      if (o.forget_at_end) {
+        try {
+          proc.kill();
+        } catch (const Error&) {
+        }
+      }
+      return;
+    }
+    if (reading && Clock::now() - last_sent >= o.keepalive) {
+      out.send(json{{"event", json{{"keepalive", json::object()}}}});
+      last_sent = Clock::now();
+    }
+  }
+}
+
+HttpResponse start(EnvdTarget& t, HttpRequest& request, agent::ResponseStream& stream) {
+  return serve_stream(request, stream, [&](const json& message, ServerStream& out) {
+    const auto timeout = connect_timeout(request);
+    auto p = message.find("process");
+    if (p == message.end() || !p->is_object()) throw RpcError("invalid_argument", "process: required");
+    ProcessRequest pr;
+    const std::string cmd = string_field(*p, "cmd");
+    if (cmd.empty()) throw RpcError("invalid_argument", "process.cmd: required");
+    pr.argv.push_back(cmd);
+    if (auto args = p->find("args"); args != p->end() && !args->is_null()) {
+      if (!args->is_array()) throw RpcError("invalid_argument", "process.args: must be a list of strings");
+      for (const auto& a : *args) {
+        if (!a.is_string()) throw RpcError("invalid_argument", "process.args: must be a list of strings");
+        pr.argv.push_back(a.get<std::string>());
+      }
+    }
+    if (auto envs = p->find("envs"); envs != p->end() && !envs->is_null()) {
+      if (!envs->is_object()) throw RpcError("invalid_argument", "process.envs: must be an object of strings");
+      for (const auto& [k, v] : envs->items()) {
+        if (!v.is_string()) throw RpcError("invalid_argument", fmt::format("process.envs.{}: must be a string", k));
+        pr.env[k] = v.get<std::string>();
+      }
+    }
+    const std::string cwd = string_field(*p, "cwd");
+    pr.cwd = cwd.empty() ? t.home : resolve_path(cwd, t.home);
+    pr.user = t.user;
+    pr.tag = string_field(message, "tag");
+    if (auto pty = message.find("pty"); pty != message.end() && pty->is_object()) {
+      pr.pty = true;
+      const json size = pty->value("size", json::object());
+      pr.cols = std::clamp(size.value("cols", 80u), 1u, 1000u);
+      pr.rows = std::clamp(size.value("rows", 24u), 1u, 1000u);
+    }
+    const bool keep_stdin = pr.pty || message.value("stdin", false);
+    Process proc = t.sandbox.spawn(pr);
+    if (proc.pid() == 0) {  // what it names is not there: as bash would say, with its exit code
+      ProcessInfo info = proc.info();
+      out.send(json{{"event", json{{"start", json{{"pid", 0}}}}}});
+      if (!info.message.empty()) out.send(data_event("stderr", info.message + "\n"));
+      info.message.clear();
+      out.send(end_event(info));
+      out.finish();
+      return;
+    }
+    if (!keep_stdin) proc.close_stdin();
+    FollowOptions o;
+    o.pty = pr.pty;
+    o.keepalive = keepalive_interval(request);
+    if (timeout && timeout->count() > 0) o.deadline = Clock::now() + *timeout;
+    o.forget_at_end = true;
+    follow(proc, out, o);
+  });
+}
+
+HttpResponse connect(EnvdTarget& t, HttpRequest& request, agent::ResponseStream& stream) {
+  return serve_stream(request, stream, [&](const json& message, ServerStream& out) {
+    const auto timeout = connect_timeout(request);
+    Process proc = select_process(t, message);
+    ProcessInfo info = proc.info();
+    FollowOptions o;
+    o.stdout_from = info.stdout_bytes;
+    o.stderr_from = info.stderr_bytes;
+    o.pty = info.pty;
+    o.keepalive = keepalive_interval(request);
+    // A Connect's timeout bounds the stream, not the process.
+    if (timeout && timeout->count() > 0) o.stop_at = Clock::now() + *timeout;
+    follow(proc, out, o);
+  });
+}
+
+json process_list(EnvdTarget& t) {
+  json list = json::array();
+  for (const auto& p : t.sandbox.processes()) {
+    if (!p.running) continue;
+    json args = json::array();
+    for (std::size_t i = 1; i < p.argv.size(); ++i) args.push_back(p.argv[i]);
+    json entry{{"pid", p.pid},
+               {"config", json{{"cmd", p.argv.empty() ? std::string() : p.argv[0]}, {"args", args},
+                               {"envs", json::object()}}}};
+    if (!p.tag.empty()) entry["tag"] = p.tag;
+    list.push_back(std::move(entry));
+  }
+  return json{{"processes", std::move(list)}};
+}
+
+// An ended process is as good as gone to E2B's callers (envd forgets it at its end).
+template <typename F>
+void on_running(Process& proc, F&& act) {
+  try {
+    act();
+  } catch (const Error& e) {
+    if (e.code() == Code::kFailedPrecondition && !proc.info().running)
+      throw RpcError("not_found", fmt::format("process {} is not running", proc.pid()));
+    throw;
+  }
+}
+
+json unary(EnvdTarget& t, std::string_view method, const json& message) {
+  if (method == "List") return process_list(t);
+  Process proc = select_process(t, message);
+  if (method == "SendInput") {
+    const json input = message.value("input", json::object());
+    std::string data;
+    if (input.contains("stdin")) data = protocol::base64_decode(string_field(input, "stdin"));
+    else if (input.contains("pty")) data = protocol::base64_decode(string_field(input, "pty"));
+    else throw RpcError("invalid_argument", "input: stdin or pty bytes are required");
+    on_running(proc, [&] { proc.write_stdin(data); });
+  } else if (method == "CloseStdin") {
+    on_running(proc, [&] { proc.close_stdin(); });
+  } else if (method == "SendSignal") {
+    const json s = message.value("signal", json());
+    int sig = 0;
+    if (s == "SIGNAL_SIGKILL" || s == 9) sig = SIGKILL;
+    else if (s == "SIGNAL_SIGTERM" || s == 15) sig = SIGTERM;
+    else throw RpcError("invalid_argument", "signal: SIGNAL_SIGKILL or SIGNAL_SIGTERM");
+    on_running(proc, [&] { proc.signal(sig, /*group=*/true); });
+  } else if (method == "Update") {
+    const json size = message.value("pty", json::object()).value("size", json::object());
+    if (size.empty()) throw RpcError("invalid_argument", "pty.size: required");
+    on_running(proc, [&] {
+      proc.resize(std::clamp(size.value("rows", 24u), 1u, 1000u), std::clamp(size.value("cols", 80u), 1u, 1000u));
+    });
+  } else {
+    throw RpcError("unimplemented", fmt::format("process.Process/{} is not served", method));
+  }
+  return json::object();
+}
+
+}  // namespace
+
+HttpResponse process_service(EnvdTarget& target, std::string_view method, HttpRequest& request,
+                             agent::ResponseStream& stream) {
+  if (method == "Start") return start(target, request, stream);
+  if (method == "Connect") return connect(target, request, stream);
+  if (method == "StreamInput")
+    return unary_error(RpcError("unimplemented", "process.Process/StreamInput: send stdin with SendInput"));
+  return serve_unary(request, [&](const json& message) { return unary(target, method, message); });
+}
+
+}  // namespace dsec::e2b
