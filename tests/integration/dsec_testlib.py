@@ -159,6 +159,44 @@ def http_request(socket_path: str, method: str, target: str, body: bytes = b"", 
 # --------------------------------------------------------------------------------------------------------------
 # What an agent must not leave behind.
 
+def file_tail(path, n: int = 4000) -> str:
+    """The last n bytes of a log file, as text."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+def remove_cgroup_husks(cgroup_name: str) -> None:
+    """Removes an agent's empty cgroup subtree roots (and their batch twins)."""
+    for root in cgroup_roots(cgroup_name):
+        for dirpath, _, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+        if os.path.basename(os.path.dirname(root)) == cgroup_name + ".batch":
+            try:
+                os.rmdir(os.path.dirname(root))
+            except OSError:
+                pass
+
+
+def stop_process(proc, timeout: float = 60.0) -> int:
+    """SIGTERM, and the exit status (SIGKILL after `timeout`, reported as -9); 0 for no process."""
+    if proc is None:
+        return 0
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def cgroup_roots(cgroup_name: str) -> list[str]:
     """Every directory that is this agent's cgroup subtree root: v1 (one per hierarchy) and v2."""
     roots = []
@@ -336,24 +374,11 @@ class Agent:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return "(no log)"
+        return file_tail(self.log_path, n)
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, and the exit status (SIGKILL after `timeout`, reported as -9)."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def leftovers(self, sandbox_id: str | None = None) -> list[str]:
         return leftovers(self.run_dir, self.cgroup_name, sandbox_id)
@@ -401,17 +426,7 @@ class Agent:
 
     def remove_husks(self) -> None:
         """After the checks: remove the (empty) cgroup subtree roots, the run dir and the temp dir."""
-        for root in cgroup_roots(self.cgroup_name):
-            for dirpath, dirnames, _ in sorted(os.walk(root), key=lambda t: -len(t[0])):
-                try:
-                    os.rmdir(dirpath)
-                except OSError:
-                    pass
-            if os.path.basename(os.path.dirname(root)) == self.cgroup_name + ".batch":
-                try:
-                    os.rmdir(os.path.dirname(root))
-                except OSError:
-                    pass
+        remove_cgroup_husks(self.cgroup_name)
         for d in (self.run_dir,):
             try:
                 os.rmdir(d)

@@ -185,7 +185,8 @@ HttpResponse create(Client& client, const GatewayOptions& options, const HttpReq
 Labels metadata_filter(const std::string& text) {
   Labels labels;
   if (text.empty()) return labels;
-  for (const auto& [k, v] : agent::parse_query(text).items())
+  const agent::Query pairs = agent::parse_query(text);
+  for (const auto& [k, v] : pairs.items())
     labels[agent::percent_decode(k, "metadata")] = agent::percent_decode(v, "metadata");
   return labels;
 }

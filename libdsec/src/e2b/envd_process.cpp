@@ -51,7 +51,9 @@ json end_event(const ProcessInfo& info) {
   } else {
     end["status"] = fmt::format("exit status {}", info.exit_code);
   }
+  // As envd: a failed command's error is its status ("exit status 3"), which the SDKs' CommandExitError shows.
   if (!info.message.empty()) end["error"] = info.message;
+  else if (info.exit_code != 0) end["error"] = end["status"];
   return json{{"event", json{{"end", std::move(end)}}}};
 }
 
@@ -170,7 +172,13 @@ HttpResponse start(EnvdTarget& t, HttpRequest& request, agent::ResponseStream& s
       out.finish();
       return;
     }
-    if (!keep_stdin) proc.close_stdin();
+    if (!keep_stdin) {
+      try {
+        proc.close_stdin();
+      } catch (const Error& e) {
+        if (e.code() != Code::kFailedPrecondition) throw;  // it ended already: nothing to close
+      }
+    }
     FollowOptions o;
     o.pty = pr.pty;
     o.keepalive = keepalive_interval(request);

@@ -76,6 +76,24 @@ HttpResponse plain(unsigned status, std::string body = {}) {
   return r;
 }
 
+// An envd call's error: for /files and /health, E2B's {"code": <status>, "message"} (502 when the sandbox is gone, which
+// the SDKs read as "not running"); for a stream, its end-stream message; for a unary call, its status.
+HttpResponse envd_error(const HttpRequest& request, agent::ResponseStream& stream, bool rpc, const RpcError& e,
+                        bool sandbox_gone) {
+  if (!rpc) {
+    unsigned status = http_status_of(e.code());
+    if (sandbox_gone) status = 502;
+    else if (status != 400 && status != 401 && status != 404) status = 500;
+    return plain(status, json{{"code", status}, {"message", e.what()}}.dump());
+  }
+  if (std_view(request[http::field::content_type]).find("connect+json") != std::string_view::npos) {
+    ServerStream out(stream);
+    out.finish(e);
+    return {};
+  }
+  return unary_error(e);
+}
+
 }  // namespace
 
 std::string basic_auth_user(const HttpRequest& request) {
@@ -205,29 +223,11 @@ HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, 
     if (service == "process.Process") return process_service(t, method, request, stream);
     return filesystem_service(t, method, request, stream);
   } catch (const RpcError& e) {
-    if (!rpc) {
-      const unsigned status = http_status_of(e.code());
-      return plain(status == 400 || status == 401 || status == 404 ? status : 500,
-                   json{{"code", status}, {"message", e.what()}}.dump());
-    }
-    // A stream's error goes in its end-stream message; a unary call's as its status.
-    if (std_view(request[http::field::content_type]).find("connect+json") != std::string_view::npos) {
-      ServerStream out(stream);
-      out.finish(e);
-      return {};
-    }
-    return unary_error(e);
+    return envd_error(request, stream, rpc, e, false);
   } catch (const Error& e) {
-    if (!rpc) {
-      const unsigned status = e.code() == Code::kNotFound ? 502 : e.code() == Code::kUnauthenticated ? 401 : 500;
-      return plain(status, json{{"code", status}, {"message", e.what()}}.dump());
-    }
-    if (std_view(request[http::field::content_type]).find("connect+json") != std::string_view::npos) {
-      ServerStream out(stream);
-      out.finish(rpc_error(e));
-      return {};
-    }
-    return unary_error(rpc_error(e));
+    return envd_error(request, stream, rpc, rpc_error(e), e.code() == Code::kNotFound);
+  } catch (const std::exception& e) {
+    return envd_error(request, stream, rpc, RpcError("internal", e.what()), false);
   }
 }
 
@@ -243,6 +243,8 @@ HttpResponse Gateway::handle(HttpRequest& request, agent::ResponseStream& stream
     return control_plane(client_for(std::string(std_view(key->value()))), options_, request);
   } catch (const Error& e) {
     return rest_error(e);
+  } catch (const std::exception& e) {
+    return rest_error(500, e.what());
   }
 }
 
