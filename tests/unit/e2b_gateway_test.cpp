@@ -82,6 +82,15 @@ TEST(Envd, BasicAuthNamesTheUser) {
   EXPECT_THROW(basic_auth_user(r), RpcError);
 }
 
+TEST(Envd, HostNamesNameTheirSandbox) {
+  EXPECT_EQ(sandbox_of_host("49983-node1-abc123.sb.example.com", "sb.example.com"), "node1-abc123");
+  EXPECT_EQ(sandbox_of_host("49983-node1-abc123.sb.example.com:8443", "sb.example.com"), "node1-abc123");
+  EXPECT_EQ(sandbox_of_host("api.sb.example.com", "sb.example.com"), "");        // no port
+  EXPECT_EQ(sandbox_of_host("49983-x.other.example.com", "sb.example.com"), "");  // another domain
+  EXPECT_EQ(sandbox_of_host("49983-x.sb.example.com", ""), "");                   // no --domain
+  EXPECT_EQ(sandbox_of_host("127.0.0.1:3000", "sb.example.com"), "");
+}
+
 TEST(Envd, PathsResolveUnderTheHome) {
   EXPECT_EQ(resolve_path("/etc/hosts", "/home/user"), "/etc/hosts");
   EXPECT_EQ(resolve_path("a/b.txt", "/home/user"), "/home/user/a/b.txt");

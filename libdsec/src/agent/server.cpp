@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
@@ -318,6 +319,12 @@ void Server::accept_loop() {
       peer.tcp = listener_tcp_[i];
       peer.tls = peer.tcp && options_.tls != nullptr;
       peer.address = peer.tcp ? endpoint_string(from) : "unix";
+      // Answers go out as they are written (a stream's pieces, a head before its body): without this the kernel holds
+      // a small write back until the client's delayed ACK, 40 ms on Linux.
+      if (peer.tcp) {
+        const int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      }
       {
         std::lock_guard lock(mutex_);
         if (stopping_) return;

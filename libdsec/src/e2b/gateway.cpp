@@ -53,21 +53,6 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-// The sandbox a `<port>-<sandbox id>.<domain>` host names; empty when it names none.
-std::string sandbox_of_host(std::string_view host, const std::string& domain) {
-  if (domain.empty()) return {};
-  if (auto colon = host.rfind(':'); colon != std::string_view::npos && host.find(']') == std::string_view::npos)
-    host = host.substr(0, colon);
-  const std::string suffix = "." + domain;
-  if (host.size() <= suffix.size() || host.substr(host.size() - suffix.size()) != suffix) return {};
-  host = host.substr(0, host.size() - suffix.size());
-  auto dash = host.find('-');
-  if (dash == std::string_view::npos || dash == 0) return {};
-  if (!std::all_of(host.begin(), host.begin() + static_cast<long>(dash), [](char c) { return c >= '0' && c <= '9'; }))
-    return {};
-  return std::string(host.substr(dash + 1));
-}
-
 HttpResponse plain(unsigned status, std::string body = {}) {
   HttpResponse r{static_cast<http::status>(status), 11};
   if (!body.empty()) r.set(http::field::content_type, "application/json");
@@ -108,6 +93,20 @@ std::string basic_auth_user(const HttpRequest& request) {
     throw RpcError("unauthenticated", "Authorization: malformed Basic credentials");
   }
   return decoded.substr(0, decoded.find(':'));
+}
+
+std::string sandbox_of_host(std::string_view host, const std::string& domain) {
+  if (domain.empty()) return {};
+  if (auto colon = host.rfind(':'); colon != std::string_view::npos && host.find(']') == std::string_view::npos)
+    host = host.substr(0, colon);
+  const std::string suffix = "." + domain;
+  if (host.size() <= suffix.size() || host.substr(host.size() - suffix.size()) != suffix) return {};
+  host = host.substr(0, host.size() - suffix.size());
+  auto dash = host.find('-');
+  if (dash == std::string_view::npos || dash == 0) return {};
+  if (!std::all_of(host.begin(), host.begin() + static_cast<long>(dash), [](char c) { return c >= '0' && c <= '9'; }))
+    return {};
+  return std::string(host.substr(dash + 1));
 }
 
 std::string resolve_path(const std::string& path, const std::string& home) {

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "agent/auth/tokens.hpp"
 #include "agent/http.hpp"
@@ -80,6 +81,9 @@ class Gateway {
 
 // The user named by envd's `Authorization: Basic base64("user:")` header; empty when there is none.
 std::string basic_auth_user(const agent::HttpRequest& request);
+// The sandbox a `<port>-<sandbox id>.<domain>` Host header names (a port after the name is fine); empty when it
+// names none, or `domain` is empty.
+std::string sandbox_of_host(std::string_view host, const std::string& domain);
 // `path` inside the sandbox: absolute as it is, `~` and relative ones under `home`.
 std::string resolve_path(const std::string& path, const std::string& home);
 
