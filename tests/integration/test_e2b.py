@@ -612,6 +612,89 @@ def test_errors(gateway, scenarios):
     print(f"\nunknown template: {ut['name']} ({ut.get('statusCode')}): {ut['message']}")
 
 
+def _envelope(flags: int, payload: bytes) -> bytes:
+    return bytes([flags]) + len(payload).to_bytes(4, "big") + payload
+
+
+def _envelopes(raw: bytes) -> list[tuple[int, dict]]:
+    out = []
+    while len(raw) >= 5:
+        n = int.from_bytes(raw[1:5], "big")
+        out.append((raw[0], json.loads(raw[5:5 + n])))
+        raw = raw[5 + n:]
+    return out
+
+
+def test_bad_input_gets_the_answer_the_sdk_expects(gateway):
+    """Malformed requests on both planes, and streams their callers abandon (envd's rules: without a timeout the
+    command runs on, with one it is killed when the timeout passes)."""
+    import http.client
+
+    for body in (b"not json", b"[1, 2]"):
+        req = urllib.request.Request(gateway.url + "/v2/sandboxes", data=body, method="POST",
+                                     headers={"X-API-KEY": API_KEY, "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400 and json.loads(e.value.read())["code"] == 400
+    status, body, _ = gateway.rest("POST", "/v2/sandboxes", {"templateID": 5})
+    assert status == 400 and "templateID" in body["message"], body
+    status, body, _ = gateway.rest("GET", "/v2/sandboxes?limit=-1")
+    assert status == 400 and body["code"] == 400, body
+
+    status, made, _ = gateway.rest("POST", "/v2/sandboxes", {"templateID": TEMPLATE, "timeout": 120})
+    assert status == 201, made
+    sid, token = made["sandboxID"], made["envdAccessToken"]
+    host, port = gateway.url[len("http://"):].split(":")
+
+    def envd(path, body, content_type="application/json", headers=None, read=True):
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        h = {"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": content_type,
+             "Connect-Protocol-Version": "1", **(headers or {})}
+        c.request("POST", path, body=body, headers=h)
+        r = c.getresponse()
+        if not read:
+            return c, r
+        data = r.read()
+        c.close()
+        return r.status, r.getheader("Content-Type"), data
+
+    try:
+        status, ctype, data = envd("/filesystem.Filesystem/Stat", b"{")
+        assert status == 400 and json.loads(data)["code"] == "invalid_argument", data
+        status, ctype, data = envd("/process.Process/Nope", b"{}")
+        assert status == 501 and json.loads(data)["code"] == "unimplemented", data
+        # A stream's error keeps status 200 and comes in the end-stream envelope.
+        status, ctype, data = envd("/process.Process/Start", b"garbage", "application/connect+json")
+        assert status == 200 and ctype == "application/connect+json", (status, ctype, data)
+        assert _envelopes(data) == [(2, {"error": {"code": "invalid_argument", "message": _envelopes(data)[0][1]
+                                                   ["error"]["message"]}})], data
+        status, ctype, data = envd("/filesystem.Filesystem/ListDir", b'{"path": "/nope"}')
+        assert status == 404 and json.loads(data)["code"] == "not_found", data
+
+        def start(cmd, timeout_ms=None):
+            msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}, "stdin": False}).encode()
+            headers = {"Connect-Timeout-Ms": str(timeout_ms)} if timeout_ms else {}
+            c, r = envd("/process.Process/Start", _envelope(0, msg), "application/connect+json", headers, read=False)
+            head = r.read(5)
+            first = json.loads(r.read(int.from_bytes(head[1:5], "big")))
+            c.close()  # the caller goes away mid-stream
+            return first["event"]["start"]["pid"]
+
+        def running():
+            status, _, data = envd("/process.Process/List", b"{}")
+            assert status == 200, data
+            return {p["pid"] for p in json.loads(data)["processes"]}
+
+        kept = start("sleep 300")
+        timed = start("sleep 300", timeout_ms=1500)
+        assert {kept, timed} <= running()
+        assert lib.wait_for(lambda: timed not in running(), 10, 0.2), "a command outlived its timeout"
+        time.sleep(0.5)
+        assert kept in running(), "a command without a timeout died with its abandoned stream"
+    finally:
+        assert gateway.rest("DELETE", f"/sandboxes/{sid}")[0] == 204
+
+
 def test_two_nodes_through_etcd(dsec_home, scenarios):
     """A gateway given only --etcd finds two agents registered there and spreads sandboxes over both."""
     reason = cl.etcd_skip_reason() or cl.netns_skip_reason()
@@ -635,6 +718,17 @@ def test_two_nodes_through_etcd(dsec_home, scenarios):
         assert sorted(x for ids in seen.values() for x in ids) == sorted(hostnames), (seen, hostnames)
         assert all(seen[a.node_id] for a in agents), f"not every node got sandboxes: {seen}"
         assert per_agent() == {a.node_id: [] for a in agents}
+
+        # The gateway keeps nothing a restart would lose: a sandbox made through one gateway, with a command
+        # running, is driven by the next one (the agents are not the gateway's, so the sandbox lives on).
+        first = run_scenario(gw, scenarios, "reconnect-create")
+        assert gw.stop() == 0, gw.log_tail()
+        gw = start_gateway(dsec_home, tag="etcd2", embedded=False, extra_args=["--etcd", etcd.url()])
+        r = run_scenario(gw, scenarios, "reconnect-use", first["sandboxId"], str(first["pid"]))
+        assert r["read"] == f"written by {first['run']}", r
+        assert r["list"] is not None and r["list"]["pid"] == first["pid"], r
+        assert r["connectProcess"]["ticks"] and r["kill sandbox"] is True, r
+        assert per_agent() == {a.node_id: [] for a in agents}
         gw.stop_and_check()
         gw = None
         problems = net.stop_all()
@@ -654,7 +748,9 @@ def test_api_keys(dsec_home, scenarios, tmp_path):
     """With --tokens, only a known API key reaches the control plane, and only the sandbox's access token its
     envd API."""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"# dsec-e2b test keys\ne2b-test tenant {hashlib.sha256(API_KEY.encode()).hexdigest()}\n")
+    other_key = "e2b_" + "ab" * 20
+    tokens.write_text(f"# dsec-e2b test keys\ne2b-test tenant {hashlib.sha256(API_KEY.encode()).hexdigest()}\n"
+                      f"e2b-other tenant {hashlib.sha256(other_key.encode()).hexdigest()}\n")
     os.chmod(tokens, 0o600)
     gw = start_gateway(dsec_home, tag="tok", extra_args=["--tokens", str(tokens)])
     try:
@@ -674,5 +770,21 @@ def test_api_keys(dsec_home, scenarios, tmp_path):
         for key in ("envdWithoutToken", "envdWrongToken"):
             assert r[key]["status"] in (401, 403), f"{key}: the envd API answered without the access token: {r[key]}"
         assert r["goodKill"] is True
+
+        # Another tenant's key: the sandbox is not there for it (404, worded as an id that does not exist), nor in
+        # its list, and it cannot kill it; its owner can.
+        status, made, _ = gw.rest("POST", "/v2/sandboxes", {"templateID": "bookworm-python", "timeout": 120})
+        assert status == 201, (status, made)
+        sid = made["sandboxID"]
+        for method, path in (("GET", f"/sandboxes/{sid}"), ("DELETE", f"/sandboxes/{sid}"),
+                             ("POST", f"/sandboxes/{sid}/pause"), ("POST", f"/v2/sandboxes/{sid}/connect")):
+            status, body, _ = gw.rest(method, path, {} if method == "POST" else None, api_key=other_key)
+            assert status == 404 and body["code"] == 404, (method, path, status, body)
+        status, listed, _ = gw.rest("GET", "/v2/sandboxes", api_key=other_key)
+        assert status == 200 and listed == [], listed
+        status, listed, _ = gw.rest("GET", "/v2/sandboxes")
+        assert status == 200 and [x["sandboxID"] for x in listed] == [sid], listed
+        status, _, _ = gw.rest("DELETE", f"/sandboxes/{sid}")
+        assert status == 204
     finally:
         gw.stop_and_check()

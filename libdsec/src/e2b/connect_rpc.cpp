@@ -91,10 +91,10 @@ json stream_request(const HttpRequest& request) {
   const std::string& body = request.body();
   if (body.size() < 5) throw RpcError("invalid_argument", "the request is not a Connect envelope (under 5 bytes)");
   const auto byte = [&](std::size_t i) { return static_cast<std::uint32_t>(static_cast<unsigned char>(body[i])); };
-  if (byte(0) & 0x01) throw RpcError("unimplemented", "compressed request messages are not supported");
   const std::uint32_t length = byte(1) << 24 | byte(2) << 16 | byte(3) << 8 | byte(4);
-  if (length != body.size() - 5)
-    throw RpcError("invalid_argument", "the request envelope's length does not match its body: one message is expected");
+  if (length != body.size() - 5 || byte(0) > 1)
+    throw RpcError("invalid_argument", "the request is not one Connect envelope (flags, length, one message)");
+  if (byte(0) & 0x01) throw RpcError("unimplemented", "compressed request messages are not supported");
   return parse_object(std::string_view(body).substr(5));
 }
 

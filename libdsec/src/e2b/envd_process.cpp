@@ -233,6 +233,8 @@ void on_running(Process& proc, F&& act) {
 
 json unary(EnvdTarget& t, std::string_view method, const json& message) {
   if (method == "List") return process_list(t);
+  if (method != "SendInput" && method != "CloseStdin" && method != "SendSignal" && method != "Update")
+    throw RpcError("unimplemented", fmt::format("process.Process/{} is not served", method));
   Process proc = select_process(t, message);
   if (method == "SendInput") {
     const json input = message.value("input", json::object());
@@ -250,14 +252,12 @@ json unary(EnvdTarget& t, std::string_view method, const json& message) {
     else if (s == "SIGNAL_SIGTERM" || s == 15) sig = SIGTERM;
     else throw RpcError("invalid_argument", "signal: SIGNAL_SIGKILL or SIGNAL_SIGTERM");
     on_running(proc, [&] { proc.signal(sig, /*group=*/true); });
-  } else if (method == "Update") {
+  } else {  // Update
     const json size = message.value("pty", json::object()).value("size", json::object());
     if (size.empty()) throw RpcError("invalid_argument", "pty.size: required");
     on_running(proc, [&] {
       proc.resize(std::clamp(size.value("rows", 24u), 1u, 1000u), std::clamp(size.value("cols", 80u), 1u, 1000u));
     });
-  } else {
-    throw RpcError("unimplemented", fmt::format("process.Process/{} is not served", method));
   }
   return json::object();
 }
