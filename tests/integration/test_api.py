@@ -199,6 +199,27 @@ def test_ttl_reaps_the_sandbox(client, agent):
     sb.destroy()  # destroying what the reaper took is fine
 
 
+def test_a_small_cpu_share_holds_and_costs_no_start_time(client, agent):
+    """A sandbox of 0.01 cores gets its 1 ms per 100 ms once it runs, though its root was built unthrottled (a
+    create that waited out quota periods took 40 ms instead of 5)."""
+    sb = client.create(image="busybox", cpu=0.01, memory="16Mi", ttl=120)
+    try:
+        d = agent.cgroup_dir("cpu", sb.id)
+        if os.path.exists(os.path.join(d, "cpu.cfs_quota_us")):
+            assert int(open(os.path.join(d, "cpu.cfs_quota_us")).read()) == 1000
+        else:
+            assert open(os.path.join(d, "cpu.max")).read().split() == ["1000", "100000"]
+        # Held: a spinner gets about 1% of a core (well under 10% of what it asked to burn).
+        r = sb.exec(["sh", "-c", "i=0; end=$(($(date +%s) + 2)); while [ $(date +%s) -lt $end ]; do i=$((i+1)); done; "
+                     "read -r line < /proc/$$/stat; echo \"$line\""], timeout=30)
+        assert r.exit_code == 0, r
+        fields = r.stdout.decode().rsplit(")", 1)[1].split()
+        cpu_ticks = int(fields[11]) + int(fields[12])  # utime + stime of the shell that spun, in 1/100 s
+        assert cpu_ticks <= 20, f"a 0.01-core sandbox's spinner got {cpu_ticks / 100} s of CPU in 2 s"
+    finally:
+        sb.destroy()
+
+
 def test_set_ttl_moves_the_deadline_either_way(client, agent):
     sb = client.create(image="busybox", ttl=3600)
     try:

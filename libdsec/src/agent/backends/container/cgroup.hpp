@@ -54,6 +54,12 @@ class SandboxCgroup {
   virtual void release_exec_group(const std::string& name) = 0;
   // Kills every process of the sandbox, waits until they are gone, and removes all its groups. Idempotent.
   virtual void destroy() = 0;
+  // Lifts its CPU limit: a sandbox being destroyed runs its processes' exits at once instead of waiting for its
+  // next quota period (up to 100 ms at 0.01 cores). Best effort.
+  virtual void unthrottle() = 0;
+  // Its CPU limit, in cores (a CFS quota per 100 ms period, at least 1 ms). create() sets it; a container's start
+  // lifts it (unthrottle) while the agent builds the sandbox's root, which runs in the group, and sets it again.
+  virtual void limit_cpu(double cores) = 0;
   // Stops every process of the sandbox (the freezer) and returns once all of them are frozen; thaw() lets them run
   // on. Files of a frozen sandbox stay reachable through /proc/<pid>/root.
   virtual void freeze() = 0;

@@ -230,9 +230,22 @@ class SandboxCgroupV1 final : public SandboxCgroup {
       write_cgroup_file(dir(h_.freezer) + "/freezer.state", "THAWED");
     } catch (const Error&) {
     }
+    unthrottle();
     kill_group_tree(h_.pids, dir(h_.pids));
     for (const auto* root : h_.all()) remove_tree(dir(*root));
     destroyed_ = true;
+  }
+
+  void limit_cpu(double cores) override {
+    write_cgroup_file(dir(h_.cpu) + "/cpu.cfs_quota_us",
+                      std::to_string(std::max(static_cast<long long>(cores * 100000), 1000LL)));
+  }
+
+  void unthrottle() override {
+    try {
+      write_cgroup_file(dir(h_.cpu) + "/cpu.cfs_quota_us", "-1");
+    } catch (const Error&) {
+    }
   }
 
   void freeze() override { set_freezer("FROZEN"); }
@@ -510,9 +523,8 @@ class CgroupV1Driver final : public CgroupDriver {
       write_cgroup_file(mem + "/memory.swappiness", std::to_string(kAwakeSwappiness));
     } catch (const Error&) {
     }
-    auto quota = static_cast<long long>(r.cpu * 100000);
     write_cgroup_file(h.cpu + rel + "/cpu.cfs_period_us", "100000");
-    write_cgroup_file(h.cpu + rel + "/cpu.cfs_quota_us", std::to_string(std::max(quota, 1000LL)));
+    group->limit_cpu(r.cpu);
     // The class of service (docs/qos.md): CPU weight, and for batch a soft limit the kernel reclaims down to first
     // under memory pressure (v1 has no memory.low or memory.high). A batch sandbox's tasks run SCHED_IDLE (set on
     // its init, spawn.cpp), which orders them only among themselves; cpu.idle (Linux 5.15+, in v1's cpu controller

@@ -117,6 +117,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   void destroy() override {
     std::lock_guard lock(mu_);
     if (destroyed_) return;
+    unthrottle();
     kill_and_wait(dir_);
     std::error_code ec;
     if (fs::exists(dir_, ec)) {
@@ -125,6 +126,18 @@ class SandboxCgroupV2 final : public SandboxCgroup {
       if (::rmdir(dir_.c_str()) != 0 && errno != ENOENT) throw_errno_fmt(errno, "rmdir {}", dir_);
     }
     destroyed_ = true;
+  }
+
+  void limit_cpu(double cores) override {
+    write_cgroup_file(dir_ + "/cpu.max",
+                      fmt::format("{} 100000", std::max(static_cast<long long>(cores * 100000), 1000LL)));
+  }
+
+  void unthrottle() override {
+    try {
+      write_cgroup_file(dir_ + "/cpu.max", "max 100000");
+    } catch (const Error&) {
+    }
   }
 
   void freeze() override {
@@ -328,8 +341,7 @@ class CgroupV2Driver final : public CgroupDriver {
     } catch (const Error&) {
       // no swap accounting on this host: nothing to limit
     }
-    auto quota = static_cast<long long>(r.cpu * 100000);
-    write_cgroup_file(dir + "/cpu.max", fmt::format("{} 100000", std::max(quota, 1000LL)));
+    group->limit_cpu(r.cpu);
     // The class of service (docs/qos.md): CPU weight; latency's memory protected from reclaim (memory.low); batch
     // throttled at 90% of its limit (memory.high) and idle-scheduled as a group (cpu.idle, Linux 5.15+; its tasks
     // run SCHED_IDLE anyway, set on its init).
