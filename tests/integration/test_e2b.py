@@ -695,6 +695,53 @@ def test_bad_input_gets_the_answer_the_sdk_expects(gateway):
         assert gateway.rest("DELETE", f"/sandboxes/{sid}")[0] == 204
 
 
+def test_network_lists_become_the_sandboxs_egress_policy(gateway):
+    """E2B's allowOut with denyOut ["0.0.0.0/0"] is dsec's egress allowlist; what dsec cannot say is refused."""
+    status, made, _ = gateway.rest("POST", "/v2/sandboxes", {
+        "templateID": TEMPLATE, "timeout": 60,
+        "network": {"denyOut": ["0.0.0.0/0"], "allowOut": ["192.0.2.7", "10.20.0.0/16", "pypi.mirror.internal"]}})
+    if status == 501:
+        pytest.skip(f"this agent gives sandboxes no network: {made}")
+    assert status == 201, made
+    try:
+        mine = [x for x in gateway.agent_sandboxes() if x["id"] == made["sandboxID"]]
+        assert len(mine) == 1, mine
+        net = mine[0]["network"]
+        assert net["mode"] == "egress", net
+        assert [(r.get("cidr") or r.get("host"), r.get("allow", True)) for r in net["rules"]] == \
+            [("192.0.2.7", True), ("10.20.0.0/16", True), ("pypi.mirror.internal", True)], net
+    finally:
+        assert gateway.rest("DELETE", f"/sandboxes/{made['sandboxID']}")[0] == 204
+    # Internet off is a deny-all (allowOut still wins, as in E2B); updateNetwork changes a running sandbox's policy.
+    status, made, _ = gateway.rest("POST", "/v2/sandboxes", {"templateID": TEMPLATE, "timeout": 60,
+                                                             "allow_internet_access": False})
+    assert status == 201, made
+    sid = made["sandboxID"]
+
+    def mode():
+        return [x for x in gateway.agent_sandboxes() if x["id"] == sid][0]["network"]
+
+    try:
+        assert mode()["mode"] == "none", mode()
+        status, body, _ = gateway.rest("PUT", f"/sandboxes/{sid}/network",
+                                       {"allow_internet_access": False, "allowOut": ["*.example.org"]})
+        assert status == 204, body
+        assert mode()["mode"] == "egress" and [r.get("host") for r in mode()["rules"]] == ["*.example.org"], mode()
+        assert gateway.rest("PUT", f"/sandboxes/{sid}/network", {"allow_internet_access": True})[0] == 204
+        assert mode()["mode"] == "open", mode()
+        status, body, _ = gateway.rest("PUT", "/sandboxes/no-such-sandbox/network", {"allow_internet_access": True})
+        assert status == 404 and body["code"] == 404, body
+    finally:
+        assert gateway.rest("DELETE", f"/sandboxes/{sid}")[0] == 204
+    # Lists without a deny-all, header rules and proxies are refused with why.
+    for network, word in (({"denyOut": ["10.0.0.0/8"]}, "allowlist"),
+                          ({"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}, "rules"),
+                          ({"egressProxy": {"address": "127.0.0.1:3128"}}, "egressProxy")):
+        status, body, _ = gateway.rest("POST", "/v2/sandboxes", {"templateID": TEMPLATE, "network": network})
+        assert status == 400 and word in body["message"], (network, status, body)
+    assert not [x for x in gateway.agent_sandboxes() if x.get("state") == "running"]
+
+
 def test_two_nodes_through_etcd(dsec_home, scenarios):
     """A gateway given only --etcd finds two agents registered there and spreads sandboxes over both."""
     reason = cl.etcd_skip_reason() or cl.netns_skip_reason()

@@ -1,6 +1,7 @@
 #include "e2b/control_plane.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <ctime>
 #include <string_view>
@@ -133,6 +134,57 @@ SandboxInfo live_info(Client& client, const std::string& id) {
   return info;
 }
 
+std::vector<std::string> string_list(const json& network, const char* field) {
+  std::vector<std::string> out;
+  auto it = network.find(field);
+  if (it == network.end() || it->is_null()) return out;
+  if (!it->is_array()) throw Error(Code::kInvalidArgument, fmt::format("network.{}: must be a list", field));
+  for (const auto& v : *it) {
+    if (!v.is_string()) throw Error(Code::kInvalidArgument, fmt::format("network.{}: must be a list of strings", field));
+    out.push_back(v.get<std::string>());
+  }
+  return out;
+}
+
+// E2B's network settings as a dsec policy. dsec's egress is an allowlist (first matching rule decides, nothing
+// else passes, names resolve only when a rule allows them), which is what E2B means by allowOut with everything else
+// denied (denyOut ["0.0.0.0/0"], or allow_internet_access false): E2B's allowOut always wins over denyOut. Without
+// a deny-all, E2B's lists change nothing: nullopt, the default stands. What cannot be said so is refused.
+std::optional<NetworkPolicy> network_policy(const json& body) {
+  const json network = body.contains("network") && body["network"].is_object() ? body["network"] : body;
+  for (const char* field : {"rules", "egressProxy", "maskRequestHost", "httpsPorts"}) {
+    auto f = network.find(field);
+    if (f != network.end() && !f->is_null() && !f->empty())
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("network.{}: not supported by the dsec gateway (docs/e2b.md)", field));
+  }
+  std::optional<bool> internet;
+  if (auto it = body.find("allow_internet_access"); it != body.end() && !it->is_null()) {
+    if (!it->is_boolean()) throw Error(Code::kInvalidArgument, "allow_internet_access: must be true or false");
+    internet = it->get<bool>();
+  }
+  const auto allow = string_list(network, "allowOut"), deny = string_list(network, "denyOut");
+  const bool deny_all = internet == false || std::find(deny.begin(), deny.end(), "0.0.0.0/0") != deny.end();
+  if (!deny_all && !deny.empty())
+    throw Error(Code::kInvalidArgument,
+                "network.denyOut: a dsec sandbox's egress is an allowlist: deny everything (\"0.0.0.0/0\") and list "
+                "what is allowed in allowOut");
+  NetworkPolicy policy;
+  if (!deny_all) {
+    if (!internet.has_value()) return std::nullopt;
+    policy.mode = "open";
+    return policy;
+  }
+  policy.mode = allow.empty() ? "none" : "egress";
+  for (const auto& entry : allow) {
+    NetworkRule r;
+    const bool address = !entry.empty() && (std::isdigit(static_cast<unsigned char>(entry[0])) != 0);
+    (address ? r.cidr : r.host) = entry;
+    policy.rules.push_back(std::move(r));
+  }
+  return policy;
+}
+
 HttpResponse create(Client& client, const GatewayOptions& options, const HttpRequest& request) {
   json body = body_object(request);
   SandboxSpec spec;
@@ -149,22 +201,10 @@ HttpResponse create(Client& client, const GatewayOptions& options, const HttpReq
     spec.labels.emplace(k, v);
   }
   for (auto& [k, v] : string_map(body, "envVars")) spec.env.emplace(k, v);
+  if (auto it = body.find("network"); it != body.end() && !it->is_null() && !it->is_object())
+    throw Error(Code::kInvalidArgument, "network: must be an object");
   spec.network.mode = options.network;
-  if (auto it = body.find("allow_internet_access"); it != body.end() && !it->is_null()) {
-    if (!it->is_boolean()) throw Error(Code::kInvalidArgument, "allow_internet_access: must be true or false");
-    spec.network.mode = it->get<bool>() ? "open" : "none";
-  }
-  // What dsec cannot do is refused, never ignored.
-  if (auto it = body.find("network"); it != body.end() && it->is_object()) {
-    for (const char* field : {"allowOut", "denyOut", "rules", "egressProxy", "maskRequestHost"}) {
-      auto f = it->find(field);
-      if (f != it->end() && !f->is_null() && !f->empty())
-        throw Error(Code::kInvalidArgument,
-                    fmt::format("network.{}: not supported by the dsec gateway (docs/e2b.md); a sandbox's network "
-                                "is on (allow_internet_access) or off",
-                                field));
-    }
-  }
+  if (auto policy = network_policy(body)) spec.network = *policy;
   if (auto it = body.find("autoPause"); it != body.end() && it->is_boolean() && it->get<bool>())
     throw Error(Code::kInvalidArgument,
                 "autoPause: not supported by the dsec gateway: a dsec sandbox is destroyed at the end of its timeout");
@@ -358,6 +398,15 @@ HttpResponse control_plane(Client& client, const GatewayOptions& options, HttpRe
         return no_content();
       }
       if (action == "pause" && verb == http::verb::post) return pause(client, id);
+      if (action == "network" && verb == http::verb::put) {
+        const json body = body_object(request);
+        auto policy = network_policy(body);
+        if (!policy) throw Error(Code::kInvalidArgument, "network: nothing to change (allow_internet_access, allowOut "
+                                                         "with denyOut [\"0.0.0.0/0\"])");
+        live_info(client, id);
+        client.attach(id).set_network(*policy);
+        return no_content();
+      }
       if ((action == "connect" || action == "resume") && verb == http::verb::post)
         return connect(client, options, id, request);
       if (action == "metrics" && verb == http::verb::get) {
