@@ -14,6 +14,7 @@ dsec-e2b binary.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import json
@@ -625,11 +626,90 @@ def _envelopes(raw: bytes) -> list[tuple[int, dict]]:
     return out
 
 
+class _Envd:
+    """Raw calls to one sandbox's envd through the gateway: (status, content type, body), or with read=False the
+    open connection and response."""
+
+    def __init__(self, gateway, made: dict):
+        self.host, self.port = gateway.url[len("http://"):].split(":")
+        self.sid, self.token = made["sandboxID"], made["envdAccessToken"]
+
+    def __call__(self, path, body, content_type="application/json", headers=None, read=True, method="POST"):
+        import http.client
+        c = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
+        h = {"E2b-Sandbox-Id": self.sid, "X-Access-Token": self.token, "Content-Type": content_type,
+             "Connect-Protocol-Version": "1", **(headers or {})}
+        c.request(method, path, body=body, headers=h)
+        r = c.getresponse()
+        if not read:
+            return c, r
+        data = r.read()
+        c.close()
+        return r.status, r.getheader("Content-Type"), data
+
+    def unary(self, path, message: dict):
+        status, _, data = self(path, json.dumps(message).encode())
+        return status, json.loads(data) if data else None
+
+
+def test_polling_watchers_and_client_streamed_stdin(gateway):
+    """The calls only E2B's Python SDK (watchers) or no SDK (StreamInput) makes, raw."""
+    status, made, _ = gateway.rest("POST", "/v2/sandboxes", {"templateID": TEMPLATE, "timeout": 120})
+    assert status == 201, made
+    envd = _Envd(gateway, made)
+    try:
+        status, body = envd.unary("/filesystem.Filesystem/CreateWatcher", {"path": "/tmp/w"})
+        assert status == 404 and body["code"] == "not_found", body
+        assert envd.unary("/filesystem.Filesystem/MakeDir", {"path": "/tmp/w"})[0] == 200
+        status, body = envd.unary("/filesystem.Filesystem/CreateWatcher", {"path": "/tmp/w", "includeEntry": True})
+        assert status == 200 and body["watcherId"], body
+        wid = body["watcherId"]
+        assert envd("/files?path=/tmp/w/a.txt", b"hello", "application/octet-stream")[0] == 200
+
+        def events():
+            status, body = envd.unary("/filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+            assert status == 200, body
+            return body["events"]
+
+        got = events()
+        assert [(e["name"], e["type"]) for e in got] == [("a.txt", "EVENT_TYPE_CREATE")], got
+        assert got[0]["entry"]["size"] == "5" and got[0]["entry"]["type"] == "FILE_TYPE_FILE", got
+        assert events() == []  # nothing changed since the last look
+        assert envd.unary("/filesystem.Filesystem/Remove", {"path": "/tmp/w/a.txt"})[0] == 200
+        assert [(e["name"], e["type"]) for e in events()] == [("a.txt", "EVENT_TYPE_REMOVE")]
+        assert envd.unary("/filesystem.Filesystem/RemoveWatcher", {"watcherId": wid})[0] == 200
+        status, body = envd.unary("/filesystem.Filesystem/GetWatcherEvents", {"watcherId": wid})
+        assert status == 404 and body["code"] == "not_found", body
+        status, body = envd.unary("/filesystem.Filesystem/GetWatcherEvents", {"watcherId": "../etc/passwd"})
+        assert status == 400 and body["code"] == "invalid_argument", body
+
+        # StreamInput: start, data, keepalive, data; the command sees the bytes in order once stdin closes.
+        msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "cat > /tmp/got"]}, "stdin": True}).encode()
+        c, r = envd("/process.Process/Start", _envelope(0, msg), "application/connect+json", read=False)
+        head = r.read(5)
+        pid = json.loads(r.read(int.from_bytes(head[1:5], "big")))["event"]["start"]["pid"]
+        c.close()
+        stream = b"".join(_envelope(0, json.dumps(m).encode()) for m in (
+            {"start": {"process": {"pid": pid}}},
+            {"data": {"input": {"stdin": base64.b64encode(b"hello ").decode()}}},
+            {"keepalive": {}},
+            {"data": {"input": {"stdin": base64.b64encode(b"world").decode()}}}))
+        status, ctype, data = envd("/process.Process/StreamInput", stream, "application/connect+json")
+        assert status == 200 and _envelopes(data) == [(0, {}), (2, {})], data
+        assert envd.unary("/process.Process/CloseStdin", {"process": {"pid": pid}})[0] == 200
+
+        def written():
+            status, _, data = envd("/files?path=/tmp/got", None, method="GET")
+            return data if status == 200 else None
+
+        assert lib.wait_for(lambda: written() == b"hello world", 10, 0.2), written()
+    finally:
+        assert gateway.rest("DELETE", f"/sandboxes/{made['sandboxID']}")[0] == 204
+
+
 def test_bad_input_gets_the_answer_the_sdk_expects(gateway):
     """Malformed requests on both planes, and streams their callers abandon (envd's rules: without a timeout the
     command runs on, with one it is killed when the timeout passes)."""
-    import http.client
-
     for body in (b"not json", b"[1, 2]"):
         req = urllib.request.Request(gateway.url + "/v2/sandboxes", data=body, method="POST",
                                      headers={"X-API-KEY": API_KEY, "Content-Type": "application/json"})
@@ -643,21 +723,8 @@ def test_bad_input_gets_the_answer_the_sdk_expects(gateway):
 
     status, made, _ = gateway.rest("POST", "/v2/sandboxes", {"templateID": TEMPLATE, "timeout": 120})
     assert status == 201, made
-    sid, token = made["sandboxID"], made["envdAccessToken"]
-    host, port = gateway.url[len("http://"):].split(":")
-
-    def envd(path, body, content_type="application/json", headers=None, read=True):
-        c = http.client.HTTPConnection(host, int(port), timeout=30)
-        h = {"E2b-Sandbox-Id": sid, "X-Access-Token": token, "Content-Type": content_type,
-             "Connect-Protocol-Version": "1", **(headers or {})}
-        c.request("POST", path, body=body, headers=h)
-        r = c.getresponse()
-        if not read:
-            return c, r
-        data = r.read()
-        c.close()
-        return r.status, r.getheader("Content-Type"), data
-
+    sid = made["sandboxID"]
+    envd = _Envd(gateway, made)
     try:
         status, ctype, data = envd("/filesystem.Filesystem/Stat", b"{")
         assert status == 400 and json.loads(data)["code"] == "invalid_argument", data

@@ -84,18 +84,30 @@ json unary_request(const HttpRequest& request) {
   return parse_object(request.body());
 }
 
-json stream_request(const HttpRequest& request) {
+std::vector<json> stream_messages(const HttpRequest& request) {
   if (request.method() != http::verb::post) throw RpcError("unimplemented", "Connect calls are POSTs");
   if (media_type(request) != "application/connect+json")
     throw RpcError("invalid_argument", "a streaming call's Content-Type must be application/connect+json");
   const std::string& body = request.body();
-  if (body.size() < 5) throw RpcError("invalid_argument", "the request is not a Connect envelope (under 5 bytes)");
-  const auto byte = [&](std::size_t i) { return static_cast<std::uint32_t>(static_cast<unsigned char>(body[i])); };
-  const std::uint32_t length = byte(1) << 24 | byte(2) << 16 | byte(3) << 8 | byte(4);
-  if (length != body.size() - 5 || byte(0) > 1)
+  std::vector<json> messages;
+  for (std::size_t at = 0; at < body.size();) {
+    if (body.size() - at < 5) throw RpcError("invalid_argument", "the request is not Connect envelopes (a short one)");
+    const auto byte = [&](std::size_t i) { return static_cast<std::uint32_t>(static_cast<unsigned char>(body[at + i])); };
+    const std::uint32_t length = byte(1) << 24 | byte(2) << 16 | byte(3) << 8 | byte(4);
+    if (length > body.size() - at - 5 || byte(0) > 1)
+      throw RpcError("invalid_argument", "the request is not Connect envelopes (flags, length, message)");
+    if (byte(0) & 0x01) throw RpcError("unimplemented", "compressed request messages are not supported");
+    messages.push_back(parse_object(std::string_view(body).substr(at + 5, length)));
+    at += 5 + length;
+  }
+  return messages;
+}
+
+json stream_request(const HttpRequest& request) {
+  std::vector<json> messages = stream_messages(request);
+  if (messages.size() != 1)
     throw RpcError("invalid_argument", "the request is not one Connect envelope (flags, length, one message)");
-  if (byte(0) & 0x01) throw RpcError("unimplemented", "compressed request messages are not supported");
-  return parse_object(std::string_view(body).substr(5));
+  return std::move(messages.front());
 }
 
 HttpResponse unary_answer(const json& message) {

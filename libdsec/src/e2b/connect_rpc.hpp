@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -42,6 +44,8 @@ unsigned http_status_of(std::string_view code);
 // a wrong content type, a malformed envelope or a body that is not a JSON object.
 json unary_request(const agent::HttpRequest& request);
 json stream_request(const agent::HttpRequest& request);
+// A client stream's messages (every envelope of the body, in order; the body is whole once the handler runs).
+std::vector<json> stream_messages(const agent::HttpRequest& request);
 
 agent::HttpResponse unary_answer(const json& message);
 agent::HttpResponse unary_error(const RpcError& error);
@@ -87,19 +91,30 @@ agent::HttpResponse serve_unary(const agent::HttpRequest& request, Call&& call) 
   }
 }
 
-// A server stream: `body(message, out)` sends its messages and finishes; what it throws ends the stream with the
-// error (the status stays 200).
-template <typename Body>
-agent::HttpResponse serve_stream(const agent::HttpRequest& request, agent::ResponseStream& stream, Body&& body) {
+template <typename Parse, typename Body>
+agent::HttpResponse serve_parsed_stream(const agent::HttpRequest& request, agent::ResponseStream& stream, Parse parse,
+                                        Body&& body) {
   ServerStream out(stream);
   try {
-    body(stream_request(request), out);
+    body(parse(request), out);
   } catch (const RpcError& e) {
     out.finish(e);
   } catch (const Error& e) {
     out.finish(rpc_error(e));
   }
   return {};
+}
+
+// A streamed answer: `parse(request)` (stream_request: a server stream's one message; stream_messages: a client
+// stream's all) goes to `body(..., out)`, which sends its messages and finishes; what either throws ends the stream
+// with the error (the status stays 200).
+template <typename Body>
+agent::HttpResponse serve_stream(const agent::HttpRequest& request, agent::ResponseStream& stream, Body&& body) {
+  return serve_parsed_stream(request, stream, stream_request, std::forward<Body>(body));
+}
+template <typename Body>
+agent::HttpResponse serve_client_stream(const agent::HttpRequest& request, agent::ResponseStream& stream, Body&& body) {
+  return serve_parsed_stream(request, stream, stream_messages, std::forward<Body>(body));
 }
 
 }  // namespace dsec::e2b

@@ -4,6 +4,7 @@
 #include <archive_entry.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -16,6 +17,7 @@
 #include <boost/beast/http/status.hpp>
 #include <fmt/format.h>
 
+#include "agent/auth/tokens.hpp"
 #include "agent/routes.hpp"
 #include "dsec/exec.hpp"
 #include "e2b/connect_rpc.hpp"
@@ -163,6 +165,8 @@ std::string path_field(const json& message, const char* field, const std::string
   return resolve_path(it->get<std::string>(), home);
 }
 
+json watcher_call(EnvdTarget& t, std::string_view method, const json& m);
+
 json unary(EnvdTarget& t, std::string_view method, const json& m) {
   if (method == "Stat") return json{{"entry", entry_json(one_entry(t, path_field(m, "path", t.home)))}};
   if (method == "ListDir") {
@@ -190,8 +194,7 @@ json unary(EnvdTarget& t, std::string_view method, const json& m) {
     return json::object();
   }
   if (method == "CreateWatcher" || method == "GetWatcherEvents" || method == "RemoveWatcher")
-    throw RpcError("unimplemented", fmt::format("filesystem.Filesystem/{}: the dsec gateway keeps no watcher state; "
-                                                "use WatchDir (a stream)", method));
+    return watcher_call(t, method, m);
   throw RpcError("unimplemented", fmt::format("filesystem.Filesystem/{} is not served", method));
 }
 
@@ -199,6 +202,27 @@ json unary(EnvdTarget& t, std::string_view method, const json& m) {
 std::map<std::string, Entry> watch_snapshot(EnvdTarget& t, const std::string& path, bool recursive) {
   std::map<std::string, Entry> out;
   for (auto& e : list_dir(t, path, recursive ? 64 : 1)) out.emplace(e.path, std::move(e));
+  return out;
+}
+
+// What changed in a watched directory from `before` to `now`, as envd's FilesystemEvents (names relative to `dir`).
+std::vector<json> changes(const std::map<std::string, Entry>& before, const std::map<std::string, Entry>& now,
+                          const std::string& dir, bool include_entry) {
+  const std::string prefix = dir == "/" ? "/" : dir + "/";
+  std::vector<json> out;
+  auto event = [&](const std::string& p, const char* type, const Entry* e) {
+    json fs{{"name", p.rfind(prefix, 0) == 0 ? p.substr(prefix.size()) : p}, {"type", type}};
+    if (include_entry && e) fs["entry"] = entry_json(*e);
+    out.push_back(std::move(fs));
+  };
+  for (const auto& [p, e] : now) {
+    auto old = before.find(p);
+    if (old == before.end()) event(p, "EVENT_TYPE_CREATE", &e);
+    else if (old->second.size != e.size || old->second.mtime != e.mtime) event(p, "EVENT_TYPE_WRITE", &e);
+    else if (old->second.mode != e.mode) event(p, "EVENT_TYPE_CHMOD", &e);
+  }
+  for (const auto& [p, e] : before)
+    if (!now.count(p)) event(p, "EVENT_TYPE_REMOVE", nullptr);
   return out;
 }
 
@@ -212,13 +236,6 @@ HttpResponse watch_dir(EnvdTarget& t, HttpRequest& request, agent::ResponseStrea
     auto before = watch_snapshot(t, path, recursive);
     out.send(json{{"start", json::object()}});
     auto last_sent = Clock::now();
-    const std::string prefix = path == "/" ? "/" : path + "/";
-    auto event = [&](const std::string& p, const char* type, const Entry* e) {
-      json fs{{"name", p.rfind(prefix, 0) == 0 ? p.substr(prefix.size()) : p}, {"type", type}};
-      if (include_entry && e) fs["entry"] = entry_json(*e);
-      out.send(json{{"filesystem", std::move(fs)}});
-      last_sent = Clock::now();
-    };
     while (!out.gone()) {
       if (stop_at && Clock::now() >= *stop_at) {
         out.finish(RpcError("deadline_exceeded", "the watch's timeout passed"));
@@ -226,22 +243,21 @@ HttpResponse watch_dir(EnvdTarget& t, HttpRequest& request, agent::ResponseStrea
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(250));
       std::map<std::string, Entry> now;
+      bool gone = false;
       try {
         now = watch_snapshot(t, path, recursive);
       } catch (const RpcError& e) {
         if (e.code() != "not_found") throw;
-        for (const auto& [p, e] : before) event(p, "EVENT_TYPE_REMOVE", nullptr);
+        gone = true;
+      }
+      for (auto& fs : changes(before, now, path, include_entry)) {
+        out.send(json{{"filesystem", std::move(fs)}});
+        last_sent = Clock::now();
+      }
+      if (gone) {
         out.finish(RpcError("not_found", fmt::format("the watched directory '{}' is gone", path)));
         return;
       }
-      for (const auto& [p, e] : now) {
-        auto old = before.find(p);
-        if (old == before.end()) event(p, "EVENT_TYPE_CREATE", &e);
-        else if (old->second.size != e.size || old->second.mtime != e.mtime) event(p, "EVENT_TYPE_WRITE", &e);
-        else if (old->second.mode != e.mode) event(p, "EVENT_TYPE_CHMOD", &e);
-      }
-      for (const auto& [p, e] : before)
-        if (!now.count(p)) event(p, "EVENT_TYPE_REMOVE", nullptr);
       before = std::move(now);
       if (Clock::now() - last_sent >= keepalive) {
         out.send(json{{"keepalive", json::object()}});
@@ -249,6 +265,76 @@ HttpResponse watch_dir(EnvdTarget& t, HttpRequest& request, agent::ResponseStrea
       }
     }
   });
+}
+
+// The polling watchers (CreateWatcher, GetWatcherEvents, RemoveWatcher: E2B's synchronous Python SDK). As with envd,
+// whose state lives in the sandbox, a watcher's state is a file in the sandbox (root's, under /tmp), so the gateway
+// keeps none: what it watches and what the directory held at the last look.
+constexpr std::string_view kWatcherDir = "/tmp/.e2b-watchers/";
+
+std::string watcher_file(const std::string& id) {
+  if (id.empty() || id.size() > 64 ||
+      !std::all_of(id.begin(), id.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_'; }))
+    throw RpcError("invalid_argument", "watcherId: not a watcher id");
+  return std::string(kWatcherDir) + id + ".json";
+}
+
+json watcher_state(const std::string& path, bool recursive, bool include_entry, const std::map<std::string, Entry>& m) {
+  json entries = json::object();
+  for (const auto& [p, e] : m) entries[p] = json::array({e.size, e.mtime, e.mode});
+  return json{{"path", path}, {"recursive", recursive}, {"includeEntry", include_entry}, {"entries", std::move(entries)}};
+}
+
+json watcher_call(EnvdTarget& t, std::string_view method, const json& m) {
+  if (method == "CreateWatcher") {
+    const std::string path = path_field(m, "path", t.home);
+    const bool recursive = m.value("recursive", false), include_entry = m.value("includeEntry", false);
+    const auto snapshot = watch_snapshot(t, path, recursive);
+    const std::string id = agent::auth::new_token().substr(5, 22);
+    t.sandbox.write_file(watcher_file(id), watcher_state(path, recursive, include_entry, snapshot).dump(), 0600);
+    return json{{"watcherId", id}};
+  }
+  const std::string id = m.value("watcherId", "");
+  const std::string file = watcher_file(id);
+  if (method == "RemoveWatcher") {
+    ExecRequest r;
+    r.argv = {"rm", "-f", "--", file};
+    r.user = "0";
+    t.sandbox.exec(r);
+    return json::object();
+  }
+  json state;
+  try {
+    state = json::parse(t.sandbox.read_file(file));
+  } catch (const Error& e) {
+    if (e.code() == Code::kNotFound) throw RpcError("not_found", fmt::format("watcher '{}' not found", id));
+    throw;
+  } catch (const json::exception&) {
+    throw RpcError("internal", fmt::format("watcher '{}': its state in the sandbox is damaged", id));
+  }
+  std::map<std::string, Entry> before;
+  const json entries = state.value("entries", json::object());
+  for (const auto& [p, v] : entries.items()) {
+    if (!v.is_array() || v.size() != 3) continue;
+    Entry e;
+    e.path = p;
+    e.size = v[0].get<std::uint64_t>();
+    e.mtime = v[1].get<double>();
+    e.mode = v[2].get<unsigned>();
+    before.emplace(p, std::move(e));
+  }
+  const std::string path = state.value("path", "");
+  const bool recursive = state.value("recursive", false), include_entry = state.value("includeEntry", false);
+  std::map<std::string, Entry> now;
+  try {
+    now = watch_snapshot(t, path, recursive);
+  } catch (const RpcError& e) {
+    if (e.code() != "not_found") throw;
+  }
+  json events = json::array();
+  for (auto& fs : changes(before, now, path, include_entry)) events.push_back(std::move(fs));
+  t.sandbox.write_file(file, watcher_state(path, recursive, include_entry, now).dump(), 0600);
+  return json{{"events", std::move(events)}};
 }
 
 // ---- /files ----

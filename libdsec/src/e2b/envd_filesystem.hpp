@@ -5,8 +5,8 @@
 // directory calls are one small POSIX shell script each (stat, find, mkdir, mv, rm: in busybox and coreutils alike),
 // its entries NUL-separated so any file name comes back whole. /files reads and writes through dsec's files API when
 // the user is root, and through `cat` as the user otherwise. WatchDir polls the directory (every 250 ms) and sends
-// what changed: dsec has no watch of its own yet. The polling watchers (CreateWatcher and its kin, which only E2B's
-// synchronous Python SDK calls) would need state in the gateway and are not served.
+// what changed: dsec has no watch of its own yet. The polling watchers (CreateWatcher, GetWatcherEvents,
+// RemoveWatcher: E2B's synchronous Python SDK) keep their state in a file in the sandbox, as envd keeps it there.
 #pragma once
 
 #include <string_view>

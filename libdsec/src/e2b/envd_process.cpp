@@ -231,6 +231,28 @@ void on_running(Process& proc, F&& act) {
   }
 }
 
+// A client stream (start {process}, then data {input} and keepalives), as envd takes it: the gateway's server reads a
+// body whole, so the input reaches the process once the caller ends its stream (E2B's SDKs send stdin with
+// SendInput, one call a piece, and never use this).
+HttpResponse stream_input(EnvdTarget& t, HttpRequest& request, agent::ResponseStream& stream) {
+  return serve_client_stream(request, stream, [&](const std::vector<json>& messages, ServerStream& out) {
+    if (messages.empty() || !messages.front().contains("start"))
+      throw RpcError("invalid_argument", "StreamInput: the first message must be start {process}");
+    Process proc = select_process(t, messages.front()["start"]);
+    for (std::size_t i = 1; i < messages.size(); ++i) {
+      const json& m = messages[i];
+      if (m.contains("keepalive")) continue;
+      if (!m.contains("data")) throw RpcError("invalid_argument", "StreamInput: after start, data or keepalive");
+      const json input = m["data"].value("input", json::object());
+      const std::string data = protocol::base64_decode(
+          string_field(input, input.contains("pty") ? "pty" : "stdin"));
+      on_running(proc, [&] { proc.write_stdin(data); });
+    }
+    out.send(json::object());
+    out.finish();
+  });
+}
+
 json unary(EnvdTarget& t, std::string_view method, const json& message) {
   if (method == "List") return process_list(t);
   if (method != "SendInput" && method != "CloseStdin" && method != "SendSignal" && method != "Update")
@@ -268,8 +290,7 @@ HttpResponse process_service(EnvdTarget& target, std::string_view method, HttpRe
                              agent::ResponseStream& stream) {
   if (method == "Start") return start(target, request, stream);
   if (method == "Connect") return connect(target, request, stream);
-  if (method == "StreamInput")
-    return unary_error(RpcError("unimplemented", "process.Process/StreamInput: send stdin with SendInput"));
+  if (method == "StreamInput") return stream_input(target, request, stream);
   return serve_unary(request, [&](const json& message) { return unary(target, method, message); });
 }
 
