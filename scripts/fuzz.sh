@@ -3,7 +3,7 @@
 # one core, and fails if any of them finds a crash, leak, undefined behaviour, broken property or timeout.
 #
 #   scripts/fuzz.sh TARGET SECONDS     one target: http_request, protocol_json, manifest, tar_import, sandbox_path,
-#                                      wire_frames
+#                                      wire_frames, e2b_wire
 #   scripts/fuzz.sh all SECONDS        each of them for SECONDS
 #
 # Builds the fuzz configuration first (clang, -fsanitize=fuzzer,address,undefined) in $FUZZ_BUILD_DIR (default
@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TARGETS=(http_request protocol_json manifest tar_import sandbox_path wire_frames)
+TARGETS=(http_request protocol_json manifest tar_import sandbox_path wire_frames e2b_wire)
 FUZZ_BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 FUZZ_RSS_MB=${FUZZ_RSS_MB:-2048}
 

@@ -372,6 +372,28 @@ wire_seeds = {
 }
 
 
+# e2b_wire: byte 0 picks the decoder (0 client stream, 1 server stream, 2 unary, 3 timeout header, 4 multipart with
+# its Content-Type on the first line).
+def envelope(flags, payload): return bytes([flags]) + struct.pack(">I", len(payload)) + payload
+
+
+_e2b_start = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"], "envs": {"A": "1"},
+                                     "cwd": "/tmp"}, "stdin": False}).encode()
+e2b_seeds = {
+    "client_stream": b"\x00" + envelope(0, b'{"start":{"process":{"pid":7}}}') +
+                     envelope(0, b'{"data":{"input":{"stdin":"aGk="}}}') + envelope(0, b'{"keepalive":{}}'),
+    "server_stream_start": b"\x01" + envelope(0, _e2b_start),
+    "server_stream_short": b"\x01" + b"\x00\x00\x00\x00\x09{}",
+    "unary_listdir": b"\x02" + b'{"path":"/home/user","depth":2}',
+    "timeout": b"\x0360000",
+    "multipart_two": b"\x04multipart/form-data; boundary=----formdata-undici-0123\n"
+                     b"------formdata-undici-0123\r\nContent-Disposition: form-data; name=\"file\"; "
+                     b"filename=\"/home/user/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n"
+                     b"------formdata-undici-0123\r\nContent-Disposition: form-data; name=\"file\"; "
+                     b"filename=\"b.bin\"\r\n\r\n\x00\x01\x02\r\n------formdata-undici-0123--\r\n",
+}
+
+
 def main():
     if os.path.isdir(CORPUS):
         shutil.rmtree(CORPUS)
@@ -387,6 +409,8 @@ def main():
         write("sandbox_path", name, data)
     for name, data in wire_seeds.items():
         write("wire_frames", name, data)
+    for name, data in e2b_seeds.items():
+        write("e2b_wire", name, data)
 
 
 if __name__ == "__main__":

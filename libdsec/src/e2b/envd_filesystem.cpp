@@ -21,6 +21,7 @@
 #include "agent/routes.hpp"
 #include "dsec/exec.hpp"
 #include "e2b/connect_rpc.hpp"
+#include "e2b/multipart.hpp"
 
 namespace dsec::e2b {
 namespace {
@@ -362,53 +363,6 @@ std::string gunzip(std::string_view data) {
     if (n < 0) throw Error(Code::kInvalidArgument, fmt::format("the gzip body is corrupt: {}", archive_error_string(a.get())));
     if (n == 0) break;
     out.append(buf, static_cast<std::size_t>(n));
-  }
-  return out;
-}
-
-struct Upload {
-  std::string path;  // as the caller named it
-  std::string data;
-};
-
-// multipart/form-data: every part named "file", its file name the target path.
-std::vector<Upload> parse_multipart(const std::string& content_type, const std::string& body) {
-  auto b = content_type.find("boundary=");
-  if (b == std::string::npos) throw Error(Code::kInvalidArgument, "multipart body without a boundary");
-  std::string boundary = content_type.substr(b + 9);
-  if (auto semi = boundary.find(';'); semi != std::string::npos) boundary.resize(semi);
-  if (boundary.size() >= 2 && boundary.front() == '"' && boundary.back() == '"')
-    boundary = boundary.substr(1, boundary.size() - 2);
-  const std::string delimiter = "--" + boundary;
-  std::vector<Upload> out;
-  std::size_t pos = body.find(delimiter);
-  if (pos == std::string::npos) throw Error(Code::kInvalidArgument, "multipart body without its boundary");
-  for (;;) {
-    pos += delimiter.size();
-    if (body.compare(pos, 2, "--") == 0) break;  // the closing delimiter
-    if (body.compare(pos, 2, "\r\n") != 0) throw Error(Code::kInvalidArgument, "malformed multipart body");
-    pos += 2;
-    const std::size_t headers_end = body.find("\r\n\r\n", pos);
-    if (headers_end == std::string::npos) throw Error(Code::kInvalidArgument, "malformed multipart part headers");
-    const std::string headers = body.substr(pos, headers_end - pos);
-    const std::size_t data_start = headers_end + 4;
-    const std::size_t next = body.find("\r\n" + delimiter, data_start);
-    if (next == std::string::npos) throw Error(Code::kInvalidArgument, "multipart part without an end");
-    std::string name, filename;
-    std::string lower_headers = headers;
-    std::transform(lower_headers.begin(), lower_headers.end(), lower_headers.begin(),
-                   [](unsigned char c) { return std::tolower(c); });
-    auto param = [&](const char* key) -> std::string {
-      auto at = lower_headers.find(key);
-      if (at == std::string::npos) return {};
-      at += std::string_view(key).size();
-      auto end = headers.find('"', at);
-      return end == std::string::npos ? std::string() : headers.substr(at, end - at);
-    };
-    name = param(" name=\"");
-    filename = param("filename=\"");
-    if (name == "file") out.push_back(Upload{filename, body.substr(data_start, next - data_start)});
-    pos = next + 2;
   }
   return out;
 }
