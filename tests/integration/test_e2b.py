@@ -393,9 +393,10 @@ def test_basic_commands(gateway, scenarios):
     assert r["stdin"]["stdout"] == "hello\nworld\n[cat done]\n" and r["stdin"]["exitCode"] == 0, r["stdin"]
     assert r["user"] == {"root": "root\n", "default": "root\n0\n"}
     assert r["kill sandbox"] is True
-    # commands.list reports each process's command as it was started; its envs and cwd are not (dsec's process
-    # list keeps neither: docs/e2b.md, what is not supported).
+    # commands.list reports each process's command as it was started, its working directory, and its environment
+    # (the whole of it, read from /proc: it holds the envs the command was given).
     assert found["cmd"] == "/bin/bash" and found["args"] == ["-l", "-c", "sleep 60"], found
+    assert (found["envs"] or {}).get("LISTED") == "yes" and found["cwd"] == "/tmp", found
 
 
 def test_files(gateway, scenarios):

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <optional>
 
 #include <fmt/format.h>
 
 #include "common/protocol.hpp"
+#include "dsec/exec.hpp"
 #include "dsec/process.hpp"
 #include "e2b/connect_rpc.hpp"
 
@@ -204,15 +206,81 @@ HttpResponse connect(EnvdTarget& t, HttpRequest& request, agent::ResponseStream&
   });
 }
 
+// Each process's working directory and environment, read inside the sandbox from /proc (one exec as the caller's
+// user, who may read its own processes'): dsec keeps neither. Per pid: "pid\ncwd\nsize\n" and `size` bytes of
+// NUL-separated environment.
+struct ProcessPlace {
+  std::string cwd;
+  json envs = json::object();
+};
+
+std::map<int, ProcessPlace> process_places(EnvdTarget& t, const std::vector<int>& pids) {
+  std::map<int, ProcessPlace> out;
+  if (pids.empty()) return out;
+  ExecRequest r;
+  r.argv = {"/bin/sh", "-c",
+            R"sh(for p; do c=$(readlink "/proc/$p/cwd") || continue; e=$(wc -c < "/proc/$p/environ") || continue; )sh"
+            R"sh(printf '%s\n%s\n%s\n' "$p" "$c" "$e"; cat "/proc/$p/environ"; done)sh",
+            "e2b"};
+  for (int pid : pids) r.argv.push_back(std::to_string(pid));
+  r.user = t.user;
+  r.timeout_seconds = 30;
+  ExecResult res = t.sandbox.exec(r);
+  const std::string& text = res.stdout_data;
+  std::size_t at = 0;
+  auto line = [&]() -> std::optional<std::string> {
+    auto nl = text.find('\n', at);
+    if (nl == std::string::npos) return std::nullopt;
+    std::string l = text.substr(at, nl - at);
+    at = nl + 1;
+    return l;
+  };
+  for (;;) {
+    auto pid = line(), cwd = line(), size = line();
+    if (!pid || !cwd || !size) break;
+    std::size_t n = 0;
+    try {
+      n = std::stoul(*size);
+    } catch (const std::exception&) {
+      break;
+    }
+    if (n > text.size() - at) break;
+    ProcessPlace place{*cwd, json::object()};
+    std::string_view env(text.data() + at, n);
+    at += n;
+    for (std::size_t s = 0; s < env.size();) {
+      std::size_t e = env.find('\0', s);
+      if (e == std::string_view::npos) e = env.size();
+      std::string_view kv = env.substr(s, e - s);
+      if (auto eq = kv.find('='); eq != std::string_view::npos && eq > 0)
+        place.envs[std::string(kv.substr(0, eq))] = std::string(kv.substr(eq + 1));
+      s = e + 1;
+    }
+    try {
+      out[std::stoi(*pid)] = std::move(place);
+    } catch (const std::exception&) {
+    }
+  }
+  return out;
+}
+
 json process_list(EnvdTarget& t) {
+  std::vector<ProcessInfo> running;
+  for (auto& p : t.sandbox.processes())
+    if (p.running) running.push_back(std::move(p));
+  std::vector<int> pids;
+  for (const auto& p : running) pids.push_back(p.pid);
+  const auto places = process_places(t, pids);
   json list = json::array();
-  for (const auto& p : t.sandbox.processes()) {
-    if (!p.running) continue;
+  for (const auto& p : running) {
     json args = json::array();
     for (std::size_t i = 1; i < p.argv.size(); ++i) args.push_back(p.argv[i]);
-    json entry{{"pid", p.pid},
-               {"config", json{{"cmd", p.argv.empty() ? std::string() : p.argv[0]}, {"args", args},
-                               {"envs", json::object()}}}};
+    json config{{"cmd", p.argv.empty() ? std::string() : p.argv[0]}, {"args", args}, {"envs", json::object()}};
+    if (auto place = places.find(p.pid); place != places.end()) {
+      config["envs"] = place->second.envs;
+      config["cwd"] = place->second.cwd;
+    }
+    json entry{{"pid", p.pid}, {"config", std::move(config)}};
     if (!p.tag.empty()) entry["tag"] = p.tag;
     list.push_back(std::move(entry));
   }
