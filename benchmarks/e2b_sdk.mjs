@@ -3,6 +3,7 @@
 //
 //   node e2b_sdk.mjs latency TEMPLATE N WARMUP   create, then the first command (`true`), N times; kill untimed
 //   node e2b_sdk.mjs rate TEMPLATE C SECONDS     C workers create then kill for SECONDS; creates that completed
+//   node e2b_sdk.mjs loop TEMPLATE STEPS THINK   an agent loop: a command after each THINK ms in one sandbox
 //
 // Prints one JSON line.
 import { Sandbox } from 'e2b'
@@ -46,7 +47,21 @@ if (mode === 'latency') {
     }
   }))
   console.log(JSON.stringify({ completed, seconds, latencies }))
+} else if (mode === 'loop') {
+  // An agent loop: one sandbox, a step (a command) after each think time.
+  const steps = Number(a), thinkMs = Number(b)
+  const sbx = await Sandbox.create(template, { timeoutMs: 300_000 })
+  const step = []
+  for (let i = 0; i < steps + 3; i++) {
+    await new Promise((r) => setTimeout(r, thinkMs))
+    const t0 = process.hrtime.bigint()
+    const r = await sbx.commands.run(`echo step ${i}`)
+    if (r.stdout !== `step ${i}\n`) throw new Error(`step ${i}: ${JSON.stringify(r)}`)
+    if (i >= 3) step.push(ms(t0))
+  }
+  await sbx.kill()
+  console.log(JSON.stringify({ step }))
 } else {
-  console.error('usage: e2b_sdk.mjs latency TEMPLATE N WARMUP | rate TEMPLATE C SECONDS')
+  console.error('usage: e2b_sdk.mjs latency TEMPLATE N WARMUP | rate TEMPLATE C SECONDS | loop TEMPLATE STEPS THINK_MS')
   process.exit(2)
 }

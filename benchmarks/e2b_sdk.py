@@ -8,6 +8,8 @@
    dsec side runs the same argv), kill it untimed; n times after a warm-up, one at a time.
 2. Creates a second in a closed loop at each concurrency: C workers each create then kill for --window seconds; a
    create counts when it completed inside the window.
+3. An agent loop: in one sandbox, --steps commands, each after a think time (--think, ms): what a step costs when the
+   trainer thinks between steps, not only back to back.
 
 The SDK side is the pinned `e2b` npm package (tests/e2b/package-lock.json, installed as the tests install it, under
 <build>/e2b-node) running benchmarks/e2b_sdk.mjs against a dsec-e2b gateway with an embedded agent; the dsec side is
@@ -93,6 +95,22 @@ def dsec_latency(client, template: str, n: int, warmup: int) -> dict:
     return {"create": create, "first": first, "total": [a + b for a, b in zip(create, first)]}
 
 
+def dsec_loop(client, template: str, steps: int, think_ms: float) -> dict:
+    sb = client.create(template, ttl=300)
+    step = []
+    try:
+        for i in range(steps + 3):
+            time.sleep(think_ms / 1000)
+            t0 = time.perf_counter()
+            r = sb.exec(["/bin/bash", "-l", "-c", f"echo step {i}"])
+            assert r.stdout == f"step {i}\n".encode(), r
+            if i >= 3:
+                step.append((time.perf_counter() - t0) * 1000)
+    finally:
+        sb.destroy()
+    return {"step": step}
+
+
 def dsec_rate(client, template: str, c: int, seconds: float) -> dict:
     end = time.monotonic() + seconds
     done, latencies, lock = [0], [], threading.Lock()
@@ -124,10 +142,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--window", type=float, default=5)
+    ap.add_argument("--steps", type=int, default=100, help="steps of the agent loop")
+    ap.add_argument("--think", default="0,100", help="think times of the agent loop, ms")
     ap.add_argument("--markdown", action="store_true")
     o = ap.parse_args()
     build = pathlib.Path(o.build).resolve()
     levels = [int(c) for c in o.concurrency.split(",")]
+    thinks = [float(t) for t in o.think.split(",")]
     sys.path.insert(0, str(build / "python"))
     import dsec  # noqa: E402  (the build's binding)
 
@@ -141,6 +162,7 @@ def main() -> None:
         try:
             sdk_lat = run_node(script, gw.url, "latency", o.template, str(o.n), str(o.warmup))
             sdk_rates = {c: run_node(script, gw.url, "rate", o.template, str(c), str(o.window)) for c in levels}
+            sdk_loops = {t: run_node(script, gw.url, "loop", o.template, str(o.steps), str(t)) for t in thinks}
         finally:
             gw.stop()
     finally:
@@ -149,6 +171,7 @@ def main() -> None:
     try:
         dsec_lat = dsec_latency(client, o.template, o.n, o.warmup)
         dsec_rates = {c: dsec_rate(client, o.template, c, o.window) for c in levels}
+        dsec_loops = {t: dsec_loop(client, o.template, o.steps, t) for t in thinks}
     finally:
         client.close()
 
@@ -174,6 +197,13 @@ def main() -> None:
         s, d = sdk_rates[c], dsec_rates[c]
         lines.append(f"| {c} | {s['completed'] / s['seconds']:.1f} | {statistics.median(s['latencies']):.1f} ms | "
                      f"{d['completed'] / d['seconds']:.1f} | {statistics.median(d['latencies']):.1f} ms |")
+    lines += ["", f"An agent loop: one sandbox, {o.steps} steps (`echo step N` through `/bin/bash -l -c`), each after a "
+              "think time:", "",
+              "| think time | E2B SDK step p50 | p99 | `import dsec` step p50 | p99 |", "| --- | --- | --- | --- | --- |"]
+    for t in thinks:
+        s_, d_ = sdk_loops[t]["step"], dsec_loops[t]["step"]
+        lines.append(f"| {t:.0f} ms | {statistics.median(s_):.1f} ms | {percentile(s_, 99):.1f} ms | "
+                     f"{statistics.median(d_):.1f} ms | {percentile(d_, 99):.1f} ms |")
     lines += ["", "E2B's cloud, for reference (its published figures): about 150 ms per create, 1 to 5 creates a "
               "second by plan."]
     print("\n".join(lines))
