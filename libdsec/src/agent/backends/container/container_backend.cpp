@@ -259,41 +259,17 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     const std::string& cwd = command.cwd;
     std::string payload = command.start_payload();
 
-    // The group init was placed in ahead of this exec, if there is one no exec has used: the command starts in it
-    // with no move (schedule_init_placement); otherwise a new group, which the command joins itself.
-    std::string group = take_init_group();
-    const bool placed = !group.empty();
-    if (!placed) group = "x" + std::to_string(exec_counter_.fetch_add(1));
-    // Declared before the group's release below, so it goes after it: while the mark exists, an agent restart
-    // takes the group for one whose caller is gone.
+    // Declared before the group below, so it goes after it: while the mark exists, an agent restart takes the group
+    // for one whose caller is gone.
     std::optional<ExecMarker> marker;
+    CommandGroup group(*this);
     try {
-      marker.emplace(run_dir_ / kExecMarkers, group);
+      marker.emplace(run_dir_ / kExecMarkers, group.name);
     } catch (const Error&) {
       check_running();  // a destroy removed the run directory: say that
       throw;
     }
-    std::vector<UniqueFd> group_fds;
-    try {
-      if (!placed) group_fds = cgroup_->create_exec_group(group);
-    } catch (const Error&) {
-      check_running();
-      throw;
-    }
-    // However this exec ends, its group is handed back (and removed once empty); until then no other exec's
-    // clean-up touches it, even while it is still empty because the command has not joined it yet.
-    struct ReleaseGroup {
-      SandboxCgroup& cgroup;
-      const std::string& group;
-      bool later;  // a group init was placed in: removed by the placement that moves init on (no wait here)
-      ~ReleaseGroup() {
-        try {
-          if (later) cgroup.end_exec_group(group);
-          else cgroup.release_exec_group(group);
-        } catch (...) {
-        }
-      }
-    } release_group{*cgroup_, group, placed};
+    group.make();
     Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
 
     UniqueFd conn;
@@ -308,12 +284,12 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     append_u32(message, static_cast<std::uint32_t>(payload.size()));
     message += payload;
     std::vector<int> pass{in.read.get(), out.write.get(), err.write.get()};
-    for (const auto& fd : group_fds) pass.push_back(fd.get());
+    for (const auto& fd : group.fds) pass.push_back(fd.get());
     send_init_request(conn.get(), message, pass);
     in.read.reset();
     out.write.reset();
     err.write.reset();
-    group_fds.clear();
+    group.fds.clear();
 
     Reply reply{};
     if (!read_init_reply(conn.get(), &reply, sizeof reply, started + std::chrono::seconds(30))) {
@@ -323,13 +299,7 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     // Init forked the command (or tried): once this exec is over, the next group is made and init moved there. Not
     // while the command runs: the move holds the kernel's threadgroup lock for writing, which every fork and exit
     // on the host waits for, the command's own exit among them (milliseconds after an idle spell).
-    struct PlaceNext {
-      ContainerSandbox& self;
-      bool placed;
-      ~PlaceNext() {
-        if (placed) self.schedule_init_placement();
-      }
-    } place_next{*this, placed};
+    group.place_next_when_done();
     if (reply.type == ReplyType::kFailed) {
       if (auto r = init::start_failure_result(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd)) {
         r->duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
@@ -367,13 +337,13 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
           }
         }
       }
-    } kill_on_unwind{*cgroup_, group};
+    } kill_on_unwind{*cgroup_, group.name};
     for (;;) {
       auto now = Clock::now();
       if (exited_at && ((!out_open && !err_open) || now >= *exited_at + kOutputGrace)) break;
       if (!result.timed_out && now >= deadline) {
         result.timed_out = true;
-        cgroup_->kill_exec_group(group);
+        cgroup_->kill_exec_group(group.name);
       }
       if (result.timed_out && !exited_at && now >= deadline + std::chrono::seconds(10)) {
         // Killed but never reported: treat as killed rather than wait forever.
@@ -440,28 +410,16 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     check_awake();
     ExecCommand command = resolve_command(req);
     std::string payload = spawn_payload(options, command.start_payload());
-    // The process gets an exec group of its own, as an exec does (no mark: an agent restart leaves it running).
-    std::string group = "x" + std::to_string(exec_counter_.fetch_add(1));
-    std::vector<UniqueFd> group_fds;
-    try {
-      group_fds = cgroup_->create_exec_group(group);
-    } catch (const Error&) {
-      check_running();
-      throw;
-    }
-    struct ReleaseGroup {
-      SandboxCgroup& cgroup;
-      const std::string& group;
-      ~ReleaseGroup() {
-        try {
-          cgroup.release_exec_group(group);
-        } catch (...) {
-        }
-      }
-    } release_group{*cgroup_, group};
+    // The process gets an exec group of its own, as an exec does, and as an exec starts in the one init was placed
+    // in ahead when there is one (a move after an idle spell costs ~10 ms); no mark: an agent restart leaves it
+    // running.
+    CommandGroup group(*this);
+    group.make();
     std::vector<int> fds;
-    for (const auto& fd : group_fds) fds.push_back(fd.get());
+    for (const auto& fd : group.fds) fds.push_back(fd.get());
     std::string reply = exchange_with(process_protocol::Op::kSpawn, payload, fds, std::chrono::seconds(30));
+    group.fds.clear();
+    group.place_next_when_done();
     return spawn_reply(reply, command.argv[0], command.cwd);
   }
 
@@ -847,6 +805,43 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
       placed_.notify_all();
     });
   }
+
+  // The exec group a command (an exec's or a spawned process's) starts in: the one init was placed in ahead, if no
+  // command has used it (the command is born there: no move), else a new one the command joins itself (`fds` go to
+  // init). However the command ends, the group is handed back and removed once empty; until then no other
+  // command's clean-up touches it, even while it is still empty because the command has not joined it yet.
+  struct CommandGroup {
+    ContainerSandbox& sandbox;
+    std::string name;
+    bool placed;
+    std::vector<UniqueFd> fds;
+    bool place_next = false;
+
+    explicit CommandGroup(ContainerSandbox& s) : sandbox(s), name(s.take_init_group()), placed(!name.empty()) {
+      if (!placed) name = "x" + std::to_string(sandbox.exec_counter_.fetch_add(1));
+    }
+    // Makes a new group (not for a placed one).
+    void make() {
+      if (placed) return;
+      try {
+        fds = sandbox.cgroup_->create_exec_group(name);
+      } catch (const Error&) {
+        sandbox.check_running();
+        throw;
+      }
+    }
+    // Init started the command (or tried): once this is over, init moves on to the next group.
+    void place_next_when_done() { place_next = placed; }
+    ~CommandGroup() {
+      if (place_next) sandbox.schedule_init_placement();
+      try {
+        // A placed group is removed by the placement that moves init on (no wait here).
+        if (placed) sandbox.cgroup_->end_exec_group(name);
+        else sandbox.cgroup_->release_exec_group(name);
+      } catch (...) {
+      }
+    }
+  };
 
   // The group init sits in for the next exec, taken by this exec; empty when there is none. A placement under way
   // is waited for: the command's own move into a group of its own would wait on the same kernel work.
