@@ -245,6 +245,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   registry_ = std::make_unique<Registry>(std::move(options), std::move(backends), *images_, metrics_);
   if (config_.adopt_sandboxes) recovery_ = registry_->recover_earlier_run();
   else registry_->remove_leftovers_of_earlier_run();
+  for (auto& [kind, backend] : backends_) backend->start_background();
   qos::ReclaimerOptions reclaim;
   reclaim.mode = config_.reclaim;
   reclaim.age = config_.reclaim_age;

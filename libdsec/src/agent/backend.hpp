@@ -220,6 +220,9 @@ class Backend {
   // directory). The agent calls it at start-up for each sandbox of its on-disk records that it does not take over
   // (a create or destroy the old agent left half done, a sandbox that died or could not be adopted). Idempotent.
   virtual void remove_leftovers(const std::string& id) {}
+  // Called once at start-up after the earlier run's sandboxes were taken over (or found gone): what a backend does
+  // on its own from then on (pools that fill) starts here, so it cannot take what a sandbox still to be adopted holds.
+  virtual void start_background() {}
   // Called once at agent shutdown, after every sandbox was destroyed: release pools and pre-made resources.
   virtual void shutdown() {}
 };

@@ -974,12 +974,17 @@ class ContainerBackend final : public Backend {
       if (entry.path().filename().string().rfind(kPreMadePrefix, 0) == 0)
         unclaimed.push_back(entry.path().filename().string());
     for (const auto& name : unclaimed) remove_leftovers(name);
-    if (!warm_pools.empty()) {
+    if (!warm_pools.empty())
       warm_ = std::make_unique<WarmPools>(std::move(warm_pools), [this](const WarmShape& shape) {
         return pre_make(shape);
       });
-      warm_->start();
-    }
+  }
+
+  // The pools fill once the earlier run's sandboxes were taken over: a pool's first start releases the user
+  // namespace claims nobody took back (UserNamespaces::take), and an adoption still to come would find its block
+  // claimed by a pooled sandbox.
+  void start_background() override {
+    if (warm_) warm_->start();
   }
 
   ~ContainerBackend() override { shutdown(); }
