@@ -538,6 +538,30 @@ def test_reconnect_from_another_process(gateway, scenarios):
     assert r["kill sandbox"] is True
 
 
+def test_the_docs_e2b_examples_run(gateway, scenarios):
+    """The SDK snippets of docs/e2b.md (a module) and README.md (a `node -e` line) run as written against the
+    gateway, beside the pinned SDK."""
+    doc = (lib.REPO / "docs" / "e2b.md").read_text()
+    module = re.search(r"^```js\n(.*?)^```", doc, re.M | re.S).group(1)
+    script = scenarios.parent / f"doc-example-{os.getpid()}.mjs"
+    script.write_text(module + "console.log(JSON.stringify({stdout: r.stdout, exitCode: r.exitCode}))\n")
+    try:
+        out = subprocess.run(["node", str(script)], env=gateway.env(), cwd=str(scenarios.parent),
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        script.unlink()
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"stdout": "42\n", "exitCode": 0}, out.stdout
+
+    readme = (lib.REPO / "README.md").read_text()
+    block = readme[readme.index("## E2B's SDK"):]
+    node_line = re.search(r'^(node -e ".*?\)\(\)")\s*$', block, re.M | re.S).group(1)
+    out = subprocess.run(["bash", "-c", node_line], env=gateway.env(), cwd=str(scenarios.parent),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "42", (out.stdout, out.stderr)
+    assert gateway.rest("GET", "/v2/sandboxes")[1] == []  # both killed what they made
+
+
 def _concurrent_held(gw: Gateway, script, agents_sandboxes) -> tuple[dict, dict, list]:
     """Runs `concurrent hold`; while its sandboxes live, calls agents_sandboxes() (what the dsec side holds); then
     lets it kill them. (held result, final result, what agents_sandboxes returned)."""

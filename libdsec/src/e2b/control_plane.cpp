@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <ctime>
 #include <string_view>
 #include <vector>
 
@@ -37,16 +36,6 @@ HttpResponse no_content() {
   HttpResponse r{http::status::no_content, 11};
   r.prepare_payload();
   return r;
-}
-
-// Unix seconds as RFC 3339 in UTC, with milliseconds.
-std::string rfc3339(double unix_seconds) {
-  const auto whole = static_cast<std::time_t>(std::floor(unix_seconds));
-  const int millis = static_cast<int>((unix_seconds - static_cast<double>(whole)) * 1000);
-  std::tm tm{};
-  gmtime_r(&whole, &tm);
-  return fmt::format("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
-                     tm.tm_hour, tm.tm_min, tm.tm_sec, std::clamp(millis, 0, 999));
 }
 
 double now_seconds() {
@@ -215,9 +204,12 @@ HttpResponse create(Client& client, const GatewayOptions& options, const HttpReq
   }
   spec.labels[kTemplateLabel] = spec.image;
   spec.labels[kAccessTokenLabel] = agent::auth::new_token();
-  Sandbox sb = client.create(spec);
-  SandboxInfo info = sb.info();
-  sb.release();  // it lives until its timeout or a kill
+  // The answer is made of what the create sent: no second call to the agent on the create's path.
+  SandboxInfo info;
+  info.id = client.create(spec).release();  // it lives until its timeout or a kill
+  info.node = info.id.substr(0, info.id.rfind('-'));  // ids are "<node>-<random>"
+  info.image = spec.image;
+  info.labels = spec.labels;
   return json_answer(201, sandbox_json(info, options));
 }
 

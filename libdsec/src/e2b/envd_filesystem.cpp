@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <cmath>
-#include <ctime>
 #include <map>
 #include <memory>
 #include <thread>
@@ -21,6 +19,7 @@
 #include "agent/routes.hpp"
 #include "dsec/exec.hpp"
 #include "e2b/connect_rpc.hpp"
+#include "e2b/control_plane.hpp"
 #include "e2b/multipart.hpp"
 
 namespace dsec::e2b {
@@ -47,14 +46,6 @@ struct Entry {
 std::string base_name(const std::string& path) {
   auto slash = path.find_last_of('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
-}
-
-std::string rfc3339(double unix_seconds) {
-  const auto whole = static_cast<std::time_t>(unix_seconds);
-  std::tm tm{};
-  gmtime_r(&whole, &tm);
-  return fmt::format("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
-                     tm.tm_min, tm.tm_sec);
 }
 
 const char* file_type(const std::string& stat_type) {
@@ -340,14 +331,6 @@ json watcher_call(EnvdTarget& t, std::string_view method, const json& m) {
 
 // ---- /files ----
 
-HttpResponse files_error(unsigned status, const std::string& message) {
-  HttpResponse r{static_cast<http::status>(status), 11};
-  r.set(http::field::content_type, "application/json");
-  r.body() = json{{"code", status}, {"message", message}}.dump(-1, ' ', false, json::error_handler_t::replace);
-  r.prepare_payload();
-  return r;
-}
-
 std::string gunzip(std::string_view data) {
   std::unique_ptr<archive, decltype(&archive_read_free)> a(archive_read_new(), archive_read_free);
   archive_read_support_filter_gzip(a.get());
@@ -371,7 +354,7 @@ std::string path_param(const agent::Query& q) { return q.get("path").value_or(""
 
 HttpResponse files_get(EnvdTarget& t, const agent::Query& q) {
   const std::string asked = path_param(q);
-  if (asked.empty()) return files_error(400, "path: required");
+  if (asked.empty()) return rest_error(400, "path: required");
   const std::string path = resolve_path(asked, t.home);
   std::string data;
   try {
@@ -383,16 +366,16 @@ HttpResponse files_get(EnvdTarget& t, const agent::Query& q) {
       r.user = t.user;
       r.max_output_bytes = 1ull << 30;
       ExecResult res = t.sandbox.exec(r);
-      if (res.exit_code == kMissing) return files_error(404, fmt::format("path '{}' does not exist", path));
-      if (res.exit_code == kNotDirectory) return files_error(400, fmt::format("path '{}' is a directory", path));
+      if (res.exit_code == kMissing) return rest_error(404, fmt::format("path '{}' does not exist", path));
+      if (res.exit_code == kNotDirectory) return rest_error(400, fmt::format("path '{}' is a directory", path));
       if (res.exit_code != 0)
-        return files_error(res.stderr_data.find("Permission denied") != std::string::npos ? 401 : 500,
+        return rest_error(res.stderr_data.find("Permission denied") != std::string::npos ? 401 : 500,
                            fmt::format("{}: {}", path, res.stderr_data));
       data = std::move(res.stdout_data);
     }
   } catch (const Error& e) {
-    if (e.code() == Code::kNotFound) return files_error(404, fmt::format("path '{}' does not exist", path));
-    if (e.code() == Code::kInvalidArgument || e.code() == Code::kFailedPrecondition) return files_error(400, e.what());
+    if (e.code() == Code::kNotFound) return rest_error(404, fmt::format("path '{}' does not exist", path));
+    if (e.code() == Code::kInvalidArgument || e.code() == Code::kFailedPrecondition) return rest_error(400, e.what());
     throw;
   }
   HttpResponse r{http::status::ok, 11};
@@ -425,32 +408,32 @@ HttpResponse files_post(EnvdTarget& t, const HttpRequest& request, const agent::
   std::vector<Upload> uploads;
   if (lower.rfind("multipart/form-data", 0) == 0) {
     uploads = parse_multipart(type, request.body());
-    if (uploads.empty()) return files_error(400, "the multipart body has no part named \"file\"");
+    if (uploads.empty()) return rest_error(400, "the multipart body has no part named \"file\"");
     // A path in the query names the (one) file.
     if (!path_param(q).empty()) {
-      if (uploads.size() != 1) return files_error(400, "path: given for a body of several files");
+      if (uploads.size() != 1) return rest_error(400, "path: given for a body of several files");
       uploads[0].path = path_param(q);
     }
   } else {
-    if (path_param(q).empty()) return files_error(400, "path: required for a raw upload");
+    if (path_param(q).empty()) return rest_error(400, "path: required for a raw upload");
     std::string data = request.body();
     std::string encoding(agent::std_view(request[http::field::content_encoding]));
     if (encoding == "gzip") data = gunzip(data);
     else if (!encoding.empty() && encoding != "identity")
-      return files_error(400, fmt::format("Content-Encoding '{}' is not supported (gzip is)", encoding));
+      return rest_error(400, fmt::format("Content-Encoding '{}' is not supported (gzip is)", encoding));
     uploads.push_back(Upload{path_param(q), std::move(data)});
   }
   json written = json::array();
   for (auto& u : uploads) {
-    if (u.path.empty()) return files_error(400, "a part without a file name (its target path)");
+    if (u.path.empty()) return rest_error(400, "a part without a file name (its target path)");
     const std::string path = resolve_path(u.path, t.home);
     try {
       write_one(t, path, u.data);
     } catch (const Error& e) {
-      if (e.code() == Code::kPermissionDenied) return files_error(401, e.what());
-      if (e.code() == Code::kResourceExhausted) return files_error(507, e.what());
+      if (e.code() == Code::kPermissionDenied) return rest_error(401, e.what());
+      if (e.code() == Code::kResourceExhausted) return rest_error(507, e.what());
       if (e.code() == Code::kInvalidArgument || e.code() == Code::kFailedPrecondition)
-        return files_error(400, e.what());
+        return rest_error(400, e.what());
       throw;
     }
     written.push_back(json{{"name", base_name(path)}, {"type", "file"}, {"path", path}});
@@ -477,7 +460,7 @@ HttpResponse files_endpoint(EnvdTarget& target, HttpRequest& request) {
   try {
     if (request.method() == http::verb::get) return files_get(target, query);
     if (request.method() == http::verb::post) return files_post(target, request, query);
-    return files_error(405, "/files: GET or POST");
+    return rest_error(405, "/files: GET or POST");
   } catch (const Error& e) {
     const unsigned status = e.code() == Code::kNotFound             ? 404
                             : e.code() == Code::kInvalidArgument    ? 400
@@ -485,7 +468,7 @@ HttpResponse files_endpoint(EnvdTarget& target, HttpRequest& request) {
                             : e.code() == Code::kUnauthenticated    ? 401
                             : e.code() == Code::kFailedPrecondition ? 400
                                                                     : 500;
-    return files_error(status, e.what());
+    return rest_error(status, e.what());
   }
 }
 

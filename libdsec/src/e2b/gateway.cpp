@@ -1,6 +1,8 @@
 #include "e2b/gateway.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <ctime>
 #include <utility>
 
 #include <boost/beast/http/field.hpp>
@@ -53,10 +55,9 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-HttpResponse plain(unsigned status, std::string body = {}) {
+// An answer without a body (/health).
+HttpResponse no_body(unsigned status) {
   HttpResponse r{static_cast<http::status>(status), 11};
-  if (!body.empty()) r.set(http::field::content_type, "application/json");
-  r.body() = std::move(body);
   r.prepare_payload();
   return r;
 }
@@ -69,7 +70,7 @@ HttpResponse envd_error(const HttpRequest& request, agent::ResponseStream& strea
     unsigned status = http_status_of(e.code());
     if (sandbox_gone) status = 502;
     else if (status != 400 && status != 401 && status != 404) status = 500;
-    return plain(status, json{{"code", status}, {"message", e.what()}}.dump());
+    return rest_error(status, e.what());
   }
   if (std_view(request[http::field::content_type]).find("connect+json") != std::string_view::npos) {
     ServerStream out(stream);
@@ -107,6 +108,15 @@ std::string sandbox_of_host(std::string_view host, const std::string& domain) {
   if (!std::all_of(host.begin(), host.begin() + static_cast<long>(dash), [](char c) { return c >= '0' && c <= '9'; }))
     return {};
   return std::string(host.substr(dash + 1));
+}
+
+std::string rfc3339(double unix_seconds) {
+  const auto whole = static_cast<std::time_t>(std::floor(unix_seconds));
+  const int millis = static_cast<int>((unix_seconds - static_cast<double>(whole)) * 1000);
+  std::tm tm{};
+  gmtime_r(&whole, &tm);
+  return fmt::format("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                     tm.tm_hour, tm.tm_min, tm.tm_sec, std::clamp(millis, 0, 999));
 }
 
 std::string resolve_path(const std::string& path, const std::string& home) {
@@ -206,7 +216,7 @@ HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, 
     }
     if (path == "/health") {
       SandboxInfo info = client.attach(sandbox_id).info();
-      return plain(info.state == "running" ? 204 : 502);
+      return no_body(info.state == "running" ? 204 : 502);
     }
     if (path == "/files") {
       std::string user;
@@ -215,7 +225,7 @@ HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, 
       EnvdTarget t = target(client, sandbox_id, user);
       return files_endpoint(t, request);
     }
-    if (!rpc) return plain(404, json{{"code", 404}, {"message", fmt::format("{}: not an envd endpoint", path)}}.dump());
+    if (!rpc) return rest_error(404, fmt::format("{}: not an envd endpoint", path));
     EnvdTarget t = target(client, sandbox_id, basic_auth_user(request));
     const auto slash = path.find('/', 1);
     const std::string service = path.substr(1, slash - 1), method = path.substr(slash + 1);

@@ -84,6 +84,8 @@ std::string basic_auth_user(const agent::HttpRequest& request);
 // The sandbox a `<port>-<sandbox id>.<domain>` Host header names (a port after the name is fine); empty when it
 // names none, or `domain` is empty.
 std::string sandbox_of_host(std::string_view host, const std::string& domain);
+// Unix seconds as RFC 3339 in UTC, with milliseconds ("2026-12-03T08:44:01.250Z"), as E2B's API writes times.
+std::string rfc3339(double unix_seconds);
 // `path` inside the sandbox: absolute as it is, `~` and relative ones under `home`.
 std::string resolve_path(const std::string& path, const std::string& home);
 
