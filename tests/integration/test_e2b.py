@@ -762,6 +762,12 @@ def test_bad_input_gets_the_answer_the_sdk_expects(gateway):
                                                    ["error"]["message"]}})], data
         status, ctype, data = envd("/filesystem.Filesystem/ListDir", b'{"path": "/nope"}')
         assert status == 404 and json.loads(data)["code"] == "not_found", data
+        # Fields of the wrong type are the caller's error, in a unary call and in a stream.
+        status, ctype, data = envd("/filesystem.Filesystem/ListDir", b'{"path": "/tmp", "depth": "two"}')
+        assert status == 400 and json.loads(data)["code"] == "invalid_argument", data
+        msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "true"]}, "stdin": "yes"}).encode()
+        status, ctype, data = envd("/process.Process/Start", _envelope(0, msg), "application/connect+json")
+        assert status == 200 and _envelopes(data)[-1][1]["error"]["code"] == "invalid_argument", data
 
         def start(cmd, timeout_ms=None):
             msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", cmd]}, "stdin": False}).encode()

@@ -5,6 +5,7 @@
 
 #include <boost/beast/http/field.hpp>
 #include <boost/beast/http/status.hpp>
+#include <fmt/format.h>
 
 namespace dsec::e2b {
 namespace http = boost::beast::http;
@@ -56,6 +57,10 @@ RpcError rpc_error(const Error& error) {
     case Code::kInternal: return RpcError("internal", error.what());
     default: return RpcError("unknown", error.what());
   }
+}
+
+RpcError bad_field(const json::exception& e) {
+  return RpcError("invalid_argument", fmt::format("a field of the request has the wrong type: {}", e.what()));
 }
 
 unsigned http_status_of(std::string_view code) {

@@ -37,6 +37,8 @@ class RpcError : public std::runtime_error {
 
 // dsec's error as the Connect code of the same meaning (the codes are gRPC's in both).
 RpcError rpc_error(const Error& error);
+// A message field of the wrong type (nlohmann's type errors as the handlers read fields): invalid_argument.
+RpcError bad_field(const json::exception& e);
 // The HTTP status of a unary answer with this code.
 unsigned http_status_of(std::string_view code);
 
@@ -88,6 +90,8 @@ agent::HttpResponse serve_unary(const agent::HttpRequest& request, Call&& call) 
     return unary_error(e);
   } catch (const Error& e) {
     return unary_error(rpc_error(e));
+  } catch (const json::exception& e) {  // a field of the wrong type
+    return unary_error(bad_field(e));
   }
 }
 
@@ -101,6 +105,8 @@ agent::HttpResponse serve_parsed_stream(const agent::HttpRequest& request, agent
     out.finish(e);
   } catch (const Error& e) {
     out.finish(rpc_error(e));
+  } catch (const json::exception& e) {  // a field of the wrong type
+    out.finish(bad_field(e));
   }
   return {};
 }

@@ -235,6 +235,8 @@ HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, 
     return envd_error(request, stream, rpc, e, false);
   } catch (const Error& e) {
     return envd_error(request, stream, rpc, rpc_error(e), e.code() == Code::kNotFound);
+  } catch (const json::exception& e) {
+    return envd_error(request, stream, rpc, bad_field(e), false);
   } catch (const std::exception& e) {
     return envd_error(request, stream, rpc, RpcError("internal", e.what()), false);
   }
@@ -252,6 +254,8 @@ HttpResponse Gateway::handle(HttpRequest& request, agent::ResponseStream& stream
     return control_plane(client_for(std::string(std_view(key->value()))), options_, request);
   } catch (const Error& e) {
     return rest_error(e);
+  } catch (const json::exception& e) {
+    return rest_error(400, bad_field(e).what());
   } catch (const std::exception& e) {
     return rest_error(500, e.what());
   }
