@@ -39,7 +39,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/backends/microvm/guest_kernel.hpp"
+#include "agent/backends/qemu/microvm/guest_kernel.hpp"
 #include "agent/backends/qemu/initramfs.hpp"
 #include "agent/backends/qemu/qemu_command.hpp"
 #include "bench.hpp"

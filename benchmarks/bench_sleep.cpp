@@ -18,7 +18,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/swap.hpp"
+#include "agent/node/swap.hpp"
 #include "bench.hpp"
 #include "dsec/error.hpp"
 #include "dsec/sandbox.hpp"

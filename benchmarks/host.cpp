@@ -16,7 +16,7 @@
 #include <sstream>
 #include <thread>
 
-#include "agent/swap.hpp"
+#include "agent/node/swap.hpp"
 #include "common/cgroupfs.hpp"
 #include "dsec/error.hpp"
 

@@ -17,7 +17,7 @@ set -euo pipefail
 
 BASE=${GUEST_KERNEL_DIR:-${DSEC_GUEST_KERNEL_DIR:-/var/cache/dsec/guest-kernel}}
 META=linux-image-cloud-amd64
-# Keep in step with guest_modules() and optional_guest_modules() in libdsec/src/agent/backends/microvm/guest_kernel.cpp.
+# Keep in step with guest_modules() and optional_guest_modules() in libdsec/src/agent/backends/qemu/microvm/guest_kernel.cpp.
 MODULES=(virtio_ring virtio virtio_mmio virtio_blk virtio_console virtio_balloon virtio_rng erofs libcrc32c overlay)
 
 die() {

@@ -11,10 +11,10 @@
 
 #include <boost/beast/http/field.hpp>
 
-#include "agent/http.hpp"
+#include "http/http.hpp"
 #include "dsec/error.hpp"
-#include "e2b/connect_rpc.hpp"
-#include "e2b/multipart.hpp"
+#include "gateway/e2b/connect_rpc.hpp"
+#include "gateway/e2b/multipart.hpp"
 #include "fuzz_util.hpp"
 
 namespace {

@@ -20,8 +20,8 @@
 #include <boost/system/system_error.hpp>
 
 #include "agent/config.hpp"
-#include "agent/http.hpp"
-#include "agent/routes.hpp"
+#include "http/http.hpp"
+#include "agent/api/routes.hpp"
 #include "common/protocol.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"

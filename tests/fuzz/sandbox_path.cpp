@@ -1,4 +1,4 @@
-// Fuzz target: the files API's path resolution inside a sandbox's root (agent/files/sandbox_tree.hpp), with the
+// Fuzz target: the files API's path resolution inside a sandbox's root (common/sandbox_tree.hpp), with the
 // paths and tree entries a caller (or a tar upload) chooses, in a small fixed tree that plants what a hostile sandbox
 // would: symlinks up, out and absolute, a symlink loop, a FIFO, a mount of another file system, /proc.
 //
@@ -23,7 +23,7 @@
 #include <string_view>
 #include <utility>
 
-#include "agent/files/sandbox_tree.hpp"
+#include "common/sandbox_tree.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_scratch.hpp"
 

@@ -23,7 +23,7 @@
 #include <string_view>
 #include <vector>
 
-#include "agent/files/sandbox_tree.hpp"
+#include "common/sandbox_tree.hpp"
 #include "agent/files/tar_stream.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_scratch.hpp"

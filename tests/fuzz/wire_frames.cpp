@@ -1,9 +1,9 @@
 // Fuzz target: the binary wires between the agent and what runs inside a sandbox.
-//  - The VM wire (agent/init/guest_protocol.hpp): a byte stream cut into frames by FrameReader (fed in pieces), each
+//  - The VM wire (common/wire/guest_protocol.hpp): a byte stream cut into frames by FrameReader (fed in pieces), each
 //    frame's payload decoded as its type says, as guest_init and guest_channel do. Bad input is std::out_of_range
 //    (a payload) or std::length_error (a frame size); a message that decodes encodes to one that decodes the same.
-//  - The container wire (agent/init/init_protocol.hpp): a StartRequest's payload as dsec-init decodes it.
-//  - The fork server's frames (agent/backends/fncall/wire.hpp): bytes a zygote or a call's process writes on its
+//  - The container wire (common/wire/init_protocol.hpp): a StartRequest's payload as dsec-init decodes it.
+//  - The fork server's frames (agent/fncall/wire.hpp): bytes a zygote or a call's process writes on its
 //    socket, read by recv_frame and interpreted as the agent interprets each message type. Bad input is dsec::Error.
 //
 // Input: byte 0 picks the wire (0 VM, 1 container, 2 fork server, 3 fork server frames given as lines of JSON), byte 1
@@ -18,10 +18,10 @@
 #include <string>
 #include <string_view>
 
-#include "agent/backends/fncall/wire.hpp"
-#include "agent/init/guest_protocol.hpp"
-#include "agent/init/init_protocol.hpp"
-#include "agent/init/process_protocol.hpp"
+#include "agent/fncall/wire.hpp"
+#include "common/wire/guest_protocol.hpp"
+#include "common/wire/init_protocol.hpp"
+#include "common/wire/process_protocol.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"

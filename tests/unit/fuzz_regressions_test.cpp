@@ -22,8 +22,8 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/backends/fncall/wire.hpp"
-#include "agent/init/init_protocol.hpp"
+#include "agent/fncall/wire.hpp"
+#include "common/wire/init_protocol.hpp"
 #include "common/protocol.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"

@@ -11,12 +11,12 @@
 #include "agent/backends/container/container_backend.hpp"
 #include "agent/backends/container/user_namespace.hpp"
 #include "agent/network/node_network.hpp"
-#include "agent/backends/fncall/fncall_service.hpp"
+#include "agent/fncall/fncall_service.hpp"
 #include "agent/backends/qemu/qemu_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
-#include "agent/log.hpp"
-#include "agent/qos/ksm.hpp"
-#include "agent/qos/usage_overcommit.hpp"
+#include "common/log.hpp"
+#include "agent/node/qos/ksm.hpp"
+#include "agent/node/qos/usage_overcommit.hpp"
 #include "dsec/version.hpp"
 
 namespace dsec::agent {

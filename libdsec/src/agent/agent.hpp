@@ -9,20 +9,20 @@
 #include <string>
 #include <thread>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/backends/container/warm_pool.hpp"
 #include "agent/config.hpp"
-#include "agent/host.hpp"
-#include "agent/images.hpp"
+#include "agent/node/host.hpp"
+#include "agent/images/image_source.hpp"
 #include "agent/metrics.hpp"
-#include "agent/qos/kernel_qos.hpp"
-#include "agent/qos/reclaimer.hpp"
-#include "agent/registration.hpp"
-#include "agent/registry.hpp"
-#include "agent/router.hpp"
-#include "agent/server.hpp"
-#include "agent/swap.hpp"
-#include "agent/snapshots.hpp"
+#include "agent/node/qos/kernel_qos.hpp"
+#include "agent/node/qos/reclaimer.hpp"
+#include "agent/node/registration.hpp"
+#include "agent/registry/registry.hpp"
+#include "agent/api/router.hpp"
+#include "http/server.hpp"
+#include "agent/node/swap.hpp"
+#include "agent/images/snapshots.hpp"
 
 namespace dsec::agent {
 

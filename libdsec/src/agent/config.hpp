@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "agent/tenant_quota.hpp"
+#include "agent/registry/tenant_quota.hpp"
 #include "dsec/spec.hpp"
 
 namespace dsec::agent {
@@ -114,13 +114,13 @@ struct AgentConfig {
   // network). With TLS, TCP also needs tokens or client certificates: a listener anyone can drive is refused.
   std::filesystem::path tls_cert, tls_key, tls_client_ca;
   bool insecure_no_tls = false;
-  // Bearer tokens (auth/tokens.hpp): every call over TCP needs one; with tokens_on_unix, calls over the unix
+  // Bearer tokens (http/tokens.hpp): every call over TCP needs one; with tokens_on_unix, calls over the unix
   // socket too (else the socket file's mode is its access control, and its callers are the operator).
   std::filesystem::path tokens_file;
   bool tokens_on_unix = false;
-  // One JSON line per call (auth/audit_log.hpp); empty: <home>/audit/dsecd.log when tokens are used, else none.
+  // One JSON line per call (agent/api/audit_log.hpp); empty: <home>/audit/dsecd.log when tokens are used, else none.
   std::filesystem::path audit_log;
-  // Per-tenant limits on this node (dsecd --tenant-quota; agent/tenant_quota.hpp).
+  // Per-tenant limits on this node (dsecd --tenant-quota; agent/registry/tenant_quota.hpp).
   TenantQuotas tenant_quotas;
   std::filesystem::path home = "/var/lib/dsec";   // store/ (images), cache/layers/, state/ (sandbox records)
   std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
@@ -193,7 +193,7 @@ struct AgentConfig {
   std::chrono::seconds etcd_lease_ttl{10};
   std::string advertise;
   std::chrono::milliseconds etcd_stop_renewing_after{0};  // tests: let the lease expire (0: renew until stopped)
-  // Swap for sleeping sandboxes (agent/swap.hpp): a swap file of swap_file_bytes at swap_file, and/or a zram device
+  // Swap for sleeping sandboxes (agent/node/swap.hpp): a swap file of swap_file_bytes at swap_file, and/or a zram device
   // of zram_bytes; none by default. The agent turns off at shutdown what it turned on.
   std::filesystem::path swap_file;
   std::uint64_t swap_file_bytes = 0;

@@ -21,7 +21,7 @@
 
 #include "agent/agent.hpp"
 #include "agent/backends/container/warm_pool.hpp"
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "dsec/error.hpp"
 #include "dsec/spec.hpp"
 #include "dsec/version.hpp"

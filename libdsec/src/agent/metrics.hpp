@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dsec/network.hpp"
+#include "http/server_events.hpp"
 
 namespace dsec::agent {
 
@@ -43,9 +44,9 @@ struct LayerMetrics {
   std::atomic<std::uint64_t> evictions{0};        // layers evicted from the cache
 };
 
-class Metrics {
+class Metrics final : public ServerEvents {
  public:
-  void count_request(std::string_view route, std::string_view method, int status);
+  void count_request(std::string_view route, std::string_view method, int status) override;
   void sandbox_created(std::string_view kind, double seconds);
   void sandbox_create_error(std::string_view kind, std::string_view code);
   void sandbox_destroyed(std::string_view kind);
@@ -57,10 +58,10 @@ class Metrics {
   // "compile_error", or "error" when it could not run) and its run's wall time (0 for "error").
   void fncall_done(std::string_view language, std::string_view outcome, double seconds);
   std::uint64_t fncalls(std::string_view language, std::string_view outcome) const;
-  void connection_opened() { connections_.fetch_add(1, std::memory_order_relaxed); }
-  void connection_closed() { connections_.fetch_sub(1, std::memory_order_relaxed); }
-  void connection_refused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
-  void tls_handshake_failed() { tls_handshakes_failed_.fetch_add(1, std::memory_order_relaxed); }
+  void connection_opened() override { connections_.fetch_add(1, std::memory_order_relaxed); }
+  void connection_closed() override { connections_.fetch_sub(1, std::memory_order_relaxed); }
+  void connection_refused() override { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
+  void tls_handshake_failed() override { tls_handshakes_failed_.fetch_add(1, std::memory_order_relaxed); }
   // A request refused for its credentials (no token, a token that is not the node's: 401).
   void unauthenticated() { unauthenticated_.fetch_add(1, std::memory_order_relaxed); }
 

@@ -1,4 +1,4 @@
-// dsec token new|hash: bearer tokens for dsecd --tokens (agent/auth/tokens.hpp). The token is printed once; the
+// dsec token new|hash: bearer tokens for dsecd --tokens (http/tokens.hpp). The token is printed once; the
 // node keeps only its hash.
 #include <iostream>
 #include <string>
@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/auth/tokens.hpp"
+#include "http/tokens.hpp"
 #include "cli/commands.hpp"
 
 namespace dsec::cli {

@@ -1,5 +1,5 @@
 // Which agents exist, learned from etcd: agents register under <prefix>nodes/<node id> with a lease (see
-// agent/registration.hpp); EtcdDiscovery lists that prefix, then watches it, and tells its callback about every node
+// agent/node/registration.hpp); EtcdDiscovery lists that prefix, then watches it, and tells its callback about every node
 // that appears, changes (its load, images, ...) or goes away. A node whose agent died goes away when its lease
 // expires (etcd deletes the key), one that shut down cleanly at once (it revokes its lease).
 //

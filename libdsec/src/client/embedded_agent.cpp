@@ -74,7 +74,7 @@ void remove_layer_cache(const std::string& private_dir) {
          16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
-// The layer keeper an agent killed outright leaves (agent/layers/layer_keeper.hpp: it holds the layer file system's
+// The layer keeper an agent killed outright leaves (agent/images/layers/layer_keeper.hpp: it holds the layer file system's
 // FUSE connection for a restart that never comes here): killed when its record still names it (pid, start time and
 // program checked through a pidfd), which ends the connection, so that nothing waits on it; its record goes.
 void end_layer_keeper(const std::string& layers) {

@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include "agent/files/sandbox_tree.hpp"
+#include "common/sandbox_tree.hpp"
 
 namespace dsec::agent::files {
 

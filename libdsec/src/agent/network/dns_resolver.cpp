@@ -21,7 +21,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "common/network_rules.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"

@@ -16,7 +16,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "agent/network/netlink.hpp"
 #include "common/syscall.hpp"
 

@@ -25,8 +25,8 @@
 #include <chrono>
 #include <memory>
 
-#include "agent/host_id_claims.hpp"
-#include "agent/host_id_pool.hpp"
+#include "agent/node/host_id_claims.hpp"
+#include "agent/node/host_id_pool.hpp"
 #include "agent/network/dns_resolver.hpp"
 #include "common/network_rules.hpp"
 #include "dsec/network.hpp"

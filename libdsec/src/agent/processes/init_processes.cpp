@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "agent/init/start_error.hpp"
+#include "common/wire/start_error.hpp"
 #include "agent/processes/processes.hpp"
 
 namespace dsec::agent {

@@ -12,7 +12,7 @@
 #include <variant>
 #include <vector>
 
-#include "agent/init/process_protocol.hpp"
+#include "common/wire/process_protocol.hpp"
 #include "dsec/exec.hpp"
 
 namespace dsec::agent {

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/processes/processes.hpp"
 #include "dsec/exec.hpp"
 #include "dsec/spec.hpp"

@@ -23,7 +23,7 @@
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "common/cgroupfs.hpp"
 #include "common/syscall.hpp"
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/backends/container/warm_pool.hpp"
 #include "agent/config.hpp"
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "agent/init/process_protocol.hpp"
+#include "common/wire/process_protocol.hpp"
 #include "common/unique_fd.hpp"
 
 namespace dsec::agent {

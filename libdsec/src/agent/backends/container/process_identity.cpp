@@ -13,7 +13,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/init/init_protocol.hpp"
+#include "common/wire/init_protocol.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
 

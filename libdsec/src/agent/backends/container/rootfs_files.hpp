@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "agent/files/sandbox_tree.hpp"
+#include "common/sandbox_tree.hpp"
 #include "common/unique_fd.hpp"
 
 namespace dsec::agent::container {

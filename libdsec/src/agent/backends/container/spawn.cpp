@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "agent/init/init_protocol.hpp"
+#include "common/wire/init_protocol.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::container {

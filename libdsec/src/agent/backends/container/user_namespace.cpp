@@ -18,7 +18,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::container {

@@ -21,8 +21,8 @@
 #include <string>
 #include <thread>
 
-#include "agent/host_id_claims.hpp"
-#include "agent/host_id_pool.hpp"
+#include "agent/node/host_id_claims.hpp"
+#include "agent/node/host_id_pool.hpp"
 #include "common/unique_fd.hpp"
 
 namespace dsec::agent::container {

@@ -9,7 +9,7 @@
 
 #include <memory>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 
 namespace dsec::agent {
 

@@ -10,7 +10,7 @@
 #include <memory>
 #include <string>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/config.hpp"
 
 namespace dsec::agent {

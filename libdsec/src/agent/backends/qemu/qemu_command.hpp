@@ -2,7 +2,7 @@
 // kernel's command line. Pure: no I/O, nothing is opened or checked on disk; every input is validated
 // (INVALID_ARGUMENT naming the field) and every value that QEMU splits at commas is escaped (',' -> ',,').
 //
-// What QEMU 7.2 (Debian 1:7.2+dfsg-7+deb12u18) was checked to accept, by running it (tests/unit/qemu_command_test.cpp):
+// What QEMU 7.2 (Debian 1:7.2+dfsg-7+deb12u18) was checked to accept, by running it (tests/unit/agent/backends/qemu/qemu_command_test.cpp):
 //  - chardev socket with fd=N of a LISTENING unix socket and server=on,wait=off, for both the QMP monitor and the
 //    agent's virtserialport. The caller binds and listens before it starts QEMU, so it can connect at once (the
 //    connection waits in the backlog until QEMU accepts). It should close its own copy of the listening socket after

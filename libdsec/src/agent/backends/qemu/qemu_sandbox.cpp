@@ -12,11 +12,11 @@
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/qemu/vm_record.hpp"
 #include "agent/backends/qemu/vm_screen.hpp"
-#include "agent/exec_command.hpp"
-#include "agent/exec_user.hpp"
-#include "agent/host.hpp"
-#include "agent/log.hpp"
-#include "agent/qos/ksm.hpp"
+#include "agent/backends/command/exec_command.hpp"
+#include "agent/backends/command/exec_user.hpp"
+#include "agent/node/host.hpp"
+#include "common/log.hpp"
+#include "agent/node/qos/ksm.hpp"
 
 namespace dsec::agent::qemu {
 namespace {

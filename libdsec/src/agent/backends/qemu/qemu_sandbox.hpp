@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/qemu/tier_context.hpp"
 #include "agent/backends/qemu/vm_instance.hpp"

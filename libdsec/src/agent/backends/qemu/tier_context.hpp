@@ -10,13 +10,13 @@
 #include <string>
 
 #include "agent/backends/container/cgroup.hpp"
-#include "agent/backends/microvm/guest_kernel.hpp"
+#include "agent/backends/qemu/microvm/guest_kernel.hpp"
 #include "agent/backends/qemu/vm_template.hpp"
 #include "agent/backends/qemu/writable_disk.hpp"
 #include "agent/config.hpp"
-#include "agent/host_id_pool.hpp"
+#include "agent/node/host_id_pool.hpp"
 #include "agent/network/node_network.hpp"
-#include "agent/qos/kernel_qos.hpp"
+#include "agent/node/qos/kernel_qos.hpp"
 
 namespace dsec::agent::qemu {
 

@@ -15,7 +15,7 @@
 #include <fmt/format.h>
 
 #include "agent/backends/qemu/writable_disk.hpp"
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::qemu {

@@ -24,8 +24,8 @@
 #include "agent/backends/qemu/qmp.hpp"
 #include "agent/backends/qemu/vm_process.hpp"
 #include "agent/backends/qemu/vm_template.hpp"
-#include "agent/guest/guest_channel.hpp"
-#include "agent/layers/layer_image.hpp"
+#include "agent/backends/qemu/guest/guest_channel.hpp"
+#include "agent/images/layers/layer_image.hpp"
 #include "common/unique_fd.hpp"
 
 namespace dsec::agent::qemu {

@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/log.hpp"
+#include "common/log.hpp"
 
 namespace dsec::agent::qemu {
 

@@ -7,9 +7,9 @@
 #include <string_view>
 #include <vector>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/backends/qemu/qemu_command.hpp"
-#include "agent/layers/layer_image.hpp"
+#include "agent/images/layers/layer_image.hpp"
 
 namespace dsec::agent::qemu {
 

@@ -15,7 +15,7 @@
 #include <optional>
 #include <string>
 
-#include "agent/backend.hpp"
+#include "agent/backends/backend.hpp"
 #include "agent/backends/qemu/vm_instance.hpp"
 #include "agent/backends/qemu/vnc_listener.hpp"
 #include "agent/network/node_network.hpp"

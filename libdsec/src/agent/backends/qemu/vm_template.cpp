@@ -2,7 +2,7 @@
 
 #include <fcntl.h>
 
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::qemu {

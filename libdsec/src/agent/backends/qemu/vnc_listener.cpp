@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "agent/log.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::qemu {
