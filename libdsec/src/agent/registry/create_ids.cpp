@@ -15,9 +15,9 @@
 
 namespace dsec::agent {
 
-RequestLog::RequestLog(std::filesystem::path path) : path_(std::move(path)) {}
+CreateIds::CreateIds(std::filesystem::path path) : path_(std::move(path)) {}
 
-std::vector<RequestLog::Entry> RequestLog::load() const {
+std::vector<CreateIds::Entry> CreateIds::load() const {
   std::vector<Entry> out;
   if (path_.empty()) return out;
   std::lock_guard lock(mutex_);
@@ -55,7 +55,7 @@ std::vector<RequestLog::Entry> RequestLog::load() const {
   return kept;
 }
 
-void RequestLog::append(const Entry& e) {
+void CreateIds::append(const Entry& e) {
   if (path_.empty()) return;
   protocol::json j{{"request_id", e.request_id}, {"sandbox", e.sandbox_id}, {"fingerprint", e.fingerprint},
                    {"at", e.at}};
@@ -63,14 +63,14 @@ void RequestLog::append(const Entry& e) {
   write_line(j.dump() + "\n");
 }
 
-void RequestLog::forget(const std::string& request_id, const std::string& sandbox_id) {
+void CreateIds::forget(const std::string& request_id, const std::string& sandbox_id) {
   if (path_.empty()) return;
   protocol::json j{{"forget", request_id}, {"sandbox", sandbox_id}};
   std::lock_guard lock(mutex_);
   write_line(j.dump() + "\n");
 }
 
-void RequestLog::write_line(const std::string& line) {
+void CreateIds::write_line(const std::string& line) {
   if (!fd_) {
     fd_.reset(::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
     if (!fd_) {
@@ -87,7 +87,7 @@ void RequestLog::write_line(const std::string& line) {
   ++appended_;
 }
 
-void RequestLog::rewrite(const std::function<std::vector<Entry>()>& snapshot) {
+void CreateIds::rewrite(const std::function<std::vector<Entry>()>& snapshot) {
   if (path_.empty()) return;
   std::lock_guard lock(mutex_);
   std::vector<Entry> entries = snapshot();
@@ -128,7 +128,7 @@ void RequestLog::rewrite(const std::function<std::vector<Entry>()>& snapshot) {
   appended_ = 0;
 }
 
-void RequestLog::remove() {
+void CreateIds::remove() {
   if (path_.empty()) return;
   std::lock_guard lock(mutex_);
   fd_.reset();
@@ -137,7 +137,7 @@ void RequestLog::remove() {
     log_warn("remove request log {}: {}", path_.string(), std::strerror(errno));
 }
 
-std::size_t RequestLog::appended() const {
+std::size_t CreateIds::appended() const {
   std::lock_guard lock(mutex_);
   return appended_;
 }

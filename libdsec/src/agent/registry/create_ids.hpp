@@ -20,7 +20,7 @@
 
 namespace dsec::agent {
 
-class RequestLog {
+class CreateIds {
  public:
   struct Entry {
     std::string request_id;
@@ -30,9 +30,9 @@ class RequestLog {
   };
 
   // An empty path keeps nothing.
-  explicit RequestLog(std::filesystem::path path);
-  RequestLog(const RequestLog&) = delete;
-  RequestLog& operator=(const RequestLog&) = delete;
+  explicit CreateIds(std::filesystem::path path);
+  CreateIds(const CreateIds&) = delete;
+  CreateIds& operator=(const CreateIds&) = delete;
 
   // The finished creates in the order they were written, without those forgotten after. A line that does not parse
   // (a file cut short by a full disk) is skipped.

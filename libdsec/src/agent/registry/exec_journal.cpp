@@ -28,12 +28,12 @@ double unix_now() {
 }
 
 ExecResult kept_result(ExecResult r) {
-  if (r.stdout_data.size() > RequestJournal::kKeptOutput) {
-    r.stdout_data.resize(RequestJournal::kKeptOutput);
+  if (r.stdout_data.size() > ExecJournal::kKeptOutput) {
+    r.stdout_data.resize(ExecJournal::kKeptOutput);
     r.stdout_truncated = true;
   }
-  if (r.stderr_data.size() > RequestJournal::kKeptOutput) {
-    r.stderr_data.resize(RequestJournal::kKeptOutput);
+  if (r.stderr_data.size() > ExecJournal::kKeptOutput) {
+    r.stderr_data.resize(ExecJournal::kKeptOutput);
     r.stderr_truncated = true;
   }
   return r;
@@ -49,14 +49,14 @@ Error outcome_unknown(const std::string& sandbox_id, const std::string& request_
 
 }  // namespace
 
-RequestJournal::RequestJournal(fs::path dir) : dir_(std::move(dir)) {
+ExecJournal::ExecJournal(fs::path dir) : dir_(std::move(dir)) {
   if (dir_.empty()) return;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir_, ec))
     if (e.path().extension() == ".log") load(e.path());
 }
 
-std::string RequestJournal::fingerprint(const ExecRequest& r) {
+std::string ExecJournal::fingerprint(const ExecRequest& r) {
   json j{{"argv", r.argv},
          {"shell", r.shell},
          {"env", r.env},
@@ -68,9 +68,9 @@ std::string RequestJournal::fingerprint(const ExecRequest& r) {
   return image::sha256_digest(j.dump(-1, ' ', false, json::error_handler_t::replace));
 }
 
-fs::path RequestJournal::file_of(const std::string& sandbox_id) const { return dir_ / (sandbox_id + ".log"); }
+fs::path ExecJournal::file_of(const std::string& sandbox_id) const { return dir_ / (sandbox_id + ".log"); }
 
-std::uint64_t RequestJournal::append(const std::string& sandbox_id, Sandbox& sb, const std::string& line) {
+std::uint64_t ExecJournal::append(const std::string& sandbox_id, Sandbox& sb, const std::string& line) {
   std::uint64_t at = sb.file_bytes;
   ++sb.lines;
   if (dir_.empty()) return at;
@@ -94,7 +94,7 @@ std::uint64_t RequestJournal::append(const std::string& sandbox_id, Sandbox& sb,
   return at;
 }
 
-void RequestJournal::load(const fs::path& file) {
+void ExecJournal::load(const fs::path& file) {
   const std::string sandbox_id = file.stem().string();
   std::ifstream in(file, std::ios::binary);
   Sandbox sb;
@@ -134,7 +134,7 @@ void RequestJournal::load(const fs::path& file) {
   sandboxes_[sandbox_id] = std::move(sb);
 }
 
-json RequestJournal::read_result(const std::string& sandbox_id, const Entry& entry) {
+json ExecJournal::read_result(const std::string& sandbox_id, const Entry& entry) {
   if (entry.memory_result) return *entry.memory_result;
   std::string line(entry.result_len, '\0');
   UniqueFd fd(::open(file_of(sandbox_id).c_str(), O_RDONLY | O_CLOEXEC));
@@ -150,7 +150,7 @@ json RequestJournal::read_result(const std::string& sandbox_id, const Entry& ent
   }
 }
 
-ExecResult RequestJournal::run_once(const std::string& sandbox_id, const std::string& request_id,
+ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::string& request_id,
                                     const std::string& fingerprint, const std::function<ExecResult()>& run) {
   std::optional<ExecResult> ran;
   json kept = run_once_json(sandbox_id, request_id, fingerprint, [&] {
@@ -166,7 +166,7 @@ ExecResult RequestJournal::run_once(const std::string& sandbox_id, const std::st
   }
 }
 
-json RequestJournal::run_once_json(const std::string& sandbox_id, const std::string& request_id,
+json ExecJournal::run_once_json(const std::string& sandbox_id, const std::string& request_id,
                                    const std::string& fingerprint, const std::function<json()>& run) {
   {
     std::unique_lock lock(mutex_);
@@ -230,7 +230,7 @@ json RequestJournal::run_once_json(const std::string& sandbox_id, const std::str
   return result;
 }
 
-void RequestJournal::evict(const std::string& sandbox_id, Sandbox& sb) {
+void ExecJournal::evict(const std::string& sandbox_id, Sandbox& sb) {
   while (sb.ids.size() > kIdsPerSandbox) {
     auto old = std::find_if(sb.order.begin(), sb.order.end(),
                             [&](const std::string& id) { return sb.ids.at(id).state != State::kRunning; });
@@ -241,7 +241,7 @@ void RequestJournal::evict(const std::string& sandbox_id, Sandbox& sb) {
   if (sb.lines > 4 * sb.ids.size() + 64) compact(sandbox_id, sb);
 }
 
-void RequestJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
+void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
   if (dir_.empty()) {
     sb.lines = sb.ids.size();
     return;
@@ -284,20 +284,20 @@ void RequestJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
   sb.lines = lines;
 }
 
-void RequestJournal::drop(const std::string& sandbox_id) {
+void ExecJournal::drop(const std::string& sandbox_id) {
   std::lock_guard lock(mutex_);
   forget_sandbox(sandbox_id);
   done_.notify_all();
 }
 
-void RequestJournal::forget_sandbox(const std::string& sandbox_id) {
+void ExecJournal::forget_sandbox(const std::string& sandbox_id) {
   sandboxes_.erase(sandbox_id);
   if (dir_.empty()) return;
   ::unlink(file_of(sandbox_id).c_str());
   if (sandboxes_.empty()) ::rmdir(dir_.c_str());  // fails, harmlessly, while files of other sandboxes are there
 }
 
-void RequestJournal::retain(const std::set<std::string>& live) {
+void ExecJournal::retain(const std::set<std::string>& live) {
   std::vector<std::string> gone;
   {
     std::lock_guard lock(mutex_);

@@ -36,15 +36,15 @@
 
 namespace dsec::agent {
 
-class RequestJournal {
+class ExecJournal {
  public:
   static constexpr std::size_t kIdsPerSandbox = 256;
   static constexpr std::size_t kKeptOutput = 1u << 20;
 
   // An empty dir keeps the ids in memory only (they do not survive a restart). Loads what an earlier run left.
-  explicit RequestJournal(std::filesystem::path dir);
-  RequestJournal(const RequestJournal&) = delete;
-  RequestJournal& operator=(const RequestJournal&) = delete;
+  explicit ExecJournal(std::filesystem::path dir);
+  ExecJournal(const ExecJournal&) = delete;
+  ExecJournal& operator=(const ExecJournal&) = delete;
 
   // Runs `run` once for (sandbox, request id): the first call runs it and records its result (output over
   // kKeptOutput per stream is not kept: a repeat's result says truncated); a repeat returns that result, waiting

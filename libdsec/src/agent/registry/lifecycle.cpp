@@ -317,7 +317,7 @@ SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
       record->info.message = info.message;
     }
     remove_record_file(*record);
-    request_journal_.drop(id);
+    exec_journal_.drop(id);
     metrics_.sandbox_destroyed(info.kind);
   }
   if (!unused_snapshot.empty() && options_.on_fork_snapshot_unused) {
@@ -383,16 +383,16 @@ void Registry::reap() {
     std::lock_guard lock(mutex_);
     remembered = requests_.size();
   }
-  if (request_log_.appended() > std::max<std::size_t>(4096, 2 * remembered)) {
+  if (create_ids_.appended() > std::max<std::size_t>(4096, 2 * remembered)) {
     try {
-      request_log_.rewrite([this] {
-        std::vector<RequestLog::Entry> entries;
+      create_ids_.rewrite([this] {
+        std::vector<CreateIds::Entry> entries;
         std::lock_guard lock(mutex_);
         for (const auto& [at, request_id] : request_order_) {
           auto it = requests_.find(request_id);
           if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone)
             continue;
-          entries.push_back(RequestLog::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
+          entries.push_back(CreateIds::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
         }
         return entries;
       });

@@ -312,7 +312,7 @@ RecoveryReport Registry::recover(bool adopt) {
     }
     // Creates that finished, including those whose sandboxes are destroyed by now, from the request log.
     const double retention = static_cast<double>(options_.request_id_retention.count());
-    for (auto& e : request_log_.load()) {
+    for (auto& e : create_ids_.load()) {
       if (t - e.at >= retention || requests_.count(e.request_id)) continue;
       auto entry = std::make_shared<RequestEntry>();
       entry->state = RequestEntry::State::kDone;
@@ -375,13 +375,13 @@ RecoveryReport Registry::recover(bool adopt) {
 
   // 5. The request log, compacted to what is remembered.
   try {
-    request_log_.rewrite([this] {
-      std::vector<RequestLog::Entry> entries;
+    create_ids_.rewrite([this] {
+      std::vector<CreateIds::Entry> entries;
       std::lock_guard lock(mutex_);
       for (const auto& [at, request_id] : request_order_) {
         auto it = requests_.find(request_id);
         if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone) continue;
-        entries.push_back(RequestLog::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
+        entries.push_back(CreateIds::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
       }
       return entries;
     });
@@ -413,7 +413,7 @@ RecoveryReport Registry::recover(bool adopt) {
   std::set<std::string> with_records;
   for (const auto& e : std::filesystem::directory_iterator(options_.state_dir, ec))
     if (e.path().extension() == ".json") with_records.insert(e.path().stem().string());
-  request_journal_.retain(with_records);
+  exec_journal_.retain(with_records);
   return report;
 }
 

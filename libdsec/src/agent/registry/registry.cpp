@@ -61,8 +61,8 @@ Registry::Registry(RegistryOptions options, Backends backends, ImageSource& imag
       backends_(std::move(backends)),
       images_(images),
       metrics_(metrics),
-      request_log_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "requests.log"),
-      request_journal_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "execs"),
+      create_ids_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "requests.log"),
+      exec_journal_(options_.state_dir.empty() ? std::filesystem::path() : options_.state_dir / "execs"),
       rng_(std::random_device{}()) {
   if (!options_.clock) options_.clock = unix_now;
   if (options_.batch_parallelism == 0) options_.batch_parallelism = 1;
@@ -121,9 +121,9 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
       at = entry->at;
     }
     request_done_.notify_all();
-    // After the entry is done (see RequestLog::rewrite). Until this line is written, the sandbox's record holds
+    // After the entry is done (see CreateIds::rewrite). Until this line is written, the sandbox's record holds
     // its request id for a restart.
-    if (entry) request_log_.append(RequestLog::Entry{spec.request_id, outcome.info.id, fingerprint, at});
+    if (entry) create_ids_.append(CreateIds::Entry{spec.request_id, outcome.info.id, fingerprint, at});
     return outcome;
   } catch (const std::exception& e) {
     Error error = as_error(e);
@@ -359,7 +359,7 @@ void Registry::forget_request_id(const std::string& request_id, const std::strin
     auto it = requests_.find(request_id);
     if (it != requests_.end() && it->second->sandbox_id == sandbox_id) requests_.erase(it);
   }
-  request_log_.forget(request_id, sandbox_id);
+  create_ids_.forget(request_id, sandbox_id);
 }
 
 SandboxInfo Registry::info_of(const std::string& id) const {
@@ -454,7 +454,7 @@ void Registry::forget_requests() {
       else it = requests_.erase(it);
     }
   }
-  request_log_.remove();
+  create_ids_.remove();
   // The sandboxes are gone: so are their exec request ids (a sandbox whose destroy raced an exec may have left
   // some).
   std::set<std::string> live;
@@ -462,7 +462,7 @@ void Registry::forget_requests() {
     std::lock_guard lock(mutex_);
     for (const auto& [id, record] : records_) live.insert(id);
   }
-  request_journal_.retain(live);
+  exec_journal_.retain(live);
 }
 
 void Registry::evict(double t) {

@@ -171,7 +171,7 @@ class Registry {
   // For exec and files. NOT_FOUND for an unknown, destroyed or being-destroyed sandbox.
   SandboxHandle acquire(const std::string& id) const;
   // Execs with request ids (exactly once); a sandbox's ids go with it.
-  RequestJournal& request_journal() { return request_journal_; }
+  ExecJournal& exec_journal() { return exec_journal_; }
   // The spec a live sandbox was created from (snapshots hand it on to the sandboxes made from them). NOT_FOUND like
   // acquire().
   SandboxSpec spec(const std::string& id) const;
@@ -313,8 +313,8 @@ class Registry {
   Backends backends_;
   ImageSource& images_;
   Metrics& metrics_;
-  RequestLog request_log_;  // <state>/requests.log
-  RequestJournal request_journal_;  // <state>/execs/
+  CreateIds create_ids_;  // <state>/requests.log
+  ExecJournal exec_journal_;  // <state>/execs/
 
   mutable std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<Record>> records_;

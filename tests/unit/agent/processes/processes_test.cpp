@@ -260,7 +260,7 @@ TEST(ProcessTable, UnknownPidsAndMalformedRequests) {
   EXPECT_EQ(static_cast<Status>(status), Status::kBadRequest);
 }
 
-class RequestJournalTest : public ::testing::Test {
+class ExecJournalTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("dsec-journal-" + std::to_string(::getpid()) + "-" +
@@ -278,8 +278,8 @@ ExecResult result_with(std::string out) {
   return r;
 }
 
-TEST_F(RequestJournalTest, RunsOnceAndAnswersRepeatsWithTheFirstResult) {
-  agent::RequestJournal journal(dir_);
+TEST_F(ExecJournalTest, RunsOnceAndAnswersRepeatsWithTheFirstResult) {
+  agent::ExecJournal journal(dir_);
   int runs = 0;
   auto run = [&] { return result_with("run " + std::to_string(++runs)); };
   EXPECT_EQ(journal.run_once("sb", "r1", "fp", run).stdout_data, "run 1");
@@ -298,9 +298,9 @@ TEST_F(RequestJournalTest, RunsOnceAndAnswersRepeatsWithTheFirstResult) {
   EXPECT_EQ(journal.run_once("sb", "r2", "fp", run).stdout_data, "run 3");
 }
 
-TEST_F(RequestJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
+TEST_F(ExecJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
   {
-    agent::RequestJournal journal(dir_);
+    agent::ExecJournal journal(dir_);
     journal.run_once("sb", "done", "fp", [] { return result_with(std::string(3u << 20, 'x')); });
   }
   {
@@ -310,9 +310,9 @@ TEST_F(RequestJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
     std::fputs("{\"id\":\"cut\",\"fingerprint\":\"fp\",\"started\":1}\n", f);
     std::fclose(f);
   }
-  agent::RequestJournal after(dir_);
+  agent::ExecJournal after(dir_);
   ExecResult kept = after.run_once("sb", "done", "fp", [] { return result_with("ran again"); });
-  EXPECT_EQ(kept.stdout_data.size(), agent::RequestJournal::kKeptOutput);
+  EXPECT_EQ(kept.stdout_data.size(), agent::ExecJournal::kKeptOutput);
   EXPECT_TRUE(kept.stdout_truncated);
   try {
     after.run_once("sb", "cut", "fp", [] { return result_with("ran again"); });
@@ -325,9 +325,9 @@ TEST_F(RequestJournalTest, ARestartKeepsResultsAndMakesUnfinishedOnesUnknown) {
   EXPECT_FALSE(fs::exists(dir_ / "sb.log"));
 }
 
-TEST_F(RequestJournalTest, KeepsTheLastIdsOfASandboxAndCompacts) {
-  agent::RequestJournal journal(dir_);
-  const std::size_t n = agent::RequestJournal::kIdsPerSandbox * 3;
+TEST_F(ExecJournalTest, KeepsTheLastIdsOfASandboxAndCompacts) {
+  agent::ExecJournal journal(dir_);
+  const std::size_t n = agent::ExecJournal::kIdsPerSandbox * 3;
   for (std::size_t i = 0; i < n; ++i)
     journal.run_once("sb", "r" + std::to_string(i), "fp", [&] { return result_with("out " + std::to_string(i)); });
   // The newest are answered from the (compacted) file; the oldest are forgotten.
@@ -337,17 +337,17 @@ TEST_F(RequestJournalTest, KeepsTheLastIdsOfASandboxAndCompacts) {
   EXPECT_LT(fs::file_size(dir_ / "sb.log"), 200u * 1024);
 }
 
-TEST_F(RequestJournalTest, JsonAnswersAreKeptWholeAcrossARestart) {
+TEST_F(ExecJournalTest, JsonAnswersAreKeptWholeAcrossARestart) {
   // Spawns, stdin writes and signals keep their JSON answer (a spawn's pid) under their id.
   int runs = 0;
   {
-    agent::RequestJournal journal(dir_);
+    agent::ExecJournal journal(dir_);
     auto first = journal.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; });
     EXPECT_EQ(first["pid"], 41);
     EXPECT_EQ(journal.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; }),
               first);
   }
-  agent::RequestJournal after(dir_);
+  agent::ExecJournal after(dir_);
   EXPECT_EQ(after.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; })["pid"],
             41);
   EXPECT_EQ(runs, 1);

@@ -416,11 +416,11 @@ TEST_F(RecoveryTest, ACleanShutdownLeavesAnEmptyStateDirectory) {
   EXPECT_TRUE(registry_->create(spec("r1")).created);
 }
 
-TEST(RequestLogTest, AppendsForgetsAndRewrites) {
+TEST(CreateIdsTest, AppendsForgetsAndRewrites) {
   ScratchDir dir;
   const fs::path path = dir.path() / "requests.log";
   {
-    RequestLog log(path);
+    CreateIds log(path);
     EXPECT_TRUE(log.load().empty());
     log.append({"a", "n1-1", "sha256:1", 1.0});
     log.append({"b", "n1-2", "sha256:2", 2.0});
@@ -432,7 +432,7 @@ TEST(RequestLogTest, AppendsForgetsAndRewrites) {
   }
   // A line cut short (a full disk) is skipped.
   std::ofstream(path, std::ios::app) << "{\"request_id\": \"d\", \"sand";
-  RequestLog log(path);
+  CreateIds log(path);
   auto entries = log.load();
   ASSERT_EQ(entries.size(), 2u);
   EXPECT_EQ(entries[0].request_id, "c");
@@ -441,7 +441,7 @@ TEST(RequestLogTest, AppendsForgetsAndRewrites) {
   EXPECT_EQ(entries[1].fingerprint, "sha256:4");
   EXPECT_DOUBLE_EQ(entries[1].at, 4.0);
 
-  log.rewrite([&] { return std::vector<RequestLog::Entry>{entries[1]}; });
+  log.rewrite([&] { return std::vector<CreateIds::Entry>{entries[1]}; });
   EXPECT_EQ(log.appended(), 0u);
   log.append({"e", "n1-5", "sha256:5", 5.0});
   entries = log.load();
@@ -449,7 +449,7 @@ TEST(RequestLogTest, AppendsForgetsAndRewrites) {
   EXPECT_EQ(entries[0].request_id, "a");
   EXPECT_EQ(entries[1].request_id, "e");
   EXPECT_FALSE(fs::exists(dir.path() / "requests.log.tmp"));
-  log.rewrite([] { return std::vector<RequestLog::Entry>{}; });  // nothing to remember: no file
+  log.rewrite([] { return std::vector<CreateIds::Entry>{}; });  // nothing to remember: no file
   EXPECT_FALSE(fs::exists(path));
   log.append({"f", "n1-6", "sha256:6", 6.0});
   ASSERT_EQ(log.load().size(), 1u);
