@@ -228,7 +228,7 @@ HttpResponse Router::processes(HttpRequest& request, const Target& target) {
 json Router::once(const std::string& sandbox_id, std::string_view kind, const std::string& request_id,
                   const std::string& request, const std::function<json()>& answer) {
   if (request_id.empty()) return answer();
-  return registry_.request_journal().run_once_json(sandbox_id, std::string(kind) + request_id,
+  return registry_.exec_journal().run_once_json(sandbox_id, std::string(kind) + request_id,
                                                    image::sha256_digest(request), answer);
 }
 
@@ -389,11 +389,11 @@ HttpResponse Router::session(HttpRequest& request, const Target& target, Respons
       as_exec.shell = run.command;
       as_exec.timeout_seconds = run.timeout_seconds;
       as_exec.max_output_bytes = run.max_output_bytes;
-      const std::string fingerprint = RequestJournal::fingerprint(as_exec);
+      const std::string fingerprint = ExecJournal::fingerprint(as_exec);
       return exec_answer(request, stream, bool_field(body, "stream"), run.timeout_seconds,
                          [&](const OutputSink& sink) {
                            return run_exactly_once(
-                               registry_.request_journal(), target.sandbox_id, journal_id, fingerprint, sink,
+                               registry_.exec_journal(), target.sandbox_id, journal_id, fingerprint, sink,
                                [&](const OutputSink& to) {
                                  auto started = std::chrono::steady_clock::now();
                                  ExecResult r = sessions_.run(target.sandbox_id, procs, name, run, to);

@@ -73,7 +73,7 @@ class Router {
   HttpResponse process(HttpRequest& request, const Target& target);
   HttpResponse sessions(HttpRequest& request, const Target& target);
   HttpResponse session(HttpRequest& request, const Target& target, ResponseStream* stream);
-  // `answer`, once per request id of the sandbox (RequestJournal, ids under `kind`): a repeat gets the first answer.
+  // `answer`, once per request id of the sandbox (ExecJournal, ids under `kind`): a repeat gets the first answer.
   // `request` is what the id stands for; an empty id simply answers.
   protocol::json once(const std::string& sandbox_id, std::string_view kind, const std::string& request_id,
                       const std::string& request, const std::function<protocol::json()>& answer);

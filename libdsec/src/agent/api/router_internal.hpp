@@ -1,4 +1,4 @@
-// What the router's rooms (router.cpp, processes.cpp, screen.cpp) share: answers, method and query checks, and an exec's
+// What the router's rooms (router.cpp, access.cpp, processes.cpp, screen.cpp) share: answers, method and query checks, and an exec's
 // answer, whole or streamed as NDJSON.
 #pragma once
 
@@ -10,6 +10,7 @@
 #include "agent/backends/backend.hpp"
 #include "agent/registry/exec_journal.hpp"
 #include "http/http.hpp"
+#include "http/tokens.hpp"
 #include "agent/api/routes.hpp"
 #include "common/protocol.hpp"
 
@@ -29,10 +30,18 @@ void only_params(const Query& query, std::initializer_list<std::string_view> kno
 HttpResponse exec_answer(const HttpRequest& request, ResponseStream* stream, bool streaming, double timeout_seconds,
                          const std::function<ExecResult(const OutputSink&)>& run);
 
-// Runs `run` once per request id of the sandbox (RequestJournal; an empty id: simply runs it). Streamed, the output
+// Runs `run` once per request id of the sandbox (ExecJournal; an empty id: simply runs it). Streamed, the output
 // sent to `sink` is kept too, and a repeat sends the first call's kept output to its sink before its result.
-ExecResult run_exactly_once(RequestJournal& journal, const std::string& sandbox_id, const std::string& request_id,
+ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id, const std::string& request_id,
                             const std::string& fingerprint, const OutputSink& sink,
                             const std::function<ExecResult(const OutputSink&)>& run);
+
+// Access (access.cpp). Snapshots a tenant takes are images named tenants/<tenant>/...: its own to start sandboxes from,
+// nobody else's. Images outside tenants/ (the operator's) are everyone's.
+constexpr std::string_view kTenantImages = "tenants/";
+std::string tenant_image_prefix(const auth::Principal& who);
+bool tenant_may_use_image(const auth::Principal& who, std::string_view image);
+// A tenant's request ids are its own: the same id from two tenants names two requests.
+std::string tenant_request_id(const auth::Principal& who, const std::string& request_id);
 
 }  // namespace dsec::agent
