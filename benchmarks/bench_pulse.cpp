@@ -524,7 +524,9 @@ Etcd start_etcd(const fs::path& dir) {
                        "--listen-client-urls", e.url, "--advertise-client-urls", e.url, "--listen-peer-urls", peer,
                        "--initial-advertise-peer-urls", peer, "--initial-cluster", "dsec-bench=" + peer},
                       dir / "etcd.log");
-  cluster::EtcdClient etcd(cluster::EtcdOptions{{e.url}, std::chrono::milliseconds(1000), std::chrono::milliseconds(500)});
+  cluster::EtcdClient etcd(cluster::EtcdOptions{.endpoints = {e.url},
+                                                      .request_timeout = std::chrono::milliseconds(1000),
+                                                      .connect_timeout = std::chrono::milliseconds(500)});
   auto give_up = Clock::now() + kStartTimeout;
   for (;;) {
     if (e.process.exited())
@@ -655,7 +657,9 @@ PulseRun run_cluster(const Options& o, const fs::path& scratch, const std::strin
     }
   }
   // ... and registered in etcd.
-  cluster::EtcdClient ec(cluster::EtcdOptions{{etcd.url}, std::chrono::milliseconds(2000), std::chrono::milliseconds(500)});
+  cluster::EtcdClient ec(cluster::EtcdOptions{.endpoints = {etcd.url},
+                                                   .request_timeout = std::chrono::milliseconds(2000),
+                                                   .connect_timeout = std::chrono::milliseconds(500)});
   for (;;) {
     auto listing = ec.range_prefix(run.prefix + "nodes/");
     if (static_cast<std::size_t>(listing.kvs.size()) == agents) break;

@@ -190,6 +190,7 @@ struct ChildStart {
   if (chdir(req.cwd.c_str()) != 0) fail(FailStage::kChdir);
   exec_search(c.argv[0], c.argv, c.envp, c.path);
   fail(FailStage::kExec);
+  _exit(127);  // not reached: fail() exits, which the compiler cannot see through the lambda
 }
 
 }  // namespace

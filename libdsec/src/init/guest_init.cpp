@@ -468,7 +468,11 @@ class GuestInit {
       close_all(group_fds);
       throw Error(Code::kResourceExhausted, "pipe: " + errno_text(errno));
     }
-    StartRequest req{std::move(m.argv), std::move(m.env), std::move(m.cwd), {in[0], out[1], err[1]}};
+    StartRequest req;
+    req.argv = std::move(m.argv);
+    req.env = std::move(m.env);
+    req.cwd = std::move(m.cwd);
+    req.fds = {in[0], out[1], err[1]};
     // In a VM, root commands keep root's capabilities (the VM is the boundary); a named user's command gets its ids,
     // and for a uid other than 0 the kernel drops every capability with the change (and no_new_privs keeps setuid
     // programs from handing root back).

@@ -78,7 +78,7 @@ class GroupsTest : public ::testing::Test {
     request.body() = body;
     request.prepare_payload();
     HttpResponse response = router_->handle(request);
-    return Answer{response.result_int(), json::parse(response.body())};
+    return Answer{static_cast<int>(response.result_int()), json::parse(response.body())};
   }
 
   std::filesystem::path lease_file(const std::string& group) {
