@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds dsec with sanitizers and runs its unit tests under them; fails on any finding.
+#
+#   scripts/sanitize.sh asan     AddressSanitizer + UndefinedBehaviorSanitizer, every unit test (./build-asan)
+#   scripts/sanitize.sh tsan     ThreadSanitizer, the tests of the parts that run many threads at once: the client
+#                                (its transport, retries, discovery and the embedded agent), the agent's HTTP server
+#                                and router, the registry (./build-tsan)
+#   scripts/sanitize.sh all      both, one after the other
+#
+# Run as root, as scripts/test.sh is: many unit tests make real sandboxes. dsec-init, dsec-layer-keeper and
+# dsec-memhold are static programs and are built without sanitizers (CMakeLists.txt, dsec_static_program); the
+# agents the tests start are sanitized. A sanitizer's report fails the test that made it (halt_on_error), and the
+# report is in the output above the failure. SANITIZE_FILTER narrows the tests (a gtest filter).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The tests of threaded code that ThreadSanitizer watches: gtest suites by name (tests/unit/client, the agent's
+# server and api, its registry).
+TSAN_SUITES='Client*:Transport*:Retry*:Discovery*:Endpoint*:ExecStream*:Embedded*:AgentServer*:Server*:Router*:Registry*:Recovery*:Groups*:ExecJournal*:CreateIds*'
+
+build_and_test() {
+  local name=$1 sanitizers=$2 filter=$3
+  local dir=build-$name
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSEC_SANITIZE="$sanitizers" \
+        -DDSEC_BUILD_PYTHON=OFF -DDSEC_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE=/usr/bin/python3 >/dev/null
+  cmake --build "$dir" -j "${JOBS:-$(nproc)}" --target dsec_unit_tests dsecd dsec-cli dsec-e2b
+  echo "== unit tests under $sanitizers (${filter:-all}) =="
+  # The tests start the dsecd beside them in $dir/bin, which finds the dsec-init of the same build.
+  "$dir/bin/dsec_unit_tests" ${filter:+--gtest_filter="$filter"} --gtest_brief=1
+}
+
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:abort_on_error=0:detect_stack_use_after_return=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+
+case ${1:-} in
+  asan) build_and_test asan address,undefined "${SANITIZE_FILTER:-}" ;;
+  tsan) build_and_test tsan thread "${SANITIZE_FILTER:-$TSAN_SUITES}" ;;
+  all)
+    build_and_test asan address,undefined "${SANITIZE_FILTER:-}"
+    build_and_test tsan thread "${SANITIZE_FILTER:-$TSAN_SUITES}"
+    ;;
+  *) echo "usage: scripts/sanitize.sh {asan|tsan|all}" >&2; exit 2 ;;
+esac
