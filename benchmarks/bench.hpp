@@ -40,10 +40,10 @@ class Latency {
 };
 
 struct Options {
-  std::string command;                 // create | throughput | exec | density | cgroup-join | image | pulse | fncall | all
-  std::vector<std::string> endpoints;  // empty: an embedded agent
-  std::string home;                    // image store (and embedded agent state)
-  std::string agent_binary;            // embedded dsecd; empty: the library's default search
+  std::string command;  // create | throughput | exec | density | cgroup-join | image | pulse | fncall | all
+  std::vector<std::string> endpoints;   // empty: an embedded agent
+  std::string home;                     // image store (and embedded agent state)
+  std::string agent_binary;             // embedded dsecd; empty: the library's default search
   std::vector<std::string> agent_args;  // more flags for the embedded agent (--agent-arg), e.g. --userns off
   std::string image = "busybox";
   std::string rootfs;    // peers' root; empty: the image's root in the store under home
@@ -60,17 +60,17 @@ struct Options {
   std::uint64_t density_memory = 16ull << 20;  // memory limit per idle sandbox
   std::size_t teardown_concurrency = 8;
   // image: cold starts of the bench/task image (base, toolchain and task layers; built when missing)
-  std::size_t cold_runs = 3;                                  // single cold starts per layer mode
-  std::size_t starts = 32;                                    // concurrent cold starts per layer mode
-  std::vector<std::string> layer_modes{"lazy", "extract"};    // the agent's --layer-mode values to compare
-  std::string dsec_cli;                                       // the dsec CLI that builds the images; empty: beside
-                                                              // dsec-bench
+  std::size_t cold_runs = 3;                                // single cold starts per layer mode
+  std::size_t starts = 32;                                  // concurrent cold starts per layer mode
+  std::vector<std::string> layer_modes{"lazy", "extract"};  // the agent's --layer-mode values to compare
+  std::string dsec_cli;                                     // the dsec CLI that builds the images; empty: beside
+                                                            // dsec-bench
   // pulse: a pulse of creates over many agents found through etcd (a private etcd and agents this run starts)
-  std::size_t pulse_sandboxes = 32000;   // null sandboxes in the control-plane pulse
-  std::size_t pulse_agents = 16;         // agents serving the null backend
-  std::size_t real_sandboxes = 500;      // container sandboxes in the real pulse (0 skips it)
-  std::size_t real_agents = 4;           // agents serving the container backend
-  std::string pulse_api = "group";       // group: Client::create_group; many: Client::create_many
+  std::size_t pulse_sandboxes = 32000;  // null sandboxes in the control-plane pulse
+  std::size_t pulse_agents = 16;        // agents serving the null backend
+  std::size_t real_sandboxes = 500;     // container sandboxes in the real pulse (0 skips it)
+  std::size_t real_agents = 4;          // agents serving the container backend
+  std::string pulse_api = "group";      // group: Client::create_group; many: Client::create_many
   std::string pulse_dir;  // where the agents' homes, records and run directories go; empty: a new dir on /dev/shm
   // sleep: sandboxes holding anonymous memory sleep and wake in place, with swap the embedded agent sets up
   std::vector<std::size_t> sleep_sizes_mib{64, 256, 1024};  // memory each sandbox holds
@@ -92,9 +92,9 @@ struct Options {
   // vm: full VMs of the desktop image, --vm-n creates (the first boots the shape's template; -n screenshots)
   std::size_t vm_creates = 3;
   // qos: a latency-class sandbox's step (-n steps per row, default 500) beside -k batch spinners (default 2 per core)
-  double qos_think_ms = 20;       // think time between two steps
-  std::string qos_latency_cpus;   // --latency-cpus of the reserved-CPU rows' agent; empty: the last CPU; "none": no
-                                  // such rows
+  double qos_think_ms = 20;      // think time between two steps
+  std::string qos_latency_cpus;  // --latency-cpus of the reserved-CPU rows' agent; empty: the last CPU; "none": no
+                                 // such rows
   // reclaim: -k idle Python sandboxes (default 200) and `reclaim_control` more with reclaim=false; the embedded
   // agent's cold-memory reclaimer (--reclaim-age) puts them in a swap file of --swap-size (default: enough for all)
   std::string reclaim_image = "bookworm-numpy";  // needs python3; with numpy the worker imports it
@@ -104,10 +104,10 @@ struct Options {
   // pulse-node: --pulse-n creates at once from --pulse-threads threads on one node, without and with a warm pool
   std::size_t pulse_node_n = 1000;
   std::size_t pulse_node_threads = 32;
-  bool markdown = false;      // print the Markdown summary after a single benchmark too
+  bool markdown = false;        // print the Markdown summary after a single benchmark too
   std::set<std::string> given;  // the flags given on the command line (a command's own defaults yield to them)
-  bool null_backend = false;  // the agent serves kind "null": time its create as the floor of
-                              // the control plane (client, HTTP, registry), no sandbox made
+  bool null_backend = false;    // the agent serves kind "null": time its create as the floor of
+                                // the control plane (client, HTTP, registry), no sandbox made
 };
 
 // How busy the machine was while a benchmark ran, from /proc/stat and the CPU time of dsec-bench, its children
@@ -208,32 +208,32 @@ struct CgroupJoinResult {
 
 // One cold start: a fresh agent with an empty layer cache, the store's blobs out of the page cache.
 struct ColdStart {
-  double create_ms = 0;       // create() until the sandbox is ready
-  double first_exec_ms = 0;   // the task's exec, first in the sandbox
-  double total_ms = 0;        // create() called until the first exec's result is back
-  double warm_exec_ms = 0;    // the same exec again in the same sandbox (the task's own run time)
-  std::uint64_t fetched_bytes = 0;   // stored (compressed) layer bytes the agent read from the store
+  double create_ms = 0;             // create() until the sandbox is ready
+  double first_exec_ms = 0;         // the task's exec, first in the sandbox
+  double total_ms = 0;              // create() called until the first exec's result is back
+  double warm_exec_ms = 0;          // the same exec again in the same sandbox (the task's own run time)
+  std::uint64_t fetched_bytes = 0;  // stored (compressed) layer bytes the agent read from the store
   std::uint64_t fetched_chunks = 0;
-  std::uint64_t cached_bytes = 0;    // the layers' bytes on the node's disk afterwards
+  std::uint64_t cached_bytes = 0;  // the layers' bytes on the node's disk afterwards
 };
 
 struct ConcurrentStarts {
   std::size_t count = 0;
-  double wall_ms = 0;               // the first create() called until the last exec result is back
-  Latency per_start;                // create + first exec of each sandbox
-  std::uint64_t agent_write_bytes = 0;  // /proc/<agent>/io write_bytes less cancelled_write_bytes, with its
-                                        // reaped children, over the run
-  std::uint64_t device_write_bytes = 0; // sectors written to the agent's block device (/sys/block/*/stat) x 512
+  double wall_ms = 0;                    // the first create() called until the last exec result is back
+  Latency per_start;                     // create + first exec of each sandbox
+  std::uint64_t agent_write_bytes = 0;   // /proc/<agent>/io write_bytes less cancelled_write_bytes, with its
+                                         // reaped children, over the run
+  std::uint64_t device_write_bytes = 0;  // sectors written to the agent's block device (/sys/block/*/stat) x 512
   std::uint64_t fetched_bytes = 0;
   std::uint64_t cached_bytes = 0;
 };
 
 struct LayerModeResult {
-  std::string mode;          // the agent's --layer-mode
-  std::string node_mode;     // what the node reported (NodeInfo.layer_mode)
+  std::string mode;       // the agent's --layer-mode
+  std::string node_mode;  // what the node reported (NodeInfo.layer_mode)
   std::vector<ColdStart> cold;
   ConcurrentStarts concurrent;
-  CpuUse cpu;                // the machine while this mode ran (the agents are dsec-bench's children)
+  CpuUse cpu;  // the machine while this mode ran (the agents are dsec-bench's children)
 };
 
 struct ImageLayerInfo {
@@ -242,14 +242,14 @@ struct ImageLayerInfo {
 };
 
 struct ImageBenchResult {
-  std::string image;              // reference with its digest
-  std::uint64_t image_bytes = 0;  // sum of layer sizes (EROFS, uncompressed)
-  std::uint64_t stored_bytes = 0; // sum of stored (zstd chunk) sizes
+  std::string image;               // reference with its digest
+  std::uint64_t image_bytes = 0;   // sum of layer sizes (EROFS, uncompressed)
+  std::uint64_t stored_bytes = 0;  // sum of stored (zstd chunk) sizes
   std::uint32_t chunk_size = 0;
   std::vector<ImageLayerInfo> layers;
-  std::string task;               // the shell command each sandbox runs
-  std::string store;              // where the layers come from
-  std::string block_device;       // whose sectors-written counter was read
+  std::string task;          // the shell command each sandbox runs
+  std::string store;         // where the layers come from
+  std::string block_device;  // whose sectors-written counter was read
   std::vector<LayerModeResult> modes;
   int cores = 0;
   std::vector<std::string> notes;
@@ -262,26 +262,26 @@ struct PulseRun {
   std::string backend;  // "null" (control-plane simulation: nothing started) or "container"
   std::string api;      // "create_group" or "create_many"
   std::size_t agents = 0, sandboxes = 0;
-  double agents_ready_seconds = 0;  // spawning the agents until all N are registered in etcd
-  double discovery_seconds = 0;     // the Client constructed until it sees all N nodes
-  double create_seconds = 0;        // the create call until every sandbox is acknowledged
-  double destroy_seconds = 0;       // destroying them all (one request per node for a group)
+  double agents_ready_seconds = 0;                       // spawning the agents until all N are registered in etcd
+  double discovery_seconds = 0;                          // the Client constructed until it sees all N nodes
+  double create_seconds = 0;                             // the create call until every sandbox is acknowledged
+  double destroy_seconds = 0;                            // destroying them all (one request per node for a group)
   double client_cpu_create = 0, client_cpu_destroy = 0;  // user + system seconds of the client process
   double client_user_create = 0, client_sys_create = 0;
-  std::uint64_t client_rss_before = 0;  // VmRSS before the create
-  std::uint64_t client_hwm_create = 0;  // VmHWM after the create (reset when the child started)
-  std::uint64_t client_hwm = 0;         // VmHWM at the end (destroy included)
-  double agents_cpu_create = 0, agents_cpu_destroy = 0;  // summed over the agents
-  double agent_cpu_create_max = 0;                       // the busiest agent
-  double etcd_cpu = 0;                                   // etcd over create + destroy
+  std::uint64_t client_rss_before = 0;                    // VmRSS before the create
+  std::uint64_t client_hwm_create = 0;                    // VmHWM after the create (reset when the child started)
+  std::uint64_t client_hwm = 0;                           // VmHWM at the end (destroy included)
+  double agents_cpu_create = 0, agents_cpu_destroy = 0;   // summed over the agents
+  double agent_cpu_create_max = 0;                        // the busiest agent
+  double etcd_cpu = 0;                                    // etcd over create + destroy
   std::uint64_t agents_rss_total = 0, agent_rss_max = 0;  // VmRSS of the agents with every sandbox live
   std::size_t per_agent_min = 0, per_agent_max = 0;       // sandboxes acknowledged per agent
   std::size_t agents_used = 0;                            // agents that got at least one
   std::size_t left_after_destroy = 0;                     // sandboxes the agents still report after destroy
-  std::size_t agents_report = 0;  // live sandboxes the agents report after the create (pulse + one warm-up each)
-  std::size_t alive = 0;          // container: the pulse's sandboxes with a live process on this host
-  double sandboxes_cpu = 0;       // container: CPU seconds of those processes (all spent since the pulse began)
-  CpuUse cpu_create, cpu_destroy;                         // the machine in those windows
+  std::size_t agents_report = 0;   // live sandboxes the agents report after the create (pulse + one warm-up each)
+  std::size_t alive = 0;           // container: the pulse's sandboxes with a live process on this host
+  double sandboxes_cpu = 0;        // container: CPU seconds of those processes (all spent since the pulse began)
+  CpuUse cpu_create, cpu_destroy;  // the machine in those windows
 };
 
 struct PulseBenchResult {
@@ -320,10 +320,10 @@ struct SleepSize {
 };
 
 struct SleepBenchResult {
-  std::string swap;              // the swap the sleeping sandboxes used
+  std::string swap;  // the swap the sleeping sandboxes used
   std::uint64_t node_swap_bytes = 0;
-  std::string agent;             // "embedded dsecd ..." or the endpoint
-  std::string cgroup;            // the agent's cgroup driver
+  std::string agent;   // "embedded dsecd ..." or the endpoint
+  std::string cgroup;  // the agent's cgroup driver
   std::vector<SleepSize> sizes;
   std::vector<std::string> notes;
   CpuUse cpu;
@@ -331,22 +331,22 @@ struct SleepBenchResult {
 };
 
 struct SnapshotSizePoint {
-  std::size_t mib = 0;                  // written in the sandbox before the snapshots
-  std::vector<double> frozen_ms;        // per run: the sandbox's processes stood still
-  std::vector<double> agent_ms;         // per run: the whole snapshot on the agent
-  std::vector<double> client_ms;        // per run: the call as the client sees it
-  std::uint64_t stored_bytes = 0;       // the snapshot layer in the store
-  std::uint64_t file_bytes = 0;         // what the snapshot captured
+  std::size_t mib = 0;             // written in the sandbox before the snapshots
+  std::vector<double> frozen_ms;   // per run: the sandbox's processes stood still
+  std::vector<double> agent_ms;    // per run: the whole snapshot on the agent
+  std::vector<double> client_ms;   // per run: the call as the client sees it
+  std::uint64_t stored_bytes = 0;  // the snapshot layer in the store
+  std::uint64_t file_bytes = 0;    // what the snapshot captured
 };
 
 struct SnapshotBenchResult {
   std::string store;
   std::vector<SnapshotSizePoint> sizes;
-  double start_from_snapshot_ms = 0;    // create from the largest snapshot to its first exec
+  double start_from_snapshot_ms = 0;  // create from the largest snapshot to its first exec
   std::size_t start_mib = 0;
   std::size_t forks = 0;
-  std::vector<double> fork_call_ms;     // fork() until it returned
-  std::vector<double> fork_total_ms;    // fork() until all forks answered an exec
+  std::vector<double> fork_call_ms;   // fork() until it returned
+  std::vector<double> fork_total_ms;  // fork() until all forks answered an exec
   CpuUse cpu;
 };
 
@@ -376,9 +376,9 @@ struct FnCallBenchResult {
 // dsec-bench microvm: QEMU microVMs (templates on, and cold boots of a second agent with --microvm-templates off)
 // next to a plain QEMU boot of the same guest kernel and a container.
 struct MicroVmIdleMemory {
-  std::string what;              // "template clones" or "cold boots"
-  std::size_t count = 0;         // VMs measured
-  double create_seconds = 0;     // making all of them
+  std::string what;           // "template clones" or "cold boots"
+  std::size_t count = 0;      // VMs measured
+  double create_seconds = 0;  // making all of them
   double settle_seconds = 0;
   // Per VM, the mean over the VMs' QEMU processes (/proc/<pid>/smaps_rollup), in bytes.
   double rss = 0, pss = 0, pss_anon = 0, pss_file = 0, pss_shmem = 0;
@@ -386,14 +386,14 @@ struct MicroVmIdleMemory {
   // The guest-RAM mapping (a memfd: the template's for a clone, its own for a cold boot), per VM: its PSS, and its
   // pages that are the VM's own (Anonymous: copied on write; for a memfd of its own, its Private pages).
   double ram_pss = 0, ram_rss = 0, ram_private = 0;
-  double template_resident = 0;  // the templates' memfds' pages on the node, counted once (held by the agent)
-  double cgroup_charge = 0;      // per VM, the VM's memory cgroup
+  double template_resident = 0;     // the templates' memfds' pages on the node, counted once (held by the agent)
+  double cgroup_charge = 0;         // per VM, the VM's memory cgroup
   double mem_available_per_vm = 0;  // MemAvailable before - after, over count
   double agent_rss_delta = 0;
-  double others_rss_delta = 0;   // RSS change of every other process over the same window: a noise gauge
-  double vm_cpu_pct = 0;         // % of one core per idle VM while settling
+  double others_rss_delta = 0;  // RSS change of every other process over the same window: a noise gauge
+  double vm_cpu_pct = 0;        // % of one core per idle VM while settling
   double load1 = 0;
-  std::size_t found = 0;         // QEMU processes found for the VMs
+  std::size_t found = 0;             // QEMU processes found for the VMs
   std::size_t discard_failures = 0;  // VMs whose qemu.log says ram_block_discard_range failed (free page reporting)
   std::string discard_example;
 };
@@ -402,10 +402,10 @@ struct MicroVmDensityRun {
   std::size_t target = 0, ran = 0;
   std::string stop_reason;
   double create_seconds = 0;
-  Latency batch_per_vm;           // ms per VM, per batch (create_many of a batch / its size)
+  Latency batch_per_vm;  // ms per VM, per batch (create_many of a batch / its size)
   double mem_available_start = 0, mem_available_end = 0;
   double pss_per_vm = 0, rss_per_vm = 0, mem_available_per_vm = 0, cgroup_per_vm = 0;
-  double others_rss_delta = 0;    // every other process's RSS change meanwhile (noise gauge for MemAvailable)
+  double others_rss_delta = 0;  // every other process's RSS change meanwhile (noise gauge for MemAvailable)
   std::size_t qemu_found = 0;
   // CPU while they idle, over `cpu_window` seconds.
   double cpu_window = 0;
@@ -416,19 +416,19 @@ struct MicroVmDensityRun {
   Latency exec_check;
   double exec_check_seconds = 0;
   double destroy_seconds = 0;
-  std::size_t qemu_left = 0;      // QEMU processes of the agent's cgroup after the teardown
+  std::size_t qemu_left = 0;  // QEMU processes of the agent's cgroup after the teardown
   std::uint32_t vms_reported_left = 0;
   std::size_t sandboxes_listed_left = 0;
 };
 
 struct MicroVmSleepRun {
-  std::size_t mib = 0;            // memory held by memhold
+  std::size_t mib = 0;  // memory held by memhold
   std::uint64_t guest_memory = 0;
   double fill_ms = 0;
   bool intact_before = false, intact_after = false;
   double before_bytes = 0, after_bytes = 0;  // SleepReport: charged before and after the sleep
   double sleep_seconds = 0, sleep_call_ms = 0;
-  double state_file_bytes = -1;   // <run dir>/<id>/sleep.state while asleep; -1: not found
+  double state_file_bytes = -1;  // <run dir>/<id>/sleep.state while asleep; -1: not found
   double wake_seconds = 0, wake_call_ms = 0, first_exec_ms = 0, wake_to_exec_ms = 0;
   double charged_after_wake = 0;  // the VM's cgroup after the wake and the touch
   double shmem_before_sleep = std::nan(""), shmem_after_sleep = std::nan("");  // of the charge (memory.stat shmem)
@@ -517,7 +517,7 @@ struct VmBenchResult {
   double template_resident = std::nan("");  // the templates' memfds' pages held by the agent
   std::uint32_t node_templates = 0;         // GET /v1/node vm.templates and the guest RAM they hold
   std::uint64_t node_template_bytes = 0;
-  double subtree_charge = std::nan("");     // the agent's whole cgroup subtree with the VMs up
+  double subtree_charge = std::nan("");  // the agent's whole cgroup subtree with the VMs up
   std::string idle_load;
   // 5. sleep and wake of one VM, then snapshots of it (the first into an empty store copies the image's layers too)
   std::string sleep_error;
@@ -540,28 +540,28 @@ struct VmBenchResult {
 // dsec-bench qos: the step of an agent loop in a latency-class sandbox, idle and beside CPU spinners.
 struct QosRow {
   std::string name;
-  std::string baseline;     // the idle row its inflation is taken against; empty: it is a baseline itself
+  std::string baseline;  // the idle row its inflation is taken against; empty: it is a baseline itself
   std::size_t spinners = 0;
   std::string latency_class, spinner_class;
-  Latency step;             // the exec's round trip as the client sees it
-  Latency agent;            // the exec inside the agent (ExecResult::duration_seconds)
-  Latency inside;           // the loop's own time inside the sandbox (empty: its shell has no $EPOCHREALTIME)
-  CpuUse cpu;               // the machine while the steps ran (its turns together)
-  double load1 = 0;         // at the end of its last turn
+  Latency step;      // the exec's round trip as the client sees it
+  Latency agent;     // the exec inside the agent (ExecResult::duration_seconds)
+  Latency inside;    // the loop's own time inside the sandbox (empty: its shell has no $EPOCHREALTIME)
+  CpuUse cpu;        // the machine while the steps ran (its turns together)
+  double load1 = 0;  // at the end of its last turn
   std::vector<std::string> granted, missing;                  // the latency sandbox's qos on its node
   std::vector<std::string> spinner_granted, spinner_missing;  // one spinner's
 };
 
 struct QosBenchResult {
   std::string agent, cgroup;
-  QosNodeInfo node_qos;            // the first agent's
-  std::string reserved_agent;      // the second agent's --latency-cpus; empty: no such rows
-  std::string reserved_cpus;       // what it reported
+  QosNodeInfo node_qos;        // the first agent's
+  std::string reserved_agent;  // the second agent's --latency-cpus; empty: no such rows
+  std::string reserved_cpus;   // what it reported
   std::string image;
-  std::size_t loop_iterations = 0; // the step: a shell loop of this many iterations
+  std::size_t loop_iterations = 0;  // the step: a shell loop of this many iterations
   double think_ms = 0;
   std::size_t steps = 0, warmup = 0;
-  std::size_t rounds = 0;          // the rows took turns this many times, steps / rounds each
+  std::size_t rounds = 0;  // the rows took turns this many times, steps / rounds each
   std::vector<QosRow> rows;
   std::vector<std::string> notes;
   int cores = 0;
@@ -569,15 +569,15 @@ struct QosBenchResult {
 
 // dsec-bench reclaim: idle sandboxes holding a Python process's memory, before and after the cold-memory reclaimer.
 struct ReclaimBenchResult {
-  std::string skipped;      // why nothing was measured (no swap, reclaim off); empty: measured
-  std::string workload;     // what each sandbox runs
+  std::string skipped;   // why nothing was measured (no swap, reclaim off); empty: measured
+  std::string workload;  // what each sandbox runs
   std::string image, swap, agent, cgroup;
   std::string reclaim_mode, reclaim_reason;  // the node's
   std::size_t count = 0, control = 0, age_seconds = 0;
   std::uint64_t memory_limit = 0;
-  std::size_t modules = 0;  // modules the first worker had loaded
-  double create_seconds = 0;  // create_many of all of them
-  double ready_seconds = 0;   // from the first create until every worker idled
+  std::size_t modules = 0;          // modules the first worker had loaded
+  double create_seconds = 0;        // create_many of all of them
+  double ready_seconds = 0;         // from the first create until every worker idled
   std::size_t reclaimed_early = 0;  // sandboxes reclaimed after their worker started, before `before` (should be 0)
   // Host and sandboxes: before (every worker idle, none reclaimed) and after the reclaimer took them all once.
   double mem_available_start = 0, mem_available_before = 0, mem_available_after = 0;
@@ -585,8 +585,8 @@ struct ReclaimBenchResult {
   double control_charge_before = 0, control_charge_after = 0;  // the control's
   double rss_before = 0, rss_after = 0;                        // the reclaimable sandboxes' processes, summed
   double swap_used_before = 0, swap_used_after = 0;            // host-wide (SwapTotal - SwapFree)
-  double reclaim_seconds = 0;  // from `before` until every sandbox was reclaimed once (or the timeout)
-  std::size_t reclaimed_once = 0;   // reclaimable sandboxes reclaimed after `before` was read
+  double reclaim_seconds = 0;      // from `before` until every sandbox was reclaimed once (or the timeout)
+  std::size_t reclaimed_once = 0;  // reclaimable sandboxes reclaimed after `before` was read
   std::uint64_t reclaimed_bytes = 0, reclaims = 0, refaults = 0;  // summed over the reclaimable sandboxes
   std::uint64_t node_reclaimed_bytes = 0;
   // The first step after the idle time (an exec signalling the worker, which walks its objects and touches its
@@ -603,8 +603,8 @@ struct ReclaimBenchResult {
 struct PulseNodeRun {
   std::string label;
   std::size_t pool = 0;
-  double fill_seconds = 0;    // until the pool was full
-  double pulse_seconds = 0;   // the first create called until the last answered
+  double fill_seconds = 0;   // until the pool was full
+  double pulse_seconds = 0;  // the first create called until the last answered
   Latency per_create;
   std::uint64_t claims = 0, misses = 0;
   std::size_t made = 0, working = 0;  // made, and answered an exec afterwards

@@ -141,7 +141,8 @@ LoopResult closed_loop(int concurrency, double window_seconds, std::size_t warmu
   threads.reserve(static_cast<std::size_t>(concurrency));
   for (int i = 0; i < concurrency; ++i) threads.emplace_back(worker);
   warmed.arrive_and_wait();
-  window_end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(window_seconds));
+  window_end =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(window_seconds));
   go.count_down();
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);
@@ -179,8 +180,8 @@ FnCallBenchResult run_fncall(const Options& options, Client& client) {
   result.window_seconds = options.duration_seconds;
   result.rounds = options.rounds;
   if (::access(kHostPython, X_OK) != 0)
-    throw Error(Code::kFailedPrecondition, fmt::format("{} is missing: it is the peer (apt-get install python3)",
-                                                       kHostPython));
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("{} is missing: it is the peer (apt-get install python3)", kHostPython));
   result.host_python = first_line_of("/usr/bin/python3 --version 2>&1");
 
   FnCallRequest call;
@@ -328,9 +329,10 @@ std::string markdown_fncall(const FnCallBenchResult& r) {
       "Calls per second, closed loop (each of C threads calls again as soon as its call returns; {:.1f} s per system "
       "and level, in {} turns with the systems alternating):\n\n",
       r.window_seconds, r.rounds);
-  md += "| concurrency | dsec fncall/s | fncall p50 / p99 | cold `python3 -c`/s | its p50 / p99 | container exec/s | "
-        "exec p50 / p99 | CPU (cores): this run's processes / other processes |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md +=
+      "| concurrency | dsec fncall/s | fncall p50 / p99 | cold `python3 -c`/s | its p50 / p99 | container exec/s | "
+      "exec p50 / p99 | CPU (cores): this run's processes / other processes |\n"
+      "| --- | --- | --- | --- | --- | --- | --- | --- |\n";
   for (const auto& p : r.points)
     md += fmt::format("| {} | {:.0f} | {} / {} | {:.1f} | {} / {} | {:.1f} | {} / {} | {:.2f} / {:.2f} |\n",
                       p.concurrency, p.fncall_rate, ms_text(p.fncall.percentile(50)), ms_text(p.fncall.percentile(99)),
@@ -338,9 +340,10 @@ std::string markdown_fncall(const FnCallBenchResult& r) {
                       ms_text(p.exec.percentile(50)), ms_text(p.exec.percentile(99)), p.cpu.ours_cores,
                       p.cpu.others_cores);
   const double p50 = r.fncall.percentile(50);
-  md += fmt::format("\nTargets: p50 <= {:.0f} ms: **{}** ({}); >= {:.0f} calls/s on {} cores: **{}** (best {:.0f}/s).\n",
-                    kFnCallTargetP50Ms, p50 <= kFnCallTargetP50Ms ? "met" : "not met", ms_text(p50), kFnCallTargetRate,
-                    r.cores, best_fncall_rate(r) >= kFnCallTargetRate ? "met" : "not met", best_fncall_rate(r));
+  md +=
+      fmt::format("\nTargets: p50 <= {:.0f} ms: **{}** ({}); >= {:.0f} calls/s on {} cores: **{}** (best {:.0f}/s).\n",
+                  kFnCallTargetP50Ms, p50 <= kFnCallTargetP50Ms ? "met" : "not met", ms_text(p50), kFnCallTargetRate,
+                  r.cores, best_fncall_rate(r) >= kFnCallTargetRate ? "met" : "not met", best_fncall_rate(r));
   md += fmt::format("\nLoad during this benchmark: {}.\n", cpu_summary(r.cpu, r.cores));
   return md;
 }

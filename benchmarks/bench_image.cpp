@@ -19,12 +19,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
-#include <optional>
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -122,7 +122,8 @@ def tokenize(text: str) -> list[Token]:
             raise ValueError(f"unexpected character {c!r} at {i}")
     return tokens
 )PY"},
-      {"task/calc/parser.py", R"PY("""Recursive-descent parser: expr := term (('+'|'-') term)*, term := factor (('*'|'/') factor)*,
+      {"task/calc/parser.py",
+       R"PY("""Recursive-descent parser: expr := term (('+'|'-') term)*, term := factor (('*'|'/') factor)*,
 factor := unary ('^' factor)?, unary := '-' unary | atom, atom := num | name | name '(' expr ')' | '(' expr ')'."""
 from .tokenizer import Token, tokenize
 
@@ -448,8 +449,8 @@ void evict_from_page_cache(const fs::path& store_root, const image::ResolvedMani
 // GET `path` from an agent on a unix socket ("unix:/run/...sock"), HTTP/1.0; the body of a 200 answer.
 std::string agent_get(const std::string& endpoint, const std::string& path) {
   if (endpoint.rfind("unix:", 0) != 0)
-    throw Error(Code::kInvalidArgument, fmt::format("the image benchmark reads metrics over a unix socket, not {}",
-                                                    endpoint));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("the image benchmark reads metrics over a unix socket, not {}", endpoint));
   std::string socket_path = endpoint.substr(5);
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd) throw_errno(errno, "socket");
@@ -563,9 +564,10 @@ ExecRequest task_request() {
 void check_task(const ExecResult& r, std::string_view what) {
   if (r.exit_code != 0 || r.timed_out || r.stdout_data.find("TASK-DONE") == std::string::npos ||
       r.stdout_data.find("fib(30) = 832040") == std::string::npos)
-    throw Error(Code::kInternal, fmt::format("{}: the task ended with exit code {} (signal {}){}\nstdout: {}\nstderr: {}",
-                                             what, r.exit_code, r.signal, r.timed_out ? ", timed out" : "",
-                                             r.stdout_data.substr(0, 2000), r.stderr_data.substr(0, 2000)));
+    throw Error(Code::kInternal,
+                fmt::format("{}: the task ended with exit code {} (signal {}){}\nstdout: {}\nstderr: {}", what,
+                            r.exit_code, r.signal, r.timed_out ? ", timed out" : "", r.stdout_data.substr(0, 2000),
+                            r.stderr_data.substr(0, 2000)));
 }
 
 // A cold node: a fresh embedded agent (empty private layer cache) in `mode`.
@@ -667,12 +669,13 @@ ConcurrentStarts concurrent_cold_starts(const Options& o, const std::string& hom
   r.cached_bytes = cached_bytes(client);
   threads.clear();
   for (auto& sb : sandboxes)
-    if (sb) threads.emplace_back([&sb] {
-      try {
-        sb->destroy();
-      } catch (...) {
-      }
-    });
+    if (sb)
+      threads.emplace_back([&sb] {
+        try {
+          sb->destroy();
+        } catch (...) {
+        }
+      });
   for (auto& t : threads) t.join();
   if (!error.empty()) throw Error(Code::kInternal, error);
   for (double v : ms) r.per_start.add(v);
@@ -808,10 +811,11 @@ void print_image(const ImageBenchResult& r) {
                human(static_cast<double>(c.agent_write_bytes)), human(static_cast<double>(c.device_write_bytes)),
                human(static_cast<double>(c.fetched_bytes)));
   }
-  fmt::print("  (agent wrote: /proc/<dsecd>/io write_bytes less cancelled_write_bytes, with its reaped children; "
-             "device wrote: sectors written "
-             "to {} by everything on the machine; both after sync)\n",
-             r.block_device.empty() ? "the cache's device" : r.block_device);
+  fmt::print(
+      "  (agent wrote: /proc/<dsecd>/io write_bytes less cancelled_write_bytes, with its reaped children; "
+      "device wrote: sectors written "
+      "to {} by everything on the machine; both after sync)\n",
+      r.block_device.empty() ? "the cache's device" : r.block_device);
   for (const auto& m : r.modes) print_cpu(m.cpu, r.cores, fmt::format("  load while {} ran: ", m.mode));
   for (const auto& n : r.notes) fmt::print("  note: {}\n", n);
 }
@@ -822,15 +826,17 @@ std::string markdown_image(const ImageBenchResult& r) {
   md += fmt::format("Image `{}`: {} of EROFS layers, {} stored as zstd chunks of {}:\n\n", r.image,
                     human(static_cast<double>(r.image_bytes)), human(static_cast<double>(r.stored_bytes)),
                     human(r.chunk_size));
-  md += "| layer | EROFS | stored | files | chunks | of them metadata (prefetched) |\n"
-        "| --- | --- | --- | --- | --- | --- |\n";
+  md +=
+      "| layer | EROFS | stored | files | chunks | of them metadata (prefetched) |\n"
+      "| --- | --- | --- | --- | --- | --- |\n";
   for (const auto& l : r.layers)
     md += fmt::format("| {} | {} | {} | {} | {} | {} |\n", l.role, human(static_cast<double>(l.size)),
                       human(static_cast<double>(l.stored_size)), human(static_cast<double>(l.files_size)), l.chunks,
                       l.prefetch_chunks);
   md += fmt::format("\nTask, the first exec in each sandbox: `{}`\n\n", r.task);
-  md += "| layer mode | create | first exec | create to first result | same exec again | fetched from the store "
-        "(of stored bytes) | chunks fetched (of the image's) |\n| --- | --- | --- | --- | --- | --- | --- |\n";
+  md +=
+      "| layer mode | create | first exec | create to first result | same exec again | fetched from the store "
+      "(of stored bytes) | chunks fetched (of the image's) |\n| --- | --- | --- | --- | --- | --- | --- |\n";
   for (const auto& m : r.modes) {
     if (m.cold.empty()) continue;
     double fetched = median_cold(m, [](const ColdStart& c) { return c.fetched_bytes; });
@@ -859,26 +865,27 @@ std::string markdown_image(const ImageBenchResult& r) {
                         human(static_cast<double>(c.agent_write_bytes)),
                         human(static_cast<double>(c.device_write_bytes)), human(static_cast<double>(c.fetched_bytes)));
     }
-    md += "\n\"Written by the agent\" is `write_bytes` less `cancelled_write_bytes` of `/proc/<dsecd>/io` "
-          "(children it reaped, such as "
-          "`fsck.erofs`, included), \"written to\" the device's sectors-written counter (everything on the machine); "
-          "both read after `sync`.\n";
+    md +=
+        "\n\"Written by the agent\" is `write_bytes` less `cancelled_write_bytes` of `/proc/<dsecd>/io` "
+        "(children it reaped, such as "
+        "`fsck.erofs`, included), \"written to\" the device's sectors-written counter (everything on the machine); "
+        "both read after `sync`.\n";
   }
   md += "\n";
   for (const auto& m : r.modes)
-    md += fmt::format("Load while {} ran: {:.0f} s; CPU busy {:.2f} of {} cores: dsec-bench, its agents and their "
-                      "sandboxes {:.2f}, kernel threads and interrupts {:.2f}, other processes {:.2f}.\n",
-                      m.mode, m.cpu.seconds, m.cpu.busy_cores, r.cores, m.cpu.ours_cores, m.cpu.kernel_cores,
-                      m.cpu.others_cores);
+    md += fmt::format(
+        "Load while {} ran: {:.0f} s; CPU busy {:.2f} of {} cores: dsec-bench, its agents and their "
+        "sandboxes {:.2f}, kernel threads and interrupts {:.2f}, other processes {:.2f}.\n",
+        m.mode, m.cpu.seconds, m.cpu.busy_cores, r.cores, m.cpu.ours_cores, m.cpu.kernel_cores, m.cpu.others_cores);
   const LayerModeResult* lazy = find_mode(r, "lazy");
   if (lazy && !lazy->cold.empty()) {
     double fetched = median_cold(*lazy, [](const ColdStart& c) { return c.fetched_bytes; });
     double total = median_cold(*lazy, [](const ColdStart& c) { return c.total_ms; });
-    md += fmt::format("\nTargets: fetched <= 15% of the image: {} ({}); first exec result from a cold 1 GiB image "
-                      "<= 2 s: {} ({}).\n",
-                      fetched <= 0.15 * static_cast<double>(r.stored_bytes) ? "**met**" : "**not met**",
-                      pct(fetched, static_cast<double>(r.stored_bytes)), total <= 2000 ? "**met**" : "**not met**",
-                      secs(total));
+    md += fmt::format(
+        "\nTargets: fetched <= 15% of the image: {} ({}); first exec result from a cold 1 GiB image "
+        "<= 2 s: {} ({}).\n",
+        fetched <= 0.15 * static_cast<double>(r.stored_bytes) ? "**met**" : "**not met**",
+        pct(fetched, static_cast<double>(r.stored_bytes)), total <= 2000 ? "**met**" : "**not met**", secs(total));
   }
   for (const auto& n : r.notes) md += fmt::format("\n- {}", n);
   md += "\n";

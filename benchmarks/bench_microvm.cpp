@@ -2,11 +2,11 @@
 // node chose (GET /v1/node: microvm.accelerator).
 //
 //  1. create to the first exec's result (`true`), sequential: from a template (the first create of the shape makes
-//     it and is reported apart), from a pre-booted pool (a third agent with --microvm-pool 2), cold boots (a second agent with --microvm-templates off), next to a plain
-//     qemu-system-x86_64 boot of the same guest kernel with the same machine options and a minimal initramfs
-//     (busybox as /init: mount /proc, print a marker, poweroff -f) timed to the marker on its console, and a
-//     container of the same image. The four take turns within every iteration, so a change in the machine's load
-//     reaches all of them alike.
+//     it and is reported apart), from a pre-booted pool (a third agent with --microvm-pool 2), cold boots (a second
+//     agent with --microvm-templates off), next to a plain qemu-system-x86_64 boot of the same guest kernel with the
+//     same machine options and a minimal initramfs (busybox as /init: mount /proc, print a marker, poweroff -f) timed
+//     to the marker on its console, and a container of the same image. The four take turns within every iteration, so a
+//     change in the machine's load reaches all of them alike.
 //  2. exec round trip of `true` in a warm VM, back to back and after 1 s of think time, next to a container's.
 //  3. host memory per idle VM: K clones, then a few cold boots, settled: PSS of each QEMU (anon / file / shmem, and
 //     the guest-RAM memfd mapping: the template's share), the VM's cgroup charge, MemAvailable per VM.
@@ -39,8 +39,8 @@
 
 #include <fmt/format.h>
 
-#include "agent/backends/qemu/microvm/guest_kernel.hpp"
 #include "agent/backends/qemu/initramfs.hpp"
+#include "agent/backends/qemu/microvm/guest_kernel.hpp"
 #include "agent/backends/qemu/qemu_command.hpp"
 #include "bench.hpp"
 #include "common/syscall.hpp"
@@ -134,7 +134,8 @@ std::vector<fs::path> subtree_dirs(const std::string& cgroup_name) {
     std::error_code e2;
     if (fs::is_directory(d, e2)) out.push_back(d);
   }
-  if (fs::is_directory(fs::path("/sys/fs/cgroup") / cgroup_name, ec)) out.push_back(fs::path("/sys/fs/cgroup") / cgroup_name);
+  if (fs::is_directory(fs::path("/sys/fs/cgroup") / cgroup_name, ec))
+    out.push_back(fs::path("/sys/fs/cgroup") / cgroup_name);
   return out;
 }
 
@@ -171,8 +172,8 @@ void ensure_image(const Options& o, const std::string& home, std::vector<std::st
     if (e.code() != Code::kNotFound) throw;
   }
   if (o.image != "busybox")
-    throw Error(Code::kNotFound, fmt::format("image {} is not in {}/store (this benchmark builds only busybox)",
-                                             o.image, home));
+    throw Error(Code::kNotFound,
+                fmt::format("image {} is not in {}/store (this benchmark builds only busybox)", o.image, home));
   const std::string cli = o.dsec_cli.empty() ? beside_self("dsec").string() : o.dsec_cli;
   std::vector<std::string> argv{cli, "--home", home, "image", "build", "busybox", "--from", "busybox-static", "-q"};
   std::string line;
@@ -312,7 +313,8 @@ class QemuPeer {
     bool eof = false;
     while (!eof && Clock::now() < deadline) {
       pollfd pfd{rd.get(), POLLIN, 0};
-      int left = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
+      int left =
+          static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
       int n = ::poll(&pfd, 1, std::max(1, left));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
@@ -387,8 +389,9 @@ std::size_t discard_failures(const Agent& agent, const std::vector<Sandbox>& vms
     if (example.empty()) {
       auto start = log.rfind('\n', pos);
       auto end = log.find('\n', pos);
-      example = log.substr(start == std::string::npos ? 0 : start + 1,
-                           end == std::string::npos ? std::string::npos : end - (start == std::string::npos ? 0 : start + 1));
+      example =
+          log.substr(start == std::string::npos ? 0 : start + 1,
+                     end == std::string::npos ? std::string::npos : end - (start == std::string::npos ? 0 : start + 1));
     }
   }
   return n;
@@ -427,7 +430,8 @@ void measure_vms(const Agent& agent, const std::vector<Sandbox>& vms, MicroVmIdl
   SandboxProcesses found = find_sandbox_processes(ids);
   double charge = 0;
   for (const auto& [id, dir] : found.memory_cgroup) charge += static_cast<double>(cgroup_memory_bytes(dir));
-  m.cgroup_charge = found.memory_cgroup.empty() ? std::nan("") : charge / static_cast<double>(found.memory_cgroup.size());
+  m.cgroup_charge =
+      found.memory_cgroup.empty() ? std::nan("") : charge / static_cast<double>(found.memory_cgroup.size());
   if (agent.pid > 0) m.template_resident = template_resident_bytes(agent.pid);
 }
 
@@ -589,8 +593,8 @@ MicroVmDensityRun density_run(const Options& o, Agent& agent, std::vector<std::s
   destroy_all(vms, 8, &destroy_errors);
   d.destroy_seconds = ms_since(x0) / 1000;
   if (!destroy_errors.empty())
-    problems.push_back(fmt::format("density: {} destroys failed (first: {})", destroy_errors.size(),
-                                   destroy_errors.front()));
+    problems.push_back(
+        fmt::format("density: {} destroys failed (first: {})", destroy_errors.size(), destroy_errors.front()));
   // Nothing left: no QEMU of the agent's cgroup, no VM the node counts, no sandbox of the run listed.
   const auto deadline = Clock::now() + std::chrono::seconds(30);
   for (;;) {
@@ -601,9 +605,10 @@ MicroVmDensityRun density_run(const Options& o, Agent& agent, std::vector<std::s
   }
   d.sandboxes_listed_left = agent.client->list({{"dsec-bench-microvm", "1"}}).size();
   if (d.qemu_left || d.vms_reported_left || d.sandboxes_listed_left)
-    problems.push_back(fmt::format("density: after the teardown {} QEMU processes of the agent's cgroup, {} VMs in "
-                                   "GET /v1/node and {} sandboxes listed remain",
-                                   d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left));
+    problems.push_back(
+        fmt::format("density: after the teardown {} QEMU processes of the agent's cgroup, {} VMs in "
+                    "GET /v1/node and {} sandboxes listed remain",
+                    d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left));
   return d;
 }
 
@@ -616,9 +621,10 @@ struct Touch {
 
 Touch touch_all(const Sandbox& sb, int pid, const std::string& sum) {
   auto t0 = Clock::now();
-  ExecResult r = run_shell(sb, fmt::format("rm -f {0}/check; kill -USR1 {1}; while [ ! -s {0}/check ]; do usleep 2000; "
-                                           "done; cat {0}/check",
-                                           kHoldDir, pid),
+  ExecResult r = run_shell(sb,
+                           fmt::format("rm -f {0}/check; kill -USR1 {1}; while [ ! -s {0}/check ]; do usleep 2000; "
+                                       "done; cat {0}/check",
+                                       kHoldDir, pid),
                            600);
   Touch t;
   t.ms = ms_since(t0);
@@ -799,7 +805,8 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
       o.given.count("--sleep-sizes") ? o.sleep_sizes_mib : std::vector<std::size_t>{64, 192};
   const std::size_t fork_count = o.given.count("--forks") ? o.fork_count : 8;
   if (!o.endpoints.empty())
-    r.notes.push_back("--endpoint is ignored: this benchmark starts agents of its own (one with templates, one without)");
+    r.notes.push_back(
+        "--endpoint is ignored: this benchmark starts agents of its own (one with templates, one without)");
 
   ensure_image(o, home, r.notes);
   const fs::path memhold_path = beside_self("dsec-memhold");
@@ -825,8 +832,8 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
   constexpr std::uint32_t kPoolSize = 2;
   std::unique_ptr<Agent> pool_agent;
   try {
-    pool_agent = start_agent(o, home, "pool", "microvm",
-                             {"--backends", "microvm", "--microvm-pool", std::to_string(kPoolSize)});
+    pool_agent =
+        start_agent(o, home, "pool", "microvm", {"--backends", "microvm", "--microvm-pool", std::to_string(kPoolSize)});
     r.pool_size = kPoolSize;
   } catch (const std::exception& e) {
     r.problems.push_back(fmt::format("the agent with --microvm-pool {} did not start: {}", kPoolSize, e.what()));
@@ -851,8 +858,8 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
       agent::microvm::GuestKernel k = agent::microvm::find_guest_kernel({});
       r.kernel_path = k.kernel.string();
       r.tsc_khz = kvm ? 0 : agent::qemu::host_tsc_khz();
-      peer = std::make_unique<QemuPeer>(fs::path(work.dir) / "peer", kvm, static_cast<std::uint32_t>(r.tsc_khz),
-                                        k.kernel);
+      peer =
+          std::make_unique<QemuPeer>(fs::path(work.dir) / "peer", kvm, static_cast<std::uint32_t>(r.tsc_khz), k.kernel);
       r.peer_command = peer->command();
     } catch (const std::exception& e) {
       r.problems.push_back(fmt::format("the QEMU peer cannot run: {}", e.what()));
@@ -1033,9 +1040,10 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
       list += (list.empty() ? "" : ", ") + d.string();
       ::rmdir(d.c_str());  // empty groups of this run's own agent
     }
-    r.problems.push_back(fmt::format("the {} agent left its cgroup subtree behind after a clean shutdown: {} "
-                                     "(dsec-bench removed them)",
-                                     label, list));
+    r.problems.push_back(
+        fmt::format("the {} agent left its cgroup subtree behind after a clean shutdown: {} "
+                    "(dsec-bench removed them)",
+                    label, list));
   };
   if (cold_agent) {
     const std::string name = cold_agent->cgroup_name;
@@ -1063,9 +1071,10 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
           r.sleeps.push_back(sleep_run(o, A, memhold, held));
           const auto& s = r.sleeps.back();
           if (!s.intact_after || !s.intact_before)
-            r.problems.push_back(fmt::format("sleep {} MiB: memhold's checksum came back wrong ({} before the sleep, {} "
-                                             "after the wake)",
-                                             held, s.intact_before ? "right" : "wrong", s.intact_after ? "right" : "wrong"));
+            r.problems.push_back(
+                fmt::format("sleep {} MiB: memhold's checksum came back wrong ({} before the sleep, {} "
+                            "after the wake)",
+                            held, s.intact_before ? "right" : "wrong", s.intact_after ? "right" : "wrong"));
         } catch (const std::exception& e) {
           MicroVmSleepRun failed;
           failed.mib = held;
@@ -1081,7 +1090,7 @@ MicroVmBenchResult run_microvm(const Options& o, const std::string& home) {
   // 6. fork.
   if (fork_count > 0)
     sections.run(fmt::format("fork({}) [{}]", fork_count, acc), pids,
-            [&] { r.fork = fork_run(o, A, fork_count, r.problems); });
+                 [&] { r.fork = fork_run(o, A, fork_count, r.problems); });
   r.template_resident.emplace_back("at the end (templates of every shape used)", template_resident_bytes(A.pid));
   r.subtree_charge.emplace_back("at the end, no VM running", subtree_charge(A.cgroup_name));
 
@@ -1118,14 +1127,14 @@ std::vector<TargetRow> targets(const MicroVmBenchResult& r) {
                  pass_pair(r.pool_total, 150)});
     t.push_back({fmt::format("[{}] create to first exec from a template (snapshot) <= 150 ms", a),
                  lat_pair(r.tmpl_total), pass_pair(r.tmpl_total, 150)});
-    t.push_back({fmt::format("[{}] cold create to first exec: measured, no target", a), lat_pair(r.cold_total),
-                 "reported"});
-    t.push_back({"[kvm] cold <= 125 ms; from a snapshot <= 50 ms", fmt::format("not measurable: accelerator is {}", a),
-                 "n/a"});
+    t.push_back(
+        {fmt::format("[{}] cold create to first exec: measured, no target", a), lat_pair(r.cold_total), "reported"});
+    t.push_back(
+        {"[kvm] cold <= 125 ms; from a snapshot <= 50 ms", fmt::format("not measurable: accelerator is {}", a), "n/a"});
   } else {
     t.push_back({"[kvm] cold create to first exec <= 125 ms", lat_pair(r.cold_total), pass_pair(r.cold_total, 125)});
-    t.push_back({"[kvm] create to first exec from a pool <= 50 ms", lat_pair(r.pool_total),
-                 pass_pair(r.pool_total, 50)});
+    t.push_back(
+        {"[kvm] create to first exec from a pool <= 50 ms", lat_pair(r.pool_total), pass_pair(r.pool_total, 50)});
     t.push_back({"[kvm] create to first exec from a template (snapshot) <= 50 ms", lat_pair(r.tmpl_total),
                  pass_pair(r.tmpl_total, 50)});
   }
@@ -1163,8 +1172,8 @@ void print_microvm(const MicroVmBenchResult& r) {
   fmt::print("\n== microvm [{}]: QEMU microVMs; accelerator {} ({}) ==\n", a, a, r.accelerator_reason);
   fmt::print("  [{}] guest kernel {} ({}); {}; dsecd {}; tsc {} kHz\n", a, r.kernel_release, r.kernel_path,
              r.qemu_version, r.agent_version, r.tsc_khz);
-  fmt::print("\n  -- [{}] create to first exec of `true`, sequential, n={} (after {} warm-up), taking turns --\n", a, r.n,
-             r.warmup);
+  fmt::print("\n  -- [{}] create to first exec of `true`, sequential, n={} (after {} warm-up), taking turns --\n", a,
+             r.n, r.warmup);
   fmt::print("  {:<62} {:>9} {:>9} {:>9} {:>9}\n", "", "p50", "p90", "p99", "max");
   auto row = [&](const std::string& name, const Latency& l) {
     if (l.empty()) {
@@ -1212,12 +1221,14 @@ void print_microvm(const MicroVmBenchResult& r) {
                mib(m.pss_min), mib(m.pss_max), mib(m.rss));
     fmt::print("  [{}]   Pss_Anon {}, Pss_File {}, Pss_Shmem {}\n", a, mib(m.pss_anon), mib(m.pss_file),
                mib(m.pss_shmem));
-    fmt::print("  [{}]   guest RAM mapping (memfd): RSS {}, PSS {}, the VM's own pages {}; templates' memfds resident "
-               "on the node {} (counted once)\n",
-               a, mib(m.ram_rss), mib(m.ram_pss), mib(m.ram_private), mib(m.template_resident));
-    fmt::print("  [{}]   memory cgroup charge per VM {}; node MemAvailable drop per VM {} (other processes' RSS changed "
-               "by {} meanwhile: noise); agent RSS growth {}\n",
-               a, mib(m.cgroup_charge), mib(m.mem_available_per_vm), mib(m.others_rss_delta), mib(m.agent_rss_delta));
+    fmt::print(
+        "  [{}]   guest RAM mapping (memfd): RSS {}, PSS {}, the VM's own pages {}; templates' memfds resident "
+        "on the node {} (counted once)\n",
+        a, mib(m.ram_rss), mib(m.ram_pss), mib(m.ram_private), mib(m.template_resident));
+    fmt::print(
+        "  [{}]   memory cgroup charge per VM {}; node MemAvailable drop per VM {} (other processes' RSS changed "
+        "by {} meanwhile: noise); agent RSS growth {}\n",
+        a, mib(m.cgroup_charge), mib(m.mem_available_per_vm), mib(m.others_rss_delta), mib(m.agent_rss_delta));
     fmt::print("  [{}]   idle CPU per VM {:.2f}% of a core; load average (1 min) {:.2f}\n", a, m.vm_cpu_pct, m.load1);
     if (m.discard_failures)
       fmt::print("  [{}]   {} of {} QEMU logs report a failed discard (free page reporting gave nothing back): {}\n", a,
@@ -1230,22 +1241,26 @@ void print_microvm(const MicroVmBenchResult& r) {
     fmt::print("  [{}] ran {} of {} ({}); creates took {:.1f} s, {} per VM per batch (p50), {} (max)\n", a, d.ran,
                d.target, d.stop_reason, d.create_seconds, lat(d.batch_per_vm, 50),
                d.batch_per_vm.empty() ? "n/a" : ms(d.batch_per_vm.max()));
-    fmt::print("  [{}] at the end: PSS per VM {}, RSS {}, cgroup charge {}, node MemAvailable drop per VM {} "
-               "(MemAvailable {:.2f} -> {:.2f} GiB; other processes' RSS changed by {} meanwhile)\n",
-               a, mib(d.pss_per_vm), mib(d.rss_per_vm), mib(d.cgroup_per_vm), mib(d.mem_available_per_vm),
-               d.mem_available_start / kGiB, d.mem_available_end / kGiB, mib(d.others_rss_delta));
-    fmt::print("  [{}] idle CPU over {:.0f} s: {} QEMUs use {:.2f} cores ({:.2f}% of a core per VM), the agent {:.3f}, "
-               "the node {:.2f} of {}; load average {:.2f} {:.2f} {:.2f}\n",
-               a, d.cpu_window, d.qemu_found, d.vms_cores, d.vm_cpu_pct, d.agent_cores, d.node_busy_cores, r.cores,
-               d.load1, d.load5, d.load15);
-    fmt::print("  [{}] exec of `true` in every one: {} answered, {} failed, in {:.1f} s (4 at a time; p50 {}, p99 {}, "
-               "max {})\n",
-               a, d.exec_ok, d.exec_failed, d.exec_check_seconds, lat(d.exec_check, 50), lat(d.exec_check, 99),
-               d.exec_check.empty() ? "n/a" : ms(d.exec_check.max()));
+    fmt::print(
+        "  [{}] at the end: PSS per VM {}, RSS {}, cgroup charge {}, node MemAvailable drop per VM {} "
+        "(MemAvailable {:.2f} -> {:.2f} GiB; other processes' RSS changed by {} meanwhile)\n",
+        a, mib(d.pss_per_vm), mib(d.rss_per_vm), mib(d.cgroup_per_vm), mib(d.mem_available_per_vm),
+        d.mem_available_start / kGiB, d.mem_available_end / kGiB, mib(d.others_rss_delta));
+    fmt::print(
+        "  [{}] idle CPU over {:.0f} s: {} QEMUs use {:.2f} cores ({:.2f}% of a core per VM), the agent {:.3f}, "
+        "the node {:.2f} of {}; load average {:.2f} {:.2f} {:.2f}\n",
+        a, d.cpu_window, d.qemu_found, d.vms_cores, d.vm_cpu_pct, d.agent_cores, d.node_busy_cores, r.cores, d.load1,
+        d.load5, d.load15);
+    fmt::print(
+        "  [{}] exec of `true` in every one: {} answered, {} failed, in {:.1f} s (4 at a time; p50 {}, p99 {}, "
+        "max {})\n",
+        a, d.exec_ok, d.exec_failed, d.exec_check_seconds, lat(d.exec_check, 50), lat(d.exec_check, 99),
+        d.exec_check.empty() ? "n/a" : ms(d.exec_check.max()));
     for (const auto& e : d.exec_errors) fmt::print("  [{}]   failed: {}\n", a, e);
-    fmt::print("  [{}] destroyed in {:.1f} s; left: {} QEMU processes in the agent's cgroup, {} VMs in GET /v1/node, "
-               "{} sandboxes listed\n",
-               a, d.destroy_seconds, d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left);
+    fmt::print(
+        "  [{}] destroyed in {:.1f} s; left: {} QEMU processes in the agent's cgroup, {} VMs in GET /v1/node, "
+        "{} sandboxes listed\n",
+        a, d.destroy_seconds, d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left);
   }
 
   if (!r.sleeps.empty()) {
@@ -1264,13 +1279,14 @@ void print_microvm(const MicroVmBenchResult& r) {
                  mib(s.before_bytes) + " -> " + mib(s.after_bytes), released, s.sleep_seconds,
                  s.state_file_bytes < 0 ? "n/a" : mib(s.state_file_bytes), s.wake_seconds, ms(s.wake_to_exec_ms),
                  mib(s.charged_after_wake), ms(s.touch_ms), s.intact_after && s.intact_before ? "yes" : "NO", a);
-      fmt::print("  [{}]   memhold filled {} MiB in {:.0f} ms; sleep call {}, wake call {}, first exec after the wake "
-                 "{}; touching all the memory awake before: {}\n",
-                 a, s.mib, s.fill_ms, ms(s.sleep_call_ms), ms(s.wake_call_ms), ms(s.first_exec_ms),
-                 ms(s.awake_touch_ms));
-      fmt::print("  [{}]   shmem in the VM's charge: {} before the sleep, {} after it (QEMU gone); the templates' "
-                 "memfds grew by {} from this VM's create (its shape's template made) to its destroy\n",
-                 a, mib(s.shmem_before_sleep), mib(s.shmem_after_sleep), mib(s.template_growth));
+      fmt::print(
+          "  [{}]   memhold filled {} MiB in {:.0f} ms; sleep call {}, wake call {}, first exec after the wake "
+          "{}; touching all the memory awake before: {}\n",
+          a, s.mib, s.fill_ms, ms(s.sleep_call_ms), ms(s.wake_call_ms), ms(s.first_exec_ms), ms(s.awake_touch_ms));
+      fmt::print(
+          "  [{}]   shmem in the VM's charge: {} before the sleep, {} after it (QEMU gone); the templates' "
+          "memfds grew by {} from this VM's create (its shape's template made) to its destroy\n",
+          a, mib(s.shmem_before_sleep), mib(s.shmem_after_sleep), mib(s.template_growth));
     }
   }
 
@@ -1279,8 +1295,9 @@ void print_microvm(const MicroVmBenchResult& r) {
     fmt::print("\n  -- [{}] fork({}) of a VM running a background counter --\n", a, f.count);
     fmt::print("  [{}] fork() returned after {}; all {} copies answered an exec after {}\n", a, ms(f.call_ms), f.count,
                ms(f.all_answered_ms));
-    fmt::print("  [{}] copies answering {}, background process alive in {}, counter inherited in {}; parent alive: {}\n",
-               a, f.answered, f.alive, f.inherited, f.parent_alive ? "yes" : "NO");
+    fmt::print(
+        "  [{}] copies answering {}, background process alive in {}, counter inherited in {}; parent alive: {}\n", a,
+        f.answered, f.alive, f.inherited, f.parent_alive ? "yes" : "NO");
     for (const auto& d : f.details) fmt::print("  [{}]   {}\n", a, d);
   }
 
@@ -1298,19 +1315,21 @@ void print_microvm(const MicroVmBenchResult& r) {
 std::string markdown_microvm(const MicroVmBenchResult& r) {
   const std::string& a = r.accelerator;
   std::string md = fmt::format("### microVMs [{}]\n\n", a);
-  md += fmt::format("Accelerator **{}** ({}). Guest kernel {}, {}, dsecd {}. VMs of 128 MiB and 1 vCPU unless said; "
-                    "image busybox.\n\n",
-                    a, r.accelerator_reason, r.kernel_release, r.qemu_version, r.agent_version);
-  md += fmt::format("#### [{}] Create to the first exec of `true` (sequential, n = {}, {} warm-up, taking turns)\n\n", a,
-                    r.n, r.warmup);
+  md += fmt::format(
+      "Accelerator **{}** ({}). Guest kernel {}, {}, dsecd {}. VMs of 128 MiB and 1 vCPU unless said; "
+      "image busybox.\n\n",
+      a, r.accelerator_reason, r.kernel_release, r.qemu_version, r.agent_version);
+  md += fmt::format("#### [{}] Create to the first exec of `true` (sequential, n = {}, {} warm-up, taking turns)\n\n",
+                    a, r.n, r.warmup);
   md += "| system | p50 | p90 | p99 | max |\n| --- | --- | --- | --- | --- |\n";
   auto row = [&](const std::string& name, const Latency& l) {
     if (l.empty()) return fmt::format("| {} | n/a | | | |\n", name);
     return fmt::format("| {} | {} | {} | {} | {} |\n", name, ms(l.percentile(50)), ms(l.percentile(90)),
                        ms(l.percentile(99)), ms(l.max()));
   };
-  md += fmt::format("| [{}] first create of the shape (boots and freezes the template) | {} (create {}, exec {}) | | | |\n",
-                    a, ms(r.first_create_ms + r.first_exec_ms), ms(r.first_create_ms), ms(r.first_exec_ms));
+  md += fmt::format(
+      "| [{}] first create of the shape (boots and freezes the template) | {} (create {}, exec {}) | | | |\n", a,
+      ms(r.first_create_ms + r.first_exec_ms), ms(r.first_create_ms), ms(r.first_exec_ms));
   md += row(fmt::format("[{}] microVM from a template: create + first exec", a), r.tmpl_total);
   md += row(fmt::format("[{}] … of which create", a), r.tmpl_create);
   md += row(fmt::format("[{}] … of which the first exec", a), r.tmpl_exec);
@@ -1339,9 +1358,10 @@ std::string markdown_microvm(const MicroVmBenchResult& r) {
   if (!r.memory.empty()) {
     md += fmt::format("\n#### [{}] Host memory per idle microVM (settled {:.0f} s)\n\n", a,
                       std::chrono::duration<double>(kSettle).count());
-    md += "| VMs | PSS (min–max) | Pss_Anon | Pss_File | Pss_Shmem | guest RAM memfd: PSS / own pages | template "
-          "memfd on the node | cgroup charge | MemAvailable drop | idle CPU |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    md +=
+        "| VMs | PSS (min–max) | Pss_Anon | Pss_File | Pss_Shmem | guest RAM memfd: PSS / own pages | template "
+        "memfd on the node | cgroup charge | MemAvailable drop | idle CPU |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
     for (const auto& m : r.memory)
       md += fmt::format("| [{}] {} {} | {} ({}–{}) | {} | {} | {} | {} / {} | {} | {} | {} | {:.2f}% |\n", a, m.count,
                         m.what, mib(m.pss), mib(m.pss_min), mib(m.pss_max), mib(m.pss_anon), mib(m.pss_file),
@@ -1353,44 +1373,49 @@ std::string markdown_microvm(const MicroVmBenchResult& r) {
     md += fmt::format("\n#### [{}] Density: idle template clones\n\n", a);
     md += fmt::format("- [{}] ran **{}** of {} ({}); creates {:.1f} s in all, {} per VM per batch (p50)\n", a, d.ran,
                       d.target, d.stop_reason, d.create_seconds, lat(d.batch_per_vm, 50));
-    md += fmt::format("- [{}] per VM at the end: PSS {}, cgroup charge {}, node MemAvailable drop {} ({:.2f} → {:.2f} "
-                      "GiB available)\n",
-                      a, mib(d.pss_per_vm), mib(d.cgroup_per_vm), mib(d.mem_available_per_vm),
-                      d.mem_available_start / kGiB, d.mem_available_end / kGiB);
-    md += fmt::format("- [{}] idle over {:.0f} s: the QEMUs {:.2f} cores ({:.2f}% of a core per VM), the agent {:.3f}, "
-                      "the node {:.2f} of {}; load average {:.2f} {:.2f} {:.2f}\n",
-                      a, d.cpu_window, d.vms_cores, d.vm_cpu_pct, d.agent_cores, d.node_busy_cores, r.cores, d.load1,
-                      d.load5, d.load15);
+    md += fmt::format(
+        "- [{}] per VM at the end: PSS {}, cgroup charge {}, node MemAvailable drop {} ({:.2f} → {:.2f} "
+        "GiB available)\n",
+        a, mib(d.pss_per_vm), mib(d.cgroup_per_vm), mib(d.mem_available_per_vm), d.mem_available_start / kGiB,
+        d.mem_available_end / kGiB);
+    md += fmt::format(
+        "- [{}] idle over {:.0f} s: the QEMUs {:.2f} cores ({:.2f}% of a core per VM), the agent {:.3f}, "
+        "the node {:.2f} of {}; load average {:.2f} {:.2f} {:.2f}\n",
+        a, d.cpu_window, d.vms_cores, d.vm_cpu_pct, d.agent_cores, d.node_busy_cores, r.cores, d.load1, d.load5,
+        d.load15);
     md += fmt::format("- [{}] exec in every one: {} answered, {} failed ({:.1f} s, p50 {}, p99 {})\n", a, d.exec_ok,
                       d.exec_failed, d.exec_check_seconds, lat(d.exec_check, 50), lat(d.exec_check, 99));
-    md += fmt::format("- [{}] teardown {:.1f} s; left after it: {} QEMU processes, {} VMs in GET /v1/node, {} sandboxes\n",
-                      a, d.destroy_seconds, d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left);
+    md += fmt::format(
+        "- [{}] teardown {:.1f} s; left after it: {} QEMU processes, {} VMs in GET /v1/node, {} sandboxes\n", a,
+        d.destroy_seconds, d.qemu_left, d.vms_reported_left, d.sandboxes_listed_left);
   }
   if (!r.sleeps.empty()) {
     md += fmt::format("\n#### [{}] Sleep and wake (RAM and device state to a file, QEMU ends; wake restores)\n\n", a);
-    md += "| held | guest | charged before → after | released | sleep | state file | wake | wake → first exec result "
-          "| intact |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+    md +=
+        "| held | guest | charged before → after | released | sleep | state file | wake | wake → first exec result "
+        "| intact |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
     for (const auto& s : r.sleeps) {
       if (!s.error.empty()) {
         md += fmt::format("| [{}] {} MiB | failed: {} | | | | | | | |\n", a, s.mib, s.error);
         continue;
       }
       double released = s.before_bytes > 0 ? (s.before_bytes - s.after_bytes) / s.before_bytes * 100 : 0;
-      md += fmt::format("| [{}] {} MiB | {} MiB | {} → {} (shmem {} → {}) | {:.1f}% | {:.2f} s | {} | {:.2f} s | {} | "
-                        "{} |\n",
-                        a, s.mib, s.guest_memory >> 20, mib(s.before_bytes), mib(s.after_bytes),
-                        mib(s.shmem_before_sleep), mib(s.shmem_after_sleep), released, s.sleep_seconds,
-                        s.state_file_bytes < 0 ? "n/a" : mib(s.state_file_bytes), s.wake_seconds, ms(s.wake_to_exec_ms),
-                        s.intact_after && s.intact_before ? "yes" : "**no**");
+      md += fmt::format(
+          "| [{}] {} MiB | {} MiB | {} → {} (shmem {} → {}) | {:.1f}% | {:.2f} s | {} | {:.2f} s | {} | "
+          "{} |\n",
+          a, s.mib, s.guest_memory >> 20, mib(s.before_bytes), mib(s.after_bytes), mib(s.shmem_before_sleep),
+          mib(s.shmem_after_sleep), released, s.sleep_seconds, s.state_file_bytes < 0 ? "n/a" : mib(s.state_file_bytes),
+          s.wake_seconds, ms(s.wake_to_exec_ms), s.intact_after && s.intact_before ? "yes" : "**no**");
     }
   }
   if (r.fork) {
     const auto& f = *r.fork;
-    md += fmt::format("\n#### [{}] Fork\n\n`fork({})` of a VM running a background counter: `fork()` returned after "
-                      "{}, all {} copies answered an exec after {}; {} copies with the counter still running, {} "
-                      "carrying the parent's count; parent still running: {}.\n",
-                      a, f.count, ms(f.call_ms), f.count, ms(f.all_answered_ms), f.alive, f.inherited,
-                      f.parent_alive ? "yes" : "**no**");
+    md += fmt::format(
+        "\n#### [{}] Fork\n\n`fork({})` of a VM running a background counter: `fork()` returned after "
+        "{}, all {} copies answered an exec after {}; {} copies with the counter still running, {} "
+        "carrying the parent's count; parent still running: {}.\n",
+        a, f.count, ms(f.call_ms), f.count, ms(f.all_answered_ms), f.alive, f.inherited,
+        f.parent_alive ? "yes" : "**no**");
   }
   if (!r.template_resident.empty()) {
     md += fmt::format("\n#### [{}] Templates' RAM (sealed memfds held by the agent), resident\n\n", a);

@@ -4,12 +4,12 @@
 // node, so that what one more sandbox or one change costs is seen at scale. No traffic is sent: the rules name
 // documentation networks (RFC 5737) that nothing on this machine answers.
 #include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <poll.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -268,7 +268,8 @@ void run_network(const Options& options, Client& client) {
       ExecResult r = sb.exec(command, 10);
       double ms = ms_since(t0);
       if (r.exit_code != 0)
-        throw Error(Code::kInternal, fmt::format("dsec-bench: `{}` in the sandbox failed: {}", command, r.stdout_data + r.stderr_data));
+        throw Error(Code::kInternal,
+                    fmt::format("dsec-bench: `{}` in the sandbox failed: {}", command, r.stdout_data + r.stderr_data));
       if (into) into->add(ms);
     };
     for (std::size_t i = 0; i < options.warmup + n; ++i) {
@@ -285,10 +286,10 @@ void run_network(const Options& options, Client& client) {
   print_latency("exec: nslookup of a new allowed name", resolve_first);
   print_latency("exec: nslookup of the same name again", resolve_again);
   print_latency("exec: true", exec_true);
-  fmt::print("  a new name costs {:+.2f} ms at p50 over `true` (forward, pin, answer, and nslookup itself), the "
-             "same name {:+.2f} ms\n",
-             resolve_first.percentile(50) - exec_true.percentile(50),
-             resolve_again.percentile(50) - exec_true.percentile(50));
+  fmt::print(
+      "  a new name costs {:+.2f} ms at p50 over `true` (forward, pin, answer, and nslookup itself), the "
+      "same name {:+.2f} ms\n",
+      resolve_first.percentile(50) - exec_true.percentile(50), resolve_again.percentile(50) - exec_true.percentile(50));
 
   // At scale: K sandboxes with rules stay on the node while the same measures run again.
   const std::size_t k = options.density_count;
@@ -305,12 +306,13 @@ void run_network(const Options& options, Client& client) {
   const std::size_t n = std::max<std::size_t>(10, options.n / 4);
   Latency at_none, at_egress, at_update;
   measure(n, at_none, at_egress, at_update);
-  fmt::print("  with {} sandboxes holding rules on the node (made in {:.1f} s; MemAvailable {:.1f} MiB lower, {:.0f} KiB "
-             "a sandbox, its processes and link included):\n",
-             k, fill_s, static_cast<double>(available_before - std::min(available_before, available_after)) / (1 << 20),
-             k ? static_cast<double>(available_before - std::min(available_before, available_after)) / 1024 /
-                     static_cast<double>(k)
-               : 0.0);
+  fmt::print(
+      "  with {} sandboxes holding rules on the node (made in {:.1f} s; MemAvailable {:.1f} MiB lower, {:.0f} KiB "
+      "a sandbox, its processes and link included):\n",
+      k, fill_s, static_cast<double>(available_before - std::min(available_before, available_after)) / (1 << 20),
+      k ? static_cast<double>(available_before - std::min(available_before, available_after)) / 1024 /
+              static_cast<double>(k)
+        : 0.0);
   print_latency("create, network none", at_none);
   print_latency("create, network egress with 3 rules", at_egress);
   print_latency("set_network on a live sandbox", at_update);
@@ -346,9 +348,10 @@ void run_network(const Options& options, Client& client) {
   }
   const double loopback = loopback_rate(kBytes, 29999);
   server.destroy();
-  fmt::print("  reading {} MiB sent by busybox nc: through an exposed port ({}:{}) {:.0f} MiB/s; the same sender on "
-             "the host over loopback {:.0f} MiB/s\n",
-             kBytes >> 20, host, node_port, exposed, loopback);
+  fmt::print(
+      "  reading {} MiB sent by busybox nc: through an exposed port ({}:{}) {:.0f} MiB/s; the same sender on "
+      "the host over loopback {:.0f} MiB/s\n",
+      kBytes >> 20, host, node_port, exposed, loopback);
 }
 
 }  // namespace dsec::bench

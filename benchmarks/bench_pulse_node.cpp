@@ -6,8 +6,8 @@
 // trainers' workers would ask), until every sandbox is ready. Reported: the time from the first call to the last
 // answer, per-create latency, creates a second, the pool's claims and misses, and one exec in each sandbox to show
 // they all work. Then, on the pooled agent, creates/s in a closed loop against `crun run` and `bwrap` in the same
-// run (dsec-bench throughput's loop). Sandboxes are small and idle (0.01 cores, 16 MiB), the density run's shape; the agents get the
-// overcommit that admits them.
+// run (dsec-bench throughput's loop). Sandboxes are small and idle (0.01 cores, 16 MiB), the density run's shape; the
+// agents get the overcommit that admits them.
 #include <atomic>
 #include <cmath>
 #include <mutex>
@@ -46,8 +46,10 @@ ClientOptions pulse_agent(const Options& o, const std::string& home, std::size_t
   MachineInfo m = read_machine();
   const double cpu_ratio = std::max(32.0, std::ceil(need_cpu / std::max(1, m.cores)));
   const double memory_ratio = std::max(2.0, std::ceil(need_memory / static_cast<double>(m.mem_total) * 10) / 10);
-  copts.agent_args = {"--backends", "container", "--cpu-overcommit", fmt::format("{}", cpu_ratio),
-                      "--memory-overcommit", fmt::format("{}", memory_ratio), "--reclaim", "off"};
+  copts.agent_args = {"--backends",          "container",
+                      "--cpu-overcommit",    fmt::format("{}", cpu_ratio),
+                      "--memory-overcommit", fmt::format("{}", memory_ratio),
+                      "--reclaim",           "off"};
   if (pool > 0)
     copts.agent_args.insert(copts.agent_args.end(),
                             {"--warm-pool", fmt::format("{},size={},cpu={},memory={}", o.image, pool, kCpu, kMemory)});
@@ -132,7 +134,8 @@ PulseNodeRun one_pulse(const Options& o, Client& client, const std::string& labe
 
 PulseNodeResult run_pulse_node(const Options& o, const std::string& home, Peers& peers) {
   if (!o.endpoints.empty())
-    throw Error(Code::kInvalidArgument, "pulse-node starts agents of its own (with and without a warm pool): no --endpoint");
+    throw Error(Code::kInvalidArgument,
+                "pulse-node starts agents of its own (with and without a warm pool): no --endpoint");
   PulseNodeResult result;
   result.n = o.pulse_node_n;
   result.threads = o.pulse_node_threads;
@@ -157,34 +160,37 @@ PulseNodeResult run_pulse_node(const Options& o, const std::string& home, Peers&
 }
 
 void print_pulse_node(const PulseNodeResult& r) {
-  fmt::print("\n== pulse-node: {} creates at once from {} threads on one node (cgroup {}) ==\n", r.n, r.threads, r.cgroup);
+  fmt::print("\n== pulse-node: {} creates at once from {} threads on one node (cgroup {}) ==\n", r.n, r.threads,
+             r.cgroup);
   for (const auto& run : r.runs) {
-    fmt::print("  {:<20} all ready in {:.2f} s ({:.0f} creates/s); per create p50 {:.2f} ms, p99 {:.2f} ms; pool "
-               "claims {}, misses {}; {} made, {} answered an exec{}\n",
-               run.label, run.pulse_seconds, run.pulse_seconds > 0 ? static_cast<double>(run.made) / run.pulse_seconds : 0,
-               run.per_create.empty() ? 0 : run.per_create.percentile(50),
-               run.per_create.empty() ? 0 : run.per_create.percentile(99), run.claims, run.misses, run.made,
-               run.working, run.error.empty() ? "" : fmt::format(" (first error: {})", run.error));
+    fmt::print(
+        "  {:<20} all ready in {:.2f} s ({:.0f} creates/s); per create p50 {:.2f} ms, p99 {:.2f} ms; pool "
+        "claims {}, misses {}; {} made, {} answered an exec{}\n",
+        run.label, run.pulse_seconds, run.pulse_seconds > 0 ? static_cast<double>(run.made) / run.pulse_seconds : 0,
+        run.per_create.empty() ? 0 : run.per_create.percentile(50),
+        run.per_create.empty() ? 0 : run.per_create.percentile(99), run.claims, run.misses, run.made, run.working,
+        run.error.empty() ? "" : fmt::format(" (first error: {})", run.error));
     if (run.pool) fmt::print("  {:<20} the pool filled in {:.1f} s\n", "", run.fill_seconds);
   }
   if (r.closed_loop) {
     print_throughput(*r.closed_loop);
-    fmt::print("  (the pool during the closed loop: {} claims, {} misses)\n", r.closed_loop_claims, r.closed_loop_misses);
+    fmt::print("  (the pool during the closed loop: {} claims, {} misses)\n", r.closed_loop_claims,
+               r.closed_loop_misses);
   }
 }
 
 std::string markdown_pulse_node(const PulseNodeResult& r, int cores) {
-  std::string out = fmt::format("### Pulse on one node: {} creates at once ({} threads, 0.01 cores and 16 MiB each, "
-                                "cgroup {})\n\n| agent | all ready | creates/s | per create p50 | p99 | pool claims | "
-                                "misses | answered an exec |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
-                                r.n, r.threads, r.cgroup);
+  std::string out = fmt::format(
+      "### Pulse on one node: {} creates at once ({} threads, 0.01 cores and 16 MiB each, "
+      "cgroup {})\n\n| agent | all ready | creates/s | per create p50 | p99 | pool claims | "
+      "misses | answered an exec |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
+      r.n, r.threads, r.cgroup);
   for (const auto& run : r.runs)
     out += fmt::format("| {} | {:.2f} s | {:.0f} | {:.2f} ms | {:.2f} ms | {} | {} | {} of {} |\n", run.label,
-                       run.pulse_seconds,
-                       run.pulse_seconds > 0 ? static_cast<double>(run.made) / run.pulse_seconds : 0,
+                       run.pulse_seconds, run.pulse_seconds > 0 ? static_cast<double>(run.made) / run.pulse_seconds : 0,
                        run.per_create.empty() ? 0 : run.per_create.percentile(50),
-                       run.per_create.empty() ? 0 : run.per_create.percentile(99), run.claims, run.misses,
-                       run.working, r.n);
+                       run.per_create.empty() ? 0 : run.per_create.percentile(99), run.claims, run.misses, run.working,
+                       r.n);
   if (r.closed_loop) {
     out += "\nThen, on the agent with the pool, in a closed loop against the peers:\n\n";
     out += markdown_throughput(*r.closed_loop, cores);

@@ -179,8 +179,9 @@ void run_rows(const Options& o, Client& client, const std::vector<RowPlan>& plan
   }
   for (std::size_t i = first; i < result.rows.size(); ++i) {
     const QosRow& row = result.rows[i];
-    const std::string no_clock = "the image's sh has no $EPOCHREALTIME: the loop is not timed inside the sandbox "
-                                 "(use an image whose sh is busybox ash or bash)";
+    const std::string no_clock =
+        "the image's sh has no $EPOCHREALTIME: the loop is not timed inside the sandbox "
+        "(use an image whose sh is busybox ash or bash)";
     if (row.inside.empty() && std::find(result.notes.begin(), result.notes.end(), no_clock) == result.notes.end())
       result.notes.push_back(no_clock);
     fmt::print(stderr,
@@ -204,8 +205,8 @@ QosBenchResult run_qos(const Options& o, const std::string& home) {
   result.rounds = std::min(result.steps, o.given.count("--rounds") ? o.rounds : 5);
   result.warmup = o.warmup;
   result.image = o.image;
-  const std::size_t k = o.given.count("-k") || o.given.count("--count") ? o.density_count
-                                                                          : static_cast<std::size_t>(2 * result.cores);
+  const std::size_t k =
+      o.given.count("-k") || o.given.count("--count") ? o.density_count : static_cast<std::size_t>(2 * result.cores);
 
   fmt::print(stderr, "dsec-bench: starting the client{}\n", o.endpoints.empty() ? " and an embedded agent" : "");
   ExecRequest step;
@@ -219,14 +220,14 @@ QosBenchResult run_qos(const Options& o, const std::string& home) {
     result.loop_iterations = kLoopIterations;
     step = step_request(result.loop_iterations);
     const std::string idle_latency = "idle: latency class", idle_standard = "idle: standard class";
-    run_rows(o, client,
-             {{idle_latency, "", Priority::kLatency, 0, Priority::kBatch},
-              {idle_standard, "", Priority::kStandard, 0, Priority::kStandard},
-              {priority_row("priorities on: latency beside batch", k), idle_latency, Priority::kLatency, k,
-               Priority::kBatch},
-              {priority_row("priorities off: all standard", k), idle_standard, Priority::kStandard, k,
-               Priority::kStandard}},
-             result, step);
+    run_rows(
+        o, client,
+        {{idle_latency, "", Priority::kLatency, 0, Priority::kBatch},
+         {idle_standard, "", Priority::kStandard, 0, Priority::kStandard},
+         {priority_row("priorities on: latency beside batch", k), idle_latency, Priority::kLatency, k,
+          Priority::kBatch},
+         {priority_row("priorities off: all standard", k), idle_standard, Priority::kStandard, k, Priority::kStandard}},
+        result, step);
   }
 
   // The reserved-CPU fallback (dsecd --latency-cpus): an agent of its own, when this bench starts agents.
@@ -246,8 +247,8 @@ QosBenchResult run_qos(const Options& o, const std::string& home) {
     const std::string idle = fmt::format("idle: latency class on reserved CPU {}", result.reserved_cpus);
     run_rows(o, client,
              {{idle, "", Priority::kLatency, 0, Priority::kBatch},
-              {priority_row(fmt::format("CPU {} reserved, latency beside batch", result.reserved_cpus), k),
-               idle, Priority::kLatency, k, Priority::kBatch}},
+              {priority_row(fmt::format("CPU {} reserved, latency beside batch", result.reserved_cpus), k), idle,
+               Priority::kLatency, k, Priority::kBatch}},
              result, step);
   }
   return result;
@@ -290,12 +291,13 @@ std::string qos_of(const std::vector<std::string>& granted, const std::vector<st
 }  // namespace
 
 void print_qos(const QosBenchResult& r) {
-  fmt::print("\n== qos: a latency sandbox's step (a {}-iteration shell loop, {:.0f} ms think time, n={} per row in {} "
-             "turn{}, {} warm-up steps each) ==\n",
-             r.loop_iterations, r.think_ms, r.steps, r.rounds, r.rounds == 1 ? "" : "s", r.warmup);
+  fmt::print(
+      "\n== qos: a latency sandbox's step (a {}-iteration shell loop, {:.0f} ms think time, n={} per row in {} "
+      "turn{}, {} warm-up steps each) ==\n",
+      r.loop_iterations, r.think_ms, r.steps, r.rounds, r.rounds == 1 ? "" : "s", r.warmup);
   fmt::print("  agent: {}, cgroup driver {}; {}\n", r.agent, r.cgroup, node_qos_text(r));
-  fmt::print("  {:<62} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>9} {:>6}\n", "", "step p50", "step p99",
-             "p99 infl", "agent p99", "inside p50", "inside p99", "p99 infl", "busy");
+  fmt::print("  {:<62} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>9} {:>6}\n", "", "step p50", "step p99", "p99 infl",
+             "agent p99", "inside p50", "inside p99", "p99 infl", "busy");
   for (const auto& row : r.rows)
     fmt::print("  {:<62} {:>10} {:>10} {:>9} {:>10} {:>10} {:>10} {:>9} {:>6.2f}\n", row.name,
                ms2(row.step.percentile(50)), ms2(row.step.percentile(99)), pct(inflation(r, row, false)),
@@ -320,10 +322,11 @@ std::string markdown_qos(const QosBenchResult& r) {
       "per row, the rows taking turns {} times (each turn a fresh stepping sandbox and spinners, {} warm-up steps "
       "dropped). Spinners: sandboxes of 1 core each running `while :; do :; done`.\n\n",
       r.agent, r.cgroup, node_qos_text(r), r.loop_iterations, r.image, r.think_ms, r.steps, r.rounds, r.warmup);
-  md += fmt::format("| condition | step p50 | step p99 | p99 inflation | in the agent p50 / p99 | inside p50 | "
-                    "inside p99 | inside p99 inflation | CPU busy (of {}) |\n"
-                    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
-                    r.cores);
+  md += fmt::format(
+      "| condition | step p50 | step p99 | p99 inflation | in the agent p50 / p99 | inside p50 | "
+      "inside p99 | inside p99 inflation | CPU busy (of {}) |\n"
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+      r.cores);
   for (const auto& row : r.rows)
     md += fmt::format("| {} | {} | {} | {} | {} / {} | {} | {} | {} | {:.2f} |\n", row.name,
                       ms2(row.step.percentile(50)), ms2(row.step.percentile(99)), pct(inflation(r, row, false)),
@@ -338,8 +341,10 @@ std::string markdown_qos(const QosBenchResult& r) {
   for (const auto& row : r.rows) {
     if (!row.spinners || row.latency_class != "latency") continue;
     double step = inflation(r, row, false), inside = inflation(r, row, true);
-    targets += fmt::format("| {}: p99 inflation <= 10% | step {}, inside {} | {} |\n", row.name, pct(step),
-                           pct(inside), step <= 10 ? "**met**" : inside <= 10 ? "**met inside only**" : "**not met**");
+    targets += fmt::format("| {}: p99 inflation <= 10% | step {}, inside {} | {} |\n", row.name, pct(step), pct(inside),
+                           step <= 10     ? "**met**"
+                           : inside <= 10 ? "**met inside only**"
+                                          : "**not met**");
   }
   if (!targets.empty()) md += "\n| target | measured | verdict |\n| --- | --- | --- |\n" + targets;
   for (const auto& n : r.notes) md += fmt::format("- {}\n", n);

@@ -129,7 +129,7 @@ struct Worker {
   Sandbox sandbox;
   bool control = false;
   std::atomic<double> started_at{0};  // unix seconds: its worker was started (0: not yet)
-  std::atomic<bool> ready{false};    // its worker said so
+  std::atomic<bool> ready{false};     // its worker said so
 };
 
 // Keeps every sandbox in use until stop(): a thread reads each one's ready file in passes (a file call is a use, so
@@ -180,8 +180,8 @@ class KeepInUse {
       if (e.code() != Code::kNotFound) throw;
     }
     if (log.find("Error") != std::string::npos || log.find("not found") != std::string::npos)
-      throw Error(Code::kFailedPrecondition, fmt::format("the Python worker in sandbox {} failed: {}",
-                                                         w.sandbox.id(), log));
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("the Python worker in sandbox {} failed: {}", w.sandbox.id(), log));
   }
 
   std::deque<Worker>& workers_;
@@ -229,8 +229,8 @@ StepTime take_step(const Sandbox& sb) {
   std::string verdict;
   in >> verdict >> s.inside_ms;
   if (r.exit_code != 0 || verdict != "ok")
-    throw Error(Code::kInternal, fmt::format("the step in sandbox {} failed (exit code {}): {}{}", sb.id(),
-                                             r.exit_code, r.stdout_data, r.stderr_data));
+    throw Error(Code::kInternal, fmt::format("the step in sandbox {} failed (exit code {}): {}{}", sb.id(), r.exit_code,
+                                             r.stdout_data, r.stderr_data));
   return s;
 }
 
@@ -287,9 +287,10 @@ ReclaimBenchResult run_reclaim(const Options& o, const std::string& home) {
     fs::create_directories(swap_dir.dir);
     agent::SwapFilesystem fs_kind = agent::swap_filesystem(swap_dir.dir);
     if (!fs_kind.can_hold_swap) {
-      result.skipped = fmt::format("no swap possible: {} is on {}, which cannot hold a swap file (give --home on a "
-                                   "disk filesystem, or --endpoint of a node with swap)",
-                                   swap_dir.dir.string(), fs_kind.name);
+      result.skipped = fmt::format(
+          "no swap possible: {} is on {}, which cannot hold a swap file (give --home on a "
+          "disk filesystem, or --endpoint of a node with swap)",
+          swap_dir.dir.string(), fs_kind.name);
       return result;
     }
     const std::uint64_t swap_bytes =
@@ -297,15 +298,14 @@ ReclaimBenchResult run_reclaim(const Options& o, const std::string& home) {
                            : static_cast<std::uint64_t>(total) * (hold_guess + 32) * (1 << 20) + (1ull << 30);
     swap_dir.file = swap_dir.dir / "swapfile";
     const double mem_total = static_cast<double>(meminfo_bytes("MemTotal"));
-    const double mem_ratio =
-        std::max(2.0, (static_cast<double>(total) * static_cast<double>(result.memory_limit) + (1 << 30)) /
-                          mem_total * 1.2);
+    const double mem_ratio = std::max(
+        2.0, (static_cast<double>(total) * static_cast<double>(result.memory_limit) + (1 << 30)) / mem_total * 1.2);
     copts.home = home;
     copts.agent_binary = o.agent_binary;
-    copts.agent_args = {"--backends",     "container",
-                        "--swap-file",    swap_dir.file.string(),
-                        "--swap-size",    std::to_string(swap_bytes),
-                        "--reclaim-age",  std::to_string(o.reclaim_age_seconds),
+    copts.agent_args = {"--backends",          "container",
+                        "--swap-file",         swap_dir.file.string(),
+                        "--swap-size",         std::to_string(swap_bytes),
+                        "--reclaim-age",       std::to_string(o.reclaim_age_seconds),
                         "--memory-overcommit", fmt::format("{:.2f}", mem_ratio)};
     copts.agent_args.insert(copts.agent_args.end(), o.agent_args.begin(), o.agent_args.end());
     result.swap = fmt::format("a {:.1f} GiB swap file on {} ({}), made by the embedded agent and removed after",
@@ -341,8 +341,8 @@ ReclaimBenchResult run_reclaim(const Options& o, const std::string& home) {
                   fmt::format("image {} is not in the store (build it: dsec image build bookworm-numpy --from "
                               "debootstrap:bookworm --include python3,python3-numpy; or {} with --include python3)",
                               result.image, kFallbackImage));
-    result.notes.push_back(fmt::format("{} is not in the store: {} (python3 without numpy) is used", result.image,
-                                       kFallbackImage));
+    result.notes.push_back(
+        fmt::format("{} is not in the store: {} (python3 without numpy) is used", result.image, kFallbackImage));
     result.image = kFallbackImage;
   }
 
@@ -418,8 +418,8 @@ ReclaimBenchResult run_reclaim(const Options& o, const std::string& home) {
   for (const auto& w : workers)
     if (w.control) control_ids.insert(w.sandbox.id());
   const auto t1 = Clock::now();
-  const double timeout_s = static_cast<double>(std::max<std::size_t>(result.age_seconds, 120)) * 2 +
-                           2.0 * static_cast<double>(result.count);
+  const double timeout_s =
+      static_cast<double>(std::max<std::size_t>(result.age_seconds, 120)) * 2 + 2.0 * static_cast<double>(result.count);
   fmt::print(stderr, "dsec-bench reclaim: waiting for the reclaimer (up to {:.0f} s)\n", timeout_s);
   double last_print = 0;
   for (;;) {
@@ -495,13 +495,15 @@ void print_reclaim(const ReclaimBenchResult& r) {
              r.reclaim_reason, r.swap);
   fmt::print("  {} sandboxes of {} ({} with reclaim=false), each: {}; memory limit {}\n", r.count + r.control, r.image,
              r.control, r.workload, mib(static_cast<double>(r.memory_limit)));
-  fmt::print("  created in {:.1f} s; every worker idle after {:.1f} s; {} reclaimed after their worker started and "
-             "before the first reading\n",
-             r.create_seconds, r.ready_seconds, r.reclaimed_early);
-  fmt::print("  reclaimer: {} of {} taken at least once in {:.0f} s (age {} s); {} reclaims, {} reclaimed, {} "
-             "refaults (pages)\n",
-             r.reclaimed_once, r.count, r.reclaim_seconds, r.age_seconds, r.reclaims,
-             mib(static_cast<double>(r.reclaimed_bytes)), r.refaults);
+  fmt::print(
+      "  created in {:.1f} s; every worker idle after {:.1f} s; {} reclaimed after their worker started and "
+      "before the first reading\n",
+      r.create_seconds, r.ready_seconds, r.reclaimed_early);
+  fmt::print(
+      "  reclaimer: {} of {} taken at least once in {:.0f} s (age {} s); {} reclaims, {} reclaimed, {} "
+      "refaults (pages)\n",
+      r.reclaimed_once, r.count, r.reclaim_seconds, r.age_seconds, r.reclaims,
+      mib(static_cast<double>(r.reclaimed_bytes)), r.refaults);
   fmt::print("  {:<46} {:>12} {:>12} {:>9} {:>14} {:>14}\n", "", "before", "after", "less", "before/sandbox",
              "after/sandbox");
   auto row = [&](const std::string& name, double b, double a) {
@@ -533,8 +535,9 @@ std::string markdown_reclaim(const ReclaimBenchResult& r) {
       r.agent, r.cgroup, r.reclaim_mode, r.reclaim_reason, r.swap, r.count, r.image,
       mib(static_cast<double>(r.memory_limit)), r.workload, r.control, r.create_seconds, r.ready_seconds,
       r.reclaimed_early);
-  md += "| measure | before | after the reclaimer | less | per sandbox before → after |\n"
-        "| --- | --- | --- | --- | --- |\n";
+  md +=
+      "| measure | before | after the reclaimer | less | per sandbox before → after |\n"
+      "| --- | --- | --- | --- | --- |\n";
   auto row = [&](const std::string& name, double b, double a) {
     md += fmt::format("| {} | {} | {} | {:.1f}% | {:.1f} → {:.1f} MiB |\n", name, mib(b), mib(a), less_pct(b, a),
                       b / k / kMiB, a / k / kMiB);
@@ -549,8 +552,9 @@ std::string markdown_reclaim(const ReclaimBenchResult& r) {
       r.reclaimed_once, r.count, r.reclaim_seconds, r.age_seconds, r.reclaims,
       mib(static_cast<double>(r.reclaimed_bytes)), r.refaults, mib(r.swap_used_before), mib(r.swap_used_after),
       mib(r.control_charge_before), mib(r.control_charge_after));
-  md += "| the first step after the idle time (exec: signal the worker, which walks its objects, touches its memory, "
-        "runs numpy) | p50 | p90 | p99 | max |\n| --- | --- | --- | --- | --- |\n";
+  md +=
+      "| the first step after the idle time (exec: signal the worker, which walks its objects, touches its memory, "
+      "runs numpy) | p50 | p90 | p99 | max |\n| --- | --- | --- | --- | --- |\n";
   auto lat = [&](const std::string& name, const Latency& l) {
     md += fmt::format("| {} (n = {}) | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.1f} ms |\n", name, l.count(),
                       l.percentile(50), l.percentile(90), l.percentile(99), l.max());
@@ -558,12 +562,13 @@ std::string markdown_reclaim(const ReclaimBenchResult& r) {
   for (const auto& [name, latency] : step_rows(r)) lat(name, *latency);
   md += fmt::format("\nPages the probed reclaimed sandboxes read back over their two steps: {}.\n\n", r.probe_refaults);
   const double charge_less = less_pct(r.charge_before, r.charge_after);
-  const double host_less = less_pct(r.mem_available_start - r.mem_available_before,
-                                    r.mem_available_start - r.mem_available_after);
-  md += fmt::format("| target | measured | verdict |\n| --- | --- | --- |\n"
-                    "| idle sandboxes hold >= 30% less memory after reclaim (DSec: 21.2%) | cgroup charges {:.1f}% "
-                    "less, host {:.1f}% less | {} |\n",
-                    charge_less, host_less, charge_less >= 30 && host_less >= 30 ? "**met**" : "**not met**");
+  const double host_less =
+      less_pct(r.mem_available_start - r.mem_available_before, r.mem_available_start - r.mem_available_after);
+  md += fmt::format(
+      "| target | measured | verdict |\n| --- | --- | --- |\n"
+      "| idle sandboxes hold >= 30% less memory after reclaim (DSec: 21.2%) | cgroup charges {:.1f}% "
+      "less, host {:.1f}% less | {} |\n",
+      charge_less, host_less, charge_less >= 30 && host_less >= 30 ? "**met**" : "**not met**");
   md += fmt::format("\nLoad: {} (the sandboxes' processes count as the agent's).\n", cpu_text(r.cpu, r.cores));
   for (const auto& n : r.notes) md += fmt::format("- {}\n", n);
   return md;

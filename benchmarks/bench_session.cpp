@@ -78,9 +78,10 @@ void run_session(const Options& options, Client& client) {
   // The repository: six small modules and a test script that sources them all.
   std::string setup = "mkdir -p /work/repo/src /work/repo/tests && cd /work/repo && echo 'a small project' > README";
   for (int i = 0; i < 6; ++i)
-    setup += fmt::format(" && printf 'VALUE={}\\nadd() {{ echo $(($1 + $2)); }}\\necho module {}\\n' > src/mod{}.sh",
-                         i, i, i);
-  setup += " && printf 'for f in src/*.sh; do . ./$f >/dev/null; done; [ $(add 2 3) = 5 ] && echo ok\\n' > tests/run.sh";
+    setup += fmt::format(" && printf 'VALUE={}\\nadd() {{ echo $(($1 + $2)); }}\\necho module {}\\n' > src/mod{}.sh", i,
+                         i, i);
+  setup +=
+      " && printf 'for f in src/*.sh; do . ./$f >/dev/null; done; [ $(add 2 3) = 5 ] && echo ok\\n' > tests/run.sh";
   check(sb.exec(setup, 30), "exec", "setup");
 
   const std::vector<std::string> steps = episode_steps();

@@ -141,7 +141,8 @@ SleepSize run_size(const Options& o, Client& client, const std::string& memhold,
     ExecResult first = sb.exec(true_request);
     r.first_exec_ms = ms_since(t2);
     r.wake_to_exec_ms = ms_since(t1);
-    if (first.exit_code != 0) throw Error(Code::kInternal, fmt::format("the first exec after the wake: exit {}", first.exit_code));
+    if (first.exit_code != 0)
+      throw Error(Code::kInternal, fmt::format("the first exec after the wake: exit {}", first.exit_code));
 
     Touch t = touch_all(sb, pid, sum);
     r.touch_ms = t.exec_ms;
@@ -187,24 +188,27 @@ SleepBenchResult run_sleep(const Options& o, const std::string& home) {
   swap_dir.notes = &result.notes;
   ClientOptions copts;
   if (o.endpoints.empty()) {
-    const std::uint64_t swap_bytes = o.sleep_swap_bytes ? o.sleep_swap_bytes : (static_cast<std::uint64_t>(max_mib) + 512) << 20;
+    const std::uint64_t swap_bytes =
+        o.sleep_swap_bytes ? o.sleep_swap_bytes : (static_cast<std::uint64_t>(max_mib) + 512) << 20;
     swap_dir.dir = fs::path(home) / fmt::format("bench-swap-{}", ::getpid());
     swap_dir.file = swap_dir.dir / "swapfile";
     fs::create_directories(swap_dir.dir);
     copts.home = home;
     copts.agent_binary = o.agent_binary;
-    copts.agent_args = {"--backends", "container", "--swap-file", swap_dir.file.string(), "--swap-size",
-                        std::to_string(swap_bytes)};
+    copts.agent_args = {"--backends",           "container",   "--swap-file",
+                        swap_dir.file.string(), "--swap-size", std::to_string(swap_bytes)};
     copts.agent_args.insert(copts.agent_args.end(), o.agent_args.begin(), o.agent_args.end());
-    result.swap = fmt::format("a {} MiB swap file on {} ({}), made by the embedded agent (dsecd --swap-file) and "
-                              "removed after",
-                              swap_bytes >> 20, agent::swap_filesystem(swap_dir.dir).name, swap_dir.file.string());
+    result.swap = fmt::format(
+        "a {} MiB swap file on {} ({}), made by the embedded agent (dsecd --swap-file) and "
+        "removed after",
+        swap_bytes >> 20, agent::swap_filesystem(swap_dir.dir).name, swap_dir.file.string());
   } else {
     copts.endpoints = o.endpoints;
   }
   copts.call_deadline = std::chrono::minutes(10);
   copts.request_timeout = std::chrono::minutes(5);  // a sleep of 1 GiB writes it all to swap first
-  fmt::print(stderr, "dsec-bench: starting the client{}\n", o.endpoints.empty() ? " and an embedded agent with swap" : "");
+  fmt::print(stderr, "dsec-bench: starting the client{}\n",
+             o.endpoints.empty() ? " and an embedded agent with swap" : "");
   {
     Client client(copts);
     NodeInfo node = client.nodes().front();
@@ -234,25 +238,27 @@ SleepBenchResult run_sleep(const Options& o, const std::string& home) {
 void print_sleep(const SleepBenchResult& r) {
   fmt::print("\n== sleep: sandboxes holding anonymous memory sleep in place and wake ==\n");
   fmt::print("  swap: {}\n  agent: {}, cgroup {}\n", r.swap, r.agent, r.cgroup);
-  fmt::print("  {:>5} {:>3}  {:>24} {:>9} {:>9} {:>9} {:>19} {:>10} {:>22} {:>8}\n", "MiB", "#", "charged before -> after",
-             "released", "in swap", "sleep", "wake (agent/call)", "wake->exec", "touch all (awake)", "intact");
+  fmt::print("  {:>5} {:>3}  {:>24} {:>9} {:>9} {:>9} {:>19} {:>10} {:>22} {:>8}\n", "MiB", "#",
+             "charged before -> after", "released", "in swap", "sleep", "wake (agent/call)", "wake->exec",
+             "touch all (awake)", "intact");
   for (const auto& sz : r.sizes) {
     for (std::size_t i = 0; i < sz.rounds.size(); ++i) {
       const SleepRound& x = sz.rounds[i];
-      fmt::print("  {:>5} {:>3}  {:>24} {:>8.1f}% {:>9} {:>7.2f} s {:>19} {:>7.1f} ms {:>10.0f} ms ({:>5.0f} ms) "
-                 "{:>8}\n",
-                 sz.mib, i + 1, mib_text(x.before_bytes) + " -> " + mib_text(x.after_bytes), released_ratio(x) * 100,
-                 mib_text(x.swap_bytes), x.sleep_ms / 1000, fmt::format("{:.1f} / {:.1f} ms", x.wake_ms, x.wake_call_ms),
-                 x.wake_to_exec_ms, x.touch_ms, sz.awake_touch_ms, x.intact ? "yes" : "NO");
+      fmt::print(
+          "  {:>5} {:>3}  {:>24} {:>8.1f}% {:>9} {:>7.2f} s {:>19} {:>7.1f} ms {:>10.0f} ms ({:>5.0f} ms) "
+          "{:>8}\n",
+          sz.mib, i + 1, mib_text(x.before_bytes) + " -> " + mib_text(x.after_bytes), released_ratio(x) * 100,
+          mib_text(x.swap_bytes), x.sleep_ms / 1000, fmt::format("{:.1f} / {:.1f} ms", x.wake_ms, x.wake_call_ms),
+          x.wake_to_exec_ms, x.touch_ms, sz.awake_touch_ms, x.intact ? "yes" : "NO");
     }
-    fmt::print("        memhold filled {} MiB in {:.0f} ms; exec `true` awake {:.2f} ms (p50 of 10); first exec after "
-               "the wake {}\n",
-               sz.mib, sz.fill_ms, sz.awake_exec_ms,
-               [&] {
-                 std::string s;
-                 for (const auto& x : sz.rounds) s += fmt::format("{}{:.2f} ms", s.empty() ? "" : ", ", x.first_exec_ms);
-                 return s;
-               }());
+    fmt::print(
+        "        memhold filled {} MiB in {:.0f} ms; exec `true` awake {:.2f} ms (p50 of 10); first exec after "
+        "the wake {}\n",
+        sz.mib, sz.fill_ms, sz.awake_exec_ms, [&] {
+          std::string s;
+          for (const auto& x : sz.rounds) s += fmt::format("{}{:.2f} ms", s.empty() ? "" : ", ", x.first_exec_ms);
+          return s;
+        }());
   }
   print_cpu(r.cpu, r.cores, "  load: ");
   for (const auto& n : r.notes) fmt::print("  note: {}\n", n);
@@ -260,30 +266,33 @@ void print_sleep(const SleepBenchResult& r) {
 
 std::string markdown_sleep(const SleepBenchResult& r) {
   std::string md = "### Sleep and wake of sandboxes holding anonymous memory\n\n";
-  md += fmt::format("Swap: {}. Agent: {}, cgroup {}. Each sandbox runs memhold (pseudo-random anonymous pages and "
-                    "their checksum); it sleeps for {} s per round.\n\n",
-                    r.swap, r.agent, r.cgroup, std::chrono::duration<double>(kAsleepFor).count());
-  md += "| held | round | charged before → after sleep | released | in swap | sleep | wake: agent / call | wake → "
-        "first exec result | first exec | exec touching all memory (same, awake) | intact |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
+  md += fmt::format(
+      "Swap: {}. Agent: {}, cgroup {}. Each sandbox runs memhold (pseudo-random anonymous pages and "
+      "their checksum); it sleeps for {} s per round.\n\n",
+      r.swap, r.agent, r.cgroup, std::chrono::duration<double>(kAsleepFor).count());
+  md +=
+      "| held | round | charged before → after sleep | released | in swap | sleep | wake: agent / call | wake → "
+      "first exec result | first exec | exec touching all memory (same, awake) | intact |\n"
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n";
   double worst_release = 1, worst_wake_exec = 0;
   for (const auto& sz : r.sizes)
     for (std::size_t i = 0; i < sz.rounds.size(); ++i) {
       const SleepRound& x = sz.rounds[i];
       worst_release = std::min(worst_release, released_ratio(x));
       worst_wake_exec = std::max(worst_wake_exec, x.wake_to_exec_ms);
-      md += fmt::format("| {} MiB | {} | {} → {} | {:.1f}% | {} | {:.2f} s | {:.1f} / {:.1f} ms | {:.1f} ms | {:.1f} ms "
-                        "| {:.0f} ms ({:.0f} ms) | {} |\n",
-                        sz.mib, i + 1, mib_text(x.before_bytes), mib_text(x.after_bytes), released_ratio(x) * 100,
-                        mib_text(x.swap_bytes), x.sleep_ms / 1000, x.wake_ms, x.wake_call_ms, x.wake_to_exec_ms,
-                        x.first_exec_ms,
-                        x.touch_ms, sz.awake_touch_ms, x.intact ? "yes" : "**no**");
+      md += fmt::format(
+          "| {} MiB | {} | {} → {} | {:.1f}% | {} | {:.2f} s | {:.1f} / {:.1f} ms | {:.1f} ms | {:.1f} ms "
+          "| {:.0f} ms ({:.0f} ms) | {} |\n",
+          sz.mib, i + 1, mib_text(x.before_bytes), mib_text(x.after_bytes), released_ratio(x) * 100,
+          mib_text(x.swap_bytes), x.sleep_ms / 1000, x.wake_ms, x.wake_call_ms, x.wake_to_exec_ms, x.first_exec_ms,
+          x.touch_ms, sz.awake_touch_ms, x.intact ? "yes" : "**no**");
     }
-  md += fmt::format("\n| target | measured (worst of all rounds) | verdict |\n| --- | --- | --- |\n"
-                    "| sleep releases >= 90% of the memory charged | {:.1f}% | {} |\n"
-                    "| wake to first exec <= 200 ms | {:.1f} ms | {} |\n",
-                    worst_release * 100, worst_release >= 0.9 ? "**met**" : "**not met**", worst_wake_exec,
-                    worst_wake_exec <= 200 ? "**met**" : "**not met**");
+  md += fmt::format(
+      "\n| target | measured (worst of all rounds) | verdict |\n| --- | --- | --- |\n"
+      "| sleep releases >= 90% of the memory charged | {:.1f}% | {} |\n"
+      "| wake to first exec <= 200 ms | {:.1f} ms | {} |\n",
+      worst_release * 100, worst_release >= 0.9 ? "**met**" : "**not met**", worst_wake_exec,
+      worst_wake_exec <= 200 ? "**met**" : "**not met**");
   md += fmt::format("\nLoad: {}.\n", cpu_text(r.cpu, r.cores));
   for (const auto& n : r.notes) md += fmt::format("- {}\n", n);
   return md;

@@ -46,9 +46,10 @@ void empty_store(const std::string& url, const std::vector<std::string>& tags) {
 }
 
 std::string load_text(const CpuUse& c, int cores) {
-  return fmt::format("{:.1f} s; CPU busy {:.2f} of {} cores (dsec-bench, its agent and sandboxes {:.2f}, kernel "
-                     "threads {:.2f}, other processes {:.2f})",
-                     c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.others_cores);
+  return fmt::format(
+      "{:.1f} s; CPU busy {:.2f} of {} cores (dsec-bench, its agent and sandboxes {:.2f}, kernel "
+      "threads {:.2f}, other processes {:.2f})",
+      c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.others_cores);
 }
 
 }  // namespace
@@ -71,9 +72,10 @@ SnapshotBenchResult run_snapshot(const Options& options, Client& client, const s
     Sandbox sb = client.create(spec);
     // N files of 1 MiB of random bytes, under /data.
     ExecRequest write;
-    write.shell = fmt::format("mkdir -p /data && i=0; while [ $i -lt {} ]; do head -c 1048576 /dev/urandom > "
-                              "/data/f$i || exit 1; i=$((i+1)); done",
-                              mib);
+    write.shell = fmt::format(
+        "mkdir -p /data && i=0; while [ $i -lt {} ]; do head -c 1048576 /dev/urandom > "
+        "/data/f$i || exit 1; i=$((i+1)); done",
+        mib);
     write.timeout_seconds = 300;
     check_ok(sb.exec(write), fmt::format("writing {} MiB in sandbox {}", mib, sb.id()));
     const std::size_t runs = mib >= 256 ? std::min<std::size_t>(options.snapshot_repeat, 2) : options.snapshot_repeat;
@@ -174,8 +176,8 @@ SnapshotBenchResult run_snapshot(const Options& options, Client& client, const s
 
 void print_snapshot(const SnapshotBenchResult& r) {
   fmt::print("\n== snapshot: a sandbox that wrote N MiB of random files (snapshots into {}) ==\n", r.store);
-  fmt::print("  {:>8} {:>6} {:>12} {:>12} {:>12} {:>12} {:>10}\n", "written", "runs", "frozen", "agent total",
-             "client", "stored", "MiB/s");
+  fmt::print("  {:>8} {:>6} {:>12} {:>12} {:>12} {:>12} {:>10}\n", "written", "runs", "frozen", "agent total", "client",
+             "stored", "MiB/s");
   for (const auto& p : r.sizes) {
     double total = median(p.agent_ms);
     fmt::print("  {:>5} MiB {:>6} {:>9.1f} ms {:>9.1f} ms {:>9.1f} ms {:>8.1f} MiB {:>10.0f}\n", p.mib,
@@ -186,18 +188,20 @@ void print_snapshot(const SnapshotBenchResult& r) {
     fmt::print("  create from the {} MiB snapshot to its first exec (reading one file): {:.1f} ms\n", r.start_mib,
                r.start_from_snapshot_ms);
   if (r.forks > 0)
-    fmt::print("  fork({}): fork() returned after {:.0f} ms, all {} answered an exec after {:.0f} ms (median of {}; "
-               "max {:.0f} ms)\n",
-               r.forks, median(r.fork_call_ms), r.forks, median(r.fork_total_ms), r.fork_total_ms.size(),
-               *std::max_element(r.fork_total_ms.begin(), r.fork_total_ms.end()));
+    fmt::print(
+        "  fork({}): fork() returned after {:.0f} ms, all {} answered an exec after {:.0f} ms (median of {}; "
+        "max {:.0f} ms)\n",
+        r.forks, median(r.fork_call_ms), r.forks, median(r.fork_total_ms), r.fork_total_ms.size(),
+        *std::max_element(r.fork_total_ms.begin(), r.fork_total_ms.end()));
 }
 
 std::string markdown_snapshot(const SnapshotBenchResult& r, int cores) {
   std::string md = "### Snapshot and fork\n\n";
-  md += "A busybox sandbox writes N files of 1 MiB of random bytes (the worst case for compression), then "
-        "`Sandbox::snapshot` runs; medians. *frozen* is how long its processes stood still (the copy of its "
-        "writable layer); *agent total* adds making the EROFS layer, compressing and storing its chunks and "
-        "committing the manifest; *client* is the call as the trainer sees it.\n\n";
+  md +=
+      "A busybox sandbox writes N files of 1 MiB of random bytes (the worst case for compression), then "
+      "`Sandbox::snapshot` runs; medians. *frozen* is how long its processes stood still (the copy of its "
+      "writable layer); *agent total* adds making the EROFS layer, compressing and storing its chunks and "
+      "committing the manifest; *client* is the call as the trainer sees it.\n\n";
   md += "| written | runs | frozen | agent total | client | stored | MiB/s (agent total) |\n";
   md += "| --- | --- | --- | --- | --- | --- | --- |\n";
   for (const auto& p : r.sizes) {
@@ -207,15 +211,17 @@ std::string markdown_snapshot(const SnapshotBenchResult& r, int cores) {
                       total > 0 ? static_cast<double>(p.mib) / (total / 1000) : 0.0);
   }
   if (r.start_from_snapshot_ms > 0)
-    md += fmt::format("\nA sandbox created from the {} MiB snapshot answered its first exec (reading one of the "
-                      "files) {:.0f} ms after the create call.\n",
-                      r.start_mib, r.start_from_snapshot_ms);
+    md += fmt::format(
+        "\nA sandbox created from the {} MiB snapshot answered its first exec (reading one of the "
+        "files) {:.0f} ms after the create call.\n",
+        r.start_mib, r.start_from_snapshot_ms);
   if (r.forks > 0)
-    md += fmt::format("\n`Sandbox::fork({})` of a sandbox holding 1 MiB of state: `fork()` returned (snapshot, then "
-                      "`create_many`) after {:.0f} ms, and all {} forks had answered an exec after {:.0f} ms "
-                      "(median of {} rounds; slowest {:.0f} ms).\n",
-                      r.forks, median(r.fork_call_ms), r.forks, median(r.fork_total_ms), r.fork_total_ms.size(),
-                      *std::max_element(r.fork_total_ms.begin(), r.fork_total_ms.end()));
+    md += fmt::format(
+        "\n`Sandbox::fork({})` of a sandbox holding 1 MiB of state: `fork()` returned (snapshot, then "
+        "`create_many`) after {:.0f} ms, and all {} forks had answered an exec after {:.0f} ms "
+        "(median of {} rounds; slowest {:.0f} ms).\n",
+        r.forks, median(r.fork_call_ms), r.forks, median(r.fork_total_ms), r.fork_total_ms.size(),
+        *std::max_element(r.fork_total_ms.begin(), r.fork_total_ms.end()));
   md += fmt::format("\nLoad during this benchmark: {}.\n", load_text(r.cpu, cores));
   return md;
 }

@@ -129,10 +129,8 @@ void input_to_screen(const Sandbox& sb, std::size_t samples, VmBenchResult& r) {
     sb.type_text("x");
     r.input_call.add(ms_since(t0));
     std::optional<std::string> typed = next_different_screen(sb, before, t0 + kScreenTimeout);
-    if (typed)
-      r.input_to_screen.add(ms_since(t0));
-    else
-      ++r.input_unchanged;
+    if (typed) r.input_to_screen.add(ms_since(t0));
+    else ++r.input_unchanged;
     // Undone before the next sample, and drawn: the screen is back to what it was (or, should the panel's clock have
     // moved meanwhile, at least no longer shows the key).
     sb.key("BackSpace");
@@ -320,8 +318,9 @@ void print_vm(const VmBenchResult& r) {
              r.agent_version, r.cores);
   if (!std::isnan(r.first_create_ms)) {
     fmt::print("\n  -- [{}] create to ready, sequential --\n", a);
-    fmt::print("  [{}] first of the shape (boot to the desktop, template frozen, sandbox started from it): {} (load {})\n",
-               a, seconds(r.first_create_ms), r.first_load);
+    fmt::print(
+        "  [{}] first of the shape (boot to the desktop, template frozen, sandbox started from it): {} (load {})\n", a,
+        seconds(r.first_create_ms), r.first_load);
     fmt::print("  [{}] next {} (clones of the template): p50 {}, max {} (load {})\n", a, r.next_create.count(),
                seconds(r.next_create.empty() ? std::nan("") : r.next_create.percentile(50)),
                seconds(r.next_create.empty() ? std::nan("") : r.next_create.max()), r.next_load);
@@ -332,38 +331,39 @@ void print_vm(const VmBenchResult& r) {
     for (const auto& m : r.idle)
       fmt::print("  [{}] {}: cgroup charge {} (shmem {}); QEMU RSS {}, PSS {}\n", a, m.id, mib(m.cgroup_charge),
                  mib(m.shmem), mib(m.qemu_rss), mib(m.qemu_pss));
-    fmt::print("  [{}] templates: {} holding {} of guest RAM (GET /v1/node), {} resident in their memfds; the agent's "
-               "cgroup subtree {}\n",
-               a, r.node_templates, mib(static_cast<double>(r.node_template_bytes)), mib(r.template_resident),
-               mib(r.subtree_charge));
+    fmt::print(
+        "  [{}] templates: {} holding {} of guest RAM (GET /v1/node), {} resident in their memfds; the agent's "
+        "cgroup subtree {}\n",
+        a, r.node_templates, mib(static_cast<double>(r.node_template_bytes)), mib(r.template_resident),
+        mib(r.subtree_charge));
   }
   if (!r.screenshot.empty())
     fmt::print("\n  [{}] screenshot ({} samples, PNG {}x{}, {:.0f} KiB): p50 {}, p99 {}, max {} (load {})\n", a,
                r.screenshot.count(), r.png_width, r.png_height, static_cast<double>(r.png_bytes) / 1024,
                lat(r.screenshot, 50), lat(r.screenshot, 99), lat_max(r.screenshot), r.screenshot_load);
   if (!r.input_call.empty())
-    fmt::print("  [{}] input to screen (type_text(\"x\") into the terminal until a screenshot differs; {} samples, {} "
-               "unchanged within {} s): p50 {}, max {}; the input call alone p50 {} (load {})\n",
-               a, r.input_call.count(), r.input_unchanged, kScreenTimeout.count(), lat(r.input_to_screen, 50),
-               lat_max(r.input_to_screen), lat(r.input_call, 50), r.input_load);
+    fmt::print(
+        "  [{}] input to screen (type_text(\"x\") into the terminal until a screenshot differs; {} samples, {} "
+        "unchanged within {} s): p50 {}, max {}; the input call alone p50 {} (load {})\n",
+        a, r.input_call.count(), r.input_unchanged, kScreenTimeout.count(), lat(r.input_to_screen, 50),
+        lat_max(r.input_to_screen), lat(r.input_call, 50), r.input_load);
   if (!r.sleep_error.empty()) {
     fmt::print("  [{}] sleep and wake failed: {}\n", a, r.sleep_error);
   } else if (r.sleep_call_ms > 0) {
-    fmt::print("  [{}] sleep {:.2f} s on the node ({} call), charged {} -> {}; wake {:.2f} s ({} call), to its first "
-               "screenshot {}, to its first exec {}; charged after {} (load {})\n",
-               a, r.sleep_seconds, ms(r.sleep_call_ms), mib(r.sleep_before_bytes), mib(r.sleep_after_bytes),
-               r.wake_seconds, ms(r.wake_call_ms), ms(r.wake_to_screenshot_ms), ms(r.wake_to_exec_ms),
-               mib(r.wake_after_bytes), r.sleep_load);
+    fmt::print(
+        "  [{}] sleep {:.2f} s on the node ({} call), charged {} -> {}; wake {:.2f} s ({} call), to its first "
+        "screenshot {}, to its first exec {}; charged after {} (load {})\n",
+        a, r.sleep_seconds, ms(r.sleep_call_ms), mib(r.sleep_before_bytes), mib(r.sleep_after_bytes), r.wake_seconds,
+        ms(r.wake_call_ms), ms(r.wake_to_screenshot_ms), ms(r.wake_to_exec_ms), mib(r.wake_after_bytes), r.sleep_load);
   }
   for (const auto& s : r.snapshots) {
-    if (!s.error.empty())
-      fmt::print("  [{}] snapshot ({}) failed after {}: {}\n", a, s.what, ms(s.call_ms), s.error);
+    if (!s.error.empty()) fmt::print("  [{}] snapshot ({}) failed after {}: {}\n", a, s.what, ms(s.call_ms), s.error);
     else
-      fmt::print("  [{}] snapshot ({}): {} (on the node {:.2f} s, frozen {:.2f} s); layer {} ({} stored), {} of files "
-                 "in {} entries (load {})\n",
-                 a, s.what, ms(s.call_ms), s.seconds, s.frozen_seconds, mib(static_cast<double>(s.layer_bytes)),
-                 mib(static_cast<double>(s.stored_bytes)), mib(static_cast<double>(s.file_bytes)), s.entries,
-                 r.snapshot_load);
+      fmt::print(
+          "  [{}] snapshot ({}): {} (on the node {:.2f} s, frozen {:.2f} s); layer {} ({} stored), {} of files "
+          "in {} entries (load {})\n",
+          a, s.what, ms(s.call_ms), s.seconds, s.frozen_seconds, mib(static_cast<double>(s.layer_bytes)),
+          mib(static_cast<double>(s.stored_bytes)), mib(static_cast<double>(s.file_bytes)), s.entries, r.snapshot_load);
   }
   print_run_log(a, r.section_load, r.notes, r.problems);
 }
@@ -375,30 +375,32 @@ std::string markdown_vm(const VmBenchResult& r) {
                     r.accelerator_reason, r.qemu_version, r.agent_version, r.cores, r.image, shape(r));
   md += "| what | figure | load average |\n| --- | --- | --- |\n";
   if (!std::isnan(r.first_create_ms)) {
-    md += fmt::format("| [{}] create to ready, the shape's first (boot to the desktop, template, sandbox from it) | {} "
-                      "| {} |\n",
-                      a, seconds(r.first_create_ms), r.first_load);
-    md += fmt::format("| [{}] create to ready, the next {} (clones of the template) | p50 {}, max {} | {} |\n", a,
-                      r.next_create.count(),
-                      seconds(r.next_create.empty() ? std::nan("") : r.next_create.percentile(50)),
-                      seconds(r.next_create.empty() ? std::nan("") : r.next_create.max()), r.next_load);
+    md += fmt::format(
+        "| [{}] create to ready, the shape's first (boot to the desktop, template, sandbox from it) | {} "
+        "| {} |\n",
+        a, seconds(r.first_create_ms), r.first_load);
+    md +=
+        fmt::format("| [{}] create to ready, the next {} (clones of the template) | p50 {}, max {} | {} |\n", a,
+                    r.next_create.count(), seconds(r.next_create.empty() ? std::nan("") : r.next_create.percentile(50)),
+                    seconds(r.next_create.empty() ? std::nan("") : r.next_create.max()), r.next_load);
   }
   if (!r.screenshot.empty())
     md += fmt::format("| [{}] screenshot, PNG {}x{} ({:.0f} KiB), n = {} | p50 {}, p99 {}, max {} | {} |\n", a,
                       r.png_width, r.png_height, static_cast<double>(r.png_bytes) / 1024, r.screenshot.count(),
                       lat(r.screenshot, 50), lat(r.screenshot, 99), lat_max(r.screenshot), r.screenshot_load);
   if (!r.input_call.empty())
-    md += fmt::format("| [{}] input to screen: `type_text(\"x\")` into the terminal until a screenshot differs, n = {} "
-                      "({} unchanged within {} s) | p50 {}, max {} (the input call alone: p50 {}) | {} |\n",
-                      a, r.input_call.count(), r.input_unchanged, kScreenTimeout.count(), lat(r.input_to_screen, 50),
-                      lat_max(r.input_to_screen), lat(r.input_call, 50), r.input_load);
-  if (!r.sleep_error.empty())
-    md += fmt::format("| [{}] sleep and wake | failed: {} | |\n", a, r.sleep_error);
+    md += fmt::format(
+        "| [{}] input to screen: `type_text(\"x\")` into the terminal until a screenshot differs, n = {} "
+        "({} unchanged within {} s) | p50 {}, max {} (the input call alone: p50 {}) | {} |\n",
+        a, r.input_call.count(), r.input_unchanged, kScreenTimeout.count(), lat(r.input_to_screen, 50),
+        lat_max(r.input_to_screen), lat(r.input_call, 50), r.input_load);
+  if (!r.sleep_error.empty()) md += fmt::format("| [{}] sleep and wake | failed: {} | |\n", a, r.sleep_error);
   else if (r.sleep_call_ms > 0)
-    md += fmt::format("| [{}] sleep; wake | {:.2f} s, charged {} → {}; {:.2f} s, to the first screenshot {}, to the "
-                      "first exec {}, charged {} after | {} |\n",
-                      a, r.sleep_seconds, mib(r.sleep_before_bytes), mib(r.sleep_after_bytes), r.wake_seconds,
-                      ms(r.wake_to_screenshot_ms), ms(r.wake_to_exec_ms), mib(r.wake_after_bytes), r.sleep_load);
+    md += fmt::format(
+        "| [{}] sleep; wake | {:.2f} s, charged {} → {}; {:.2f} s, to the first screenshot {}, to the "
+        "first exec {}, charged {} after | {} |\n",
+        a, r.sleep_seconds, mib(r.sleep_before_bytes), mib(r.sleep_after_bytes), r.wake_seconds,
+        ms(r.wake_to_screenshot_ms), ms(r.wake_to_exec_ms), mib(r.wake_after_bytes), r.sleep_load);
   for (const auto& s : r.snapshots) {
     if (!s.error.empty())
       md += fmt::format("| [{}] snapshot ({}) | failed: {} | {} |\n", a, s.what, s.error, r.snapshot_load);
@@ -414,10 +416,11 @@ std::string markdown_vm(const VmBenchResult& r) {
     for (const auto& m : r.idle)
       md += fmt::format("| [{}] {} | {} | {} | {} | {} |\n", a, m.id, mib(m.cgroup_charge), mib(m.shmem),
                         mib(m.qemu_rss), mib(m.qemu_pss));
-    md += fmt::format("\nTemplates: {} holding {} of guest RAM (GET /v1/node), {} of it resident; the agent's cgroup "
-                      "subtree {} with the VMs up.\n",
-                      r.node_templates, mib(static_cast<double>(r.node_template_bytes)), mib(r.template_resident),
-                      mib(r.subtree_charge));
+    md += fmt::format(
+        "\nTemplates: {} holding {} of guest RAM (GET /v1/node), {} of it resident; the agent's cgroup "
+        "subtree {} with the VMs up.\n",
+        r.node_templates, mib(static_cast<double>(r.node_template_bytes)), mib(r.template_resident),
+        mib(r.subtree_charge));
   }
   return md + markdown_run_log(a, r.section_load, r.notes, r.problems);
 }

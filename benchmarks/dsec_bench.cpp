@@ -316,7 +316,8 @@ Options parse_options(int argc, char** argv) {
     } else if (flag == "--swap-size") {
       std::string v = take();
       auto bytes = parse_size(v);
-      if (!bytes || *bytes < (16u << 20)) throw UsageError(fmt::format("--swap-size: '{}' is not a size of at least 16Mi", v));
+      if (!bytes || *bytes < (16u << 20))
+        throw UsageError(fmt::format("--swap-size: '{}' is not a size of at least 16Mi", v));
       o.sleep_swap_bytes = *bytes;
     } else if (flag == "--sizes") {
       o.snapshot_sizes.clear();

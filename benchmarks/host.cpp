@@ -25,7 +25,6 @@ namespace dsec::bench {
 namespace fs = std::filesystem;
 namespace {
 
-
 // utime + stime + cutime + cstime of a process, in clock ticks (0 when it is gone).
 std::uint64_t process_ticks(const std::string& stat_path) {
   std::string text = read_text_file(stat_path);
@@ -238,7 +237,8 @@ static std::uint64_t descendant_ticks(int pid, int depth = 0) {
   for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
     std::istringstream children(read_text_file((task.path() / "children").string()));
     int child = 0;
-    while (children >> child) total += process_ticks(fmt::format("/proc/{}/stat", child)) + descendant_ticks(child, depth + 1);
+    while (children >> child)
+      total += process_ticks(fmt::format("/proc/{}/stat", child)) + descendant_ticks(child, depth + 1);
   }
   return total;
 }
@@ -315,8 +315,7 @@ SandboxProcesses find_sandbox_processes(const std::set<std::string>& ids) {
           std::istringstream cs(controllers);
           std::string c;
           while (std::getline(cs, c, ',')) is_memory |= c == "memory";
-          if (is_memory && !v1_memory.empty())
-            memory_dir = v1_memory + prefix;
+          if (is_memory && !v1_memory.empty()) memory_dir = v1_memory + prefix;
           else if (controllers.empty() && line.rfind("0::", 0) == 0 && !v2.empty() && v1_memory.empty())
             memory_dir = v2 + prefix;
           break;

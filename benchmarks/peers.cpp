@@ -29,7 +29,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return fmt::format("exit status {}", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));

@@ -106,7 +106,7 @@ double template_resident_bytes(int agent_pid) {
 
 double subtree_charge(const std::string& cgroup_name) {
   for (const std::string& dir : {"/sys/fs/cgroup/memory/" + cgroup_name, "/sys/fs/cgroup/" + cgroup_name,
-                                "/sys/fs/cgroup/unified/" + cgroup_name}) {
+                                 "/sys/fs/cgroup/unified/" + cgroup_name}) {
     std::error_code ec;
     if (!fs::is_directory(dir, ec)) continue;
     std::string text = read_text_file(dir + "/memory.usage_in_bytes");
@@ -182,10 +182,10 @@ void destroy_all(std::vector<Sandbox>& vms, std::size_t threads, std::vector<std
 }
 
 std::string cpu_line(const CpuUse& c, int cores) {
-  return fmt::format("{:.1f} s; CPU busy {:.2f} of {} cores (dsec-bench, agents and their QEMUs {:.2f}, kernel {:.2f}, "
-                     "steal {:.2f}, other processes {:.2f}); load average at the end {}",
-                     c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores,
-                     load_text());
+  return fmt::format(
+      "{:.1f} s; CPU busy {:.2f} of {} cores (dsec-bench, agents and their QEMUs {:.2f}, kernel {:.2f}, "
+      "steal {:.2f}, other processes {:.2f}); load average at the end {}",
+      c.seconds, c.busy_cores, cores, c.ours_cores, c.kernel_cores, c.steal_cores, c.others_cores, load_text());
 }
 
 double vm_charged(const std::string& id) {

@@ -74,7 +74,6 @@ void print_header() {
   fmt::print("  {:<44} {:>10} {:>10} {:>10} {:>10} {:>10}\n", "", "p50", "p90", "p99", "max", "mean");
 }
 
-
 void print_cpu(const CpuUse& cpu, int cores, std::string_view prefix) {
   fmt::print("{}{}\n", prefix, cpu_text(cpu, cores));
 }
@@ -290,8 +289,7 @@ std::string markdown_report(const Report& report, const Options& o) {
     std::string verdict;
     if (r.count < 2000)
       verdict = fmt::format("memory part {}; 2,000 not tried in this run", memory_ok ? "met" : "not met");
-    else
-      verdict = yes_no(memory_ok && r.sandboxes_found == r.count);
+    else verdict = yes_no(memory_ok && r.sandboxes_found == r.count);
     targets += fmt::format(
         "| >= 2,000 idle sandboxes at <= 1 MiB host memory each | {} alive at once; {} each by MemAvailable, {} "
         "each itemised | {} |\n",

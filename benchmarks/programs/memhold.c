@@ -100,7 +100,7 @@ int main(int argc, char **argv) {
     return 3;
   }
   uint64_t x = 0x9E3779B97F4A7C15ULL ^ (uint64_t)mib;
-  for (size_t i = 0; i < n; ++i) {  /* xorshift64 */
+  for (size_t i = 0; i < n; ++i) { /* xorshift64 */
     x ^= x << 13;
     x ^= x >> 7;
     x ^= x << 17;

@@ -11,8 +11,8 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -228,10 +228,8 @@ py::dict screen_dict(const dsec::ScreenState& st) {
   py::dict d;
   d["width"] = st.width;
   d["height"] = st.height;
-  if (st.cursor_x && st.cursor_y)
-    d["cursor"] = py::make_tuple(*st.cursor_x, *st.cursor_y);
-  else
-    d["cursor"] = py::none();
+  if (st.cursor_x && st.cursor_y) d["cursor"] = py::make_tuple(*st.cursor_x, *st.cursor_y);
+  else d["cursor"] = py::none();
   return d;
 }
 
@@ -293,7 +291,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def(py::init<>())
       .def_readwrite("allow", &dsec::NetworkRule::allow)
       .def_readwrite("cidr", &dsec::NetworkRule::cidr)
-      .def_readwrite("host", &dsec::NetworkRule::host, "A host name instead of a cidr: 'pypi.internal', '*.example.org'.")
+      .def_readwrite("host", &dsec::NetworkRule::host,
+                     "A host name instead of a cidr: 'pypi.internal', '*.example.org'.")
       .def_readwrite("protocol", &dsec::NetworkRule::protocol, "tcp, udp, icmp or any.")
       .def_readwrite("port_min", &dsec::NetworkRule::port_min, "0 with port_max 0: every port.")
       .def_readwrite("port_max", &dsec::NetworkRule::port_max);
@@ -331,7 +330,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readwrite("anti_affinity", &dsec::SandboxSpec::anti_affinity)
       .def_readwrite("network", &dsec::SandboxSpec::network, "Its network policy (docs/networking.md).")
       .def_property(
-          "queue_timeout", [](const dsec::SandboxSpec& s) { return static_cast<double>(s.queue_timeout.count()) / 1000; },
+          "queue_timeout",
+          [](const dsec::SandboxSpec& s) { return static_cast<double>(s.queue_timeout.count()) / 1000; },
           [](dsec::SandboxSpec& s, double seconds) {
             if (!(seconds >= 0 && seconds <= 3600))
               throw dsec::Error(dsec::Code::kInvalidArgument, "queue_timeout: must be from 0 to 3600 seconds");
@@ -372,8 +372,8 @@ PYBIND11_MODULE(_dsec, m) {
         return s + ")";
       });
 
-  py::class_<dsec::FnCallRequest>(m, "FnCallRequest",
-                                  "One function call (build it with dsec.fncall_request or Client.run_code's keywords).")
+  py::class_<dsec::FnCallRequest>(
+      m, "FnCallRequest", "One function call (build it with dsec.fncall_request or Client.run_code's keywords).")
       .def(py::init<>())
       .def_readwrite("language", &dsec::FnCallRequest::language, "python, shell, c or cpp.")
       .def_readwrite("code", &dsec::FnCallRequest::code)
@@ -449,7 +449,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("stderr_truncated", &dsec::FnCallResult::stderr_truncated)
       .def_readonly("timed_out", &dsec::FnCallResult::timed_out, "The wall or CPU time limit ended it.")
       .def_readonly("oom_killed", &dsec::FnCallResult::oom_killed, "The memory limit ended it.")
-      .def_readonly("duration", &dsec::FnCallResult::duration_seconds, "Wall-clock seconds of the run (compile excluded).")
+      .def_readonly("duration", &dsec::FnCallResult::duration_seconds,
+                    "Wall-clock seconds of the run (compile excluded).")
       .def_readonly("cpu_time", &dsec::FnCallResult::cpu_seconds, "User + system CPU seconds of its processes.")
       .def_readonly("peak_memory", &dsec::FnCallResult::peak_memory_bytes, "Bytes.")
       .def_readonly("compile_exit_code", &dsec::FnCallResult::compile_exit_code, "C and C++: the compiler's status.")
@@ -471,8 +472,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def("exception", &fncall_exception,
            "The dsec.errors exception for error/error_code (dsec.NotFound, ...), or None when the call ran.")
       .def("__repr__", [](const dsec::FnCallResult& r) {
-        if (!r.error_code.empty()) return "FnCallResult(error_code='" + r.error_code + "', error=" +
-                                          py::repr(py::str(r.error)).cast<std::string>() + ")";
+        if (!r.error_code.empty())
+          return "FnCallResult(error_code='" + r.error_code +
+                 "', error=" + py::repr(py::str(r.error)).cast<std::string>() + ")";
         std::string s = "FnCallResult(exit_code=" + std::to_string(r.exit_code);
         if (r.signal) s += ", signal=" + std::to_string(r.signal);
         if (r.timed_out) s += ", timed_out=True";
@@ -530,8 +532,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("stderr_bytes", &dsec::ProcessInfo::stderr_bytes, "Everything it wrote to stderr so far.")
       .def_readonly("stdin_open", &dsec::ProcessInfo::stdin_open, "Its stdin takes writes.")
       .def("__repr__", [](const dsec::ProcessInfo& p) {
-        std::string s = "ProcessInfo(pid=" + std::to_string(p.pid) + ", argv=" +
-                        py::repr(py::cast(p.argv)).cast<std::string>();
+        std::string s =
+            "ProcessInfo(pid=" + std::to_string(p.pid) + ", argv=" + py::repr(py::cast(p.argv)).cast<std::string>();
         if (!p.tag.empty()) s += ", tag=" + py::repr(py::str(p.tag)).cast<std::string>();
         if (p.running) return s + ", running=True)";
         s += ", exit_code=" + std::to_string(p.exit_code);
@@ -584,9 +586,8 @@ PYBIND11_MODULE(_dsec, m) {
       .def(
           "read",
           [](const dsec::Process& self, std::optional<std::uint64_t> stdout_offset,
-             std::optional<std::uint64_t> stderr_offset, double wait, std::size_t max_bytes) {
-            return self.read(stdout_offset, stderr_offset, wait, max_bytes);
-          },
+             std::optional<std::uint64_t> stderr_offset, double wait,
+             std::size_t max_bytes) { return self.read(stdout_offset, stderr_offset, wait, max_bytes); },
           py::arg("stdout_offset") = py::none(), py::arg("stderr_offset") = py::none(), py::arg("wait") = 0.0,
           py::arg("max_bytes") = std::size_t{1} << 20, Release())
       .def(
@@ -632,8 +633,9 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("swap_bytes", &dsec::SleepResult::swap_bytes,
                     "The sandbox's memory in the node's swap after the call.")
       .def("__repr__", [](const dsec::SleepResult& r) {
-        return "SleepResult(state='" + r.info.state + "', memory_before_bytes=" +
-               std::to_string(r.memory_before_bytes) + ", memory_after_bytes=" + std::to_string(r.memory_after_bytes) +
+        return "SleepResult(state='" + r.info.state +
+               "', memory_before_bytes=" + std::to_string(r.memory_before_bytes) +
+               ", memory_after_bytes=" + std::to_string(r.memory_after_bytes) +
                ", seconds=" + std::to_string(r.seconds) + ")";
       });
 
@@ -671,8 +673,7 @@ PYBIND11_MODULE(_dsec, m) {
       .def_readonly("size", &dsec::ImageLayerInfo::size)
       .def_readonly("stored_size", &dsec::ImageLayerInfo::stored_size)
       .def("__repr__", [](const dsec::ImageLayerInfo& l) {
-        return "ImageLayerInfo(role='" + l.role + "', digest='" + l.digest + "', size=" + std::to_string(l.size) +
-               ")";
+        return "ImageLayerInfo(role='" + l.role + "', digest='" + l.digest + "', size=" + std::to_string(l.size) + ")";
       });
 
   py::class_<dsec::ImageInfo>(m, "ImageInfo", "An image in one of the client's stores, as `dsec image ls` shows it.")
@@ -823,10 +824,10 @@ PYBIND11_MODULE(_dsec, m) {
             py::gil_scoped_release release;
             return self.get().exec_stream(req, callback);
           },
-          py::arg("argv") = py::none(), py::arg("shell") = py::none(), py::arg("env") = std::map<std::string, std::string>{},
-          py::arg("cwd") = "", py::arg("stdin") = py::none(), py::arg("timeout") = 600.0,
-          py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none(), py::arg("user") = "",
-          py::arg("request_id") = "")
+          py::arg("argv") = py::none(), py::arg("shell") = py::none(),
+          py::arg("env") = std::map<std::string, std::string>{}, py::arg("cwd") = "", py::arg("stdin") = py::none(),
+          py::arg("timeout") = 600.0, py::arg("max_output") = std::size_t{16} << 20, py::arg("on_output") = py::none(),
+          py::arg("user") = "", py::arg("request_id") = "")
       .def(
           "write_file",
           [](PySandbox& self, const std::string& path, py::object data, unsigned mode) {
@@ -1031,13 +1032,15 @@ PYBIND11_MODULE(_dsec, m) {
           },
           py::arg("argv"), py::arg("shell"), py::arg("env"), py::arg("cwd"), py::arg("timeout"), py::arg("max_output"),
           py::arg("user") = "")
-      .def("renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
-      .def("sleep", [](PySandboxGroup& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>())
       .def(
-          "set_network",
-          [](PySandboxGroup& self, const dsec::NetworkPolicy& p) { return self.get().set_network(p); },
+          "renew", [](PySandboxGroup& self) { self.get().renew(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "sleep", [](PySandboxGroup& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_network", [](PySandboxGroup& self, const dsec::NetworkPolicy& p) { return self.get().set_network(p); },
           py::arg("policy"), py::call_guard<py::gil_scoped_release>())
-      .def("wake", [](PySandboxGroup& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wake", [](PySandboxGroup& self) { return self.get().wake(); }, py::call_guard<py::gil_scoped_release>())
       .def(
           "snapshot", [](PySandboxGroup& self, const std::string& name) { return self.get().snapshot(name); },
           py::arg("name"), py::call_guard<py::gil_scoped_release>())
@@ -1045,58 +1048,57 @@ PYBIND11_MODULE(_dsec, m) {
       .def("release", &PySandboxGroup::release, py::call_guard<py::gil_scoped_release>());
 
   py::class_<PyClient>(m, "Client")
-      .def(py::init([](std::vector<std::string> endpoints, std::string agent_binary,
-                       std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
-                       double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
-                       double max_backoff, double agent_start_timeout, double agent_stop_grace,
-                       std::vector<std::string> stores, double image_cache_ttl, double request_timeout,
-                       std::vector<std::string> etcd, std::string etcd_prefix, std::string placement,
-                       std::string token, std::string tls_ca_file, std::string tls_client_cert,
-                       std::string tls_client_key, std::string etcd_tls_ca_file, std::string etcd_tls_client_cert,
-                       std::string etcd_tls_client_key) {
-             dsec::ClientOptions o;
-             o.etcd_tls_ca_file = std::move(etcd_tls_ca_file);
-             o.etcd_tls_client_cert = std::move(etcd_tls_client_cert);
-             o.etcd_tls_client_key = std::move(etcd_tls_client_key);
-             o.token = std::move(token);
-             o.tls_ca_file = std::move(tls_ca_file);
-             o.tls_client_cert = std::move(tls_client_cert);
-             o.tls_client_key = std::move(tls_client_key);
-             o.endpoints = std::move(endpoints);
-             o.stores = std::move(stores);
-             o.image_cache_ttl = to_ms(image_cache_ttl, "image_cache_ttl");
-             o.request_timeout = to_ms(request_timeout, "request_timeout");
-             o.etcd_endpoints = std::move(etcd);
-             o.etcd_prefix = std::move(etcd_prefix);
-             o.agent_binary = std::move(agent_binary);
-             o.agent_candidates = std::move(agent_candidates);
-             o.home = std::move(home);
-             o.agent_args = std::move(agent_args);
-             o.call_deadline = to_ms(call_deadline, "call_deadline");
-             if (create_concurrency == 0)
-               throw dsec::Error(dsec::Code::kInvalidArgument, "create_concurrency: must be at least 1");
-             o.create_concurrency = create_concurrency;
-             if (max_attempts < 1) throw dsec::Error(dsec::Code::kInvalidArgument, "max_attempts: must be at least 1");
-             o.retry.max_attempts = max_attempts;
-             o.retry.initial_backoff = to_ms(initial_backoff, "initial_backoff");
-             o.retry.max_backoff = to_ms(max_backoff, "max_backoff");
-             o.agent_start_timeout = to_ms(agent_start_timeout, "agent_start_timeout");
-             o.agent_stop_grace = to_ms(agent_stop_grace, "agent_stop_grace");
-             dsec::make_placement_policy(placement);  // an unknown name is INVALID_ARGUMENT before anything starts
-             o.placement = std::move(placement);
-             return std::make_unique<PyClient>(std::move(o));
-           }),
-           py::arg("endpoints") = std::vector<std::string>{}, py::arg("agent_binary") = "",
-           py::arg("agent_candidates") = std::vector<std::string>{}, py::arg("home") = "",
-           py::arg("agent_args") = std::vector<std::string>{}, py::arg("call_deadline") = 60.0,
-           py::arg("create_concurrency") = 32, py::arg("max_attempts") = 6, py::arg("initial_backoff") = 0.02,
-           py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0,
-           py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0,
-           py::arg("request_timeout") = 15.0, py::arg("etcd") = std::vector<std::string>{},
-           py::arg("etcd_prefix") = "/dsec/",
-           py::arg("placement") = "spread", py::arg("token") = "", py::arg("tls_ca_file") = "",
-           py::arg("tls_client_cert") = "", py::arg("tls_client_key") = "", py::arg("etcd_tls_ca_file") = "",
-           py::arg("etcd_tls_client_cert") = "", py::arg("etcd_tls_client_key") = "")
+      .def(
+          py::init([](std::vector<std::string> endpoints, std::string agent_binary,
+                      std::vector<std::string> agent_candidates, std::string home, std::vector<std::string> agent_args,
+                      double call_deadline, std::size_t create_concurrency, int max_attempts, double initial_backoff,
+                      double max_backoff, double agent_start_timeout, double agent_stop_grace,
+                      std::vector<std::string> stores, double image_cache_ttl, double request_timeout,
+                      std::vector<std::string> etcd, std::string etcd_prefix, std::string placement, std::string token,
+                      std::string tls_ca_file, std::string tls_client_cert, std::string tls_client_key,
+                      std::string etcd_tls_ca_file, std::string etcd_tls_client_cert, std::string etcd_tls_client_key) {
+            dsec::ClientOptions o;
+            o.etcd_tls_ca_file = std::move(etcd_tls_ca_file);
+            o.etcd_tls_client_cert = std::move(etcd_tls_client_cert);
+            o.etcd_tls_client_key = std::move(etcd_tls_client_key);
+            o.token = std::move(token);
+            o.tls_ca_file = std::move(tls_ca_file);
+            o.tls_client_cert = std::move(tls_client_cert);
+            o.tls_client_key = std::move(tls_client_key);
+            o.endpoints = std::move(endpoints);
+            o.stores = std::move(stores);
+            o.image_cache_ttl = to_ms(image_cache_ttl, "image_cache_ttl");
+            o.request_timeout = to_ms(request_timeout, "request_timeout");
+            o.etcd_endpoints = std::move(etcd);
+            o.etcd_prefix = std::move(etcd_prefix);
+            o.agent_binary = std::move(agent_binary);
+            o.agent_candidates = std::move(agent_candidates);
+            o.home = std::move(home);
+            o.agent_args = std::move(agent_args);
+            o.call_deadline = to_ms(call_deadline, "call_deadline");
+            if (create_concurrency == 0)
+              throw dsec::Error(dsec::Code::kInvalidArgument, "create_concurrency: must be at least 1");
+            o.create_concurrency = create_concurrency;
+            if (max_attempts < 1) throw dsec::Error(dsec::Code::kInvalidArgument, "max_attempts: must be at least 1");
+            o.retry.max_attempts = max_attempts;
+            o.retry.initial_backoff = to_ms(initial_backoff, "initial_backoff");
+            o.retry.max_backoff = to_ms(max_backoff, "max_backoff");
+            o.agent_start_timeout = to_ms(agent_start_timeout, "agent_start_timeout");
+            o.agent_stop_grace = to_ms(agent_stop_grace, "agent_stop_grace");
+            dsec::make_placement_policy(placement);  // an unknown name is INVALID_ARGUMENT before anything starts
+            o.placement = std::move(placement);
+            return std::make_unique<PyClient>(std::move(o));
+          }),
+          py::arg("endpoints") = std::vector<std::string>{}, py::arg("agent_binary") = "",
+          py::arg("agent_candidates") = std::vector<std::string>{}, py::arg("home") = "",
+          py::arg("agent_args") = std::vector<std::string>{}, py::arg("call_deadline") = 60.0,
+          py::arg("create_concurrency") = 32, py::arg("max_attempts") = 6, py::arg("initial_backoff") = 0.02,
+          py::arg("max_backoff") = 2.0, py::arg("agent_start_timeout") = 30.0, py::arg("agent_stop_grace") = 10.0,
+          py::arg("stores") = std::vector<std::string>{}, py::arg("image_cache_ttl") = 10.0,
+          py::arg("request_timeout") = 15.0, py::arg("etcd") = std::vector<std::string>{},
+          py::arg("etcd_prefix") = "/dsec/", py::arg("placement") = "spread", py::arg("token") = "",
+          py::arg("tls_ca_file") = "", py::arg("tls_client_cert") = "", py::arg("tls_client_key") = "",
+          py::arg("etcd_tls_ca_file") = "", py::arg("etcd_tls_client_cert") = "", py::arg("etcd_tls_client_key") = "")
       .def(
           "create",
           [](PyClient& self, const dsec::SandboxSpec& spec) {

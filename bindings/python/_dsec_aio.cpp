@@ -59,7 +59,6 @@ struct PyTarget {
     deliver = py::object();
     on_output = py::object();
   }
-
 };
 
 // What the I/O thread hands the loops after a round of events, in the order it happened: one
@@ -212,7 +211,7 @@ class AsyncCore {
     if (!transport_) throw dsec::Error(dsec::Code::kFailedPrecondition, "this dsec client is closed");
     if (!target) target = make_target(loop, future, py::none());
     auto done = [target, outbox = outbox_.get(), decode = std::move(decode)](HttpResponse* response,
-                                                                              std::exception_ptr error) {
+                                                                             std::exception_ptr error) {
       using T = decltype(decode(*response));
       auto value = std::make_shared<std::optional<T>>();
       if (!error) {
@@ -321,12 +320,12 @@ class AsyncCore {
     o.cwd = std::move(cwd);
     o.user = std::move(user);
     // Not retried once the agent may have it: a second attempt would start a second shell.
-    return start(loop, future,
-                 sandbox_call(id, "POST", "/sessions", dsec::detail::encode(o).dump(), kJson, {milliseconds{0}, false}),
-                 [](HttpResponse& r) {
-                   return dsec::detail::decode_session_info(
-                       dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/sessions"));
-                 });
+    return start(
+        loop, future,
+        sandbox_call(id, "POST", "/sessions", dsec::detail::encode(o).dump(), kJson, {milliseconds{0}, false}),
+        [](HttpResponse& r) {
+          return dsec::detail::decode_session_info(dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/sessions"));
+        });
   }
 
   Ticket spawn(const py::object& loop, const py::object& future, const std::string& id,
@@ -349,12 +348,12 @@ class AsyncCore {
     if (request_id.empty()) request_id = dsec::detail::random_request_id();
     if (request_id.size() > 128) throw dsec::Error(dsec::Code::kInvalidArgument, "request_id: at most 128 bytes");
     encoded["request_id"] = request_id;
-    return start(loop, future,
-                 sandbox_call(id, "POST", "/processes", encoded.dump(), kJson, {milliseconds{0}, true, request_id}),
-                 [](HttpResponse& r) {
-                   return dsec::detail::decode_process_info(
-                       dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/processes"));
-                 });
+    return start(
+        loop, future,
+        sandbox_call(id, "POST", "/processes", encoded.dump(), kJson, {milliseconds{0}, true, request_id}),
+        [](HttpResponse& r) {
+          return dsec::detail::decode_process_info(dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/processes"));
+        });
   }
 
   Ticket process_read(const py::object& loop, const py::object& future, const std::string& id, int pid,
@@ -375,17 +374,17 @@ class AsyncCore {
     if (wait > 0) add("wait", dsec::detail::query_seconds(wait));
     if (max_bytes != dsec::detail::kMaxOutputRead) add("max", std::to_string(max_bytes));
     const bool want_out = stdout_offset.has_value(), want_err = stderr_offset.has_value();
-    return start(loop, future,
-                 sandbox_call(id, "GET", fmt::format("/processes/{}/output{}", pid, query), {}, {},
-                              {seconds_ms(wait), true}),
-                 [want_out, want_err](HttpResponse& r) {
-                   auto out = dsec::detail::decode_process_output(
-                       dsec::detail::parse_json(r, "GET /v1/sandboxes/{id}/processes/{pid}/output"));
-                   // A stream that was not asked for says nothing, whatever the agent put there.
-                   if (!want_out) out.stdout_data.clear(), out.stdout_offset = out.stdout_end = 0;
-                   if (!want_err) out.stderr_data.clear(), out.stderr_offset = out.stderr_end = 0;
-                   return out;
-                 });
+    return start(
+        loop, future,
+        sandbox_call(id, "GET", fmt::format("/processes/{}/output{}", pid, query), {}, {}, {seconds_ms(wait), true}),
+        [want_out, want_err](HttpResponse& r) {
+          auto out = dsec::detail::decode_process_output(
+              dsec::detail::parse_json(r, "GET /v1/sandboxes/{id}/processes/{pid}/output"));
+          // A stream that was not asked for says nothing, whatever the agent put there.
+          if (!want_out) out.stdout_data.clear(), out.stdout_offset = out.stdout_end = 0;
+          if (!want_err) out.stderr_data.clear(), out.stderr_offset = out.stderr_end = 0;
+          return out;
+        });
   }
 
   Ticket sleep_or_wake(const py::object& loop, const py::object& future, const std::string& id, bool sleep) {
@@ -408,7 +407,8 @@ class AsyncCore {
     const std::string what = call.method + " " + suffix;
     auto json = [what](HttpResponse& r) { return dsec::detail::parse_json(r, what); };
     if (answer == "none") return start(loop, future, std::move(call), [](HttpResponse&) { return Nothing{}; });
-    if (answer == "bytes") return start(loop, future, std::move(call), [](HttpResponse& r) { return std::move(r.body); });
+    if (answer == "bytes")
+      return start(loop, future, std::move(call), [](HttpResponse& r) { return std::move(r.body); });
     if (answer == "file")
       return start(loop, future, std::move(call), [what, id](HttpResponse& r) {
         if (r.content_type.starts_with(kTar))
@@ -480,7 +480,7 @@ void bind_aio(py::module_& m) {
            py::arg("pid"), py::arg("stdout_offset"), py::arg("stderr_offset"), py::arg("wait"), py::arg("max_bytes"))
       .def("sleep_or_wake", &AsyncCore::sleep_or_wake, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"),
            py::arg("sleep"))
-      .def("request", &AsyncCore::request, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"),
-           py::arg("method"), py::arg("suffix"), py::arg("body") = py::bytes(), py::arg("content_type") = Str{},
-           py::arg("extra") = 0.0, py::arg("repeatable") = true, py::arg("answer") = Str("none"));
+      .def("request", &AsyncCore::request, py::arg("loop"), py::arg("future"), py::arg("sandbox_id"), py::arg("method"),
+           py::arg("suffix"), py::arg("body") = py::bytes(), py::arg("content_type") = Str{}, py::arg("extra") = 0.0,
+           py::arg("repeatable") = true, py::arg("answer") = Str("none"));
 }

@@ -11,11 +11,11 @@
 
 #include <boost/beast/http/field.hpp>
 
-#include "http/http.hpp"
 #include "dsec/error.hpp"
+#include "fuzz_util.hpp"
 #include "gateway/e2b/connect_rpc.hpp"
 #include "gateway/e2b/multipart.hpp"
-#include "fuzz_util.hpp"
+#include "http/http.hpp"
 
 namespace {
 

@@ -35,7 +35,8 @@ inline fs::path scratch_dir(const char* name, bool& mounts) {
     fs::create_directories(fixed, ec);
     if (!ec && ::mount("dsec-fuzz", fixed.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, "size=256m,mode=0755") == 0) {
       mounts = true;
-      std::fprintf(stderr, "dsec fuzz: scratch tree %s (a tmpfs in a mount namespace of this process)\n", fixed.c_str());
+      std::fprintf(stderr, "dsec fuzz: scratch tree %s (a tmpfs in a mount namespace of this process)\n",
+                   fixed.c_str());
       return fixed;
     }
   }

@@ -14,17 +14,17 @@
 #include <boost/asio/buffer.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
-#include <boost/beast/http/read.hpp>
 #include <boost/beast/http/parser.hpp>
+#include <boost/beast/http/read.hpp>
 #include <boost/beast/http/string_body.hpp>
 #include <boost/system/system_error.hpp>
 
-#include "agent/config.hpp"
-#include "http/http.hpp"
 #include "agent/api/routes.hpp"
+#include "agent/config.hpp"
 #include "common/protocol.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"
+#include "http/http.hpp"
 
 namespace {
 

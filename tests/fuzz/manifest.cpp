@@ -62,7 +62,8 @@ void chunk_index(std::string_view text, std::string_view blob) {
   std::uint64_t covered = 0;
   for (std::size_t i = 0; i < index.chunk_count(); ++i) {
     const auto& c = index.chunks[i];
-    if (c.length == 0 || c.offset + c.length > index.data_size) fuzz::fail("chunk index: a chunk outside the data blob");
+    if (c.length == 0 || c.offset + c.length > index.data_size)
+      fuzz::fail("chunk index: a chunk outside the data blob");
     std::uint32_t length = index.chunk_length(i);
     if (length == 0 || length > index.chunk_size) fuzz::fail("chunk index: a chunk of no bytes or too many");
     covered += length;

@@ -4,8 +4,8 @@
 //
 // Properties:
 //  - The decoders of requests the agent takes from the network (decode_spec, decode_exec_request,
-//    decode_fncall_request, decode_network) refuse bad input with dsec::Error INVALID_ARGUMENT and nothing else: the agent answers
-//    400 naming the field.
+//    decode_fncall_request, decode_network) refuse bad input with dsec::Error INVALID_ARGUMENT and nothing else: the
+//    agent answers 400 naming the field.
 //  - The decoders of answers the client takes from an agent (exec and call results, sandbox and node info, errors)
 //    throw nothing but dsec::Error or nlohmann's own exceptions (the client reports both as a bad answer).
 //  - Whatever decodes, encodes to JSON text that decodes again to the same thing (encode(decode(encode(x))) ==

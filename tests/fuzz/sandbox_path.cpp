@@ -112,7 +112,8 @@ void check_fd(const Scratch& s, int fd, const char* what) {
   if (::fstat(fd, &st) != 0) fuzz::fail(std::string(what) + ": fstat");
   if (!S_ISREG(st.st_mode)) fuzz::fail(std::string(what) + ": handed out something that is not a regular file");
   if (st.st_dev != s.root_dev) fuzz::fail(std::string(what) + ": handed out a file on another mount");
-  if (s.outside_inodes.count({st.st_dev, st.st_ino})) fuzz::fail(std::string(what) + ": handed out a file outside the root");
+  if (s.outside_inodes.count({st.st_dev, st.st_ino}))
+    fuzz::fail(std::string(what) + ": handed out a file outside the root");
 }
 
 void check_bytes(std::string_view bytes, const char* what) {
@@ -131,7 +132,8 @@ void check_normalized(std::string_view path) {
   if (n.empty() || n.front() != '/') fuzz::fail("normalize_sandbox_path: not absolute: " + n);
   if (n != "/" && n.back() == '/') fuzz::fail("normalize_sandbox_path: a trailing '/': " + n);
   for (std::string_view bad : {"//", "/./", "/../"})
-    if (n != "/" && (n + "/").find(bad) != std::string::npos) fuzz::fail("normalize_sandbox_path: left a '.', '..' or '' in " + n);
+    if (n != "/" && (n + "/").find(bad) != std::string::npos)
+      fuzz::fail("normalize_sandbox_path: left a '.', '..' or '' in " + n);
   if (files::normalize_sandbox_path(n) != n) fuzz::fail("normalize_sandbox_path: not idempotent on " + n);
 }
 
@@ -150,26 +152,35 @@ void run(const Scratch& s, fuzz::Input& in) {
           check_fd(s, fd.get(), "open_for_reading");
           break;
         }
-        case 1: check_bytes(tree.read_file(path, 1u << 16), "read_file"); break;
-        case 2: (void)tree.mode_of(path); break;
-        case 3: (void)tree.is_directory(path); break;
+        case 1:
+          check_bytes(tree.read_file(path, 1u << 16), "read_file");
+          break;
+        case 2:
+          (void)tree.mode_of(path);
+          break;
+        case 3:
+          (void)tree.is_directory(path);
+          break;
         case 4: {
           dsec::UniqueFd fd = tree.open_for_writing(path, 0644);
           check_fd(s, fd.get(), "open_for_writing");
           if (::write(fd.get(), "w", 1) != 1) fuzz::fail("write to an opened file");
           break;
         }
-        case 5: tree.write_file(path, "written\n", (b >> 3) & 0777); break;
+        case 5:
+          tree.write_file(path, "written\n", (b >> 3) & 0777);
+          break;
         case 6: {
           std::size_t entries = 0;
-          tree.walk(path, 1u << 16,
-                    [&](const files::TreeEntry& e) {
-                      if (++entries > 4096) fuzz::fail("walk: more entries than the tree holds");
-                      if (e.path.empty() || e.path.front() == '/' || e.path == ".." || e.path.starts_with("../") ||
-                          e.path.find("/../") != std::string::npos || e.path.ends_with("/.."))
-                        fuzz::fail("walk: an entry path that is not relative: " + e.path);
-                    },
-                    [&](std::string_view data) { check_bytes(data, "walk"); });
+          tree.walk(
+              path, 1u << 16,
+              [&](const files::TreeEntry& e) {
+                if (++entries > 4096) fuzz::fail("walk: more entries than the tree holds");
+                if (e.path.empty() || e.path.front() == '/' || e.path == ".." || e.path.starts_with("../") ||
+                    e.path.find("/../") != std::string::npos || e.path.ends_with("/.."))
+                  fuzz::fail("walk: an entry path that is not relative: " + e.path);
+              },
+              [&](std::string_view data) { check_bytes(data, "walk"); });
           break;
         }
         case 7: {

@@ -3,7 +3,8 @@
 //  2     An OCI image as `docker save` writes it (apply_oci_image: a tar of a layout, its index, manifests, layers).
 //  3     A tar upload into a sandbox (agent/files/tar_stream.hpp extract_tar into a SandboxTree::Extraction, as
 //        PUT /v1/sandboxes/{id}/files?format=tar does).
-//  4     An OCI image layout as a directory (apply_oci_image), made here from parts separated by "\n--part--\n", so that
+//  4     An OCI image layout as a directory (apply_oci_image), made here from parts separated by "\n--part--\n", so
+//  that
 //        the fuzzer can change its JSON without breaking a tar around it or the digests that name its blobs: part 0
 //        is index.json, part i > 0 the blob whose digest "@i" stands for in the parts before it (a reference only
 //        to a later part is filled in). A part 0 that starts with '[' is a `docker save` manifest.json instead, and
@@ -23,8 +24,8 @@
 #include <string_view>
 #include <vector>
 
-#include "common/sandbox_tree.hpp"
 #include "agent/files/tar_stream.hpp"
+#include "common/sandbox_tree.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_scratch.hpp"
 #include "image/layer_tar.hpp"
@@ -42,8 +43,8 @@ constexpr std::uint64_t kMaxEntries = 256;
 
 struct Scratch {
   fs::path dir;
-  fs::path outside;   // what no input may touch
-  fs::path work;      // the input's tar and the tree it unpacks into
+  fs::path outside;  // what no input may touch
+  fs::path work;     // the input's tar and the tree it unpacks into
   fs::path root;
   fs::path tar;
   fs::path layout;
@@ -148,7 +149,8 @@ void unpack(int how, std::string_view tar) {
     auto mode = how == 0 ? dsec::image::WhiteoutMode::kApply : dsec::image::WhiteoutMode::kOverlay;
     dsec::image::apply_layer_tar(s.tar, s.root, mode, limits, notes);
   }
-  if (limits.used_bytes > kMaxBytes || limits.used_entries > kMaxEntries + 1) fuzz::fail("apply_layer_tar: past its limits");
+  if (limits.used_bytes > kMaxBytes || limits.used_entries > kMaxEntries + 1)
+    fuzz::fail("apply_layer_tar: past its limits");
 }
 
 }  // namespace
@@ -170,7 +172,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fs::remove_all(s.layout, ec);
   fs::remove_all(s.root, ec);
   if (ec) fuzz::fail("remove the tree: " + ec.message());
-  for (const auto& e : fs::directory_iterator(s.work))
-    fuzz::fail("unpack left " + e.path().string() + " behind");
+  for (const auto& e : fs::directory_iterator(s.work)) fuzz::fail("unpack left " + e.path().string() + " behind");
   return 0;
 }

@@ -19,10 +19,10 @@
 #include <string_view>
 
 #include "agent/fncall/wire.hpp"
+#include "common/unique_fd.hpp"
 #include "common/wire/guest_protocol.hpp"
 #include "common/wire/init_protocol.hpp"
 #include "common/wire/process_protocol.hpp"
-#include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"
 
@@ -73,28 +73,72 @@ void round_trip(std::string_view payload, Decode decode, const char* what) {
 void decode_frame(const gp::Frame& f) {
   gp::Reader r(f.payload);
   switch (f.type) {
-    case Type::kHello: round_trip(f.payload, gp::decode_hello, "decode_hello"); break;
-    case Type::kHelloReply: round_trip(f.payload, gp::decode_hello_reply, "decode_hello_reply"); break;
-    case Type::kSetup: round_trip(f.payload, gp::decode_setup, "decode_setup"); break;
-    case Type::kExec: round_trip(f.payload, gp::decode_exec_start, "decode_exec_start"); break;
-    case Type::kExited: round_trip(f.payload, gp::decode_exited, "decode_exited"); break;
-    case Type::kEntry: round_trip(f.payload, gp::decode_entry, "decode_entry"); break;
-    case Type::kError: round_trip(f.payload, gp::decode_error, "decode_error"); break;
-    case Type::kStarted: r.i32(); r.finish(); break;
-    case Type::kFailed: r.i32(); r.i32(); r.finish(); break;
-    case Type::kOutput: r.u8(); r.str(); r.finish(); break;
+    case Type::kHello:
+      round_trip(f.payload, gp::decode_hello, "decode_hello");
+      break;
+    case Type::kHelloReply:
+      round_trip(f.payload, gp::decode_hello_reply, "decode_hello_reply");
+      break;
+    case Type::kSetup:
+      round_trip(f.payload, gp::decode_setup, "decode_setup");
+      break;
+    case Type::kExec:
+      round_trip(f.payload, gp::decode_exec_start, "decode_exec_start");
+      break;
+    case Type::kExited:
+      round_trip(f.payload, gp::decode_exited, "decode_exited");
+      break;
+    case Type::kEntry:
+      round_trip(f.payload, gp::decode_entry, "decode_entry");
+      break;
+    case Type::kError:
+      round_trip(f.payload, gp::decode_error, "decode_error");
+      break;
+    case Type::kStarted:
+      r.i32();
+      r.finish();
+      break;
+    case Type::kFailed:
+      r.i32();
+      r.i32();
+      r.finish();
+      break;
+    case Type::kOutput:
+      r.u8();
+      r.str();
+      r.finish();
+      break;
     case Type::kStdin:
     case Type::kData:
     case Type::kStat:
-    case Type::kPutTree: r.str(); r.finish(); break;
+    case Type::kPutTree:
+      r.str();
+      r.finish();
+      break;
     case Type::kReadFile:
-    case Type::kGetTree: r.str(); r.u64(); r.finish(); break;
-    case Type::kWriteFile: r.str(); r.u32(); r.finish(); break;
-    case Type::kStatReply: r.u32(); r.finish(); break;
+    case Type::kGetTree:
+      r.str();
+      r.u64();
+      r.finish();
+      break;
+    case Type::kWriteFile:
+      r.str();
+      r.u32();
+      r.finish();
+      break;
+    case Type::kStatReply:
+      r.u32();
+      r.finish();
+      break;
     case Type::kCredit:
     case Type::kCaptureUpper:
-    case Type::kDone: r.u64(); r.finish(); break;
-    case Type::kProcessRequest: r.u32(); break;  // the op's payload follows, to the end
+    case Type::kDone:
+      r.u64();
+      r.finish();
+      break;
+    case Type::kProcessRequest:
+      r.u32();
+      break;  // the op's payload follows, to the end
     case Type::kProcessReply: {
       // What the agent reads of a guest's process replies (agent/processes/init_processes.cpp): a list of entries,
       // and a read's entry and output.
@@ -112,7 +156,9 @@ void decode_frame(const gp::Frame& f) {
       (void)(read.i32(status) && read.entry(e) && read.u64(at) && read.str(data) && read.u64(at) && read.str(data));
       break;
     }
-    default: r.finish(); break;  // kOk, kSync, kPowerOff, kKill, kEnd: no payload
+    default:
+      r.finish();
+      break;  // kOk, kSync, kPowerOff, kKill, kEnd: no payload
   }
 }
 

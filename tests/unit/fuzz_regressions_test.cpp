@@ -23,9 +23,9 @@
 #include <gtest/gtest.h>
 
 #include "agent/fncall/wire.hpp"
-#include "common/wire/init_protocol.hpp"
 #include "common/protocol.hpp"
 #include "common/unique_fd.hpp"
+#include "common/wire/init_protocol.hpp"
 #include "dsec/error.hpp"
 #include "image/layer_tar.hpp"
 #include "image/store/chunk_index.hpp"
@@ -82,8 +82,7 @@ TEST(FuzzRegressions, AnswerNumbersThatDoNotFitTheirFieldAreErrors) {
   EXPECT_EQ(protocol::decode_exec_result(json{{"exit_code", -3}}).exit_code, -3);
   EXPECT_EQ(code_of([] { protocol::decode_fncall_result(json{{"peak_memory", -1.5}}); }), Code::kInternal);
   EXPECT_EQ(code_of([] { protocol::decode_fncall_result(json{{"error", {{"code", 7}}}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_node_info(json{{"capacity", {{"cores", 4294967296}}}}); }),
-            Code::kInternal);
+  EXPECT_EQ(code_of([] { protocol::decode_node_info(json{{"capacity", {{"cores", 4294967296}}}}); }), Code::kInternal);
   EXPECT_EQ(code_of([] { protocol::decode_node_info(json{{"load", {{"load1", "high"}}}}); }), Code::kInternal);
   EXPECT_EQ(protocol::decode_node_info(json{{"capacity", {{"cores", 4294967295u}}}}).cores, 4294967295u);
 }
@@ -97,8 +96,8 @@ TEST(FuzzRegressions, AnErrorBodyWithMembersOfTheWrongTypeStillDecodes) {
 
 std::string chunk_index(std::uint64_t size, const std::string& chunks, const std::string& extra = {}) {
   const std::string d = "sha256:" + std::string(64, 'a');
-  return R"({"schema":1,"layer":")" + d + R"(","size":)" + std::to_string(size) +
-         R"(,"chunk_size":4096,"data":")" + d + R"(","data_size":100,"chunks":)" + chunks + extra + "}";
+  return R"({"schema":1,"layer":")" + d + R"(","size":)" + std::to_string(size) + R"(,"chunk_size":4096,"data":")" + d +
+         R"(","data_size":100,"chunks":)" + chunks + extra + "}";
 }
 
 TEST(FuzzRegressions, ChunkIndexNumbersMustFitAndCoverTheLayer) {
@@ -186,20 +185,19 @@ TEST(FuzzRegressions, OciLayoutJsonOfTheWrongShapeIsInvalidArgument) {
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
   fs::path dir = tmpl;
   const std::string digest = "sha256:" + std::string(64, '0');
-  const std::vector<std::string> indexes = {
-      R"({"manifests": [{"mediaType": 5, "digest": ")" + digest + R"("}]})",
-      R"({"manifests": [3]})",
-      R"({"manifests": [{"digest": 5}]})",
-      R"({"manifests": [{"digest": ")" + digest + R"(", "platform": "linux"}]})",
-      R"([1, 2])"};
+  const std::vector<std::string> indexes = {R"({"manifests": [{"mediaType": 5, "digest": ")" + digest + R"("}]})",
+                                            R"({"manifests": [3]})", R"({"manifests": [{"digest": 5}]})",
+                                            R"({"manifests": [{"digest": ")" + digest + R"(", "platform": "linux"}]})",
+                                            R"([1, 2])"};
   for (const std::string& index : indexes) {
     fs::remove_all(dir / "layout");
     fs::create_directories(dir / "layout" / "blobs" / "sha256");
     std::ofstream(dir / "layout" / "index.json") << index;
     image::TarLimits limits;
     std::vector<std::string> notes;
-    EXPECT_EQ(code_of([&] { image::apply_oci_image(dir / "layout", dir / "root", image::WhiteoutMode::kApply, limits,
-                                                   notes); }),
+    EXPECT_EQ(code_of([&] {
+                image::apply_oci_image(dir / "layout", dir / "root", image::WhiteoutMode::kApply, limits, notes);
+              }),
               Code::kInvalidArgument)
         << index;
   }
@@ -208,8 +206,9 @@ TEST(FuzzRegressions, OciLayoutJsonOfTheWrongShapeIsInvalidArgument) {
   std::ofstream(dir / "layout" / "manifest.json") << R"([{"Layers": [5]}])";
   image::TarLimits limits;
   std::vector<std::string> notes;
-  EXPECT_EQ(code_of([&] { image::apply_oci_image(dir / "layout", dir / "root", image::WhiteoutMode::kApply, limits,
-                                                 notes); }),
+  EXPECT_EQ(code_of([&] {
+              image::apply_oci_image(dir / "layout", dir / "root", image::WhiteoutMode::kApply, limits, notes);
+            }),
             Code::kInvalidArgument);
   fs::remove_all(dir);
 }
@@ -239,9 +238,9 @@ TEST(FuzzRegressions, StartPayloadCountsMustFitThePayload) {
   EXPECT_FALSE(init_protocol::decode_start_payload(start_payload(12, std::string(12, 'x')), q));
   EXPECT_TRUE(q.argv.empty());
   EXPECT_FALSE(init_protocol::decode_start_payload(start_payload(0, start_payload(0, "") + str("/")), q));  // no argv
-  EXPECT_FALSE(init_protocol::decode_start_payload(good + "x", q));                                        // trailing
-  EXPECT_FALSE(init_protocol::decode_start_payload(start_payload(1, str(std::string("a\0b", 3))) +
-                                                       start_payload(0, "") + str("/"), q));  // NUL
+  EXPECT_FALSE(init_protocol::decode_start_payload(good + "x", q));                                         // trailing
+  EXPECT_FALSE(init_protocol::decode_start_payload(
+      start_payload(1, str(std::string("a\0b", 3))) + start_payload(0, "") + str("/"), q));  // NUL
 }
 
 }  // namespace

@@ -47,7 +47,7 @@ struct ClientOptions {
   std::string agent_binary;
   std::vector<std::string> agent_candidates;  // e.g. the dsecd shipped inside the Python package
   std::string home;
-  std::vector<std::string> agent_args;        // extra dsecd flags, e.g. {"--backends", "container,null"}
+  std::vector<std::string> agent_args;  // extra dsecd flags, e.g. {"--backends", "container,null"}
   std::chrono::milliseconds agent_start_timeout{30'000};
   // After SIGTERM the agent destroys its sandboxes; past this grace it gets SIGKILL.
   std::chrono::milliseconds agent_stop_grace{10'000};

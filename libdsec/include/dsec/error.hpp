@@ -93,8 +93,7 @@ class NodeLost : public Error {
 class OutcomeUnknown : public Error {
  public:
   OutcomeUnknown(std::string request_id, std::string message)
-      : Error(Code::kDataLoss, std::move(message), false, Fault::kInfrastructure),
-        request_id_(std::move(request_id)) {}
+      : Error(Code::kDataLoss, std::move(message), false, Fault::kInfrastructure), request_id_(std::move(request_id)) {}
   const std::string& request_id() const noexcept { return request_id_; }
 
  private:

@@ -11,12 +11,12 @@
 namespace dsec {
 
 struct ExecRequest {
-  std::vector<std::string> argv;      // run this argv (PATH is searched for argv[0]) ...
-  std::string shell;                  // ... or, when non-empty, `/bin/sh -c shell`
-  Env env;                            // added to (and overriding) the sandbox's env
-  std::string cwd;                    // empty: the sandbox's workdir
-  std::string stdin_data;             // bytes fed to stdin, then EOF
-  double timeout_seconds = 600;       // wall clock; on expiry the exec's whole process tree is killed
+  std::vector<std::string> argv;             // run this argv (PATH is searched for argv[0]) ...
+  std::string shell;                         // ... or, when non-empty, `/bin/sh -c shell`
+  Env env;                                   // added to (and overriding) the sandbox's env
+  std::string cwd;                           // empty: the sandbox's workdir
+  std::string stdin_data;                    // bytes fed to stdin, then EOF
+  double timeout_seconds = 600;              // wall clock; on expiry the exec's whole process tree is killed
   std::size_t max_output_bytes = 16u << 20;  // cap for each of stdout and stderr; the rest is dropped
   // Who the command runs as: a user name of the sandbox's /etc/passwd (its primary group from there, its other
   // groups from /etc/group, HOME, USER and LOGNAME from its entry unless env sets them), or "uid" / "uid:gid"
@@ -30,9 +30,9 @@ struct ExecRequest {
 };
 
 struct ExecResult {
-  int exit_code = -1;                 // exit status, or -1 when killed by a signal
-  int signal = 0;                     // the signal that ended it, 0 if it exited
-  std::string stdout_data;            // bytes, not text
+  int exit_code = -1;       // exit status, or -1 when killed by a signal
+  int signal = 0;           // the signal that ended it, 0 if it exited
+  std::string stdout_data;  // bytes, not text
   std::string stderr_data;
   bool stdout_truncated = false;
   bool stderr_truncated = false;

@@ -16,10 +16,10 @@ namespace dsec {
 // match answer NXDOMAIN).
 struct NetworkRule {
   bool allow = true;
-  std::string cidr;                // "10.20.0.0/16", "192.0.2.7" (a /32); IPv4
-  std::string host;                // or a name: "pypi.mirror.internal", "*.example.org" (its subdomains, any depth)
-  std::string protocol = "any";    // "tcp", "udp", "icmp" or "any"
-  std::uint16_t port_min = 0;      // destination ports port_min..port_max (tcp, udp); 0..0: every port
+  std::string cidr;              // "10.20.0.0/16", "192.0.2.7" (a /32); IPv4
+  std::string host;              // or a name: "pypi.mirror.internal", "*.example.org" (its subdomains, any depth)
+  std::string protocol = "any";  // "tcp", "udp", "icmp" or "any"
+  std::uint16_t port_min = 0;    // destination ports port_min..port_max (tcp, udp); 0..0: every port
   std::uint16_t port_max = 0;
   bool operator==(const NetworkRule&) const = default;
 };

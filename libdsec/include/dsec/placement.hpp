@@ -32,8 +32,8 @@ namespace dsec {
 
 // One node as placement sees it.
 struct NodeCandidate {
-  std::string id;                       // for messages: the node id, or its endpoint when not known yet
-  NodeInfo info;                        // the node's last report (GET /v1/node)
+  std::string id;  // for messages: the node id, or its endpoint when not known yet
+  NodeInfo info;   // the node's last report (GET /v1/node)
   // What this client put there since `info` was fetched (the node's report does not show it yet).
   double cpu_placed = 0;
   std::uint64_t memory_placed = 0;
@@ -44,14 +44,14 @@ struct NodeCandidate {
   // Sandboxes on the node that share the request's anti-affinity label value, as far as the caller knows (placed by
   // this client, or listed). The policy adds its own picks within one call.
   std::size_t anti_affinity_peers = 0;
-  bool healthy = true;                  // false: unreachable or ejected; never chosen
+  bool healthy = true;  // false: unreachable or ejected; never chosen
 };
 
 struct PlacementRequest {
-  const SandboxSpec* spec = nullptr;    // required
-  std::size_t count = 1;                // sandboxes to place, all of this spec
+  const SandboxSpec* spec = nullptr;      // required
+  std::size_t count = 1;                  // sandboxes to place, all of this spec
   std::vector<std::string> image_layers;  // layer digests of the resolved image (empty: not resolved)
-  std::uint64_t image_bytes = 0;        // their total size (0: no locality bonus)
+  std::uint64_t image_bytes = 0;          // their total size (0: no locality bonus)
 };
 
 // Chooses nodes. Called concurrently by the client's threads: an implementation must be safe for that (the built-in

@@ -38,17 +38,17 @@ struct ProcessRequest {
 };
 
 struct ProcessInfo {
-  int pid = 0;                    // inside the sandbox; the process's id in every call
+  int pid = 0;  // inside the sandbox; the process's id in every call
   std::vector<std::string> argv;
   std::string tag;
   bool pty = false;
   bool running = false;
-  int exit_code = -1;             // once ended: its exit status, or -1 when a signal ended it
-  int signal = 0;                 // the signal that ended it, 0 if it exited
+  int exit_code = -1;  // once ended: its exit status, or -1 when a signal ended it
+  int signal = 0;      // the signal that ended it, 0 if it exited
   // Why it did not run, when what it named was not there: "executable_not_found" (exit code 127), ... as
   // ExecResult::reason. Empty when it ran.
   std::string reason;
-  double started_at = 0, ended_at = 0;  // Unix seconds; ended_at 0 while it runs
+  double started_at = 0, ended_at = 0;               // Unix seconds; ended_at 0 while it runs
   std::uint64_t stdout_bytes = 0, stderr_bytes = 0;  // everything it wrote so far: the offsets its output reaches
   bool stdin_open = false;
   // A command that could not start (pid 0, reason set): the line a shell would print, which is also its stderr.

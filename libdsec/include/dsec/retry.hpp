@@ -23,7 +23,8 @@ struct RetryPolicy {
     if (attempt <= 1) return std::chrono::milliseconds{0};
     double cap = static_cast<double>(initial_backoff.count());
     for (int i = 2; i < attempt && cap < static_cast<double>(max_backoff.count()); ++i) cap *= multiplier;
-    return std::chrono::milliseconds{static_cast<std::int64_t>(std::min(cap, static_cast<double>(max_backoff.count())))};
+    return std::chrono::milliseconds{
+        static_cast<std::int64_t>(std::min(cap, static_cast<double>(max_backoff.count())))};
   }
 };
 
@@ -42,8 +43,8 @@ auto retry_call(const RetryPolicy& policy, typename Clock::time_point deadline, 
       auto wait = std::chrono::milliseconds{dist(rng)};
       if (Clock::now() + wait >= deadline) {
         throw Error(Code::kDeadlineExceeded,
-                    std::string("deadline exceeded after ") + std::to_string(attempt) + " attempts; last error: " +
-                        std::string(e.code_name()) + ": " + e.what(),
+                    std::string("deadline exceeded after ") + std::to_string(attempt) +
+                        " attempts; last error: " + std::string(e.code_name()) + ": " + e.what(),
                     false);
       }
       sleep(wait);

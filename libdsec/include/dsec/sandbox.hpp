@@ -139,13 +139,13 @@ class Sandbox {
   ScreenState click(std::uint32_t x, std::uint32_t y, std::string button = "left", bool double_click = false) const;
   ScreenState scroll(std::int32_t dy) const;  // notches; negative: up
   ScreenState drag(std::uint32_t x, std::uint32_t y, std::uint32_t to_x, std::uint32_t to_y) const;
-  ScreenState key(std::string combo) const;   // "ctrl+s", "Return", "alt+F4"
+  ScreenState key(std::string combo) const;  // "ctrl+s", "Return", "alt+F4"
   ScreenState type_text(std::string text) const;
   // A VNC endpoint ("host:port" on the sandbox's node) for a person to watch the screen, and drive it: whoever
   // reaches the node's port can. The same one while it lasts; stop_vnc() ends it, and so does the sandbox's end.
   std::string vnc() const;
   void stop_vnc() const;
-  void unexpose(std::uint32_t port) const;             // NOT_FOUND when it is not exposed
+  void unexpose(std::uint32_t port) const;               // NOT_FOUND when it is not exposed
   std::map<std::uint32_t, std::string> exposed() const;  // its port -> "host:port"
   // Captures the sandbox's files as a new image named `name` ("repo" or "repo:tag", the tag "latest" when none) in
   // its node's snapshot store: the sandbox's image's layers plus one layer of what the sandbox changed (new and

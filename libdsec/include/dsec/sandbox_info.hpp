@@ -26,52 +26,52 @@ struct ColdMemoryInfo {
 };
 
 struct SandboxInfo {
-  std::string id;          // "<node>-<random>": names the node that hosts it
+  std::string id;  // "<node>-<random>": names the node that hosts it
   std::string node;
-  std::string state;       // creating | running | failed | destroyed
+  std::string state;  // creating | running | failed | destroyed
   std::string image;
   std::string kind;
   std::string tenant;
   Labels labels;
-  std::string group;       // the lease group it belongs to, if any
+  std::string group;  // the lease group it belongs to, if any
   Resources resources;
-  double created_at = 0;   // unix seconds
-  double expires_at = 0;   // 0 = no TTL
-  std::string message;     // why it failed, when it did
-  NetworkPolicy network;   // the network policy in force (the spec's, or what set_network made it)
-  QosGrant qos;            // what its class of service got on this node
+  double created_at = 0;  // unix seconds
+  double expires_at = 0;  // 0 = no TTL
+  std::string message;    // why it failed, when it did
+  NetworkPolicy network;  // the network policy in force (the spec's, or what set_network made it)
+  QosGrant qos;           // what its class of service got on this node
   ColdMemoryInfo cold_memory;
 };
 
 // A layer of an image in a store (Client::images()).
 struct ImageLayerInfo {
-  std::string role;                // "base", "toolchain", "task" or "snapshot"
-  std::string digest;              // "sha256:..." of the layer's EROFS image
-  std::uint64_t size = 0;          // bytes of the EROFS image
-  std::uint64_t stored_size = 0;   // bytes of its compressed chunks in the store
+  std::string role;               // "base", "toolchain", "task" or "snapshot"
+  std::string digest;             // "sha256:..." of the layer's EROFS image
+  std::uint64_t size = 0;         // bytes of the EROFS image
+  std::uint64_t stored_size = 0;  // bytes of its compressed chunks in the store
 };
 
 // An image in one of the client's stores, as `dsec image ls` shows it (Client::images()).
 struct ImageInfo {
-  std::string name;                // normalised repository, "swe/task-17"
-  std::string tag;                 // "latest"
-  std::string reference;           // "name:tag", what a create's image names
-  std::string digest;              // "sha256:..." of its manifest
+  std::string name;                    // normalised repository, "swe/task-17"
+  std::string tag;                     // "latest"
+  std::string reference;               // "name:tag", what a create's image names
+  std::string digest;                  // "sha256:..." of its manifest
   std::vector<ImageLayerInfo> layers;  // lowest first
-  std::uint64_t size = 0;          // bytes of all layers
-  std::uint64_t stored_size = 0;   // bytes of their compressed chunks
-  double created_at = 0;           // unix seconds
-  std::string source;              // what it was built from ("busybox-static", "snapshot of sandbox ...")
-  std::string parent;              // "name:tag@sha256:..." of the image it was built on, or empty
-  std::string store;               // the store that holds it, as the client names it
+  std::uint64_t size = 0;              // bytes of all layers
+  std::uint64_t stored_size = 0;       // bytes of their compressed chunks
+  double created_at = 0;               // unix seconds
+  std::string source;                  // what it was built from ("busybox-static", "snapshot of sandbox ...")
+  std::string parent;                  // "name:tag@sha256:..." of the image it was built on, or empty
+  std::string store;                   // the store that holds it, as the client names it
 };
 
 // A layer in a node's local cache.
 struct CachedLayer {
-  std::string digest;             // "sha256:..." of the layer's EROFS image
-  std::uint64_t size = 0;         // bytes of the layer
-  std::uint64_t cached_bytes = 0; // bytes of it on the node's disk (fetched chunks, or its extracted files)
-  std::uint32_t users = 0;        // sandboxes using it now
+  std::string digest;              // "sha256:..." of the layer's EROFS image
+  std::uint64_t size = 0;          // bytes of the layer
+  std::uint64_t cached_bytes = 0;  // bytes of it on the node's disk (fetched chunks, or its extracted files)
+  std::uint32_t users = 0;         // sandboxes using it now
 };
 
 // One of the node's QEMU tiers (GET /v1/node "microvm" and "vm"): whether it offers its kind, and on what.
@@ -110,20 +110,20 @@ struct NodePressure {
 struct QosNodeInfo {
   // Core scheduling (PR_SCHED_CORE): a latency sandbox's tasks never share a physical core with another sandbox's.
   bool core_scheduling = false;
-  std::string core_scheduling_reason;   // why not, when not
+  std::string core_scheduling_reason;  // why not, when not
   // CPUs reserved for latency sandboxes (the cpuset fallback, dsecd --latency-cpus): latency sandboxes run there
   // only, every other sandbox elsewhere. Empty: none reserved.
   std::string latency_cpus;
-  bool cpu_idle = false;                // cgroup v2 cpu.idle for batch groups (v1: SCHED_IDLE per task only)
+  bool cpu_idle = false;  // cgroup v2 cpu.idle for batch groups (v1: SCHED_IDLE per task only)
   // The cold-memory reclaimer: "damon" (DAMON's physical-address monitor with per-sandbox memcg filters),
   // "memory.reclaim" (v2, driven by the agent's idle tracking), "limit steps" (v1, the same by lowering a
   // sandbox's limit for a moment) or "off"; reclaim_reason says why this one.
   std::string reclaim;
   std::string reclaim_reason;
-  std::uint64_t reclaimed_bytes = 0;    // by the reclaimer since the agent started
-  bool ksm = false;                     // same-page merging for sandboxes that ask (PR_SET_MEMORY_MERGE)
-  std::uint32_t ksm_sandboxes = 0;      // live sandboxes that asked
-  std::uint64_t ksm_saved_bytes = 0;    // memory the kernel's merging saves now (pages_sharing)
+  std::uint64_t reclaimed_bytes = 0;  // by the reclaimer since the agent started
+  bool ksm = false;                   // same-page merging for sandboxes that ask (PR_SET_MEMORY_MERGE)
+  std::uint32_t ksm_sandboxes = 0;    // live sandboxes that asked
+  std::uint64_t ksm_saved_bytes = 0;  // memory the kernel's merging saves now (pages_sharing)
 };
 
 struct NodeInfo {
@@ -135,16 +135,16 @@ struct NodeInfo {
   std::uint64_t memory_bytes = 0;
   std::uint64_t disk_bytes = 0;
   std::uint64_t disk_free_bytes = 0;
-  std::uint32_t gpus = 0;                // GPUs of the node, and those no sandbox holds
+  std::uint32_t gpus = 0;  // GPUs of the node, and those no sandbox holds
   std::uint32_t gpus_free = 0;
-  Labels labels;                         // the node's labels (dsecd --label k=v), for SandboxSpec::node_selector
-  std::uint32_t sandboxes = 0;           // live sandboxes
-  double cpu_requested = 0;              // sum of the live sandboxes' cpu
-  std::uint64_t memory_requested = 0;    // sum of their memory limits
-  double cpu_overcommit = 8.0;           // how far requests may exceed capacity
+  Labels labels;                       // the node's labels (dsecd --label k=v), for SandboxSpec::node_selector
+  std::uint32_t sandboxes = 0;         // live sandboxes
+  double cpu_requested = 0;            // sum of the live sandboxes' cpu
+  std::uint64_t memory_requested = 0;  // sum of their memory limits
+  double cpu_overcommit = 8.0;         // how far requests may exceed capacity
   double memory_overcommit = 1.0;
-  std::string cgroup_version;            // "v1" or "v2"
-  std::vector<std::string> images;       // images in the node's store
+  std::string cgroup_version;       // "v1" or "v2"
+  std::vector<std::string> images;  // images in the node's store
   // How the node mounts image layers: "erofs-lazy" (EROFS over a lazily filled file), or "extract (...)" with the
   // reason the node fell back to extracting whole layers.
   std::string layer_mode;

@@ -28,7 +28,7 @@ struct InputAction {
   std::uint32_t count = 1;      // clicks: 1 to 3
   std::int32_t dy = 0;          // scroll notches: -100 to 100
   std::string keys;
-  std::string text;             // at most 4096 characters
+  std::string text;               // at most 4096 characters
   std::uint32_t interval_ms = 0;  // kType: 0 is the agent's default pace; kWait: how long
 
   static InputAction move(std::uint32_t x, std::uint32_t y) {

@@ -26,7 +26,7 @@ std::string_view priority_name(Priority p) noexcept;            // "standard", "
 std::optional<Priority> parse_priority(std::string_view name);  // nullopt for anything else
 
 struct Resources {
-  double cpu = 1.0;                          // cores (CFS quota); fractions allowed
+  double cpu = 1.0;                           // cores (CFS quota); fractions allowed
   std::uint64_t memory_bytes = 512ull << 20;  // hard limit, OOM-kill inside the sandbox beyond it
   std::uint64_t disk_bytes = 1ull << 30;      // writable layer size; writes beyond it fail with ENOSPC
   std::uint32_t pids = 512;                   // processes + threads
@@ -45,16 +45,16 @@ struct Resources {
 };
 
 struct SandboxSpec {
-  std::string image = "busybox";      // image name in the node's store
-  std::string kind = "container";     // backend: container, microvm or vm (a full VM with a screen)
+  std::string image = "busybox";   // image name in the node's store
+  std::string kind = "container";  // backend: container, microvm or vm (a full VM with a screen)
   Resources resources;
-  std::chrono::seconds ttl{3600};     // the agent destroys the sandbox this long after creation; 0 = never
-  Env env;                            // environment every exec starts with (exec env overrides)
-  Labels labels;                      // free-form; list() filters on them
-  std::string tenant;                 // who owns it; list() filters on it
-  std::string hostname;               // empty: the sandbox id
-  std::string workdir = "/";          // default cwd for exec
-  bool allow_ptrace = false;          // allow ptrace inside the sandbox (debuggers); denied by default
+  std::chrono::seconds ttl{3600};  // the agent destroys the sandbox this long after creation; 0 = never
+  Env env;                         // environment every exec starts with (exec env overrides)
+  Labels labels;                   // free-form; list() filters on them
+  std::string tenant;              // who owns it; list() filters on it
+  std::string hostname;            // empty: the sandbox id
+  std::string workdir = "/";       // default cwd for exec
+  bool allow_ptrace = false;       // allow ptrace inside the sandbox (debuggers); denied by default
   // Who every exec runs as unless the exec names its own user: a user name of the sandbox's own /etc/passwd, or
   // "uid" / "uid:gid" (0 to 65535 each). Empty: root inside the sandbox (which holds no capability either way).
   // See docs/security.md, "Users inside a sandbox and protected paths".
@@ -66,7 +66,7 @@ struct SandboxSpec {
   // Its network (docs/networking.md): none (loopback only), egress through rules, or open. Sandbox::set_network
   // changes it while the sandbox lives.
   NetworkPolicy network;
-  std::string request_id;             // idempotency key: the same key returns the same sandbox
+  std::string request_id;  // idempotency key: the same key returns the same sandbox
   // Placement (client side): a node must carry every one of these labels (dsecd --label k=v).
   Labels node_selector;
   // Placement (client side): a key of `labels`. Sandboxes whose labels give this key the same value prefer

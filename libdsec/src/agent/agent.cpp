@@ -10,13 +10,13 @@
 
 #include "agent/backends/container/container_backend.hpp"
 #include "agent/backends/container/user_namespace.hpp"
-#include "agent/network/node_network.hpp"
-#include "agent/fncall/fncall_service.hpp"
-#include "agent/backends/qemu/qemu_backend.hpp"
 #include "agent/backends/null/null_backend.hpp"
-#include "common/log.hpp"
+#include "agent/backends/qemu/qemu_backend.hpp"
+#include "agent/fncall/fncall_service.hpp"
+#include "agent/network/node_network.hpp"
 #include "agent/node/qos/ksm.hpp"
 #include "agent/node/qos/usage_overcommit.hpp"
+#include "common/log.hpp"
 #include "dsec/version.hpp"
 
 namespace dsec::agent {
@@ -128,7 +128,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   if (!config_.advertise.empty() && config_.advertise.rfind("http://", 0) != 0 &&
       config_.advertise.rfind("https://", 0) != 0 && config_.advertise.rfind("unix:", 0) != 0)
     throw Error(Code::kInvalidArgument, fmt::format("advertised endpoint '{}': use http://host:port, https://host:port "
-                                                    "or unix:/path", config_.advertise));
+                                                    "or unix:/path",
+                                                    config_.advertise));
 
   std::error_code ec;
   std::filesystem::create_directories(config_.home, ec);
@@ -187,9 +188,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     n.table = "dsec_" + config_.cgroup_name;
     n.run_dir = config_.run_dir;
     network_ = std::make_shared<network::NodeNetwork>(std::move(n));
-    metrics_.add_source([network = network_](std::string& out) {
-      Metrics::render_network_usage(out, network->usage_of_all());
-    });
+    metrics_.add_source(
+        [network = network_](std::string& out) { Metrics::render_network_usage(out, network->usage_of_all()); });
   }
   if (serves("fncall")) {
     fncall::FnCallServiceOptions fo;
@@ -202,8 +202,8 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
   }
   const bool backends_from_config = parts.backends.empty();
-  backends_ = backends_from_config ? make_backends(config_, userns_, network_, warm_shapes())
-                                   : std::move(parts.backends);
+  backends_ =
+      backends_from_config ? make_backends(config_, userns_, network_, warm_shapes()) : std::move(parts.backends);
   // A node without QEMU (or, for microVMs, a guest kernel) still serves its other backends; GET /v1/node says why
   // not these.
   auto add_qemu_tier = [&](const char* kind, QemuTier& tier, auto make) {
@@ -259,11 +259,11 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   if (snapshots.store.empty())
     snapshots.store = config_.stores.empty() ? (config_.home / "store").string() : config_.stores.front();
   snapshots.staging_dir = config_.snapshot_staging_dir.empty() ? default_snapshot_staging_dir(config_.run_dir)
-                                                                : config_.snapshot_staging_dir;
+                                                               : config_.snapshot_staging_dir;
   snapshots.limits.max_file_bytes = config_.snapshot_max_bytes;
   snapshots_ = std::make_unique<Snapshots>(std::move(snapshots), *registry_, *images_);
-  router_ = std::make_unique<Router>(*registry_, metrics_, [this] { return node_info(); }, snapshots_.get(),
-                                     fncall_.get(), std::move(access));
+  router_ = std::make_unique<Router>(
+      *registry_, metrics_, [this] { return node_info(); }, snapshots_.get(), fncall_.get(), std::move(access));
 
   ServerOptions server;
   server.unix_socket = config_.unix_socket;
@@ -312,16 +312,19 @@ void Agent::start_registration() {
   if (r.endpoint.empty()) {
     const std::string& bound = server_->tcp_endpoint();
     if (bound.empty())
-      throw Error(Code::kInvalidArgument, "etcd registration: the agent listens on no TCP address; give --listen "
-                                          "or --advertise with the URL clients should use");
+      throw Error(Code::kInvalidArgument,
+                  "etcd registration: the agent listens on no TCP address; give --listen "
+                  "or --advertise with the URL clients should use");
     if (bound.rfind("0.0.0.0:", 0) == 0 || bound.rfind("[::]:", 0) == 0)
       throw Error(Code::kInvalidArgument, fmt::format("etcd registration: the agent listens on every address ({}); "
-                                                      "give --advertise with the URL clients should use", bound));
+                                                      "give --advertise with the URL clients should use",
+                                                      bound));
     r.endpoint = (tls_ ? "https://" : "http://") + bound;
   }
   std::function<std::string()> fncall_status;
   if (fncall_) fncall_status = [this] { return fncall_status_json(*fncall_); };
-  registration_ = std::make_unique<Registration>(std::move(r), [this] { return node_info(); }, std::move(fncall_status));
+  registration_ = std::make_unique<Registration>(
+      std::move(r), [this] { return node_info(); }, std::move(fncall_status));
   registration_->start();
 }
 
@@ -333,9 +336,9 @@ void Agent::reaper_loop() {
     lock.unlock();
     registry_->reap();
     if (config_.memory_overcommit_ceiling > config_.memory_overcommit)
-      registry_->set_memory_overcommit(qos::usage_overcommit({capacity_.memory_bytes, config_.memory_overcommit,
-                                                             config_.memory_overcommit_ceiling, memory_in_use(),
-                                                             registry_->load().memory_requested}));
+      registry_->set_memory_overcommit(
+          qos::usage_overcommit({capacity_.memory_bytes, config_.memory_overcommit, config_.memory_overcommit_ceiling,
+                                 memory_in_use(), registry_->load().memory_requested}));
     try {
       images_->prune();
     } catch (const std::exception& e) {
@@ -478,10 +481,11 @@ std::vector<container::WarmShape> Agent::warm_shapes() const {
   const double cpu_limit = capacity_.cores * config_.cpu_overcommit;
   const double memory_limit = static_cast<double>(capacity_.memory_bytes) * config_.memory_overcommit;
   if (cpu > cpu_limit + 1e-9)
-    throw Error(Code::kInvalidArgument,
-                fmt::format("--warm-pool: the pools hold {:.2f} cores of sandboxes, above the node's {:.2f} ({} cores x "
-                            "cpu overcommit {})",
-                            cpu, cpu_limit, capacity_.cores, config_.cpu_overcommit));
+    throw Error(
+        Code::kInvalidArgument,
+        fmt::format("--warm-pool: the pools hold {:.2f} cores of sandboxes, above the node's {:.2f} ({} cores x "
+                    "cpu overcommit {})",
+                    cpu, cpu_limit, capacity_.cores, config_.cpu_overcommit));
   if (memory > memory_limit + 0.5)
     throw Error(Code::kInvalidArgument,
                 fmt::format("--warm-pool: the pools hold {} MiB of sandboxes' memory limits, above the node's {} MiB "
@@ -533,10 +537,14 @@ void Agent::render_cold_memory_metrics(std::string& out) const {
     reclaimed += fmt::format("dsec_sandbox_reclaimed_bytes_total{{sandbox=\"{}\"}} {}\n", u.id, u.reclaimed_bytes);
     refaults += fmt::format("dsec_sandbox_refaults_total{{sandbox=\"{}\"}} {}\n", u.id, u.refaults);
   }
-  out += "# HELP dsec_sandbox_reclaimed_bytes_total Memory the reclaimer released from the sandbox.\n"
-         "# TYPE dsec_sandbox_reclaimed_bytes_total counter\n" + reclaimed;
-  out += "# HELP dsec_sandbox_refaults_total Pages of the sandbox read back in after reclaim.\n"
-         "# TYPE dsec_sandbox_refaults_total counter\n" + refaults;
+  out +=
+      "# HELP dsec_sandbox_reclaimed_bytes_total Memory the reclaimer released from the sandbox.\n"
+      "# TYPE dsec_sandbox_reclaimed_bytes_total counter\n" +
+      reclaimed;
+  out +=
+      "# HELP dsec_sandbox_refaults_total Pages of the sandbox read back in after reclaim.\n"
+      "# TYPE dsec_sandbox_refaults_total counter\n" +
+      refaults;
 }
 
 }  // namespace dsec::agent

@@ -9,20 +9,20 @@
 #include <string>
 #include <thread>
 
+#include "agent/api/router.hpp"
 #include "agent/backends/backend.hpp"
 #include "agent/backends/container/warm_pool.hpp"
 #include "agent/config.hpp"
-#include "agent/node/host.hpp"
 #include "agent/images/image_source.hpp"
+#include "agent/images/snapshots.hpp"
 #include "agent/metrics.hpp"
+#include "agent/node/host.hpp"
 #include "agent/node/qos/kernel_qos.hpp"
 #include "agent/node/qos/reclaimer.hpp"
 #include "agent/node/registration.hpp"
-#include "agent/registry/registry.hpp"
-#include "agent/api/router.hpp"
-#include "http/server.hpp"
 #include "agent/node/swap.hpp"
-#include "agent/images/snapshots.hpp"
+#include "agent/registry/registry.hpp"
+#include "http/server.hpp"
 
 namespace dsec::agent {
 
@@ -65,8 +65,8 @@ class Agent {
   // Listens, starts the reaper, and registers in etcd when configured. Throws dsec::Error when an address cannot be
   // bound, or when registration has no endpoint to advertise.
   void start();
-  // The orderly shutdown: leave etcd (revoke the lease), stop accepting, destroy every sandbox, shut the backends down, remove the socket file,
-  // wait for the connections to end. Idempotent.
+  // The orderly shutdown: leave etcd (revoke the lease), stop accepting, destroy every sandbox, shut the backends down,
+  // remove the socket file, wait for the connections to end. Idempotent.
   void stop();
   // Stops serving and leaves every sandbox running, for the next start of the agent to take over (dsecd on
   // SIGUSR2): leaves etcd without revoking its lease (a restart within the lease's TTL keeps the node registered),

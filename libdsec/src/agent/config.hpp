@@ -31,9 +31,9 @@ struct FnCallConfig {
   // Languages whose pools of the default image start with the agent (the others start on first use).
   std::vector<std::string> warm;
   // Modules the Python fork servers import before forking calls; missing ones are skipped (and reported).
-  std::vector<std::string> python_preload{"json", "re", "math", "collections", "itertools", "functools", "heapq",
-                                          "bisect", "random", "string", "typing", "dataclasses", "decimal",
-                                          "fractions", "datetime", "statistics", "copy", "operator"};
+  std::vector<std::string> python_preload{"json",    "re",        "math",     "collections", "itertools", "functools",
+                                          "heapq",   "bisect",    "random",   "string",      "typing",    "dataclasses",
+                                          "decimal", "fractions", "datetime", "statistics",  "copy",      "operator"};
   // Calls run as this unprivileged user and group.
   std::uint32_t uid = 65534;
   std::uint32_t gid = 65534;
@@ -68,7 +68,7 @@ struct QemuTierConfig {
   std::filesystem::path qemu;    // qemu-system-x86_64; empty: found on PATH
   std::filesystem::path kernel;  // microvm: the guest kernel (a file or a directory as scripts/guest-kernel.sh lays
                                  // it out); empty: /var/cache/dsec/guest-kernel/current. A full VM boots its image's.
-  std::string accelerator = "auto";  // auto (KVM where it really runs the guest, else TCG) | kvm | tcg
+  std::string accelerator = "auto";    // auto (KVM where it really runs the guest, else TCG) | kvm | tcg
   std::uint32_t tcg_tb_size_mib = 32;  // TCG's translation cache per VM
   // QEMU processes run as uid_base + n (gid the same), n < uid_count: a uid of its own per VM.
   std::uint32_t uid_base = 2000000000u;
@@ -106,9 +106,9 @@ inline QemuTierConfig default_vm_config() {
 }
 
 struct AgentConfig {
-  std::string node_id;                        // default: hostname; prefixes every sandbox id
-  std::filesystem::path unix_socket;          // listen here (empty: no unix socket)
-  std::string tcp_listen;                     // "127.0.0.1:7070" (empty: no TCP)
+  std::string node_id;                // default: hostname; prefixes every sandbox id
+  std::filesystem::path unix_socket;  // listen here (empty: no unix socket)
+  std::string tcp_listen;             // "127.0.0.1:7070" (empty: no TCP)
   // Security of the listeners (docs/security.md). TCP speaks TLS with tls_cert/tls_key (and, with tls_client_ca,
   // asks every client for a certificate that CA signed); plain HTTP on TCP needs insecure_no_tls (tests, a trusted
   // network). With TLS, TCP also needs tokens or client certificates: a listener anyone can drive is refused.
@@ -122,15 +122,15 @@ struct AgentConfig {
   std::filesystem::path audit_log;
   // Per-tenant limits on this node (dsecd --tenant-quota; agent/registry/tenant_quota.hpp).
   TenantQuotas tenant_quotas;
-  std::filesystem::path home = "/var/lib/dsec";   // store/ (images), cache/layers/, state/ (sandbox records)
-  std::filesystem::path run_dir = "/run/dsec";    // per-sandbox runtime dirs (init sockets)
-  std::filesystem::path state_dir;            // sandbox records; empty: <home>/state/sandboxes
-  std::filesystem::path init_binary;          // dsec-init; default: next to dsecd
-  std::string cgroup_name = "dsec";           // cgroup subtree (per agent: "dsec-<node_id>" when several run)
-  std::size_t max_body_bytes = 256u << 20;    // request bodies (file uploads) larger than this are refused
+  std::filesystem::path home = "/var/lib/dsec";  // store/ (images), cache/layers/, state/ (sandbox records)
+  std::filesystem::path run_dir = "/run/dsec";   // per-sandbox runtime dirs (init sockets)
+  std::filesystem::path state_dir;               // sandbox records; empty: <home>/state/sandboxes
+  std::filesystem::path init_binary;             // dsec-init; default: next to dsecd
+  std::string cgroup_name = "dsec";              // cgroup subtree (per agent: "dsec-<node_id>" when several run)
+  std::size_t max_body_bytes = 256u << 20;       // request bodies (file uploads) larger than this are refused
   std::size_t max_header_bytes = 16u << 10;
   std::size_t max_connections = 4096;
-  std::size_t netns_pool_size = 32;           // pre-created network namespaces
+  std::size_t netns_pool_size = 32;  // pre-created network namespaces
   // User namespaces of container sandboxes and fork servers (backends/container/user_namespace.hpp): "auto" (when
   // the kernel can), "on" (refuse to start without), "off" (host ids). Blocks of 65,536 host ids from userns_first,
   // userns_blocks of them, claimed host-wide in userns_claims_dir so that agents sharing a host never share a block.
@@ -152,7 +152,7 @@ struct AgentConfig {
   std::uint16_t expose_first = 30000, expose_last = 32767;
   std::string expose_host;
   std::chrono::milliseconds reaper_interval{1000};
-  std::chrono::seconds idle_timeout{120};     // a connection silent this long (reading or writing) is closed
+  std::chrono::seconds idle_timeout{120};  // a connection silent this long (reading or writing) is closed
   // Kinds this agent serves: "container", "null" (sandboxes), and "fncall" (function calls, POST /v1/fncall).
   // dsecd's own default (without --backends) is container and fncall.
   std::vector<std::string> backends{"container"};
@@ -175,11 +175,11 @@ struct AgentConfig {
   std::string snapshot_store;
   std::filesystem::path snapshot_staging_dir;
   std::uint64_t snapshot_max_bytes = 16ull << 30;
-  std::filesystem::path layer_cache_dir;                // empty: <home>/cache/layers
-  std::uint64_t layer_cache_bytes = 20ull << 30;        // unused layers are evicted beyond this
-  std::string layer_mode = "auto";                      // auto | lazy (EROFS over FUSE) | extract
-  double cpu_overcommit = 32.0;   // cpu is compressible: idle sandboxes use a few % of their quota
-  double memory_overcommit = 2.0;  // memory limits are ceilings; most sandboxes stay far below
+  std::filesystem::path layer_cache_dir;          // empty: <home>/cache/layers
+  std::uint64_t layer_cache_bytes = 20ull << 30;  // unused layers are evicted beyond this
+  std::string layer_mode = "auto";                // auto | lazy (EROFS over FUSE) | extract
+  double cpu_overcommit = 32.0;                   // cpu is compressible: idle sandboxes use a few % of their quota
+  double memory_overcommit = 2.0;                 // memory limits are ceilings; most sandboxes stay far below
   // Overcommit that follows real use (qos/usage_overcommit.hpp): admission may go up to memory x this ratio while
   // the memory really in use stays low. 0: off (memory_overcommit is the limit).
   double memory_overcommit_ceiling = 0;
@@ -193,12 +193,12 @@ struct AgentConfig {
   std::chrono::seconds etcd_lease_ttl{10};
   std::string advertise;
   std::chrono::milliseconds etcd_stop_renewing_after{0};  // tests: let the lease expire (0: renew until stopped)
-  // Swap for sleeping sandboxes (agent/node/swap.hpp): a swap file of swap_file_bytes at swap_file, and/or a zram device
-  // of zram_bytes; none by default. The agent turns off at shutdown what it turned on.
+  // Swap for sleeping sandboxes (agent/node/swap.hpp): a swap file of swap_file_bytes at swap_file, and/or a zram
+  // device of zram_bytes; none by default. The agent turns off at shutdown what it turned on.
   std::filesystem::path swap_file;
   std::uint64_t swap_file_bytes = 0;
   std::uint64_t zram_bytes = 0;
-  std::string zram_algorithm;                  // empty: lz4 where offered
+  std::string zram_algorithm;  // empty: lz4 where offered
   // How long a sleep may spend pushing a sandbox's memory out; what is left when it runs out stays resident.
   std::chrono::milliseconds sleep_reclaim_timeout{60000};
   // Classes of service (docs/qos.md). CPUs reserved for latency sandboxes where the kernel has no core scheduling:

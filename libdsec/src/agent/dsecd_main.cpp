@@ -225,8 +225,8 @@ std::filesystem::path self_directory() {
 
 // "--microvm-pool" -> {"microvm", "pool"}, "--vm-pool" -> {"vm", "pool"}: the flags both QEMU tiers take.
 std::optional<std::pair<std::string_view, std::string_view>> qemu_tier_flag(std::string_view flag) {
-  static constexpr std::string_view kNames[] = {"qemu",      "accelerator", "templates",    "template-memory",
-                                                "pool",      "pool-idle",   "boot-timeout"};
+  static constexpr std::string_view kNames[] = {"qemu", "accelerator", "templates",   "template-memory",
+                                                "pool", "pool-idle",   "boot-timeout"};
   for (std::string_view tier : {std::string_view("microvm"), std::string_view("vm")}) {
     std::string prefix = fmt::format("--{}-", tier);
     if (!flag.starts_with(prefix)) continue;
@@ -451,14 +451,16 @@ int main(int argc, char** argv) {
       config.swap_file = std::string(value);
     } else if (flag == "--swap-size" || flag == "--zram-size") {
       auto size = dsec::parse_size(value);
-      if (!size || *size < (1u << 20)) fail(fmt::format("{}: '{}' is not a size of at least 1Mi, such as 8Gi", flag, value));
+      if (!size || *size < (1u << 20))
+        fail(fmt::format("{}: '{}' is not a size of at least 1Mi, such as 8Gi", flag, value));
       (flag == "--swap-size" ? config.swap_file_bytes : config.zram_bytes) = *size;
     } else if (flag == "--zram-algorithm") {
       if (value.empty()) fail("--zram-algorithm needs a name such as lz4 or zstd");
       config.zram_algorithm = std::string(value);
     } else if (flag == "--sleep-reclaim-timeout") {
       auto secs = parse_unsigned(flag, value);
-      if (secs < 1 || secs > 3600) fail(fmt::format("--sleep-reclaim-timeout: {} is not between 1 and 3600 seconds", secs));
+      if (secs < 1 || secs > 3600)
+        fail(fmt::format("--sleep-reclaim-timeout: {} is not between 1 and 3600 seconds", secs));
       config.sleep_reclaim_timeout = std::chrono::seconds(secs);
     } else if (flag == "--warm-pool") {
       try {
@@ -520,7 +522,8 @@ int main(int argc, char** argv) {
       config.fncall.compile_timeout = std::chrono::seconds(secs);
     } else if (flag == "--fncall-compile-memory") {
       auto size = dsec::parse_size(value);
-      if (!size || *size < (16u << 20)) fail(fmt::format("--fncall-compile-memory: '{}' is not a size of 16Mi or more", value));
+      if (!size || *size < (16u << 20))
+        fail(fmt::format("--fncall-compile-memory: '{}' is not a size of 16Mi or more", value));
       config.fncall.compile_memory_bytes = *size;
     } else if (flag == "--fncall-call-cpu") {
       config.fncall.call_cpu = parse_ratio(flag, value);
@@ -535,8 +538,8 @@ int main(int argc, char** argv) {
   if (!config.zram_algorithm.empty() && config.zram_bytes == 0) fail("--zram-algorithm needs --zram-size");
   if (config.unix_socket.empty() && config.tcp_listen.empty()) config.unix_socket = config.run_dir / "dsecd.sock";
   if (config.init_binary.empty()) config.init_binary = self_directory() / "dsec-init";
-  if (config.cgroup_name.empty() || config.cgroup_name.find('/') != std::string::npos ||
-      config.cgroup_name == "." || config.cgroup_name == "..")
+  if (config.cgroup_name.empty() || config.cgroup_name.find('/') != std::string::npos || config.cgroup_name == "." ||
+      config.cgroup_name == "..")
     fail(fmt::format("--cgroup-name: '{}' is not a single cgroup name", config.cgroup_name));
 
   // Signals are taken synchronously by this thread; every thread started below inherits the blocked mask. A shell

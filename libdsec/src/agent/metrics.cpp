@@ -155,8 +155,8 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
     header(out, "dsec_sandboxes_recovered_total", "counter",
            "Sandboxes of an earlier agent run found at start-up, by what became of them.");
     for (const auto& [key, n] : recovered_)
-      out += fmt::format("dsec_sandboxes_recovered_total{{kind=\"{}\",outcome=\"{}\"}} {}\n",
-                         escape_label(key.first), key.second, n);
+      out += fmt::format("dsec_sandboxes_recovered_total{{kind=\"{}\",outcome=\"{}\"}} {}\n", escape_label(key.first),
+                         key.second, n);
     header(out, "dsec_fncalls_total", "counter", "Function calls answered, by language and how they ended.");
     for (const auto& [key, n] : fncalls_)
       out += fmt::format("dsec_fncalls_total{{language=\"{}\",outcome=\"{}\"}} {}\n", escape_label(key.first),
@@ -165,7 +165,8 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
   header(out, "dsec_fncall_seconds", "histogram", "Wall time of function calls' runs (compiles excluded).");
   fncall_latency_.render(out, "dsec_fncall_seconds", "");
   header(out, "dsec_sandboxes_live", "gauge", "Sandboxes on this node now (running or failed, not yet destroyed).");
-  for (const auto& [kind, n] : live) out += fmt::format("dsec_sandboxes_live{{kind=\"{}\"}} {}\n", escape_label(kind), n);
+  for (const auto& [kind, n] : live)
+    out += fmt::format("dsec_sandboxes_live{{kind=\"{}\"}} {}\n", escape_label(kind), n);
   header(out, "dsec_sandbox_create_seconds", "histogram", "Time from a create request to a ready sandbox.");
   create_latency_.render(out, "dsec_sandbox_create_seconds", "");
   header(out, "dsec_exec_seconds", "histogram", "Time of one exec, request to result.");
@@ -178,8 +179,10 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
     header(out, name, "counter", help);
     out += fmt::format("{} {}\n", name, value.load(std::memory_order_relaxed));
   };
-  counter("dsec_tls_handshakes_failed_total", "TCP connections whose TLS handshake failed (no or a wrong client "
-          "certificate, a client that is not speaking TLS, a stalled handshake).", tls_handshakes_failed_);
+  counter("dsec_tls_handshakes_failed_total",
+          "TCP connections whose TLS handshake failed (no or a wrong client "
+          "certificate, a client that is not speaking TLS, a stalled handshake).",
+          tls_handshakes_failed_);
   counter("dsec_requests_unauthenticated_total", "Requests refused for their credentials (401 UNAUTHENTICATED).",
           unauthenticated_);
   counter("dsec_layer_chunk_fetches_total", "Layer chunks fetched from a store, checked and cached.",
@@ -187,8 +190,7 @@ std::string Metrics::render(const std::map<std::string, std::uint64_t, std::less
   counter("dsec_layer_chunk_refetches_total",
           "Layer chunks fetched again while the layer stayed cached (readers of one chunk share a fetch: stays 0).",
           layers_.chunk_refetches);
-  counter("dsec_layer_fetched_bytes_total", "Stored (compressed) layer bytes read from stores.",
-          layers_.fetched_bytes);
+  counter("dsec_layer_fetched_bytes_total", "Stored (compressed) layer bytes read from stores.", layers_.fetched_bytes);
   counter("dsec_layer_chunk_errors_total", "Layer chunk fetches that failed (store errors, digest mismatches).",
           layers_.chunk_errors);
   counter("dsec_layer_cache_hits_total", "Layer chunk reads served from the local cache.", layers_.cache_hits);
@@ -213,14 +215,16 @@ void Metrics::render_network_usage(std::string& out, const std::map<std::string,
   header(out, "dsec_sandbox_network_bytes_total", "counter",
          "Bytes a sandbox's network link carried since it was made, by direction (out: sent by the sandbox).");
   for (const auto& [id, u] : usage)
-    out += fmt::format("dsec_sandbox_network_bytes_total{{sandbox=\"{0}\",direction=\"out\"}} {1}\n"
-                       "dsec_sandbox_network_bytes_total{{sandbox=\"{0}\",direction=\"in\"}} {2}\n",
-                       escape_label(id), u.bytes_out, u.bytes_in);
+    out += fmt::format(
+        "dsec_sandbox_network_bytes_total{{sandbox=\"{0}\",direction=\"out\"}} {1}\n"
+        "dsec_sandbox_network_bytes_total{{sandbox=\"{0}\",direction=\"in\"}} {2}\n",
+        escape_label(id), u.bytes_out, u.bytes_in);
   header(out, "dsec_sandbox_network_packets_total", "counter", "Packets a sandbox's network link carried.");
   for (const auto& [id, u] : usage)
-    out += fmt::format("dsec_sandbox_network_packets_total{{sandbox=\"{0}\",direction=\"out\"}} {1}\n"
-                       "dsec_sandbox_network_packets_total{{sandbox=\"{0}\",direction=\"in\"}} {2}\n",
-                       escape_label(id), u.packets_out, u.packets_in);
+    out += fmt::format(
+        "dsec_sandbox_network_packets_total{{sandbox=\"{0}\",direction=\"out\"}} {1}\n"
+        "dsec_sandbox_network_packets_total{{sandbox=\"{0}\",direction=\"in\"}} {2}\n",
+        escape_label(id), u.packets_out, u.packets_in);
   header(out, "dsec_sandbox_network_refused_total", "counter",
          "Packets of new connections a sandbox's rules (or what is always blocked) refused, since the agent started.");
   for (const auto& [id, u] : usage)

@@ -21,7 +21,7 @@ namespace dsec::agent {
 class LatencyHistogram {
  public:
   static constexpr std::array<double, 14> kBounds{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                                  0.1,    0.25,  0.5,    1,     2.5,  10,   60};
+                                                  0.1,    0.25,  0.5,    1,     2.5,  10,    60};
   void observe(double seconds);
   // Appends "<name>_bucket{<labels>le=...}" lines, _sum and _count. `labels` is empty or "k=\"v\",".
   void render(std::string& out, std::string_view name, std::string_view labels) const;

@@ -16,8 +16,7 @@ constexpr int kExitUsage = 2;
 // Bad command-line usage: printed with the command's help, exit status 2.
 class UsageError : public std::runtime_error {
  public:
-  UsageError(const std::string& message, std::string help = {})
-      : std::runtime_error(message), help_(std::move(help)) {}
+  UsageError(const std::string& message, std::string help = {}) : std::runtime_error(message), help_(std::move(help)) {}
   const std::string& help() const noexcept { return help_; }
 
  private:
@@ -25,29 +24,29 @@ class UsageError : public std::runtime_error {
 };
 
 struct GlobalOptions {
-  std::string home;       // --home; empty: $DSEC_HOME, else /var/lib/dsec
-  std::string endpoint;   // --endpoint; empty: $DSEC_ENDPOINT, else an embedded agent
-  std::string store;      // --store; empty: $DSEC_STORE, else the directory store <home>/store
+  std::string home;      // --home; empty: $DSEC_HOME, else /var/lib/dsec
+  std::string endpoint;  // --endpoint; empty: $DSEC_ENDPOINT, else an embedded agent
+  std::string store;     // --store; empty: $DSEC_STORE, else the directory store <home>/store
   std::string resolved_home() const;
   std::string resolved_endpoint() const;
   std::string resolved_store() const;
 };
 
-// If args[i] is a global option (--home DIR, --endpoint URL, --store URL, each also as --name=value), stores it, advances i past
-// its value and returns true.
+// If args[i] is a global option (--home DIR, --endpoint URL, --store URL, each also as --name=value), stores it,
+// advances i past its value and returns true.
 bool take_global_option(const std::vector<std::string>& args, std::size_t& i, GlobalOptions& global);
 
 struct OptionSpec {
-  std::string name;        // "--from"
+  std::string name;  // "--from"
   bool takes_value = false;
   bool repeatable = false;
 };
 
 struct ParsedArgs {
   std::vector<std::string> positional;
-  std::map<std::string, std::vector<std::string>> values;   // options with values, in order given
-  std::vector<std::string> flags;                           // options without values
-  std::vector<std::string> command;                         // everything after "--"
+  std::map<std::string, std::vector<std::string>> values;  // options with values, in order given
+  std::vector<std::string> flags;                          // options without values
+  std::vector<std::string> command;                        // everything after "--"
   bool saw_dashdash = false;
   bool help = false;
 

@@ -138,9 +138,10 @@ class ProgressLine {
     auto now = std::chrono::steady_clock::now();
     if (shown_ && done != total && now - last_ < std::chrono::milliseconds(100)) return;
     last_ = now;
-    std::string line = total > 0 ? fmt::format("{}: {:3.0f}% of {}", what, 100.0 * static_cast<double>(done) / static_cast<double>(total),
-                                               human_bytes(total))
-                                 : std::string(what);
+    std::string line =
+        total > 0 ? fmt::format("{}: {:3.0f}% of {}", what,
+                                100.0 * static_cast<double>(done) / static_cast<double>(total), human_bytes(total))
+                  : std::string(what);
     fmt::print(stderr, "\r\033[K{}", line.substr(0, 110));
     std::fflush(stderr);
     shown_ = true;
@@ -212,92 +213,98 @@ int with_help(const std::vector<std::string>& args, const std::vector<OptionSpec
 }
 
 int image_build(const std::vector<std::string>& args, GlobalOptions& global) {
-  return with_help(args,
-                   {{"--from", true},
-                    {"--parent", true},
-                    {"--diff", false},
-                    {"--role", true},
-                    {"--include", true, true},
-                    {"--mirror", true},
-                    {"--busybox", true},
-                    {"--max-size", true},
-                    {"-q", false},
-                    {"--quiet", false}},
-                   global, kBuildHelp, [&](const ParsedArgs& p, const std::string& help) {
-    if (p.positional.size() != 1)
-      throw UsageError(p.positional.empty() ? "image build needs a NAME" : "image build takes one NAME", help);
-    auto from = p.get("--from");
-    if (!from || from->empty()) throw UsageError("image build needs --from SOURCE", help);
-    image::BuildOptions options;
-    options.reference = image::parse_reference(p.positional[0]).tagged();  // a bad name fails before any work
-    options.source = image::LayerSource::parse(*from);
-    const bool is_debootstrap = options.source.kind == image::LayerSource::Kind::kDebootstrap;
-    const bool is_busybox = options.source.kind == image::LayerSource::Kind::kBusybox;
-    if (p.has("--include") && !is_debootstrap) throw UsageError("--include only applies to --from debootstrap:SUITE", help);
-    if (p.has("--mirror") && !is_debootstrap) throw UsageError("--mirror only applies to --from debootstrap:SUITE", help);
-    if (p.has("--busybox") && !is_busybox) throw UsageError("--busybox only applies to --from busybox-static", help);
-    if (auto role = p.get("--role")) options.role = image::parse_layer_role(*role);
-    options.parent = p.get("--parent").value_or("");
-    if (p.has("--diff")) {
-      if (options.parent.empty()) throw UsageError("--diff needs --parent IMAGE", help);
-      options.diff = true;
-    }
-    options.include_packages = split_commas(p.values.count("--include") ? p.values.at("--include") : std::vector<std::string>{});
-    options.mirror = p.get("--mirror").value_or("");
-    options.busybox = p.get("--busybox").value_or("/bin/busybox");
-    if (auto max = p.get("--max-size")) options.max_bytes = parse_size_option(*max, help);
-    const fs::path home = global.resolved_home();
-    options.cache_dir = home / "cache";
-    std::string store_url = global.resolved_store();
-    // Scratch space on the store's filesystem when the store is a directory (the finished data blob is then
-    // linked into place, not copied), else under home.
-    bool directory_store = store_url.find("://") == std::string::npos || store_url.starts_with("file://");
-    options.work_dir = directory_store ? fs::path(store_url.starts_with("file://") ? store_url.substr(7) : store_url) / ".tmp"
-                                       : home / "tmp";
-    const bool quiet = p.has("-q") || p.has("--quiet");
-    ProgressLine progress(!quiet);
-    if (!quiet)
-      options.log = [&](std::string_view line) {
-        progress.finish();
-        fmt::print(stderr, "{}\n", line);
-      };
-    options.progress = progress.fn();
+  return with_help(
+      args,
+      {{"--from", true},
+       {"--parent", true},
+       {"--diff", false},
+       {"--role", true},
+       {"--include", true, true},
+       {"--mirror", true},
+       {"--busybox", true},
+       {"--max-size", true},
+       {"-q", false},
+       {"--quiet", false}},
+      global, kBuildHelp, [&](const ParsedArgs& p, const std::string& help) {
+        if (p.positional.size() != 1)
+          throw UsageError(p.positional.empty() ? "image build needs a NAME" : "image build takes one NAME", help);
+        auto from = p.get("--from");
+        if (!from || from->empty()) throw UsageError("image build needs --from SOURCE", help);
+        image::BuildOptions options;
+        options.reference = image::parse_reference(p.positional[0]).tagged();  // a bad name fails before any work
+        options.source = image::LayerSource::parse(*from);
+        const bool is_debootstrap = options.source.kind == image::LayerSource::Kind::kDebootstrap;
+        const bool is_busybox = options.source.kind == image::LayerSource::Kind::kBusybox;
+        if (p.has("--include") && !is_debootstrap)
+          throw UsageError("--include only applies to --from debootstrap:SUITE", help);
+        if (p.has("--mirror") && !is_debootstrap)
+          throw UsageError("--mirror only applies to --from debootstrap:SUITE", help);
+        if (p.has("--busybox") && !is_busybox)
+          throw UsageError("--busybox only applies to --from busybox-static", help);
+        if (auto role = p.get("--role")) options.role = image::parse_layer_role(*role);
+        options.parent = p.get("--parent").value_or("");
+        if (p.has("--diff")) {
+          if (options.parent.empty()) throw UsageError("--diff needs --parent IMAGE", help);
+          options.diff = true;
+        }
+        options.include_packages =
+            split_commas(p.values.count("--include") ? p.values.at("--include") : std::vector<std::string>{});
+        options.mirror = p.get("--mirror").value_or("");
+        options.busybox = p.get("--busybox").value_or("/bin/busybox");
+        if (auto max = p.get("--max-size")) options.max_bytes = parse_size_option(*max, help);
+        const fs::path home = global.resolved_home();
+        options.cache_dir = home / "cache";
+        std::string store_url = global.resolved_store();
+        // Scratch space on the store's filesystem when the store is a directory (the finished data blob is then
+        // linked into place, not copied), else under home.
+        bool directory_store = store_url.find("://") == std::string::npos || store_url.starts_with("file://");
+        options.work_dir = directory_store
+                               ? fs::path(store_url.starts_with("file://") ? store_url.substr(7) : store_url) / ".tmp"
+                               : home / "tmp";
+        const bool quiet = p.has("-q") || p.has("--quiet");
+        ProgressLine progress(!quiet);
+        if (!quiet)
+          options.log = [&](std::string_view line) {
+            progress.finish();
+            fmt::print(stderr, "{}\n", line);
+          };
+        options.progress = progress.fn();
 
-    auto store = image::open_store(store_url);
-    auto started = std::chrono::steady_clock::now();
-    image::BuildResult r = image::build_image(*store, options);
-    progress.finish();
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    const image::Manifest& m = r.image.manifest;
-    fmt::print("built {} in {}: layer {} ({}, {} as EROFS, {} stored{}), {} layer{} in all\n", r.image.reference.to_string(),
-               elapsed_text(seconds), r.layer.digest.substr(0, 19), to_string(r.layer.role), human_bytes(r.layer.size),
-               human_bytes(r.layer.stored_size),
-               std::string(r.diff ? ", the difference from the parent" : "") +
-                   (r.layer_existed ? ", already in the store" : ""),
-               m.layers.size(),
-               m.layers.size() == 1 ? "" : "s");
-    return 0;
-  });
+        auto store = image::open_store(store_url);
+        auto started = std::chrono::steady_clock::now();
+        image::BuildResult r = image::build_image(*store, options);
+        progress.finish();
+        double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        const image::Manifest& m = r.image.manifest;
+        fmt::print("built {} in {}: layer {} ({}, {} as EROFS, {} stored{}), {} layer{} in all\n",
+                   r.image.reference.to_string(), elapsed_text(seconds), r.layer.digest.substr(0, 19),
+                   to_string(r.layer.role), human_bytes(r.layer.size), human_bytes(r.layer.stored_size),
+                   std::string(r.diff ? ", the difference from the parent" : "") +
+                       (r.layer_existed ? ", already in the store" : ""),
+                   m.layers.size(), m.layers.size() == 1 ? "" : "s");
+        return 0;
+      });
 }
 
 int copy_command(const std::vector<std::string>& args, GlobalOptions& global, std::string_view help_text, bool push) {
   return with_help(args, {{"-q", false}, {"--quiet", false}}, global, help_text,
                    [&](const ParsedArgs& p, const std::string& help) {
-    if (p.positional.size() != 2) throw UsageError(fmt::format("image {} needs NAME and STORE", push ? "push" : "pull"), help);
-    image::ImageReference ref = image::parse_reference(p.positional[0]);
-    auto local = open_store(global);
-    auto other = image::open_store(p.positional[1]);
-    image::BlobStore& from = push ? *local : *other;
-    image::BlobStore& to = push ? *other : *local;
-    ProgressLine progress(!(p.has("-q") || p.has("--quiet")));
-    auto started = std::chrono::steady_clock::now();
-    std::uint64_t bytes = image::copy_image(from, to, ref, progress.fn());
-    progress.finish();
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    fmt::print("{} {} {} {}: {} copied in {}\n", push ? "pushed" : "pulled", ref.to_string(), push ? "to" : "from",
-               other->url(), human_bytes(bytes), elapsed_text(seconds));
-    return 0;
-  });
+                     if (p.positional.size() != 2)
+                       throw UsageError(fmt::format("image {} needs NAME and STORE", push ? "push" : "pull"), help);
+                     image::ImageReference ref = image::parse_reference(p.positional[0]);
+                     auto local = open_store(global);
+                     auto other = image::open_store(p.positional[1]);
+                     image::BlobStore& from = push ? *local : *other;
+                     image::BlobStore& to = push ? *other : *local;
+                     ProgressLine progress(!(p.has("-q") || p.has("--quiet")));
+                     auto started = std::chrono::steady_clock::now();
+                     std::uint64_t bytes = image::copy_image(from, to, ref, progress.fn());
+                     progress.finish();
+                     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+                     fmt::print("{} {} {} {}: {} copied in {}\n", push ? "pushed" : "pulled", ref.to_string(),
+                                push ? "to" : "from", other->url(), human_bytes(bytes), elapsed_text(seconds));
+                     return 0;
+                   });
 }
 
 int image_ls(const std::vector<std::string>& args, GlobalOptions& global) {
@@ -365,25 +372,26 @@ int image_rm(const std::vector<std::string>& args, GlobalOptions& global) {
 int image_gc(const std::vector<std::string>& args, GlobalOptions& global) {
   return with_help(args, {{"--dry-run", false}, {"--grace", true}}, global, kGcHelp,
                    [&](const ParsedArgs& p, const std::string& help) {
-    if (!p.positional.empty()) throw UsageError("image gc takes no arguments", help);
-    long grace = 600;
-    if (auto g = p.get("--grace")) {
-      try {
-        grace = std::stol(*g);
-      } catch (const std::exception&) {
-        throw UsageError("--grace needs a number of seconds", help);
-      }
-      if (grace < 0) throw UsageError("--grace needs a number of seconds", help);
-    }
-    auto store = open_store(global);
-    const bool dry = p.has("--dry-run");
-    image::GcResult r = image::collect_garbage(*store, std::chrono::seconds(grace), dry);
-    for (const auto& d : r.removed) fmt::print("{} {}\n", dry ? "would remove" : "removed", d);
-    for (const auto& d : r.damaged_refs) fmt::print(stderr, "dsec: damaged image {} (its blobs are kept)\n", d);
-    fmt::print("{} {} blobs ({}), kept {}\n", dry ? "would remove" : "removed", r.removed.size(),
-               human_bytes(r.removed_bytes), r.kept);
-    return 0;
-  });
+                     if (!p.positional.empty()) throw UsageError("image gc takes no arguments", help);
+                     long grace = 600;
+                     if (auto g = p.get("--grace")) {
+                       try {
+                         grace = std::stol(*g);
+                       } catch (const std::exception&) {
+                         throw UsageError("--grace needs a number of seconds", help);
+                       }
+                       if (grace < 0) throw UsageError("--grace needs a number of seconds", help);
+                     }
+                     auto store = open_store(global);
+                     const bool dry = p.has("--dry-run");
+                     image::GcResult r = image::collect_garbage(*store, std::chrono::seconds(grace), dry);
+                     for (const auto& d : r.removed) fmt::print("{} {}\n", dry ? "would remove" : "removed", d);
+                     for (const auto& d : r.damaged_refs)
+                       fmt::print(stderr, "dsec: damaged image {} (its blobs are kept)\n", d);
+                     fmt::print("{} {} blobs ({}), kept {}\n", dry ? "would remove" : "removed", r.removed.size(),
+                                human_bytes(r.removed_bytes), r.kept);
+                     return 0;
+                   });
 }
 
 }  // namespace

@@ -155,7 +155,8 @@ std::string require_endpoint(const GlobalOptions& global, const std::string& com
 std::pair<std::string, std::string> split_kv(const std::string& text, const std::string& option,
                                              const std::string& help) {
   auto eq = text.find('=');
-  if (eq == std::string::npos || eq == 0) throw UsageError(fmt::format("{} wants KEY=VALUE, got '{}'", option, text), help);
+  if (eq == std::string::npos || eq == 0)
+    throw UsageError(fmt::format("{} wants KEY=VALUE, got '{}'", option, text), help);
   return {text.substr(0, eq), text.substr(eq + 1)};
 }
 
@@ -529,10 +530,10 @@ int cmd_node(const std::vector<std::string>& args, GlobalOptions& global) {
     fmt::print("node {}  (dsecd {}, protocol {}, endpoint {})\n", n.id, n.version, n.protocol, client.endpoint());
     fmt::print("  capacity   {} cores, {} memory, {} disk ({} free)\n", n.cores, human_bytes(n.memory_bytes),
                human_bytes(n.disk_bytes), human_bytes(n.disk_free_bytes));
-    fmt::print("  load       {} sandboxes, {:g} cores and {} memory requested (overcommit x{:g} cpu, x{:g} memory), "
-               "load1 {:.2f}\n",
-               n.sandboxes, n.cpu_requested, human_bytes(n.memory_requested), n.cpu_overcommit, n.memory_overcommit,
-               n.load1);
+    fmt::print(
+        "  load       {} sandboxes, {:g} cores and {} memory requested (overcommit x{:g} cpu, x{:g} memory), "
+        "load1 {:.2f}\n",
+        n.sandboxes, n.cpu_requested, human_bytes(n.memory_requested), n.cpu_overcommit, n.memory_overcommit, n.load1);
     fmt::print("  in use     {} memory; pressure (avg10) cpu {:.1f}%, memory {:.1f}% (full {:.1f}%), io full {:.1f}%\n",
                human_bytes(n.memory_used_bytes), n.pressure.cpu_some, n.pressure.memory_some, n.pressure.memory_full,
                n.pressure.io_full);

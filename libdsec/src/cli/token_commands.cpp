@@ -6,8 +6,8 @@
 
 #include <fmt/format.h>
 
-#include "http/tokens.hpp"
 #include "cli/commands.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::cli {
 

@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <random>
@@ -55,7 +55,8 @@ struct Pending {
 // The I/O thread waits in epoll for the sockets curl asks it to watch (curl_multi_socket_action), its timers and an
 // eventfd that other threads write to hand it work: each event costs the same however many calls are in flight.
 struct AsyncTransport::Impl {
-  Impl(std::shared_ptr<ClientCore> c, std::function<void()> after) : core(std::move(c)), after_events(std::move(after)) {
+  Impl(std::shared_ptr<ClientCore> c, std::function<void()> after)
+      : core(std::move(c)), after_events(std::move(after)) {
     CurlExchange::global_init();
     epoll = ::epoll_create1(EPOLL_CLOEXEC);
     wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -119,8 +120,7 @@ struct AsyncTransport::Impl {
   void read_messages();
 
   void run();
-  void take_requests(std::vector<std::unique_ptr<Pending>>& fresh, std::vector<std::uint64_t>& cancelled,
-                     bool& stop);
+  void take_requests(std::vector<std::unique_ptr<Pending>>& fresh, std::vector<std::uint64_t>& cancelled, bool& stop);
   void start(Pending& p);
   void transfer_done(CURL* easy, CURLcode rc);
   // The attempt failed with `error` (thrown by the exchange itself when `exchange` is true, else by routing): retry
@@ -386,8 +386,8 @@ void AsyncTransport::Impl::attempt_failed(Pending& p, std::exception_ptr error, 
       p.maybe_sent = p.maybe_sent || e.maybe_sent();
     } else if (exchange && !how.repeatable && e.maybe_sent() && e.retryable()) {
       // Once the agent may have the request, doing it twice is worse than failing (ClientCore::call_once).
-      failure = Error(e.code(), std::string(e.what()) + " (not retried: the agent may have acted on it)", false,
-                      e.fault());
+      failure =
+          Error(e.code(), std::string(e.what()) + " (not retried: the agent may have acted on it)", false, e.fault());
     }
     if (p.call.retry_timeouts && e.code() == Code::kDeadlineExceeded && SteadyClock::now() < p.deadline)
       failure = Error(Code::kUnavailable, std::string(e.what()) + " (retried with the same request id)", true);

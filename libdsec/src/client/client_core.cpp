@@ -130,8 +130,7 @@ std::shared_ptr<const Credentials> credentials_of(const ClientOptions& o) {
 
 }  // namespace
 
-ClientCore::ClientCore(ClientOptions options)
-    : options_(std::move(options)), nodes_(credentials_of(options_)) {
+ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)), nodes_(credentials_of(options_)) {
   std::vector<std::string> endpoints = options_.endpoints;
   if (endpoints.empty() && options_.etcd_endpoints.empty()) {
     EmbeddedAgentOptions ao;
@@ -151,12 +150,13 @@ ClientCore::ClientCore(ClientOptions options)
     d.ca_file = options_.etcd_tls_ca_file;
     d.client_cert = options_.etcd_tls_client_cert;
     d.client_key = options_.etcd_tls_client_key;
-    discovery_ = std::make_unique<EtcdDiscovery>(options_.etcd_endpoints, options_.etcd_prefix,
-                                                 [this](const NodeEvent& e) {
-                                                   if (e.kind == NodeEvent::Kind::kUp) node_up(e);
-                                                   else nodes_.down(e.node_id);
-                                                 },
-                                                 d);
+    discovery_ = std::make_unique<EtcdDiscovery>(
+        options_.etcd_endpoints, options_.etcd_prefix,
+        [this](const NodeEvent& e) {
+          if (e.kind == NodeEvent::Kind::kUp) node_up(e);
+          else nodes_.down(e.node_id);
+        },
+        d);
     discovery_->start();
     // The first listing, so that a create right after construction has nodes to choose from. An etcd that cannot
     // be read yet is not fatal: discovery keeps trying and creates fail with UNAVAILABLE until nodes appear.
@@ -260,7 +260,8 @@ NodePtr ClientCore::route(const std::string& id, SteadyClock::time_point deadlin
   auto check = [&](const NodePtr& node) {
     NodeView v = nodes_.view(node);
     if (v.gone)
-      throw NodeLost(v.id, fmt::format("sandbox '{}': its node {} ({}) has left the cluster", id, v.id, node->endpoint));
+      throw NodeLost(v.id,
+                     fmt::format("sandbox '{}': its node {} ({}) has left the cluster", id, v.id, node->endpoint));
     if (v.ejected)
       throw NodeLost(v.id, fmt::format("sandbox '{}': its node {} ({}) failed {} times in a row and is ejected", id,
                                        v.id, node->endpoint, v.failures));
@@ -372,8 +373,8 @@ std::vector<NodePtr> ClientCore::place(const SandboxSpec& spec, std::size_t coun
 void ClientCore::remove_strays(const NodePtr& node, const std::string& key, const std::string& value,
                                const std::vector<std::string>& keep, SteadyClock::time_point deadline) {
   try {
-    auto r = call(node, http_request("GET", fmt::format("/v1/sandboxes?label={}", url_escape(key + "=" + value))),
-                  deadline);
+    auto r =
+        call(node, http_request("GET", fmt::format("/v1/sandboxes?label={}", url_escape(key + "=" + value))), deadline);
     for (const auto& s : decode_sandbox_list(r, "GET /v1/sandboxes")) {
       if (std::find(keep.begin(), keep.end(), s.id) != keep.end() || s.state == "destroyed") continue;
       try {
@@ -405,7 +406,7 @@ SandboxInfo ClientCore::create(SandboxSpec spec) {
   pin_image(request, image.get());
   const std::string body = request.dump();
 
-  std::vector<NodePtr> excluded;   // refused, failed or timed out for this create
+  std::vector<NodePtr> excluded;    // refused, failed or timed out for this create
   std::vector<NodePtr> maybe_made;  // timed out after the request may have arrived
   std::optional<Error> last_error;
   for (;;) {
@@ -434,9 +435,8 @@ SandboxInfo ClientCore::create(SandboxSpec spec) {
     try {
       // On one node, transient failures are retried there (the request id makes that safe); past the retries the
       // create moves to another node with the same request id.
-      r = retrying(deadline, [&] {
-        return call(node, http_request("POST", "/v1/sandboxes", body, kJson), deadline, boot_time);
-      });
+      r = retrying(deadline,
+                   [&] { return call(node, http_request("POST", "/v1/sandboxes", body, kJson), deadline, boot_time); });
     } catch (const TransportError& e) {
       if (e.maybe_sent()) maybe_made.push_back(node);
       excluded.push_back(node);
@@ -564,10 +564,10 @@ std::vector<SandboxInfo> ClientCore::create_many(const std::vector<SandboxSpec>&
   while (!pending.empty()) {
     check_open();
     if (SteadyClock::now() >= deadline) {
-      last_error = Error(Code::kDeadlineExceeded,
-                         fmt::format("create_many: {} of {} sandboxes not made within the call deadline{}",
-                                     pending.size(), n,
-                                     last_error ? fmt::format(" (last error: {})", last_error->what()) : std::string()));
+      last_error =
+          Error(Code::kDeadlineExceeded,
+                fmt::format("create_many: {} of {} sandboxes not made within the call deadline{}", pending.size(), n,
+                            last_error ? fmt::format(" (last error: {})", last_error->what()) : std::string()));
       break;
     }
     std::vector<NodePtr> where(pending.size());
@@ -634,8 +634,9 @@ std::vector<SandboxInfo> ClientCore::create_many(const std::vector<SandboxSpec>&
           });
           auto infos = decode_sandbox_list(r, "POST /v1/sandboxes (count)");
           if (infos.size() != batch.slots.size())
-            throw Error(Code::kInternal, fmt::format("POST /v1/sandboxes: asked for {} sandboxes, the agent answered {}",
-                                                     batch.slots.size(), infos.size()));
+            throw Error(Code::kInternal,
+                        fmt::format("POST /v1/sandboxes: asked for {} sandboxes, the agent answered {}",
+                                    batch.slots.size(), infos.size()));
           std::lock_guard lock(mu);
           for (std::size_t k = 0; k < infos.size(); ++k) {
             if (!infos[k].node.empty()) nodes_.learn(batch.node, infos[k].node);
@@ -837,8 +838,8 @@ SandboxInfo ClientCore::set_ttl(const std::string& id, std::chrono::seconds ttl)
   if (ttl.count() < 0 || ttl.count() > protocol::kMaxTtlSeconds)
     throw Error(Code::kInvalidArgument, fmt::format("ttl: {} s is not from 0 to one year", ttl.count()));
   // A retry moves the deadline by the time between the two: retried like a read.
-  auto r = call_sandbox(id, http_request("PUT", sandbox_path(id, "/ttl"), protocol::json{{"ttl", ttl.count()}}.dump(),
-                                         kJson));
+  auto r = call_sandbox(
+      id, http_request("PUT", sandbox_path(id, "/ttl"), protocol::json{{"ttl", ttl.count()}}.dump(), kJson));
   return protocol::decode_sandbox_info(parse_json(r, "PUT /v1/sandboxes/{id}/ttl"));
 }
 
@@ -893,9 +894,9 @@ std::string ClientCore::expose(const std::string& id, std::uint32_t port) {
   if (port < 1 || port > 65535) throw Error(Code::kInvalidArgument, fmt::format("port: {} is not a TCP port", port));
   // Not retried blindly: a lost answer would expose the port twice (the retry is refused as exposed already).
   auto deadline = deadline_after();
-  auto r = call(route(id, deadline),
-                http_request("POST", sandbox_path(id, "/ports"), protocol::json{{"port", port}}.dump(), kJson),
-                deadline);
+  auto r =
+      call(route(id, deadline),
+           http_request("POST", sandbox_path(id, "/ports"), protocol::json{{"port", port}}.dump(), kJson), deadline);
   const protocol::json answer = parse_json(r, "POST /v1/sandboxes/{id}/ports");
   auto it = answer.find("address");
   if (it == answer.end() || !it->is_string())
@@ -912,7 +913,8 @@ std::map<std::uint32_t, std::string> ClientCore::exposed(const std::string& id) 
   std::map<std::uint32_t, std::string> out;
   const protocol::json answer = parse_json(r, "GET /v1/sandboxes/{id}/ports");
   try {
-    for (const auto& p : answer.at("ports")) out[p.at("port").get<std::uint32_t>()] = p.at("address").get<std::string>();
+    for (const auto& p : answer.at("ports"))
+      out[p.at("port").get<std::uint32_t>()] = p.at("address").get<std::string>();
   } catch (const protocol::json::exception& e) {
     throw Error(Code::kDataLoss, fmt::format("GET /v1/sandboxes/{{id}}/ports: a malformed answer: {}", e.what()));
   }
@@ -1075,7 +1077,8 @@ std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, 
   // A generated snapshot lives as long as the sandboxes made from it: their nodes remove its tag when the last of
   // them goes (protocol::kForkSnapshotLabel). A copy of a fork child does not keep its parent's snapshot.
   spec.labels.erase(std::string(protocol::kForkSnapshotLabel));
-  if (generated && !keep) spec.labels[std::string(protocol::kForkSnapshotLabel)] = image::parse_reference(snap.image).tagged();
+  if (generated && !keep)
+    spec.labels[std::string(protocol::kForkSnapshotLabel)] = image::parse_reference(snap.image).tagged();
   return create_many(n, spec);
 }
 
@@ -1173,7 +1176,8 @@ void ClientCore::upload_tar(const std::string& id, std::string_view dir, std::st
 }
 
 std::string ClientCore::download_tar(const std::string& id, std::string_view dir) {
-  return call_sandbox(id, http_request("GET", sandbox_path(id, fmt::format("/files?path={}&format=tar", url_escape(dir)))))
+  return call_sandbox(id,
+                      http_request("GET", sandbox_path(id, fmt::format("/files?path={}&format=tar", url_escape(dir)))))
       .body;
 }
 

@@ -16,7 +16,6 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "client/discovery.hpp"
-#include "dsec/screen.hpp"
 #include "client/embedded_agent.hpp"
 #include "client/image_resolver.hpp"
 #include "client/node_table.hpp"
@@ -27,6 +26,7 @@
 #include "dsec/placement.hpp"
 #include "dsec/sandbox.hpp"
 #include "dsec/sandbox_info.hpp"
+#include "dsec/screen.hpp"
 #include "dsec/spec.hpp"
 
 namespace dsec::detail {

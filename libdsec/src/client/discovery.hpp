@@ -1,6 +1,6 @@
 // Which agents exist, learned from etcd: agents register under <prefix>nodes/<node id> with a lease (see
-// agent/node/registration.hpp); EtcdDiscovery lists that prefix, then watches it, and tells its callback about every node
-// that appears, changes (its load, images, ...) or goes away. A node whose agent died goes away when its lease
+// agent/node/registration.hpp); EtcdDiscovery lists that prefix, then watches it, and tells its callback about every
+// node that appears, changes (its load, images, ...) or goes away. A node whose agent died goes away when its lease
 // expires (etcd deletes the key), one that shut down cleanly at once (it revokes its lease).
 //
 // The client's node table is fed from the callback; snapshot() gives the table as it is now, for a first create
@@ -40,8 +40,8 @@ struct NodeEvent {
 
 struct DiscoveryOptions {
   std::chrono::milliseconds request_timeout{5'000};  // one etcd request
-  std::chrono::milliseconds max_backoff{2'000};       // between attempts while etcd cannot be reached
-  std::string ca_file, client_cert, client_key;       // TLS to https:// etcd members
+  std::chrono::milliseconds max_backoff{2'000};      // between attempts while etcd cannot be reached
+  std::string ca_file, client_cert, client_key;      // TLS to https:// etcd members
 };
 
 class EtcdDiscovery {

@@ -15,12 +15,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <filesystem>
 #include <string_view>
 
@@ -38,8 +38,8 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::steady_clock;
 
-constexpr int kReadyFd = 3;      // the fd number dsecd is told to write "ready\n" to
-constexpr int kHighFd = 10;      // fds handed to the child are moved at or above this before the spawn
+constexpr int kReadyFd = 3;  // the fd number dsecd is told to write "ready\n" to
+constexpr int kHighFd = 10;  // fds handed to the child are moved at or above this before the spawn
 
 bool is_executable_file(const std::string& path) {
   struct stat st {};
@@ -74,9 +74,9 @@ void remove_layer_cache(const std::string& private_dir) {
          16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
-// The layer keeper an agent killed outright leaves (agent/images/layers/layer_keeper.hpp: it holds the layer file system's
-// FUSE connection for a restart that never comes here): killed when its record still names it (pid, start time and
-// program checked through a pidfd), which ends the connection, so that nothing waits on it; its record goes.
+// The layer keeper an agent killed outright leaves (agent/images/layers/layer_keeper.hpp: it holds the layer file
+// system's FUSE connection for a restart that never comes here): killed when its record still names it (pid, start time
+// and program checked through a pidfd), which ends the connection, so that nothing waits on it; its record goes.
 void end_layer_keeper(const std::string& layers) {
   const std::string record = layers + "/keeper";
   unsigned long long pid = 0, start = 0;
@@ -227,7 +227,7 @@ struct SpawnArgs {
     ::_exit(127);
   }
   if (::getppid() != a->parent) ::_exit(126);  // the trainer died before prctl took effect
-  ::setsid();                                   // a Ctrl-C meant for the trainer does not reach the agent directly
+  ::setsid();                                  // a Ctrl-C meant for the trainer does not reach the agent directly
   if (::dup2(a->null_fd, 0) < 0 || ::dup2(a->log_fd, 1) < 0 || ::dup2(a->log_fd, 2) < 0 ||
       ::dup2(a->ready_fd, kReadyFd) < 0) {
     a->child_errno = errno;
@@ -325,9 +325,9 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
     // trainers on one machine never take each other's sandboxes for leftovers.
     std::string private_name = std::filesystem::path(dir_).filename().string();
     // The layer cache is private too (one agent owns a cache); the stores it streams layers from are shared.
-    argv_ = {binary_, "--socket", socket_path_, "--home", home, "--run-dir", run_dir_,
-             "--state-dir", dir_ + "/state", "--cgroup-name", private_name,
-             "--layer-cache", dir_ + "/layers", "--ready-fd", std::to_string(kReadyFd)};
+    argv_ = {binary_,      "--socket",      socket_path_,     "--home",        home,
+             "--run-dir",  run_dir_,        "--state-dir",    dir_ + "/state", "--cgroup-name",
+             private_name, "--layer-cache", dir_ + "/layers", "--ready-fd",    std::to_string(kReadyFd)};
     for (const auto& store : options.stores) argv_.insert(argv_.end(), {"--store", store});
     argv_.insert(argv_.end(), options.extra_args.begin(), options.extra_args.end());
     // Function calls that name no image run in the image the quickstart builds, when the home's store has it, unless
@@ -532,7 +532,7 @@ void EmbeddedAgent::cleanup_files() noexcept {
   if (!socket_path_.empty()) ::unlink(socket_path_.c_str());
   if (!keep_log_ && !log_path_.empty()) ::unlink(log_path_.c_str());
   if (!run_dir_.empty()) {
-    detach_layer_mounts(run_dir_);  // the agent is gone: what it left mounted (killed outright) goes too
+    detach_layer_mounts(run_dir_);                // the agent is gone: what it left mounted (killed outright) goes too
     ::rmdir((run_dir_ + "/.snapshots").c_str());  // snapshot staging, empty unless the agent was killed mid-snapshot
     ::rmdir(run_dir_.c_str());
   }

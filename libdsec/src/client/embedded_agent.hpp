@@ -65,25 +65,25 @@ class EmbeddedAgent {
 
   std::string binary_;
   std::vector<std::string> argv_;
-  pid_t owner_pid_;          // the process that started the agent (a forked child must not stop it)
+  pid_t owner_pid_;  // the process that started the agent (a forked child must not stop it)
   std::chrono::milliseconds start_timeout_;
   std::chrono::milliseconds stop_grace_;
-  std::string dir_;          // private directory: dsecd.sock, dsecd.log, run/
+  std::string dir_;  // private directory: dsecd.sock, dsecd.log, run/
   std::string socket_path_;
   std::string run_dir_;
   std::string log_path_;
-  bool keep_log_ = false;    // the log was asked for by path ($DSEC_AGENT_LOG): leave it
+  bool keep_log_ = false;  // the log was asked for by path ($DSEC_AGENT_LOG): leave it
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   pid_t pid_ = -1;
   int spawn_errno_ = 0;
-  bool spawned_ = false;         // the keeper finished spawning (pid_ or spawn_errno_ is set)
+  bool spawned_ = false;  // the keeper finished spawning (pid_ or spawn_errno_ is set)
   bool stop_requested_ = false;
   bool reaped_ = false;
   int wait_status_ = 0;
-  bool stopping_ = false;        // stop() asked for the exit, so it is expected
-  int stop_fd_ = -1;             // eventfd: stop() wakes the keeper through it
+  bool stopping_ = false;  // stop() asked for the exit, so it is expected
+  int stop_fd_ = -1;       // eventfd: stop() wakes the keeper through it
   std::thread keeper_;
   bool stopped_ = false;
 };

@@ -11,14 +11,12 @@ namespace dsec::detail {
 namespace {
 
 [[noreturn]] void bad_endpoint(std::string_view text, std::string_view why) {
-  throw Error(Code::kInvalidArgument,
-              fmt::format("endpoint '{}': {} (examples: \"unix:/run/dsec/dsecd.sock\", \"http://10.0.0.7:7070\")",
-                          text, why));
+  throw Error(
+      Code::kInvalidArgument,
+      fmt::format("endpoint '{}': {} (examples: \"unix:/run/dsec/dsecd.sock\", \"http://10.0.0.7:7070\")", text, why));
 }
 
-bool host_char_ok(char c) {
-  return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_';
-}
+bool host_char_ok(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_'; }
 
 }  // namespace
 

@@ -7,9 +7,9 @@
 namespace dsec::detail {
 
 struct Endpoint {
-  std::string text;        // as given, for messages
-  std::string unix_path;   // set for "unix:" endpoints
-  std::string base_url;    // "http://host:port" (for a unix socket: "http://localhost")
+  std::string text;       // as given, for messages
+  std::string unix_path;  // set for "unix:" endpoints
+  std::string base_url;   // "http://host:port" (for a unix socket: "http://localhost")
 };
 
 // Parses "unix:/abs/path", "unix:///abs/path", "http://host[:port][/]" and "https://host[:port][/]". Throws

@@ -38,8 +38,7 @@ void ExecStreamDecoder::feed(std::string_view bytes) {
 }
 
 void ExecStreamDecoder::line(std::string_view text) {
-  if (done())
-    throw Error(Code::kInternal, "the agent's exec stream went on after its final line", false);
+  if (done()) throw Error(Code::kInternal, "the agent's exec stream went on after its final line", false);
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || j.size() != 1)
     throw Error(Code::kInternal,

@@ -184,11 +184,12 @@ FnCallResult ClientCore::run_code(FnCallRequest request) {
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      throw Error(Code::kInternal, fmt::format("POST /v1/fncall on {}: malformed answer: {}", node->endpoint, e.what()));
+      throw Error(Code::kInternal,
+                  fmt::format("POST /v1/fncall on {}: malformed answer: {}", node->endpoint, e.what()));
     }
     if (!result.error_code.empty())
-      throw Error(code_from_name(result.error_code), fmt::format("POST /v1/fncall on {}: {}", node->endpoint,
-                                                                 result.error));
+      throw Error(code_from_name(result.error_code),
+                  fmt::format("POST /v1/fncall on {}: {}", node->endpoint, result.error));
     if (result.node.empty()) result.node = nodes_.view(node).id;
     return result;
   }
@@ -239,8 +240,8 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
         body["image_manifest"] = it->second->manifest_json;
         image_ref = it->second->reference;
       }
-      calls.push_back(Call{i, std::move(body), req.language, std::move(image_ref), req.gpu_mode, req.gpus,
-                           call_seconds(req)});
+      calls.push_back(
+          Call{i, std::move(body), req.language, std::move(image_ref), req.gpu_mode, req.gpus, call_seconds(req)});
     } catch (const Error& e) {
       results[i] = error_result(e.code(), e.what());
       ++own_errors;
@@ -324,11 +325,12 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
     for (std::size_t v = 0; v < views.size(); ++v) {
       const auto& list = per_node[v];
       const std::size_t node_cores = views[v].info ? std::max<std::size_t>(1, views[v].info->cores) : 2;
-      const std::size_t size = std::clamp(kCallsPerChunkPerCore * node_cores, kMinChunkCalls, protocol::kMaxFnCallBatch);
+      const std::size_t size =
+          std::clamp(kCallsPerChunkPerCore * node_cores, kMinChunkCalls, protocol::kMaxFnCallBatch);
       for (std::size_t at = 0; at < list.size(); at += size)
-        chunks.push_back(Chunk{v, std::vector<std::size_t>(list.begin() + static_cast<std::ptrdiff_t>(at),
-                                                           list.begin() + static_cast<std::ptrdiff_t>(
-                                                                              std::min(list.size(), at + size)))});
+        chunks.push_back(Chunk{
+            v, std::vector<std::size_t>(list.begin() + static_cast<std::ptrdiff_t>(at),
+                                        list.begin() + static_cast<std::ptrdiff_t>(std::min(list.size(), at + size)))});
     }
     pending.clear();
     if (chunks.empty()) break;
@@ -383,10 +385,10 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
         protocol::json answer = parse_json(r, "POST /v1/fncall/batch");
         auto it = answer.find("results");
         if (it == answer.end() || !it->is_array() || it->size() != chunk.calls.size())
-          throw Error(Code::kInternal,
-                      fmt::format("POST /v1/fncall/batch on {}: sent {} calls, the answer has {} results",
-                                  node->endpoint, chunk.calls.size(),
-                                  it != answer.end() && it->is_array() ? it->size() : 0));
+          throw Error(
+              Code::kInternal,
+              fmt::format("POST /v1/fncall/batch on {}: sent {} calls, the answer has {} results", node->endpoint,
+                          chunk.calls.size(), it != answer.end() && it->is_array() ? it->size() : 0));
         std::vector<FnCallResult> got;
         got.reserve(chunk.calls.size());
         for (const auto& element : *it) got.push_back(protocol::decode_fncall_result(element));
@@ -412,8 +414,8 @@ std::vector<FnCallResult> ClientCore::run_code_many(const std::vector<FnCallRequ
       } catch (const Error& e) {
         chunk_failed(chunk, e);
       } catch (const std::exception& e) {
-        chunk_failed(chunk, Error(Code::kInternal, fmt::format("POST /v1/fncall/batch on {}: {}", node->endpoint,
-                                                               e.what())));
+        chunk_failed(chunk,
+                     Error(Code::kInternal, fmt::format("POST /v1/fncall/batch on {}: {}", node->endpoint, e.what())));
       }
     };
 

@@ -95,9 +95,9 @@ bool same_fncall_image(std::string_view pool_image, std::string_view call_image,
   return same_name(without_digest(pool_image), without_digest(call_image));
 }
 
-FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known, const std::vector<std::string>& backends,
-                                 std::uint32_t cores, double load1, const std::optional<FnCallNodeState>& state,
-                                 const FnCallNeeds& needs, int in_flight) {
+FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known,
+                                 const std::vector<std::string>& backends, std::uint32_t cores, double load1,
+                                 const std::optional<FnCallNodeState>& state, const FnCallNeeds& needs, int in_flight) {
   const std::string_view language = needs.language, image = needs.image;
   FnCallCandidate c;
   c.id = std::move(id);
@@ -113,8 +113,8 @@ FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known, 
     if (c.serves && !state->languages.empty() &&
         std::find(state->languages.begin(), state->languages.end(), language) == state->languages.end()) {
       c.serves = false;
-      c.refusal = fmt::format("language: does not serve '{}' (serves: {})", language,
-                              fmt::join(state->languages, ", "));
+      c.refusal =
+          fmt::format("language: does not serve '{}' (serves: {})", language, fmt::join(state->languages, ", "));
     }
     if (c.serves && needs.gpu_mode == GpuMode::kExclusive && state->gpus.size() < needs.gpus) {
       c.serves = false;
@@ -122,10 +122,9 @@ FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known, 
     } else if (c.serves && needs.gpu_mode == GpuMode::kShared &&
                (state->gpus.empty() || (state->gpu_shares > 0 && needs.gpus > state->gpu_shares))) {
       c.serves = false;
-      c.refusal = state->gpus.empty()
-                      ? std::string("gpus: hands no GPU to calls")
-                      : fmt::format("gpus: {} shares of a GPU wanted, it cuts each into {}", needs.gpus,
-                                    state->gpu_shares);
+      c.refusal = state->gpus.empty() ? std::string("gpus: hands no GPU to calls")
+                                      : fmt::format("gpus: {} shares of a GPU wanted, it cuts each into {}", needs.gpus,
+                                                    state->gpu_shares);
     }
     if (needs.gpu_mode == GpuMode::kExclusive) c.gpus_free = state->gpus_free >= needs.gpus;
     if (needs.gpu_mode == GpuMode::kShared) c.gpus_free = state->shares_free >= needs.gpus;
@@ -183,7 +182,8 @@ std::vector<std::size_t> place_fncalls(const std::vector<FnCallCandidate>& nodes
       refusals.resize(kNodesNamedInErrors);
       refusals.push_back(fmt::format("and {} more", more));
     }
-    std::string why = refusals.empty() ? std::string("this client has no node") : fmt::format("{}", fmt::join(refusals, "; "));
+    std::string why =
+        refusals.empty() ? std::string("this client has no node") : fmt::format("{}", fmt::join(refusals, "; "));
     if (healthy == 0) throw Error(Code::kUnavailable, fmt::format("no node can take function calls now: {}", why));
     throw Error(Code::kFailedPrecondition, fmt::format("no node serves this function call: {}", why));
   }

@@ -37,11 +37,11 @@ struct FnCallPool {
 struct FnCallNodeState {
   std::vector<std::string> languages;
   std::vector<FnCallPool> pools;
-  std::vector<std::string> gpus;   // the devices it hands to calls
-  std::uint32_t gpu_shares = 0;    // shares each GPU is cut into
-  std::uint32_t gpus_free = 0;     // GPUs no call holds
-  std::uint32_t shares_free = 0;   // shares free on the GPUs no call holds whole
-  std::string default_image;       // when the node names it
+  std::vector<std::string> gpus;  // the devices it hands to calls
+  std::uint32_t gpu_shares = 0;   // shares each GPU is cut into
+  std::uint32_t gpus_free = 0;    // GPUs no call holds
+  std::uint32_t shares_free = 0;  // shares free on the GPUs no call holds whole
+  std::string default_image;      // when the node names it
 };
 
 // What a call needs of a node.
@@ -61,15 +61,15 @@ std::optional<FnCallNodeState> parse_fncall_node_state(const nlohmann::json& nod
 bool same_fncall_image(std::string_view pool_image, std::string_view call_image, std::string_view default_image = {});
 
 struct FnCallCandidate {
-  std::string id;            // for messages: node id or endpoint
-  bool healthy = true;       // false: unreachable, ejected or not reported yet; never chosen
-  bool serves = true;        // false: the node does not serve the backend or the language
-  std::string refusal;       // why `serves` is false
-  double capacity = 1;       // the node's cores (at least 1): calls are mostly CPU-bound
-  double load = 0;           // calls it reports busy + calls this client has in flight there
-  bool warm = false;         // it has a pool of the call's image and language
+  std::string id;       // for messages: node id or endpoint
+  bool healthy = true;  // false: unreachable, ejected or not reported yet; never chosen
+  bool serves = true;   // false: the node does not serve the backend or the language
+  std::string refusal;  // why `serves` is false
+  double capacity = 1;  // the node's cores (at least 1): calls are mostly CPU-bound
+  double load = 0;      // calls it reports busy + calls this client has in flight there
+  bool warm = false;    // it has a pool of the call's image and language
   std::uint32_t warm_idle = 0;
-  bool gpus_free = false;    // the GPUs the call wants are free there now
+  bool gpus_free = false;  // the GPUs the call wants are free there now
 };
 
 // The bonus a warm pool adds to a node's free fraction, and the one for GPUs free now.
@@ -83,8 +83,8 @@ std::vector<std::size_t> place_fncalls(const std::vector<FnCallCandidate>& nodes
 
 // Builds a node's candidate for calls with `needs` from what the node reported. `info_known`: a GET /v1/node answer
 // exists; `backends` its backends; `cores` its cores; `in_flight` this client's calls there.
-FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known, const std::vector<std::string>& backends,
-                                 std::uint32_t cores, double load1, const std::optional<FnCallNodeState>& state,
-                                 const FnCallNeeds& needs, int in_flight);
+FnCallCandidate fncall_candidate(std::string id, bool healthy, bool info_known,
+                                 const std::vector<std::string>& backends, std::uint32_t cores, double load1,
+                                 const std::optional<FnCallNodeState>& state, const FnCallNeeds& needs, int in_flight);
 
 }  // namespace dsec::detail

@@ -17,11 +17,11 @@
 namespace dsec::detail {
 
 struct ResolvedImageRef {
-  std::string reference;      // "swe/task-17:latest@sha256:..."
-  std::string digest;         // the manifest's
-  std::string manifest_json;  // as stored (its sha256 is `digest`)
+  std::string reference;                   // "swe/task-17:latest@sha256:..."
+  std::string digest;                      // the manifest's
+  std::string manifest_json;               // as stored (its sha256 is `digest`)
   std::vector<std::string> layer_digests;  // lowest first
-  std::uint64_t size = 0;     // bytes of all layers
+  std::uint64_t size = 0;                  // bytes of all layers
 };
 
 class ImageResolver {

@@ -51,9 +51,9 @@ void NodeTable::down(const std::string& id) {
 }
 
 NodeView NodeTable::view_locked(const NodePtr& n, SteadyClock::time_point now) const {
-  return NodeView{n,        n->id,   n->info,       n->info_at,     n->failures, n->ejected_until > now,
-                  n->gone,  n->cpu_placed, n->memory_placed, n->sandboxes_placed, n->fncall,
-                  n->calls_in_flight.load()};
+  return NodeView{
+      n,       n->id,         n->info,          n->info_at,          n->failures, n->ejected_until > now,
+      n->gone, n->cpu_placed, n->memory_placed, n->sandboxes_placed, n->fncall,   n->calls_in_flight.load()};
 }
 
 std::vector<NodeView> NodeTable::view() const {
@@ -68,7 +68,8 @@ std::vector<NodeView> NodeTable::view() const {
 
 std::size_t NodeTable::live_count() const {
   std::lock_guard lock(mu_);
-  return static_cast<std::size_t>(std::count_if(nodes_.begin(), nodes_.end(), [](const NodePtr& n) { return !n->gone; }));
+  return static_cast<std::size_t>(
+      std::count_if(nodes_.begin(), nodes_.end(), [](const NodePtr& n) { return !n->gone; }));
 }
 
 NodeView NodeTable::view(const NodePtr& node) const {

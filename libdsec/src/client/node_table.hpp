@@ -27,13 +27,13 @@ struct Node {
   Transport transport;
 
   // Everything below is guarded by the NodeTable's mutex; read it through NodeTable::view().
-  std::string id;                        // empty until learned
-  std::optional<NodeInfo> info;          // the last GET /v1/node (or discovery record)
+  std::string id;                // empty until learned
+  std::optional<NodeInfo> info;  // the last GET /v1/node (or discovery record)
   SteadyClock::time_point info_at{};
-  int failures = 0;                      // consecutive failed exchanges
+  int failures = 0;  // consecutive failed exchanges
   SteadyClock::time_point ejected_until{};
-  bool gone = false;                     // discovery removed it
-  double cpu_placed = 0;                 // placed by this client since info_at
+  bool gone = false;      // discovery removed it
+  double cpu_placed = 0;  // placed by this client since info_at
   std::uint64_t memory_placed = 0;
   std::size_t sandboxes_placed = 0;
   std::optional<FnCallNodeState> fncall;  // the "fncall" part of the last GET /v1/node, when it had one
@@ -62,8 +62,7 @@ struct NodeView {
 class NodeTable {
  public:
   // Every node's transport presents `credentials` (none: no token, the system's CAs).
-  explicit NodeTable(std::shared_ptr<const Credentials> credentials = nullptr)
-      : credentials_(std::move(credentials)) {}
+  explicit NodeTable(std::shared_ptr<const Credentials> credentials = nullptr) : credentials_(std::move(credentials)) {}
 
   // Ejection: after kEjectAfter consecutive failures a node gets no new sandboxes and calls about its sandboxes fail
   // fast with NodeLost, for kEjectBase doubling with each further failure up to kEjectMax.
@@ -77,7 +76,7 @@ class NodeTable {
   NodePtr up(const std::string& id, const std::string& endpoint, const NodeInfo& info);
   void down(const std::string& id);
 
-  std::vector<NodeView> view() const;   // every node that has not gone, in the order they were added
+  std::vector<NodeView> view() const;  // every node that has not gone, in the order they were added
   std::size_t live_count() const;
   NodeView view(const NodePtr& node) const;
 

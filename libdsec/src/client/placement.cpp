@@ -40,8 +40,7 @@ std::string static_refusal(const SandboxSpec& spec, const NodeCandidate& node) {
   for (const auto& [key, value] : spec.node_selector) {
     auto it = node.info.labels.find(key);
     if (it == node.info.labels.end()) return fmt::format("node_selector: no label '{}'", key);
-    if (it->second != value)
-      return fmt::format("node_selector: label {}={}, not {}={}", key, it->second, key, value);
+    if (it->second != value) return fmt::format("node_selector: label {}={}, not {}={}", key, it->second, key, value);
   }
   return {};
 }
@@ -57,8 +56,8 @@ Usage usage_of(const NodeCandidate& node) {
   Usage u;
   u.cpu = node.info.cpu_requested + node.cpu_placed;
   u.memory = static_cast<double>(node.info.memory_requested) + static_cast<double>(node.memory_placed);
-  u.gpus = static_cast<std::uint64_t>(node.info.gpus - std::min(node.info.gpus, node.info.gpus_free)) +
-           node.gpus_placed;
+  u.gpus =
+      static_cast<std::uint64_t>(node.info.gpus - std::min(node.info.gpus, node.info.gpus_free)) + node.gpus_placed;
   return u;
 }
 
@@ -122,14 +121,13 @@ class HeapPolicy : public PlacementPolicy {
     struct Entry {
       std::size_t peers;
       double score;
-      std::size_t rank;   // tie-break: the node's index rotated by the request's offset
+      std::size_t rank;  // tie-break: the node's index rotated by the request's offset
       std::size_t index;
     };
     // Equal nodes (a fresh cluster) are taken in index order starting at an offset drawn from the request id, so
     // trainers placing at the same moment start on different nodes instead of all on the first.
-    const std::size_t offset = spec.request_id.empty() || nodes.empty()
-                                   ? 0
-                                   : std::hash<std::string>{}(spec.request_id) % nodes.size();
+    const std::size_t offset =
+        spec.request_id.empty() || nodes.empty() ? 0 : std::hash<std::string>{}(spec.request_id) % nodes.size();
     auto rank_of = [&](std::size_t i) { return (i + nodes.size() - offset) % nodes.size(); };
     // The heap's top is the best node: fewest anti-affinity peers, then the highest score, then the lowest rank.
     auto worse = [](const Entry& a, const Entry& b) {
@@ -227,8 +225,7 @@ class HeapPolicy : public PlacementPolicy {
 std::unique_ptr<PlacementPolicy> make_placement_policy(std::string_view name) {
   if (name == "spread") return std::make_unique<HeapPolicy>(false);
   if (name == "pack") return std::make_unique<HeapPolicy>(true);
-  throw Error(Code::kInvalidArgument,
-              fmt::format("placement: unknown policy '{}' (known: spread, pack)", name));
+  throw Error(Code::kInvalidArgument, fmt::format("placement: unknown policy '{}' (known: spread, pack)", name));
 }
 
 std::string placement_refusal(const SandboxSpec& spec, const NodeCandidate& node) {

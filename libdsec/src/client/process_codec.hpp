@@ -25,7 +25,8 @@ void check_terminal_size(unsigned rows, unsigned cols);
 // Request bodies. INVALID_ARGUMENT naming the field for what the agent would refuse.
 protocol::json encode(const ProcessRequest& request);
 protocol::json encode(const SessionOptions& options);
-protocol::json encode_session_run(std::string_view command, double timeout_seconds, std::size_t max_output, bool stream);
+protocol::json encode_session_run(std::string_view command, double timeout_seconds, std::size_t max_output,
+                                  bool stream);
 
 // Answers. A malformed answer is DATA_LOSS naming the field.
 ProcessInfo decode_process_info(const protocol::json& j);

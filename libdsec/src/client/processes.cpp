@@ -53,9 +53,8 @@ Process::Process(std::shared_ptr<detail::ClientCore> core, std::string sandbox_i
 
 void Process::check_started(std::string_view what) const {
   if (never_started_)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("{}: the command never started ({}): {}", what, never_started_->reason,
-                            never_started_->message));
+    throw Error(Code::kFailedPrecondition, fmt::format("{}: the command never started ({}): {}", what,
+                                                       never_started_->reason, never_started_->message));
 }
 
 detail::ClientCore& Process::core() const {
@@ -84,8 +83,7 @@ ProcessInfo Process::wait(double timeout_seconds) const {
     if (until) left = std::chrono::duration<double>(*until - SteadyClock::now()).count();
     const double slice = std::clamp(left, 0.0, kWaitSlice);
     auto r = core().call_sandbox(
-        sandbox_id_,
-        detail::http_request("GET", path(slice > 0 ? "?wait=" + detail::query_seconds(slice) : "")),
+        sandbox_id_, detail::http_request("GET", path(slice > 0 ? "?wait=" + detail::query_seconds(slice) : "")),
         {poll_time(slice), true});
     ProcessInfo info = info_of(r, "GET /v1/sandboxes/{id}/processes/{pid}?wait");
     if (!info.running || (until && SteadyClock::now() >= *until) || slice <= 0) return info;
@@ -187,10 +185,9 @@ Process Sandbox::spawn(const ProcessRequest& request) const {
   protocol::json encoded = detail::encode(request);
   const std::string request_id = request.request_id.empty() ? detail::random_request_id() : request.request_id;
   encoded["request_id"] = request_id;
-  auto r = core().call_sandbox(id_,
-                               detail::http_request("POST", core().sandbox_path(id_, "/processes"), encoded.dump(),
-                                                    kJson),
-                               {milliseconds{0}, true, request_id});
+  auto r = core().call_sandbox(
+      id_, detail::http_request("POST", core().sandbox_path(id_, "/processes"), encoded.dump(), kJson),
+      {milliseconds{0}, true, request_id});
   ProcessInfo info = info_of(r, "POST /v1/sandboxes/{id}/processes");
   if (info.pid == 0) return Process(core_, id_, std::move(info));  // it never started: a result, not an error
   return Process(core_, id_, info.pid);

@@ -64,7 +64,9 @@ void Sandbox::write_file(std::string_view path, std::string_view data, unsigned 
 
 std::string Sandbox::read_file(std::string_view path) const { return core().read_file(id_, path); }
 
-void Sandbox::upload_tar(std::string_view dir, std::string_view tar_bytes) const { core().upload_tar(id_, dir, tar_bytes); }
+void Sandbox::upload_tar(std::string_view dir, std::string_view tar_bytes) const {
+  core().upload_tar(id_, dir, tar_bytes);
+}
 
 std::string Sandbox::download_tar(std::string_view dir) const { return core().download_tar(id_, dir); }
 

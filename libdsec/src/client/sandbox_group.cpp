@@ -185,7 +185,8 @@ std::vector<SnapshotResult> SandboxGroup::snapshot(std::string_view name) const 
   std::atomic<std::size_t> next{0};
   auto work = [&] {
     for (std::size_t i = next.fetch_add(1); i < members_.size(); i = next.fetch_add(1)) {
-      std::string member_name = tagged ? fmt::format("{}:{}-{}", ref.name, ref.tag, i) : fmt::format("{}:{}", ref.name, i);
+      std::string member_name =
+          tagged ? fmt::format("{}:{}-{}", ref.name, ref.tag, i) : fmt::format("{}:{}", ref.name, i);
       try {
         out[i] = members_[i].snapshot(member_name);
       } catch (const Error& e) {

@@ -63,8 +63,8 @@ template <typename T>
 void set(CURL* h, CURLoption option, T value) {
   CURLcode rc = curl_easy_setopt(h, option, value);
   if (rc != CURLE_OK)
-    throw Error(Code::kInternal, fmt::format("libcurl refused option {}: {}", static_cast<int>(option),
-                                             curl_easy_strerror(rc)));
+    throw Error(Code::kInternal,
+                fmt::format("libcurl refused option {}: {}", static_cast<int>(option), curl_easy_strerror(rc)));
 }
 
 struct HeaderList {
@@ -160,10 +160,10 @@ TransportStats Transport::stats() const {
 HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point deadline) {
   auto remaining = duration_cast<milliseconds>(deadline - SteadyClock::now()).count();
   if (remaining <= 0)
-    throw TransportError(Code::kDeadlineExceeded,
-                         fmt::format("deadline exceeded before {} {} on {} was sent", req.method, req.target,
-                                     endpoint_.text),
-                         false, false);
+    throw TransportError(
+        Code::kDeadlineExceeded,
+        fmt::format("deadline exceeded before {} {} on {} was sent", req.method, req.target, endpoint_.text), false,
+        false);
 
   // The handle goes back to the pool on every path, keeping its connection for the next call.
   CURL* h = static_cast<CURL*>(acquire());

@@ -61,9 +61,9 @@ class TransportError : public Error {
 };
 
 struct TransportStats {
-  std::uint64_t requests = 0;     // HTTP exchanges attempted
-  std::uint64_t connects = 0;     // new connections opened for them (a reused connection counts 0)
-  std::size_t idle_handles = 0;   // handles in the pool now
+  std::uint64_t requests = 0;    // HTTP exchanges attempted
+  std::uint64_t connects = 0;    // new connections opened for them (a reused connection counts 0)
+  std::size_t idle_handles = 0;  // handles in the pool now
 };
 
 // Who the client is to the agents and whom it trusts: a bearer token sent on every request, the CA bundle that

@@ -39,8 +39,8 @@ void global_init_once() {
 template <typename T>
 void set(CURL* h, CURLoption option, T value) {
   if (CURLcode rc = curl_easy_setopt(h, option, value); rc != CURLE_OK)
-    throw Error(Code::kInternal, fmt::format("curl_easy_setopt({}): {}", static_cast<int>(option),
-                                             curl_easy_strerror(rc)));
+    throw Error(Code::kInternal,
+                fmt::format("curl_easy_setopt({}): {}", static_cast<int>(option), curl_easy_strerror(rc)));
 }
 
 struct HeaderList {
@@ -48,8 +48,8 @@ struct HeaderList {
   HeaderList() {
     // hasleader: a member cut off from the cluster's leader refuses (UNAVAILABLE) instead of answering stale data
     // or keeping a watch open that will never see another event.
-    for (const char* h : {"Content-Type: application/json", "Accept: application/json", "Expect:",
-                          "Grpc-Metadata-hasleader: true"})
+    for (const char* h :
+         {"Content-Type: application/json", "Accept: application/json", "Expect:", "Grpc-Metadata-hasleader: true"})
       list = curl_slist_append(list, h);
     if (!list) throw Error(Code::kResourceExhausted, "out of memory for HTTP headers");
   }
@@ -64,8 +64,8 @@ int set_keepalive_count(void*, curl_socket_t fd, curlsocktype) {
   return CURL_SOCKOPT_OK;
 }
 
-void common_options(CURL* h, const std::string& url, const HeaderList& headers, const std::string& body,
-                    char* errbuf, const EtcdOptions& options) {
+void common_options(CURL* h, const std::string& url, const HeaderList& headers, const std::string& body, char* errbuf,
+                    const EtcdOptions& options) {
   set(h, CURLOPT_URL, url.c_str());
   if (!options.ca_file.empty()) set(h, CURLOPT_CAINFO, options.ca_file.c_str());
   if (!options.client_cert.empty()) set(h, CURLOPT_SSLCERT, options.client_cert.c_str());
@@ -173,7 +173,8 @@ EtcdClient::EtcdClient(EtcdOptions options) : options_(std::move(options)) {
                   fmt::format("etcd endpoint '{}' is not an http:// or https:// URL such as http://127.0.0.1:2379", e));
     while (e.size() > 8 && e.back() == '/') e.pop_back();
   }
-  if (options_.request_timeout.count() <= 0) throw Error(Code::kInvalidArgument, "etcd: request timeout must be positive");
+  if (options_.request_timeout.count() <= 0)
+    throw Error(Code::kInvalidArgument, "etcd: request timeout must be positive");
   if (options_.connect_timeout.count() <= 0) options_.connect_timeout = options_.request_timeout;
 }
 
@@ -230,13 +231,13 @@ std::string EtcdClient::call(std::string_view path, const std::string& body) {
     const std::string& endpoint = options_.endpoints[index];
     auto remaining = duration_cast<milliseconds>(deadline - Clock::now()).count();
     if (remaining <= 0) {
-      failures.push_back(fmt::format("{}: not tried, the request's {} ms were spent", endpoint,
-                                     options_.request_timeout.count()));
+      failures.push_back(
+          fmt::format("{}: not tried, the request's {} ms were spent", endpoint, options_.request_timeout.count()));
       continue;
     }
     // A member that hangs must leave time for the others.
-    long attempt_ms = static_cast<long>(std::max<long long>(remaining / static_cast<long long>(n - i),
-                                                            std::min<long long>(remaining, 500)));
+    long attempt_ms = static_cast<long>(
+        std::max<long long>(remaining / static_cast<long long>(n - i), std::min<long long>(remaining, 500)));
     std::string answer;
     char errbuf[CURL_ERROR_SIZE] = {0};
     curl_easy_reset(h);
@@ -289,7 +290,8 @@ std::int64_t EtcdClient::keepalive(std::int64_t lease_id) {
   std::string answer = call("/v3/lease/keepalive", json{{"ID", std::to_string(lease_id)}}.dump());
   auto line_end = answer.find('\n');
   json j = json::parse(answer.substr(0, line_end), nullptr, false);
-  if (!j.is_object()) throw Error(Code::kInternal, fmt::format("etcd keepalive answer is not JSON: {}", answer.substr(0, 200)));
+  if (!j.is_object())
+    throw Error(Code::kInternal, fmt::format("etcd keepalive answer is not JSON: {}", answer.substr(0, 200)));
   if (j.contains("error")) throw etcd_error(j, 200, current_endpoint());
   auto r = j.find("result");
   if (r == j.end() || !r->is_object()) return 0;
@@ -467,8 +469,8 @@ namespace {
 struct StreamState {
   EtcdWatch* watch = nullptr;
   CURL* handle = nullptr;
-  std::string buffer;     // bytes of a 2xx stream not yet split into messages
-  std::string error_body; // the body of a non-2xx answer
+  std::string buffer;                           // bytes of a 2xx stream not yet split into messages
+  std::string error_body;                       // the body of a non-2xx answer
   std::function<bool(const json&)> on_message;  // false: abort the stream
 };
 
@@ -569,8 +571,8 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
       for (const auto& e : *ev) {
         if (stopping_.load()) return false;
         WatchEvent event;
-        event.type = e.value("type", std::string("PUT")) == "DELETE" ? WatchEvent::Type::kDelete
-                                                                     : WatchEvent::Type::kPut;
+        event.type =
+            e.value("type", std::string("PUT")) == "DELETE" ? WatchEvent::Type::kDelete : WatchEvent::Type::kPut;
         if (auto kv = e.find("kv"); kv != e.end() && kv->is_object()) {
           event.key = b64(*kv, "key");
           event.value = b64(*kv, "value");
@@ -592,11 +594,13 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
     if (r->value("canceled", false)) {
       std::int64_t compact = i64(*r, "compact_revision");
       if (compact > 0)
-        end = {StreamEnd::Why::kCompacted, fmt::format("revision {} was compacted (history starts at {})",
-                                                        next_revision_.load(), compact), Code::kOutOfRange};
+        end = {StreamEnd::Why::kCompacted,
+               fmt::format("revision {} was compacted (history starts at {})", next_revision_.load(), compact),
+               Code::kOutOfRange};
       else
-        end = {StreamEnd::Why::kBroken, fmt::format("etcd {} cancelled the watch: {}", endpoint,
-                                                     r->value("cancel_reason", std::string("no reason given"))),
+        end = {StreamEnd::Why::kBroken,
+               fmt::format("etcd {} cancelled the watch: {}", endpoint,
+                           r->value("cancel_reason", std::string("no reason given"))),
                Code::kUnavailable};
       ended = true;
       return false;
@@ -634,7 +638,8 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
     throw etcd_error(j, status, endpoint);
   }
   if (rc != CURLE_OK)
-    throw Error(Code::kUnavailable, fmt::format("etcd {} watch: {}", endpoint, errbuf[0] ? errbuf : curl_easy_strerror(rc)));
+    throw Error(Code::kUnavailable,
+                fmt::format("etcd {} watch: {}", endpoint, errbuf[0] ? errbuf : curl_easy_strerror(rc)));
   throw Error(Code::kUnavailable, fmt::format("etcd {} ended the watch stream", endpoint));
 }
 

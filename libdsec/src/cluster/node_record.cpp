@@ -36,7 +36,8 @@ NodeRecord decode_node_record(std::string_view value) {
     throw Error(Code::kInvalidArgument, "node record: 'endpoint' is missing or not a string");
   r.endpoint = e->get<std::string>();
   auto n = j.find("node");
-  if (n == j.end() || !n->is_object()) throw Error(Code::kInvalidArgument, "node record: 'node' is missing or not an object");
+  if (n == j.end() || !n->is_object())
+    throw Error(Code::kInvalidArgument, "node record: 'node' is missing or not an object");
   try {
     r.node = protocol::decode_node_info(*n);
   } catch (const std::exception& x) {  // a member of the wrong type or out of range

@@ -65,8 +65,7 @@ std::optional<Cidr> parse_cidr(std::string_view text) {
     std::string_view p = text.substr(slash + 1);
     int prefix = -1;
     auto [ptr, ec] = std::from_chars(p.data(), p.data() + p.size(), prefix);
-    if (p.empty() || ec != std::errc() || ptr != p.data() + p.size() || prefix < 0 || prefix > 32)
-      return std::nullopt;
+    if (p.empty() || ec != std::errc() || ptr != p.data() + p.size() || prefix < 0 || prefix > 32) return std::nullopt;
     c.prefix = prefix;
   }
   std::uint32_t value = 0;
@@ -117,23 +116,21 @@ void validate(const NetworkPolicy& policy) {
     const std::string at = fmt::format("network.rules[{}]", i);
     if (!r.host.empty()) {
       if (!r.cidr.empty()) bad(at, "a rule names a cidr or a host, not both");
-      if (parse_cidr(r.host))
-        bad(at + ".host", fmt::format("'{}' is an address: name it as a cidr", r.host));
+      if (parse_cidr(r.host)) bad(at + ".host", fmt::format("'{}' is an address: name it as a cidr", r.host));
       if (!valid_host_pattern(r.host))
         bad(at + ".host", fmt::format("'{}' is not a host name such as pypi.mirror.internal or *.example.org "
                                       "(letters, digits, '-', '_'; labels of 1-63; '*.' only first)",
                                       r.host.substr(0, 300)));
     } else if (!parse_cidr(r.cidr)) {
-      bad(at + ".cidr", fmt::format("'{}' is not an IPv4 address or network such as 10.0.0.0/8 (host bits zero)",
-                                    r.cidr));
+      bad(at + ".cidr",
+          fmt::format("'{}' is not an IPv4 address or network such as 10.0.0.0/8 (host bits zero)", r.cidr));
     }
     if (r.protocol != "any" && !protocol_number(r.protocol))
       bad(at + ".protocol", fmt::format("'{}' is not one of tcp, udp, icmp, any", r.protocol));
     const bool ports = r.port_min != 0 || r.port_max != 0;
     if (ports && (r.port_min == 0 || r.port_max < r.port_min))
       bad(at + ".ports", fmt::format("{}-{} is not a range of ports within 1-65535", r.port_min, r.port_max));
-    if (ports && r.protocol != "tcp" && r.protocol != "udp")
-      bad(at + ".ports", "ports need protocol tcp or udp");
+    if (ports && r.protocol != "tcp" && r.protocol != "udp") bad(at + ".ports", "ports need protocol tcp or udp");
   }
   if (policy.mode == "egress") (void)compile_egress(policy);
 }
@@ -235,7 +232,8 @@ std::vector<AllowedBox> compile_pin(const NetworkPolicy& policy, std::size_t ind
 std::vector<AllowedBox> make_disjoint(const std::vector<AllowedBox>& boxes) {
   std::vector<Box> kept;
   for (const AllowedBox& a : boxes) {
-    std::vector<Box> pieces{Box{Range{a.addr_lo, a.addr_hi}, Range{a.proto_lo, a.proto_hi}, Range{a.port_lo, a.port_hi}}};
+    std::vector<Box> pieces{
+        Box{Range{a.addr_lo, a.addr_hi}, Range{a.proto_lo, a.proto_hi}, Range{a.port_lo, a.port_hi}}};
     for (const Box& k : kept) {
       std::vector<Box> next;
       for (const Box& p : pieces) subtract(p, k, next);

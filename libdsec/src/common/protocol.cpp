@@ -5,8 +5,8 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -67,7 +67,8 @@ std::uint64_t get_size(const json& j, const char* key, std::string_view field, s
   if (!v) return fallback;
   if (v->is_string()) {
     auto parsed = parse_size(v->get<std::string>());
-    if (!parsed) bad(field, fmt::format("'{}' is not a size (examples: 4096, \"512Mi\", \"2G\")", v->get<std::string>()));
+    if (!parsed)
+      bad(field, fmt::format("'{}' is not a size (examples: 4096, \"512Mi\", \"2G\")", v->get<std::string>()));
     return *parsed;
   }
   return get_unsigned(j, key, field, fallback);
@@ -308,21 +309,19 @@ json encode(const NetworkPolicy& p) {
   json rules = json::array();
   for (const NetworkRule& r : p.rules) {
     json rule{{"allow", r.allow}, {"protocol", r.protocol}};
-    if (r.host.empty())
-      rule["cidr"] = r.cidr;
-    else
-      rule["host"] = r.host;
+    if (r.host.empty()) rule["cidr"] = r.cidr;
+    else rule["host"] = r.host;
     if (r.port_min != 0 || r.port_max != 0)
-      rule["ports"] = r.port_min == r.port_max ? std::to_string(r.port_min)
-                                               : fmt::format("{}-{}", r.port_min, r.port_max);
+      rule["ports"] =
+          r.port_min == r.port_max ? std::to_string(r.port_min) : fmt::format("{}-{}", r.port_min, r.port_max);
     rules.push_back(std::move(rule));
   }
   return json{{"mode", p.mode}, {"rules", std::move(rules)}};
 }
 
 json encode(const NetworkUsage& u) {
-  return json{{"bytes_out", u.bytes_out}, {"packets_out", u.packets_out}, {"bytes_in", u.bytes_in},
-              {"packets_in", u.packets_in}, {"refused", u.refused}, {"resolved", u.resolved}};
+  return json{{"bytes_out", u.bytes_out},   {"packets_out", u.packets_out}, {"bytes_in", u.bytes_in},
+              {"packets_in", u.packets_in}, {"refused", u.refused},         {"resolved", u.resolved}};
 }
 
 NetworkUsage decode_network_usage(const json& j) {
@@ -336,8 +335,8 @@ NetworkUsage decode_network_usage(const json& j) {
   if (const json* resolved = find(j, "resolved")) {
     if (!resolved->is_object()) bad_answer("resolved", "must be an object of names to lists of addresses");
     for (auto it = resolved->begin(); it != resolved->end(); ++it)
-      u.resolved[it.key()] = member<std::vector<std::string>>(*resolved, it.key().c_str(), {},
-                                                               fmt::format("resolved.{}", it.key()));
+      u.resolved[it.key()] =
+          member<std::vector<std::string>>(*resolved, it.key().c_str(), {}, fmt::format("resolved.{}", it.key()));
   }
   return u;
 }
@@ -349,8 +348,7 @@ NetworkPolicy decode_network(const json& j) {
     p.mode = j.get<std::string>();
   } else if (j.is_object()) {
     for (const auto& [key, value] : j.items())
-      if (key != "mode" && key != "rules")
-        bad("network", fmt::format("unknown field '{}' (known: mode, rules)", key));
+      if (key != "mode" && key != "rules") bad("network", fmt::format("unknown field '{}' (known: mode, rules)", key));
     p.mode = get_string(j, "mode", "network.mode", "egress");
     if (const json* rules = find(j, "rules")) {
       if (!rules->is_array()) bad("network.rules", "must be a list of rules");
@@ -411,7 +409,7 @@ namespace {
 // "name[:tag]" or, pinned to one manifest, "name[:tag]@sha256:<64 hex>".
 void validate_image_ref(std::string_view image, std::string_view field) {
   auto name_ok = [](std::string_view n) {
-    if (n.empty() || n.size() > 255 || n.front() == '.' || n.front() == '/' ) return false;
+    if (n.empty() || n.size() > 255 || n.front() == '.' || n.front() == '/') return false;
     for (char c : n)
       if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' || c == '/' || c == ':'))
         return false;
@@ -454,7 +452,8 @@ void validate(const SandboxSpec& s) {
   validate_labels(s.node_selector, "node_selector");
   if (!s.anti_affinity.empty() && !s.labels.count(s.anti_affinity))
     bad("anti_affinity", fmt::format("'{}' is not a key of the spec's labels (sandboxes are spread by that label's "
-                                     "value)", s.anti_affinity));
+                                     "value)",
+                                     s.anti_affinity));
   if (s.group.empty()) {
     if (s.group_ttl.count() != 0) bad("group_ttl", "only with a group");
   } else {
@@ -540,8 +539,7 @@ void validate_protected_paths(const std::vector<std::string>& paths, std::string
       if (!part.empty() && part != ".") normal += "/" + std::string(part);
       pos = end + 1;
     }
-    if (normal != p)
-      bad(name, fmt::format("'{}' is not normalized (write '{}')", p, normal.empty() ? "/" : normal));
+    if (normal != p) bad(name, fmt::format("'{}' is not normalized (write '{}')", p, normal.empty() ? "/" : normal));
     for (std::string_view top : {"/proc", "/sys", "/dev"})
       if (p == top || (p.size() > top.size() && p.compare(0, top.size(), top) == 0 && p[top.size()] == '/'))
         bad(name, fmt::format("'{}' is under {}, which the sandbox's runtime provides", p, top));
@@ -556,10 +554,7 @@ bool valid_group_id(std::string_view id) noexcept {
 }
 
 json encode(const ExecRequest& r) {
-  json j{{"env", r.env},
-         {"cwd", r.cwd},
-         {"timeout", r.timeout_seconds},
-         {"max_output", r.max_output_bytes}};
+  json j{{"env", r.env}, {"cwd", r.cwd}, {"timeout", r.timeout_seconds}, {"max_output", r.max_output_bytes}};
   if (!r.shell.empty()) j["shell"] = r.shell;
   else j["argv"] = r.argv;
   if (!r.stdin_data.empty()) j["stdin"] = base64_encode(r.stdin_data);
@@ -635,9 +630,12 @@ ExecResult decode_exec_result(const json& j) {
 
 std::string_view gpu_mode_name(GpuMode mode) noexcept {
   switch (mode) {
-    case GpuMode::kExclusive: return "exclusive";
-    case GpuMode::kShared: return "shared";
-    case GpuMode::kNone: break;
+    case GpuMode::kExclusive:
+      return "exclusive";
+    case GpuMode::kShared:
+      return "shared";
+    case GpuMode::kNone:
+      break;
   }
   return "none";
 }
@@ -682,8 +680,7 @@ void validate_fncall_path(const std::string& path) {
     std::size_t end = path.find('/', start);
     if (end == std::string::npos) end = path.size();
     std::string_view part(path.data() + start, end - start);
-    if (part.empty() || part == "." || part == "..")
-      bad(field, "must not have empty, '.' or '..' components");
+    if (part.empty() || part == "." || part == "..") bad(field, "must not have empty, '.' or '..' components");
     if (part.size() > 255) bad(field, "a path component is at most 255 bytes");
     start = end + 1;
   }
@@ -697,7 +694,8 @@ FnCallRequest decode_fncall_request(const json& j) {
   r.language = get_string(j, "language", "language", r.language);
   bool known = false;
   for (const char* l : kFnCallLanguages) known = known || r.language == l;
-  if (!known) bad("language", fmt::format("'{}' is not a language of function calls (python, shell, c, cpp)", r.language));
+  if (!known)
+    bad("language", fmt::format("'{}' is not a language of function calls (python, shell, c, cpp)", r.language));
   const json* code = find(j, "code");
   if (!code || !code->is_string()) bad("code", "required: the program's source as a string");
   r.code = code->get<std::string>();
@@ -901,16 +899,16 @@ SandboxInfo decode_sandbox_info(const json& j) {
 // A QEMU tier's part of the node info, under `name` (written only when the tier is offered or says why not).
 static void encode_tier(json& out, const char* name, const QemuTierNodeInfo& m) {
   if (!m.offered && m.unavailable.empty()) return;
-  out[name] = json{{"offered", m.offered},
-                   {"unavailable", m.unavailable},
-                   {"ready", m.ready},
-                   {"accelerator", m.accelerator},
-                   {"accelerator_reason", m.accelerator_reason},
-                   {"kernel", m.kernel},
-                   {"vms", m.vms},
-                   {"pool", {{"size", m.pool_size}, {"ready", m.pool_ready}, {"claims", m.pool_claims},
-                             {"misses", m.pool_misses}}},
-                   {"templates", {{"count", m.templates}, {"bytes", m.template_bytes}}}};
+  out[name] = json{
+      {"offered", m.offered},
+      {"unavailable", m.unavailable},
+      {"ready", m.ready},
+      {"accelerator", m.accelerator},
+      {"accelerator_reason", m.accelerator_reason},
+      {"kernel", m.kernel},
+      {"vms", m.vms},
+      {"pool", {{"size", m.pool_size}, {"ready", m.pool_ready}, {"claims", m.pool_claims}, {"misses", m.pool_misses}}},
+      {"templates", {{"count", m.templates}, {"bytes", m.template_bytes}}}};
 }
 
 static void decode_tier(const json& j, const std::string& name, QemuTierNodeInfo& v) {
@@ -939,35 +937,34 @@ static void decode_tier(const json& j, const std::string& name, QemuTierNodeInfo
 json encode(const NodeInfo& n) {
   json layers = json::array();
   for (const auto& l : n.cached_layers)
-    layers.push_back(json{{"digest", l.digest}, {"size", l.size}, {"cached_bytes", l.cached_bytes}, {"users", l.users}});
+    layers.push_back(
+        json{{"digest", l.digest}, {"size", l.size}, {"cached_bytes", l.cached_bytes}, {"users", l.users}});
   json out{{"id", n.id},
-              {"version", n.version},
-              {"protocol", n.protocol},
-              {"backends", n.backends},
-              {"capacity", {{"cores", n.cores}, {"memory", n.memory_bytes}, {"disk", n.disk_bytes}, {"gpus", n.gpus}}},
-              {"disk_free", n.disk_free_bytes},
-              {"gpus_free", n.gpus_free},
-              {"labels", n.labels},
-              {"load", {{"sandboxes", n.sandboxes},
-                        {"cpu_requested", n.cpu_requested},
-                        {"memory_requested", n.memory_requested},
-                        {"load1", n.load1}}},
-              {"overcommit", {{"cpu", n.cpu_overcommit}, {"memory", n.memory_overcommit}}},
-              {"cgroup_version", n.cgroup_version},
-              {"images", n.images},
-              {"layer_mode", n.layer_mode},
-              {"userns", n.userns},
-              {"network", n.network},
-              {"cached_layers", layers},
-              {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
+           {"version", n.version},
+           {"protocol", n.protocol},
+           {"backends", n.backends},
+           {"capacity", {{"cores", n.cores}, {"memory", n.memory_bytes}, {"disk", n.disk_bytes}, {"gpus", n.gpus}}},
+           {"disk_free", n.disk_free_bytes},
+           {"gpus_free", n.gpus_free},
+           {"labels", n.labels},
+           {"load",
+            {{"sandboxes", n.sandboxes},
+             {"cpu_requested", n.cpu_requested},
+             {"memory_requested", n.memory_requested},
+             {"load1", n.load1}}},
+           {"overcommit", {{"cpu", n.cpu_overcommit}, {"memory", n.memory_overcommit}}},
+           {"cgroup_version", n.cgroup_version},
+           {"images", n.images},
+           {"layer_mode", n.layer_mode},
+           {"userns", n.userns},
+           {"network", n.network},
+           {"cached_layers", layers},
+           {"swap", {{"total", n.swap_bytes}, {"free", n.swap_free_bytes}}}};
   out["load"]["memory_used"] = n.memory_used_bytes;
   const NodePressure& p = n.pressure;
-  out["pressure"] = {{"psi", p.psi},
-                     {"cpu_some", p.cpu_some},
-                     {"memory_some", p.memory_some},
-                     {"memory_full", p.memory_full},
-                     {"io_some", p.io_some},
-                     {"io_full", p.io_full}};
+  out["pressure"] = {
+      {"psi", p.psi},         {"cpu_some", p.cpu_some}, {"memory_some", p.memory_some}, {"memory_full", p.memory_full},
+      {"io_some", p.io_some}, {"io_full", p.io_full}};
   const QosNodeInfo& q = n.qos;
   out["qos"] = {{"core_scheduling", q.core_scheduling},
                 {"core_scheduling_reason", q.core_scheduling_reason},
@@ -980,9 +977,9 @@ json encode(const NodeInfo& n) {
                 {"ksm_sandboxes", q.ksm_sandboxes},
                 {"ksm_saved_bytes", q.ksm_saved_bytes}};
   out["warm_pool"] = {{"size", n.warm_pool_size},
-                       {"ready", n.warm_pool_ready},
-                       {"claims", n.warm_pool_claims},
-                       {"misses", n.warm_pool_misses}};
+                      {"ready", n.warm_pool_ready},
+                      {"claims", n.warm_pool_claims},
+                      {"misses", n.warm_pool_misses}};
   encode_tier(out, "microvm", n.microvm);
   encode_tier(out, "vm", n.vm);
   return out;
@@ -1080,7 +1077,8 @@ Error decode_error(const json& j, int status) {
     // Never throws: an error body with members of the wrong type still becomes an error, with what it holds.
     Code code = code_from_name(j["code"].get<std::string>());
     std::string message;
-    if (auto m = j.find("message"); m != j.end() && !m->is_null()) message = m->is_string() ? m->get<std::string>() : m->dump();
+    if (auto m = j.find("message"); m != j.end() && !m->is_null())
+      message = m->is_string() ? m->get<std::string>() : m->dump();
     bool retryable = is_retryable(code);
     if (auto r = j.find("retryable"); r != j.end() && r->is_boolean()) retryable = r->get<bool>();
     Fault fault = fault_of(code);
@@ -1088,7 +1086,7 @@ Error decode_error(const json& j, int status) {
       fault = f->get<std::string>() == "infrastructure" ? Fault::kInfrastructure : Fault::kRequest;
     return Error(code, message, retryable, fault);
   }
-  Code code = status == 404 ? Code::kNotFound
+  Code code = status == 404   ? Code::kNotFound
               : status == 400 ? Code::kInvalidArgument
               : status == 503 ? Code::kUnavailable
               : status == 504 ? Code::kDeadlineExceeded

@@ -2,8 +2,8 @@
 // throw dsec::Error(INVALID_ARGUMENT) naming the offending field ("resources.memory: ...").
 #pragma once
 
-#include <nlohmann/json.hpp>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -53,7 +53,7 @@ ExecRequest decode_exec_request(const json& j);
 // Whether a name exists is known only inside the sandbox, at exec. Throws INVALID_ARGUMENT naming `field`.
 inline constexpr std::uint32_t kMaxUserId = 65535;
 struct UserRef {
-  std::string name;                // set for a name
+  std::string name;                  // set for a name
   std::optional<std::uint32_t> uid;  // set for "uid" and "uid:gid"
   std::optional<std::uint32_t> gid;  // set for "uid:gid"
 };

@@ -32,8 +32,10 @@ int openat2_in_root(int root, const std::string& path, std::uint64_t flags, mode
 }
 
 [[noreturn]] void path_error(int err, std::string_view op, std::string_view path) {
-  if (err == EXDEV) throw Error(Code::kInvalidArgument, fmt::format("{} {}: the path crosses a mount (/proc, /dev, /sys "
-                                                                   "are not reachable through the files API)", op, path));
+  if (err == EXDEV)
+    throw Error(Code::kInvalidArgument, fmt::format("{} {}: the path crosses a mount (/proc, /dev, /sys "
+                                                    "are not reachable through the files API)",
+                                                    op, path));
   if (err == ENXIO) throw Error(Code::kInvalidArgument, fmt::format("{} {}: not a regular file", op, path));
   throw_errno_fmt(err, "{} {}", op, path);
 }

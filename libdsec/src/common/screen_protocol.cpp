@@ -34,13 +34,20 @@ std::string string_at(const json& a, const char* key, const std::string& at) {
 
 const char* type_name(InputAction::Type t) {
   switch (t) {
-    case InputAction::Type::kMove: return "move";
-    case InputAction::Type::kClick: return "click";
-    case InputAction::Type::kScroll: return "scroll";
-    case InputAction::Type::kDrag: return "drag";
-    case InputAction::Type::kKey: return "key";
-    case InputAction::Type::kType: return "type";
-    case InputAction::Type::kWait: return "wait";
+    case InputAction::Type::kMove:
+      return "move";
+    case InputAction::Type::kClick:
+      return "click";
+    case InputAction::Type::kScroll:
+      return "scroll";
+    case InputAction::Type::kDrag:
+      return "drag";
+    case InputAction::Type::kKey:
+      return "key";
+    case InputAction::Type::kType:
+      return "type";
+    case InputAction::Type::kWait:
+      return "wait";
   }
   return "move";
 }
@@ -133,29 +140,35 @@ json encode_input(const std::vector<InputAction>& actions) {
   json list = json::array();
   for (const InputAction& a : actions) {
     json j{{"type", type_name(a.type)}};
-    if (a.type != InputAction::Type::kKey && a.type != InputAction::Type::kType &&
-        a.type != InputAction::Type::kWait) {
+    if (a.type != InputAction::Type::kKey && a.type != InputAction::Type::kType && a.type != InputAction::Type::kWait) {
       if (a.x) j["x"] = *a.x;  // one without the other is sent as it is, for the agent to refuse
       if (a.y) j["y"] = *a.y;
     }
     switch (a.type) {
-      case InputAction::Type::kMove: break;
+      case InputAction::Type::kMove:
+        break;
       case InputAction::Type::kClick:
         j["button"] = a.button;
         j["count"] = a.count;
         break;
-      case InputAction::Type::kScroll: j["dy"] = a.dy; break;
+      case InputAction::Type::kScroll:
+        j["dy"] = a.dy;
+        break;
       case InputAction::Type::kDrag:
         j["to_x"] = a.to_x;
         j["to_y"] = a.to_y;
         j["button"] = a.button;
         break;
-      case InputAction::Type::kKey: j["keys"] = a.keys; break;
+      case InputAction::Type::kKey:
+        j["keys"] = a.keys;
+        break;
       case InputAction::Type::kType:
         j["text"] = a.text;
         if (a.interval_ms) j["interval_ms"] = a.interval_ms;
         break;
-      case InputAction::Type::kWait: j["interval_ms"] = a.interval_ms; break;
+      case InputAction::Type::kWait:
+        j["interval_ms"] = a.interval_ms;
+        break;
     }
     list.push_back(std::move(j));
   }

@@ -2,16 +2,19 @@
 
 #include <cctype>
 #include <charconv>
-#include <limits>
 #include <cmath>
+#include <limits>
 
 namespace dsec {
 
 std::string_view priority_name(Priority p) noexcept {
   switch (p) {
-    case Priority::kLatency: return "latency";
-    case Priority::kBatch: return "batch";
-    case Priority::kStandard: break;
+    case Priority::kLatency:
+      return "latency";
+    case Priority::kBatch:
+      return "batch";
+    case Priority::kStandard:
+      break;
   }
   return "standard";
 }
@@ -58,11 +61,20 @@ std::optional<std::uint64_t> parse_size(std::string_view text) {
     char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(suffix[0])));
     int power = 0;
     switch (unit) {
-      case 'K': power = 1; break;
-      case 'M': power = 2; break;
-      case 'G': power = 3; break;
-      case 'T': power = 4; break;
-      default: return std::nullopt;
+      case 'K':
+        power = 1;
+        break;
+      case 'M':
+        power = 2;
+        break;
+      case 'G':
+        power = 3;
+        break;
+      case 'T':
+        power = 4;
+        break;
+      default:
+        return std::nullopt;
     }
     std::string_view rest = suffix.substr(1);
     std::uint64_t base = 1000;

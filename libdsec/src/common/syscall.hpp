@@ -16,7 +16,8 @@
 namespace dsec {
 
 // The dsec code that fits an errno: ENOENT -> NOT_FOUND, EACCES/EPERM -> PERMISSION_DENIED, ENOSPC/EDQUOT/EMFILE/
-// ENOMEM/EAGAIN -> RESOURCE_EXHAUSTED, EINVAL/ENAMETOOLONG/ELOOP/EISDIR/ENOTDIR/EXDEV -> INVALID_ARGUMENT, else INTERNAL.
+// ENOMEM/EAGAIN -> RESOURCE_EXHAUSTED, EINVAL/ENAMETOOLONG/ELOOP/EISDIR/ENOTDIR/EXDEV -> INVALID_ARGUMENT, else
+// INTERNAL.
 Code code_for_errno(int err) noexcept;
 
 [[noreturn]] inline void throw_errno(int err, std::string_view context) {

@@ -11,8 +11,8 @@
 #include <fmt/format.h>
 
 #include "agent/metrics.hpp"
-#include "http/server.hpp"
 #include "gateway/e2b/gateway.hpp"
+#include "http/server.hpp"
 
 namespace {
 

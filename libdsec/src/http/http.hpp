@@ -37,8 +37,8 @@ class ResponseStream {
   virtual bool begun() const noexcept = 0;
   // Sends one chunk now. False once the client is gone, or stopped reading for the idle timeout or until
   // `give_up_at` (whichever comes first): the rest is dropped, never an exception, so the handler can finish.
-  virtual bool write(std::string_view data,
-                     std::chrono::steady_clock::time_point give_up_at = std::chrono::steady_clock::time_point::max()) = 0;
+  virtual bool write(std::string_view data, std::chrono::steady_clock::time_point give_up_at =
+                                                std::chrono::steady_clock::time_point::max()) = 0;
   // Whether the client has closed its side of the connection (it can no longer read an answer), looked at now.
   virtual bool client_gone() const { return false; }
 };

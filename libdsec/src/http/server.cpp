@@ -215,10 +215,9 @@ void Server::listen_unix() {
                   fmt::format("create {}: {}", options_.unix_socket.parent_path().string(), ec.message()));
   }
   // A socket file left by an agent that died is replaced; one that still answers belongs to a live agent.
-  struct stat st{};
+  struct stat st {};
   if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode))
-      throw Error(Code::kAlreadyExists, fmt::format("{} exists and is not a socket", path));
+    if (!S_ISSOCK(st.st_mode)) throw Error(Code::kAlreadyExists, fmt::format("{} exists and is not a socket", path));
     UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (probe && ::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0)
       throw Error(Code::kAlreadyExists, fmt::format("another agent is listening on {}", path));
@@ -263,8 +262,7 @@ void Server::listen_tcp() {
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* result = nullptr;
   int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &result);
-  if (rc != 0)
-    throw Error(Code::kInvalidArgument, fmt::format("listen address '{}': {}", spec, ::gai_strerror(rc)));
+  if (rc != 0) throw Error(Code::kInvalidArgument, fmt::format("listen address '{}': {}", spec, ::gai_strerror(rc)));
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(result, ::freeaddrinfo);
 
   int last_errno = 0;
@@ -413,8 +411,9 @@ void Server::serve(int fd, Peer peer) {
       // that went away. What the parser refused gets an answer.
       std::optional<std::pair<int, Error>> answer;
       if (ec == http::error::header_limit) {
-        answer.emplace(431, Error(Code::kResourceExhausted,
-                                  fmt::format("request header larger than {} bytes", options_.max_header_bytes), false));
+        answer.emplace(431,
+                       Error(Code::kResourceExhausted,
+                             fmt::format("request header larger than {} bytes", options_.max_header_bytes), false));
       } else if (ec == http::error::body_limit) {
         answer.emplace(413, Error(Code::kResourceExhausted,
                                   fmt::format("request body larger than {} bytes (the agent's max body size)",
@@ -498,7 +497,7 @@ void Server::stop_accepting() {
 
 void Server::remove_socket_file() {
   if (socket_ino_ == 0) return;
-  struct stat st{};
+  struct stat st {};
   const std::string path = options_.unix_socket.string();
   if (::lstat(path.c_str(), &st) == 0 && st.st_dev == socket_dev_ && st.st_ino == socket_ino_) ::unlink(path.c_str());
   socket_ino_ = 0;

@@ -19,16 +19,16 @@
 #include <unordered_set>
 #include <vector>
 
-#include "http/tls.hpp"
+#include "common/unique_fd.hpp"
 #include "http/http.hpp"
 #include "http/server_events.hpp"
-#include "common/unique_fd.hpp"
+#include "http/tls.hpp"
 
 namespace dsec::agent {
 
 struct ServerOptions {
-  std::filesystem::path unix_socket;    // empty: none
-  std::string tcp_listen;               // "HOST:PORT", "[::1]:PORT", ":PORT" (all addresses); empty: none
+  std::filesystem::path unix_socket;  // empty: none
+  std::string tcp_listen;             // "HOST:PORT", "[::1]:PORT", ":PORT" (all addresses); empty: none
   std::size_t max_connections = 4096;
   std::size_t max_header_bytes = 16u << 10;
   std::size_t max_body_bytes = 256u << 20;
@@ -77,16 +77,16 @@ class Server {
   ServerEvents& events_;
 
   std::vector<UniqueFd> listeners_;
-  std::vector<bool> listener_tcp_;     // per listener: TCP (else the unix socket)
-  UniqueFd wake_;                      // eventfd: wakes the accept loop to stop
+  std::vector<bool> listener_tcp_;  // per listener: TCP (else the unix socket)
+  UniqueFd wake_;                   // eventfd: wakes the accept loop to stop
   std::thread accept_thread_;
   std::string tcp_endpoint_;
-  dev_t socket_dev_ = 0;               // the unix socket we bound, removed at stop only if still ours
+  dev_t socket_dev_ = 0;  // the unix socket we bound, removed at stop only if still ours
   ino_t socket_ino_ = 0;
 
   mutable std::mutex mutex_;
   std::condition_variable idle_;
-  std::unordered_set<int> open_;       // connection fds being served
+  std::unordered_set<int> open_;  // connection fds being served
   bool stopping_ = false;
   std::atomic<bool> started_{false};
 };

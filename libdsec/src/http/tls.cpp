@@ -9,8 +9,8 @@
 
 #include <fmt/format.h>
 
-#include "http/http.hpp"
 #include "dsec/error.hpp"
+#include "http/http.hpp"
 
 namespace dsec::agent {
 
@@ -21,14 +21,17 @@ boost::system::error_code tls_failure(SSL* ssl, int rc) {
   int why = SSL_get_error(ssl, rc);
   ERR_clear_error();
   switch (why) {
-    case SSL_ERROR_ZERO_RETURN: return boost::asio::error::eof;
+    case SSL_ERROR_ZERO_RETURN:
+      return boost::asio::error::eof;
     case SSL_ERROR_WANT_READ:
-    case SSL_ERROR_WANT_WRITE: return {ETIMEDOUT, boost::system::system_category()};
+    case SSL_ERROR_WANT_WRITE:
+      return {ETIMEDOUT, boost::system::system_category()};
     case SSL_ERROR_SYSCALL:
       if (errno == EAGAIN || errno == EWOULDBLOCK) return {ETIMEDOUT, boost::system::system_category()};
       if (errno != 0) return {errno, boost::system::system_category()};
       return boost::asio::error::eof;  // the peer closed without close_notify
-    default: return {EPROTO, boost::system::system_category()};
+    default:
+      return {EPROTO, boost::system::system_category()};
   }
 }
 
@@ -86,9 +89,8 @@ std::shared_ptr<TlsServerContext> TlsServerContext::load(const fs::path& cert, c
                 fmt::format("--tls-key {}: not a PEM private key, or it is not the key of --tls-cert {}: {}",
                             key.string(), cert.string(), openssl_error()));
   if (SSL_CTX_check_private_key(out->ctx_) != 1)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("--tls-key {} is not the key of --tls-cert {}: {}", key.string(), cert.string(),
-                            openssl_error()));
+    throw Error(Code::kFailedPrecondition, fmt::format("--tls-key {} is not the key of --tls-cert {}: {}", key.string(),
+                                                       cert.string(), openssl_error()));
   // A certificate past its dates serves nobody: say so at start rather than in every client's handshake.
   if (X509* leaf = SSL_CTX_get0_certificate(out->ctx_)) {
     if (X509_cmp_current_time(X509_get0_notAfter(leaf)) <= 0)
@@ -129,12 +131,9 @@ bool TlsSession::accept(std::string& error) {
   int rc = SSL_accept(ssl_);
   if (rc == 1) return true;
   int why = SSL_get_error(ssl_, rc);
-  if (why == SSL_ERROR_WANT_READ || why == SSL_ERROR_WANT_WRITE)
-    error = "the client stalled in the TLS handshake";
-  else if (why == SSL_ERROR_SYSCALL)
-    error = "the client went away during the TLS handshake";
-  else
-    error = "TLS handshake: " + openssl_error();
+  if (why == SSL_ERROR_WANT_READ || why == SSL_ERROR_WANT_WRITE) error = "the client stalled in the TLS handshake";
+  else if (why == SSL_ERROR_SYSCALL) error = "the client went away during the TLS handshake";
+  else error = "TLS handshake: " + openssl_error();
   return false;
 }
 

@@ -53,13 +53,10 @@ std::string new_token() {
 }
 
 void check_tenant_name(std::string_view name) {
-  auto plain = [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
-  };
+  auto plain = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); };
   if (name.empty() || name.size() > 63)
     throw Error(Code::kInvalidArgument, fmt::format("tenant: must be 1 to 63 characters (got {})", name.size()));
-  if (!plain(name.front()))
-    throw Error(Code::kInvalidArgument, "tenant: must start with a letter or a digit");
+  if (!plain(name.front())) throw Error(Code::kInvalidArgument, "tenant: must start with a letter or a digit");
   for (char c : name)
     if (!plain(c) && c != '.' && c != '_' && c != '-')
       throw Error(Code::kInvalidArgument,

@@ -97,8 +97,8 @@ inline ReadArchive open_disk_reader(const fs::path& source, int extra_behavior) 
   ReadArchive rd(archive_read_disk_new());
   if (!rd) throw Error(Code::kResourceExhausted, "archive_read_disk_new failed");
   if (archive_read_disk_set_symlink_physical(rd.get()) != ARCHIVE_OK) throw_archive(rd.get(), "read_disk");
-  if (archive_read_disk_set_behavior(rd.get(), ARCHIVE_READDISK_NO_TRAVERSE_MOUNTS | ARCHIVE_READDISK_NO_FFLAGS |
-                                                   extra_behavior) != ARCHIVE_OK)
+  if (archive_read_disk_set_behavior(
+          rd.get(), ARCHIVE_READDISK_NO_TRAVERSE_MOUNTS | ARCHIVE_READDISK_NO_FFLAGS | extra_behavior) != ARCHIVE_OK)
     throw_archive(rd.get(), "read_disk");
   if (archive_read_disk_open(rd.get(), source.c_str()) != ARCHIVE_OK)
     throw_archive(rd.get(), fmt::format("open {}", source.string()));
@@ -125,8 +125,7 @@ inline void copy_data_to_disk(archive* from, archive* to, const std::string& pat
     if (r == ARCHIVE_WARN) warnings.add(from, path);
     if (r < ARCHIVE_WARN) throw_archive_read(from, fmt::format("read {}", path));
     // libarchive reports a failed write(2) (ENOSPC, EIO) as a mere warning; for an image it is fatal.
-    if (archive_write_data_block(to, buf, size, offset) != ARCHIVE_OK)
-      throw_archive(to, fmt::format("write {}", path));
+    if (archive_write_data_block(to, buf, size, offset) != ARCHIVE_OK) throw_archive(to, fmt::format("write {}", path));
   }
 }
 
@@ -141,6 +140,5 @@ inline void write_entry_to_disk(archive* from, archive* wd, archive_entry* e, bo
   if (r == ARCHIVE_WARN) warnings.add(wd, path);
   if (r < ARCHIVE_WARN) throw_archive(wd, fmt::format("finish {}", path));
 }
-
 
 }  // namespace dsec::image

@@ -21,8 +21,8 @@
 #include "image/fs_tree.hpp"
 #include "image/layer_files.hpp"
 #include "image/process.hpp"
-#include "image/tree_diff.hpp"
 #include "image/store/digest.hpp"
+#include "image/tree_diff.hpp"
 
 namespace dsec::image {
 namespace fs = std::filesystem;
@@ -54,7 +54,7 @@ fs::path scratch_dir(const fs::path& parent, std::string_view prefix) {
 
 // What mkfs.erofs must leave out of a tree, and what the tree holds.
 struct TreeScan {
-  std::vector<std::string> excluded;   // relative paths
+  std::vector<std::string> excluded;  // relative paths
   std::uint64_t files_size = 0;
   std::uint64_t entries = 0;
 };
@@ -119,7 +119,8 @@ void append_file(const fs::path& to, const fs::path& from) {
     ssize_t n = ::copy_file_range(in.get(), nullptr, out.get(), &at, 1u << 30, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
-      if (errno == ENOSPC) throw Error(Code::kResourceExhausted, fmt::format("write {}: the disk is full", to.string()));
+      if (errno == ENOSPC)
+        throw Error(Code::kResourceExhausted, fmt::format("write {}: the disk is full", to.string()));
       throw_errno_fmt(errno, "append {} to {}", from.string(), to.string());
     }
     if (n == 0) break;
@@ -163,7 +164,8 @@ LayerSource LayerSource::parse(const std::string& text) {
     auto st = fs::status(text, ec);
     if (ec || !fs::exists(st))
       throw Error(Code::kNotFound, fmt::format("image source {} does not exist (a directory, a tar file, oci:PATH, "
-                                               "tar:FILE, busybox-static or debootstrap:SUITE)", text));
+                                               "tar:FILE, busybox-static or debootstrap:SUITE)",
+                                               text));
     if (fs::is_directory(st)) s.kind = looks_like_oci_image(text) ? Kind::kOci : Kind::kDirectory;
     else s.kind = looks_like_oci_image(text) ? Kind::kOci : Kind::kTar;
   }
@@ -177,8 +179,9 @@ LayerDescriptor store_tree_as_layer(BlobStore& store, const fs::path& tree, Laye
                                     std::uint32_t chunk_size) {
   TreeScan scan = scan_tree(tree);
   if (scan.excluded.size() > kMaxExcluded)
-    throw Error(Code::kInvalidArgument, fmt::format("{} holds {} device nodes, sockets or mounts; too many to leave out",
-                                                    tree.string(), scan.excluded.size()));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("{} holds {} device nodes, sockets or mounts; too many to leave out", tree.string(),
+                            scan.excluded.size()));
   std::vector<std::string> argv{"mkfs.erofs", "--quiet"};
   for (const auto& rel : scan.excluded) argv.push_back("--exclude-path=" + rel);
   if (!scan.excluded.empty())
@@ -283,7 +286,8 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
       auto st = fs::status(src.path, ec);
       if (ec || !fs::exists(st))
         throw Error(Code::kNotFound, fmt::format("source directory {} does not exist", src.path));
-      if (!fs::is_directory(st)) throw Error(Code::kInvalidArgument, fmt::format("source {} is not a directory", src.path));
+      if (!fs::is_directory(st))
+        throw Error(Code::kInvalidArgument, fmt::format("source {} is not a directory", src.path));
       tree = fs::canonical(src.path);
       source = fmt::format("directory {}", tree.string());
       break;
@@ -299,7 +303,8 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
       source = make_busybox_tree(tree, options.busybox, result.notes);
       break;
     case LayerSource::Kind::kDebootstrap:
-      if (options.cache_dir.empty()) throw Error(Code::kInvalidArgument, "build_image: no cache directory for debootstrap");
+      if (options.cache_dir.empty())
+        throw Error(Code::kInvalidArgument, "build_image: no cache directory for debootstrap");
       source = make_debootstrap_tree(tree, src.path, options.include_packages, options.mirror, options.cache_dir,
                                      options.log, result.notes);
       break;

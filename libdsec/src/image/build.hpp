@@ -29,37 +29,37 @@ namespace dsec::image {
 struct LayerSource {
   enum class Kind { kDirectory, kTar, kOci, kBusybox, kDebootstrap };
   Kind kind = Kind::kDirectory;
-  std::string path;   // directory, file, "-", or the suite
+  std::string path;  // directory, file, "-", or the suite
   static LayerSource parse(const std::string& text);
 };
 
 struct BuildOptions {
-  std::string reference;                     // the tag to write: "swe/task-17:latest"
+  std::string reference;  // the tag to write: "swe/task-17:latest"
   LayerSource source;
-  std::string parent;                        // image to build on (its layers go below the new one), or empty
-  std::optional<LayerRole> role;             // default: base without a parent, task with one
+  std::string parent;             // image to build on (its layers go below the new one), or empty
+  std::optional<LayerRole> role;  // default: base without a parent, task with one
   // With a parent: the source is a whole root filesystem, and the new layer holds only what differs from the
   // parent's layers (tree_diff.hpp; whiteouts for what it removes). Tar and OCI sources are then applied as a whole
   // image (their whiteouts delete). Default: on for busybox-static and debootstrap sources with a parent, off
   // otherwise. Needs root (the parent's layers are mounted to compare); INVALID_ARGUMENT without a parent.
   std::optional<bool> diff;
-  std::vector<std::string> include_packages; // debootstrap
-  std::string mirror;                        // debootstrap
+  std::vector<std::string> include_packages;  // debootstrap
+  std::string mirror;                         // debootstrap
   std::filesystem::path busybox = "/bin/busybox";
-  std::filesystem::path cache_dir;           // debootstrap tarballs (required for debootstrap)
-  std::filesystem::path work_dir;            // scratch space for the tree and the layer (required)
-  std::uint64_t max_bytes = 64ull << 30;     // file content a tar/OCI source may unpack to
+  std::filesystem::path cache_dir;        // debootstrap tarballs (required for debootstrap)
+  std::filesystem::path work_dir;         // scratch space for the tree and the layer (required)
+  std::uint64_t max_bytes = 64ull << 30;  // file content a tar/OCI source may unpack to
   std::uint32_t chunk_size = ChunkIndex::kDefaultChunkSize;
-  LogSink log;                               // builder output and notes, line by line
-  ProgressFn progress;                       // long steps: packing chunks, uploading
+  LogSink log;          // builder output and notes, line by line
+  ProgressFn progress;  // long steps: packing chunks, uploading
 };
 
 struct BuildResult {
   ResolvedManifest image;
-  LayerDescriptor layer;                     // the new layer
-  bool layer_existed = false;                // the store had the layer already (same bytes built before)
+  LayerDescriptor layer;       // the new layer
+  bool layer_existed = false;  // the store had the layer already (same bytes built before)
   std::vector<std::string> notes;
-  bool diff = false;                         // the layer holds the difference from the parent
+  bool diff = false;  // the layer holds the difference from the parent
   double seconds_tree = 0, seconds_diff = 0, seconds_mkfs = 0, seconds_store = 0;
 };
 

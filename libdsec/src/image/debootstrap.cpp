@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <cctype>
-#include <map>
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -64,7 +64,9 @@ std::string lower(std::string s) {
   return s;
 }
 
-bool contains(const std::vector<std::string>& v, std::string_view x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+bool contains(const std::vector<std::string>& v, std::string_view x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
 
 bool is_security(const AptSource& s, const std::string& uri) {
   if (uri.find("debian-security") != std::string::npos || uri.find("/security") != std::string::npos) return true;
@@ -242,10 +244,11 @@ std::string find_debian_mirror(std::string_view suite, const fs::path& apt_dir) 
   }
   std::string mirror = pick_debian_mirror(sources, suite);
   if (mirror.empty())
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("no Debian mirror for '{}' in apt's sources ({}); pass one explicitly (--mirror URL)", suite,
-                            read.empty() ? std::string("none found under ") + apt_dir.string()
-                                         : fmt::format("{}", fmt::join(read, ", "))));
+    throw Error(
+        Code::kFailedPrecondition,
+        fmt::format("no Debian mirror for '{}' in apt's sources ({}); pass one explicitly (--mirror URL)", suite,
+                    read.empty() ? std::string("none found under ") + apt_dir.string()
+                                 : fmt::format("{}", fmt::join(read, ", "))));
   return mirror;
 }
 
@@ -254,7 +257,8 @@ std::vector<std::string> normalize_packages(const std::vector<std::string>& pack
   for (const auto& raw : packages) {
     std::string p = trim(raw);
     if (p.empty()) continue;
-    bool ok = p.size() >= 2 && (std::islower(static_cast<unsigned char>(p[0])) || std::isdigit(static_cast<unsigned char>(p[0])));
+    bool ok = p.size() >= 2 &&
+              (std::islower(static_cast<unsigned char>(p[0])) || std::isdigit(static_cast<unsigned char>(p[0])));
     for (char c : p)
       if (!(std::islower(static_cast<unsigned char>(c)) || std::isdigit(static_cast<unsigned char>(c)) || c == '+' ||
             c == '-' || c == '.'))
@@ -275,8 +279,7 @@ std::string debootstrap_cache_name(std::string_view suite, std::string_view arch
   std::string tail;
   if (!joined.empty()) {
     tail = "+" + joined;
-    if (tail.size() > kMaxReadableCacheKey)
-      tail = fmt::format("+{}...{:016x}", tail.substr(1, 40), fnv1a(joined));
+    if (tail.size() > kMaxReadableCacheKey) tail = fmt::format("+{}...{:016x}", tail.substr(1, 40), fnv1a(joined));
   }
   return fmt::format("debootstrap-{}-{}-{}{}.tar.zst", suite, arch, kTreeFlavor, tail);
 }
@@ -328,8 +331,8 @@ void clean_debootstrap_tree(const fs::path& rootfs, std::vector<std::string>& no
       }
     }
   }
-  for (const char* d : {"usr/share/man", "usr/share/info", "usr/share/groff", "usr/share/lintian", "usr/share/linda",
-                        "var/cache/man"})
+  for (const char* d :
+       {"usr/share/man", "usr/share/info", "usr/share/groff", "usr/share/lintian", "usr/share/linda", "var/cache/man"})
     slimmed += empty_dir(rootfs / d, false);
   slimmed += empty_dir(rootfs / "usr/share/locale", false, {"locale.alias"});
   fs::create_directories(rootfs / "etc/dpkg/dpkg.cfg.d");
@@ -352,9 +355,10 @@ void clean_debootstrap_tree(const fs::path& rootfs, std::vector<std::string>& no
 
   notes.push_back(fmt::format("removed {:.1f} MiB of apt package cache and lists, logs and temporary files",
                               static_cast<double>(freed) / (1 << 20)));
-  notes.push_back(fmt::format("removed {:.1f} MiB of documentation, manual pages and translations (kept: copyright "
-                              "files; /etc/dpkg/dpkg.cfg.d/dsec-slim keeps later installs slim too)",
-                              static_cast<double>(slimmed) / (1 << 20)));
+  notes.push_back(
+      fmt::format("removed {:.1f} MiB of documentation, manual pages and translations (kept: copyright "
+                  "files; /etc/dpkg/dpkg.cfg.d/dsec-slim keeps later installs slim too)",
+                  static_cast<double>(slimmed) / (1 << 20)));
   if (devices > 0) notes.push_back(fmt::format("emptied /dev ({} entries; a sandbox gets its own /dev)", devices));
   notes.push_back("replaced /etc/hostname, /etc/resolv.conf and /etc/hosts copied from the build host");
 }
@@ -367,8 +371,9 @@ std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite
   if (!mirror.empty()) check_mirror(mirror);
   std::string arch = host_debian_arch();
   fs::path cache = cache_dir / debootstrap_cache_name(suite, arch, packages);
-  std::string source = fmt::format("debootstrap:{} --variant=minbase{}", suite,
-                                   packages.empty() ? std::string() : fmt::format(" --include={}", fmt::join(packages, ",")));
+  std::string source =
+      fmt::format("debootstrap:{} --variant=minbase{}", suite,
+                  packages.empty() ? std::string() : fmt::format(" --include={}", fmt::join(packages, ",")));
 
   auto say = [&](std::string_view line) {
     if (log) log(line);
@@ -410,8 +415,12 @@ std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite
   say(fmt::format("running: {}", fmt::join(argv, " ")));
 
   ProcessOptions options;
-  options.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "LC_ALL=C.UTF-8",
-                 "DEBIAN_FRONTEND=noninteractive", "DEBCONF_NONINTERACTIVE_SEEN=true", "HOME=/root"};
+  options.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                 "LANG=C.UTF-8",
+                 "LC_ALL=C.UTF-8",
+                 "DEBIAN_FRONTEND=noninteractive",
+                 "DEBCONF_NONINTERACTIVE_SEEN=true",
+                 "HOME=/root"};
   options.on_line = [&](std::string_view line) { say(line); };
   auto started = std::chrono::steady_clock::now();
   ProcessResult result;
@@ -436,9 +445,9 @@ std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite
     bool download = all.find("Failed getting") != std::string::npos ||
                     all.find("Couldn't download") != std::string::npos ||
                     all.find("Failed to download") != std::string::npos;
-    throw Error(download ? Code::kUnavailable : Code::kInternal,
-                fmt::format("debootstrap {} from {} {}:\n{}{}", suite, from, result.status_text(), result.tail(),
-                            log_tail));
+    throw Error(
+        download ? Code::kUnavailable : Code::kInternal,
+        fmt::format("debootstrap {} from {} {}:\n{}{}", suite, from, result.status_text(), result.tail(), log_tail));
   }
   clean_debootstrap_tree(rootfs, notes);
   for (const auto& n : notes) say(n);
@@ -446,8 +455,8 @@ std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite
   std::error_code ec;
   fs::create_directories(cache_dir, ec);
   pack_tree(rootfs, cache);
-  notes.insert(notes.begin(), fmt::format("bootstrapped from {} in {:.0f} s; tree cached as {}", from, seconds,
-                                          cache.string()));
+  notes.insert(notes.begin(),
+               fmt::format("bootstrapped from {} in {:.0f} s; tree cached as {}", from, seconds, cache.string()));
   return source + " from " + from;
 }
 

@@ -11,7 +11,7 @@ namespace dsec::image {
 
 // One entry of apt's sources, from either format.
 struct AptSource {
-  std::vector<std::string> types;       // "deb", "deb-src"
+  std::vector<std::string> types;  // "deb", "deb-src"
   std::vector<std::string> uris;
   std::vector<std::string> suites;
   std::vector<std::string> components;

@@ -43,13 +43,20 @@ std::uint64_t le64(const unsigned char* p) { return le32(p) | (static_cast<std::
 
 std::string_view xattr_prefix(unsigned index) {
   switch (index) {
-    case 1: return "user.";
-    case 2: return "system.posix_acl_access";
-    case 3: return "system.posix_acl_default";
-    case 4: return "trusted.";
-    case 5: return "lustre.";
-    case 6: return "security.";
-    default: return {};
+    case 1:
+      return "user.";
+    case 2:
+      return "system.posix_acl_access";
+    case 3:
+      return "system.posix_acl_default";
+    case 4:
+      return "trusted.";
+    case 5:
+      return "lustre.";
+    case 6:
+      return "security.";
+    default:
+      return {};
   }
 }
 
@@ -100,9 +107,8 @@ class ErofsReader {
     std::string out(length, '\0');
     std::size_t done = 0;
     while (done < length) {
-      ssize_t n = retry_eintr([&] {
-        return ::pread(fd_.get(), out.data() + done, length - done, static_cast<off_t>(offset + done));
-      });
+      ssize_t n = retry_eintr(
+          [&] { return ::pread(fd_.get(), out.data() + done, length - done, static_cast<off_t>(offset + done)); });
       if (n < 0) throw_errno_fmt(errno, "read {}", path_.string());
       if (n == 0) bad("it ends early");
       done += static_cast<std::size_t>(n);
@@ -140,7 +146,8 @@ class ErofsReader {
   }
 
   // One xattr entry at `p` (at most `room` bytes); returns its aligned size.
-  std::size_t xattr_entry(const unsigned char* p, std::size_t room, std::vector<std::pair<std::string, std::string>>& out) const {
+  std::size_t xattr_entry(const unsigned char* p, std::size_t room,
+                          std::vector<std::pair<std::string, std::string>>& out) const {
     if (room < kXattrEntrySize) bad("an xattr entry past its inode");
     const unsigned name_len = p[0];
     const unsigned index = p[1];

@@ -27,10 +27,14 @@ namespace {
 
 std::string describe_type(mode_t type) {
   switch (type) {
-    case AE_IFCHR: return "character device";
-    case AE_IFBLK: return "block device";
-    case AE_IFSOCK: return "socket";
-    default: return "special file";
+    case AE_IFCHR:
+      return "character device";
+    case AE_IFBLK:
+      return "block device";
+    case AE_IFSOCK:
+      return "socket";
+    default:
+      return "special file";
   }
 }
 
@@ -110,7 +114,8 @@ void copy_tree(const fs::path& source, const fs::path& dest, std::vector<std::st
   std::error_code ec;
   fs::path src = fs::canonical(source, ec);
   if (ec) throw Error(code_for_errno(ec.value()), fmt::format("{}: {}", source.string(), ec.message()));
-  if (!fs::is_directory(src)) throw Error(Code::kInvalidArgument, fmt::format("{} is not a directory", source.string()));
+  if (!fs::is_directory(src))
+    throw Error(Code::kInvalidArgument, fmt::format("{} is not a directory", source.string()));
   if (fs::exists(fs::symlink_status(dest)))
     throw Error(Code::kAlreadyExists, fmt::format("copy destination {} exists", dest.string()));
   fs::path dst = fs::weakly_canonical(dest);
@@ -210,7 +215,8 @@ void pack_tree(const fs::path& source, const fs::path& tarball) {
           if (rr < ARCHIVE_WARN) throw_archive(rd.get(), fmt::format("read {}", name));
           while (written < offset) {  // a hole: tar stores it as zeros
             auto n = static_cast<size_t>(std::min<la_int64_t>(offset - written, zeros.size()));
-            if (archive_write_data(aw.get(), zeros.data(), n) < 0) throw_archive(aw.get(), fmt::format("pack {}", name));
+            if (archive_write_data(aw.get(), zeros.data(), n) < 0)
+              throw_archive(aw.get(), fmt::format("pack {}", name));
             written += static_cast<la_int64_t>(n);
           }
           if (size > 0 && archive_write_data(aw.get(), buf, size) < 0)

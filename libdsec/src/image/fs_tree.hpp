@@ -11,8 +11,7 @@ namespace dsec::image {
 // Copies the tree at `source` to `dest` (which must not exist): modes, numeric ownership, times, xattrs, ACLs,
 // symlinks (as links) and hard links (as links) are kept. Device nodes and sockets are skipped and each skip is
 // appended to `notes`; mounts below `source` are not crossed.
-void copy_tree(const std::filesystem::path& source, const std::filesystem::path& dest,
-               std::vector<std::string>& notes);
+void copy_tree(const std::filesystem::path& source, const std::filesystem::path& dest, std::vector<std::string>& notes);
 
 // Writes the tree at `source` as a zstd-compressed pax tarball to `tarball` (through a temporary file renamed into
 // place, so a tarball that exists is whole). Entries are relative ("./usr/bin/..."), ownership numeric.

@@ -25,15 +25,15 @@ constexpr std::uint64_t kReadBatch = 16ull << 20;
 constexpr unsigned long kMountFlags = MS_RDONLY | MS_NODEV | MS_NOSUID;
 
 bool all_zero(const std::string& bytes) {
-  return bytes.empty() ||
-         (bytes.front() == 0 && std::memcmp(bytes.data(), bytes.data() + 1, bytes.size() - 1) == 0);
+  return bytes.empty() || (bytes.front() == 0 && std::memcmp(bytes.data(), bytes.data() + 1, bytes.size() - 1) == 0);
 }
 
 void write_at(int fd, const fs::path& file, const char* data, std::size_t size, std::uint64_t offset) {
   while (size > 0) {
     ssize_t n = retry_eintr([&] { return ::pwrite(fd, data, size, static_cast<off_t>(offset)); });
     if (n < 0) {
-      if (errno == ENOSPC) throw Error(Code::kResourceExhausted, fmt::format("write {}: the disk is full", file.string()));
+      if (errno == ENOSPC)
+        throw Error(Code::kResourceExhausted, fmt::format("write {}: the disk is full", file.string()));
       throw_errno_fmt(errno, "write {}", file.string());
     }
     data += n;
@@ -72,8 +72,8 @@ void unmount(const fs::path& p) {
 [[noreturn]] void throw_mount_error(int err, const std::string& what, const fs::path& at) {
   switch (err) {
     case EPERM:
-      throw Error(Code::kPermissionDenied, fmt::format("mount {} on {}: mounting image layers needs root", what,
-                                                       at.string()));
+      throw Error(Code::kPermissionDenied,
+                  fmt::format("mount {} on {}: mounting image layers needs root", what, at.string()));
     case ENODEV:
       throw Error(Code::kFailedPrecondition, fmt::format("mount {}: the kernel lacks the filesystem", what));
     case ENOTBLK:
@@ -93,7 +93,8 @@ LayerFiles write_layer_files(BlobStore& store, const LayerDescriptor& layer, con
     throw Error(Code::kInvalidArgument, fmt::format("chunk index {} does not describe layer {} (it names {})",
                                                     layer.index, layer.digest, index.layer));
   if (index.meta_size > index.size)
-    throw Error(Code::kInvalidArgument, fmt::format("chunk index {}: metadata part larger than the layer", layer.index));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("chunk index {}: metadata part larger than the layer", layer.index));
   if (::mkdir(dir.c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}", dir.string());
 
   LayerFiles files;

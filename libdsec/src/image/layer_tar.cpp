@@ -1,13 +1,13 @@
 #include "image/layer_tar.hpp"
 
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
-#include <linux/openat2.h>
 
 #include <cstdio>
 #include <fstream>
@@ -211,7 +211,8 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
     const mode_t type = archive_entry_filetype(e);
     if (type == AE_IFCHR || type == AE_IFBLK || type == AE_IFSOCK || type == AE_IFIFO) {
       if (skipped_special++ < 5)
-        notes.push_back(fmt::format("skipped {} (device nodes, sockets and FIFOs are not kept in layers)", rel.string()));
+        notes.push_back(
+            fmt::format("skipped {} (device nodes, sockets and FIFOs are not kept in layers)", rel.string()));
       continue;
     }
     if (rel.empty()) {
@@ -233,13 +234,15 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
     archive_entry_set_pathname(e, join(root, rel).c_str());
     if (const char* hl = archive_entry_hardlink(e)) {
       fs::path target = safe_relative(hl);
-      if (target.empty()) throw Error(Code::kInvalidArgument, fmt::format("{}: hard link to the tree's root", tar.string()));
+      if (target.empty())
+        throw Error(Code::kInvalidArgument, fmt::format("{}: hard link to the tree's root", tar.string()));
       archive_entry_set_hardlink(e, join(root, target).c_str());
     }
     try {
       write_entry_to_disk(ar.get(), wd.get(), e, archive_entry_hardlink(e) == nullptr, warnings);
     } catch (const Error& err) {
-      if (std::string_view(err.what()).find("No space") != std::string_view::npos || err.code() == Code::kResourceExhausted)
+      if (std::string_view(err.what()).find("No space") != std::string_view::npos ||
+          err.code() == Code::kResourceExhausted)
         throw Error(Code::kResourceExhausted, fmt::format("{}: {}", tar.string(), err.what()));
       // libarchive refuses what a hostile tar asks for (extracting through a symlink, a hard link through one)
       // without an errno: the tar is at fault, not dsec.
@@ -303,7 +306,8 @@ fs::path checked_blob(const fs::path& layout, const json& descriptor) {
     throw Error(Code::kDataLoss, fmt::format("{}: blob {} has the wrong size", layout.string(), digest));
   std::string actual = sha256_file(blob);
   if (actual != digest)
-    throw Error(Code::kDataLoss, fmt::format("{}: blob {} is damaged (its bytes hash to {})", layout.string(), digest, actual));
+    throw Error(Code::kDataLoss,
+                fmt::format("{}: blob {} is damaged (its bytes hash to {})", layout.string(), digest, actual));
   return blob;
 }
 
@@ -343,7 +347,8 @@ std::string apply_oci_layout(const fs::path& layout, const fs::path& root, White
   if (fs::exists(layout / "index.json")) {
     std::vector<json> manifests;
     collect_manifests(layout, parse_json_file(layout / "index.json"), manifests, 0);
-    if (manifests.empty()) throw Error(Code::kInvalidArgument, fmt::format("{}: the index lists no image", layout.string()));
+    if (manifests.empty())
+      throw Error(Code::kInvalidArgument, fmt::format("{}: the index lists no image", layout.string()));
     const json* chosen = nullptr;
     const std::string arch = host_oci_arch();
     for (const json& d : manifests) {
@@ -358,7 +363,8 @@ std::string apply_oci_layout(const fs::path& layout, const fs::path& root, White
     if (!chosen) {
       chosen = &manifests.front();
       if (manifests.size() > 1)
-        notes.push_back(fmt::format("no image for linux/{} in the index; took the first of {}", arch, manifests.size()));
+        notes.push_back(
+            fmt::format("no image for linux/{} in the index; took the first of {}", arch, manifests.size()));
     }
     fs::path manifest_blob = checked_blob(layout, *chosen);
     json manifest = parse_json_file(manifest_blob);
@@ -376,9 +382,11 @@ std::string apply_oci_layout(const fs::path& layout, const fs::path& root, White
   } else if (fs::exists(layout / "manifest.json")) {
     // The older `docker save` format: [{"Config": "...", "RepoTags": [...], "Layers": ["<id>/layer.tar", ...]}].
     json manifest = parse_json_file(layout / "manifest.json");
-    if (!manifest.is_array() || manifest.empty() || !manifest[0].contains("Layers") || !manifest[0]["Layers"].is_array())
+    if (!manifest.is_array() || manifest.empty() || !manifest[0].contains("Layers") ||
+        !manifest[0]["Layers"].is_array())
       throw Error(Code::kInvalidArgument, fmt::format("{}/manifest.json: no image in it", layout.string()));
-    if (manifest.size() > 1) notes.push_back(fmt::format("{} holds {} images; took the first", described, manifest.size()));
+    if (manifest.size() > 1)
+      notes.push_back(fmt::format("{} holds {} images; took the first", described, manifest.size()));
     for (const json& l : manifest[0]["Layers"]) {
       if (!l.is_string()) bad_layout(layout, "manifest.json: a layer that is not a file name");
       fs::path rel = safe_relative(l.get<std::string>().c_str());
@@ -389,9 +397,10 @@ std::string apply_oci_layout(const fs::path& layout, const fs::path& root, White
     }
     what = fmt::format("{} ({} layers)", described, layer_files.size());
   } else {
-    throw Error(Code::kInvalidArgument,
-                fmt::format("{} is not an OCI image layout (no index.json) nor a docker save archive (no manifest.json)",
-                            layout.string()));
+    throw Error(
+        Code::kInvalidArgument,
+        fmt::format("{} is not an OCI image layout (no index.json) nor a docker save archive (no manifest.json)",
+                    layout.string()));
   }
   for (std::size_t i = 0; i < layer_files.size(); ++i) apply_layer_tar(layer_files[i], root, mode, limits, notes);
   return what;

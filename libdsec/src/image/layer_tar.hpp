@@ -24,9 +24,9 @@ namespace dsec::image {
 enum class WhiteoutMode { kApply, kOverlay };
 
 struct TarLimits {
-  std::uint64_t max_bytes = 64ull << 30;   // file content written, over the whole build
+  std::uint64_t max_bytes = 64ull << 30;  // file content written, over the whole build
   std::uint64_t max_entries = 10'000'000;
-  std::uint64_t used_bytes = 0;            // running totals, carried from layer to layer
+  std::uint64_t used_bytes = 0;  // running totals, carried from layer to layer
   std::uint64_t used_entries = 0;
 };
 

@@ -107,8 +107,8 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
   if (argv.empty()) throw Error(Code::kInvalidArgument, "run_process: empty argv");
   std::string exe = find_executable(argv[0], options.env);
   if (exe.empty())
-    throw Error(Code::kFailedPrecondition, fmt::format("{}: no such program on PATH ({})", argv[0],
-                                                       path_variable(options.env)));
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("{}: no such program on PATH ({})", argv[0], path_variable(options.env)));
 
   int out_pipe[2];
   int err_pipe[2];
@@ -142,8 +142,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
 
   pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, exe.c_str(), &actions, &attr, cargv.data(),
-                         options.env.empty() ? environ : cenv.data());
+  int rc = ::posix_spawn(&pid, exe.c_str(), &actions, &attr, cargv.data(), options.env.empty() ? environ : cenv.data());
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
   if (rc != 0) throw_errno_fmt(rc, "start {}", exe);

@@ -20,10 +20,10 @@ struct ProcessOptions {
 };
 
 struct ProcessResult {
-  int exit_code = -1;   // exit status, -1 when killed by a signal
+  int exit_code = -1;  // exit status, -1 when killed by a signal
   int signal = 0;
-  std::string out;      // the tail of stdout
-  std::string err;      // the tail of stderr
+  std::string out;  // the tail of stdout
+  std::string err;  // the tail of stderr
   bool ok() const noexcept { return exit_code == 0; }
   // "exited with status 1" / "killed by signal 9"
   std::string status_text() const;

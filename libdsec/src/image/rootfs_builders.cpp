@@ -56,8 +56,8 @@ void require_static_elf(const fs::path& path) {
   if (!fd) {
     int err = errno;
     throw Error(err == ENOENT ? Code::kFailedPrecondition : code_for_errno(err),
-                fmt::format("{}: {} (install Debian's busybox-static: apt-get install busybox-static)",
-                            path.string(), std::strerror(err)));
+                fmt::format("{}: {} (install Debian's busybox-static: apt-get install busybox-static)", path.string(),
+                            std::strerror(err)));
   }
   unsigned char ident[EI_NIDENT] = {};
   if (::pread(fd.get(), ident, sizeof ident, 0) != EI_NIDENT || std::memcmp(ident, ELFMAG, SELFMAG) != 0)

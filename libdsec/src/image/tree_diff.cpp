@@ -156,7 +156,8 @@ void copy_file_data(const fs::path& from, int in, const fs::path& to, int out) {
     for (ssize_t done = 0; done < n;) {
       ssize_t w = retry_eintr([&] { return ::write(out, buf.data() + done, static_cast<std::size_t>(n - done)); });
       if (w < 0) {
-        if (errno == ENOSPC) throw Error(Code::kResourceExhausted, fmt::format("write {}: the disk is full", to.string()));
+        if (errno == ENOSPC)
+          throw Error(Code::kResourceExhausted, fmt::format("write {}: the disk is full", to.string()));
         throw_errno_fmt(errno, "write {}", to.string());
       }
       done += w;
@@ -324,7 +325,8 @@ class Differ {
     fs::path p = join(out_, rel);
     if (::mknod(p.c_str(), S_IFCHR | 0000, makedev(0, 0)) != 0) {
       if (errno == EPERM)
-        throw Error(Code::kPermissionDenied, fmt::format("make whiteout {}: overlayfs whiteouts need root", p.string()));
+        throw Error(Code::kPermissionDenied,
+                    fmt::format("make whiteout {}: overlayfs whiteouts need root", p.string()));
       throw_errno_fmt(errno, "make whiteout {}", p.string());
     }
     ++stats_.whiteouts;
@@ -350,8 +352,8 @@ class Differ {
         !same_time(bs, fs))
       return false;
     if ((S_ISCHR(fs.st_mode) || S_ISBLK(fs.st_mode)) && bs.st_rdev != fs.st_rdev) return false;
-    if (S_ISLNK(fs.st_mode) && read_link(b, static_cast<std::size_t>(bs.st_size)) !=
-                                   read_link(f, static_cast<std::size_t>(fs.st_size)))
+    if (S_ISLNK(fs.st_mode) &&
+        read_link(b, static_cast<std::size_t>(bs.st_size)) != read_link(f, static_cast<std::size_t>(fs.st_size)))
       return false;
     return read_xattrs(b) == read_xattrs(f);
   }
@@ -361,7 +363,7 @@ class Differ {
   dev_t full_dev_ = 0, out_dev_ = 0;
   bool may_link_ = false;
   std::set<fs::path> created_;
-  std::vector<fs::path> dirs_;  // created in out, in creation order (parents first)
+  std::vector<fs::path> dirs_;                         // created in out, in creation order (parents first)
   std::map<std::pair<dev_t, ino_t>, fs::path> links_;  // full's multiply-linked files -> their first path in out
   std::size_t skipped_mounts_ = 0;
   DiffStats stats_;
@@ -388,9 +390,10 @@ DiffStats make_diff_tree(const fs::path& base, const fs::path& full, const fs::p
   try {
     Differ differ(fs::canonical(base), fs::canonical(full), fs::canonical(out), notes, options);
     DiffStats stats = differ.run();
-    notes.push_back(fmt::format("layer holds the difference from its parent: {} entries new or changed ({} of file "
-                                "data), {} unchanged, {} removed, {} directories replaced",
-                                stats.written, mib(stats.bytes), stats.unchanged, stats.whiteouts, stats.opaque_dirs));
+    notes.push_back(
+        fmt::format("layer holds the difference from its parent: {} entries new or changed ({} of file "
+                    "data), {} unchanged, {} removed, {} directories replaced",
+                    stats.written, mib(stats.bytes), stats.unchanged, stats.whiteouts, stats.opaque_dirs));
     return stats;
   } catch (...) {
     std::error_code ec;

@@ -28,13 +28,13 @@
 namespace dsec::image {
 
 struct DiffStats {
-  std::uint64_t written = 0;      // entries of `full` written to `out` (new or changed, and the contents of new
-                                  // directories); directories only on the way are not counted
-  std::uint64_t unchanged = 0;    // non-directories of `full` found equal in `base`
+  std::uint64_t written = 0;    // entries of `full` written to `out` (new or changed, and the contents of new
+                                // directories); directories only on the way are not counted
+  std::uint64_t unchanged = 0;  // non-directories of `full` found equal in `base`
   std::uint64_t whiteouts = 0;
   std::uint64_t opaque_dirs = 0;
-  std::uint64_t bytes = 0;        // regular file content in `out` (hard links counted once)
-  std::uint64_t linked = 0;       // regular files hard-linked from `full` rather than copied
+  std::uint64_t bytes = 0;   // regular file content in `out` (hard links counted once)
+  std::uint64_t linked = 0;  // regular files hard-linked from `full` rather than copied
 };
 
 struct DiffOptions {

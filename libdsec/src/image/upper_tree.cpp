@@ -341,7 +341,8 @@ class UpperCopier {
       if (n < 0) throw_errno_fmt(errno, "read {}", shown(rel));
       if (n == 0) return;
       for (ssize_t done = 0; done < n;) {
-        ssize_t w = retry_eintr([&] { return ::pwrite(out, buffer_.data() + done, static_cast<std::size_t>(n - done), to); });
+        ssize_t w =
+            retry_eintr([&] { return ::pwrite(out, buffer_.data() + done, static_cast<std::size_t>(n - done), to); });
         if (w < 0) throw_write_errno(errno, fmt::format("write the copy of {}", shown(rel)));
         done += w;
         to += w;

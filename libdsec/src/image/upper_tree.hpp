@@ -33,17 +33,17 @@ struct UpperTreeLimits {
 };
 
 struct UpperTreeStats {
-  std::uint64_t entries = 0;             // everything written below the root
-  std::uint64_t files = 0;               // regular files (inodes, not names)
+  std::uint64_t entries = 0;  // everything written below the root
+  std::uint64_t files = 0;    // regular files (inodes, not names)
   std::uint64_t directories = 0;
   std::uint64_t symlinks = 0;
   std::uint64_t fifos = 0;
   std::uint64_t whiteouts = 0;
   std::uint64_t opaque_directories = 0;
-  std::uint64_t hard_links = 0;          // further names of a file already copied
-  std::uint64_t file_bytes = 0;          // apparent size of the regular files (each inode once)
-  std::uint64_t data_bytes = 0;          // bytes read and written (holes are not)
-  std::uint64_t skipped = 0;             // sockets and device nodes left out
+  std::uint64_t hard_links = 0;  // further names of a file already copied
+  std::uint64_t file_bytes = 0;  // apparent size of the regular files (each inode once)
+  std::uint64_t data_bytes = 0;  // bytes read and written (holes are not)
+  std::uint64_t skipped = 0;     // sockets and device nodes left out
 };
 
 // Copies the upper directory open at `upper_fd` (any open or O_PATH descriptor of the directory) into `dest`,

@@ -5,9 +5,9 @@
 #include <linux/magic.h>
 #include <linux/sched.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
-#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -88,7 +88,6 @@ bool become_user(const StartRequest& req) {
   }
   return true;
 }
-
 
 // Whether the kernel takes clone3 with CLONE_INTO_CGROUP (Linux 5.7+); cleared at the first ENOSYS or E2BIG.
 bool clone_into_cgroup_works = true;

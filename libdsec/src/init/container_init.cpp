@@ -23,9 +23,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/wire/init_protocol.hpp"
 #include "init/command_start.hpp"
 #include "init/init_main.hpp"
-#include "common/wire/init_protocol.hpp"
 #include "init/process_table.hpp"
 
 namespace dsec::init {

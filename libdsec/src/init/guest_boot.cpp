@@ -25,9 +25,9 @@
 #include <string>
 
 #include "common/wire/guest_protocol.hpp"
+#include "dsec/error.hpp"
 #include "init/guest_system.hpp"
 #include "init/init_main.hpp"
-#include "dsec/error.hpp"
 
 namespace dsec::init {
 namespace {

@@ -14,18 +14,18 @@
 // waits for the next agent's kHello.
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <linux/random.h>
 #include <net/if.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
-#include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/utsname.h>
@@ -47,12 +47,12 @@
 #include <vector>
 
 #include "common/sandbox_tree.hpp"
-#include "init/command_start.hpp"
-#include "init/process_table.hpp"
 #include "common/wire/guest_protocol.hpp"
+#include "dsec/error.hpp"
+#include "init/command_start.hpp"
 #include "init/guest_system.hpp"
 #include "init/init_main.hpp"
-#include "dsec/error.hpp"
+#include "init/process_table.hpp"
 
 namespace dsec::init {
 namespace {
@@ -74,8 +74,8 @@ struct Exec {
   std::uint64_t out_kept = 0, err_kept = 0;
   bool out_truncated = false, err_truncated = false;
   std::string stdin_pending;
-  bool stdin_closing = false;  // close once stdin_pending is written
-  std::uint64_t stdin_taken = 0;  // written into the pipe since the last kCredit
+  bool stdin_closing = false;                   // close once stdin_pending is written
+  std::uint64_t stdin_taken = 0;                // written into the pipe since the last kCredit
   std::uint64_t out_credit = gp::kWindowBytes;  // output the agent will take before it acknowledges more
   bool exited = false;
   int status = 0;
@@ -85,8 +85,8 @@ struct Exec {
 
 // A write of a file or a tree coming from the agent, frame by frame.
 struct Upload {
-  UniqueFd file;                                           // kWriteFile
-  std::unique_ptr<files::SandboxTree::Extraction> tree;     // kPutTree
+  UniqueFd file;                                         // kWriteFile
+  std::unique_ptr<files::SandboxTree::Extraction> tree;  // kPutTree
   std::string path;
   std::uint64_t bytes = 0, entries = 0;
   bool failed = false;  // an error was sent: the rest of the upload is read and dropped
@@ -297,8 +297,10 @@ class GuestInit {
   void handle(const gp::Frame& f) {
     try {
       switch (f.type) {
-        case Type::kHello: return on_hello(f);
-        case Type::kSetup: return on_setup(f);
+        case Type::kHello:
+          return on_hello(f);
+        case Type::kSetup:
+          return on_setup(f);
         case Type::kSync:
           ::sync();
           return send(Type::kOk, f.channel);
@@ -309,8 +311,10 @@ class GuestInit {
           if (mode_ == GuestMode::kPid1) ::reboot(RB_POWER_OFF);
           else ::kill(1, SIGRTMIN + 4);  // systemd's orderly power-off
           return;
-        case Type::kExec: return on_exec(f);
-        case Type::kStdin: return on_stdin(f);
+        case Type::kExec:
+          return on_exec(f);
+        case Type::kStdin:
+          return on_stdin(f);
         case Type::kKill: {
           auto it = execs_.find(f.channel);
           if (it != execs_.end()) kill_exec(it->second);
@@ -324,22 +328,29 @@ class GuestInit {
           it->second.out_credit = std::min<std::uint64_t>(it->second.out_credit, gp::kWindowBytes);
           return;
         }
-        case Type::kReadFile: return on_read_file(f);
+        case Type::kReadFile:
+          return on_read_file(f);
         case Type::kWriteFile:
-        case Type::kPutTree: return on_upload_start(f);
+        case Type::kPutTree:
+          return on_upload_start(f);
         case Type::kEntry:
         case Type::kData:
-        case Type::kEnd: return on_upload_part(f);
+        case Type::kEnd:
+          return on_upload_part(f);
         case Type::kStat: {
           gp::Reader r(f.payload);
           std::string path = r.str();
           r.finish();
           return send(Type::kStatReply, f.channel, gp::Writer().u32(tree().mode_of(path)).take());
         }
-        case Type::kGetTree: return on_get_tree(f);
-        case Type::kCaptureUpper: return on_capture_upper(f);
-        case Type::kProcessRequest: return on_process_request(f);
-        default: return send_error(f.channel, Code::kInvalidArgument, "unknown frame type");
+        case Type::kGetTree:
+          return on_get_tree(f);
+        case Type::kCaptureUpper:
+          return on_capture_upper(f);
+        case Type::kProcessRequest:
+          return on_process_request(f);
+        default:
+          return send_error(f.channel, Code::kInvalidArgument, "unknown frame type");
       }
     } catch (const Error& e) {
       send_error(f.channel, e);
@@ -621,8 +632,8 @@ class GuestInit {
         if (fd >= 0) ::close(fd);
       // A SIGKILL while the kernel's OOM killer struck: the OOM killer's (the agent's timeout kill is told apart
       // by the agent; another process's SIGKILL at that moment would be taken for it, as in a container).
-      const bool oom = WIFSIGNALED(exec.status) && WTERMSIG(exec.status) == SIGKILL &&
-                       oom_kill_count() > exec.oom_kills_at_start;
+      const bool oom =
+          WIFSIGNALED(exec.status) && WTERMSIG(exec.status) == SIGKILL && oom_kill_count() > exec.oom_kills_at_start;
       send(Type::kExited, exec.channel,
            gp::encode(gp::Exited{exec.status, exec.out_truncated, exec.err_truncated, oom}));
       // Background processes keep the group; it is removed once they are gone.
@@ -657,9 +668,8 @@ class GuestInit {
     UniqueFd fd = tree().open_for_reading(path);
     struct stat st {};
     if (::fstat(fd.get(), &st) == 0 && static_cast<std::uint64_t>(st.st_size) > max)
-      throw Error(Code::kResourceExhausted,
-                  "read " + files::normalize_sandbox_path(path) + ": larger than the " + std::to_string(max) +
-                      " byte limit");
+      throw Error(Code::kResourceExhausted, "read " + files::normalize_sandbox_path(path) + ": larger than the " +
+                                                std::to_string(max) + " byte limit");
     std::uint64_t total = 0;
     std::string buf(gp::kMaxDataChunk, '\0');
     for (;;) {
@@ -727,10 +737,8 @@ class GuestInit {
     } fs_freeze;
     if (mode_ == GuestMode::kService) {
       UniqueFd disk(::open(kServiceDisk, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-      if (disk && ::ioctl(disk.get(), FIFREEZE, 0) == 0)
-        fs_freeze.fd = std::move(disk);
-      else
-        log_line(std::string("snapshot: freeze ") + kServiceDisk + ": " + errno_text(errno));
+      if (disk && ::ioctl(disk.get(), FIFREEZE, 0) == 0) fs_freeze.fd = std::move(disk);
+      else log_line(std::string("snapshot: freeze ") + kServiceDisk + ": " + errno_text(errno));
     }
     Capture c{f.channel, max, st.st_dev, 0, 0, {}};
     capture_dir(top.get(), "", c);
@@ -789,7 +797,8 @@ class GuestInit {
         UniqueFd sub(::openat(dirfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
         if (!sub) continue;
         if (!xattr_of(sub.get(), "trusted.overlay.redirect").empty())
-          throw Error(Code::kFailedPrecondition, "/" + path + " carries an overlayfs redirect: it cannot be copied alone");
+          throw Error(Code::kFailedPrecondition,
+                      "/" + path + " carries an overlayfs redirect: it cannot be copied alone");
         e.kind = files::EntryKind::kDirectory;
         e.opaque = xattr_of(sub.get(), "trusted.overlay.opaque") == "y";
         emit(e, c);
@@ -808,7 +817,8 @@ class GuestInit {
         if (!file) continue;
         if (!xattr_of(file.get(), "trusted.overlay.metacopy").empty() ||
             ::fgetxattr(file.get(), "trusted.overlay.metacopy", nullptr, 0) >= 0)
-          throw Error(Code::kFailedPrecondition, "/" + path + " is an overlayfs metacopy: its data is in a lower layer");
+          throw Error(Code::kFailedPrecondition,
+                      "/" + path + " is an overlayfs metacopy: its data is in a lower layer");
         if (c.bytes + static_cast<std::uint64_t>(st.st_size) > c.max)
           throw Error(Code::kResourceExhausted, "the writable layer holds more than the snapshot's limit", false);
         c.bytes += static_cast<std::uint64_t>(st.st_size);
@@ -825,7 +835,8 @@ class GuestInit {
             std::fill(buf.begin(), buf.end(), '\0');
             n = static_cast<ssize_t>(std::min<std::uint64_t>(left, buf.size()));
           }
-          send(Type::kData, c.channel, gp::Writer().str(std::string_view(buf.data(), static_cast<std::size_t>(n))).bytes());
+          send(Type::kData, c.channel,
+               gp::Writer().str(std::string_view(buf.data(), static_cast<std::size_t>(n))).bytes());
           flush_below(2u << 20);
           left -= static_cast<std::uint64_t>(n);
         }

@@ -17,8 +17,8 @@
 #include <cstdlib>
 #include <set>
 
-#include "init/command_start.hpp"
 #include "common/wire/init_protocol.hpp"
+#include "init/command_start.hpp"
 
 namespace dsec::init {
 namespace {
@@ -127,18 +127,33 @@ void ProcessTable::drop_parked() {
 void ProcessTable::serve(std::uint64_t ticket, Op op, std::string_view payload, std::vector<int>& fds) {
   std::string reply;
   switch (op) {
-    case Op::kSpawn: reply = spawn(payload, fds); break;
-    case Op::kList: reply = list(); break;
+    case Op::kSpawn:
+      reply = spawn(payload, fds);
+      break;
+    case Op::kList:
+      reply = list();
+      break;
     case Op::kRead:
       if (auto r = read(payload, ticket)) reply = std::move(*r);
       else return;  // parked: answered later
       break;
-    case Op::kWrite: reply = write(payload); break;
-    case Op::kSignal: reply = signal(payload); break;
-    case Op::kResize: reply = resize(payload); break;
-    case Op::kForget: reply = forget(payload); break;
-    case Op::kChildren: reply = children(payload); break;
-    default: reply = status_only(Status::kBadRequest);
+    case Op::kWrite:
+      reply = write(payload);
+      break;
+    case Op::kSignal:
+      reply = signal(payload);
+      break;
+    case Op::kResize:
+      reply = resize(payload);
+      break;
+    case Op::kForget:
+      reply = forget(payload);
+      break;
+    case Op::kChildren:
+      reply = children(payload);
+      break;
+    default:
+      reply = status_only(Status::kBadRequest);
   }
   close_all(fds);
   reply_(ticket, reply);
@@ -299,10 +314,9 @@ std::optional<std::string> ProcessTable::read(std::string_view payload, std::uin
   max = std::min(max, kMaxReadBytes);
   Process* p = find(pid);
   if (!p) return status_only(Status::kNotFound);
-  bool has_output = (out_offset != kSkip && p->out.end() > out_offset) ||
-                    (err_offset != kSkip && p->err.end() > err_offset);
-  if ((has_output && max > 0) || !p->entry.running || wait_ms == 0)
-    return read_reply(*p, out_offset, err_offset, max);
+  bool has_output =
+      (out_offset != kSkip && p->out.end() > out_offset) || (err_offset != kSkip && p->err.end() > err_offset);
+  if ((has_output && max > 0) || !p->entry.running || wait_ms == 0) return read_reply(*p, out_offset, err_offset, max);
   parked_.push_back({ticket, pid, out_offset, err_offset, max, now_ms(CLOCK_MONOTONIC) + wait_ms});
   return std::nullopt;
 }
@@ -414,8 +428,12 @@ std::string ProcessTable::signal(std::string_view payload) {
   std::uint32_t signalled = 0;
   std::set<pid_t> signalled_pids;
   switch (static_cast<Scope>(scope)) {
-    case Scope::kProcess: signalled = ::kill(pid, sig) == 0; break;
-    case Scope::kGroup: signalled = ::kill(-pid, sig) == 0; break;
+    case Scope::kProcess:
+      signalled = ::kill(pid, sig) == 0;
+      break;
+    case Scope::kGroup:
+      signalled = ::kill(-pid, sig) == 0;
+      break;
     case Scope::kTreeExcept:
       // A few rounds: what forked while the first one ran is found by the next (each process signalled once; one
       // that is dying stays listed a while).

@@ -67,7 +67,7 @@ static int modules(void) {
 static int userns(void) {
   int ok = expect_eperm("unshare(CLONE_NEWUSER)", unshare(CLONE_NEWUSER));
   long pid = syscall(__NR_clone, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0);
-  if (pid == 0) _exit(0);  /* in a new user namespace: must never happen */
+  if (pid == 0) _exit(0); /* in a new user namespace: must never happen */
   if (pid > 0) waitpid((pid_t)pid, NULL, 0);
   ok &= expect_eperm("clone(CLONE_NEWUSER)", pid);
   return ok ? 42 : 1;

@@ -52,7 +52,7 @@ class ProbeBackend final : public Backend {
  public:
   struct State {
     std::atomic<int> creates{0};
-    std::atomic<int> fail_at{0};        // the create with this 1-based number fails (0: none)
+    std::atomic<int> fail_at{0};  // the create with this 1-based number fails (0: none)
     std::atomic<int> create_delay_ms{0};
     std::atomic<bool> alive{true};
     std::atomic<bool> fail_leftovers{false};
@@ -60,8 +60,8 @@ class ProbeBackend final : public Backend {
     std::atomic<int> sleeps{0}, wakes{0};
     std::mutex mutex;
     std::vector<std::string> leftovers_removed;
-    std::set<std::string> dead;          // adopt of these ids finds them gone (NOT_FOUND)
-    std::vector<AdoptParams> adopted;    // every adopt call
+    std::set<std::string> dead;        // adopt of these ids finds them gone (NOT_FOUND)
+    std::vector<AdoptParams> adopted;  // every adopt call
   };
 
   explicit ProbeBackend(std::shared_ptr<State> state, std::string kind = "null")

@@ -51,7 +51,8 @@ class AgentTest : public ::testing::Test {
   void SetUp() override {
     if (dsecd_.empty()) GTEST_SKIP() << "build/bin/dsecd is absent (build the dsecd target, or set $DSEC_AGENT)";
     if (home_.empty()) GTEST_SKIP() << "cannot create a temporary home under /tmp";
-    if (!fs::exists("/bin/busybox")) GTEST_SKIP() << "/bin/busybox (Debian's busybox-static) is needed for the test image";
+    if (!fs::exists("/bin/busybox"))
+      GTEST_SKIP() << "/bin/busybox (Debian's busybox-static) is needed for the test image";
   }
 
   // An embedded agent with its own home (and a busybox image in it).

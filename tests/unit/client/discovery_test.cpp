@@ -12,17 +12,17 @@
 
 #include "client/discovery.hpp"
 #include "cluster/etcd_client.hpp"
-#include "cluster/node_record.hpp"
 #include "cluster/etcd_test_util.hpp"
+#include "cluster/node_record.hpp"
 
 namespace dsec::detail {
 namespace {
 
-using std::chrono::milliseconds;
-using std::chrono::seconds;
 using dsec::testing::EtcdServer;
 using dsec::testing::TcpProxy;
 using dsec::testing::wait_until;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
 
 std::string record(const std::string& id, const std::string& endpoint, unsigned sandboxes = 0) {
   cluster::NodeRecord r;

@@ -104,7 +104,7 @@ TEST(NodeTable, RoutesAnIdToTheNodeThatMadeIt) {
   EXPECT_EQ(t.route("alpha-ff"), n[0]);
   EXPECT_EQ(t.route("gamma-1"), n[2]);
   EXPECT_FALSE(t.route("delta-00"));
-  EXPECT_FALSE(t.route("beta"));     // a node id is not a sandbox id
+  EXPECT_FALSE(t.route("beta"));  // a node id is not a sandbox id
   EXPECT_FALSE(t.route("beta-"));
   EXPECT_FALSE(t.route("betax-00"));
 }
@@ -181,7 +181,8 @@ TEST(NodeTable, PlacementTallyStartsOverWithFreshInfo) {
 TEST(SandboxId, Shape) {
   EXPECT_TRUE(valid_sandbox_id("node-1-0123abcd"));
   EXPECT_TRUE(valid_sandbox_id("host.example_2-ff"));
-  for (const char* bad : {"", ".hidden", "a/b", "a b", "../x", "x?y", "a%2F"}) EXPECT_FALSE(valid_sandbox_id(bad)) << bad;
+  for (const char* bad : {"", ".hidden", "a/b", "a b", "../x", "x?y", "a%2F"})
+    EXPECT_FALSE(valid_sandbox_id(bad)) << bad;
   EXPECT_FALSE(valid_sandbox_id(std::string(257, 'a')));
 }
 

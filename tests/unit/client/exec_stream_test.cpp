@@ -78,7 +78,8 @@ TEST(ExecStreamDecoder, OutputChunksInOrderThenTheResult) {
   std::string body = "{\"stdout\":\"" + b64("first\n") + "\"}\n" + "{\"stderr\":\"" + b64("oops") + "\"}\n" +
                      "{\"stdout\":\"" + b64(binary) + "\"}\n" +
                      R"({"result":{"exit_code":3,"signal":0,"stdout":"","stderr":"","stdout_truncated":true,)"
-                     R"("stderr_truncated":false,"timed_out":false,"duration":1.5}})" "\n";
+                     R"("stderr_truncated":false,"timed_out":false,"duration":1.5}})"
+                     "\n";
   // Fed in uneven pieces, as libcurl hands them over.
   for (std::size_t i = 0; i < body.size(); i += 7) decoder.feed(std::string_view(body).substr(i, 7));
   ASSERT_EQ(got.size(), 3u);
@@ -119,14 +120,14 @@ TEST(ExecStreamDecoder, MalformedBodiesAreErrors) {
       d.finish();
     };
   };
-  EXPECT_EQ(code_of(fed("")), Code::kUnavailable);                                    // no final line
-  EXPECT_EQ(code_of(fed("{\"stdout\":\"eA==\"}\n")), Code::kUnavailable);             // cut after a chunk
-  EXPECT_EQ(code_of(fed("{\"stdout\":\"eA==\"}\n{\"resu")), Code::kUnavailable);      // cut mid-line
+  EXPECT_EQ(code_of(fed("")), Code::kUnavailable);                                // no final line
+  EXPECT_EQ(code_of(fed("{\"stdout\":\"eA==\"}\n")), Code::kUnavailable);         // cut after a chunk
+  EXPECT_EQ(code_of(fed("{\"stdout\":\"eA==\"}\n{\"resu")), Code::kUnavailable);  // cut mid-line
   EXPECT_EQ(code_of(fed("not json\n")), Code::kInternal);
   EXPECT_EQ(code_of(fed("[1,2]\n")), Code::kInternal);
   EXPECT_EQ(code_of(fed("{\"stdout\":\"eA==\",\"stderr\":\"eA==\"}\n")), Code::kInternal);  // two keys
   EXPECT_EQ(code_of(fed("{\"stdout\":42}\n")), Code::kInternal);
-  EXPECT_EQ(code_of(fed("{\"stdout\":\"!!!\"}\n")), Code::kInternal);                 // not base64
+  EXPECT_EQ(code_of(fed("{\"stdout\":\"!!!\"}\n")), Code::kInternal);  // not base64
   EXPECT_EQ(code_of(fed("{\"bogus\":1}\n")), Code::kInternal);
   EXPECT_EQ(code_of(fed("{\"result\":{}}\n{\"stdout\":\"eA==\"}\n")), Code::kInternal);  // past the final line
   EXPECT_EQ(code_of(fed("{\"result\":{}}\n")), Code::kOk);

@@ -11,13 +11,13 @@
 
 #include <fmt/format.h>
 
-#include "agent/metrics.hpp"
-#include "http/server.hpp"
 #include "agent/agent_test_util.hpp"
+#include "agent/metrics.hpp"
 #include "client/fncall_placement.hpp"
 #include "common/protocol.hpp"
 #include "dsec/client.hpp"
 #include "dsec/error.hpp"
+#include "http/server.hpp"
 
 namespace dsec {
 namespace {
@@ -192,8 +192,8 @@ TEST(FnCallPlacement, ImagesMatchByDigestOrName) {
 class FakeAgent {
  public:
   struct Behaviour {
-    std::atomic<int> fail_next{0};       // answer this many requests with 503 UNAVAILABLE first
-    std::atomic<bool> down{false};       // every fncall request: 503 UNAVAILABLE
+    std::atomic<int> fail_next{0};  // answer this many requests with 503 UNAVAILABLE first
+    std::atomic<bool> down{false};  // every fncall request: 503 UNAVAILABLE
     std::atomic<int> cores{2};
     std::atomic<bool> warm_python{false};
     std::atomic<bool> serves_fncall{true};
@@ -203,7 +203,8 @@ class FakeAgent {
     agent::ServerOptions options;
     options.unix_socket = dir / (id_ + ".sock");
     server_ = std::make_unique<agent::Server>(
-        options, [this](agent::HttpRequest& req, agent::ResponseStream&, const agent::Peer&) { return handle(req); }, metrics_);
+        options, [this](agent::HttpRequest& req, agent::ResponseStream&, const agent::Peer&) { return handle(req); },
+        metrics_);
     server_->start();
     endpoint_ = "unix:" + options.unix_socket.string();
   }
@@ -237,8 +238,7 @@ class FakeAgent {
       std::lock_guard lock(mu_);
       request_ids_.push_back(req.request_id);
     }
-    if (req.code == "refuse")
-      return json{{"error", {{"code", "NOT_FOUND"}, {"message", "image 'nope' not found"}}}};
+    if (req.code == "refuse") return json{{"error", {{"code", "NOT_FOUND"}, {"message", "image 'nope' not found"}}}};
     FnCallResult r;
     r.exit_code = 0;
     r.stdout_data = id_ + ":" + req.code;

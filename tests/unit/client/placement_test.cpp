@@ -306,9 +306,11 @@ TEST(Placement, TheRefusalNamesEveryNodeAndSummarisesMany) {
   EXPECT_TRUE(e.retryable());
   std::string m = e.what();
   EXPECT_NE(m.find("cannot place 18 of 20 sandboxes (kind container, cpu 1, memory 512Mi) on 3 nodes (2 fit"),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   EXPECT_NE(m.find("node n0: memory: 1.0Gi + 512Mi requested would pass 1.0Gi (1.0Gi x memory_overcommit 1)"),
-            std::string::npos) << m;
+            std::string::npos)
+      << m;
   EXPECT_NE(m.find("node n1: kind: does not serve 'container' (serves: fncall)"), std::string::npos) << m;
   EXPECT_NE(m.find("node n2: unhealthy"), std::string::npos) << m;
 

@@ -46,8 +46,8 @@ TEST(ProcessCodec, AProcessInfoNeedsOnlyItsPid) {
 TEST(ProcessCodec, RefusesMalformedProcessInfo) {
   for (const char* text :
        {R"([])", R"({})", R"({"pid": 0})", R"({"pid": "42"})", R"({"pid": 1, "argv": "sh"})",
-        R"({"pid": 1, "argv": [1]})", R"({"pid": 1, "running": 1})", R"({"pid": 1, "exit_code": "0"})", R"({"pid": 1, "stdout_bytes": -1})",
-        R"({"pid": 1, "started_at": "now"})"}) {
+        R"({"pid": 1, "argv": [1]})", R"({"pid": 1, "running": 1})", R"({"pid": 1, "exit_code": "0"})",
+        R"({"pid": 1, "stdout_bytes": -1})", R"({"pid": 1, "started_at": "now"})"}) {
     EXPECT_EQ(code_of([&] { decode_process_info(json::parse(text)); }), Code::kDataLoss) << text;
   }
 }
@@ -103,8 +103,8 @@ TEST(ProcessCodec, RefusesOutputThatDoesNotAddUp) {
 }
 
 TEST(ProcessCodec, DecodesASessionInfo) {
-  SessionInfo s = decode_session_info(
-      json::parse(R"({"name": "main", "shell": "/bin/bash", "pid": 17, "alive": false, "busy": false, "exit_code": 3, "signal": 0})"));
+  SessionInfo s = decode_session_info(json::parse(
+      R"({"name": "main", "shell": "/bin/bash", "pid": 17, "alive": false, "busy": false, "exit_code": 3, "signal": 0})"));
   EXPECT_EQ(s.name, "main");
   EXPECT_EQ(s.shell, "/bin/bash");
   EXPECT_EQ(s.pid, 17);

@@ -1,8 +1,8 @@
 // The client's transport and call policy against small real HTTP servers on unix sockets: connection reuse, agent
 // errors, which calls are retried (exec only when it never reached the agent), create's request ids, create_many's
 // all-or-nothing, and routing sandbox ids across nodes.
-#include <algorithm>
 #include <gtest/gtest.h>
+#include <algorithm>
 
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -13,8 +13,8 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
-#include <set>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -217,7 +217,8 @@ Reply batch_reply(const Request& r, const std::string& node) {
   json list = json::array();
   std::size_t count = body.value("count", std::size_t{1});
   for (std::size_t i = 0; i < count; ++i)
-    list.push_back(json::parse(info_json(fmt::format("{}-{}-{}", node, body.at("request_id").get<std::string>(), i), node)));
+    list.push_back(
+        json::parse(info_json(fmt::format("{}-{}-{}", node, body.at("request_id").get<std::string>(), i), node)));
   return {201, json{{"sandboxes", list}}.dump()};
 }
 
@@ -355,7 +356,8 @@ TEST(ClientCore, ExecIsRetriedUnderItsRequestIdAndALostOutcomeSaysSo) {
   }
   auto reqs = server.requests();
   ASSERT_GT(reqs.size(), 1u);
-  for (const auto& r : reqs) EXPECT_EQ(json::parse(r.body).at("request_id"), json::parse(reqs[0].body).at("request_id"));
+  for (const auto& r : reqs)
+    EXPECT_EQ(json::parse(r.body).at("request_id"), json::parse(reqs[0].body).at("request_id"));
 }
 
 TEST(ClientCore, ALostExecAnswerIsRecoveredByItsRetry) {
@@ -383,8 +385,11 @@ TEST(ClientCore, ExecErrorsFromTheAgent) {
   EXPECT_GT(draining.requests().size(), 1u);
   // The agent knows an id's command was under way when it stopped: the outcome is unknown, never run again.
   TestServer restarted([](const Request&) {
-    return Reply{500, json{{"code", "DATA_LOSS"}, {"message", "outcome unknown: exec request 'r' ..."},
-                           {"retryable", false}, {"fault", "infrastructure"}}.dump()};
+    return Reply{500, json{{"code", "DATA_LOSS"},
+                           {"message", "outcome unknown: exec request 'r' ..."},
+                           {"retryable", false},
+                           {"fault", "infrastructure"}}
+                          .dump()};
   });
   ClientCore again(fast_options({restarted.endpoint()}));
   ExecRequest req = shell_exec("true");
@@ -402,8 +407,7 @@ TEST(ClientCore, ExecRequestsAreCheckedBeforeTheyAreSent) {
   TestServer server([](const Request& r) { return simple_node(r, "n1"); });
   ClientCore core(fast_options({server.endpoint()}));
   EXPECT_EQ(code_of([&] { core.exec("n1-1", ExecRequest{}); }), Code::kInvalidArgument);  // neither argv nor shell
-  EXPECT_EQ(code_of([&] { core.exec("n1-1", shell_exec("x", -1)); }),
-            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { core.exec("n1-1", shell_exec("x", -1)); }), Code::kInvalidArgument);
   EXPECT_EQ(code_of([&] { core.exec("../etc", shell_exec("x")); }), Code::kInvalidArgument);
   EXPECT_TRUE(server.requests().empty());
 }
@@ -649,7 +653,8 @@ TEST(Client, SandboxHandlesOwnWhatCreateMadeAndNotWhatAttachFound) {
   std::mutex mu;
   std::vector<std::string> deleted;
   TestServer server([&](const Request& r) -> Reply {
-    if (r.method == "POST") return {201, info_json("n1-" + json::parse(r.body).at("request_id").get<std::string>(), "n1")};
+    if (r.method == "POST")
+      return {201, info_json("n1-" + json::parse(r.body).at("request_id").get<std::string>(), "n1")};
     if (r.method == "DELETE") {
       std::lock_guard lock(mu);
       deleted.push_back(r.target);

@@ -13,11 +13,11 @@
 namespace dsec::cluster {
 namespace {
 
-using std::chrono::milliseconds;
-using std::chrono::seconds;
 using dsec::testing::EtcdServer;
 using dsec::testing::TcpProxy;
 using dsec::testing::wait_until;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
 
 class EtcdTest : public ::testing::Test {
  protected:
@@ -300,9 +300,8 @@ TEST_F(EtcdTest, WatchResumesAfterABrokenStreamWithoutLosingOrRepeating) {
   }
   proxy.refuse(false);
   ASSERT_TRUE(wait_until([&] { return rec.event_count() >= 4; }, seconds(10)))
-      << "events: " << rec.event_count() << ", connected: " << watch->connected()
-      << ", connects: " << watch->connects() << ", proxy accepted: " << proxy.accepted() << ", last error: "
-      << rec.last_error();
+      << "events: " << rec.event_count() << ", connected: " << watch->connected() << ", connects: " << watch->connects()
+      << ", proxy accepted: " << proxy.accepted() << ", last error: " << rec.last_error();
   std::this_thread::sleep_for(milliseconds(200));
   auto events = rec.snapshot();
   ASSERT_EQ(events.size(), 4u);

@@ -94,13 +94,20 @@ class EtcdServer {
     if (wipe) std::filesystem::remove_all(dir_ / "data", ec);
     std::string peer = fmt::format("http://127.0.0.1:{}", peer_port_);
     std::vector<std::string> args = {kEtcdBinary,
-                                     "--name", "dsec-test",
-                                     "--data-dir", (dir_ / "data").string(),
-                                     "--listen-client-urls", url(),
-                                     "--advertise-client-urls", url(),
-                                     "--listen-peer-urls", peer,
-                                     "--initial-advertise-peer-urls", peer,
-                                     "--initial-cluster", "dsec-test=" + peer};
+                                     "--name",
+                                     "dsec-test",
+                                     "--data-dir",
+                                     (dir_ / "data").string(),
+                                     "--listen-client-urls",
+                                     url(),
+                                     "--advertise-client-urls",
+                                     url(),
+                                     "--listen-peer-urls",
+                                     peer,
+                                     "--initial-advertise-peer-urls",
+                                     peer,
+                                     "--initial-cluster",
+                                     "dsec-test=" + peer};
     std::string log = (dir_ / "etcd.log").string();
     std::vector<char*> argv;  // made before fork: the child of a threaded process must not allocate
     for (auto& a : args) argv.push_back(a.data());
@@ -126,7 +133,8 @@ class EtcdServer {
     bool up = wait_until(
         [&] {
           int status = 0;
-          if (::waitpid(pid_, &status, WNOHANG) == pid_) throw std::runtime_error("etcd exited at start:\n" + log_tail());
+          if (::waitpid(pid_, &status, WNOHANG) == pid_)
+            throw std::runtime_error("etcd exited at start:\n" + log_tail());
           try {
             probe.get("/health-probe");
             return true;
@@ -194,7 +202,10 @@ class TcpProxy {
   }
 
   std::string url() const { return fmt::format("http://127.0.0.1:{}", port_); }
-  void break_connections() { break_ = true; wait_until([&] { return !break_.load(); }, std::chrono::seconds(5)); }
+  void break_connections() {
+    break_ = true;
+    wait_until([&] { return !break_.load(); }, std::chrono::seconds(5));
+  }
   void refuse(bool on) { refuse_ = on; }
   int accepted() const { return accepted_.load(); }
 

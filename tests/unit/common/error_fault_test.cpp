@@ -8,8 +8,8 @@ namespace dsec {
 namespace {
 
 TEST(ErrorFault, EveryCodeIsTheInfrastructuresOrTheRequests) {
-  for (Code c : {Code::kUnknown, Code::kDeadlineExceeded, Code::kAborted, Code::kInternal, Code::kUnavailable,
-                 Code::kDataLoss})
+  for (Code c :
+       {Code::kUnknown, Code::kDeadlineExceeded, Code::kAborted, Code::kInternal, Code::kUnavailable, Code::kDataLoss})
     EXPECT_EQ(fault_of(c), Fault::kInfrastructure) << code_name(c);
   for (Code c : {Code::kCancelled, Code::kInvalidArgument, Code::kNotFound, Code::kAlreadyExists,
                  Code::kPermissionDenied, Code::kResourceExhausted, Code::kFailedPrecondition, Code::kOutOfRange,

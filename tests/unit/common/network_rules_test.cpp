@@ -27,8 +27,8 @@ TEST(NetworkRules, ParsesCidrsStrictly) {
   EXPECT_EQ(c.last(), ip("10.20.255.255"));
   EXPECT_EQ(parse_cidr("192.0.2.7")->prefix, 32);
   EXPECT_EQ(parse_cidr("0.0.0.0/0")->last(), 0xFFFFFFFFu);
-  for (const char* bad : {"10.0.0.1/8", "10.0.0.0/33", "256.0.0.0", "10.0.0", "10.0.0.0.0", "a.b.c.d", "10.0.0.0/",
-                          "", "10.0.0.0/-1", "1000.0.0.0", "10..0.0"})
+  for (const char* bad : {"10.0.0.1/8", "10.0.0.0/33", "256.0.0.0", "10.0.0", "10.0.0.0.0", "a.b.c.d", "10.0.0.0/", "",
+                          "10.0.0.0/-1", "1000.0.0.0", "10..0.0"})
     EXPECT_FALSE(parse_cidr(bad).has_value()) << bad;
 }
 
@@ -68,14 +68,14 @@ TEST(NetworkRules, FirstMatchWinsAndNothingElseIsAllowed) {
   EXPECT_TRUE(allows(boxes, ip("10.20.1.1"), 6, 80));
   EXPECT_TRUE(allows(boxes, ip("10.20.1.1"), 6, 443));
   EXPECT_FALSE(allows(boxes, ip("10.20.1.1"), 6, 444));
-  EXPECT_FALSE(allows(boxes, ip("10.20.1.1"), 17, 80));    // tcp only
-  EXPECT_FALSE(allows(boxes, ip("10.20.9.9"), 6, 80));     // the earlier deny decides
+  EXPECT_FALSE(allows(boxes, ip("10.20.1.1"), 17, 80));  // tcp only
+  EXPECT_FALSE(allows(boxes, ip("10.20.9.9"), 6, 80));   // the earlier deny decides
   EXPECT_FALSE(allows(boxes, ip("10.20.9.9"), 1, kNoPort));
   EXPECT_TRUE(allows(boxes, ip("192.0.2.4"), 17, 53));
   EXPECT_FALSE(allows(boxes, ip("192.0.2.4"), 6, 53));
   EXPECT_TRUE(allows(boxes, ip("198.51.100.7"), 1, kNoPort));  // any protocol, icmp too
   EXPECT_TRUE(allows(boxes, ip("198.51.100.7"), 6, 22));
-  EXPECT_FALSE(allows(boxes, ip("198.51.100.8"), 6, 22));     // default deny
+  EXPECT_FALSE(allows(boxes, ip("198.51.100.8"), 6, 22));  // default deny
   // Disjoint: no point is in two boxes.
   for (std::size_t i = 0; i < boxes.size(); ++i)
     for (std::size_t j = i + 1; j < boxes.size(); ++j) {
@@ -109,8 +109,8 @@ NetworkRule name(const char* host, bool allow = true, const char* protocol = "an
 TEST(NetworkRules, HostNamesAndWildcards) {
   for (const char* good : {"pypi.mirror.internal", "*.example.org", "a", "x-1.b_2.c", "UPPER.Case"})
     EXPECT_TRUE(valid_host_pattern(good)) << good;
-  for (const char* bad : {"", "*", "*.", "a.*.b", "**.a", "-a.b", "a-.b", "a..b", ".a", "a b", "a/b", "\\032.a",
-                          "*example.org"})
+  for (const char* bad :
+       {"", "*", "*.", "a.*.b", "**.a", "-a.b", "a-.b", "a..b", ".a", "a b", "a/b", "\\032.a", "*example.org"})
     EXPECT_FALSE(valid_host_pattern(bad)) << bad;
   EXPECT_FALSE(valid_host_pattern(std::string(64, 'a') + ".b"));
   EXPECT_EQ(normalize_name("WWW.Example.ORG."), "www.example.org");
@@ -139,8 +139,8 @@ TEST(NetworkRules, NameRulesAreCheckedAndTheFirstMatchDecides) {
   NetworkRule both = name("a.b");
   both.cidr = "10.0.0.0/8";
   EXPECT_EQ(code_and_field({"egress", {both}}), "network.rules[0]");
-  NetworkPolicy p{"egress", {name("bad.example.org", false), name("*.example.org", true, "tcp", 443, 443),
-                             name("pypi.internal")}};
+  NetworkPolicy p{
+      "egress", {name("bad.example.org", false), name("*.example.org", true, "tcp", 443, 443), name("pypi.internal")}};
   EXPECT_EQ(code_and_field(p), "");
   EXPECT_EQ(name_rule_for(p, "bad.example.org"), 0u);
   EXPECT_EQ(name_rule_for(p, "a.example.org"), 1u);
@@ -151,13 +151,14 @@ TEST(NetworkRules, NameRulesAreCheckedAndTheFirstMatchDecides) {
 }
 
 TEST(NetworkRules, APinIsTheNameRulesPortsMinusEarlierAddressRules) {
-  NetworkPolicy p{"egress", {rule("10.0.0.0/8", false, "tcp", 22, 22), name("*.example.org", true, "tcp", 1, 1024),
-                             rule("192.0.2.0/24", false), name("late.example.net")}};
+  NetworkPolicy p{"egress",
+                  {rule("10.0.0.0/8", false, "tcp", 22, 22), name("*.example.org", true, "tcp", 1, 1024),
+                   rule("192.0.2.0/24", false), name("late.example.net")}};
   auto pin = compile_pin(p, 1, ip("10.1.2.3"));
   EXPECT_TRUE(allows(pin, ip("10.1.2.3"), 6, 443));
-  EXPECT_FALSE(allows(pin, ip("10.1.2.3"), 6, 22));     // the earlier deny decides
-  EXPECT_FALSE(allows(pin, ip("10.1.2.3"), 6, 2000));   // not the rule's ports
-  EXPECT_FALSE(allows(pin, ip("10.1.2.4"), 6, 443));    // only the address answered
+  EXPECT_FALSE(allows(pin, ip("10.1.2.3"), 6, 22));    // the earlier deny decides
+  EXPECT_FALSE(allows(pin, ip("10.1.2.3"), 6, 2000));  // not the rule's ports
+  EXPECT_FALSE(allows(pin, ip("10.1.2.4"), 6, 443));   // only the address answered
   auto late = compile_pin(p, 3, ip("192.0.2.9"));
   EXPECT_TRUE(late.empty());  // an earlier address deny covers it whole
   // Overlapping pins become disjoint boxes covering the same points.

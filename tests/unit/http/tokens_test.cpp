@@ -1,8 +1,8 @@
 // Bearer tokens (http/tokens): the file's format and its refusals, hashing, and who a header names.
 #include <gtest/gtest.h>
 
-#include "http/tokens.hpp"
 #include "dsec/error.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::agent::auth {
 namespace {
@@ -25,8 +25,9 @@ TEST(AuthTokens, NewTokensAreLongAndDistinct) {
 }
 
 TEST(AuthTokens, AHeaderNamesItsTenantOrAdmin) {
-  TokenTable t = TokenTable::parse("# a comment\n\n" + line("team-a", "tenant", "tok-a") + line("-", "admin", "tok-ops") +
-                                   "  team-b   tenant   " + hex(hash_token("tok-b")) + "   # trailing\n");
+  TokenTable t =
+      TokenTable::parse("# a comment\n\n" + line("team-a", "tenant", "tok-a") + line("-", "admin", "tok-ops") +
+                        "  team-b   tenant   " + hex(hash_token("tok-b")) + "   # trailing\n");
   EXPECT_EQ(t.size(), 3u);
   auto a = t.authenticate("Bearer tok-a");
   ASSERT_TRUE(a);

@@ -24,13 +24,13 @@
 #include "image/build.hpp"
 #include "image/debootstrap.hpp"
 #include "image/fs_tree.hpp"
+#include "image/image_test_util.hpp"
 #include "image/layer_tar.hpp"
 #include "image/process.hpp"
 #include "image/rootfs_builders.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/catalog.hpp"
 #include "image/store/digest.hpp"
-#include "image/image_test_util.hpp"
 
 namespace dsec::image {
 namespace {
@@ -51,8 +51,8 @@ using testing::tree_paths;
 using testing::write_text;
 using testing::xattr_of;
 
-#define SKIP_UNLESS_MOUNTS()                                                      \
-  do {                                                                            \
+#define SKIP_UNLESS_MOUNTS()                                                               \
+  do {                                                                                     \
     if (std::string why = testing::mount_skip_reason(); !why.empty()) GTEST_SKIP() << why; \
   } while (0)
 
@@ -113,7 +113,8 @@ class StoreFixture {
 
   // The layer mounted at a fresh directory; stays mounted until the fixture goes.
   fs::path mount(const LayerDescriptor& layer, const fs::path& scratch) {
-    mounts_.push_back(std::make_unique<MountedLayer>(*store_, layer, scratch / fmt::format("layer-{}", mounts_.size())));
+    mounts_.push_back(
+        std::make_unique<MountedLayer>(*store_, layer, scratch / fmt::format("layer-{}", mounts_.size())));
     return mounts_.back()->root();
   }
   // The image's layers mounted and stacked (top first), and the merged view.
@@ -190,7 +191,8 @@ struct SourceTree {
 };
 
 void expect_same_tree(const fs::path& src, const fs::path& dst, bool root) {
-  for (const char* p : {"bin/tool", "etc/secret", "usr/bin/suid", "tmp", "private", "data/a", "data/fifo", "data/random"}) {
+  for (const char* p :
+       {"bin/tool", "etc/secret", "usr/bin/suid", "tmp", "private", "data/a", "data/fifo", "data/random"}) {
     struct stat a = lstat_of(src / p), b = lstat_of(dst / p);
     EXPECT_EQ(a.st_mode, b.st_mode) << p;
     if (!S_ISDIR(a.st_mode)) {
@@ -367,9 +369,9 @@ TEST(ImageBuild, FromATar) {
   s.expect_no_scratch();
 
   const fs::path root = s.mount(m.layers[0], tmp / "mnt");
-  EXPECT_EQ(tree_paths(root), (std::set<std::string>{"bin", "dot", "dot/slash", "etc", "etc/hostname",
-                                                     "etc/motd", "etc/shadow", "home", "home/u", "home/u/notes",
-                                                     "usr", "usr/bin", "usr/bin/prog", "usr/bin/prog-again"}))
+  EXPECT_EQ(tree_paths(root),
+            (std::set<std::string>{"bin", "dot", "dot/slash", "etc", "etc/hostname", "etc/motd", "etc/shadow", "home",
+                                   "home/u", "home/u/notes", "usr", "usr/bin", "usr/bin/prog", "usr/bin/prog-again"}))
       << joined(tree_paths(root));
   struct stat shadow = lstat_of(root / "etc/shadow");
   EXPECT_EQ(shadow.st_mode & 07777, 0640u);
@@ -592,7 +594,8 @@ TEST(ImageBuild, DamagedOciBlobsAreRefused) {
   StoreFixture s(tmp / "store");
   // A layer blob whose bytes no longer match its digest.
   json index = json::parse(read_text(layout / "index.json"));
-  json manifest = json::parse(read_text(layout / "blobs/sha256" / digest_hex(index["manifests"][1]["digest"].get<std::string>())));
+  json manifest =
+      json::parse(read_text(layout / "blobs/sha256" / digest_hex(index["manifests"][1]["digest"].get<std::string>())));
   fs::path layer = layout / "blobs/sha256" / digest_hex(manifest["layers"][1]["digest"].get<std::string>());
   std::string bytes = read_text(layer);
   bytes[bytes.size() / 2] ^= 1;
@@ -629,8 +632,8 @@ TEST(ImageBuild, OnAParentWhiteoutsHideTheParentsFiles) {
     t.file("opt/dir/c", "c");
     t.file("task/README", "solve it");
   }
-  BuildResult task = s.build("swe/task-1", "tar:" + (tmp / "task.tar").string(),
-                             [](BuildOptions& o) { o.parent = "base:v1"; });
+  BuildResult task =
+      s.build("swe/task-1", "tar:" + (tmp / "task.tar").string(), [](BuildOptions& o) { o.parent = "base:v1"; });
   const Manifest& m = task.image.manifest;
   ASSERT_EQ(m.layers.size(), 2u);
   EXPECT_EQ(m.layers[0].digest, base.layer.digest);
@@ -645,8 +648,8 @@ TEST(ImageBuild, OnAParentWhiteoutsHideTheParentsFiles) {
   struct stat wh = lstat_of(top / "etc/passwd");
   EXPECT_TRUE(S_ISCHR(wh.st_mode) && wh.st_rdev == makedev(0, 0)) << "no whiteout for etc/passwd";
   EXPECT_EQ(xattr_of(top / "opt/dir", "trusted.overlay.opaque"), "y");
-  EXPECT_EQ(tree_paths(top), (std::set<std::string>{"etc", "etc/passwd", "opt", "opt/dir", "opt/dir/c", "task",
-                                                    "task/README"}))
+  EXPECT_EQ(tree_paths(top),
+            (std::set<std::string>{"etc", "etc/passwd", "opt", "opt/dir", "opt/dir/c", "task", "task/README"}))
       << joined(tree_paths(top));
 
   // Stacked: what a sandbox sees.
@@ -706,10 +709,9 @@ class ImageHostileTar : public ::testing::Test {
   // The build fails with `code` and leaves no tag, no scratch file, no blob a tag needs, and nothing outside.
   Error expect_refused(const std::string& name, Code code, std::vector<std::string> parts = {},
                        std::uint64_t max_bytes = 64ull << 30) {
-    Error e = expect_error([&] { fixture_->build(name, "tar:" + tar().string(), [&](BuildOptions& o) {
-                             o.max_bytes = max_bytes;
-                           }); },
-                           code, std::move(parts));
+    Error e = expect_error(
+        [&] { fixture_->build(name, "tar:" + tar().string(), [&](BuildOptions& o) { o.max_bytes = max_bytes; }); },
+        code, std::move(parts));
     EXPECT_FALSE(fixture_->store().read_ref(name)) << name << " was tagged";
     EXPECT_EQ(fixture_->store().list_refs(), std::vector<std::string>{"keep:latest"});
     fixture_->expect_no_scratch();
@@ -974,8 +976,8 @@ TEST(ImageBuild, BusyboxImageHasAppletsAccountsAndMountPoints) {
   EXPECT_EQ(read_text(root / "bin/busybox"), read_text("/bin/busybox"));
 
   // The mounted image is a working root: its shell runs, finds its applets through PATH and reads its own passwd.
-  ProcessResult p = run_process({"chroot", root.string(), "/bin/sh", "-c",
-                                 "test \"$(id -un)\" = root && ls /bin | grep -qx wget && exit 42"});
+  ProcessResult p = run_process(
+      {"chroot", root.string(), "/bin/sh", "-c", "test \"$(id -un)\" = root && ls /bin | grep -qx wget && exit 42"});
   EXPECT_EQ(p.exit_code, 42) << p.status_text() << ": " << p.tail();
 }
 

@@ -22,13 +22,13 @@
 #include "dsec/error.hpp"
 #include "image/build.hpp"
 #include "image/fs_tree.hpp"
+#include "image/image_test_util.hpp"
 #include "image/layer_files.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/catalog.hpp"
 #include "image/store/chunk_index.hpp"
 #include "image/store/digest.hpp"
 #include "image/tree_diff.hpp"
-#include "image/image_test_util.hpp"
 
 namespace dsec::image {
 namespace {
@@ -40,8 +40,8 @@ using testing::TempDir;
 using testing::write_text;
 
 // Whiteouts, opaque directories and overlay mounts need root.
-#define SKIP_UNLESS_ROOT()                                                                  \
-  do {                                                                                      \
+#define SKIP_UNLESS_ROOT()                                                              \
+  do {                                                                                  \
     if (!running_as_root()) GTEST_SKIP() << "overlayfs whiteouts and mounts need root"; \
   } while (0)
 
@@ -97,7 +97,8 @@ bool is_opaque(const fs::path& p) {
 void expect_same_tree(const fs::path& want, const fs::path& got, const fs::path& rel = {}) {
   const fs::path w = rel.empty() ? want : want / rel;
   const fs::path g = rel.empty() ? got : got / rel;
-  struct stat ws {}, gs {};
+  struct stat ws {
+  }, gs{};
   ASSERT_EQ(::lstat(w.c_str(), &ws), 0) << w;
   ASSERT_EQ(::lstat(g.c_str(), &gs), 0) << "missing in the merged view: /" << rel.string();
   const std::string where = "/" + rel.string();
@@ -172,19 +173,19 @@ void make_full(const fs::path& base, const fs::path& full) {
   fs::remove_all(full / "var/cache/app");                                 // removed directory
   fs::remove(full / "opt/was-a-file");                                    // a directory replaces a file
   write_text(full / "opt/was-a-file/now-inside", "inside");
-  fs::remove_all(full / "opt/was-a-dir");                                 // a file replaces a directory
+  fs::remove_all(full / "opt/was-a-dir");  // a file replaces a directory
   write_text(full / "opt/was-a-dir", "now a file");
-  ASSERT_EQ(::chmod((full / "etc/mode.conf").c_str(), 0600), 0);          // metadata only
+  ASSERT_EQ(::chmod((full / "etc/mode.conf").c_str(), 0600), 0);  // metadata only
   ASSERT_EQ(::lsetxattr((full / "etc/xattr.conf").c_str(), "user.tag", "two", 3, 0), 0);
   fs::remove(full / "etc/link-retarget");
   fs::create_symlink("hostname", full / "etc/link-retarget");
-  set_mtime(full / "etc/link-retarget", 1600000000, 123);                 // same time, other target
+  set_mtime(full / "etc/link-retarget", 1600000000, 123);  // same time, other target
   // Both names of a hard-linked file change together.
   fs::remove(full / "usr/lib/liblinked.so");
   fs::remove(full / "usr/lib/liblinked.so.1");
   write_text(full / "usr/lib/liblinked.so", "linked twice, version 2");
   fs::create_hard_link(full / "usr/lib/liblinked.so", full / "usr/lib/liblinked.so.1");
-  set_mtime(full / "usr/bin", 1700000000);                                // a directory's own metadata
+  set_mtime(full / "usr/bin", 1700000000);  // a directory's own metadata
 }
 
 TEST(ImageDiff, OverlayOfTheDiffOverTheBaseIsTheFullTree) {
@@ -215,7 +216,8 @@ TEST(ImageDiff, OverlayOfTheDiffOverTheBaseIsTheFullTree) {
   EXPECT_FALSE(is_opaque(out / "etc"));
   EXPECT_TRUE(fs::is_directory(out / "usr/bin"));  // its own metadata changed; its file did not
   EXPECT_TRUE(fs::is_empty(out / "usr/bin"));
-  struct stat a {}, b {};
+  struct stat a {
+  }, b{};
   ASSERT_EQ(::lstat((out / "usr/lib/liblinked.so").c_str(), &a), 0);
   ASSERT_EQ(::lstat((out / "usr/lib/liblinked.so.1").c_str(), &b), 0);
   EXPECT_EQ(a.st_ino, b.st_ino) << "hard links stay hard links";
@@ -247,7 +249,8 @@ TEST(ImageDiff, CopiesAcrossFilesystemsKeepEverything) {
   std::vector<std::string> notes;
   DiffStats stats = make_diff_tree(tmp / "base", tmp / "full", tmp / "other/out", notes);
   EXPECT_EQ(stats.linked, 0u);
-  struct stat a {}, b {};
+  struct stat a {
+  }, b{};
   ASSERT_EQ(::lstat((tmp / "other/out/usr/lib/liblinked.so").c_str(), &a), 0);
   ASSERT_EQ(::lstat((tmp / "other/out/usr/lib/liblinked.so.1").c_str(), &b), 0);
   EXPECT_EQ(a.st_ino, b.st_ino) << "hard links stay hard links when copied";
@@ -268,7 +271,8 @@ TEST(ImageDiff, CopiesInsteadOfLinkingWhenAskedTo) {
   DiffStats copied = make_diff_tree(tmp / "base", tmp / "full", tmp / "copied", notes, copy);
   EXPECT_EQ(copied.linked, 0u);
   EXPECT_EQ(copied.bytes, linked.bytes);
-  struct stat a {}, b {};
+  struct stat a {
+  }, b{};
   ASSERT_EQ(::lstat((tmp / "full/etc/hostname").c_str(), &a), 0);
   ASSERT_EQ(::lstat((tmp / "copied/etc/hostname").c_str(), &b), 0);
   EXPECT_NE(a.st_ino, b.st_ino);

@@ -32,11 +32,11 @@
 #include "image/build.hpp"
 #include "image/erofs_meta.hpp"
 #include "image/fs_tree.hpp"
+#include "image/image_test_util.hpp"
 #include "image/process.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/catalog.hpp"
 #include "image/upper_tree.hpp"
-#include "image/image_test_util.hpp"
 
 namespace dsec::image {
 namespace {
@@ -93,7 +93,8 @@ void expect_same_tree(const fs::path& want, const fs::path& got, const std::set<
                       const fs::path& rel = {}) {
   const fs::path w = rel.empty() ? want : want / rel;
   const fs::path g = rel.empty() ? got : got / rel;
-  struct stat ws {}, gs {};
+  struct stat ws {
+  }, gs{};
   ASSERT_EQ(::lstat(w.c_str(), &ws), 0) << w;
   ASSERT_EQ(::lstat(g.c_str(), &gs), 0) << "missing: /" << rel.string();
   const std::string where = "/" + rel.string();
@@ -132,8 +133,8 @@ class LiveOverlay {
     scratch_mounted_ = true;
     fs::create_directories(dir_ / "scratch/upper");
     fs::create_directories(dir_ / "scratch/work");
-    std::string options = "lowerdir=" + lower().string() + ",upperdir=" + upper().string() + ",workdir=" +
-                          (dir_ / "scratch/work").string() + ",volatile,metacopy=off,redirect_dir=off";
+    std::string options = "lowerdir=" + lower().string() + ",upperdir=" + upper().string() +
+                          ",workdir=" + (dir_ / "scratch/work").string() + ",volatile,metacopy=off,redirect_dir=off";
     if (::mount("overlay", merged().c_str(), "overlay", 0, options.c_str()) != 0)
       throw std::runtime_error("mount overlay " + options + ": " + std::strerror(errno));
     overlay_mounted_ = true;
@@ -217,8 +218,8 @@ void change_everything(const fs::path& m) {
   ::close(s);
 }
 
-#define SKIP_UNLESS_MOUNTS()                                                     \
-  do {                                                                           \
+#define SKIP_UNLESS_MOUNTS()                                                               \
+  do {                                                                                     \
     if (std::string why = testing::mount_skip_reason(); !why.empty()) GTEST_SKIP() << why; \
   } while (0)
 
@@ -295,9 +296,9 @@ TEST(UpperTree, AnOverlayUpperBecomesALayerThatShowsTheSameFiles) {
 
   // Extract mode: fsck.erofs writes the files; restore_erofs_metadata puts back the opaque markers, xattrs and links.
   const fs::path extracted = tmp / "extracted";
-  ProcessResult r = run_process({"fsck.erofs", "--extract=" + extracted.string(), "--preserve",
-                                 "--device=" + (tmp / "mounted/data.img").string(),
-                                 (tmp / "mounted/meta.img").string()});
+  ProcessResult r =
+      run_process({"fsck.erofs", "--extract=" + extracted.string(), "--preserve",
+                   "--device=" + (tmp / "mounted/data.img").string(), (tmp / "mounted/meta.img").string()});
   ASSERT_TRUE(r.ok()) << r.tail();
   ErofsRestoreStats restored = restore_erofs_metadata(tmp / "mounted/meta.img", 0, extracted);
   EXPECT_GE(restored.xattrs, 3u) << "two opaque markers and a user xattr";

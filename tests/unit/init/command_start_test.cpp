@@ -22,8 +22,8 @@
 namespace dsec {
 namespace {
 
-using init::StartRequest;
 using init::start_command;
+using init::StartRequest;
 using init_protocol::FailStage;
 
 // Where cgroup2 is mounted on this host ("" when nowhere).

@@ -29,8 +29,9 @@ auth::Principal Router::authenticate(const HttpRequest& request, const Peer& pee
   if (route == Route::kHealthz) return auth::operator_principal();
   if (header == request.end()) {
     metrics_.unauthenticated();
-    throw Error(Code::kUnauthenticated, "this node needs a bearer token: send 'Authorization: Bearer <token>' "
-                                        "(ClientOptions::token, dsec.Client(token=...), $DSEC_TOKEN)");
+    throw Error(Code::kUnauthenticated,
+                "this node needs a bearer token: send 'Authorization: Bearer <token>' "
+                "(ClientOptions::token, dsec.Client(token=...), $DSEC_TOKEN)");
   }
   std::optional<auth::Principal> who = access_.tokens->authenticate(std_view(header->value()));
   if (!who) {

@@ -21,9 +21,7 @@ namespace {
 
 UniqueFd open_for_append(const fs::path& path) {
   UniqueFd fd(::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
-  if (!fd)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("audit log {}: {}", path.string(), std::strerror(errno)));
+  if (!fd) throw Error(Code::kFailedPrecondition, fmt::format("audit log {}: {}", path.string(), std::strerror(errno)));
   return fd;
 }
 
@@ -41,9 +39,8 @@ AuditLog::AuditLog(fs::path path, std::uint64_t max_bytes, unsigned keep)
 void AuditLog::record(const AuditEntry& e) {
   const auto now = std::chrono::system_clock::now();
   const double t = std::chrono::duration<double>(now.time_since_epoch()).count();
-  nlohmann::json line{{"time", t},         {"who", e.who},       {"peer", e.peer},
-                      {"method", e.method}, {"route", e.route},   {"target", e.target},
-                      {"status", e.status}, {"code", e.code}};
+  nlohmann::json line{{"time", t},        {"who", e.who},       {"peer", e.peer},     {"method", e.method},
+                      {"route", e.route}, {"target", e.target}, {"status", e.status}, {"code", e.code}};
   // Replace what is not UTF-8 (a hostile id): a line that cannot be encoded would be lost.
   std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   std::lock_guard lock(mu_);

@@ -110,8 +110,8 @@ int pid_of(const Target& target) {
 
 int signal_number(const json& v) {
   static constexpr std::pair<std::string_view, int> kNames[] = {
-      {"HUP", SIGHUP},   {"INT", SIGINT},   {"QUIT", SIGQUIT}, {"KILL", SIGKILL},   {"TERM", SIGTERM},
-      {"USR1", SIGUSR1}, {"USR2", SIGUSR2}, {"STOP", SIGSTOP}, {"CONT", SIGCONT},   {"WINCH", SIGWINCH},
+      {"HUP", SIGHUP},   {"INT", SIGINT},   {"QUIT", SIGQUIT}, {"KILL", SIGKILL}, {"TERM", SIGTERM},
+      {"USR1", SIGUSR1}, {"USR2", SIGUSR2}, {"STOP", SIGSTOP}, {"CONT", SIGCONT}, {"WINCH", SIGWINCH},
       {"ALRM", SIGALRM}, {"PIPE", SIGPIPE}, {"TSTP", SIGTSTP}, {"ABRT", SIGABRT}};
   if (v.is_number_integer()) {
     int n = v.get<int>();
@@ -188,9 +188,9 @@ json encode_session(const SessionInfo& s) {
 Processes& Router::processes_of(const SandboxHandle& handle, const std::string& id) {
   Processes* p = handle.sandbox->processes();
   if (!p)
-    throw Error(Code::kUnimplemented,
-                fmt::format("sandbox {} is a {} sandbox, whose backend keeps no processes or sessions", id,
-                            handle.kind));
+    throw Error(
+        Code::kUnimplemented,
+        fmt::format("sandbox {} is a {} sandbox, whose backend keeps no processes or sessions", id, handle.kind));
   return *p;
 }
 
@@ -219,17 +219,18 @@ HttpResponse Router::processes(HttpRequest& request, const Target& target) {
   ExecRequest command = protocol::decode_exec_request(command_fields);
   // A retried spawn with the first one's id gets the first one's answer (its pid) and starts nothing.
   return json_response(http::status::ok, once(target.sandbox_id, "spawn/", request_id, body.dump(), [&] {
-    auto started = procs.spawn(command, options);
-    if (auto* failed = std::get_if<ExecResult>(&started)) return encode_failed_start(command, *failed);
-    return encode_process(std::get<ProcessEntry>(started));
-  }));
+                         auto started = procs.spawn(command, options);
+                         if (auto* failed = std::get_if<ExecResult>(&started))
+                           return encode_failed_start(command, *failed);
+                         return encode_process(std::get<ProcessEntry>(started));
+                       }));
 }
 
 json Router::once(const std::string& sandbox_id, std::string_view kind, const std::string& request_id,
                   const std::string& request, const std::function<json()>& answer) {
   if (request_id.empty()) return answer();
   return registry_.exec_journal().run_once_json(sandbox_id, std::string(kind) + request_id,
-                                                   image::sha256_digest(request), answer);
+                                                image::sha256_digest(request), answer);
 }
 
 HttpResponse Router::process(HttpRequest& request, const Target& target) {
@@ -252,8 +253,9 @@ HttpResponse Router::process(HttpRequest& request, const Target& target) {
       }
       only_params(target.query, {"wait"});
       // With no output asked for, a read that waits answers once the process ends (or the wait passes).
-      return json_response(http::status::ok,
-                           encode_process(check_kind(procs.read(pid, kSkip, kSkip, 0, wait_param(target.query)).entry)));
+      return json_response(
+          http::status::ok,
+          encode_process(check_kind(procs.read(pid, kSkip, kSkip, 0, wait_param(target.query)).entry)));
     }
     case Route::kSandboxProcessOutput: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/output", {http::verb::get});
@@ -285,14 +287,12 @@ HttpResponse Router::process(HttpRequest& request, const Target& target) {
         bad("body", fmt::format("at most {} bytes per write", process_protocol::kStdinBuffer));
       const bool close = bool_param(target.query, "close");
       // A retried write with the first one's id writes nothing more: the bytes reach the process once.
-      return json_response(
-          http::status::ok,
-          once(target.sandbox_id, fmt::format("stdin/{}/", pid), request_id,
-               fmt::format("{}\n{}", close, request.body()), [&] {
-                 check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
-                 procs.write_stdin(pid, request.body(), close);
-                 return json{{"written", request.body().size()}};
-               }));
+      return json_response(http::status::ok, once(target.sandbox_id, fmt::format("stdin/{}/", pid), request_id,
+                                                  fmt::format("{}\n{}", close, request.body()), [&] {
+                                                    check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
+                                                    procs.write_stdin(pid, request.body(), close);
+                                                    return json{{"written", request.body().size()}};
+                                                  }));
     }
     case Route::kSandboxProcessSignal: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/signal", {http::verb::post});
@@ -305,8 +305,8 @@ HttpResponse Router::process(HttpRequest& request, const Target& target) {
       // A retried signal with the first one's id is not sent again (a second SIGINT can end what one would not).
       once(target.sandbox_id, fmt::format("signal/{}/", pid), request_id, body.dump(), [&] {
         check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry);
-        procs.signal(pid, sig, bool_field(body, "group") ? process_protocol::Scope::kGroup
-                                                        : process_protocol::Scope::kProcess);
+        procs.signal(pid, sig,
+                     bool_field(body, "group") ? process_protocol::Scope::kGroup : process_protocol::Scope::kProcess);
         return json{{"signal", sig}};
       });
       return json_response(http::status::ok, encode_process(check_kind(procs.read(pid, kSkip, kSkip, 0, {}).entry)));
@@ -322,7 +322,8 @@ HttpResponse Router::process(HttpRequest& request, const Target& target) {
       procs.resize(pid, rows, cols);
       return json_response(http::status::ok, encode_process(procs.read(pid, kSkip, kSkip, 0, {}).entry));
     }
-    default: break;
+    default:
+      break;
   }
   throw Error(Code::kInternal, "unrouted process request");
 }
@@ -390,21 +391,19 @@ HttpResponse Router::session(HttpRequest& request, const Target& target, Respons
       as_exec.timeout_seconds = run.timeout_seconds;
       as_exec.max_output_bytes = run.max_output_bytes;
       const std::string fingerprint = ExecJournal::fingerprint(as_exec);
-      return exec_answer(request, stream, bool_field(body, "stream"), run.timeout_seconds,
-                         [&](const OutputSink& sink) {
-                           return run_exactly_once(
-                               registry_.exec_journal(), target.sandbox_id, journal_id, fingerprint, sink,
-                               [&](const OutputSink& to) {
-                                 auto started = std::chrono::steady_clock::now();
-                                 ExecResult r = sessions_.run(target.sandbox_id, procs, name, run, to);
-                                 metrics_.exec_done(handle.kind, std::chrono::duration<double>(
-                                                                     std::chrono::steady_clock::now() - started)
-                                                                     .count());
-                                 return r;
-                               });
-                         });
+      return exec_answer(request, stream, bool_field(body, "stream"), run.timeout_seconds, [&](const OutputSink& sink) {
+        return run_exactly_once(
+            registry_.exec_journal(), target.sandbox_id, journal_id, fingerprint, sink, [&](const OutputSink& to) {
+              auto started = std::chrono::steady_clock::now();
+              ExecResult r = sessions_.run(target.sandbox_id, procs, name, run, to);
+              metrics_.exec_done(handle.kind,
+                                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+              return r;
+            });
+      });
     }
-    default: break;
+    default:
+      break;
   }
   throw Error(Code::kInternal, "unrouted session request");
 }

@@ -8,8 +8,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "agent/fncall/fncall_service.hpp"
 #include "agent/api/router_internal.hpp"
+#include "agent/fncall/fncall_service.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
@@ -37,9 +37,8 @@ void allow(const HttpRequest& request, std::string_view path, std::initializer_l
     if (request.method() == v) return;
   std::vector<std::string_view> names;
   for (auto v : verbs) names.push_back(std_view(http::to_string(v)));
-  throw Error(Code::kUnimplemented,
-              fmt::format("method {} is not served on {}; use {}", std_view(request.method_string()), path,
-                          fmt::join(names, " or ")));
+  throw Error(Code::kUnimplemented, fmt::format("method {} is not served on {}; use {}",
+                                                std_view(request.method_string()), path, fmt::join(names, " or ")));
 }
 
 // Query parameters a route does not know are refused, so a misspelt filter cannot silently match everything.
@@ -168,12 +167,8 @@ json encode_fncall_status(const fncall::FnCallStatus& st) {
     gpus.push_back(g.device);
     usage.push_back(json{{"device", g.device}, {"exclusive", g.exclusive}, {"shares_used", g.shares_used}});
   }
-  return json{{"languages", st.languages},
-              {"default_image", st.default_image},
-              {"pools", std::move(pools)},
-              {"gpus", std::move(gpus)},
-              {"gpu_shares", st.gpu_shares},
-              {"gpus_free", st.gpus_free},
+  return json{{"languages", st.languages},    {"default_image", st.default_image}, {"pools", std::move(pools)},
+              {"gpus", std::move(gpus)},      {"gpu_shares", st.gpu_shares},       {"gpus_free", st.gpus_free},
               {"gpu_usage", std::move(usage)}};
 }
 
@@ -251,51 +246,75 @@ HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream, const 
 HttpResponse Router::dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
                               const auth::Principal& who) {
   if (!target.sandbox_id.empty()) check_sandbox_access(who, target.sandbox_id);
-  if (!who.admin && !target.group_id.empty() &&
-      (target.route == Route::kGroup || target.route == Route::kGroupRenew)) {
+  if (!who.admin && !target.group_id.empty() && (target.route == Route::kGroup || target.route == Route::kGroupRenew)) {
     check_group_id(target.group_id);
     check_group_access(who, target.group_id);
   }
   switch (target.route) {
-    case Route::kHealthz: return healthz(request);
-    case Route::kMetrics: return metrics_text(request);
-    case Route::kNode: return node(request, who);
-    case Route::kSandboxes: return sandboxes(request, target, who, stream);
-    case Route::kSandbox: return sandbox(request, target);
-    case Route::kSandboxExec: return exec(request, target, stream);
-    case Route::kSandboxFiles: return files(request, target);
-    case Route::kSandboxSleep: return sleep_or_wake(request, target, true);
-    case Route::kSandboxNetwork: return network(request, target);
-    case Route::kSandboxTtl: return ttl(request, target);
-    case Route::kSandboxPorts: return ports(request, target);
+    case Route::kHealthz:
+      return healthz(request);
+    case Route::kMetrics:
+      return metrics_text(request);
+    case Route::kNode:
+      return node(request, who);
+    case Route::kSandboxes:
+      return sandboxes(request, target, who, stream);
+    case Route::kSandbox:
+      return sandbox(request, target);
+    case Route::kSandboxExec:
+      return exec(request, target, stream);
+    case Route::kSandboxFiles:
+      return files(request, target);
+    case Route::kSandboxSleep:
+      return sleep_or_wake(request, target, true);
+    case Route::kSandboxNetwork:
+      return network(request, target);
+    case Route::kSandboxTtl:
+      return ttl(request, target);
+    case Route::kSandboxPorts:
+      return ports(request, target);
     case Route::kSandboxNetworkUsage: {
       allow(request, "/v1/sandboxes/{id}/network/usage", {http::verb::get});
       only_params(target.query, {});
       return json_response(http::status::ok, protocol::encode(registry_.network_usage(target.sandbox_id)));
     }
-    case Route::kSandboxWake: return sleep_or_wake(request, target, false);
-    case Route::kSandboxProcesses: return processes(request, target);
+    case Route::kSandboxWake:
+      return sleep_or_wake(request, target, false);
+    case Route::kSandboxProcesses:
+      return processes(request, target);
     case Route::kSandboxScreen:
     case Route::kSandboxScreenState:
     case Route::kSandboxScreenInput:
-    case Route::kSandboxScreenVnc: return screen(request, target);
+    case Route::kSandboxScreenVnc:
+      return screen(request, target);
     case Route::kSandboxProcess:
     case Route::kSandboxProcessOutput:
     case Route::kSandboxProcessStdin:
     case Route::kSandboxProcessSignal:
-    case Route::kSandboxProcessResize: return process(request, target);
-    case Route::kSandboxSessions: return sessions(request, target);
+    case Route::kSandboxProcessResize:
+      return process(request, target);
+    case Route::kSandboxSessions:
+      return sessions(request, target);
     case Route::kSandboxSession:
     case Route::kSandboxSessionRun:
-    case Route::kSandboxSessionRestart: return session(request, target, stream);
-    case Route::kSandboxSnapshot: return snapshot(request, target, who);
-    case Route::kSandboxFork: return fork(request, target);
-    case Route::kGroups: return groups(request, target, who);
-    case Route::kGroup: return group(request, target);
-    case Route::kGroupRenew: return group_renew(request, target);
-    case Route::kFnCall: return fncall(request, target);
-    case Route::kFnCallBatch: return fncall_batch(request, target);
-    case Route::kUnknown: break;
+    case Route::kSandboxSessionRestart:
+      return session(request, target, stream);
+    case Route::kSandboxSnapshot:
+      return snapshot(request, target, who);
+    case Route::kSandboxFork:
+      return fork(request, target);
+    case Route::kGroups:
+      return groups(request, target, who);
+    case Route::kGroup:
+      return group(request, target);
+    case Route::kGroupRenew:
+      return group_renew(request, target);
+    case Route::kFnCall:
+      return fncall(request, target);
+    case Route::kFnCallBatch:
+      return fncall_batch(request, target);
+    case Route::kUnknown:
+      break;
   }
   throw Error(Code::kNotFound, fmt::format("no route {} {} (protocol v1: /v1/node, /v1/sandboxes, /v1/groups, "
                                            "/v1/fncall, /metrics, /healthz)",
@@ -353,7 +372,8 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
   std::string image_manifest;
   if (body.is_object()) {
     if (auto it = body.find("image_manifest"); it != body.end() && !it->is_null()) {
-      if (!it->is_string()) throw Error(Code::kInvalidArgument, "image_manifest: must be the manifest's JSON as a string");
+      if (!it->is_string())
+        throw Error(Code::kInvalidArgument, "image_manifest: must be the manifest's JSON as a string");
       image_manifest = it->get<std::string>();
     }
   }
@@ -370,9 +390,9 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
     spec.request_id = tenant_request_id(who, spec.request_id);
     // A group the tenant's sandboxes are in, or one nobody's are in yet, it may join; another tenant's it may not.
     if (!spec.group.empty() && group_has_others(who, spec.group))
-      throw Error(Code::kPermissionDenied,
-                  fmt::format("group: '{}' is in use by another tenant on this node; choose another group id",
-                              spec.group));
+      throw Error(
+          Code::kPermissionDenied,
+          fmt::format("group: '{}' is in use by another tenant on this node; choose another group id", spec.group));
   }
   // A create that waits for room (queue_timeout) stops waiting when its caller has gone.
   Registry::ClientGone client_gone;
@@ -422,9 +442,9 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
                             ExecJournal::fingerprint(exec_request), sink, [&](const OutputSink& to) {
                               auto started = std::chrono::steady_clock::now();
                               ExecResult result = handle.sandbox->exec(exec_request, to);
-                              metrics_.exec_done(handle.kind, std::chrono::duration<double>(
-                                                                  std::chrono::steady_clock::now() - started)
-                                                                  .count());
+                              metrics_.exec_done(
+                                  handle.kind,
+                                  std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
                               return result;
                             });
   });
@@ -483,10 +503,10 @@ HttpResponse Router::ttl(HttpRequest& request, const Target& target) {
     if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("ttl: unknown field '{}' (known: ttl)", key));
   const json& v = body.at("ttl");
   if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > protocol::kMaxTtlSeconds)
-    throw Error(Code::kInvalidArgument,
-                fmt::format("ttl: {} is not a whole number of seconds from 0 to {}", v.dump(), protocol::kMaxTtlSeconds));
-  return json_response(http::status::ok,
-                       protocol::encode(registry_.set_ttl(target.sandbox_id, std::chrono::seconds(v.get<std::int64_t>()))));
+    throw Error(Code::kInvalidArgument, fmt::format("ttl: {} is not a whole number of seconds from 0 to {}", v.dump(),
+                                                    protocol::kMaxTtlSeconds));
+  return json_response(http::status::ok, protocol::encode(registry_.set_ttl(
+                                             target.sandbox_id, std::chrono::seconds(v.get<std::int64_t>()))));
 }
 
 // GET: the exposed ports. POST {"port": N}: expose one (201 with its address). DELETE ?port=N: unexpose it.
@@ -534,7 +554,8 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
   const char* what = sleep ? "sleep" : "wake";
   if (!in.is_object())
     throw Error(Code::kInvalidArgument, fmt::format("{}: the body must be empty or a JSON object such as "
-                                                    "{{\"request_id\": \"...\"}}", what));
+                                                    "{{\"request_id\": \"...\"}}",
+                                                    what));
   std::string request_id;
   for (const auto& [key, value] : in.items()) {
     if (key != "request_id")
@@ -550,7 +571,8 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
   const auto& r = out.report;
   body["memory_before_bytes"] = r.memory_before_bytes;
   body["memory_after_bytes"] = r.memory_after_bytes;
-  body["memory_released_bytes"] = r.memory_before_bytes > r.memory_after_bytes ? r.memory_before_bytes - r.memory_after_bytes : 0;
+  body["memory_released_bytes"] =
+      r.memory_before_bytes > r.memory_after_bytes ? r.memory_before_bytes - r.memory_after_bytes : 0;
   body["seconds"] = r.seconds;
   body["swap_bytes"] = r.swap_bytes;
   if (sleep) body["reclaim_timed_out"] = r.reclaim_timed_out;
@@ -563,7 +585,8 @@ HttpResponse Router::fork(HttpRequest& request, const Target& target) {
   allow(request, "/v1/sandboxes/{id}/fork", {http::verb::post});
   only_params(target.query, {});
   json body = protocol::parse_body(request.body());
-  if (!body.is_object()) throw Error(Code::kInvalidArgument, "fork: the body must be a JSON object such as {\"count\": 4}");
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "fork: the body must be a JSON object such as {\"count\": 4}");
   std::size_t count = 0;
   Labels labels;
   for (const auto& [key, value] : body.items()) {
@@ -586,7 +609,8 @@ HttpResponse Router::fork(HttpRequest& request, const Target& target) {
   return json_response(http::status::created, sandbox_list(infos));
 }
 
-// POST {"name": "repo[:tag]", "request_id": "..."}: capture the sandbox's files as a new image (agent/images/snapshots.hpp).
+// POST {"name": "repo[:tag]", "request_id": "..."}: capture the sandbox's files as a new image
+// (agent/images/snapshots.hpp).
 HttpResponse Router::snapshot(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/sandboxes/{id}/snapshot", {http::verb::post});
   only_params(target.query, {});
@@ -611,18 +635,22 @@ HttpResponse Router::snapshot(HttpRequest& request, const Target& target, const 
                   fmt::format("name: '{}' is under another tenant's {}; name it without the prefix (it goes under {})",
                               req.name, kTenantImages, tenant_image_prefix(who)));
     if (!req.name.starts_with(tenant_image_prefix(who))) req.name = tenant_image_prefix(who) + req.name;
-    if (req.request_id.size() > 128)
-      throw Error(Code::kInvalidArgument, "request_id: longer than 128 bytes");
+    if (req.request_id.size() > 128) throw Error(Code::kInvalidArgument, "request_id: longer than 128 bytes");
     req.request_id = tenant_request_id(who, req.request_id);
   }
   if (!snapshots_) throw Error(Code::kUnimplemented, "this agent takes no snapshots (it has no snapshot store)");
   SnapshotOutcome o = snapshots_->take(req);
   const auto& f = o.files;
-  json files{{"entries", f.entries},     {"files", f.files},
-             {"directories", f.directories}, {"symlinks", f.symlinks},
-             {"fifos", f.fifos},         {"whiteouts", f.whiteouts},
-             {"opaque_directories", f.opaque_directories}, {"hard_links", f.hard_links},
-             {"bytes", f.file_bytes},    {"data_bytes", f.data_bytes},
+  json files{{"entries", f.entries},
+             {"files", f.files},
+             {"directories", f.directories},
+             {"symlinks", f.symlinks},
+             {"fifos", f.fifos},
+             {"whiteouts", f.whiteouts},
+             {"opaque_directories", f.opaque_directories},
+             {"hard_links", f.hard_links},
+             {"bytes", f.file_bytes},
+             {"data_bytes", f.data_bytes},
              {"skipped", f.skipped}};
   json layer{{"digest", o.layer.digest},
              {"role", std::string(image::to_string(o.layer.role))},
@@ -735,8 +763,8 @@ HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target) {
     throw Error(Code::kInvalidArgument, "calls: the body must be {\"calls\": [<function call>, ...]}");
   json& calls = body["calls"];
   if (calls.empty() || calls.size() > protocol::kMaxFnCallBatch)
-    throw Error(Code::kInvalidArgument, fmt::format("calls: from 1 to {} calls per batch (got {})",
-                                                    protocol::kMaxFnCallBatch, calls.size()));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("calls: from 1 to {} calls per batch (got {})", protocol::kMaxFnCallBatch, calls.size()));
   fncall::FnCallService& service = fncall_service();
   std::vector<fncall::BatchCall> batch(calls.size());
   for (std::size_t i = 0; i < calls.size(); ++i) {

@@ -6,14 +6,14 @@
 #include <memory>
 
 #include "agent/api/audit_log.hpp"
-#include "http/tokens.hpp"
-#include "http/http.hpp"
+#include "agent/api/routes.hpp"
+#include "agent/images/snapshots.hpp"
 #include "agent/metrics.hpp"
 #include "agent/processes/shell_sessions.hpp"
 #include "agent/registry/registry.hpp"
-#include "agent/api/routes.hpp"
-#include "agent/images/snapshots.hpp"
 #include "dsec/sandbox_info.hpp"
+#include "http/http.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::agent {
 
@@ -46,7 +46,8 @@ class Router {
 
   // Never throws: every failure becomes the dsec error JSON with its HTTP status. `stream`, when given, is where
   // a streaming exec writes its NDJSON body; without it such an exec is UNIMPLEMENTED.
-  HttpResponse handle(HttpRequest& request, ResponseStream* stream = nullptr, const Peer& peer = Peer{false, false, "unix", ""});
+  HttpResponse handle(HttpRequest& request, ResponseStream* stream = nullptr,
+                      const Peer& peer = Peer{false, false, "unix", ""});
 
  private:
   // The caller of `request`; UNAUTHENTICATED when a token is needed and missing or not the node's.
@@ -57,8 +58,7 @@ class Router {
   void check_group_access(const auth::Principal& who, const std::string& group);
   // Whether group `group` holds a sandbox `who` may not see.
   bool group_has_others(const auth::Principal& who, const std::string& group);
-  HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,
-                        const auth::Principal& who);
+  HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream, const auth::Principal& who);
   HttpResponse node(HttpRequest& request, const auth::Principal& who);
   HttpResponse network(HttpRequest& request, const Target& target);
   HttpResponse ttl(HttpRequest& request, const Target& target);

@@ -1,5 +1,5 @@
-// What the router's rooms (router.cpp, access.cpp, processes.cpp, screen.cpp) share: answers, method and query checks, and an exec's
-// answer, whole or streamed as NDJSON.
+// What the router's rooms (router.cpp, access.cpp, processes.cpp, screen.cpp) share: answers, method and query checks,
+// and an exec's answer, whole or streamed as NDJSON.
 #pragma once
 
 #include <functional>
@@ -7,12 +7,12 @@
 #include <string>
 #include <string_view>
 
+#include "agent/api/routes.hpp"
 #include "agent/backends/backend.hpp"
 #include "agent/registry/exec_journal.hpp"
+#include "common/protocol.hpp"
 #include "http/http.hpp"
 #include "http/tokens.hpp"
-#include "agent/api/routes.hpp"
-#include "common/protocol.hpp"
 
 namespace dsec::agent {
 

@@ -24,41 +24,76 @@ std::vector<std::string_view> split_path(std::string_view path) {
 
 std::string_view route_template(Route route) noexcept {
   switch (route) {
-    case Route::kHealthz: return "/healthz";
-    case Route::kMetrics: return "/metrics";
-    case Route::kNode: return "/v1/node";
-    case Route::kSandboxes: return "/v1/sandboxes";
-    case Route::kSandbox: return "/v1/sandboxes/{id}";
-    case Route::kSandboxExec: return "/v1/sandboxes/{id}/exec";
-    case Route::kSandboxFiles: return "/v1/sandboxes/{id}/files";
-    case Route::kSandboxSleep: return "/v1/sandboxes/{id}/sleep";
-    case Route::kSandboxWake: return "/v1/sandboxes/{id}/wake";
-    case Route::kSandboxSnapshot: return "/v1/sandboxes/{id}/snapshot";
-    case Route::kSandboxFork: return "/v1/sandboxes/{id}/fork";
-    case Route::kSandboxNetwork: return "/v1/sandboxes/{id}/network";
-    case Route::kSandboxTtl: return "/v1/sandboxes/{id}/ttl";
-    case Route::kSandboxPorts: return "/v1/sandboxes/{id}/ports";
-    case Route::kSandboxNetworkUsage: return "/v1/sandboxes/{id}/network/usage";
-    case Route::kSandboxScreen: return "/v1/sandboxes/{id}/screen";
-    case Route::kSandboxScreenState: return "/v1/sandboxes/{id}/screen/state";
-    case Route::kSandboxScreenInput: return "/v1/sandboxes/{id}/screen/input";
-    case Route::kSandboxScreenVnc: return "/v1/sandboxes/{id}/screen/vnc";
-    case Route::kSandboxProcesses: return "/v1/sandboxes/{id}/processes";
-    case Route::kSandboxProcess: return "/v1/sandboxes/{id}/processes/{pid}";
-    case Route::kSandboxProcessOutput: return "/v1/sandboxes/{id}/processes/{pid}/output";
-    case Route::kSandboxProcessStdin: return "/v1/sandboxes/{id}/processes/{pid}/stdin";
-    case Route::kSandboxProcessSignal: return "/v1/sandboxes/{id}/processes/{pid}/signal";
-    case Route::kSandboxProcessResize: return "/v1/sandboxes/{id}/processes/{pid}/resize";
-    case Route::kSandboxSessions: return "/v1/sandboxes/{id}/sessions";
-    case Route::kSandboxSession: return "/v1/sandboxes/{id}/sessions/{name}";
-    case Route::kSandboxSessionRun: return "/v1/sandboxes/{id}/sessions/{name}/run";
-    case Route::kSandboxSessionRestart: return "/v1/sandboxes/{id}/sessions/{name}/restart";
-    case Route::kGroups: return "/v1/groups";
-    case Route::kGroup: return "/v1/groups/{id}";
-    case Route::kGroupRenew: return "/v1/groups/{id}/renew";
-    case Route::kFnCall: return "/v1/fncall";
-    case Route::kFnCallBatch: return "/v1/fncall/batch";
-    case Route::kUnknown: break;
+    case Route::kHealthz:
+      return "/healthz";
+    case Route::kMetrics:
+      return "/metrics";
+    case Route::kNode:
+      return "/v1/node";
+    case Route::kSandboxes:
+      return "/v1/sandboxes";
+    case Route::kSandbox:
+      return "/v1/sandboxes/{id}";
+    case Route::kSandboxExec:
+      return "/v1/sandboxes/{id}/exec";
+    case Route::kSandboxFiles:
+      return "/v1/sandboxes/{id}/files";
+    case Route::kSandboxSleep:
+      return "/v1/sandboxes/{id}/sleep";
+    case Route::kSandboxWake:
+      return "/v1/sandboxes/{id}/wake";
+    case Route::kSandboxSnapshot:
+      return "/v1/sandboxes/{id}/snapshot";
+    case Route::kSandboxFork:
+      return "/v1/sandboxes/{id}/fork";
+    case Route::kSandboxNetwork:
+      return "/v1/sandboxes/{id}/network";
+    case Route::kSandboxTtl:
+      return "/v1/sandboxes/{id}/ttl";
+    case Route::kSandboxPorts:
+      return "/v1/sandboxes/{id}/ports";
+    case Route::kSandboxNetworkUsage:
+      return "/v1/sandboxes/{id}/network/usage";
+    case Route::kSandboxScreen:
+      return "/v1/sandboxes/{id}/screen";
+    case Route::kSandboxScreenState:
+      return "/v1/sandboxes/{id}/screen/state";
+    case Route::kSandboxScreenInput:
+      return "/v1/sandboxes/{id}/screen/input";
+    case Route::kSandboxScreenVnc:
+      return "/v1/sandboxes/{id}/screen/vnc";
+    case Route::kSandboxProcesses:
+      return "/v1/sandboxes/{id}/processes";
+    case Route::kSandboxProcess:
+      return "/v1/sandboxes/{id}/processes/{pid}";
+    case Route::kSandboxProcessOutput:
+      return "/v1/sandboxes/{id}/processes/{pid}/output";
+    case Route::kSandboxProcessStdin:
+      return "/v1/sandboxes/{id}/processes/{pid}/stdin";
+    case Route::kSandboxProcessSignal:
+      return "/v1/sandboxes/{id}/processes/{pid}/signal";
+    case Route::kSandboxProcessResize:
+      return "/v1/sandboxes/{id}/processes/{pid}/resize";
+    case Route::kSandboxSessions:
+      return "/v1/sandboxes/{id}/sessions";
+    case Route::kSandboxSession:
+      return "/v1/sandboxes/{id}/sessions/{name}";
+    case Route::kSandboxSessionRun:
+      return "/v1/sandboxes/{id}/sessions/{name}/run";
+    case Route::kSandboxSessionRestart:
+      return "/v1/sandboxes/{id}/sessions/{name}/restart";
+    case Route::kGroups:
+      return "/v1/groups";
+    case Route::kGroup:
+      return "/v1/groups/{id}";
+    case Route::kGroupRenew:
+      return "/v1/groups/{id}/renew";
+    case Route::kFnCall:
+      return "/v1/fncall";
+    case Route::kFnCallBatch:
+      return "/v1/fncall/batch";
+    case Route::kUnknown:
+      break;
   }
   return "unknown";
 }
@@ -108,8 +143,9 @@ Query parse_query(std::string_view query) {
       std::size_t eq = item.find('=');
       std::string_view raw_key = item.substr(0, eq);
       std::string key = percent_decode(raw_key, "query");
-      std::string value =
-          eq == std::string_view::npos ? std::string{} : percent_decode(item.substr(eq + 1), fmt::format("query {}", key));
+      std::string value = eq == std::string_view::npos
+                              ? std::string{}
+                              : percent_decode(item.substr(eq + 1), fmt::format("query {}", key));
       items.emplace_back(std::move(key), std::move(value));
     }
     start = end + 1;
@@ -164,8 +200,7 @@ Target parse_target(std::string_view target) {
           out.route = Route::kSandboxScreenState;
         else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "input")
           out.route = Route::kSandboxScreenInput;
-        else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "vnc")
-          out.route = Route::kSandboxScreenVnc;
+        else if (parts.size() == 5 && parts[3] == "screen" && parts[4] == "vnc") out.route = Route::kSandboxScreenVnc;
         else if (parts.size() == 4 && parts[3] == "processes") out.route = Route::kSandboxProcesses;
         else if (parts.size() == 4 && parts[3] == "sessions") out.route = Route::kSandboxSessions;
         else if (parts.size() >= 5 && parts.size() <= 6 && !parts[4].empty() &&

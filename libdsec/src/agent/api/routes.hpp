@@ -14,21 +14,21 @@ namespace dsec::agent {
 
 enum class Route {
   kUnknown,
-  kHealthz,         // /healthz
-  kMetrics,         // /metrics
-  kNode,            // /v1/node
-  kSandboxes,       // /v1/sandboxes
-  kSandbox,         // /v1/sandboxes/{id}
-  kSandboxExec,     // /v1/sandboxes/{id}/exec
-  kSandboxFiles,    // /v1/sandboxes/{id}/files
-  kSandboxSleep,    // /v1/sandboxes/{id}/sleep
-  kSandboxWake,     // /v1/sandboxes/{id}/wake
-  kSandboxSnapshot, // /v1/sandboxes/{id}/snapshot
-  kSandboxFork,     // /v1/sandboxes/{id}/fork
-  kSandboxNetwork,  // /v1/sandboxes/{id}/network
-  kSandboxTtl,      // /v1/sandboxes/{id}/ttl
-  kSandboxPorts,    // /v1/sandboxes/{id}/ports
-  kSandboxNetworkUsage,  // /v1/sandboxes/{id}/network/usage
+  kHealthz,                // /healthz
+  kMetrics,                // /metrics
+  kNode,                   // /v1/node
+  kSandboxes,              // /v1/sandboxes
+  kSandbox,                // /v1/sandboxes/{id}
+  kSandboxExec,            // /v1/sandboxes/{id}/exec
+  kSandboxFiles,           // /v1/sandboxes/{id}/files
+  kSandboxSleep,           // /v1/sandboxes/{id}/sleep
+  kSandboxWake,            // /v1/sandboxes/{id}/wake
+  kSandboxSnapshot,        // /v1/sandboxes/{id}/snapshot
+  kSandboxFork,            // /v1/sandboxes/{id}/fork
+  kSandboxNetwork,         // /v1/sandboxes/{id}/network
+  kSandboxTtl,             // /v1/sandboxes/{id}/ttl
+  kSandboxPorts,           // /v1/sandboxes/{id}/ports
+  kSandboxNetworkUsage,    // /v1/sandboxes/{id}/network/usage
   kSandboxProcesses,       // /v1/sandboxes/{id}/processes
   kSandboxProcess,         // /v1/sandboxes/{id}/processes/{pid}
   kSandboxProcessOutput,   // /v1/sandboxes/{id}/processes/{pid}/output
@@ -43,11 +43,11 @@ enum class Route {
   kSandboxScreenState,     // /v1/sandboxes/{id}/screen/state
   kSandboxScreenInput,     // /v1/sandboxes/{id}/screen/input
   kSandboxScreenVnc,       // /v1/sandboxes/{id}/screen/vnc
-  kGroups,          // /v1/groups
-  kGroup,           // /v1/groups/{id}
-  kGroupRenew,      // /v1/groups/{id}/renew
-  kFnCall,          // /v1/fncall
-  kFnCallBatch,     // /v1/fncall/batch
+  kGroups,                 // /v1/groups
+  kGroup,                  // /v1/groups/{id}
+  kGroupRenew,             // /v1/groups/{id}/renew
+  kFnCall,                 // /v1/fncall
+  kFnCallBatch,            // /v1/fncall/batch
 };
 
 // The route's template, as used in metrics labels: "/v1/sandboxes/{id}/exec"; "unknown" for kUnknown.

@@ -10,10 +10,8 @@ namespace http = boost::beast::http;
 
 HttpResponse Router::screen(HttpRequest& request, const Target& target) {
   const std::string path(route_template(target.route));
-  if (target.route == Route::kSandboxScreenVnc)
-    allow(request, path, {http::verb::post, http::verb::delete_});
-  else
-    allow(request, path, {target.route == Route::kSandboxScreenInput ? http::verb::post : http::verb::get});
+  if (target.route == Route::kSandboxScreenVnc) allow(request, path, {http::verb::post, http::verb::delete_});
+  else allow(request, path, {target.route == Route::kSandboxScreenInput ? http::verb::post : http::verb::get});
   only_params(target.query, {});
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
   Screen* screen = handle.sandbox->screen();
@@ -23,15 +21,18 @@ HttpResponse Router::screen(HttpRequest& request, const Target& target) {
                             "is a {} sandbox)",
                             target.sandbox_id, handle.kind));
   switch (target.route) {
-    case Route::kSandboxScreen: return text_response(http::status::ok, screen->screenshot_png(), "image/png");
-    case Route::kSandboxScreenState: return json_response(http::status::ok, protocol::encode(screen->state()));
+    case Route::kSandboxScreen:
+      return text_response(http::status::ok, screen->screenshot_png(), "image/png");
+    case Route::kSandboxScreenState:
+      return json_response(http::status::ok, protocol::encode(screen->state()));
     case Route::kSandboxScreenVnc:
       if (request.method() == http::verb::delete_) {
         screen->stop_vnc();
         return json_response(http::status::ok, protocol::json::object());
       }
       return json_response(http::status::ok, protocol::json{{"address", screen->vnc()}});
-    default: break;
+    default:
+      break;
   }
   std::vector<InputAction> actions = protocol::decode_input(protocol::parse_body(request.body()));
   return json_response(http::status::ok, protocol::encode(screen->input(actions)));

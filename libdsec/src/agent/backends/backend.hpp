@@ -13,13 +13,13 @@
 #include <string_view>
 #include <vector>
 
+#include "agent/images/layers/layer_image.hpp"
+#include "agent/processes/processes.hpp"
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "dsec/screen.hpp"
 #include "dsec/spec.hpp"
-#include "agent/images/layers/layer_image.hpp"
-#include "agent/processes/processes.hpp"
 #include "image/upper_tree.hpp"
 
 namespace dsec::agent {
@@ -65,8 +65,8 @@ struct SleepReport {
   std::uint64_t memory_before_bytes = 0;
   std::uint64_t memory_after_bytes = 0;
   double seconds = 0;
-  std::uint64_t swap_bytes = 0;      // the sandbox's memory in swap after the call
-  bool reclaim_timed_out = false;    // sleep: releasing memory stopped at its time limit with some left
+  std::uint64_t swap_bytes = 0;    // the sandbox's memory in swap after the call
+  bool reclaim_timed_out = false;  // sleep: releasing memory stopped at its time limit with some left
 };
 
 // What one cold-memory reclaim of an awake sandbox did (BackendSandbox::reclaim_cold, qos/reclaimer.hpp).

@@ -111,7 +111,9 @@ void TarWriter::entry(const TreeEntry& e) {
   archive_entry_set_gid(ae.get(), e.gid);
   archive_entry_set_mtime(ae.get(), e.mtime, 0);
   switch (e.kind) {
-    case EntryKind::kDirectory: archive_entry_set_filetype(ae.get(), AE_IFDIR); break;
+    case EntryKind::kDirectory:
+      archive_entry_set_filetype(ae.get(), AE_IFDIR);
+      break;
     case EntryKind::kRegular:
       archive_entry_set_filetype(ae.get(), AE_IFREG);
       archive_entry_set_size(ae.get(), static_cast<la_int64_t>(e.size));

@@ -148,10 +148,10 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
     }
   };
   GroupLimits& run_limits = compiles && slot.run_cgroup ? slot.run_limits : slot.limits;
-  bool limits_ok = compiles ? set_limits(*slot.cgroup, slot.limits,
-                                         std::max(req.memory_bytes, settings.compile_memory_bytes),
-                                         std::max(req.pids, kCompilePids))
-                            : set_limits(cgroup, run_limits, req.memory_bytes, req.pids);
+  bool limits_ok =
+      compiles ? set_limits(*slot.cgroup, slot.limits, std::max(req.memory_bytes, settings.compile_memory_bytes),
+                            std::max(req.pids, kCompilePids))
+               : set_limits(cgroup, run_limits, req.memory_bytes, req.pids);
   if (!limits_ok) {
     result.exit_code = -1;
     result.signal = SIGKILL;
@@ -187,8 +187,7 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
   Capture cerr{std::move(err.read), req.max_output_bytes};
   enum class Phase { kCompiling, kRunning, kCompileFailed };
   Phase phase = compiles ? Phase::kCompiling : Phase::kRunning;
-  Clock::time_point deadline =
-      compiles ? after(settings.compile_timeout_seconds) : after(req.timeout_seconds);
+  Clock::time_point deadline = compiles ? after(settings.compile_timeout_seconds) : after(req.timeout_seconds);
   // The call's process has ended when the zygote, its parent, reports its exit status. Whatever it left running in
   // its cgroup is killed then, before the server takes another call.
   std::optional<Clock::time_point> exited_at;
@@ -207,7 +206,8 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
   auto ended = [&] {
     exited_at = Clock::now();
     cpu_used = cgroup.cpu_usage_seconds() - cpu_base;
-    const std::uint64_t before = &cgroup == slot.cgroup.get() ? slot.limits.charged_before : slot.run_limits.charged_before;
+    const std::uint64_t before =
+        &cgroup == slot.cgroup.get() ? slot.limits.charged_before : slot.run_limits.charged_before;
     peak = cgroup.memory_peak();
     peak = peak > before ? peak - before : peak;
     ooms = cgroup.oom_kills() - oom_base;

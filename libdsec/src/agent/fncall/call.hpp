@@ -13,7 +13,7 @@ namespace dsec::agent::fncall {
 struct CallSettings {
   std::string language;
   std::vector<std::string> device_nodes;  // GPU device nodes to bind into the call's /dev
-  Env env;                                 // the call's whole environment
+  Env env;                                // the call's whole environment
   double compile_timeout_seconds = 60;
   std::uint64_t compile_memory_bytes = 1ull << 30;
   std::size_t compile_output_cap = 64u << 10;

@@ -73,12 +73,14 @@ FnCallService::FnCallService(FnCallServiceOptions options, ImageSource& images)
       throw Error(Code::kInvalidArgument,
                   fmt::format("fncall pools: '{}' is not a language (python, shell, c, cpp)", language));
     if (b.min > b.max)
-      throw Error(Code::kInvalidArgument, fmt::format("fncall pools: {}: min {} is above max {}", language, b.min, b.max));
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("fncall pools: {}: min {} is above max {}", language, b.min, b.max));
   }
   for (const auto& language : c.warm) {
     auto it = c.pools.find(language);
     if (it == c.pools.end() || it->second.max == 0)
-      throw Error(Code::kInvalidArgument, fmt::format("fncall warm: '{}' is not a language this node serves", language));
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("fncall warm: '{}' is not a language this node serves", language));
   }
   if (!c.warm.empty() && c.default_image.empty())
     throw Error(Code::kInvalidArgument, "fncall warm: warm pools are of the default image; give --fncall-image");
@@ -112,7 +114,8 @@ Runtime& FnCallService::runtime() {
   // What an earlier run left (its servers died with it: their zygotes exit when the agent's end of their control
   // socket closes) goes first.
   fs::remove_all(rt->run_dir, ec);
-  if (::mkdir(rt->run_dir.c_str(), 0700) != 0 && errno != EEXIST) throw_errno_fmt(errno, "mkdir {}", rt->run_dir.string());
+  if (::mkdir(rt->run_dir.c_str(), 0700) != 0 && errno != EEXIST)
+    throw_errno_fmt(errno, "mkdir {}", rt->run_dir.string());
   rt->cgroups = container::make_cgroup_driver(options_.cgroup_name + "-fncall", true);
   rt->cgroups->remove_empty_groups();
   rt->netns = std::make_unique<container::NetnsPool>(2);

@@ -24,9 +24,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "agent/config.hpp"
 #include "agent/fncall/gpu_allocator.hpp"
 #include "agent/fncall/pool.hpp"
-#include "agent/config.hpp"
 #include "agent/images/image_source.hpp"
 #include "dsec/error.hpp"
 #include "dsec/fncall.hpp"
@@ -45,8 +45,8 @@ struct FnCallStatus {
 struct FnCallServiceOptions {
   FnCallConfig config;
   std::string node_id;
-  std::string cgroup_name;         // the agent's; fncall's groups live under "<cgroup_name>-fncall"
-  std::filesystem::path run_dir;   // the agent's; fncall's servers live under <run_dir>/fncall
+  std::string cgroup_name;        // the agent's; fncall's groups live under "<cgroup_name>-fncall"
+  std::filesystem::path run_dir;  // the agent's; fncall's servers live under <run_dir>/fncall
   unsigned cores = 1;
   // The node's user namespaces: each fork server gets one of its own when they are enabled.
   std::shared_ptr<container::UserNamespaces> userns;
@@ -118,8 +118,8 @@ class FnCallService {
 
   mutable std::mutex pools_mu_;
   std::map<PoolKey, std::shared_ptr<Pool>> pools_;
-  std::set<PoolKey> default_pools_;        // pools of the default image: kept at their minimum
-  std::map<std::string, Named> names_;     // image name -> the digest it resolved to, for a few seconds
+  std::set<PoolKey> default_pools_;     // pools of the default image: kept at their minimum
+  std::map<std::string, Named> names_;  // image name -> the digest it resolved to, for a few seconds
   bool shut_ = false;
 
   std::mutex ids_mu_;

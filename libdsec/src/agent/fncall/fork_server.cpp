@@ -18,8 +18,8 @@
 
 #include "agent/backends/container/spawn.hpp"
 #include "agent/fncall/wire.hpp"
-#include "dsec/fncall.hpp"
 #include "common/syscall.hpp"
+#include "dsec/fncall.hpp"
 
 namespace dsec::agent::fncall {
 namespace {
@@ -98,15 +98,15 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
     for (const auto& node : rt.gpu_nodes) {
       plan.steps.push_back({Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/.dsec-gpu/" + node.name), nullptr, 0,
                             nullptr, 0666, node.dev, false});
-      plan.steps.push_back({Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/" + node.name), nullptr, 0, nullptr, 0,
-                            node.dev, false});
+      plan.steps.push_back(
+          {Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/" + node.name), nullptr, 0, nullptr, 0, node.dev, false});
     }
   }
 
   const std::string script(zygote_script());
   const char* argv[] = {"python3", "-I", "-B", "-c", script.c_str(), nullptr};
-  const char* envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8",
-                        "HOME=/", nullptr};
+  const char* envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "HOME=/",
+                        nullptr};
   container::SpawnRequest req;
   req.rootfs = &plan;
   req.hostname = "fncall";
@@ -261,11 +261,10 @@ Slot ForkServer::arm(bool run_group) {
                                                 timed_out ? "was not ready in time" : "ended before it was ready"));
   if (ready.type() == "failed")
     throw Error(Code::kInternal, fmt::format("fork server {}: a call's child failed at {}: {}", id_,
-                                             ready.text("stage", "?"),
-                                             ready.text("message", "?")));
+                                             ready.text("stage", "?"), ready.text("message", "?")));
   if (ready.type() != "ready" || ready.fds.size() != 2)
-    throw Error(Code::kInternal, fmt::format("fork server {}: unexpected message '{}' from a call's child", id_,
-                                             ready.type()));
+    throw Error(Code::kInternal,
+                fmt::format("fork server {}: unexpected message '{}' from a call's child", id_, ready.type()));
   slot.sock = std::move(agent_end);
   slot.pidfd = std::move(ready.fds[0]);
   slot.mount_ns = std::move(ready.fds[1]);

@@ -43,9 +43,9 @@ struct Runtime {
   int cap_last_cap = 40;
   std::unique_ptr<container::CgroupDriver> cgroups;  // servers' and calls' groups, with cpu accounting
   std::unique_ptr<container::NetnsPool> netns;
-  container::SeccompProgram server_filter;  // the zygote's: the container filter with mount allowed
-  std::string call_filter_base64;           // the container's strict filter, loaded by every call's child
-  std::vector<DeviceNode> gpu_nodes;        // /dev/nvidia* of the host
+  container::SeccompProgram server_filter;            // the zygote's: the container filter with mount allowed
+  std::string call_filter_base64;                     // the container's strict filter, loaded by every call's child
+  std::vector<DeviceNode> gpu_nodes;                  // /dev/nvidia* of the host
   std::shared_ptr<container::UserNamespaces> userns;  // null or disabled: servers run with host ids
   std::atomic<std::uint64_t> next_id{0};
 };
@@ -74,10 +74,10 @@ struct Slot {
 };
 
 struct ForkServerParams {
-  std::string id;                                    // unique on the node: names its cgroup and run dir
-  std::string language;                              // python, shell, c, cpp
-  std::string image;                                 // for messages
-  std::vector<std::filesystem::path> layers;         // lowest first
+  std::string id;                             // unique on the node: names its cgroup and run dir
+  std::string language;                       // python, shell, c, cpp
+  std::string image;                          // for messages
+  std::vector<std::filesystem::path> layers;  // lowest first
 };
 
 class ForkServer {

@@ -76,8 +76,9 @@ GpuGrant GpuAllocator::acquire(GpuMode mode, std::uint32_t count, Clock::time_po
     throw Error(Code::kFailedPrecondition,
                 fmt::format("{} GPUs asked for, and this node has {}", count, devices_.size()));
   if (mode == GpuMode::kShared && count > shares_per_gpu_)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("{} shares of one GPU asked for, and this node cuts a GPU into {}", count, shares_per_gpu_));
+    throw Error(
+        Code::kFailedPrecondition,
+        fmt::format("{} shares of one GPU asked for, and this node cuts a GPU into {}", count, shares_per_gpu_));
 
   std::unique_lock lock(mu_);
   const std::uint64_t ticket = next_ticket_++;

@@ -47,7 +47,7 @@ class GpuGrant {
 
 struct GpuUsage {
   std::string device;
-  bool exclusive = false;       // held whole by one call
+  bool exclusive = false;  // held whole by one call
   std::uint32_t shares_used = 0;
 };
 

@@ -28,13 +28,18 @@ bool permanent(Code code) {
 
 Pool::Pool(Runtime& runtime, PoolWorkers workers, std::string language, ResolvedImage image, std::size_t min,
            std::size_t max)
-    : rt_(runtime), workers_(workers), language_(std::move(language)), image_(std::move(image)), min_(min),
+    : rt_(runtime),
+      workers_(workers),
+      language_(std::move(language)),
+      image_(std::move(image)),
+      min_(min),
       max_(std::max<std::size_t>(max, 1)) {}
 
 Pool::~Pool() { shutdown(); }
 
 std::size_t Pool::live_locked() const {
-  return static_cast<std::size_t>(std::count_if(servers_.begin(), servers_.end(), [](const ServerPtr& s) { return !s->dead; }));
+  return static_cast<std::size_t>(
+      std::count_if(servers_.begin(), servers_.end(), [](const ServerPtr& s) { return !s->dead; }));
 }
 
 FnCallResult Pool::call(const FnCallRequest& request, const CallSettings& settings, Clock::time_point queue_deadline) {
@@ -126,7 +131,8 @@ void Pool::adjust_locked() {
   if (d.start > 0 && now >= next_start_)
     for (std::size_t i = 0; i < d.start; ++i) start_server_locked();
   // The longest idle first.
-  std::sort(expired.begin(), expired.end(), [](const ServerPtr& a, const ServerPtr& b) { return a->idle_since < b->idle_since; });
+  std::sort(expired.begin(), expired.end(),
+            [](const ServerPtr& a, const ServerPtr& b) { return a->idle_since < b->idle_since; });
   for (std::size_t i = 0; i < d.stop && i < expired.size(); ++i) retire_locked(expired[i]);
 }
 
@@ -217,8 +223,8 @@ void Pool::arm_job(const ServerPtr& server) {
     last_error_ = e.what();
     // A server that cannot arm is of no use: replace it.
     if (!server->dead) {
-      log_warn("fncall: fork server {} of {} failed to arm a call's child and is replaced: {}", server->id,
-               image_.name, e.what());
+      log_warn("fncall: fork server {} of {} failed to arm a call's child and is replaced: {}", server->id, image_.name,
+               e.what());
       if (!server->busy) retire_locked(server);
       else server->dead = true;
     }

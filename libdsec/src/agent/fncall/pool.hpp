@@ -28,15 +28,15 @@ struct PoolWorkers {
 };
 
 struct PoolStatus {
-  std::string image;     // pinned reference
+  std::string image;  // pinned reference
   std::string language;
   std::size_t idle = 0;      // servers with a child armed and no call
   std::size_t busy = 0;      // servers running a call
   std::size_t starting = 0;  // servers starting or arming
   std::size_t waiting = 0;   // calls waiting for a server
   std::size_t min = 0, max = 0;
-  std::uint64_t calls = 0;   // calls run so far
-  std::string last_error;    // why the last server failed to start or arm, if one did
+  std::uint64_t calls = 0;  // calls run so far
+  std::string last_error;   // why the last server failed to start or arm, if one did
 };
 
 class Pool : public std::enable_shared_from_this<Pool> {

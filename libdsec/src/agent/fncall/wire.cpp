@@ -42,7 +42,8 @@ void send_all(int sock, std::string_view data) {
 // looks once).
 bool wait_readable(int sock, std::chrono::steady_clock::time_point deadline) {
   for (;;) {
-    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
     pollfd p{sock, POLLIN, 0};
     int rc = ::poll(&p, 1, ms <= 0 ? 0 : static_cast<int>(std::min<long long>(ms + 1, 1000)));
     if (rc > 0) return true;
@@ -154,7 +155,8 @@ bool recv_frame(int sock, Frame& out, std::chrono::steady_clock::time_point dead
   }
   std::uint32_t head_len = get_u32(prefix), blob_len = get_u32(prefix + 4);
   if (head_len > kMaxFrameHeader || blob_len > kMaxFrameBlob)
-    throw Error(Code::kInternal, fmt::format("fork server: a message of {} + {} bytes is too large", head_len, blob_len));
+    throw Error(Code::kInternal,
+                fmt::format("fork server: a message of {} + {} bytes is too large", head_len, blob_len));
   std::string head(head_len, '\0');
   if (!read_exact(sock, head.data(), head.size(), deadline))
     throw Error(Code::kUnavailable, "fork server: a message stopped midway");

@@ -38,7 +38,8 @@ class LayeredImageSource final : public ImageSource {
         stores_(open_stores(options)),
         cache_(layers::BlobCacheOptions{options.cache_dir, options.cache_bytes}, metrics),
         mounts_(layers::LayerMountsOptions{options.mount_dir, mode_, stores_, {}}, cache_, metrics) {
-    for (const auto& url : options.stores) remote_ = remote_ || url.starts_with("http://") || url.starts_with("https://");
+    for (const auto& url : options.stores)
+      remote_ = remote_ || url.starts_with("http://") || url.starts_with("https://");
   }
 
   ~LayeredImageSource() override { mounts_.shutdown(); }
@@ -56,9 +57,9 @@ class LayeredImageSource final : public ImageSource {
       try {
         held.push_back(mounts_.acquire(layer, stores_));
       } catch (const Error& e) {
-        throw Error(e.code(), fmt::format("image {}: layer {} of {} ({}, {}): {}", pinned, i + 1,
-                                          manifest->layers.size(), image::to_string(layer.role), layer.digest,
-                                          e.what()));
+        throw Error(e.code(),
+                    fmt::format("image {}: layer {} of {} ({}, {}): {}", pinned, i + 1, manifest->layers.size(),
+                                image::to_string(layer.role), layer.digest, e.what()));
       }
       dirs.push_back(held.back().dir);
       images.push_back(held.back().image);

@@ -21,8 +21,8 @@
 namespace dsec::agent {
 
 struct ResolvedImage {
-  std::string name;                                 // the reference, pinned: "busybox:latest@sha256:..."
-  std::vector<std::filesystem::path> layers;        // lowest first
+  std::string name;                           // the reference, pinned: "busybox:latest@sha256:..."
+  std::vector<std::filesystem::path> layers;  // lowest first
   // The same layers as EROFS images for virtual machines (empty where the source has none, or in extract mode).
   std::vector<layers::LayerImage> layer_images;
   // Keeps the layers mounted while held: the registry holds it for as long as the sandbox lives. Empty for sources
@@ -32,7 +32,7 @@ struct ResolvedImage {
 
 // How the node's layers are kept: GET /v1/node reports it.
 struct LayerStatus {
-  std::string mode;                       // "erofs-lazy", "extract (<why>)"
+  std::string mode;  // "erofs-lazy", "extract (<why>)"
   std::vector<CachedLayer> cached_layers;
 };
 
@@ -61,7 +61,7 @@ class ImageSource {
 };
 
 struct ImageSourceOptions {
-  std::vector<std::string> stores;          // store URLs, tried in order
+  std::vector<std::string> stores;  // store URLs, tried in order
   image::StoreOptions store_options;
   std::filesystem::path cache_dir;          // the layer cache
   std::uint64_t cache_bytes = 20ull << 30;  // its limit (layers in use are never evicted)

@@ -23,9 +23,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t kMaxRequestId = 128;
 
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -113,8 +111,8 @@ SnapshotOutcome Snapshots::take(const SnapshotRequest& request) {
       request_order_.emplace_back(pending->at, request.request_id);
     }
     if (!names_in_flight_.insert(tagged).second) {
-      Error busy(Code::kAlreadyExists, fmt::format("a snapshot named {} is being taken on node {} now", tagged,
-                                                   options_.node_id));
+      Error busy(Code::kAlreadyExists,
+                 fmt::format("a snapshot named {} is being taken on node {} now", tagged, options_.node_id));
       if (pending) {
         pending->done = true;
         pending->error = busy;
@@ -211,8 +209,9 @@ SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::Ima
   } remove_staging{staging};
   std::error_code ec;
   fs::create_directories(options_.staging_dir, ec);
-  if (ec) throw Error(code_for_errno(ec.value()), fmt::format("{}: mkdir {}: {}", what, options_.staging_dir.string(),
-                                                              ec.message()));
+  if (ec)
+    throw Error(code_for_errno(ec.value()),
+                fmt::format("{}: mkdir {}: {}", what, options_.staging_dir.string(), ec.message()));
   ::chmod(options_.staging_dir.c_str(), 0700);
   if (::mkdir(staging.c_str(), 0700) != 0) throw_errno_fmt(errno, "{}: mkdir {}", what, staging.string());
 
@@ -269,10 +268,11 @@ SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::Ima
   out.image = tagged + "@" + out.digest;
   out.build_seconds = since(build_started);
   out.seconds = since(started);
-  log_info("snapshot {} of sandbox {}: {} entries, {} bytes of files, layer {} ({} bytes stored{}); frozen {:.3f} s, "
-           "{:.3f} s in all",
-           out.image, id, out.files.entries, out.files.file_bytes, out.layer.digest, out.layer.stored_size,
-           out.layer_existed ? ", already there" : "", out.frozen_seconds, out.seconds);
+  log_info(
+      "snapshot {} of sandbox {}: {} entries, {} bytes of files, layer {} ({} bytes stored{}); frozen {:.3f} s, "
+      "{:.3f} s in all",
+      out.image, id, out.files.entries, out.files.file_bytes, out.layer.digest, out.layer.stored_size,
+      out.layer_existed ? ", already there" : "", out.frozen_seconds, out.seconds);
   return out;
 }
 

@@ -38,9 +38,9 @@ namespace dsec::agent {
 
 struct SnapshotOptions {
   std::string node_id;
-  std::string store;                    // URL of the store snapshots are committed to
+  std::string store;  // URL of the store snapshots are committed to
   image::StoreOptions store_options;
-  std::filesystem::path staging_dir;    // one directory per snapshot in progress; emptied at start
+  std::filesystem::path staging_dir;  // one directory per snapshot in progress; emptied at start
   image::UpperTreeLimits limits;
   std::uint32_t chunk_size = image::ChunkIndex::kDefaultChunkSize;
   // Request ids are remembered this long, and at most this many (the oldest finished ones go first beyond it).
@@ -55,22 +55,22 @@ struct SnapshotRequest {
 };
 
 struct SnapshotOutcome {
-  std::string image;              // the new image, pinned: "repo:tag@sha256:<manifest digest>"
-  std::string digest;             // the manifest's
+  std::string image;   // the new image, pinned: "repo:tag@sha256:<manifest digest>"
+  std::string digest;  // the manifest's
   std::string sandbox_id;
   std::string node;
-  std::string parent;             // the sandbox's image, pinned
-  std::string store;              // where it was committed
-  SandboxSpec spec;               // the sandbox's spec, for sandboxes made from the snapshot
-  image::LayerDescriptor layer;   // the new layer
-  bool layer_existed = false;     // the store had a layer of exactly these bytes already
+  std::string parent;            // the sandbox's image, pinned
+  std::string store;             // where it was committed
+  SandboxSpec spec;              // the sandbox's spec, for sandboxes made from the snapshot
+  image::LayerDescriptor layer;  // the new layer
+  bool layer_existed = false;    // the store had a layer of exactly these bytes already
   image::UpperTreeStats files;
   std::vector<std::string> notes;
-  double frozen_seconds = 0;      // the sandbox's processes stood still this long (0: it was asleep anyway)
-  double capture_seconds = 0;     // copying its writable layer
-  double build_seconds = 0;       // making, compressing and storing the layer, committing the manifest
-  double seconds = 0;             // all of it
-  bool created = true;            // false: a repeat of an earlier request id, answered with its snapshot
+  double frozen_seconds = 0;   // the sandbox's processes stood still this long (0: it was asleep anyway)
+  double capture_seconds = 0;  // copying its writable layer
+  double build_seconds = 0;    // making, compressing and storing the layer, committing the manifest
+  double seconds = 0;          // all of it
+  bool created = true;         // false: a repeat of an earlier request id, answered with its snapshot
 };
 
 class Snapshots {
@@ -109,8 +109,8 @@ class Snapshots {
 
   std::mutex mutex_;
   std::condition_variable done_;
-  std::set<std::string> names_in_flight_;                      // "repo:tag" being taken now
-  std::map<std::string, std::shared_ptr<Pending>> requests_;   // by request id
+  std::set<std::string> names_in_flight_;                     // "repo:tag" being taken now
+  std::map<std::string, std::shared_ptr<Pending>> requests_;  // by request id
   std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> request_order_;
 };
 

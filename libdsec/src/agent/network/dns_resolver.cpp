@@ -112,20 +112,20 @@ std::optional<DnsUpstream> upstream_from_resolv_conf(const std::string& path) {
 struct DnsResolver::Impl {
   DnsUpstream upstream;
   DnsDecisions decisions;
-  UniqueFd listen;    // queries from sandboxes (redirected here)
-  UniqueFd outward;   // to and from the upstream resolver (connected: nothing else is read)
-  UniqueFd wake;      // eventfd: stop
+  UniqueFd listen;   // queries from sandboxes (redirected here)
+  UniqueFd outward;  // to and from the upstream resolver (connected: nothing else is read)
+  UniqueFd wake;     // eventfd: stop
   std::uint16_t port = 0;
   std::thread thread;
 
   struct Pending {
-    Packet query;          // the sandbox's, for its id, flags and question
+    Packet query;  // the sandbox's, for its id, flags and question
     sockaddr_in client{};
     std::uint32_t source = 0;
     std::string name;
     Clock::time_point deadline;
   };
-  std::map<std::uint16_t, Pending> pending;  // by the id of the query sent upstream
+  std::map<std::uint16_t, Pending> pending;         // by the id of the query sent upstream
   std::map<std::uint32_t, std::size_t> pending_of;  // per sandbox address
   std::mt19937 random{std::random_device{}()};
   bool warned_no_upstream = false;
@@ -178,7 +178,8 @@ struct DnsResolver::Impl {
     }
     // A query of the agent's own, not the sandbox's bytes: a fresh id, the one question, recursion wanted.
     std::uint16_t id = 0;
-    do id = static_cast<std::uint16_t>(random()); while (pending.count(id));
+    do id = static_cast<std::uint16_t>(random());
+    while (pending.count(id));
     Packet out(ldns_pkt_query_new(ldns_rdf_clone(ldns_rr_owner(question)), LDNS_RR_TYPE_A, LDNS_RR_CLASS_IN, LDNS_RD));
     if (!out) return;
     ldns_pkt_set_id(out.get(), id);
@@ -281,8 +282,8 @@ struct DnsResolver::Impl {
       for (int n = 0; n < 64 && (fds[0].revents & POLLIN); ++n) {
         sockaddr_in from{};
         socklen_t len = sizeof from;
-        ssize_t got = ::recvfrom(listen.get(), buf.data(), buf.size(), MSG_DONTWAIT,
-                                 reinterpret_cast<sockaddr*>(&from), &len);
+        ssize_t got =
+            ::recvfrom(listen.get(), buf.data(), buf.size(), MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from), &len);
         if (got < 0) break;
         if (from.sin_family == AF_INET) on_query(buf.data(), static_cast<std::size_t>(got), from);
       }

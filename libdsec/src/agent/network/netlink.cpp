@@ -95,8 +95,7 @@ int Netlink::exchange(void* message, std::size_t size, const char* what,
     ssize_t n = ::recv(fd_.get(), answer, sizeof answer, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw_errno(errno, fmt::format("netlink {}: receive", what));
-    for (auto* h = reinterpret_cast<nlmsghdr*>(answer); NLMSG_OK(h, static_cast<unsigned>(n));
-         h = NLMSG_NEXT(h, n)) {
+    for (auto* h = reinterpret_cast<nlmsghdr*>(answer); NLMSG_OK(h, static_cast<unsigned>(n)); h = NLMSG_NEXT(h, n)) {
       if (h->nlmsg_seq != seq_) continue;
       if (h->nlmsg_type == NLMSG_ERROR) return -static_cast<nlmsgerr*>(NLMSG_DATA(h))->error;
       if (on_answer && on_answer(*h)) return 0;

@@ -1,7 +1,7 @@
 #include "agent/network/node_network.hpp"
 
-#include <fcntl.h>
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <libnetfilter_conntrack/libnetfilter_conntrack.h>
 #include <nftables/libnftables.h>
 #include <sys/socket.h>
@@ -16,8 +16,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "common/log.hpp"
 #include "agent/network/netlink.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::network {
@@ -108,13 +108,13 @@ NodeNetwork::NodeNetwork(NodeNetworkOptions options)
       }()),
       blocks_(range_.first(), static_cast<std::uint32_t>((std::uint64_t{range_.last()} - range_.first() + 1) / 4), 4,
               "sandbox network addresses"),
-      node_ports_(options_.expose_first,
-                  options_.expose_last >= options_.expose_first ? options_.expose_last - options_.expose_first + 1u : 0u,
-                  1, "node ports for exposed sandbox ports") {
+      node_ports_(
+          options_.expose_first,
+          options_.expose_last >= options_.expose_first ? options_.expose_last - options_.expose_first + 1u : 0u, 1,
+          "node ports for exposed sandbox ports") {
   if (options_.expose_first == 0 || options_.expose_last < options_.expose_first)
-    throw Error(Code::kInvalidArgument,
-                fmt::format("--expose-ports: {}-{} is not a range of ports within 1-65535", options_.expose_first,
-                            options_.expose_last));
+    throw Error(Code::kInvalidArgument, fmt::format("--expose-ports: {}-{} is not a range of ports within 1-65535",
+                                                    options_.expose_first, options_.expose_last));
   if (options_.expose_host.empty()) {
     char name[256] = {};
     ::gethostname(name, sizeof name - 1);
@@ -188,9 +188,7 @@ void NodeNetwork::ensure_table() {
   if (!port_claims_) port_claims_.emplace(options_.ports_claims_dir, options_.run_dir);
   if (!dns_) {
     DnsDecisions decisions;
-    decisions.may_resolve = [this](std::uint32_t source, const std::string& name) {
-      return may_resolve(source, name);
-    };
+    decisions.may_resolve = [this](std::uint32_t source, const std::string& name) { return may_resolve(source, name); };
     decisions.pin = [this](std::uint32_t source, const std::string& name, const std::vector<ResolvedAddress>& a) {
       return pin(source, name, a);
     };
@@ -250,15 +248,13 @@ table inet {t} {{
   }}
 }}
 )",
-                                         fmt::arg("t", t), fmt::arg("blocked", blocked),
-                                         fmt::arg("dns", dns_->port()));
+                                         fmt::arg("t", t), fmt::arg("blocked", blocked), fmt::arg("dns", dns_->port()));
   run(script, "make the sandboxes' table");
   table_ready_ = true;
 }
 
 std::vector<std::string> NodeNetwork::elements_of(const Attachment& a, const NetworkPolicy& policy,
-                                                   const Pins& pins)
-    const {
+                                                  const Pins& pins) const {
   const std::string addr = ipv4_to_string(a.sandbox_address());
   std::vector<std::string> out{fmt::format("ifaces {{ \"{}\" }}", a.interface),
                                fmt::format("ifaddr {{ \"{}\" . {} }}", a.interface, addr),
@@ -429,9 +425,10 @@ std::map<std::string, NetworkUsage> NodeNetwork::usage_of_all() const {
 }
 
 std::string NodeNetwork::resolv_conf(const Attachment& a) {
-  return fmt::format("# Written by dsec: names are resolved by the node's agent, which answers those the sandbox's\n"
-                     "# network rules allow (any address's port 53 reaches it).\nnameserver {}\n",
-                     ipv4_to_string(a.gateway()));
+  return fmt::format(
+      "# Written by dsec: names are resolved by the node's agent, which answers those the sandbox's\n"
+      "# network rules allow (any address's port 53 reaches it).\nnameserver {}\n",
+      ipv4_to_string(a.gateway()));
 }
 
 void NodeNetwork::apply_elements(const std::vector<std::string>& remove, const std::vector<std::string>& add,
@@ -688,8 +685,7 @@ std::string NodeNetwork::expose(const std::string& id, std::uint32_t port) {
   Sandbox& sb = it->second;
   const auto p = static_cast<std::uint16_t>(port);
   if (auto e = sb.exposed.find(p); e != sb.exposed.end())
-    throw Error(Code::kInvalidArgument,
-                fmt::format("port: {} is exposed already, at {}", port, address_of(e->second)));
+    throw Error(Code::kInvalidArgument, fmt::format("port: {} is exposed already, at {}", port, address_of(e->second)));
   const auto node_port =
       static_cast<std::uint16_t>(node_ports_.take([this](std::uint32_t n) { return port_claims_->claim(n); }));
   try {
@@ -704,7 +700,9 @@ std::string NodeNetwork::expose(const std::string& id, std::uint32_t port) {
 
 void NodeNetwork::unexpose(const std::string& id, std::uint32_t port) {
   std::lock_guard lock(mu_);
-  auto not_exposed = [&] { return Error(Code::kNotFound, fmt::format("port: {} of sandbox {} is not exposed", port, id)); };
+  auto not_exposed = [&] {
+    return Error(Code::kNotFound, fmt::format("port: {} of sandbox {} is not exposed", port, id));
+  };
   auto it = sandboxes_.find(id);
   if (it == sandboxes_.end() || port < 1 || port > 65535) throw not_exposed();
   Sandbox& sb = it->second;

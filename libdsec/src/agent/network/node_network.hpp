@@ -25,9 +25,9 @@
 #include <chrono>
 #include <memory>
 
+#include "agent/network/dns_resolver.hpp"
 #include "agent/node/host_id_claims.hpp"
 #include "agent/node/host_id_pool.hpp"
-#include "agent/network/dns_resolver.hpp"
 #include "common/network_rules.hpp"
 #include "dsec/network.hpp"
 
@@ -38,17 +38,17 @@ namespace dsec::agent::network {
 using ::dsec::network::Cidr;
 
 struct NodeNetworkOptions {
-  std::string range = "10.88.0.0/16";        // sandboxes' /30s come from here
-  std::vector<std::string> egress_deny;      // CIDRs no sandbox may reach (dsecd --egress-deny)
-  bool allow_open = true;                    // mode "open" allowed (dsecd --no-open-egress forbids it)
-  std::string table;                         // nftables table name: dsec_<agent>
+  std::string range = "10.88.0.0/16";                  // sandboxes' /30s come from here
+  std::vector<std::string> egress_deny;                // CIDRs no sandbox may reach (dsecd --egress-deny)
+  bool allow_open = true;                              // mode "open" allowed (dsecd --no-open-egress forbids it)
+  std::string table;                                   // nftables table name: dsec_<agent>
   std::filesystem::path claims_dir = "/run/dsec-net";  // host-wide claims of /30s (agents sharing a host)
   // Exposed ports (expose): node ports from this range, claimed host-wide in ports_claims_dir, reached as
   // <expose_host>:<node port> (dsecd --expose-host; default: the node's host name).
   std::uint16_t expose_first = 30000, expose_last = 32767;
   std::string expose_host;
   std::filesystem::path ports_claims_dir = "/run/dsec-ports";
-  std::filesystem::path run_dir;             // the agent's: names its claims
+  std::filesystem::path run_dir;  // the agent's: names its claims
   // Where the sandboxes' DNS resolver asks for allowed names (dsecd --dns-upstream): "IP[:PORT]"; empty: the first
   // IPv4 nameserver of the node's /etc/resolv.conf.
   std::string dns_upstream;
@@ -63,8 +63,8 @@ struct LinkLimits {
 
 // What a sandbox's network is on the node, kept in its record for a restart.
 struct Attachment {
-  std::uint32_t block = 0;   // the /30's first address: host end block+1, sandbox block+2
-  std::string interface;     // host end of the veth pair: dsh-<block in hex>
+  std::uint32_t block = 0;  // the /30's first address: host end block+1, sandbox block+2
+  std::string interface;    // host end of the veth pair: dsh-<block in hex>
   std::uint32_t sandbox_address() const { return block + 2; }
   std::uint32_t gateway() const { return block + 1; }
 };
@@ -128,9 +128,9 @@ class NodeNetwork {
   struct Sandbox {
     Attachment link;
     NetworkPolicy policy;
-    std::vector<std::string> elements;  // "set { element }" lines of the table that are this sandbox's
+    std::vector<std::string> elements;               // "set { element }" lines of the table that are this sandbox's
     std::map<std::uint16_t, std::uint16_t> exposed;  // its port -> the node's port
-    Pins pins;  // (name, address) the resolver handed out
+    Pins pins;                                       // (name, address) the resolver handed out
   };
   std::string exposed_element(const Sandbox& s, std::uint16_t port, std::uint16_t node_port) const;
   void release_node_port(std::uint16_t node_port);
@@ -146,7 +146,7 @@ class NodeNetwork {
   std::optional<bool> may_resolve(std::uint32_t source, const std::string& name);
   bool pin(std::uint32_t source, const std::string& name, const std::vector<ResolvedAddress>& answers);
   void expire_pins();
-  void run(const std::string& script, const char* what);  // under mu_
+  void run(const std::string& script, const char* what);    // under mu_
   std::string list_json(const std::string& command) const;  // under mu_: a listing, as nftables' JSON
   NetworkUsage usage_of(const Sandbox& s, const std::map<std::string, std::uint64_t>& refused) const;
   std::map<std::string, std::uint64_t> refused_counters(const std::string& only = "") const;  // under mu_
@@ -172,7 +172,7 @@ class NodeNetwork {
   bool table_ready_ = false;
   std::map<std::string, Sandbox> sandboxes_;
   std::map<std::uint32_t, std::string> by_address_;  // a sandbox's address -> its id
-  std::unique_ptr<DnsResolver> dns_;  // made with the table
+  std::unique_ptr<DnsResolver> dns_;                 // made with the table
   std::mutex forget_mu_;
   std::condition_variable forget_wake_;
   std::vector<std::uint32_t> to_forget_;

@@ -15,7 +15,7 @@ struct HostCapacity {
 
 struct DiskUsage {
   std::uint64_t total_bytes = 0;
-  std::uint64_t free_bytes = 0;    // available to unprivileged writers
+  std::uint64_t free_bytes = 0;  // available to unprivileged writers
 };
 
 HostCapacity probe_host();

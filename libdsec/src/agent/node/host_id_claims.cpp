@@ -6,8 +6,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <fstream>
 #include <sstream>
 
@@ -87,12 +87,15 @@ bool HostIdClaims::claim(std::uint32_t first, bool after_restart) {
     ::unlink(path.c_str());
   } else {
     switch (judge(holder)) {
-      case Verdict::kOurs: return true;
-      case Verdict::kHeld: return false;
+      case Verdict::kOurs:
+        return true;
+      case Verdict::kHeld:
+        return false;
       case Verdict::kOursBeforeRestart:
         if (!after_restart) return false;  // a sandbox of ours from before the restart may still run on it
         break;
-      case Verdict::kStale: break;
+      case Verdict::kStale:
+        break;
     }
   }
   if (::rename(aside.c_str(), path.c_str()) != 0) throw_errno_fmt(errno, "claim host ids {}", path.string());

@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
-#include "common/log.hpp"
 #include "cluster/node_record.hpp"
+#include "common/log.hpp"
 
 namespace dsec::agent {
 
@@ -79,8 +79,10 @@ void Registration::loop() {
     }
     try {
       if (lease != 0 && etcd_->keepalive(lease) == 0) {
-        log_warn("etcd: the lease of {} is gone (it expired while etcd was away, or etcd lost it); registering "
-                 "again", key_);
+        log_warn(
+            "etcd: the lease of {} is gone (it expired while etcd was away, or etcd lost it); registering "
+            "again",
+            key_);
         lease = 0;
       }
       if (lease == 0) {
@@ -104,8 +106,7 @@ void Registration::loop() {
       if (!ever_registered)
         log_info("etcd: registered {} as {} (lease TTL {} s, via {})", options_.endpoint, key_,
                  options_.lease_ttl.count(), etcd_->current_endpoint());
-      else if (failing)
-        log_info("etcd: registered again as {} (via {})", key_, etcd_->current_endpoint());
+      else if (failing) log_info("etcd: registered again as {} (via {})", key_, etcd_->current_endpoint());
       ever_registered = true;
       failing = false;
       backoff = kMinBackoff;
@@ -118,8 +119,8 @@ void Registration::loop() {
       }
       const auto now = Clock::now();
       if (!failing || now - last_warning >= kRepeatWarning) {
-        log_warn("etcd: cannot {} {}: {} (retrying; the agent keeps serving)",
-                 ever_registered ? "renew" : "register", key_, e.what());
+        log_warn("etcd: cannot {} {}: {} (retrying; the agent keeps serving)", ever_registered ? "renew" : "register",
+                 key_, e.what());
         last_warning = now;
       }
       failing = true;

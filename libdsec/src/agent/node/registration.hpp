@@ -27,7 +27,7 @@ struct RegistrationOptions {
   std::vector<std::string> etcd_endpoints;
   std::string prefix = "/dsec/";
   std::string node_id;
-  std::string endpoint;                          // advertised: where clients reach this agent
+  std::string endpoint;  // advertised: where clients reach this agent
   std::chrono::seconds lease_ttl{10};
   // Tests only: stop renewing (the lease then expires) this long after start(). 0: never.
   std::chrono::milliseconds stop_renewing_after{0};

@@ -105,7 +105,8 @@ void write_zeros(int fd, const std::string& path, std::uint64_t bytes) {
     ssize_t w = retry_eintr([&] { return ::pwrite(fd, block.data(), n, static_cast<off_t>(done)); });
     if (w < 0) {
       if (errno == ENOSPC || errno == EDQUOT)
-        throw Error(Code::kResourceExhausted, fmt::format("swap file {}: no room on its disk for {}", path, mib(bytes)));
+        throw Error(Code::kResourceExhausted,
+                    fmt::format("swap file {}: no room on its disk for {}", path, mib(bytes)));
       throw_errno_fmt(errno, "write zeros to {}", path);
     }
     done += static_cast<std::uint64_t>(w);
@@ -169,7 +170,8 @@ std::vector<ActiveSwap> parse_proc_swaps(std::string_view text) {
     if (!(fields >> path >> s.type >> size_kib >> used_kib >> s.priority)) continue;
     // The kernel escapes spaces, tabs, newlines and backslashes in the path as \ooo.
     for (std::size_t i = 0; i < path.size(); ++i) {
-      if (path[i] == '\\' && i + 3 < path.size() && path.substr(i + 1, 3).find_first_not_of("01234567") == std::string::npos) {
+      if (path[i] == '\\' && i + 3 < path.size() &&
+          path.substr(i + 1, 3).find_first_not_of("01234567") == std::string::npos) {
         s.path += static_cast<char>(std::stoi(path.substr(i + 1, 3), nullptr, 8));
         i += 3;
       } else {
@@ -221,12 +223,12 @@ SwapFilesystem swap_filesystem(const fs::path& dir) {
     bool can_hold_swap;
   };
   static constexpr Known kKnown[] = {
-      {0xEF53, "ext4", true},          {0x58465342, "xfs", true},       {0x9123683E, "btrfs", true},
-      {0xF2F52010, "f2fs", true},      {0x01021994, "tmpfs", false},    {0x858458f6, "ramfs", false},
-      {0x794c7630, "overlay", false},  {0x65735546, "fuse", false},     {0x6969, "nfs", false},
-      {0xFF534D42, "cifs", false},     {0xFE534D42, "smb2", false},     {0x73717368, "squashfs", false},
-      {0xE0F5E1E2, "erofs", false},    {0x2FC12FC1, "zfs", false},      {0x01021997, "9p", false},
-      {0x00C36400, "ceph", false},     {0x9fa0, "proc", false},         {0x62656572, "sysfs", false},
+      {0xEF53, "ext4", true},         {0x58465342, "xfs", true},    {0x9123683E, "btrfs", true},
+      {0xF2F52010, "f2fs", true},     {0x01021994, "tmpfs", false}, {0x858458f6, "ramfs", false},
+      {0x794c7630, "overlay", false}, {0x65735546, "fuse", false},  {0x6969, "nfs", false},
+      {0xFF534D42, "cifs", false},    {0xFE534D42, "smb2", false},  {0x73717368, "squashfs", false},
+      {0xE0F5E1E2, "erofs", false},   {0x2FC12FC1, "zfs", false},   {0x01021997, "9p", false},
+      {0x00C36400, "ceph", false},    {0x9fa0, "proc", false},      {0x62656572, "sysfs", false},
   };
   auto magic = static_cast<unsigned long>(st.f_type) & 0xffffffffUL;
   for (const auto& k : kKnown)
@@ -252,13 +254,14 @@ void NodeSwap::setup_file(const SwapOptions& o) {
   if (!o.file.is_absolute())
     throw Error(Code::kInvalidArgument, fmt::format("--swap-file: '{}' is not an absolute path", path));
   if (o.file_bytes < kMinSwapBytes)
-    throw Error(Code::kInvalidArgument, fmt::format("--swap-size: a swap file needs at least 1Mi (got {} bytes)",
-                                                    o.file_bytes));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("--swap-size: a swap file needs at least 1Mi (got {} bytes)", o.file_bytes));
   const std::uint64_t bytes = o.file_bytes / page_size() * page_size();
   std::error_code ec;
   fs::create_directories(o.file.parent_path(), ec);
-  if (ec) throw Error(Code::kFailedPrecondition, fmt::format("swap file {}: mkdir {}: {}", path,
-                                                             o.file.parent_path().string(), ec.message()));
+  if (ec)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("swap file {}: mkdir {}: {}", path, o.file.parent_path().string(), ec.message()));
   SwapFilesystem where = swap_filesystem(o.file.parent_path());
   if (!where.can_hold_swap)
     throw Error(Code::kFailedPrecondition,
@@ -279,12 +282,12 @@ void NodeSwap::setup_file(const SwapOptions& o) {
       SwapHeader h = read_header(path);
       Area area{path, h.valid && h.label == o.label};
       areas_.push_back(area);
-      summary_.push_back(fmt::format("swap file {} ({}) was already on; {}", path, mib(active.size_bytes),
-                                     area.owned ? "made by dsecd: turned off at shutdown"
-                                                : "not made by dsecd: left on at shutdown"));
+      summary_.push_back(
+          fmt::format("swap file {} ({}) was already on; {}", path, mib(active.size_bytes),
+                      area.owned ? "made by dsecd: turned off at shutdown" : "not made by dsecd: left on at shutdown"));
       if (active.size_bytes + page_size() != bytes && active.size_bytes != bytes)
-        log_warn("swap file {} is on with {}, not the {} asked for; it is used as it is", path,
-                 mib(active.size_bytes), mib(bytes));
+        log_warn("swap file {} is on with {}, not the {} asked for; it is used as it is", path, mib(active.size_bytes),
+                 mib(bytes));
       return;
     }
   }
@@ -309,7 +312,8 @@ void NodeSwap::setup_file(const SwapOptions& o) {
     if (where.name == "btrfs") set_nocow(fd.get());
     if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
       if (errno == ENOSPC || errno == EDQUOT)
-        throw Error(Code::kResourceExhausted, fmt::format("swap file {}: no room on its disk for {}", path, mib(bytes)));
+        throw Error(Code::kResourceExhausted,
+                    fmt::format("swap file {}: no room on its disk for {}", path, mib(bytes)));
       if (errno != EOPNOTSUPP) throw_errno_fmt(errno, "fallocate {} bytes for {}", bytes, path);
       write_zeros(fd.get(), path, bytes);  // a filesystem without fallocate: write every block
       zeroed = true;
@@ -320,7 +324,8 @@ void NodeSwap::setup_file(const SwapOptions& o) {
     int err = errno;
     if (err == EPERM) throw_errno_fmt(err, "swapon {} (needs CAP_SYS_ADMIN)", path);
     if (err != EINVAL || zeroed)
-      throw_errno_fmt(err, "swapon {} (a swap file on {}; the filesystem may not support swap files)", path, where.name);
+      throw_errno_fmt(err, "swapon {} (a swap file on {}; the filesystem may not support swap files)", path,
+                      where.name);
     // Some filesystems refuse preallocated (unwritten) extents for swap: write every block and try once more.
     write_zeros(fd.get(), path, bytes);
     write_header(fd.get(), path, bytes, o.label);
@@ -353,8 +358,8 @@ void NodeSwap::setup_zram(const SwapOptions& o) {
     for (const auto& s : read_proc_swaps()) swapped |= s.path == "/dev/zram0";
     if (disksize != "0" || swapped)
       throw Error(Code::kFailedPrecondition,
-                  fmt::format("zram0 is in use (disksize {}{}) and this kernel cannot add another zram device", disksize,
-                              swapped ? ", a swap area" : ""));
+                  fmt::format("zram0 is in use (disksize {}{}) and this kernel cannot add another zram device",
+                              disksize, swapped ? ", a swap area" : ""));
     area.zram_id = 0;
   } else {
     throw Error(Code::kFailedPrecondition, "no zram device: the kernel has no zram module loaded (modprobe zram)");
@@ -372,11 +377,13 @@ void NodeSwap::setup_zram(const SwapOptions& o) {
     if (w.front() == '[' && w.back() == ']') w = w.substr(1, w.size() - 2);
     algorithms.push_back(w);
   }
-  auto offers = [&](const std::string& a) { return std::find(algorithms.begin(), algorithms.end(), a) != algorithms.end(); };
+  auto offers = [&](const std::string& a) {
+    return std::find(algorithms.begin(), algorithms.end(), a) != algorithms.end();
+  };
   std::string algorithm = o.zram_algorithm;
   if (!algorithm.empty() && !offers(algorithm))
-    throw Error(Code::kInvalidArgument, fmt::format("--zram-algorithm: the kernel's zram offers {}, not '{}'",
-                                                    trimmed(offered), algorithm));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("--zram-algorithm: the kernel's zram offers {}, not '{}'", trimmed(offered), algorithm));
   if (algorithm.empty() && offers("lz4")) algorithm = "lz4";
   if (!algorithm.empty()) write_text(sys + "/comp_algorithm", algorithm);
   write_text(sys + "/disksize", std::to_string(o.zram_bytes));

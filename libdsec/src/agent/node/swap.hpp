@@ -15,7 +15,7 @@
 namespace dsec::agent {
 
 struct SwapOptions {
-  std::filesystem::path file;   // a swap file (empty: none); made when missing, reused when it is one of the size
+  std::filesystem::path file;  // a swap file (empty: none); made when missing, reused when it is one of the size
   std::uint64_t file_bytes = 0;
   std::uint64_t zram_bytes = 0;  // a compressed RAM swap device of this (uncompressed) size; 0: none
   std::string zram_algorithm;    // empty: lz4 when the kernel offers it, else the device's default
@@ -48,8 +48,8 @@ std::vector<ActiveSwap> read_proc_swaps();
 std::string make_swap_header(std::uint64_t bytes, std::size_t page_size, std::string_view label,
                              const unsigned char (&uuid)[16]);
 struct SwapHeader {
-  bool valid = false;          // the SWAPSPACE2 magic and version 1
-  std::uint64_t pages = 0;     // pages the area spans (its last page + 1), header included
+  bool valid = false;       // the SWAPSPACE2 magic and version 1
+  std::uint64_t pages = 0;  // pages the area spans (its last page + 1), header included
   std::string label;
 };
 SwapHeader parse_swap_header(std::string_view first_page);
@@ -83,9 +83,9 @@ class NodeSwap {
 
  private:
   struct Area {
-    std::string path;     // the swap file or /dev/zramN
-    bool owned = false;   // turned off by turn_off()
-    int zram_id = -1;     // the zram device to reset (-1: a file)
+    std::string path;         // the swap file or /dev/zramN
+    bool owned = false;       // turned off by turn_off()
+    int zram_id = -1;         // the zram device to reset (-1: a file)
     bool zram_added = false;  // hot-added by this agent: removed again by turn_off()
   };
   void setup_file(const SwapOptions& options);

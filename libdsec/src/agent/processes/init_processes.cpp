@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common/wire/start_error.hpp"
 #include "agent/processes/processes.hpp"
+#include "common/wire/start_error.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -25,7 +25,8 @@ void InitProcesses::check_status(Reader& r, int pid) const {
   std::int32_t status = 0;
   if (!r.i32(status)) throw malformed_reply(sandbox_id_);
   switch (static_cast<Status>(status)) {
-    case Status::kOk: return;
+    case Status::kOk:
+      return;
     case Status::kNotFound:
       throw Error(Code::kNotFound, fmt::format("sandbox {} has no process {}", sandbox_id_, pid));
     case Status::kEnded:
@@ -40,10 +41,10 @@ void InitProcesses::check_status(Reader& r, int pid) const {
                               pid, sandbox_id_, kStdinBuffer),
                   /*retryable=*/true);
     case Status::kTableFull:
-      throw Error(Code::kResourceExhausted,
-                  fmt::format("sandbox {} runs {} processes and sessions, its most; end one first", sandbox_id_,
-                              kMaxProcesses),
-                  /*retryable=*/false);
+      throw Error(
+          Code::kResourceExhausted,
+          fmt::format("sandbox {} runs {} processes and sessions, its most; end one first", sandbox_id_, kMaxProcesses),
+          /*retryable=*/false);
     case Status::kNoTerminal:
       throw Error(Code::kFailedPrecondition,
                   fmt::format("process {} of sandbox {} has no terminal (spawn it with pty)", pid, sandbox_id_));
@@ -57,7 +58,8 @@ void InitProcesses::check_status(Reader& r, int pid) const {
       throw Error(Code::kInternal,
                   fmt::format("sandbox {}: its init failed a process request: {}", sandbox_id_, std::strerror(err)));
     }
-    default: throw malformed_reply(sandbox_id_);
+    default:
+      throw malformed_reply(sandbox_id_);
   }
 }
 
@@ -104,8 +106,8 @@ std::vector<ProcessEntry> InitProcesses::list() {
   return out;
 }
 
-ProcessOutput InitProcesses::read(int pid, std::uint64_t stdout_offset, std::uint64_t stderr_offset,
-                                  std::uint32_t max, std::chrono::milliseconds wait) {
+ProcessOutput InitProcesses::read(int pid, std::uint64_t stdout_offset, std::uint64_t stderr_offset, std::uint32_t max,
+                                  std::chrono::milliseconds wait) {
   Writer w;
   w.i32(pid);
   w.u64(stdout_offset);

@@ -153,9 +153,9 @@ void ShellSessions::check_name(std::string_view name) {
            c == '-';
   });
   if (!ok)
-    throw Error(Code::kInvalidArgument,
-                fmt::format("name: '{}' is not a session name (1 to 64 letters, digits, '.', '_', '-')",
-                            name.substr(0, 100)));
+    throw Error(
+        Code::kInvalidArgument,
+        fmt::format("name: '{}' is not a session name (1 to 64 letters, digits, '.', '_', '-')", name.substr(0, 100)));
 }
 
 std::vector<ShellSessions::Found> ShellSessions::all(Processes& processes) {
@@ -167,8 +167,7 @@ std::vector<ShellSessions::Found> ShellSessions::all(Processes& processes) {
   return out;
 }
 
-ShellSessions::Found ShellSessions::find(const std::string& sandbox_id, Processes& processes,
-                                         const std::string& name) {
+ShellSessions::Found ShellSessions::find(const std::string& sandbox_id, Processes& processes, const std::string& name) {
   for (auto& f : all(processes))
     if (f.options.name == name) return std::move(f);
   throw Error(Code::kNotFound, fmt::format("sandbox {} has no session '{}'", sandbox_id, name));
@@ -373,7 +372,8 @@ ExecResult ShellSessions::run_framed(Processes& processes, int pid, const std::s
           step = Step::kShellKilled;
           next_step = Clock::time_point::max();
           break;
-        case Step::kShellKilled: break;
+        case Step::kShellKilled:
+          break;
       }
     }
     auto until = std::min(next_step, now + std::chrono::seconds(60));

@@ -33,8 +33,8 @@ struct SessionInfo {
   std::string shell;
   int pid = 0;
   bool alive = false;
-  bool busy = false;  // a run is under way
-  int exit_code = -1; // once the shell ended
+  bool busy = false;   // a run is under way
+  int exit_code = -1;  // once the shell ended
   int signal = 0;
 };
 

@@ -121,9 +121,8 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
     const std::uint64_t held = static_cast<std::uint64_t>(live_gpus_) + reserved_gpus_;
     const std::uint64_t free = options_.gpus > held ? options_.gpus - held : 0;
     if (wanted > free)
-      throw Error(Code::kResourceExhausted,
-                  fmt::format("admission: {} gpus wanted, node '{}' has {} free of {}", wanted, options_.node_id,
-                              free, options_.gpus));
+      throw Error(Code::kResourceExhausted, fmt::format("admission: {} gpus wanted, node '{}' has {} free of {}",
+                                                        wanted, options_.node_id, free, options_.gpus));
   }
   const double cpu_limit = options_.cores * options_.cpu_overcommit;
   const double memory_ratio = memory_overcommit_now_ > 0 ? memory_overcommit_now_ : options_.memory_overcommit;
@@ -138,11 +137,11 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                 /*retryable=*/false);
   const double cpu_after = live_cpu_ + reserved_cpu_ + r.cpu * n;
   if (cpu_after > cpu_limit + kEpsilon)
-    throw Error(Code::kResourceExhausted,
-                fmt::format("admission: {} more cpu would bring node '{}' to {:.2f} cores requested, above its "
-                            "limit of {:.2f} ({} cores x cpu_overcommit {})",
-                            r.cpu * n, options_.node_id, cpu_after, cpu_limit, options_.cores,
-                            options_.cpu_overcommit));
+    throw Error(
+        Code::kResourceExhausted,
+        fmt::format("admission: {} more cpu would bring node '{}' to {:.2f} cores requested, above its "
+                    "limit of {:.2f} ({} cores x cpu_overcommit {})",
+                    r.cpu * n, options_.node_id, cpu_after, cpu_limit, options_.cores, options_.cpu_overcommit));
   const double memory_after =
       static_cast<double>(live_memory_ + reserved_memory_) + static_cast<double>(r.memory_bytes) * n;
   if (memory_after > memory_limit + 0.5)
@@ -151,8 +150,7 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                             "({} x memory_overcommit {})",
                             mib(static_cast<std::uint64_t>(static_cast<double>(r.memory_bytes) * n)), options_.node_id,
                             mib(static_cast<std::uint64_t>(memory_after)),
-                            mib(static_cast<std::uint64_t>(memory_limit)), mib(options_.memory_bytes),
-                            memory_ratio));
+                            mib(static_cast<std::uint64_t>(memory_limit)), mib(options_.memory_bytes), memory_ratio));
   if (tenant.empty()) return;
   auto quota = options_.tenant_quotas.find(tenant);
   if (quota == options_.tenant_quotas.end()) return;
@@ -185,12 +183,13 @@ void Registry::admit(const Resources& r, std::size_t count, const std::string& t
                             tenant, options_.node_id, r.cpu * n, cpu, q.cpu),
                 /*retryable=*/false);
   if (memory + static_cast<double>(r.memory_bytes) * n > static_cast<double>(q.memory_bytes) + 0.5)
-    throw Error(Code::kResourceExhausted,
-                fmt::format("quota of tenant '{}' on node '{}': {} more memory beside its {} would pass its limit "
-                            "of {}",
-                            tenant, options_.node_id, mib(static_cast<std::uint64_t>(static_cast<double>(r.memory_bytes) * n)),
-                            mib(static_cast<std::uint64_t>(memory)), mib(q.memory_bytes)),
-                /*retryable=*/false);
+    throw Error(
+        Code::kResourceExhausted,
+        fmt::format("quota of tenant '{}' on node '{}': {} more memory beside its {} would pass its limit "
+                    "of {}",
+                    tenant, options_.node_id, mib(static_cast<std::uint64_t>(static_cast<double>(r.memory_bytes) * n)),
+                    mib(static_cast<std::uint64_t>(memory)), mib(q.memory_bytes)),
+        /*retryable=*/false);
 }
 
 NodeLoad Registry::load() const {

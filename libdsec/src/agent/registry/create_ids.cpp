@@ -57,8 +57,8 @@ std::vector<CreateIds::Entry> CreateIds::load() const {
 
 void CreateIds::append(const Entry& e) {
   if (path_.empty()) return;
-  protocol::json j{{"request_id", e.request_id}, {"sandbox", e.sandbox_id}, {"fingerprint", e.fingerprint},
-                   {"at", e.at}};
+  protocol::json j{
+      {"request_id", e.request_id}, {"sandbox", e.sandbox_id}, {"fingerprint", e.fingerprint}, {"at", e.at}};
   std::lock_guard lock(mutex_);
   write_line(j.dump() + "\n");
 }
@@ -99,10 +99,11 @@ void CreateIds::rewrite(const std::function<std::vector<Entry>()>& snapshot) {
   }
   std::string text;
   for (const auto& e : entries)
-    text += protocol::json{{"request_id", e.request_id}, {"sandbox", e.sandbox_id}, {"fingerprint", e.fingerprint},
-                           {"at", e.at}}
-                .dump() +
-            "\n";
+    text +=
+        protocol::json{
+            {"request_id", e.request_id}, {"sandbox", e.sandbox_id}, {"fingerprint", e.fingerprint}, {"at", e.at}}
+            .dump() +
+        "\n";
   auto tmp = path_;
   tmp += ".tmp";
   {

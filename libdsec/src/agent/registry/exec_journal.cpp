@@ -23,9 +23,7 @@ using protocol::json;
 
 namespace {
 
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 ExecResult kept_result(ExecResult r) {
   if (r.stdout_data.size() > ExecJournal::kKeptOutput) {
@@ -151,7 +149,7 @@ json ExecJournal::read_result(const std::string& sandbox_id, const Entry& entry)
 }
 
 ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::string& request_id,
-                                    const std::string& fingerprint, const std::function<ExecResult()>& run) {
+                                 const std::string& fingerprint, const std::function<ExecResult()>& run) {
   std::optional<ExecResult> ran;
   json kept = run_once_json(sandbox_id, request_id, fingerprint, [&] {
     ran = run();
@@ -167,7 +165,7 @@ ExecResult ExecJournal::run_once(const std::string& sandbox_id, const std::strin
 }
 
 json ExecJournal::run_once_json(const std::string& sandbox_id, const std::string& request_id,
-                                   const std::string& fingerprint, const std::function<json()>& run) {
+                                const std::string& fingerprint, const std::function<json()>& run) {
   {
     std::unique_lock lock(mutex_);
     for (;;) {
@@ -176,8 +174,7 @@ json ExecJournal::run_once_json(const std::string& sandbox_id, const std::string
       if (it == sb.ids.end()) {
         sb.ids[request_id].fingerprint = fingerprint;  // kRunning
         sb.order.push_back(request_id);
-        append(sandbox_id, sb,
-               json{{"id", request_id}, {"fingerprint", fingerprint}, {"started", unix_now()}}.dump());
+        append(sandbox_id, sb, json{{"id", request_id}, {"fingerprint", fingerprint}, {"started", unix_now()}}.dump());
         evict(sandbox_id, sb);
         break;  // ours to run
       }
@@ -257,10 +254,9 @@ void ExecJournal::compact(const std::string& sandbox_id, Sandbox& sb) {
       text += json{{"id", id}, {"fingerprint", e.fingerprint}, {"started", unix_now()}}.dump() + '\n';
       ++lines;
       if (e.state != State::kDone) continue;
-      std::string line =
-          json{{"id", id}, {"result", read_result(sandbox_id, e)}}.dump(-1, ' ', false,
-                                                                         json::error_handler_t::replace) +
-          '\n';
+      std::string line = json{{"id", id}, {"result", read_result(sandbox_id, e)}}.dump(-1, ' ', false,
+                                                                                       json::error_handler_t::replace) +
+                         '\n';
       moved[id] = {text.size(), line.size()};
       text += line;
       ++lines;

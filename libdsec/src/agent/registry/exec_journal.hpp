@@ -86,7 +86,7 @@ class ExecJournal {
   std::uint64_t append(const std::string& sandbox_id, Sandbox& sb, const std::string& line);
   protocol::json read_result(const std::string& sandbox_id, const Entry& entry);
   void load(const std::filesystem::path& file);
-  void evict(const std::string& sandbox_id, Sandbox& sb);  // caller holds mutex_
+  void evict(const std::string& sandbox_id, Sandbox& sb);    // caller holds mutex_
   void compact(const std::string& sandbox_id, Sandbox& sb);  // caller holds mutex_
   // Forgets a sandbox's ids and removes its file (and the directory after the last). Caller holds mutex_.
   void forget_sandbox(const std::string& sandbox_id);

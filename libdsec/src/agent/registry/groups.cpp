@@ -11,8 +11,8 @@
 
 #include <fmt/format.h>
 
-#include "common/log.hpp"
 #include "agent/registry/registry_internal.hpp"
+#include "common/log.hpp"
 #include "common/protocol.hpp"
 #include "common/syscall.hpp"
 
@@ -144,10 +144,8 @@ void Registry::persist_group(const std::string& group) {
   {
     std::lock_guard lock(mutex_);
     if (auto it = groups_.find(group); it != groups_.end()) {
-      lease = protocol::json{{"version", 1},
-                             {"id", group},
-                             {"ttl", it->second.ttl},
-                             {"expires_at", it->second.expires_at}};
+      lease =
+          protocol::json{{"version", 1}, {"id", group}, {"ttl", it->second.ttl}, {"expires_at", it->second.expires_at}};
       it->second.persisted_expires_at = it->second.expires_at;
     }
   }

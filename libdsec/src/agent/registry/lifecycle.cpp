@@ -10,10 +10,10 @@
 
 #include <fmt/format.h>
 
-#include "common/log.hpp"
 #include "agent/registry/registry_internal.hpp"
-#include "common/protocol.hpp"
+#include "common/log.hpp"
 #include "common/network_rules.hpp"
+#include "common/protocol.hpp"
 
 namespace dsec::agent {
 
@@ -102,8 +102,9 @@ void Registry::check_alive(Record& record) {
     if (record.info.state == "running") {
       record.info.state = "failed";
       std::string why = record.sandbox->stopped_reason();
-      record.info.message = why.empty() ? "the sandbox's processes are gone (its init exited or it was killed as a whole)"
-                                        : "the sandbox stopped: " + why;
+      record.info.message = why.empty()
+                                ? "the sandbox's processes are gone (its init exited or it was killed as a whole)"
+                                : "the sandbox stopped: " + why;
       changed = true;
     }
   }
@@ -123,8 +124,9 @@ template <typename Record, typename Outcome>
 bool repeated_power_request(Record& record, std::string_view request_id, bool sleep, Outcome& out) {
   if (request_id.empty() || record.power_request_id != request_id) return false;
   if (record.power_request_sleep != sleep)
-    throw Error(Code::kInvalidArgument, fmt::format("request_id '{}' was a {} of sandbox {}, not a {}", request_id,
-                                                    sleep ? "wake" : "sleep", record.snapshot().id, sleep ? "sleep" : "wake"));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("request_id '{}' was a {} of sandbox {}, not a {}", request_id, sleep ? "wake" : "sleep",
+                            record.snapshot().id, sleep ? "sleep" : "wake"));
   out.report = record.power_report;
   out.info = record.snapshot();
   return true;
@@ -149,7 +151,8 @@ Registry::SleepOutcome Registry::sleep(const std::string& id, std::string_view r
   std::string state = record->snapshot().state;
   if (state == "sleeping") throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id));
   if (state != "running")
-    throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}; only a running sandbox can sleep", id, state));
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("sandbox {} is {}; only a running sandbox can sleep", id, state));
   out.report = record->sandbox->sleep();
   remember_power_request(*record, request_id, true, out.report);
   refresh_backend_state(*record);
@@ -236,7 +239,8 @@ Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view re
   std::string state = record->snapshot().state;
   if (state != "sleeping")
     throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is {}, not sleeping; only a sleeping sandbox can "
-                                                       "wake", id, state));
+                                                       "wake",
+                                                       id, state));
   out.report = record->sandbox->wake();
   remember_power_request(*record, request_id, false, out.report);
   refresh_backend_state(*record);

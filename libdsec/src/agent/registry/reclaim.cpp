@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
-#include "common/log.hpp"
 #include "agent/registry/registry_internal.hpp"
+#include "common/log.hpp"
 
 namespace dsec::agent {
 
@@ -24,8 +24,8 @@ Registry::ColdReclaimRound Registry::reclaim_cold(const ColdReclaimPolicy& polic
       if (!r.reclaim || r.priority == Priority::kLatency || record->destroying.load() || !record->sandbox) continue;
       const auto age = r.priority == Priority::kBatch ? policy.batch_age : policy.standard_age;
       // last_reclaim_ms is written under power_mutex; a stale read only delays or hastens one round.
-      const std::int64_t since = std::max(record->last_used_ms.load(std::memory_order_relaxed),
-                                          record->last_reclaim_ms);
+      const std::int64_t since =
+          std::max(record->last_used_ms.load(std::memory_order_relaxed), record->last_reclaim_ms);
       if (now_ms - since >= age.count()) candidates.push_back({record, since});
     }
   }

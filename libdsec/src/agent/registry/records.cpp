@@ -12,8 +12,8 @@
 
 #include <fmt/format.h>
 
-#include "common/log.hpp"
 #include "agent/registry/registry_internal.hpp"
+#include "common/log.hpp"
 #include "common/protocol.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"

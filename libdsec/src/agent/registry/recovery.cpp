@@ -16,8 +16,8 @@
 
 #include <fmt/format.h>
 
-#include "common/log.hpp"
 #include "agent/registry/registry_internal.hpp"
+#include "common/log.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
@@ -392,22 +392,30 @@ RecoveryReport Registry::recover(bool adopt) {
   for (std::size_t i = 0; i < results.size(); ++i) {
     const std::string& kind = loaded[i].record->info.kind;
     switch (results[i].outcome) {
-      case Recovered::Outcome::kAdopted: metrics_.sandbox_recovered(kind, "adopted"); break;
+      case Recovered::Outcome::kAdopted:
+        metrics_.sandbox_recovered(kind, "adopted");
+        break;
       case Recovered::Outcome::kFailed:
         metrics_.sandbox_recovered(kind, "failed");
         metrics_.sandbox_failed(kind);
         break;
-      case Recovered::Outcome::kRolledBack: metrics_.sandbox_recovered(kind, "rolled_back"); break;
-      case Recovered::Outcome::kDestroyed: metrics_.sandbox_recovered(kind, "destroyed"); break;
-      case Recovered::Outcome::kKept: break;
+      case Recovered::Outcome::kRolledBack:
+        metrics_.sandbox_recovered(kind, "rolled_back");
+        break;
+      case Recovered::Outcome::kDestroyed:
+        metrics_.sandbox_recovered(kind, "destroyed");
+        break;
+      case Recovered::Outcome::kKept:
+        break;
     }
   }
   if (report.adopted + report.failed + report.rolled_back + report.destroyed + report.kept + report.unreadable > 0)
-    log_info("earlier run: {} sandbox{} taken over, {} failed, {} create{} rolled back, {} destroyed, {} kept for a "
-             "later start, {} unreadable record{}; {} request ids remembered",
-             report.adopted, report.adopted == 1 ? "" : "es", report.failed, report.rolled_back,
-             report.rolled_back == 1 ? "" : "s", report.destroyed, report.kept, report.unreadable,
-             report.unreadable == 1 ? "" : "s", report.request_ids);
+    log_info(
+        "earlier run: {} sandbox{} taken over, {} failed, {} create{} rolled back, {} destroyed, {} kept for a "
+        "later start, {} unreadable record{}; {} request ids remembered",
+        report.adopted, report.adopted == 1 ? "" : "es", report.failed, report.rolled_back,
+        report.rolled_back == 1 ? "" : "s", report.destroyed, report.kept, report.unreadable,
+        report.unreadable == 1 ? "" : "s", report.request_ids);
   // Exec request ids are kept for the sandboxes that still have a record (taken over, failed, or kept for a later
   // start); the others' are forgotten.
   std::set<std::string> with_records;

@@ -14,9 +14,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "common/log.hpp"
 #include "agent/registry/protected_paths.hpp"
 #include "agent/registry/registry_internal.hpp"
+#include "common/log.hpp"
 #include "common/protocol.hpp"
 #include "common/syscall.hpp"
 #include "image/store/digest.hpp"
@@ -24,9 +24,7 @@
 namespace dsec::agent {
 namespace {
 
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -70,8 +68,7 @@ Registry::Registry(RegistryOptions options, Backends backends, ImageSource& imag
     std::error_code ec;
     std::filesystem::create_directories(options_.state_dir, ec);
     if (ec)
-      throw Error(code_for_errno(ec.value()),
-                  fmt::format("create {}: {}", options_.state_dir.string(), ec.message()));
+      throw Error(code_for_errno(ec.value()), fmt::format("create {}: {}", options_.state_dir.string(), ec.message()));
   }
 }
 
@@ -149,14 +146,13 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   auto started = std::chrono::steady_clock::now();
   auto backend_it = backends_.find(spec.kind);
   if (backend_it == backends_.end())
-    throw Error(Code::kInvalidArgument,
-                fmt::format("kind: '{}' is not served by node '{}' (it serves: {})", spec.kind, options_.node_id,
-                            fmt::join(kinds(), ", ")));
+    throw Error(Code::kInvalidArgument, fmt::format("kind: '{}' is not served by node '{}' (it serves: {})", spec.kind,
+                                                    options_.node_id, fmt::join(kinds(), ", ")));
   Backend& backend = *backend_it->second;
   // Clients place by node labels; a create that reaches a node without them (a stale view) is refused here too.
   if (std::string why; !selector_matches(spec.node_selector, options_.node_labels, &why))
-    throw Error(Code::kFailedPrecondition, fmt::format("node_selector: node '{}' does not match: {}",
-                                                       options_.node_id, why));
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("node_selector: node '{}' does not match: {}", options_.node_id, why));
 
   std::string id;
   double lease_deadline = 0;
@@ -278,7 +274,7 @@ std::string Registry::new_id() {
 }
 
 std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::size_t count,
-                                                 std::string_view image_manifest, const ClientGone& client_gone) {
+                                                  std::string_view image_manifest, const ClientGone& client_gone) {
   if (count == 0) return {};
   // Elements that wait for room share the batch's deadline.
   const auto queue_deadline = std::chrono::steady_clock::now() + spec.queue_timeout;
@@ -286,9 +282,8 @@ std::vector<CreateOutcome> Registry::create_batch(const SandboxSpec& spec, std::
     SandboxSpec s = spec;
     if (!spec.request_id.empty()) s.request_id = fmt::format("{}/{}", spec.request_id, i);
     if (spec.queue_timeout.count() > 0)
-      s.queue_timeout = std::max(std::chrono::milliseconds(1),
-                                 std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     queue_deadline - std::chrono::steady_clock::now()));
+      s.queue_timeout = std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                   queue_deadline - std::chrono::steady_clock::now()));
     return s;
   };
   // Refuse a batch that cannot fit before making any of it (elements an earlier request already made are free).
@@ -420,13 +415,11 @@ SandboxHandle Registry::acquire(const std::string& id) const {
   std::lock_guard lock(mutex_);
   auto it = records_.find(id);
   if (it == records_.end()) {
-    if (tombstones_.count(id))
-      throw Error(Code::kNotFound, fmt::format("sandbox '{}' was destroyed", id));
+    if (tombstones_.count(id)) throw Error(Code::kNotFound, fmt::format("sandbox '{}' was destroyed", id));
     throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, options_.node_id));
   }
   const std::shared_ptr<Record>& record = it->second;
-  if (record->destroying.load())
-    throw Error(Code::kNotFound, fmt::format("sandbox '{}' is being destroyed", id));
+  if (record->destroying.load()) throw Error(Code::kNotFound, fmt::format("sandbox '{}' is being destroyed", id));
   record->last_used_ms.store(steady_ms(), std::memory_order_relaxed);
   // Aliasing: the handle points at the backend object and owns the whole record.
   return SandboxHandle{std::shared_ptr<BackendSandbox>(record, record->sandbox.get()), record->info.kind};
@@ -441,8 +434,7 @@ std::shared_ptr<Registry::Record> Registry::find_live(const std::string& id) con
     if (tombstones_.count(id)) throw Error(Code::kNotFound, fmt::format("sandbox '{}' was destroyed", id));
     throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, options_.node_id));
   }
-  if (it->second->destroying.load())
-    throw Error(Code::kNotFound, fmt::format("sandbox '{}' is being destroyed", id));
+  if (it->second->destroying.load()) throw Error(Code::kNotFound, fmt::format("sandbox '{}' is being destroyed", id));
   return it->second;
 }
 
@@ -466,7 +458,9 @@ void Registry::forget_requests() {
 }
 
 void Registry::evict(double t) {
-  auto expired = [&](double at, std::chrono::seconds retention) { return t - at >= static_cast<double>(retention.count()); };
+  auto expired = [&](double at, std::chrono::seconds retention) {
+    return t - at >= static_cast<double>(retention.count());
+  };
   while (!request_order_.empty()) {
     auto& [at, key] = request_order_.front();
     auto it = requests_.find(key);

@@ -8,8 +8,8 @@
 // keeps the backend object alive, so a destroy that races an exec makes the exec fail (the backend's destroy() ends
 // what runs inside) but never frees memory under it.
 //
-// Its member functions are defined across registry.cpp (creates, request ids, lookups) and the other files of this folder
-// (admission, lifecycle, records, recovery, groups); registry_internal.hpp holds what they share.
+// Its member functions are defined across registry.cpp (creates, request ids, lookups) and the other files of this
+// folder (admission, lifecycle, records, recovery, groups); registry_internal.hpp holds what they share.
 #pragma once
 
 #include <chrono>
@@ -30,10 +30,10 @@
 #include <vector>
 
 #include "agent/backends/backend.hpp"
-#include "agent/registry/exec_journal.hpp"
 #include "agent/images/image_source.hpp"
 #include "agent/metrics.hpp"
 #include "agent/registry/create_ids.hpp"
+#include "agent/registry/exec_journal.hpp"
 #include "agent/registry/tenant_quota.hpp"
 #include "dsec/error.hpp"
 #include "dsec/sandbox_info.hpp"
@@ -43,14 +43,14 @@ namespace dsec::agent {
 
 struct RegistryOptions {
   std::string node_id = "node";
-  std::filesystem::path state_dir;      // where live sandboxes' records go; empty: nowhere
-  std::uint32_t cores = 1;              // the node's capacity, before overcommit
+  std::filesystem::path state_dir;  // where live sandboxes' records go; empty: nowhere
+  std::uint32_t cores = 1;          // the node's capacity, before overcommit
   std::uint64_t memory_bytes = 1ull << 30;
   double cpu_overcommit = 8.0;
   double memory_overcommit = 1.0;
-  std::uint32_t gpus = 0;               // GPUs the node can hand out, whole
-  Labels node_labels;                   // a create's node_selector must match them
-  TenantQuotas tenant_quotas;           // per tenant: sandboxes, cpu and memory on this node (tenant_quota.hpp)
+  std::uint32_t gpus = 0;      // GPUs the node can hand out, whole
+  Labels node_labels;          // a create's node_selector must match them
+  TenantQuotas tenant_quotas;  // per tenant: sandboxes, cpu and memory on this node (tenant_quota.hpp)
   // Request ids are remembered this long, and at most this many (the oldest finished ones go first beyond it).
   std::chrono::seconds request_id_retention{3600};
   std::size_t max_request_ids = 1u << 18;
@@ -68,13 +68,13 @@ struct RegistryOptions {
 
 // What the registry found of an earlier run of the agent at start-up (Registry::recover_earlier_run).
 struct RecoveryReport {
-  std::size_t adopted = 0;       // alive and verifiably the same: running or sleeping again under this agent
-  std::size_t failed = 0;        // died while the agent was down, or could not be taken over: state "failed"
-  std::size_t rolled_back = 0;   // creates the old agent never finished: everything they made removed
-  std::size_t destroyed = 0;     // destroys the old agent never finished (or, when not adopting, every sandbox)
-  std::size_t kept = 0;          // of a kind this agent does not serve, or whose clean-up failed: record kept
-  std::size_t unreadable = 0;    // records that do not parse: removed, with what any backend knows of their id
-  std::size_t request_ids = 0;   // request ids of finished creates remembered again
+  std::size_t adopted = 0;      // alive and verifiably the same: running or sleeping again under this agent
+  std::size_t failed = 0;       // died while the agent was down, or could not be taken over: state "failed"
+  std::size_t rolled_back = 0;  // creates the old agent never finished: everything they made removed
+  std::size_t destroyed = 0;    // destroys the old agent never finished (or, when not adopting, every sandbox)
+  std::size_t kept = 0;         // of a kind this agent does not serve, or whose clean-up failed: record kept
+  std::size_t unreadable = 0;   // records that do not parse: removed, with what any backend knows of their id
+  std::size_t request_ids = 0;  // request ids of finished creates remembered again
 };
 
 struct CreateOutcome {
@@ -199,9 +199,9 @@ class Registry {
     std::size_t max_sandboxes = 64;
   };
   struct ColdReclaimRound {
-    std::size_t sandboxes = 0;          // reclaimed in this round
-    std::uint64_t released_bytes = 0;   // their charge before minus after
-    std::size_t busy = 0;               // idle long enough but passed over (busy, or a backend without reclaim)
+    std::size_t sandboxes = 0;         // reclaimed in this round
+    std::uint64_t released_bytes = 0;  // their charge before minus after
+    std::size_t busy = 0;              // idle long enough but passed over (busy, or a backend without reclaim)
   };
   ColdReclaimRound reclaim_cold(const ColdReclaimPolicy& policy);
   // The sandboxes the reclaimer has touched, with what it released and the pages read back in since (from the kernel;
@@ -268,9 +268,9 @@ class Registry {
   // Admission: throws RESOURCE_EXHAUSTED unless `count` more sandboxes of these resources fit beside the live ones
   // and the creates in flight, on the node and within the quota of `tenant`. Caller holds mutex_.
   void admit(const Resources& resources, std::size_t count, const std::string& tenant) const;
-  void reserve(const SandboxSpec& spec, int sign);  // a create in flight (+1) or no longer (-1); holds mutex_
-  std::string new_id();                                          // caller holds mutex_
-  SandboxInfo info_of(const std::string& id) const;              // caller holds mutex_
+  void reserve(const SandboxSpec& spec, int sign);   // a create in flight (+1) or no longer (-1); holds mutex_
+  std::string new_id();                              // caller holds mutex_
+  SandboxInfo info_of(const std::string& id) const;  // caller holds mutex_
   void check_alive(Record& record);
   void write_record(const Record& record) const;
   // The same, a failure logged (the change it records has happened; the next write catches up).
@@ -287,7 +287,7 @@ class Registry {
   // when the destroy failed (false).
   void mark_destroying(const Record& record, bool destroying) const;
   void forget_request_id(const std::string& request_id, const std::string& sandbox_id);
-  void evict(double now);                                        // caller holds mutex_
+  void evict(double now);  // caller holds mutex_
   double now() const { return options_.clock(); }
   // Destroys the sandboxes (batch_parallelism at a time), logging failures; returns how many it destroyed.
   std::shared_ptr<Record> find_live(const std::string& id) const;  // NOT_FOUND unless live and not being destroyed
@@ -296,7 +296,7 @@ class Registry {
   struct Group {
     double ttl = 0;
     double expires_at = 0;
-    double persisted_expires_at = 0;  // the deadline last written to disk
+    double persisted_expires_at = 0;          // the deadline last written to disk
     std::unordered_set<std::string> members;  // live sandboxes
   };
   // Starts or extends the lease of spec.group for a create; returns the deadline. Caller holds mutex_.
@@ -313,7 +313,7 @@ class Registry {
   Backends backends_;
   ImageSource& images_;
   Metrics& metrics_;
-  CreateIds create_ids_;  // <state>/requests.log
+  CreateIds create_ids_;      // <state>/requests.log
   ExecJournal exec_journal_;  // <state>/execs/
 
   mutable std::mutex mutex_;
@@ -326,7 +326,7 @@ class Registry {
   std::uint64_t next_ticket_ = 0;
   std::condition_variable room_;
   std::uint32_t live_gpus_ = 0;
-  double reserved_cpu_ = 0;       // creates in flight
+  double reserved_cpu_ = 0;  // creates in flight
   std::uint64_t reserved_memory_ = 0;
   std::uint32_t reserved_gpus_ = 0;
   struct TenantReservation {

@@ -1,5 +1,5 @@
-// What the files of the Registry (registry.cpp and the other files of agent/registry) share: a live sandbox's record, an entry of the
-// request-id table, and the helpers more than one of them uses.
+// What the files of the Registry (registry.cpp and the other files of agent/registry) share: a live sandbox's record,
+// an entry of the request-id table, and the helpers more than one of them uses.
 #pragma once
 
 #include <atomic>
@@ -47,9 +47,9 @@ struct Registry::Record {
   SandboxInfo info;
   SandboxSpec spec;
   std::vector<std::filesystem::path> layers;
-  std::string image_manifest;    // as the client sent it (empty: the agent resolved the image in its stores)
-  std::string fingerprint;       // of the spec, for its request_id
-  BackendState backend_state;    // what the backend needs to take the sandbox over after a restart
+  std::string image_manifest;              // as the client sent it (empty: the agent resolved the image in its stores)
+  std::string fingerprint;                 // of the spec, for its request_id
+  BackendState backend_state;              // what the backend needs to take the sandbox over after a restart
   std::shared_ptr<const void> image_hold;  // the image's files stay while the sandbox lives
   std::atomic<bool> hold_pending{false};   // adopted, but its image could not be acquired again yet
   std::unique_ptr<BackendSandbox> sandbox;
@@ -58,7 +58,7 @@ struct Registry::Record {
   mutable std::mutex file_mutex;
   mutable bool file_removed = false;
   std::atomic<bool> destroying{false};
-  std::mutex power_mutex;    // one sleep or wake at a time
+  std::mutex power_mutex;  // one sleep or wake at a time
   // The last sleep or wake that carried a request id, and what it answered (guarded by power_mutex).
   std::string power_request_id;
   bool power_request_sleep = false;

@@ -5,9 +5,9 @@
 
 #include <fmt/format.h>
 
-#include "http/tokens.hpp"
 #include "dsec/error.hpp"
 #include "dsec/spec.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::agent {
 

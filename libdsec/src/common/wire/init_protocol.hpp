@@ -6,7 +6,8 @@
 //                   SCM_RIGHTS carrying, in order: stdin, stdout, stderr, then zero or more cgroup.procs fds that
 //                   the command joins (by writing "0") before it execs.
 //   init  -> agent  a Reply kStarted with the command's pid, or kFailed with errno and the stage that failed;
-//                   after kStarted, exactly one Reply kExited with the wait status once the command's main process ends.
+//                   after kStarted, exactly one Reply kExited with the wait status once the command's main process
+//                   ends.
 // Closing the connection does not kill the command: processes started in the background outlive their exec.
 // A request that is malformed (for one, length 0 without descriptors) is answered kFailed with stage kRequest and
 // starts nothing: an agent that restarted sends one to check that a sandbox's init still answers.

@@ -59,15 +59,15 @@ enum class Op : std::uint32_t {
 
 enum class Status : std::int32_t {
   kOk = 0,
-  kNotFound = 1,      // no process with that pid in the table
-  kEnded = 2,         // the process ended (stdin, signal)
-  kStdinClosed = 3,   // its stdin was closed
-  kStdinFull = 4,     // kStdinBuffer bytes wait already
-  kTableFull = 5,     // kMaxProcesses run
-  kNoTerminal = 6,    // a resize of a process without a pty
-  kBadRequest = 7,    // malformed
-  kStartFailed = 8,   // the command could not start (errno, stage follow)
-  kSystem = 9,        // a system call of init's failed (errno follows)
+  kNotFound = 1,     // no process with that pid in the table
+  kEnded = 2,        // the process ended (stdin, signal)
+  kStdinClosed = 3,  // its stdin was closed
+  kStdinFull = 4,    // kStdinBuffer bytes wait already
+  kTableFull = 5,    // kMaxProcesses run
+  kNoTerminal = 6,   // a resize of a process without a pty
+  kBadRequest = 7,   // malformed
+  kStartFailed = 8,  // the command could not start (errno, stage follow)
+  kSystem = 9,       // a system call of init's failed (errno follows)
 };
 
 enum class Kind : std::uint32_t { kProcess = 0, kSession = 1 };

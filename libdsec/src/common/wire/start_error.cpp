@@ -21,14 +21,14 @@ Error start_error(int err, init_protocol::FailStage stage, const std::string& ar
       if (err == EACCES)
         return Error(Code::kPermissionDenied,
                      fmt::format("cannot enter working directory {}: permission denied for {}", cwd, user));
-      return Error(Code::kInvalidArgument, fmt::format("cannot enter working directory {}: {}", cwd, std::strerror(err)));
+      return Error(Code::kInvalidArgument,
+                   fmt::format("cannot enter working directory {}: {}", cwd, std::strerror(err)));
     case FailStage::kUser:
       if (err == EINVAL)
         return Error(Code::kInvalidArgument,
                      fmt::format("user: cannot run the command as {}: the id is not valid in this sandbox", user));
-      return Error(Code::kInternal,
-                   fmt::format("sandbox init could not switch to {} (capabilities, groups or ids): {}", user,
-                               std::strerror(err)));
+      return Error(Code::kInternal, fmt::format("sandbox init could not switch to {} (capabilities, groups or ids): {}",
+                                                user, std::strerror(err)));
     case FailStage::kFork:
       return Error(Code::kResourceExhausted,
                    fmt::format("cannot start a process in the sandbox: {} (pids limit reached?)", std::strerror(err)));

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cctype>
 
+#include <fmt/format.h>
 #include <boost/beast/http/field.hpp>
 #include <boost/beast/http/status.hpp>
-#include <fmt/format.h>
 
 namespace dsec::e2b {
 namespace http = boost::beast::http;
@@ -40,22 +40,38 @@ json parse_object(std::string_view text) {
 
 RpcError rpc_error(const Error& error) {
   switch (error.code()) {
-    case Code::kCancelled: return RpcError("canceled", error.what());
-    case Code::kInvalidArgument: return RpcError("invalid_argument", error.what());
-    case Code::kDeadlineExceeded: return RpcError("deadline_exceeded", error.what());
-    case Code::kNotFound: return RpcError("not_found", error.what());
-    case Code::kAlreadyExists: return RpcError("already_exists", error.what());
-    case Code::kPermissionDenied: return RpcError("permission_denied", error.what());
-    case Code::kResourceExhausted: return RpcError("resource_exhausted", error.what());
-    case Code::kFailedPrecondition: return RpcError("failed_precondition", error.what());
-    case Code::kAborted: return RpcError("aborted", error.what());
-    case Code::kOutOfRange: return RpcError("out_of_range", error.what());
-    case Code::kUnimplemented: return RpcError("unimplemented", error.what());
-    case Code::kUnavailable: return RpcError("unavailable", error.what());
-    case Code::kDataLoss: return RpcError("data_loss", error.what());
-    case Code::kUnauthenticated: return RpcError("unauthenticated", error.what());
-    case Code::kInternal: return RpcError("internal", error.what());
-    default: return RpcError("unknown", error.what());
+    case Code::kCancelled:
+      return RpcError("canceled", error.what());
+    case Code::kInvalidArgument:
+      return RpcError("invalid_argument", error.what());
+    case Code::kDeadlineExceeded:
+      return RpcError("deadline_exceeded", error.what());
+    case Code::kNotFound:
+      return RpcError("not_found", error.what());
+    case Code::kAlreadyExists:
+      return RpcError("already_exists", error.what());
+    case Code::kPermissionDenied:
+      return RpcError("permission_denied", error.what());
+    case Code::kResourceExhausted:
+      return RpcError("resource_exhausted", error.what());
+    case Code::kFailedPrecondition:
+      return RpcError("failed_precondition", error.what());
+    case Code::kAborted:
+      return RpcError("aborted", error.what());
+    case Code::kOutOfRange:
+      return RpcError("out_of_range", error.what());
+    case Code::kUnimplemented:
+      return RpcError("unimplemented", error.what());
+    case Code::kUnavailable:
+      return RpcError("unavailable", error.what());
+    case Code::kDataLoss:
+      return RpcError("data_loss", error.what());
+    case Code::kUnauthenticated:
+      return RpcError("unauthenticated", error.what());
+    case Code::kInternal:
+      return RpcError("internal", error.what());
+    default:
+      return RpcError("unknown", error.what());
   }
 }
 
@@ -97,7 +113,9 @@ std::vector<json> stream_messages(const HttpRequest& request) {
   std::vector<json> messages;
   for (std::size_t at = 0; at < body.size();) {
     if (body.size() - at < 5) throw RpcError("invalid_argument", "the request is not Connect envelopes (a short one)");
-    const auto byte = [&](std::size_t i) { return static_cast<std::uint32_t>(static_cast<unsigned char>(body[at + i])); };
+    const auto byte = [&](std::size_t i) {
+      return static_cast<std::uint32_t>(static_cast<unsigned char>(body[at + i]));
+    };
     const std::uint32_t length = byte(1) << 24 | byte(2) << 16 | byte(3) << 8 | byte(4);
     if (length > body.size() - at - 5 || byte(0) > 1)
       throw RpcError("invalid_argument", "the request is not Connect envelopes (flags, length, message)");
@@ -126,8 +144,8 @@ HttpResponse unary_answer(const json& message) {
 HttpResponse unary_error(const RpcError& error) {
   HttpResponse r{static_cast<http::status>(http_status_of(error.code())), 11};
   r.set(http::field::content_type, "application/json");
-  r.body() = json{{"code", error.code()}, {"message", error.what()}}.dump(-1, ' ', false,
-                                                                         json::error_handler_t::replace);
+  r.body() =
+      json{{"code", error.code()}, {"message", error.what()}}.dump(-1, ' ', false, json::error_handler_t::replace);
   r.prepare_payload();
   return r;
 }

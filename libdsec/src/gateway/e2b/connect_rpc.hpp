@@ -18,8 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "http/http.hpp"
 #include "dsec/error.hpp"
+#include "http/http.hpp"
 
 namespace dsec::e2b {
 

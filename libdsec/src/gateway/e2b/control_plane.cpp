@@ -6,14 +6,14 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
 #include <boost/beast/http/field.hpp>
 #include <boost/beast/http/status.hpp>
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "http/tokens.hpp"
 #include "agent/api/routes.hpp"
 #include "common/protocol.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::e2b {
 namespace http = boost::beast::http;
@@ -129,7 +129,8 @@ std::vector<std::string> string_list(const json& network, const char* field) {
   if (it == network.end() || it->is_null()) return out;
   if (!it->is_array()) throw Error(Code::kInvalidArgument, fmt::format("network.{}: must be a list", field));
   for (const auto& v : *it) {
-    if (!v.is_string()) throw Error(Code::kInvalidArgument, fmt::format("network.{}: must be a list of strings", field));
+    if (!v.is_string())
+      throw Error(Code::kInvalidArgument, fmt::format("network.{}: must be a list of strings", field));
     out.push_back(v.get<std::string>());
   }
   return out;
@@ -185,8 +186,8 @@ HttpResponse create(Client& client, const GatewayOptions& options, const HttpReq
   if (spec.ttl.count() == 0) spec.ttl = options.default_timeout;
   for (auto& [k, v] : string_map(body, "metadata")) {
     if (k.rfind(kLabelPrefix, 0) == 0)
-      throw Error(Code::kInvalidArgument, fmt::format("metadata.{}: keys starting with '{}' are the gateway's", k,
-                                                      kLabelPrefix));
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("metadata.{}: keys starting with '{}' are the gateway's", k, kLabelPrefix));
     spec.labels.emplace(k, v);
   }
   for (auto& [k, v] : string_map(body, "envVars")) spec.env.emplace(k, v);
@@ -206,7 +207,7 @@ HttpResponse create(Client& client, const GatewayOptions& options, const HttpReq
   spec.labels[kAccessTokenLabel] = agent::auth::new_token();
   // The answer is made of what the create sent: no second call to the agent on the create's path.
   SandboxInfo info;
-  info.id = client.create(spec).release();  // it lives until its timeout or a kill
+  info.id = client.create(spec).release();            // it lives until its timeout or a kill
   info.node = info.id.substr(0, info.id.rfind('-'));  // ids are "<node>-<random>"
   info.image = spec.image;
   info.labels = spec.labels;
@@ -254,9 +255,9 @@ HttpResponse list(Client& client, const GatewayOptions& options, const agent::Qu
   std::size_t first = 0;
   if (auto token = query.get("nextToken"); token && !token->empty())
     first = static_cast<std::size_t>(
-        std::upper_bound(found.begin(), found.end(), *token, [&](const std::string& t, const SandboxInfo& i) {
-          return t < key(i);
-        }) - found.begin());
+        std::upper_bound(found.begin(), found.end(), *token,
+                         [&](const std::string& t, const SandboxInfo& i) { return t < key(i); }) -
+        found.begin());
   json page = json::array();
   std::size_t i = first;
   for (; i < found.size() && page.size() < limit; ++i) page.push_back(detail_json(found[i], options));
@@ -265,8 +266,7 @@ HttpResponse list(Client& client, const GatewayOptions& options, const agent::Qu
   return r;
 }
 
-HttpResponse connect(Client& client, const GatewayOptions& options, const std::string& id,
-                     const HttpRequest& request) {
+HttpResponse connect(Client& client, const GatewayOptions& options, const std::string& id, const HttpRequest& request) {
   json body = body_object(request);
   const std::chrono::seconds timeout = timeout_field(body).value_or(options.default_timeout);
   Sandbox sb = client.attach(id);
@@ -284,7 +284,8 @@ HttpResponse connect(Client& client, const GatewayOptions& options, const std::s
 
 HttpResponse pause(Client& client, const std::string& id) {
   Sandbox sb = client.attach(id);
-  if (live_info(client, id).state == "sleeping") return rest_error(409, fmt::format("sandbox {} is already paused", id));
+  if (live_info(client, id).state == "sleeping")
+    return rest_error(409, fmt::format("sandbox {} is already paused", id));
   try {
     sb.sleep();
   } catch (const Error& e) {
@@ -336,18 +337,28 @@ HttpResponse rest_error(unsigned status, const std::string& message) {
 HttpResponse rest_error(const Error& error) {
   switch (error.code()) {
     case Code::kInvalidArgument:
-    case Code::kOutOfRange: return rest_error(400, error.what());
-    case Code::kUnauthenticated: return rest_error(401, error.what());
-    case Code::kPermissionDenied: return rest_error(403, error.what());
-    case Code::kNotFound: return rest_error(404, error.what());
+    case Code::kOutOfRange:
+      return rest_error(400, error.what());
+    case Code::kUnauthenticated:
+      return rest_error(401, error.what());
+    case Code::kPermissionDenied:
+      return rest_error(403, error.what());
+    case Code::kNotFound:
+      return rest_error(404, error.what());
     case Code::kAlreadyExists:
     case Code::kAborted:
-    case Code::kFailedPrecondition: return rest_error(409, error.what());
-    case Code::kResourceExhausted: return rest_error(429, error.what());
-    case Code::kUnimplemented: return rest_error(501, error.what());
-    case Code::kUnavailable: return rest_error(503, error.what());
-    case Code::kDeadlineExceeded: return rest_error(504, error.what());
-    default: return rest_error(500, error.what());
+    case Code::kFailedPrecondition:
+      return rest_error(409, error.what());
+    case Code::kResourceExhausted:
+      return rest_error(429, error.what());
+    case Code::kUnimplemented:
+      return rest_error(501, error.what());
+    case Code::kUnavailable:
+      return rest_error(503, error.what());
+    case Code::kDeadlineExceeded:
+      return rest_error(504, error.what());
+    default:
+      return rest_error(500, error.what());
   }
 }
 
@@ -361,7 +372,8 @@ HttpResponse control_plane(Client& client, const GatewayOptions& options, HttpRe
     std::size_t start = 1;
     while (start <= path.size()) {
       std::size_t slash = path.find('/', start);
-      std::string_view part = path.substr(start, slash == std::string_view::npos ? std::string_view::npos : slash - start);
+      std::string_view part =
+          path.substr(start, slash == std::string_view::npos ? std::string_view::npos : slash - start);
       if (!part.empty()) parts.push_back(agent::percent_decode(part, "path"));
       if (slash == std::string_view::npos) break;
       start = slash + 1;
@@ -375,7 +387,8 @@ HttpResponse control_plane(Client& client, const GatewayOptions& options, HttpRe
     if (parts.size() == 1 && verb == http::verb::get) return list(client, options, query);
     if (parts.size() >= 2) {
       const std::string& id = parts[1];
-      if (parts.size() == 2 && verb == http::verb::get) return json_answer(200, detail_json(live_info(client, id), options));
+      if (parts.size() == 2 && verb == http::verb::get)
+        return json_answer(200, detail_json(live_info(client, id), options));
       if (parts.size() == 2 && verb == http::verb::delete_) {
         live_info(client, id);
         client.attach(id).destroy();
@@ -393,8 +406,10 @@ HttpResponse control_plane(Client& client, const GatewayOptions& options, HttpRe
       if (action == "network" && verb == http::verb::put) {
         const json body = body_object(request);
         auto policy = network_policy(body);
-        if (!policy) throw Error(Code::kInvalidArgument, "network: nothing to change (allow_internet_access, allowOut "
-                                                         "with denyOut [\"0.0.0.0/0\"])");
+        if (!policy)
+          throw Error(Code::kInvalidArgument,
+                      "network: nothing to change (allow_internet_access, allowOut "
+                      "with denyOut [\"0.0.0.0/0\"])");
         live_info(client, id);
         client.attach(id).set_network(*policy);
         return no_content();
@@ -409,8 +424,8 @@ HttpResponse control_plane(Client& client, const GatewayOptions& options, HttpRe
       if (action == "snapshots" && verb == http::verb::post) return snapshot(client, id, request);
     }
   }
-  return rest_error(404, fmt::format("{} {}: not an endpoint of the dsec E2B gateway", std::string(request.method_string()),
-                                     target.substr(0, q)));
+  return rest_error(404, fmt::format("{} {}: not an endpoint of the dsec E2B gateway",
+                                     std::string(request.method_string()), target.substr(0, q)));
 }
 
 }  // namespace dsec::e2b

@@ -15,9 +15,9 @@
 
 #include <string>
 
-#include "http/http.hpp"
 #include "dsec/client.hpp"
 #include "gateway/e2b/gateway.hpp"
+#include "http/http.hpp"
 
 namespace dsec::e2b {
 

@@ -11,16 +11,16 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <boost/beast/http/field.hpp>
 #include <boost/beast/http/status.hpp>
-#include <fmt/format.h>
 
-#include "http/tokens.hpp"
 #include "agent/api/routes.hpp"
 #include "dsec/exec.hpp"
 #include "gateway/e2b/connect_rpc.hpp"
 #include "gateway/e2b/control_plane.hpp"
 #include "gateway/e2b/multipart.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::e2b {
 namespace {
@@ -123,10 +123,14 @@ std::string run_script(EnvdTarget& t, std::string_view script, const std::vector
   ExecResult res = t.sandbox.exec(r);
   if (res.timed_out) throw RpcError("deadline_exceeded", fmt::format("{}: took over two minutes", path_for_errors));
   switch (res.exit_code) {
-    case 0: return std::move(res.stdout_data);
-    case kMissing: throw RpcError("not_found", fmt::format("path '{}' does not exist", path_for_errors));
-    case kNotDirectory: throw RpcError("invalid_argument", fmt::format("path '{}' is not a directory", path_for_errors));
-    case kExists: throw RpcError("already_exists", fmt::format("directory '{}' already exists", path_for_errors));
+    case 0:
+      return std::move(res.stdout_data);
+    case kMissing:
+      throw RpcError("not_found", fmt::format("path '{}' does not exist", path_for_errors));
+    case kNotDirectory:
+      throw RpcError("invalid_argument", fmt::format("path '{}' is not a directory", path_for_errors));
+    case kExists:
+      throw RpcError("already_exists", fmt::format("directory '{}' already exists", path_for_errors));
     default: {
       std::string why = res.stderr_data;
       while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
@@ -143,11 +147,11 @@ Entry one_entry(EnvdTarget& t, const std::string& path) {
 }
 
 std::vector<Entry> list_dir(EnvdTarget& t, const std::string& path, unsigned depth) {
-  return parse_entries(run_script(
-      t,
-      R"sh([ -e "$1" ] || [ -L "$1" ] || exit 3; [ -d "$1" ] || exit 4; )sh"
-      R"sh(find "$1" -mindepth 1 -maxdepth "$2" -exec /bin/sh -c "$3"' for f; do e "$f"; done' e2b {} +)sh",
-      {path, std::to_string(depth), std::string(kEntryFunction)}, path));
+  return parse_entries(
+      run_script(t,
+                 R"sh([ -e "$1" ] || [ -L "$1" ] || exit 3; [ -d "$1" ] || exit 4; )sh"
+                 R"sh(find "$1" -mindepth 1 -maxdepth "$2" -exec /bin/sh -c "$3"' for f; do e "$f"; done' e2b {} +)sh",
+                 {path, std::to_string(depth), std::string(kEntryFunction)}, path));
 }
 
 std::string path_field(const json& message, const char* field, const std::string& home) {
@@ -170,8 +174,8 @@ json unary(EnvdTarget& t, std::string_view method, const json& m) {
   }
   if (method == "MakeDir") {
     const std::string path = path_field(m, "path", t.home);
-    run_script(t, R"sh([ -d "$1" ] && exit 5; { [ -e "$1" ] || [ -L "$1" ]; } && exit 4; mkdir -p -- "$1")sh",
-               {path}, path);
+    run_script(t, R"sh([ -d "$1" ] && exit 5; { [ -e "$1" ] || [ -L "$1" ]; } && exit 4; mkdir -p -- "$1")sh", {path},
+               path);
     return json{{"entry", entry_json(one_entry(t, path))}};
   }
   if (method == "Move") {
@@ -265,8 +269,9 @@ HttpResponse watch_dir(EnvdTarget& t, HttpRequest& request, agent::ResponseStrea
 constexpr std::string_view kWatcherDir = "/tmp/.e2b-watchers/";
 
 std::string watcher_file(const std::string& id) {
-  if (id.empty() || id.size() > 64 ||
-      !std::all_of(id.begin(), id.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_'; }))
+  if (id.empty() || id.size() > 64 || !std::all_of(id.begin(), id.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
+      }))
     throw RpcError("invalid_argument", "watcherId: not a watcher id");
   return std::string(kWatcherDir) + id + ".json";
 }
@@ -274,7 +279,8 @@ std::string watcher_file(const std::string& id) {
 json watcher_state(const std::string& path, bool recursive, bool include_entry, const std::map<std::string, Entry>& m) {
   json entries = json::object();
   for (const auto& [p, e] : m) entries[p] = json::array({e.size, e.mtime, e.mode});
-  return json{{"path", path}, {"recursive", recursive}, {"includeEntry", include_entry}, {"entries", std::move(entries)}};
+  return json{
+      {"path", path}, {"recursive", recursive}, {"includeEntry", include_entry}, {"entries", std::move(entries)}};
 }
 
 json watcher_call(EnvdTarget& t, std::string_view method, const json& m) {
@@ -343,7 +349,8 @@ std::string gunzip(std::string_view data) {
   char buf[65536];
   for (;;) {
     la_ssize_t n = archive_read_data(a.get(), buf, sizeof buf);
-    if (n < 0) throw Error(Code::kInvalidArgument, fmt::format("the gzip body is corrupt: {}", archive_error_string(a.get())));
+    if (n < 0)
+      throw Error(Code::kInvalidArgument, fmt::format("the gzip body is corrupt: {}", archive_error_string(a.get())));
     if (n == 0) break;
     out.append(buf, static_cast<std::size_t>(n));
   }
@@ -370,7 +377,7 @@ HttpResponse files_get(EnvdTarget& t, const agent::Query& q) {
       if (res.exit_code == kNotDirectory) return rest_error(400, fmt::format("path '{}' is a directory", path));
       if (res.exit_code != 0)
         return rest_error(res.stderr_data.find("Permission denied") != std::string::npos ? 401 : 500,
-                           fmt::format("{}: {}", path, res.stderr_data));
+                          fmt::format("{}: {}", path, res.stderr_data));
       data = std::move(res.stdout_data);
     }
   } catch (const Error& e) {
@@ -396,9 +403,9 @@ void write_one(EnvdTarget& t, const std::string& path, const std::string& data) 
   r.stdin_data = data;
   ExecResult res = t.sandbox.exec(r);
   if (res.exit_code != 0)
-    throw Error(res.stderr_data.find("Permission denied") != std::string::npos ? Code::kPermissionDenied
-                                                                                : Code::kInternal,
-                fmt::format("{}: {}", path, res.stderr_data));
+    throw Error(
+        res.stderr_data.find("Permission denied") != std::string::npos ? Code::kPermissionDenied : Code::kInternal,
+        fmt::format("{}: {}", path, res.stderr_data));
 }
 
 HttpResponse files_post(EnvdTarget& t, const HttpRequest& request, const agent::Query& q) {
@@ -432,8 +439,7 @@ HttpResponse files_post(EnvdTarget& t, const HttpRequest& request, const agent::
     } catch (const Error& e) {
       if (e.code() == Code::kPermissionDenied) return rest_error(401, e.what());
       if (e.code() == Code::kResourceExhausted) return rest_error(507, e.what());
-      if (e.code() == Code::kInvalidArgument || e.code() == Code::kFailedPrecondition)
-        return rest_error(400, e.what());
+      if (e.code() == Code::kInvalidArgument || e.code() == Code::kFailedPrecondition) return rest_error(400, e.what());
       throw;
     }
     written.push_back(json{{"name", base_name(path)}, {"type", "file"}, {"path", path}});

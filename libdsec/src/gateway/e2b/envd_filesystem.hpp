@@ -11,8 +11,8 @@
 
 #include <string_view>
 
-#include "http/http.hpp"
 #include "gateway/e2b/gateway.hpp"
+#include "http/http.hpp"
 
 namespace dsec::e2b {
 

@@ -49,7 +49,7 @@ json end_event(const ProcessInfo& info) {
   if (info.signal != 0) {
     const char* name = ::sigabbrev_np(info.signal);
     end["status"] = info.signal == SIGKILL ? std::string("signal: killed")
-                                            : fmt::format("signal: {}", name ? name : std::to_string(info.signal));
+                                           : fmt::format("signal: {}", name ? name : std::to_string(info.signal));
   } else {
     end["status"] = fmt::format("exit status {}", info.exit_code);
   }
@@ -82,7 +82,8 @@ void follow(Process& proc, ServerStream& out, const FollowOptions& o) {
     if (o.deadline && now >= *o.deadline) {
       ProcessInfo last = proc.kill();
       out.finish(RpcError("deadline_exceeded", fmt::format("process {} ran past its timeout and was killed (exit "
-                                                           "code {})", proc.pid(), last.exit_code)));
+                                                           "code {})",
+                                                           proc.pid(), last.exit_code)));
       return;
     }
     if (o.stop_at && now >= *o.stop_at) {
@@ -95,9 +96,9 @@ void follow(Process& proc, ServerStream& out, const FollowOptions& o) {
       if (until) wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(*until - now));
     wait = std::clamp(wait, std::chrono::milliseconds(0), std::chrono::milliseconds(60'000));
     const bool reading = !out.gone();
-    ProcessOutput got = proc.read(reading ? std::optional(so) : std::nullopt,
-                                  reading && !o.pty ? std::optional(se) : std::nullopt,
-                                  static_cast<double>(wait.count()) / 1000.0);
+    ProcessOutput got =
+        proc.read(reading ? std::optional(so) : std::nullopt, reading && !o.pty ? std::optional(se) : std::nullopt,
+                  static_cast<double>(wait.count()) / 1000.0);
     if (reading) {
       if (!got.stdout_data.empty()) {
         out.send(data_event(o.pty ? "pty" : "stdout", got.stdout_data));
@@ -312,8 +313,7 @@ HttpResponse stream_input(EnvdTarget& t, HttpRequest& request, agent::ResponseSt
       if (m.contains("keepalive")) continue;
       if (!m.contains("data")) throw RpcError("invalid_argument", "StreamInput: after start, data or keepalive");
       const json input = m["data"].value("input", json::object());
-      const std::string data = protocol::base64_decode(
-          string_field(input, input.contains("pty") ? "pty" : "stdin"));
+      const std::string data = protocol::base64_decode(string_field(input, input.contains("pty") ? "pty" : "stdin"));
       on_running(proc, [&] { proc.write_stdin(data); });
     }
     out.send(json::object());

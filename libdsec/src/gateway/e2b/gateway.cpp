@@ -5,10 +5,10 @@
 #include <ctime>
 #include <utility>
 
-#include <boost/beast/http/field.hpp>
-#include <boost/beast/http/status.hpp>
 #include <fmt/format.h>
 #include <openssl/crypto.h>
+#include <boost/beast/http/field.hpp>
+#include <boost/beast/http/status.hpp>
 
 #include "agent/api/routes.hpp"
 #include "common/protocol.hpp"
@@ -62,8 +62,8 @@ HttpResponse no_body(unsigned status) {
   return r;
 }
 
-// An envd call's error: for /files and /health, E2B's {"code": <status>, "message"} (502 when the sandbox is gone, which
-// the SDKs read as "not running"); for a stream, its end-stream message; for a unary call, its status.
+// An envd call's error: for /files and /health, E2B's {"code": <status>, "message"} (502 when the sandbox is gone,
+// which the SDKs read as "not running"); for a stream, its end-stream message; for a unary call, its status.
 HttpResponse envd_error(const HttpRequest& request, agent::ResponseStream& stream, bool rpc, const RpcError& e,
                         bool sandbox_gone) {
   if (!rpc) {
@@ -133,8 +133,7 @@ Gateway::Gateway(GatewayOptions options) : options_(std::move(options)) {
     // acts as its tenant, the gateway's own calls (envd's, which carry a sandbox's access token instead) as the
     // operator of its socket.
     if (options_.client.endpoints.empty() && options_.client.etcd_endpoints.empty())
-      options_.client.agent_args.insert(options_.client.agent_args.end(),
-                                        {"--tokens", options_.tokens_file.string()});
+      options_.client.agent_args.insert(options_.client.agent_args.end(), {"--tokens", options_.tokens_file.string()});
   }
   client_ = std::make_unique<Client>(options_.client);
 }
@@ -194,8 +193,7 @@ EnvdTarget Gateway::target(Client& client, const std::string& sandbox_id, const 
   if (home == f->homes.end()) {
     f = facts(client, sandbox_id, /*reload=*/true);  // a user made since
     home = f->homes.find(who);
-    if (home == f->homes.end())
-      throw RpcError("unauthenticated", fmt::format("the sandbox has no user '{}'", who));
+    if (home == f->homes.end()) throw RpcError("unauthenticated", fmt::format("the sandbox has no user '{}'", who));
   }
   return EnvdTarget{client.attach(sandbox_id), who == "root" ? std::string() : who,
                     home->second.empty() ? std::string("/") : home->second};

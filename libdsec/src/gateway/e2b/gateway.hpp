@@ -18,10 +18,10 @@
 #include <string>
 #include <string_view>
 
-#include "http/tokens.hpp"
-#include "http/http.hpp"
 #include "dsec/client.hpp"
 #include "dsec/sandbox.hpp"
+#include "http/http.hpp"
+#include "http/tokens.hpp"
 
 namespace dsec::e2b {
 

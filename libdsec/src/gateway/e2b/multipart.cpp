@@ -43,7 +43,8 @@ std::vector<Upload> parse_multipart(const std::string& content_type, const std::
       auto end = headers.find('"', at);
       return end == std::string::npos ? std::string() : headers.substr(at, end - at);
     };
-    if (param(" name=\"") == "file") out.push_back(Upload{param("filename=\""), body.substr(data_start, next - data_start)});
+    if (param(" name=\"") == "file")
+      out.push_back(Upload{param("filename=\""), body.substr(data_start, next - data_start)});
     pos = next + 2;
   }
   return out;

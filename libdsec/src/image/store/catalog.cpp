@@ -6,8 +6,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <memory>
 #include <map>
+#include <memory>
 #include <set>
 
 #include <fmt/format.h>
@@ -63,7 +63,8 @@ ResolvedManifest fetch_manifest(BlobStore& store, const ImageReference& referenc
 
 ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const ImageReference& reference) {
   if (stores.empty())
-    throw Error(Code::kFailedPrecondition, fmt::format("image {}: no image store is configured", reference.to_string()));
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("image {}: no image store is configured", reference.to_string()));
   std::optional<Error> unavailable;
   std::vector<std::string> urls;
   for (BlobStore* store : stores) {
@@ -81,16 +82,16 @@ ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const Ima
   }
   if (unavailable) throw *unavailable;
   throw Error(Code::kNotFound, fmt::format("image {} is not in {} {}", reference.to_string(),
-                                           stores.size() == 1 ? "store" : "any of the stores",
-                                           fmt::join(urls, ", ")));
+                                           stores.size() == 1 ? "store" : "any of the stores", fmt::join(urls, ", ")));
 }
 
 std::string commit_manifest(BlobStore& store, const Manifest& m) {
   for (const auto& layer : m.layers)
     for (const std::string* blob : {&layer.index, &layer.data})
       if (!store.touch_blob(*blob))
-        throw Error(Code::kFailedPrecondition, fmt::format("image {}: layer {} needs blob {}, which store {} lacks",
-                                                           m.reference(), short_digest(layer.digest), *blob, store.url()));
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("image {}: layer {} needs blob {}, which store {} lacks", m.reference(),
+                                short_digest(layer.digest), *blob, store.url()));
   std::string json = manifest_to_json(m);
   std::string digest = sha256_digest(json);
   store.put_blob(digest, json);
@@ -132,9 +133,9 @@ std::uint64_t copy_layer(BlobStore& from, BlobStore& to, const LayerDescriptor& 
   // The data blob goes through a local temporary file, piece by piece, and is verified by put_blob_file. Its name
   // is this copy's own: threads of one process may copy the same layer at once (snapshots of one image).
   static std::atomic<std::uint64_t> serial{0};
-  std::filesystem::path tmp = std::filesystem::temp_directory_path() /
-                              fmt::format("dsec-copy-{}-{}-{}", ::getpid(), serial.fetch_add(1),
-                                          digest_hex(layer.data).substr(0, 16));
+  std::filesystem::path tmp =
+      std::filesystem::temp_directory_path() /
+      fmt::format("dsec-copy-{}-{}-{}", ::getpid(), serial.fetch_add(1), digest_hex(layer.data).substr(0, 16));
   struct Remove {
     std::filesystem::path p;
     ~Remove() {
@@ -172,8 +173,8 @@ std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& r
   for (const auto& layer : m.layers) total += layer.stored_size;
   for (std::size_t i = 0; i < m.layers.size(); ++i) {
     const LayerDescriptor& layer = m.layers[i];
-    std::string what = fmt::format("layer {}/{} {} ({})", i + 1, m.layers.size(), short_digest(layer.digest),
-                                   to_string(layer.role));
+    std::string what =
+        fmt::format("layer {}/{} {} ({})", i + 1, m.layers.size(), short_digest(layer.digest), to_string(layer.role));
     copied += copy_layer(from, to, layer, reference.tagged(), what, progress, done, total);
   }
   to.put_blob(image.digest, image.json);
@@ -207,8 +208,9 @@ std::string commit_manifest_new_tag(BlobStore& store, const Manifest& m) {
   for (const auto& layer : m.layers)
     for (const std::string* blob : {&layer.index, &layer.data})
       if (!store.touch_blob(*blob))
-        throw Error(Code::kFailedPrecondition, fmt::format("image {}: layer {} needs blob {}, which store {} lacks",
-                                                           m.reference(), short_digest(layer.digest), *blob, store.url()));
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("image {}: layer {} needs blob {}, which store {} lacks", m.reference(),
+                                short_digest(layer.digest), *blob, store.url()));
   std::string json = manifest_to_json(m);
   std::string digest = sha256_digest(json);
   store.put_blob(digest, json);

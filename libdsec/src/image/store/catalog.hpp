@@ -51,7 +51,7 @@ std::uint64_t copy_image(BlobStore& from, BlobStore& to, const ImageReference& r
 std::uint64_t copy_layer_blobs(const std::vector<BlobStore*>& from, BlobStore& to, const LayerDescriptor& layer);
 
 struct GcResult {
-  std::vector<std::string> removed;   // blob digests removed (or that would be, in a dry run)
+  std::vector<std::string> removed;  // blob digests removed (or that would be, in a dry run)
   std::uint64_t removed_bytes = 0;
   std::size_t kept = 0;
   std::vector<std::string> damaged_refs;  // refs whose manifest could not be read (their blobs are all kept)

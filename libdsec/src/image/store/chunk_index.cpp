@@ -11,8 +11,8 @@
 #include <thread>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <zstd.h>
+#include <nlohmann/json.hpp>
 
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
@@ -79,15 +79,9 @@ std::uint32_t ChunkIndex::chunk_length(std::size_t i) const {
 std::string chunk_index_to_json(const ChunkIndex& index) {
   json chunks = json::array();
   for (const auto& c : index.chunks) chunks.push_back(json::array({c.offset, c.length, c.sha256_hex}));
-  json j = {{"schema", ChunkIndex::kSchemaVersion},
-            {"layer", index.layer},
-            {"size", index.size},
-            {"meta_size", index.meta_size},
-            {"chunk_size", index.chunk_size},
-            {"data", index.data},
-            {"data_size", index.data_size},
-            {"chunks", std::move(chunks)},
-            {"prefetch", index.prefetch}};
+  json j = {{"schema", ChunkIndex::kSchemaVersion}, {"layer", index.layer},           {"size", index.size},
+            {"meta_size", index.meta_size},         {"chunk_size", index.chunk_size}, {"data", index.data},
+            {"data_size", index.data_size},         {"chunks", std::move(chunks)},    {"prefetch", index.prefetch}};
   return j.dump();
 }
 
@@ -150,8 +144,7 @@ ChunkIndex chunk_index_from_json(std::string_view text) {
 }
 
 void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view stored, std::string& out) {
-  if (i >= index.chunks.size())
-    throw Error(Code::kOutOfRange, fmt::format("layer {}: no chunk {}", index.layer, i));
+  if (i >= index.chunks.size()) throw Error(Code::kOutOfRange, fmt::format("layer {}: no chunk {}", index.layer, i));
   const std::uint32_t length = index.chunk_length(i);
   out.resize(length);
   if (stored.size() == length) {
@@ -160,9 +153,9 @@ void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view store
   } else {
     std::size_t n = ZSTD_decompress(out.data(), out.size(), stored.data(), stored.size());
     if (ZSTD_isError(n) || n != length)
-      throw Error(Code::kDataLoss, fmt::format("layer {} chunk {}: stored bytes do not decompress to {} bytes ({})",
-                                               index.layer, i, length,
-                                               ZSTD_isError(n) ? ZSTD_getErrorName(n) : "wrong length"));
+      throw Error(Code::kDataLoss,
+                  fmt::format("layer {} chunk {}: stored bytes do not decompress to {} bytes ({})", index.layer, i,
+                              length, ZSTD_isError(n) ? ZSTD_getErrorName(n) : "wrong length"));
   }
   std::string digest = sha256_digest(out);
   if (std::string_view(digest).substr(7) != index.chunks[i].sha256_hex)
@@ -171,8 +164,8 @@ void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view store
 }
 
 ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const std::filesystem::path& data_file,
-                                 std::uint64_t meta_size, std::vector<std::uint32_t> prefetch, std::uint32_t chunk_size, int level,
-                                 const std::function<void(std::uint64_t, std::uint64_t)>& progress) {
+                                 std::uint64_t meta_size, std::vector<std::uint32_t> prefetch, std::uint32_t chunk_size,
+                                 int level, const std::function<void(std::uint64_t, std::uint64_t)>& progress) {
   UniqueFd in(::open(layer_file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!in) throw_errno_fmt(errno, "open {}", layer_file.string());
   struct stat st {};
@@ -210,7 +203,8 @@ ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const 
       ZSTD_CCtx* cctx = ZSTD_createCCtx();
       for (std::size_t k; (k = next.fetch_add(1)) < n;) {
         packed[k].resize(ZSTD_compressBound(raw[k].size()));
-        std::size_t z = ZSTD_compressCCtx(cctx, packed[k].data(), packed[k].size(), raw[k].data(), raw[k].size(), level);
+        std::size_t z =
+            ZSTD_compressCCtx(cctx, packed[k].data(), packed[k].size(), raw[k].data(), raw[k].size(), level);
         if (ZSTD_isError(z)) {
           std::lock_guard lock(error_mutex);
           error = ZSTD_getErrorName(z);

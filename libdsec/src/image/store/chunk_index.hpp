@@ -36,11 +36,11 @@ struct ChunkEntry {
 struct ChunkIndex {
   static constexpr int kSchemaVersion = 1;
   static constexpr std::uint32_t kDefaultChunkSize = 1u << 20;
-  std::string layer;              // digest of the uncompressed layer
-  std::uint64_t size = 0;         // uncompressed layer bytes
-  std::uint64_t meta_size = 0;    // bytes of the EROFS metadata part (a multiple of chunk_size), 0: one plain image
+  std::string layer;            // digest of the uncompressed layer
+  std::uint64_t size = 0;       // uncompressed layer bytes
+  std::uint64_t meta_size = 0;  // bytes of the EROFS metadata part (a multiple of chunk_size), 0: one plain image
   std::uint32_t chunk_size = kDefaultChunkSize;
-  std::string data;               // digest of the data blob
+  std::string data;  // digest of the data blob
   std::uint64_t data_size = 0;
   std::vector<ChunkEntry> chunks;
   std::vector<std::uint32_t> prefetch;
@@ -65,9 +65,9 @@ void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view store
 // The blobs a layer is stored as, written by write_chunked_layer.
 struct ChunkedLayer {
   ChunkIndex index;
-  std::string index_json;               // chunk_index_to_json(index)
-  std::string index_digest;             // sha256 of index_json
-  std::filesystem::path data_file;      // the data blob, as written
+  std::string index_json;           // chunk_index_to_json(index)
+  std::string index_digest;         // sha256 of index_json
+  std::filesystem::path data_file;  // the data blob, as written
 };
 
 // Cuts the EROFS image `layer_file` into chunks, compresses them (zstd level `level`, on `threads` threads) into

@@ -72,7 +72,8 @@ class DirectoryStore final : public BlobStore {
     std::string bytes = read_at(fd.get(), path, 0, static_cast<std::uint64_t>(st.st_size));
     std::string actual = sha256_digest(bytes);
     if (actual != digest)
-      throw Error(Code::kDataLoss, fmt::format("blob {} in store {} is damaged: its bytes hash to {}", digest, url_, actual));
+      throw Error(Code::kDataLoss,
+                  fmt::format("blob {} in store {} is damaged: its bytes hash to {}", digest, url_, actual));
     return bytes;
   }
 
@@ -152,7 +153,8 @@ class DirectoryStore final : public BlobStore {
     std::string text = read_at(fd.get(), path, 0, 0, /*to_end=*/true);
     while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
     if (!is_digest(text))
-      throw Error(Code::kDataLoss, fmt::format("ref {} in store {} is damaged (it does not hold a digest)", tagged, url_));
+      throw Error(Code::kDataLoss,
+                  fmt::format("ref {} in store {} is damaged (it does not hold a digest)", tagged, url_));
     return text;
   }
 
@@ -211,7 +213,9 @@ class DirectoryStore final : public BlobStore {
   }
 
  private:
-  fs::path blob_path(const std::string& digest) const { return root_ / "blobs" / "sha256" / digest_hex(digest, "blob"); }
+  fs::path blob_path(const std::string& digest) const {
+    return root_ / "blobs" / "sha256" / digest_hex(digest, "blob");
+  }
   fs::path ref_path(const std::string& tagged) const {
     ImageReference ref = parse_reference(tagged);
     return root_ / "refs" / escape_reference(ref.tagged());

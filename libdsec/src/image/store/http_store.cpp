@@ -60,7 +60,8 @@ template <typename T>
 void set(CURL* h, CURLoption opt, T value) {
   CURLcode rc = curl_easy_setopt(h, opt, value);
   if (rc != CURLE_OK)
-    throw Error(Code::kInternal, fmt::format("curl_easy_setopt({}): {}", static_cast<int>(opt), curl_easy_strerror(rc)));
+    throw Error(Code::kInternal,
+                fmt::format("curl_easy_setopt({}): {}", static_cast<int>(opt), curl_easy_strerror(rc)));
 }
 
 // Percent-encodes everything but RFC 3986's unreserved characters: one safe path segment.
@@ -125,8 +126,8 @@ class FileSource final : public UploadSource {
     ssize_t got = retry_eintr([&] { return ::pread(fd_, buf, n, static_cast<off_t>(pos_)); });
     if (got < 0) throw_errno_fmt(errno, "{}: read", what_);
     if (got == 0)
-      throw Error(Code::kDataLoss, fmt::format("{}: the file shrank to {} bytes while it was sent ({} expected)",
-                                               what_, pos_, size_));
+      throw Error(Code::kDataLoss,
+                  fmt::format("{}: the file shrank to {} bytes while it was sent ({} expected)", what_, pos_, size_));
     hash_.update(buf, static_cast<std::size_t>(got));
     pos_ += static_cast<std::uint64_t>(got);
     if (pos_ == size_) {
@@ -150,20 +151,20 @@ class FileSource final : public UploadSource {
 struct Transfer {
   const char* method = "GET";  // GET, HEAD, PUT, DELETE
   std::string url;
-  std::string range;              // "a-b" for a Range request
+  std::string range;                   // "a-b" for a Range request
   std::uint64_t max_body = 64u << 10;  // a 2xx body longer than this aborts the transfer (Outcome::overflow)
-  bool abort_on_200 = false;      // a range request past offset 0: a 200 (the whole blob) is useless, stop at once
-  UploadSource* upload = nullptr; // PUT body
-  bool if_none_match = false;     // PUT only if nothing is there yet (If-None-Match: *)
-  std::uint64_t expected_bytes = 0;  // what the transfer moves, for its timeout
+  bool abort_on_200 = false;           // a range request past offset 0: a 200 (the whole blob) is useless, stop at once
+  UploadSource* upload = nullptr;      // PUT body
+  bool if_none_match = false;          // PUT only if nothing is there yet (If-None-Match: *)
+  std::uint64_t expected_bytes = 0;    // what the transfer moves, for its timeout
 };
 
 struct Outcome {
   CURLcode result = CURLE_OK;
   std::string curl_error;
   long status = 0;
-  std::string body;               // the 2xx body, else the first bytes of the error body
-  bool overflow = false;          // a 2xx body longer than Transfer::max_body
+  std::string body;       // the 2xx body, else the first bytes of the error body
+  bool overflow = false;  // a 2xx body longer than Transfer::max_body
   bool whole_instead_of_range = false;
   std::string content_range;
   curl_off_t content_length = -1;
@@ -311,9 +312,9 @@ class HttpStore final : public BlobStore {
     t.expected_bytes = max_size;
     Outcome o = perform(t);
     if (o.overflow)
-      throw Error(Code::kResourceExhausted,
-                  fmt::format("GET {}: the blob is larger than the {} bytes a reader takes here", shown(t.url),
-                              max_size));
+      throw Error(
+          Code::kResourceExhausted,
+          fmt::format("GET {}: the blob is larger than the {} bytes a reader takes here", shown(t.url), max_size));
     if (o.status != 200) fail(t, o);
     std::string actual = sha256_digest(o.body);
     if (actual != digest)
@@ -325,8 +326,8 @@ class HttpStore final : public BlobStore {
 
   std::string read_range(const std::string& digest, std::uint64_t offset, std::uint64_t length) override {
     if (length > std::numeric_limits<std::uint64_t>::max() - offset)
-      throw Error(Code::kOutOfRange, fmt::format("read_range {}: offset {} + length {} overflows", digest, offset,
-                                                 length));
+      throw Error(Code::kOutOfRange,
+                  fmt::format("read_range {}: offset {} + length {} overflows", digest, offset, length));
     if (length == 0) {
       auto size = blob_size(digest);
       if (!size) throw Error(Code::kNotFound, fmt::format("HEAD {}: HTTP 404", shown(blob_url(digest))));
@@ -363,9 +364,9 @@ class HttpStore final : public BlobStore {
     if (o.body.size() < length) {
       if (cr && cr->total >= 0 && static_cast<std::uint64_t>(cr->total) < offset + length)
         throw out_of_range(t.url, offset, length, cr->total);
-      throw Error(Code::kDataLoss, fmt::format("GET {} (Range: bytes={}): 206 with {} bytes instead of {} ({})",
-                                               shown(t.url), t.range, o.body.size(), length,
-                                               o.content_range.empty() ? "no Content-Range" : o.content_range));
+      throw Error(Code::kDataLoss,
+                  fmt::format("GET {} (Range: bytes={}): 206 with {} bytes instead of {} ({})", shown(t.url), t.range,
+                              o.body.size(), length, o.content_range.empty() ? "no Content-Range" : o.content_range));
     }
     if (cr && cr->first >= 0 && static_cast<std::uint64_t>(cr->first) != offset)
       throw Error(Code::kDataLoss, fmt::format("GET {} (Range: bytes={}): the server sent another range ({})",
@@ -383,8 +384,8 @@ class HttpStore final : public BlobStore {
     if (!S_ISREG(st.st_mode)) throw Error(Code::kInvalidArgument, fmt::format("{}: not a regular file", what));
     std::string actual = sha256_file(file);
     if (actual != digest)
-      throw Error(Code::kDataLoss, fmt::format("{}: the file hashes to {}, not to the digest it would be stored under",
-                                               what, actual));
+      throw Error(Code::kDataLoss,
+                  fmt::format("{}: the file hashes to {}, not to the digest it would be stored under", what, actual));
     FileSource source(fd.get(), static_cast<std::uint64_t>(st.st_size), digest, what);
     put_blob_from(digest, source);
   }
@@ -434,8 +435,8 @@ class HttpStore final : public BlobStore {
     std::string_view text = o.body;
     while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
     if (!is_digest(text))
-      throw Error(Code::kDataLoss, fmt::format("GET {}: the ref holds '{}', not a manifest digest", shown(t.url),
-                                               text.substr(0, 100)));
+      throw Error(Code::kDataLoss,
+                  fmt::format("GET {}: the ref holds '{}', not a manifest digest", shown(t.url), text.substr(0, 100)));
     return std::string(text);
   }
 
@@ -577,8 +578,8 @@ class HttpStore final : public BlobStore {
 
   Error out_of_range(const std::string& url, std::uint64_t offset, std::uint64_t length, std::int64_t size) const {
     std::string have = size >= 0 ? fmt::format("the blob has {} bytes", size) : "the blob is shorter";
-    return Error(Code::kOutOfRange, fmt::format("GET {}: bytes {}..{} asked for, {}", shown(url), offset,
-                                                offset + length, have));
+    return Error(Code::kOutOfRange,
+                 fmt::format("GET {}: bytes {}..{} asked for, {}", shown(url), offset, offset + length, have));
   }
 
   // The error for a transfer that did not end as its caller wanted.
@@ -596,8 +597,8 @@ class HttpStore final : public BlobStore {
                                   head, what),
                       /*retryable=*/false);
         case CURLE_SSL_CACERT_BADFILE:
-          throw Error(Code::kInvalidArgument, fmt::format("{}: the CA file '{}' cannot be used ({})", head,
-                                                          options_.ca_file, what));
+          throw Error(Code::kInvalidArgument,
+                      fmt::format("{}: the CA file '{}' cannot be used ({})", head, options_.ca_file, what));
         case CURLE_UNSUPPORTED_PROTOCOL:
         case CURLE_URL_MALFORMAT:
           throw Error(Code::kInvalidArgument, fmt::format("{}: {}", head, what));
@@ -657,7 +658,8 @@ class HttpStore final : public BlobStore {
     } free_headers{headers};
 
     const long request_ms = static_cast<long>(options_.request_timeout.count());
-    const long scaled_ms = static_cast<long>(std::min<std::uint64_t>(t.expected_bytes / kSlowestRate * 1000, LONG_MAX / 2));
+    const long scaled_ms =
+        static_cast<long>(std::min<std::uint64_t>(t.expected_bytes / kSlowestRate * 1000, LONG_MAX / 2));
     set(h, CURLOPT_URL, t.url.c_str());
     set(h, CURLOPT_PROTOCOLS_STR, "http,https");
     set(h, CURLOPT_NOSIGNAL, 1L);

@@ -41,7 +41,8 @@ void check_repository(std::string_view text, std::string_view repo) {
     if (i == repo.size() || repo[i] == '/') {
       if (i == part_start) bad_reference(text, "an empty part between '/'");
       if (!is_alnum(repo[part_start]))
-        bad_reference(text, fmt::format("'{}' must start with a letter or digit", repo.substr(part_start, i - part_start)));
+        bad_reference(text,
+                      fmt::format("'{}' must start with a letter or digit", repo.substr(part_start, i - part_start)));
       part_start = i + 1;
       continue;
     }
@@ -51,7 +52,8 @@ void check_repository(std::string_view text, std::string_view repo) {
 
 void check_tag(std::string_view text, std::string_view tag) {
   if (tag.empty()) bad_reference(text, "an empty tag after ':'");
-  if (tag.size() > kMaxTagLength) bad_reference(text, fmt::format("the tag is longer than {} characters", kMaxTagLength));
+  if (tag.size() > kMaxTagLength)
+    bad_reference(text, fmt::format("the tag is longer than {} characters", kMaxTagLength));
   if (!is_alnum(tag[0]) && tag[0] != '_') bad_reference(text, "the tag must start with a letter, digit or '_'");
   for (char c : tag)
     if (!is_name_char(c)) bad_reference(text, fmt::format("{} is not allowed in the tag", describe_char(c)));
@@ -93,7 +95,8 @@ std::uint64_t size_field(const json& j, const char* key, std::string_view path, 
 
 std::string digest_field(const json& j, const char* key, std::string_view path) {
   auto d = field<std::string>(j, key, path);
-  if (!is_digest(d)) bad_field(fmt::format("{}{}", path, key), fmt::format("'{}' is not a sha256 digest", d.substr(0, 80)));
+  if (!is_digest(d))
+    bad_field(fmt::format("{}{}", path, key), fmt::format("'{}' is not a sha256 digest", d.substr(0, 80)));
   return d;
 }
 
@@ -101,10 +104,14 @@ std::string digest_field(const json& j, const char* key, std::string_view path) 
 
 std::string_view to_string(LayerRole role) {
   switch (role) {
-    case LayerRole::kBase: return "base";
-    case LayerRole::kToolchain: return "toolchain";
-    case LayerRole::kTask: return "task";
-    case LayerRole::kSnapshot: return "snapshot";
+    case LayerRole::kBase:
+      return "base";
+    case LayerRole::kToolchain:
+      return "toolchain";
+    case LayerRole::kTask:
+      return "task";
+    case LayerRole::kSnapshot:
+      return "snapshot";
   }
   return "base";
 }
@@ -140,14 +147,9 @@ std::string manifest_to_json(const Manifest& m) {
                       {"data", l.data},
                       {"stored_size", l.stored_size},
                       {"files_size", l.files_size}});
-  json j = {{"schema", Manifest::kSchemaVersion},
-            {"name", m.name},
-            {"tag", m.tag},
-            {"layers", std::move(layers)},
-            {"created_at", m.created_at},
-            {"source", m.source},
-            {"parent", m.parent},
-            {"notes", m.notes}};
+  json j = {
+      {"schema", Manifest::kSchemaVersion}, {"name", m.name},     {"tag", m.tag},       {"layers", std::move(layers)},
+      {"created_at", m.created_at},         {"source", m.source}, {"parent", m.parent}, {"notes", m.notes}};
   // nlohmann's object is a sorted map: the dump is canonical.
   return j.dump();
 }
@@ -166,14 +168,16 @@ Manifest manifest_from_json(std::string_view text) {
   if (!schema_it->is_number_integer()) bad_field("schema", "wrong type");
   std::int64_t schema = schema_it->get<std::int64_t>();
   if (schema != Manifest::kSchemaVersion)
-    bad_field("schema", fmt::format("version {} is not supported (this dsec reads {})", schema, Manifest::kSchemaVersion));
+    bad_field("schema",
+              fmt::format("version {} is not supported (this dsec reads {})", schema, Manifest::kSchemaVersion));
   Manifest m;
   m.name = field<std::string>(j, "name", "");
   m.tag = field<std::string>(j, "tag", "");
   // The name and the tag each on their own, so the message says which one is wrong.
   try {
     ImageReference ref = parse_reference(m.name);
-    if (ref.name != m.name || ref.tag != "latest" || !ref.digest.empty()) bad_reference(m.name, "not a normalised name");
+    if (ref.name != m.name || ref.tag != "latest" || !ref.digest.empty())
+      bad_reference(m.name, "not a normalised name");
   } catch (const Error& e) {
     bad_field("name", e.what());
   }
@@ -242,10 +246,17 @@ std::string escape_reference(std::string_view tagged) {
   out.reserve(tagged.size() + 8);
   for (char c : tagged) {
     switch (c) {
-      case '%': out += "%25"; break;
-      case '/': out += "%2F"; break;
-      case ':': out += "%3A"; break;
-      default: out.push_back(c);
+      case '%':
+        out += "%25";
+        break;
+      case '/':
+        out += "%2F";
+        break;
+      case ':':
+        out += "%3A";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;

@@ -22,12 +22,12 @@ LayerRole parse_layer_role(std::string_view text);
 
 struct LayerDescriptor {
   LayerRole role = LayerRole::kBase;
-  std::string digest;            // sha256 of the uncompressed EROFS image: the layer's identity
-  std::uint64_t size = 0;        // bytes of the EROFS image
-  std::string index;             // digest of the chunk index blob (chunk_index.hpp)
-  std::string data;              // digest of the chunk data blob (the compressed chunks, one after another)
-  std::uint64_t stored_size = 0; // bytes of the chunk data blob
-  std::uint64_t files_size = 0;  // bytes of file content in the layer (what `du` of its tree would say)
+  std::string digest;             // sha256 of the uncompressed EROFS image: the layer's identity
+  std::uint64_t size = 0;         // bytes of the EROFS image
+  std::string index;              // digest of the chunk index blob (chunk_index.hpp)
+  std::string data;               // digest of the chunk data blob (the compressed chunks, one after another)
+  std::uint64_t stored_size = 0;  // bytes of the chunk data blob
+  std::uint64_t files_size = 0;   // bytes of file content in the layer (what `du` of its tree would say)
 };
 
 struct Manifest {
@@ -41,8 +41,8 @@ struct Manifest {
   std::vector<std::string> notes;       // what the build left out or changed (skipped device nodes, ...)
 
   std::string reference() const { return name + ":" + tag; }
-  std::uint64_t size() const;           // sum of layer sizes
-  std::uint64_t stored_size() const;    // sum of layer stored sizes
+  std::uint64_t size() const;         // sum of layer sizes
+  std::uint64_t stored_size() const;  // sum of layer stored sizes
 };
 
 // Canonical JSON (sorted keys, no whitespace), so the digest of a manifest is stable.

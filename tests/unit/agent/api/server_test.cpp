@@ -12,9 +12,9 @@
 #include <boost/beast/http/read.hpp>
 
 #include "agent/agent.hpp"
-#include "http/http.hpp"
 #include "agent/agent_test_util.hpp"
 #include "common/protocol.hpp"
+#include "http/http.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -324,8 +324,7 @@ TEST_F(ServerTest, ExecOnTheNullBackendSaysItRunsNothing) {
   std::string id = create_sandbox(c);
   expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": ["true"]})"), 501, "UNIMPLEMENTED",
                "the null backend runs nothing");
-  expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": "true"})"), 400, "INVALID_ARGUMENT",
-               "argv");
+  expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": "true"})"), 400, "INVALID_ARGUMENT", "argv");
   // A streaming exec that fails before any output is the same plain error, and the connection goes on serving.
   expect_error(c.call("POST", "/v1/sandboxes/" + id + "/exec", R"({"argv": ["true"], "stream": true})"), 501,
                "UNIMPLEMENTED", "the null backend runs nothing");
@@ -385,13 +384,13 @@ TEST_F(ServerTest, MetricsCountRequestsAndSandboxes) {
   ASSERT_EQ(res.result_int(), 200);
   EXPECT_EQ(std_view(res[http::field::content_type]).substr(0, 10), "text/plain");
   const std::string& text = res.body();
-  for (const char* line : {"dsec_requests_total{route=\"/v1/sandboxes\",method=\"POST\",code=\"201\"} 1",
-                           "dsec_requests_total{route=\"/v1/sandboxes/{id}\",method=\"DELETE\",code=\"200\"} 1",
-                           "dsec_requests_total{route=\"unknown\",method=\"GET\",code=\"404\"} 1",
-                           "dsec_sandboxes_created_total{kind=\"null\"} 1",
-                           "dsec_sandboxes_destroyed_total{kind=\"null\"} 1", "dsec_sandboxes_live{kind=\"null\"} 0",
-                           "dsec_sandbox_create_seconds_count 1", "dsec_sandbox_create_seconds_bucket{le=\"+Inf\"} 1",
-                           "# TYPE dsec_exec_seconds histogram"}) {
+  for (const char* line :
+       {"dsec_requests_total{route=\"/v1/sandboxes\",method=\"POST\",code=\"201\"} 1",
+        "dsec_requests_total{route=\"/v1/sandboxes/{id}\",method=\"DELETE\",code=\"200\"} 1",
+        "dsec_requests_total{route=\"unknown\",method=\"GET\",code=\"404\"} 1",
+        "dsec_sandboxes_created_total{kind=\"null\"} 1", "dsec_sandboxes_destroyed_total{kind=\"null\"} 1",
+        "dsec_sandboxes_live{kind=\"null\"} 0", "dsec_sandbox_create_seconds_count 1",
+        "dsec_sandbox_create_seconds_bucket{le=\"+Inf\"} 1", "# TYPE dsec_exec_seconds histogram"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
   }
 }
@@ -420,9 +419,10 @@ TEST_F(ServerTest, ExpectContinueIsAnswered) {
   start();
   Conn c = connect();
   std::string id = create_sandbox(c);
-  c.send(fmt::format("PUT /v1/sandboxes/{}/files?path=/e HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                     "Expect: 100-continue\r\n\r\n",
-                     id));
+  c.send(
+      fmt::format("PUT /v1/sandboxes/{}/files?path=/e HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                  "Expect: 100-continue\r\n\r\n",
+                  id));
   EXPECT_EQ(c.read().result_int(), 100);
   c.send("hello");
   EXPECT_EQ(c.read().result_int(), 200);

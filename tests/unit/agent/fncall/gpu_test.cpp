@@ -81,7 +81,7 @@ TEST(FnCallGpus, RequestsTheNodeCanNeverMeetFailAtOnce) {
 
 TEST(FnCallGpus, WaitersAreServedFirstComeFirstServed) {
   auto gpus = GpuAllocator::make({"0", "1"}, 2);
-  GpuGrant held = gpus->acquire(GpuMode::kShared, 1, Clock::now() + 1s);  // GPU 0: one share in use
+  GpuGrant held = gpus->acquire(GpuMode::kShared, 1, Clock::now() + 1s);   // GPU 0: one share in use
   GpuGrant held2 = gpus->acquire(GpuMode::kShared, 1, Clock::now() + 1s);  // GPU 1: one share in use
   std::atomic<int> order{0};
   int exclusive_at = -1, shared_at = -1;

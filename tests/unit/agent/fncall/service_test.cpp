@@ -5,9 +5,9 @@
 
 #include <filesystem>
 
-#include "agent/fncall/fncall_service.hpp"
-#include "agent/api/routes.hpp"
 #include "agent/agent_test_util.hpp"
+#include "agent/api/routes.hpp"
+#include "agent/fncall/fncall_service.hpp"
 
 namespace dsec::agent::fncall {
 namespace {
@@ -58,10 +58,7 @@ TEST_F(FnCallServiceTest, BadConfigurationsAreInvalidArguments) {
             Code::kInvalidArgument);
   EXPECT_EQ(make([](FnCallConfig& c) { c.uid = 0; }), Code::kInvalidArgument);
   EXPECT_EQ(make([](FnCallConfig& c) { c.default_image = "../x"; }), Code::kInvalidArgument);
-  EXPECT_EQ(make([](FnCallConfig& c) {
-              c.gpus = {"0", "0"};
-            }),
-            Code::kInvalidArgument);
+  EXPECT_EQ(make([](FnCallConfig& c) { c.gpus = {"0", "0"}; }), Code::kInvalidArgument);
   EXPECT_EQ(make([](FnCallConfig& c) { c.default_image = "judge:py@sha256:" + std::string(64, 'a'); }), Code::kOk);
 }
 

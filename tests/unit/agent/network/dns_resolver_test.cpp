@@ -232,8 +232,7 @@ TEST_F(DnsResolverTest, OtherNamesAndTypesNeverLeaveTheNode) {
   EXPECT_EQ(ldns_pkt_ancount(*r), 0);
   ldns_pkt_free(*r);
   EXPECT_FALSE(ask(query("stranger.test."), std::chrono::milliseconds(300)));  // not a sandbox: no answer
-  for (const std::string& asked : zone_.asked())
-    EXPECT_TRUE(asked == "nx.test." || asked == "revoked.test.") << asked;
+  for (const std::string& asked : zone_.asked()) EXPECT_TRUE(asked == "nx.test." || asked == "revoked.test.") << asked;
 }
 
 TEST_F(DnsResolverTest, MalformedPacketsAreDroppedAndTheResolverGoesOn) {
@@ -244,8 +243,8 @@ TEST_F(DnsResolverTest, MalformedPacketsAreDroppedAndTheResolverGoesOn) {
       std::vector<std::uint8_t>(512, 0xFF),
   };
   // A question whose name is a compression pointer to itself.
-  bad.push_back({0x00, 0x01, 0x01, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xC0, 0x0C, 0x00, 0x01,
-                 0x00, 0x01});
+  bad.push_back(
+      {0x00, 0x01, 0x01, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0xC0, 0x0C, 0x00, 0x01, 0x00, 0x01});
   // Two questions; and an answer (QR set) sent as if a query.
   {
     auto q = query("a.test.");

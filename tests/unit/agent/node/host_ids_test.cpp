@@ -10,10 +10,10 @@
 #include <optional>
 #include <set>
 
+#include "agent/agent_test_util.hpp"
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/node/host_id_claims.hpp"
 #include "agent/node/host_id_pool.hpp"
-#include "agent/agent_test_util.hpp"
 
 namespace dsec::agent {
 namespace {

@@ -9,16 +9,16 @@
 
 #include "agent/node/registration.hpp"
 #include "cluster/etcd_client.hpp"
-#include "cluster/node_record.hpp"
 #include "cluster/etcd_test_util.hpp"
+#include "cluster/node_record.hpp"
 
 namespace dsec::agent {
 namespace {
 
-using std::chrono::milliseconds;
-using std::chrono::seconds;
 using dsec::testing::EtcdServer;
 using dsec::testing::wait_until;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
 
 class RegistrationTest : public ::testing::Test {
  protected:

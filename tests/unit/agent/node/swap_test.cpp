@@ -25,8 +25,9 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
 TEST(SwapParsers, MeminfoSwapLines) {
-  auto t = parse_meminfo_swap("MemTotal:       24684084 kB\nSwapCached:            0 kB\nSwapTotal:       2097148 kB\n"
-                              "SwapFree:        2000000 kB\nZswap:  0 kB\n");
+  auto t = parse_meminfo_swap(
+      "MemTotal:       24684084 kB\nSwapCached:            0 kB\nSwapTotal:       2097148 kB\n"
+      "SwapFree:        2000000 kB\nZswap:  0 kB\n");
   EXPECT_EQ(t.total_bytes, 2097148ull << 10);
   EXPECT_EQ(t.free_bytes, 2000000ull << 10);
   auto none = parse_meminfo_swap("MemTotal: 1 kB\n");

@@ -1,5 +1,6 @@
 // The processes a sandbox's init keeps (init/process_table, init/process_protocol), driven on the host with a small
-// event loop standing in for pid 1's; exactly-once execs (agent/registry/exec_journal); the routes of processes and sessions.
+// event loop standing in for pid 1's; exactly-once execs (agent/registry/exec_journal); the routes of processes and
+// sessions.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -12,11 +13,11 @@
 #include <string>
 #include <vector>
 
+#include "agent/api/routes.hpp"
 #include "agent/registry/exec_journal.hpp"
 #include "common/wire/process_protocol.hpp"
-#include "init/process_table.hpp"
-#include "agent/api/routes.hpp"
 #include "dsec/error.hpp"
+#include "init/process_table.hpp"
 
 namespace dsec {
 namespace {
@@ -82,9 +83,10 @@ TEST(ProcessProtocol, EntriesRoundTripAndShortPayloadsAreRefused) {
 class TableHarness {
  public:
   TableHarness()
-      : table_(mask(), /*drop_capabilities=*/false,
-               [this](std::uint64_t ticket, const std::string& reply) { replies_[ticket] = reply; },
-               /*tickets_are_fds=*/false) {}
+      : table_(
+            mask(), /*drop_capabilities=*/false,
+            [this](std::uint64_t ticket, const std::string& reply) { replies_[ticket] = reply; },
+            /*tickets_are_fds=*/false) {}
 
   const std::string& call(Op op, const std::string& payload) {  // the reply stays in replies_
     std::uint64_t ticket = next_++;
@@ -344,11 +346,17 @@ TEST_F(ExecJournalTest, JsonAnswersAreKeptWholeAcrossARestart) {
     agent::ExecJournal journal(dir_);
     auto first = journal.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; });
     EXPECT_EQ(first["pid"], 41);
-    EXPECT_EQ(journal.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; }),
+    EXPECT_EQ(journal.run_once_json("sb", "spawn/s1", "fp",
+                                    [&] {
+                                      return protocol::json{{"pid", 40 + ++runs}};
+                                    }),
               first);
   }
   agent::ExecJournal after(dir_);
-  EXPECT_EQ(after.run_once_json("sb", "spawn/s1", "fp", [&] { return protocol::json{{"pid", 40 + ++runs}}; })["pid"],
+  EXPECT_EQ(after.run_once_json("sb", "spawn/s1", "fp",
+                                [&] {
+                                  return protocol::json{{"pid", 40 + ++runs}};
+                                })["pid"],
             41);
   EXPECT_EQ(runs, 1);
   EXPECT_THROW(after.run_once_json("sb", "spawn/s1", "other", [] { return protocol::json::object(); }), Error);

@@ -7,10 +7,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "agent/registry/registry.hpp"
+#include "agent/agent_test_util.hpp"
 #include "agent/api/router.hpp"
 #include "agent/api/routes.hpp"
-#include "agent/agent_test_util.hpp"
+#include "agent/registry/registry.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
@@ -35,8 +35,8 @@ class GroupsTest : public ::testing::Test {
     options.memory_bytes = 64ull << 30;
     options.clock = [this] { return clock_.load(); };
     registry_.reset();
-    registry_ = std::make_unique<Registry>(std::move(options), Registry::Backends{{"null", &backend_}}, images_,
-                                           metrics_);
+    registry_ =
+        std::make_unique<Registry>(std::move(options), Registry::Backends{{"null", &backend_}}, images_, metrics_);
     router_ = std::make_unique<Router>(*registry_, metrics_, [] { return NodeInfo{}; });
   }
 

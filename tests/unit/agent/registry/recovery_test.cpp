@@ -9,9 +9,9 @@
 #include <fstream>
 #include <thread>
 
-#include "agent/registry/registry.hpp"
-#include "agent/registry/create_ids.hpp"
 #include "agent/agent_test_util.hpp"
+#include "agent/registry/create_ids.hpp"
+#include "agent/registry/registry.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
@@ -45,8 +45,8 @@ class RecoveryTest : public ::testing::Test {
     options.memory_bytes = 4ull << 30;
     options.clock = [this] { return clock_.load(); };
     registry_.reset();
-    registry_ = std::make_unique<Registry>(std::move(options), Registry::Backends{{"null", &backend_}}, images_,
-                                           metrics_);
+    registry_ =
+        std::make_unique<Registry>(std::move(options), Registry::Backends{{"null", &backend_}}, images_, metrics_);
   }
 
   RecoveryReport restart() {
@@ -426,7 +426,7 @@ TEST(CreateIdsTest, AppendsForgetsAndRewrites) {
     log.append({"b", "n1-2", "sha256:2", 2.0});
     log.append({"c", "n1-3", "sha256:3", 3.0});
     log.forget("b", "n1-2");
-    log.forget("c", "n1-other");  // another sandbox's: no effect
+    log.forget("c", "n1-other");                 // another sandbox's: no effect
     log.append({"a", "n1-4", "sha256:4", 4.0});  // reused since: the later one counts
     EXPECT_EQ(log.appended(), 6u);
   }

@@ -5,8 +5,8 @@
 #include <set>
 #include <thread>
 
-#include "agent/registry/registry.hpp"
 #include "agent/agent_test_util.hpp"
+#include "agent/registry/registry.hpp"
 #include "common/protocol.hpp"
 
 namespace dsec::agent {
@@ -21,8 +21,8 @@ class RegistryTest : public ::testing::Test {
   void make(RegistryOptions options = {}) {
     options.node_id = "n1";
     if (!options.clock) options.clock = [this] { return clock_.load(); };
-    registry_ = std::make_unique<Registry>(std::move(options), Registry::Backends{{"null", &backend_}}, images_,
-                                           metrics_);
+    registry_ =
+        std::make_unique<Registry>(std::move(options), Registry::Backends{{"null", &backend_}}, images_, metrics_);
   }
 
   SandboxSpec spec(std::string request_id = {}) {
@@ -190,9 +190,9 @@ TEST_F(RegistryTest, AReplayOfADestroyedSandboxSaysDestroyed) {
 TEST_F(RegistryTest, AdmissionRefusesBeyondCpuAndMemoryWithOvercommit) {
   RegistryOptions options;
   options.cores = 2;
-  options.cpu_overcommit = 1.5;              // 3 cores
+  options.cpu_overcommit = 1.5;  // 3 cores
   options.memory_bytes = 1ull << 30;
-  options.memory_overcommit = 1.0;           // 1 GiB
+  options.memory_overcommit = 1.0;  // 1 GiB
   make(std::move(options));
   SandboxSpec s = spec();
   s.resources.cpu = 1;
@@ -209,7 +209,7 @@ TEST_F(RegistryTest, AdmissionRefusesBeyondCpuAndMemoryWithOvercommit) {
   }
   registry_->destroy(ids[0]);
   ids.push_back(registry_->create(s).info.id);  // room again
-  registry_->destroy(ids[1]);                    // 2 cores and 400Mi live
+  registry_->destroy(ids[1]);                   // 2 cores and 400Mi live
 
   SandboxSpec big = spec();
   big.resources.cpu = 0.1;

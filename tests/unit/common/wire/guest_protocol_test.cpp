@@ -31,8 +31,8 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/files/tar_stream.hpp"
 #include "agent/backends/qemu/guest/guest_channel.hpp"
+#include "agent/files/tar_stream.hpp"
 #include "common/wire/guest_protocol.hpp"
 #include "common/wire/init_protocol.hpp"
 #include "dsec/error.hpp"
@@ -805,13 +805,18 @@ TEST(GuestChannel, ErrorAnswersBecomeTheirDsecError) {
         else g.error(f.channel, Code::kInvalidArgument, "read " + path + ": not a regular file");
         return;
       }
-      case Type::kStat: g.error(f.channel, Code::kPermissionDenied, "no"); return;
-      case Type::kWriteFile: g.error(f.channel, Code::kResourceExhausted, "write: No space left on device"); return;
+      case Type::kStat:
+        g.error(f.channel, Code::kPermissionDenied, "no");
+        return;
+      case Type::kWriteFile:
+        g.error(f.channel, Code::kResourceExhausted, "write: No space left on device");
+        return;
       case Type::kExec:
         g.send(Type::kStarted, f.channel, gp::Writer().i32(1).take());
         g.error(f.channel, Code::kNotFound, "gone mid-exec");
         return;
-      default: return;
+      default:
+        return;
     }
   });
   GuestChannel channel(guest.take_agent_end(), "sb");
@@ -883,7 +888,8 @@ TEST(GuestChannel, CloseWakesACallThatWaits) {
   FakeGuest guest(nullptr);  // never answers
   GuestChannel channel(guest.take_agent_end(), "sb");
   std::atomic<int> code{-1};
-  std::thread waiter([&] { code = static_cast<int>(code_of([&] { channel.read_file("/x", 1, Clock::now() + 30s); })); });
+  std::thread waiter(
+      [&] { code = static_cast<int>(code_of([&] { channel.read_file("/x", 1, Clock::now() + 30s); })); });
   ASSERT_TRUE(guest.wait_for([](auto& frames) { return !frames.empty(); }));
   auto t0 = Clock::now();
   channel.close();
@@ -974,7 +980,6 @@ TEST(GuestChannel, AFloodBeyondTheMailboxLimitDropsTheConnection) {
   EXPECT_GT(guest.sent_bytes(), kMailboxLimit);
   EXPECT_LT(guest.sent_bytes(), kMailboxLimit + (16u << 20));
 }
-
 
 TEST(GuestChannel, ManyExecsAtOnceEachGetTheirOwnFrames) {
   // The guest waits until all execs arrived, then answers them interleaved, in the reverse order.
@@ -1099,8 +1104,8 @@ class FakeFs {
       }
       case Type::kStat: {
         std::string path = r.str();
-        if (files_.count(path)) return (void)g.send(Type::kStatReply, f.channel,
-                                                     gp::Writer().u32(0100000 | files_[path].second).take());
+        if (files_.count(path))
+          return (void)g.send(Type::kStatReply, f.channel, gp::Writer().u32(0100000 | files_[path].second).take());
         if (path == tree_dir_) return (void)g.send(Type::kStatReply, f.channel, gp::Writer().u32(040755).take());
         return g.error(f.channel, Code::kNotFound, "no such file in the sandbox: " + path);
       }

@@ -43,11 +43,11 @@ TEST(ConnectRpc, MalformedStreamRequestsAreInvalidArgument) {
     }
     return std::string("none");
   };
-  EXPECT_EQ(code_of(post("application/connect+json", "abc")), "invalid_argument");               // short
+  EXPECT_EQ(code_of(post("application/connect+json", "abc")), "invalid_argument");                    // short
   EXPECT_EQ(code_of(post("application/connect+json", envelope(0, "{}") + "x")), "invalid_argument");  // two
-  EXPECT_EQ(code_of(post("application/connect+json", envelope(0, "[1]"))), "invalid_argument");  // not an object
-  EXPECT_EQ(code_of(post("application/json", envelope(0, "{}"))), "invalid_argument");           // wrong type
-  EXPECT_EQ(code_of(post("application/connect+json", envelope(1, "{}"))), "unimplemented");      // compressed
+  EXPECT_EQ(code_of(post("application/connect+json", envelope(0, "[1]"))), "invalid_argument");       // not an object
+  EXPECT_EQ(code_of(post("application/json", envelope(0, "{}"))), "invalid_argument");                // wrong type
+  EXPECT_EQ(code_of(post("application/connect+json", envelope(1, "{}"))), "unimplemented");           // compressed
 }
 
 TEST(ConnectRpc, UnaryErrorsCarryTheCodeAsAStringAndItsStatus) {
@@ -85,7 +85,7 @@ TEST(Envd, BasicAuthNamesTheUser) {
 TEST(Envd, HostNamesNameTheirSandbox) {
   EXPECT_EQ(sandbox_of_host("49983-node1-abc123.sb.example.com", "sb.example.com"), "node1-abc123");
   EXPECT_EQ(sandbox_of_host("49983-node1-abc123.sb.example.com:8443", "sb.example.com"), "node1-abc123");
-  EXPECT_EQ(sandbox_of_host("api.sb.example.com", "sb.example.com"), "");        // no port
+  EXPECT_EQ(sandbox_of_host("api.sb.example.com", "sb.example.com"), "");         // no port
   EXPECT_EQ(sandbox_of_host("49983-x.other.example.com", "sb.example.com"), "");  // another domain
   EXPECT_EQ(sandbox_of_host("49983-x.sb.example.com", ""), "");                   // no --domain
   EXPECT_EQ(sandbox_of_host("127.0.0.1:3000", "sb.example.com"), "");

@@ -19,8 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -133,7 +133,7 @@ struct LoggedRequest {
   std::string method, uri, range;
   int status = 0;
   std::uint64_t bytes_sent = 0;
-  std::uint64_t connection = 0;       // nginx's serial number of the connection
+  std::uint64_t connection = 0;           // nginx's serial number of the connection
   std::uint64_t connection_requests = 0;  // 1 for a request on a fresh connection
 };
 
@@ -156,7 +156,9 @@ class NginxStore {
   NginxStore(const NginxStore&) = delete;
   NginxStore& operator=(const NginxStore&) = delete;
 
-  std::string url() const { return std::string(config_.tls ? "https" : "http") + "://127.0.0.1:" + std::to_string(port_); }
+  std::string url() const {
+    return std::string(config_.tls ? "https" : "http") + "://127.0.0.1:" + std::to_string(port_);
+  }
   std::string ca_file() const { return (prefix_.path() / "tls" / "cert.pem").string(); }
   const fs::path& root() const { return root_; }
   int port() const { return port_; }
@@ -188,8 +190,14 @@ class NginxStore {
     std::string nginx_env = "NGINX=" + std::to_string(sock.get()) + ";";
     std::string path_env = "PATH=/usr/sbin:/usr/bin:/sbin:/bin";
     std::string prefix = prefix_.path().string(), conf_s = conf.string(), err = (prefix_.path() / "error.log").string();
-    std::vector<char*> argv = {const_cast<char*>(kNginx), const_cast<char*>("-p"), prefix.data(),
-                               const_cast<char*>("-c"), conf_s.data(), const_cast<char*>("-e"), err.data(), nullptr};
+    std::vector<char*> argv = {const_cast<char*>(kNginx),
+                               const_cast<char*>("-p"),
+                               prefix.data(),
+                               const_cast<char*>("-c"),
+                               conf_s.data(),
+                               const_cast<char*>("-e"),
+                               err.data(),
+                               nullptr};
     std::vector<char*> envp = {nginx_env.data(), path_env.data(), nullptr};
     UniqueFd out(::open((prefix_.path() / "stderr.log").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));
     UniqueFd devnull(::open("/dev/null", O_RDONLY | O_CLOEXEC));
@@ -289,29 +297,38 @@ class NginxStore {
   std::string config_text() const {
     const std::string p = prefix_.path().string(), r = root_.string();
     std::string listen = "listen 127.0.0.1:" + std::to_string(port_) + (config_.tls ? " ssl;" : ";");
-    std::string tls = config_.tls ? "    ssl_certificate " + p + "/tls/cert.pem;\n    ssl_certificate_key " + p +
-                                        "/tls/key.pem;\n"
-                                  : "";
+    std::string tls =
+        config_.tls ? "    ssl_certificate " + p + "/tls/cert.pem;\n    ssl_certificate_key " + p + "/tls/key.pem;\n"
+                    : "";
     return (::geteuid() == 0 ? std::string("user root root;\n") : std::string()) +
            "daemon off;\nmaster_process on;\nworker_processes 1;\n"
-           "pid " + p + "/nginx.pid;\nerror_log " + p + "/error.log info;\n"
+           "pid " +
+           p + "/nginx.pid;\nerror_log " + p +
+           "/error.log info;\n"
            "events { worker_connections 1024; }\n"
            "http {\n"
            "  types { }\n  default_type application/octet-stream;\n"
            "  log_format dsec_store \"$request_method\\t$request_uri\\t$status\\t$http_range\\t$body_bytes_sent\\t"
            "$connection\\t$connection_requests\";\n"
-           "  access_log " + p + "/access.log dsec_store;\n"
-           "  client_body_temp_path " + r + "/.tmp/nginx-body;\n"
-           "  proxy_temp_path " + p + "/tmp/proxy;\n  fastcgi_temp_path " + p + "/tmp/fastcgi;\n"
-           "  uwsgi_temp_path " + p + "/tmp/uwsgi;\n  scgi_temp_path " + p + "/tmp/scgi;\n"
+           "  access_log " +
+           p +
+           "/access.log dsec_store;\n"
+           "  client_body_temp_path " +
+           r +
+           "/.tmp/nginx-body;\n"
+           "  proxy_temp_path " +
+           p + "/tmp/proxy;\n  fastcgi_temp_path " + p +
+           "/tmp/fastcgi;\n"
+           "  uwsgi_temp_path " +
+           p + "/tmp/uwsgi;\n  scgi_temp_path " + p +
+           "/tmp/scgi;\n"
            "  client_max_body_size 0;\n  keepalive_timeout 75s;\n  keepalive_requests 100000;\n"
-           "  server {\n    " + listen + "\n" + tls +
-           "    root " + r + ";\n" +
-           config_.server_extra +
+           "  server {\n    " +
+           listen + "\n" + tls + "    root " + r + ";\n" + config_.server_extra +
            "\n    location / {\n"
            "      dav_methods PUT DELETE;\n      create_full_put_path on;\n      dav_access user:rw group:r all:r;\n" +
            (config_.autoindex == "off" ? std::string("      autoindex off;\n")
-                                        : "      autoindex on;\n      autoindex_format " + config_.autoindex + ";\n") +
+                                       : "      autoindex on;\n      autoindex_format " + config_.autoindex + ";\n") +
            config_.location_extra + "\n    }\n  }\n}\n";
   }
 
@@ -443,8 +460,8 @@ class HttpStore : public ::testing::Test {
 
   // Starts nginx serving a fresh directory (extra config as given) and opens a store on it.
   NginxStore& serve(NginxStore::Config config = {}) {
-    servers_.push_back(std::make_unique<NginxStore>(dir_.path() / ("root" + std::to_string(servers_.size())),
-                                                    std::move(config)));
+    servers_.push_back(
+        std::make_unique<NginxStore>(dir_.path() / ("root" + std::to_string(servers_.size())), std::move(config)));
     servers_.back()->start();
     return *servers_.back();
   }
@@ -678,7 +695,8 @@ TEST_F(HttpStore, StoreThatDoesNotListIsUnimplemented) {
 
 TEST_F(HttpStore, ServerThatIgnoresRangesIsRefused) {
   // nginx answers 200 with the whole file
-  auto& server = serve({.tls = false, .autoindex = "json", .location_extra = "      max_ranges 0;", .server_extra = ""});
+  auto& server =
+      serve({.tls = false, .autoindex = "json", .location_extra = "      max_ranges 0;", .server_extra = ""});
   auto store = open(server);
   const std::string bytes = random_bytes(50000, 5);
   const std::string digest = sha256_digest(bytes);
@@ -783,14 +801,17 @@ TEST_F(HttpStore, ServerThatNeverAnswersIsUnavailableWithinTheTimeout) {
 }
 
 TEST_F(HttpStore, ServerErrorsAreRetriedThenUnavailable) {
-  auto& server =
-      serve({.tls = false, .autoindex = "json", .location_extra = "", .server_extra = "    location /broken/ { return 503; }"});
+  auto& server = serve({.tls = false,
+                        .autoindex = "json",
+                        .location_extra = "",
+                        .server_extra = "    location /broken/ { return 503; }"});
   auto store = open_http_store(server.url() + "/broken/", fast_options());
   const std::string digest = sha256_digest("x");
   auto start = Clock::now();
   std::string msg = message_of([&] { store->read_blob(digest); });
   EXPECT_LT(Clock::now() - start, 2s);
-  EXPECT_NE(msg.find("GET " + server.url() + "/broken/blobs/sha256/" + digest.substr(7) + ": HTTP 503 (after 3 "
+  EXPECT_NE(msg.find("GET " + server.url() + "/broken/blobs/sha256/" + digest.substr(7) +
+                     ": HTTP 503 (after 3 "
                      "attempts)"),
             std::string::npos)
       << msg;

@@ -16,12 +16,12 @@
 #include <nlohmann/json.hpp>
 
 #include "dsec/error.hpp"
+#include "image/image_test_util.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/catalog.hpp"
 #include "image/store/chunk_index.hpp"
 #include "image/store/digest.hpp"
 #include "image/store/manifest.hpp"
-#include "image/image_test_util.hpp"
 
 namespace dsec::image {
 namespace {
@@ -43,7 +43,8 @@ std::string expect_error(const std::function<void()>& fn, Code code, std::vector
     fn();
   } catch (const Error& e) {
     EXPECT_EQ(e.code_name(), code_name(code)) << e.what();
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
     return e.what();
   } catch (const std::exception& e) {
     ADD_FAILURE() << "expected dsec::Error " << code_name(code) << ", got another exception: " << e.what();
@@ -81,16 +82,17 @@ TEST(ImageDigest, IsDigestAndDigestHex) {
   EXPECT_TRUE(is_digest(fake_digest('0')));
   EXPECT_FALSE(is_digest(""));
   EXPECT_FALSE(is_digest("sha256:"));
-  EXPECT_FALSE(is_digest(std::string(kAbcSha).substr(0, 70)));           // 63 hex digits
-  EXPECT_FALSE(is_digest(std::string(kAbcSha) + "0"));                   // 65
-  EXPECT_FALSE(is_digest("sha256:" + std::string(64, 'A')));             // uppercase
-  EXPECT_FALSE(is_digest("sha256:" + std::string(63, 'a') + "g"));       // not hex
+  EXPECT_FALSE(is_digest(std::string(kAbcSha).substr(0, 70)));      // 63 hex digits
+  EXPECT_FALSE(is_digest(std::string(kAbcSha) + "0"));              // 65
+  EXPECT_FALSE(is_digest("sha256:" + std::string(64, 'A')));        // uppercase
+  EXPECT_FALSE(is_digest("sha256:" + std::string(63, 'a') + "g"));  // not hex
   EXPECT_FALSE(is_digest("sha512:" + std::string(64, 'a')));
   EXPECT_FALSE(is_digest("SHA256:" + std::string(64, 'a')));
   EXPECT_FALSE(is_digest(" sha256:" + std::string(63, 'a')));
 
   EXPECT_EQ(digest_hex(kAbcSha), std::string(kAbcSha).substr(7));
-  expect_error([] { digest_hex("sha256:xyz", "layer digest"); }, Code::kInvalidArgument, {"layer digest", "sha256:xyz"});
+  expect_error([] { digest_hex("sha256:xyz", "layer digest"); }, Code::kInvalidArgument,
+               {"layer digest", "sha256:xyz"});
   expect_error([] { digest_hex(""); }, Code::kInvalidArgument, {"digest"});
 }
 
@@ -259,7 +261,8 @@ TEST(ImageManifest, EachMalformedFieldIsNamed) {
       {"layers", [](json& j) { j.erase("layers"); }},
       {"layers", [](json& j) { j["layers"] = json::array(); }},
       {"layers", [](json& j) { j["layers"] = "sha256"; }},
-      {"layers", [](json& j) {
+      {"layers",
+       [](json& j) {
          json many = json::array();
          for (int i = 0; i < 65; ++i) many.push_back(j["layers"][0]);
          j["layers"] = many;
@@ -276,7 +279,10 @@ TEST(ImageManifest, EachMalformedFieldIsNamed) {
       {"layers[0].data", [](json& j) { j["layers"][0]["data"] = nullptr; }},
       {"layers[1].stored_size", [](json& j) { j["layers"][1].erase("stored_size"); }},
       {"layers[1].files_size", [](json& j) { j["layers"][1]["files_size"] = "lots"; }},
-      {"notes", [](json& j) { j["notes"] = json::array({1, 2}); }},
+      {"notes",
+       [](json& j) {
+         j["notes"] = json::array({1, 2});
+       }},
       {"notes", [](json& j) { j["notes"] = "one note"; }},
       {"created_at", [](json& j) { j["created_at"] = "yesterday"; }},
       {"source", [](json& j) { j["source"] = 12; }},
@@ -352,16 +358,22 @@ TEST(ImageChunkIndex, RefusesInconsistentIndexes) {
       {"chunks", [](json& j) { j["size"] = 4 * 4096 + 1; }},
       {"chunks", [](json& j) { j["chunks"].erase(3); }},
       {"chunks", [](json& j) { j["chunks"] = "none"; }},
-      {"chunks[2]", [](json& j) { j["chunks"][2] = json::array({5096, 3000}); }},
+      {"chunks[2]",
+       [](json& j) {
+         j["chunks"][2] = json::array({5096, 3000});
+       }},
       {"chunks[2]", [](json& j) { j["chunks"][2][2] = "xyz"; }},
-      {"chunks[3]", [](json& j) { j["chunks"][3][0] = 9950; }},      // runs past data_size
+      {"chunks[3]", [](json& j) { j["chunks"][3][0] = 9950; }},  // runs past data_size
       {"chunks[1]", [](json& j) { j["chunks"][1][1] = 0; }},
       {"chunks[0]", [](json& j) { j["chunks"][0][0] = 20000; }},
       {"chunk_size", [](json& j) { j["chunk_size"] = 5000; }},
       {"chunk_size", [](json& j) { j["chunk_size"] = 2048; }},
       {"meta_size", [](json& j) { j["meta_size"] = 100; }},
       {"meta_size", [](json& j) { j["meta_size"] = 4 * 4096; }},
-      {"prefetch", [](json& j) { j["prefetch"] = json::array({0, 4}); }},
+      {"prefetch",
+       [](json& j) {
+         j["prefetch"] = json::array({0, 4});
+       }},
       {"layer", [](json& j) { j["layer"] = "sha256:zz"; }},
       {"data", [](json& j) { j["data"] = "nope"; }},
       {"schema", [](json& j) { j["schema"] = 7; }},
@@ -415,7 +427,9 @@ TEST(ImageChunkedLayer, RandomDataRoundTripsStoredRaw) {
   std::vector<std::pair<std::uint64_t, std::uint64_t>> progress;
   write_text(tmp / "layer.img", random_bytes(2 * chunk + chunk / 2 + 3));
   ChunkedLayer c = write_chunked_layer(tmp / "layer.img", tmp / "layer.chunks", 2 * chunk, {0, 1, 1, 99}, chunk, 3,
-                                       [&](std::uint64_t done, std::uint64_t total) { progress.push_back({done, total}); });
+                                       [&](std::uint64_t done, std::uint64_t total) {
+                                         progress.push_back({done, total});
+                                       });
   const std::string original = read_text(tmp / "layer.img");
   const std::string data = read_text(tmp / "layer.chunks");
   const ChunkIndex& index = c.index;
@@ -481,7 +495,8 @@ TEST(ImageChunkedLayer, DamagedChunksAreDataLoss) {
       std::string bad = stored;
       bad[pos] ^= 0x20;
       SCOPED_TRACE(fmt::format("chunk {} byte {}", i, pos));
-      expect_error([&] { decode_chunk(index, i, bad, out); }, Code::kDataLoss, {index.layer, fmt::format("chunk {}", i)});
+      expect_error([&] { decode_chunk(index, i, bad, out); }, Code::kDataLoss,
+                   {index.layer, fmt::format("chunk {}", i)});
     }
     expect_error([&] { decode_chunk(index, i, stored.substr(0, stored.size() - 1), out); }, Code::kDataLoss);
     expect_error([&] { decode_chunk(index, i, "", out); }, Code::kDataLoss);
@@ -737,8 +752,11 @@ TEST(ImageCatalog, CommitRefusesMissingBlobsAndWritesNoTag) {
   absent.data = fake_digest('d');
   absent.digest = fake_digest('e');
   const auto before = blob_set(*store);
-  expect_error([&] { commit_manifest(*store, manifest_of("app:v1", {present, absent})); }, Code::kFailedPrecondition,
-               {"app:v1", fake_digest('d'), store->url()});
+  expect_error(
+      [&] {
+        commit_manifest(*store, manifest_of("app:v1", {present, absent}));
+      },
+      Code::kFailedPrecondition, {"app:v1", fake_digest('d'), store->url()});
   LayerDescriptor no_index = present;
   no_index.index = fake_digest('f');
   expect_error([&] { commit_manifest(*store, manifest_of("app:v1", {no_index})); }, Code::kFailedPrecondition,
@@ -841,7 +859,8 @@ TEST(ImageCatalog, CopyImageCopiesOnlyMissingBlobs) {
   // Pinned copies and errors.
   expect_error([&] { copy_image(*src, *dst, parse_reference("ghost")); }, Code::kNotFound, {"ghost", src->url()});
   EXPECT_TRUE(testing::entries_with_prefix(tmp / "dst/.tmp", "").empty());
-  EXPECT_TRUE(testing::entries_with_prefix(fs::temp_directory_path(), fmt::format("dsec-copy-{}-", ::getpid())).empty());
+  EXPECT_TRUE(
+      testing::entries_with_prefix(fs::temp_directory_path(), fmt::format("dsec-copy-{}-", ::getpid())).empty());
 }
 
 TEST(ImageCatalog, CopyImageRefusesDamagedSources) {
@@ -932,7 +951,8 @@ TEST(ImageGc, RemovesOnlyUnreferencedBlobsOutsideTheGrace) {
   }
 
   // Untag a: its own layer and manifest go, the shared layer stays for b.
-  const std::uint64_t a_bytes = store->read_blob(da).size() + store->read_blob(a_only.index).size() + a_only.stored_size;
+  const std::uint64_t a_bytes =
+      store->read_blob(da).size() + store->read_blob(a_only.index).size() + a_only.stored_size;
   ASSERT_TRUE(store->remove_ref("a:latest"));
   r = collect_garbage(*store, std::chrono::seconds(0));
   std::vector<std::string> expected{da, a_only.index, a_only.data};

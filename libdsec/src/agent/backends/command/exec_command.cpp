@@ -18,8 +18,10 @@ ExecCommand exec_command(const SandboxSpec& spec, const ExecRequest& request, co
   c.argv = request.shell.empty() ? request.argv : std::vector<std::string>{"/bin/sh", "-c", request.shell};
   // UTF-8 unless the spec or the exec says otherwise: Python, git and compilers then read and print non-ASCII as
   // a user's terminal would (C.UTF-8 needs no locale files).
-  c.env = {{"PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, {"HOME", "/root"},
-           {"HOSTNAME", hostname}, {"LANG", "C.UTF-8"}};
+  c.env = {{"PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+           {"HOME", "/root"},
+           {"HOSTNAME", hostname},
+           {"LANG", "C.UTF-8"}};
   if (user.named) {
     c.named_user = true;
     c.uid = user.uid;

@@ -139,9 +139,8 @@ ExecUser resolve_exec_user(std::string_view user, std::string_view passwd, std::
     auto gid = static_cast<std::uint32_t>(g->gid);
     if (std::find(out.groups.begin(), out.groups.end(), gid) != out.groups.end()) return true;
     if (out.groups.size() == kMaxExecGroups)
-      throw Error(Code::kInvalidArgument,
-                  fmt::format("{}: '{}' is in more than {} groups of the sandbox's /etc/group", field, user,
-                              kMaxExecGroups));
+      throw Error(Code::kInvalidArgument, fmt::format("{}: '{}' is in more than {} groups of the sandbox's /etc/group",
+                                                      field, user, kMaxExecGroups));
     out.groups.push_back(gid);
     return true;
   });

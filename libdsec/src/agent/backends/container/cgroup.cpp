@@ -16,8 +16,7 @@ namespace dsec::agent::container {
 void write_cgroup_file(const std::string& path, const std::string& value) {
   UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
   if (!fd) throw_errno_fmt(errno, "open {}", path);
-  if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) !=
-      static_cast<ssize_t>(value.size()))
+  if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) != static_cast<ssize_t>(value.size()))
     throw_errno_fmt(errno, "write '{}' to {}", value, path);
 }
 
@@ -81,7 +80,8 @@ std::string enable_cgroup_favordynmods() {
     head >> id >> parent >> devno >> root >> point;
     tail >> type >> source >> opts;
     if (type != "cgroup2" && type != "cgroup") continue;
-    if (opts.find("favordynmods") != std::string::npos) return fmt::format("cgroup favordynmods already on ({})", point);
+    if (opts.find("favordynmods") != std::string::npos)
+      return fmt::format("cgroup favordynmods already on ({})", point);
     std::string kept;
     std::istringstream os(opts);
     for (std::string o; std::getline(os, o, ',');)

@@ -23,8 +23,8 @@
 #include <thread>
 
 #include "agent/backends/container/cgroup.hpp"
-#include "common/log.hpp"
 #include "common/cgroupfs.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent::container {
@@ -68,7 +68,9 @@ constexpr std::uint64_t kMaxReclaimStep = 64 << 20;
 constexpr std::uint64_t kReclaimFloor = 1 << 20;
 
 int pidfd_open(int pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
-int pidfd_send_signal(int pidfd, int sig) { return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0)); }
+int pidfd_send_signal(int pidfd, int sig) {
+  return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
+}
 
 // Whether host process `pid` sits in `group` (a path relative to the pids hierarchy root) or below it.
 bool in_pids_group(int pid, const std::string& group) {
@@ -260,7 +262,8 @@ class SandboxCgroupV1 final : public SandboxCgroup {
     std::lock_guard lock(mu_);
     if (!saved_limit_.empty()) return false;
     saved_limit_ = read_cgroup_file(mem + "/memory.limit_in_bytes");
-    while (!saved_limit_.empty() && std::isspace(static_cast<unsigned char>(saved_limit_.back()))) saved_limit_.pop_back();
+    while (!saved_limit_.empty() && std::isspace(static_cast<unsigned char>(saved_limit_.back())))
+      saved_limit_.pop_back();
     set_swappiness(kSleepingSwappiness);
     UniqueFd fd(::open((mem + "/memory.limit_in_bytes").c_str(), O_WRONLY | O_CLOEXEC));
     if (!fd) throw_errno_fmt(errno, "open {}/memory.limit_in_bytes", mem);
@@ -414,9 +417,9 @@ class SandboxCgroupV1 final : public SandboxCgroup {
       std::string value = std::to_string(memory_bytes);
       if (retry_eintr([&] { return ::write(fd.get(), value.data(), value.size()); }) < 0) {
         if (errno == EBUSY)
-          throw Error(Code::kResourceExhausted,
-                      fmt::format("{}/{}: more than {} bytes are charged and cannot be reclaimed", mem, file,
-                                  memory_bytes));
+          throw Error(
+              Code::kResourceExhausted,
+              fmt::format("{}/{}: more than {} bytes are charged and cannot be reclaimed", mem, file, memory_bytes));
         throw_errno_fmt(errno, "write {} to {}/{}", value, mem, file);
       }
     };
@@ -459,7 +462,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
   Hierarchies h_;
   std::string saved_limit_;  // the memory limit reclaim_memory() lowered, until restore_memory()
-  std::string rel_;  // "/<name>/<id>"
+  std::string rel_;          // "/<name>/<id>"
   std::mutex mu_;
   std::set<std::string> exec_groups_;   // every exec group that exists
   std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
@@ -469,11 +472,10 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
 class CgroupV1Driver final : public CgroupDriver {
  public:
-  CgroupV1Driver(std::string name, bool cpu_accounting)
-      : h_(find_hierarchies(cpu_accounting)), name_(std::move(name)) {
+  CgroupV1Driver(std::string name, bool cpu_accounting) : h_(find_hierarchies(cpu_accounting)), name_(std::move(name)) {
     if (!h_.cpuacct.empty()) make_dir(h_.cpuacct + "/" + name_);
-    for (auto [root, what] : {std::pair{&h_.cpu, "cpu"}, {&h_.memory, "memory"}, {&h_.pids, "pids"},
-                              {&h_.freezer, "freezer"}}) {
+    for (auto [root, what] :
+         {std::pair{&h_.cpu, "cpu"}, {&h_.memory, "memory"}, {&h_.pids, "pids"}, {&h_.freezer, "freezer"}}) {
       if (root->empty())
         throw Error(Code::kFailedPrecondition,
                     fmt::format("no cgroup v1 hierarchy with the {} controller is mounted, and /sys/fs/cgroup is not "

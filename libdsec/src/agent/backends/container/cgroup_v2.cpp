@@ -296,7 +296,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
   std::set<std::string> exec_groups_;   // every exec group that exists
   std::set<std::string> ended_groups_;  // those whose exec has ended: removed once empty
   bool destroyed_ = false;
-  std::optional<uid_t> joiner_;  // let_join_as
+  std::optional<uid_t> joiner_;                             // let_join_as
   std::uint64_t peak_at_reset_ = 0, current_at_reset_ = 0;  // see memory_peak()
 };
 
@@ -410,7 +410,7 @@ class CgroupV2Driver final : public CgroupDriver {
  private:
   std::string mount_;
   std::string root_;
-  std::string batch_root_;  // <root_>.batch, of cpu.idle 1; empty where the kernel has no cpu.idle
+  std::string batch_root_;                  // <root_>.batch, of cpu.idle 1; empty where the kernel has no cpu.idle
   std::string latency_cpus_, shared_cpus_;  // reserve_cpus
   bool cpu_idle_ = false;
 };

@@ -15,11 +15,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <algorithm>
+#include <atomic>
 #include <charconv>
-#include <condition_variable>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -30,12 +30,10 @@
 #include <set>
 #include <thread>
 
-#include "agent/backends/container/cgroup.hpp"
-#include "agent/backends/container/init_socket.hpp"
-#include "common/wire/init_protocol.hpp"
 #include "agent/backends/command/exec_command.hpp"
 #include "agent/backends/command/exec_user.hpp"
-#include "common/wire/start_error.hpp"
+#include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/container/init_socket.hpp"
 #include "agent/backends/container/netns_pool.hpp"
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/container/rootfs_files.hpp"
@@ -44,12 +42,14 @@
 #include "agent/backends/container/user_namespace.hpp"
 #include "agent/backends/container/warm_pool.hpp"
 #include "agent/network/node_network.hpp"
-#include "agent/processes/processes.hpp"
-#include "common/log.hpp"
 #include "agent/node/qos/kernel_qos.hpp"
 #include "agent/node/qos/ksm.hpp"
+#include "agent/processes/processes.hpp"
 #include "common/cgroupfs.hpp"
+#include "common/log.hpp"
 #include "common/syscall.hpp"
+#include "common/wire/init_protocol.hpp"
+#include "common/wire/start_error.hpp"
 
 namespace dsec::agent {
 namespace container {
@@ -88,8 +88,9 @@ constexpr const char* kRunDir = "run_dir";
 constexpr const char* kLayerDevices = "layer_devices";
 constexpr const char* kNetBlock = "net_block";          // its network's /30 (first address); absent: no link
 constexpr const char* kNetInterface = "net_interface";  // the host end of its veth pair
-constexpr const char* kExposed = "exposed";              // "8000:30001,22:30002": its port:the node's port
-constexpr const char* kUsernsFirst = "userns_first";  // the first host id of its user namespace's block; absent: host ids
+constexpr const char* kExposed = "exposed";             // "8000:30001,22:30002": its port:the node's port
+constexpr const char* kUsernsFirst =
+    "userns_first";  // the first host id of its user namespace's block; absent: host ids
 }  // namespace key
 
 // The device numbers of the image layers' directories, lowest first ("64:12,0:85"): each mounted layer is its own
@@ -178,7 +179,7 @@ struct Identity {
   std::string boot_id;
   std::uint64_t init_start_time = 0;
   std::uint64_t netns_inode = 0;
-  std::string layer_devices;  // of the image layers its overlay stacks
+  std::string layer_devices;                  // of the image layers its overlay stacks
   std::optional<std::uint32_t> userns_first;  // its user namespace's block of host ids, if it has one
   std::optional<network::Attachment> link;    // its veth pair and /30, if it has a network
 };
@@ -191,7 +192,8 @@ void set_hostname_of(pid_t pid, const std::string& hostname) {
   if (!own) throw_errno(errno, "open this thread's UTS namespace");
   UniqueFd uts(::open(fmt::format("/proc/{}/ns/uts", pid).c_str(), O_RDONLY | O_CLOEXEC));
   if (!uts) throw_errno(errno, fmt::format("open the UTS namespace of pid {}", pid));
-  if (::setns(uts.get(), CLONE_NEWUTS) != 0) throw_errno(errno, fmt::format("setns into the UTS namespace of pid {}", pid));
+  if (::setns(uts.get(), CLONE_NEWUTS) != 0)
+    throw_errno(errno, fmt::format("setns into the UTS namespace of pid {}", pid));
   const int err = ::sethostname(hostname.data(), hostname.size()) == 0 ? 0 : errno;
   if (::setns(own.get(), CLONE_NEWUTS) != 0) {
     // Cannot happen with a descriptor of its own namespace; a thread left elsewhere would name the wrong host.
@@ -204,8 +206,8 @@ void set_hostname_of(pid_t pid, const std::string& hostname) {
 class ContainerSandbox final : public BackendSandbox, public InitProcesses {
  public:
   ContainerSandbox(std::string id, SandboxSpec spec, fs::path run_dir, SpawnedInit init,
-                   std::unique_ptr<SandboxCgroup> cgroup, std::chrono::milliseconds reclaim_timeout,
-                   Identity identity, std::string cgroup_version, std::shared_ptr<UserNamespaces> userns,
+                   std::unique_ptr<SandboxCgroup> cgroup, std::chrono::milliseconds reclaim_timeout, Identity identity,
+                   std::string cgroup_version, std::shared_ptr<UserNamespaces> userns,
                    std::shared_ptr<network::NodeNetwork> network, bool adopted = false, bool sleeping = false,
                    std::uint64_t first_exec = 0)
       : InitProcesses(id),
@@ -363,7 +365,8 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
       if (err_open) fds[i_err = n++] = {cerr.fd.get(), POLLIN, 0};
       if (in.write) fds[i_in = n++] = {in.write.get(), POLLOUT, 0};
       if (conn_open && !exited_at) fds[i_conn = n++] = {conn.get(), POLLIN, 0};
-      auto until = exited_at ? *exited_at + kOutputGrace : (result.timed_out ? now + std::chrono::seconds(1) : deadline);
+      auto until =
+          exited_at ? *exited_at + kOutputGrace : (result.timed_out ? now + std::chrono::seconds(1) : deadline);
       auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
       int rc = ::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::clamp<long long>(wait_ms + 1, 0, 1000)));
       if (rc < 0 && errno != EINTR) throw_errno(errno, "poll exec streams");
@@ -452,9 +455,8 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
     if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id_));
     // A running exec would stall, unkillable, until the wake.
     if (running_execs_ > 0)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} has {} exec{} running; it can sleep once they end", id_, running_execs_,
-                              running_execs_ == 1 ? "" : "s"));
+      throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} has {} exec{} running; it can sleep once they end",
+                                                         id_, running_execs_, running_execs_ == 1 ? "" : "s"));
     SleepReport report;
     report.memory_before_bytes = cgroup_->memory_current();
     report.reclaim_timed_out = freeze_and_reclaim(started + reclaim_timeout_);
@@ -636,13 +638,13 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
 
   BackendState recovery_state() override {
     BackendState state{{key::kBootId, identity_.boot_id},
-                        {key::kInitPid, std::to_string(init_.pid)},
-                        {key::kInitStartTime, std::to_string(identity_.init_start_time)},
-                        {key::kCgroupVersion, cgroup_version_},
-                        {key::kCgroup, cgroup_->path()},
-                        {key::kNetnsInode, std::to_string(identity_.netns_inode)},
-                        {key::kRunDir, run_dir_.string()},
-                        {key::kLayerDevices, identity_.layer_devices}};
+                       {key::kInitPid, std::to_string(init_.pid)},
+                       {key::kInitStartTime, std::to_string(identity_.init_start_time)},
+                       {key::kCgroupVersion, cgroup_version_},
+                       {key::kCgroup, cgroup_->path()},
+                       {key::kNetnsInode, std::to_string(identity_.netns_inode)},
+                       {key::kRunDir, run_dir_.string()},
+                       {key::kLayerDevices, identity_.layer_devices}};
     if (identity_.userns_first) state[key::kUsernsFirst] = std::to_string(*identity_.userns_first);
     std::lock_guard lock(network_mu_);
     if (identity_.link) {
@@ -774,9 +776,8 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   void check_running() {
     if (destroyed_.load()) throw Error(Code::kNotFound, fmt::format("sandbox {} was destroyed", id_));
     if (!alive())
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} is not running: its init process has exited", id_), false,
-                  Fault::kInfrastructure);
+      throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is not running: its init process has exited", id_),
+                  false, Fault::kInfrastructure);
   }
 
   // Init is moved into the group of the next exec ahead of it, on a thread of its own (one at a time per sandbox),
@@ -883,7 +884,6 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   }
 
  private:
-
   RootfsFiles files() {
     check_running();
     std::string path = fmt::format("/proc/{}/root", init_.pid);
@@ -906,20 +906,20 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   std::shared_ptr<UserNamespaces> userns_;  // gets the block back at destroy
   std::shared_ptr<network::NodeNetwork> network_;
   std::mutex network_mu_;  // guards identity_.link
-  bool adopted_;    // taken over after an agent restart: init is not this process's child
+  bool adopted_;           // taken over after an agent restart: init is not this process's child
   std::atomic<bool> destroyed_{false};
   std::mutex destroy_mu_;
   std::atomic<std::uint64_t> exec_counter_;
   std::atomic<std::uint64_t> oom_kills_seen_{0};  // the memory cgroup's OOM kill count when last looked at
-  std::mutex placement_mu_;   // guards the three below
-  std::string init_group_;    // the exec group init sits in, unused by any exec yet; empty: none
-  bool placing_ = false;      // a placement thread is moving init
+  std::mutex placement_mu_;                       // guards the three below
+  std::string init_group_;                        // the exec group init sits in, unused by any exec yet; empty: none
+  bool placing_ = false;                          // a placement thread is moving init
   bool placement_unsupported_ = false;
   std::condition_variable placed_;
   std::thread placement_;
   std::mutex power_mu_;  // guards sleeping_ and running_execs_; held through a sleep or a wake
   bool sleeping_ = false;
-  QosGrant qos_;                  // set_qos
+  QosGrant qos_;                    // set_qos
   std::shared_ptr<void> ksm_hold_;  // ksmd runs while it lives (qos::hold_ksm), when it asked for KSM
   int running_execs_ = 0;
   std::uint64_t cold_floor_bytes_ = 0;  // its charge after its last cold reclaim (0: none yet); under power_mu_
@@ -975,9 +975,8 @@ class ContainerBackend final : public Backend {
         unclaimed.push_back(entry.path().filename().string());
     for (const auto& name : unclaimed) remove_leftovers(name);
     if (!warm_pools.empty())
-      warm_ = std::make_unique<WarmPools>(std::move(warm_pools), [this](const WarmShape& shape) {
-        return pre_make(shape);
-      });
+      warm_ = std::make_unique<WarmPools>(std::move(warm_pools),
+                                          [this](const WarmShape& shape) { return pre_make(shape); });
   }
 
   // The pools fill once the earlier run's sandboxes were taken over: a pool's first start releases the user
@@ -1110,8 +1109,9 @@ class ContainerBackend final : public Backend {
     }
     if (userns) req.userns_fd = userns->fd.get();
 
-    Identity identity{boot_id_, 0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers),
-                      options.userns_first, std::nullopt};
+    Identity identity{
+        boot_id_,    0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers), options.userns_first,
+        std::nullopt};
     // Its network, when the spec asks for one: the link is in its namespace before its first process runs.
     struct Detach {
       network::NodeNetwork* network;
@@ -1123,8 +1123,7 @@ class ContainerBackend final : public Backend {
     } detach{network_.get(), params.id};
     if (params.spec.network.mode != "none") {
       if (!network_) throw Error(Code::kUnimplemented, "network: this agent gives sandboxes no network");
-      identity.link = network_->attach(params.id, netns.get(), params.spec.network,
-                                       link_limits(params.spec.resources));
+      identity.link = network_->attach(params.id, netns.get(), params.spec.network, link_limits(params.spec.resources));
       detach.armed = true;
     }
     // The root is built by the child in the sandbox's groups: at a small CPU share it would wait out quota periods
@@ -1139,9 +1138,8 @@ class ContainerBackend final : public Backend {
     // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
     identity.init_start_time = process_start_time(init.pid).value_or(0);
     auto sandbox = std::make_unique<ContainerSandbox>(params.id, params.spec, run_dir, std::move(init),
-                                                      std::move(cgroup),
-                                                      config_.sleep_reclaim_timeout, std::move(identity),
-                                                      cgroups_->version(), userns_, network_);
+                                                      std::move(cgroup), config_.sleep_reclaim_timeout,
+                                                      std::move(identity), cgroups_->version(), userns_, network_);
     sandbox->set_qos(describe_qos(params.spec, req.memory_merge), std::move(ksm_hold));
     sandbox->write_resolv_conf();
     return sandbox;
@@ -1173,12 +1171,12 @@ class ContainerBackend final : public Backend {
     const std::string& cgroup_path = value(key::kCgroup);
     const fs::path run_dir = value(key::kRunDir);
     if (!run_dir.is_absolute() || run_dir.filename() != params.id)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("its record's run directory {} is not one of a sandbox named {}", run_dir.string(),
-                              params.id));
+      throw Error(
+          Code::kFailedPrecondition,
+          fmt::format("its record's run directory {} is not one of a sandbox named {}", run_dir.string(), params.id));
     if (version != cgroups_->version())
-      throw Error(Code::kFailedPrecondition, fmt::format("it runs under cgroup {}, this agent drives cgroup {}",
-                                                         version, cgroups_->version()));
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("it runs under cgroup {}, this agent drives cgroup {}", version, cgroups_->version()));
 
     // The pid alone proves nothing: open a pidfd, then check that the process it names started when init did.
     SpawnedInit init;
@@ -1199,8 +1197,8 @@ class ContainerBackend final : public Backend {
     pollfd p{init.pidfd.get(), POLLIN, 0};
     if (::poll(&p, 1, 0) != 0) throw Error(Code::kNotFound, fmt::format("its init (pid {}) has exited", pid));
     if (!process_in_cgroup(pid, cgroup_path, version))
-      throw Error(Code::kNotFound, fmt::format("pid {} is not in the sandbox's cgroup {}: not its init", pid,
-                                               cgroup_path));
+      throw Error(Code::kNotFound,
+                  fmt::format("pid {} is not in the sandbox's cgroup {}: not its init", pid, cgroup_path));
     if (netns_inode_of_pid(pid) != netns_inode)
       throw Error(Code::kNotFound, fmt::format("pid {} is not in the sandbox's network namespace: not its init", pid));
 
@@ -1360,9 +1358,9 @@ class ContainerBackend final : public Backend {
   SeccompProgram seccomp_default_, seccomp_ptrace_;
   std::unique_ptr<NetnsPool> netns_;
   std::string boot_id_;
-  std::shared_ptr<UserNamespaces> userns_;  // null: sandboxes run with host ids
+  std::shared_ptr<UserNamespaces> userns_;         // null: sandboxes run with host ids
   std::shared_ptr<network::NodeNetwork> network_;  // null: sandboxes have loopback only
-  std::unique_ptr<WarmPools> warm_;  // dsecd --warm-pool; last: stopped (its sandboxes destroyed) first
+  std::unique_ptr<WarmPools> warm_;                // dsecd --warm-pool; last: stopped (its sandboxes destroyed) first
 };
 
 }  // namespace

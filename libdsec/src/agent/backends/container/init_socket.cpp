@@ -43,7 +43,8 @@ bool read_init_reply(int conn, void* into, std::size_t n, std::chrono::steady_cl
   char* p = static_cast<char*>(into);
   std::size_t got = 0;
   while (got < n) {
-    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
     if (ms <= 0) return false;
     pollfd pfd{conn, POLLIN, 0};
     int rc = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(ms, give_up ? 200 : 1000)));
@@ -72,8 +73,7 @@ std::string exchange_process_request(const std::string& socket_path, const std::
   message += payload;
   send_init_request(conn.get(), message, fds);
   std::uint32_t len = 0;
-  if (!read_init_reply(conn.get(), &len, sizeof len, deadline, give_up) ||
-      len > process_protocol::kMaxPayloadBytes)
+  if (!read_init_reply(conn.get(), &len, sizeof len, deadline, give_up) || len > process_protocol::kMaxPayloadBytes)
     throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer a process request", sandbox_id));
   std::string reply(len, '\0');
   if (!read_init_reply(conn.get(), reply.data(), len, deadline, give_up))

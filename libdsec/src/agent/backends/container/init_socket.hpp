@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "common/wire/process_protocol.hpp"
 #include "common/unique_fd.hpp"
+#include "common/wire/process_protocol.hpp"
 
 namespace dsec::agent {
 

@@ -13,9 +13,9 @@
 
 #include <fmt/format.h>
 
-#include "common/wire/init_protocol.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
+#include "common/wire/init_protocol.hpp"
 
 namespace dsec::agent::container {
 
@@ -133,8 +133,8 @@ bool probe_init(const std::string& socket_path, bool expect_answer, std::chrono:
   }
   if (reply.type != init_protocol::ReplyType::kFailed ||
       reply.b != static_cast<std::int32_t>(init_protocol::FailStage::kRequest)) {
-    *why = fmt::format("unexpected answer on {} (type {}, stage {})", socket_path, static_cast<int>(reply.type),
-                       reply.b);
+    *why =
+        fmt::format("unexpected answer on {} (type {}, stage {})", socket_path, static_cast<int>(reply.type), reply.b);
     return false;
   }
   return true;

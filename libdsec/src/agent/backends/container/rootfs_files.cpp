@@ -16,14 +16,15 @@ std::string RootfsFiles::get_archive(std::string_view dir, std::size_t max_bytes
     if (!userns_first_) return id;
     return id >= *userns_first_ && id - *userns_first_ < 65536 ? id - *userns_first_ : 65534;
   };
-  tree_.walk(dir, max_bytes,
-             [&](const files::TreeEntry& e) {
-               files::TreeEntry mapped = e;
-               mapped.uid = inside(e.uid);
-               mapped.gid = inside(e.gid);
-               tar.entry(mapped);
-             },
-             [&](std::string_view bytes) { tar.data(bytes); });
+  tree_.walk(
+      dir, max_bytes,
+      [&](const files::TreeEntry& e) {
+        files::TreeEntry mapped = e;
+        mapped.uid = inside(e.uid);
+        mapped.gid = inside(e.gid);
+        tar.entry(mapped);
+      },
+      [&](std::string_view bytes) { tar.data(bytes); });
   return tar.finish();
 }
 

@@ -19,8 +19,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "common/wire/init_protocol.hpp"
 #include "common/syscall.hpp"
+#include "common/wire/init_protocol.hpp"
 
 namespace dsec::agent::container {
 namespace {
@@ -100,13 +100,20 @@ int run_step(const RootfsStep& s, int userns_fd) {
 
 const char* step_name(Kind k) {
   switch (k) {
-    case Kind::kMount: return "mount";
-    case Kind::kMkdir: return "mkdir";
-    case Kind::kMknod: return "mknod";
-    case Kind::kSymlink: return "symlink";
-    case Kind::kBindReadOnly: return "bind read-only";
-    case Kind::kIdmapBind: return "idmapped bind";
-    case Kind::kSetFsIds: return "set file-system ids";
+    case Kind::kMount:
+      return "mount";
+    case Kind::kMkdir:
+      return "mkdir";
+    case Kind::kMknod:
+      return "mknod";
+    case Kind::kSymlink:
+      return "symlink";
+    case Kind::kBindReadOnly:
+      return "bind read-only";
+    case Kind::kIdmapBind:
+      return "idmapped bind";
+    case Kind::kSetFsIds:
+      return "set file-system ids";
   }
   return "step";
 }
@@ -219,9 +226,8 @@ int child_main(void* arg) {
   } else {
     // Keep some: uid 0 keeps exactly those across the exec (bounding set); a later change to another uid drops
     // them all (the setuid fixup stays on), and none can be raised as ambient.
-    if (prctl(PR_SET_SECUREBITS, SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE |
-                                     SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED,
-              0, 0, 0) != 0)
+    if (prctl(PR_SET_SECUREBITS,
+              SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED, 0, 0, 0) != 0)
       fail(a, "set securebits", nullptr);
   }
   const std::uint64_t held = keep | init_caps;
@@ -269,8 +275,8 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
   p.scratch = run_dir + "/rw";
   p.root = run_dir + "/root";
   auto at = [&](std::string_view rel) { return p.keep(p.root + std::string(rel)); };
-  auto mount_step = [&](const char* src, const char* target, const char* type, unsigned long flags,
-                        const char* data, bool optional = false) {
+  auto mount_step = [&](const char* src, const char* target, const char* type, unsigned long flags, const char* data,
+                        bool optional = false) {
     p.steps.push_back({Kind::kMount, src, target, type, flags, data, 0, 0, optional});
   };
   auto mkdir_step = [&](const char* target, unsigned mode) {
@@ -347,14 +353,20 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
     const char* name;
     unsigned major, minor;
   };
-  for (const Device& d : {Device{"/dev/null", 1, 3}, {"/dev/zero", 1, 5}, {"/dev/full", 1, 7},
-                          {"/dev/random", 1, 8}, {"/dev/urandom", 1, 9}, {"/dev/tty", 5, 0}})
+  for (const Device& d : {Device{"/dev/null", 1, 3},
+                          {"/dev/zero", 1, 5},
+                          {"/dev/full", 1, 7},
+                          {"/dev/random", 1, 8},
+                          {"/dev/urandom", 1, 9},
+                          {"/dev/tty", 5, 0}})
     p.steps.push_back({Kind::kMknod, nullptr, at(d.name), nullptr, 0, nullptr, 0666, makedev(d.major, d.minor), false});
   mkdir_step(at("/dev/pts"), 0755);
   mkdir_step(at("/dev/shm"), 01777);
   mount_step("devpts", at("/dev/pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
-  for (auto [target, link] : {std::pair{"/dev/ptmx", "pts/ptmx"}, {"/dev/fd", "/proc/self/fd"},
-                              {"/dev/stdin", "/proc/self/fd/0"}, {"/dev/stdout", "/proc/self/fd/1"},
+  for (auto [target, link] : {std::pair{"/dev/ptmx", "pts/ptmx"},
+                              {"/dev/fd", "/proc/self/fd"},
+                              {"/dev/stdin", "/proc/self/fd/0"},
+                              {"/dev/stdout", "/proc/self/fd/1"},
                               {"/dev/stderr", "/proc/self/fd/2"}})
     p.steps.push_back({Kind::kSymlink, link, at(target), nullptr, 0, nullptr, 0, 0, false});
   mount_step("sysfs", at("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
@@ -362,12 +374,12 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
   // Masked (docs/security.md has the list and why): files read as empty, directories are empty.
   for (std::string_view f : kMaskedFiles) mount_step(at("/dev/null"), at(f), nullptr, MS_BIND, nullptr, true);
   for (std::string_view d : kMaskedDirectories)
-    p.steps.push_back({Kind::kBindReadOnly, empty_dir, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0,
-                       true});
+    p.steps.push_back(
+        {Kind::kBindReadOnly, empty_dir, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0, true});
   // Read-only: kernel tunables and triggers.
   for (const char* d : {"/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"})
-    p.steps.push_back({Kind::kBindReadOnly, nullptr, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0,
-                       true});
+    p.steps.push_back(
+        {Kind::kBindReadOnly, nullptr, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0, true});
   return p;
 }
 
@@ -392,9 +404,8 @@ SpawnedInit spawn_init(const SpawnRequest& request) {
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     const char* target = args.failure.target;
-    throw_errno(args.failure.err,
-                target ? fmt::format("start sandbox: {} {}", args.failure.what, target)
-                       : fmt::format("start sandbox: {}", args.failure.what));
+    throw_errno(args.failure.err, target ? fmt::format("start sandbox: {} {}", args.failure.what, target)
+                                         : fmt::format("start sandbox: {}", args.failure.what));
   }
   SpawnedInit out;
   out.pid = pid;

@@ -37,9 +37,9 @@ struct RootfsStep {
   const char* fstype = nullptr;
   unsigned long flags = 0;
   const char* data = nullptr;
-  unsigned mode = 0;             // mkdir / mknod mode
-  unsigned long long dev = 0;    // mknod device
-  bool optional = false;         // a missing target (ENOENT) is fine: e.g. a /proc file this kernel lacks
+  unsigned mode = 0;           // mkdir / mknod mode
+  unsigned long long dev = 0;  // mknod device
+  bool optional = false;       // a missing target (ENOENT) is fine: e.g. a /proc file this kernel lacks
 };
 
 // Everything the child needs, built in the parent. Strings live in `storage` (a deque: pointers stay valid).
@@ -52,8 +52,8 @@ struct RootfsPlan {
 };
 
 // Lays out the steps for a sandbox whose run directory is `run_dir` (it must exist, with empty rw/ and root/ in it).
-// With `options.read_only_root` the root is the image layers alone, mounted read-only (an overlay without an upper layer;
-// the fncall backend's fork servers): rw/ is then a small tmpfs for the plan's own use, and the image must have
+// With `options.read_only_root` the root is the image layers alone, mounted read-only (an overlay without an upper
+// layer; the fncall backend's fork servers): rw/ is then a small tmpfs for the plan's own use, and the image must have
 // the /proc, /dev, /sys and /tmp directories, as a read-only root cannot get them.
 // What a sandbox sees masked in /proc and /sys: files that expose the host's physical memory and its page state
 // (kcore, kpage*, iomem, vmallocinfo, page and slab statistics), kernel keys and symbols, timers and scheduler
@@ -61,16 +61,27 @@ struct RootfsPlan {
 // tracing and memory management (DAMON, page_idle). A masked file reads as empty (/dev/null bound over it), a masked
 // directory is empty; paths this kernel lacks are skipped.
 inline constexpr std::string_view kMaskedFiles[] = {
-    "/proc/kcore",        "/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount", "/proc/iomem",
-    "/proc/ioports",      "/proc/vmallocinfo", "/proc/pagetypeinfo", "/proc/zoneinfo", "/proc/buddyinfo",
-    "/proc/slabinfo",     "/proc/keys",        "/proc/key-users",  "/proc/kallsyms",   "/proc/kmsg",
-    "/proc/timer_list",   "/proc/timer_stats", "/proc/sched_debug", "/proc/latency_stats", "/proc/config.gz",
-    "/proc/mtrr",         "/sys/kernel/vmcoreinfo"};
-inline constexpr std::string_view kMaskedDirectories[] = {
-    "/proc/acpi",          "/proc/scsi",          "/proc/asound",        "/proc/driver",
-    "/sys/firmware",       "/sys/kernel/debug",   "/sys/kernel/tracing", "/sys/kernel/security",
-    "/sys/kernel/mm",      "/sys/kernel/btf",     "/sys/kernel/slab",    "/sys/kernel/config",
-    "/sys/devices/virtual/powercap", "/sys/fs/bpf", "/sys/fs/pstore"};
+    "/proc/kcore",       "/proc/kpagecgroup",     "/proc/kpageflags",    "/proc/kpagecount",
+    "/proc/iomem",       "/proc/ioports",         "/proc/vmallocinfo",   "/proc/pagetypeinfo",
+    "/proc/zoneinfo",    "/proc/buddyinfo",       "/proc/slabinfo",      "/proc/keys",
+    "/proc/key-users",   "/proc/kallsyms",        "/proc/kmsg",          "/proc/timer_list",
+    "/proc/timer_stats", "/proc/sched_debug",     "/proc/latency_stats", "/proc/config.gz",
+    "/proc/mtrr",        "/sys/kernel/vmcoreinfo"};
+inline constexpr std::string_view kMaskedDirectories[] = {"/proc/acpi",
+                                                          "/proc/scsi",
+                                                          "/proc/asound",
+                                                          "/proc/driver",
+                                                          "/sys/firmware",
+                                                          "/sys/kernel/debug",
+                                                          "/sys/kernel/tracing",
+                                                          "/sys/kernel/security",
+                                                          "/sys/kernel/mm",
+                                                          "/sys/kernel/btf",
+                                                          "/sys/kernel/slab",
+                                                          "/sys/kernel/config",
+                                                          "/sys/devices/virtual/powercap",
+                                                          "/sys/fs/bpf",
+                                                          "/sys/fs/pstore"};
 
 struct RootfsOptions {
   bool read_only_root = false;
@@ -118,8 +129,8 @@ struct SpawnRequest {
 };
 
 struct SpawnedInit {
-  pid_t pid = -1;   // host pid of dsec-init
-  UniqueFd pidfd;   // refers to exactly that process, whatever happens to the pid number
+  pid_t pid = -1;  // host pid of dsec-init
+  UniqueFd pidfd;  // refers to exactly that process, whatever happens to the pid number
 };
 
 // Throws dsec::Error naming the step that failed (e.g. "mount overlay on /run/dsec/x/root: Invalid argument").

@@ -77,8 +77,7 @@ UniqueFd make_user_namespace(std::uint32_t first, std::uint32_t count) {
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   Holder holder{::getpid()};
-  pid_t pid = ::clone(hold_namespace, static_cast<char*>(stack) + kStack, CLONE_VM | CLONE_NEWUSER | SIGCHLD,
-                      &holder);
+  pid_t pid = ::clone(hold_namespace, static_cast<char*>(stack) + kStack, CLONE_VM | CLONE_NEWUSER | SIGCHLD, &holder);
   int clone_errno = errno;
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   struct Reap {
@@ -136,8 +135,8 @@ UserNamespaces::UserNamespaces(UsernsOptions options)
       static_cast<std::uint64_t>(options_.first) + std::uint64_t{options_.blocks} * kUsernsIds > 0xFFFFFFFFull ||
       options_.first == 0)
     throw Error(Code::kInvalidArgument,
-                fmt::format("--userns-range {}:{}: the blocks must lie within host ids 1..4294967294",
-                            options_.first, options_.blocks));
+                fmt::format("--userns-range {}:{}: the blocks must lie within host ids 1..4294967294", options_.first,
+                            options_.blocks));
   if (options_.mode == "off") {
     why_off_ = "turned off (--userns off)";
     return;
@@ -158,8 +157,8 @@ UserNamespaces::UserNamespaces(UsernsOptions options)
     why_off_ = fmt::format("the kernel cannot: {}", e.what());
     probe_ns_.reset();
     if (options_.mode == "on")
-      throw Error(Code::kFailedPrecondition, fmt::format("--userns on: sandboxes cannot get user namespaces: {}",
-                                                         why_off_));
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("--userns on: sandboxes cannot get user namespaces: {}", why_off_));
     log_warn("sandboxes run with host ids: {}", why_off_);
   }
 }

@@ -50,12 +50,12 @@ class ScopedFsIds {
 };
 
 struct UsernsOptions {
-  std::string mode = "auto";           // auto: when the kernel can; on: the agent refuses to start without; off
-  std::uint32_t first = 268435456;     // the first host id of the first block (2^28)
-  std::uint32_t blocks = 16384;        // blocks of 65,536 ids
+  std::string mode = "auto";        // auto: when the kernel can; on: the agent refuses to start without; off
+  std::uint32_t first = 268435456;  // the first host id of the first block (2^28)
+  std::uint32_t blocks = 16384;     // blocks of 65,536 ids
   std::filesystem::path claims_dir = "/run/dsec-userns";
-  std::filesystem::path run_dir;       // the agent's: names its claims
-  std::size_t ready = 4;               // namespaces kept made ahead
+  std::filesystem::path run_dir;  // the agent's: names its claims
+  std::size_t ready = 4;          // namespaces kept made ahead
 };
 
 // The node's user namespaces: the block pool, the host-wide claims, the probe of what the kernel can, and the

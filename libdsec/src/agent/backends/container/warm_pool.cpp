@@ -75,7 +75,8 @@ WarmPoolConfig parse_warm_pool(std::string_view value) {
       if (text != "true" && text != "false") bad(value, fmt::format("ksm={} is not true or false", text));
       r.ksm = text == "true";
     } else {
-      bad(value, fmt::format("unknown key '{}' (known: size, cpu, memory, disk, pids, open_files, priority, ksm)", key));
+      bad(value,
+          fmt::format("unknown key '{}' (known: size, cpu, memory, disk, pids, open_files, priority, ksm)", key));
     }
   }
   if (!sized || out.size == 0) bad(value, "needs size=N (sandboxes kept ready, 1 to 4096)");

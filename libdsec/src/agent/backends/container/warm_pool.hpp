@@ -53,11 +53,11 @@ class PreMade {
 };
 
 struct WarmPoolStats {
-  std::uint32_t size = 0;     // sandboxes the pools keep, all shapes
-  std::uint32_t ready = 0;    // ready now
-  std::uint64_t claims = 0;   // creates served from a pool
-  std::uint64_t misses = 0;   // creates of a pooled shape that found its pool empty
-  std::uint64_t failures = 0; // pre-made sandboxes that could not be started
+  std::uint32_t size = 0;      // sandboxes the pools keep, all shapes
+  std::uint32_t ready = 0;     // ready now
+  std::uint64_t claims = 0;    // creates served from a pool
+  std::uint64_t misses = 0;    // creates of a pooled shape that found its pool empty
+  std::uint64_t failures = 0;  // pre-made sandboxes that could not be started
 };
 
 class WarmPools {

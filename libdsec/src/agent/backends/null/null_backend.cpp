@@ -115,8 +115,7 @@ class NullSandbox final : public BackendSandbox {
           for (;;) {
             la_ssize_t n = archive_read_data(r.a, buf, sizeof buf);
             if (n < 0)
-              throw Error(Code::kInvalidArgument,
-                          fmt::format("tar entry '{}': {}", name, archive_error_string(r.a)));
+              throw Error(Code::kInvalidArgument, fmt::format("tar entry '{}': {}", name, archive_error_string(r.a)));
             if (n == 0) break;
             data.append(buf, static_cast<std::size_t>(n));
           }

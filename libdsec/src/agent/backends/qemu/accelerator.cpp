@@ -19,9 +19,10 @@ KvmAccess kvm_access(const struct stat& st) {
     out.group = st.st_gid;
     return out;
   }
-  out.reason = fmt::format("/dev/kvm (mode {:04o}, owner uid {} gid {}) is closed to QEMU's unprivileged uid; a mode "
-                           "of 0660 with a group of its own lets it in",
-                           st.st_mode & 07777, st.st_uid, st.st_gid);
+  out.reason = fmt::format(
+      "/dev/kvm (mode {:04o}, owner uid {} gid {}) is closed to QEMU's unprivileged uid; a mode "
+      "of 0660 with a group of its own lets it in",
+      st.st_mode & 07777, st.st_uid, st.st_gid);
   return out;
 }
 

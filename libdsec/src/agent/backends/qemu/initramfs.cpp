@@ -65,7 +65,11 @@ T load(std::string_view bytes, std::size_t offset) {
   return v;
 }
 
-bool is_elf(std::string_view head) { return head.size() >= 4 && head.substr(0, 4) == "\x7f" "ELF"; }
+bool is_elf(std::string_view head) {
+  return head.size() >= 4 && head.substr(0, 4) ==
+                                 "\x7f"
+                                 "ELF";
+}
 
 std::string normalize_module_name(std::string_view name) {
   std::string s(name);
@@ -155,8 +159,7 @@ class ModuleResolver {
         state_[name] = State::kDone;
         return;
       }
-      std::string needed_by =
-          chain.empty() ? std::string() : fmt::format(" (needed by {})", join(chain, " <- "));
+      std::string needed_by = chain.empty() ? std::string() : fmt::format(" (needed by {})", join(chain, " <- "));
       throw Error(Code::kFailedPrecondition,
                   fmt::format("guest kernel module {}{} is not in {}{}", name, needed_by, dir_.string(), remedy_));
     }
@@ -254,7 +257,9 @@ ModuleInfo read_module_info(const fs::path& ko) {
   };
   std::string_view data(bytes);
   if (data.size() < sizeof(Elf64_Ehdr) || !is_elf(data)) {
-    if (data.starts_with("\xfd" "7zXZ") || data.starts_with("\x28\xb5\x2f\xfd") || data.starts_with("\x1f\x8b"))
+    if (data.starts_with("\xfd"
+                         "7zXZ") ||
+        data.starts_with("\x28\xb5\x2f\xfd") || data.starts_with("\x1f\x8b"))
       throw invalid("compressed; decompress it to a plain .ko first");
     throw invalid("not an ELF file");
   }
@@ -264,7 +269,8 @@ ModuleInfo read_module_info(const fs::path& ko) {
   if (eh.e_ident[EI_DATA] != kNativeData) throw invalid("ELF file of the other byte order");
   if (eh.e_type != ET_REL) throw invalid("not a relocatable ELF file (a module is ET_REL)");
   if (eh.e_shoff == 0 || eh.e_shentsize != sizeof(Elf64_Shdr)) throw invalid("no ELF64 section headers");
-  if (eh.e_shoff > data.size() || data.size() - eh.e_shoff < sizeof(Elf64_Shdr)) throw invalid("section headers past the end");
+  if (eh.e_shoff > data.size() || data.size() - eh.e_shoff < sizeof(Elf64_Shdr))
+    throw invalid("section headers past the end");
   // Section 0 holds the real count and string table index when they do not fit the ELF header's fields.
   auto sh0 = load<Elf64_Shdr>(data, eh.e_shoff);
   std::uint64_t shnum = eh.e_shnum != 0 ? eh.e_shnum : sh0.sh_size;
@@ -400,8 +406,8 @@ void write_initramfs(const fs::path& out, const fs::path& init_binary, const std
   add_file("init", init_binary, 0755);
   int width = std::max<int>(2, static_cast<int>(std::to_string(modules.empty() ? 0 : modules.size() - 1).size()));
   for (std::size_t i = 0; i < modules.size(); ++i) {
-    std::string name = fmt::format("lib/dsec/modules/{:0{}}-{}.ko", i, width,
-                                   normalize_module_name(module_stem(modules[i])));
+    std::string name =
+        fmt::format("lib/dsec/modules/{:0{}}-{}.ko", i, width, normalize_module_name(module_stem(modules[i])));
     add_file(name, modules[i], 0644);
   }
   archive_check(a.get(), archive_write_close(a.get()), "close", out);

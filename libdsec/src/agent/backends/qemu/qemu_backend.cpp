@@ -8,26 +8,26 @@
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
-#include <mutex>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "agent/backends/command/exec_command.hpp"
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/process_identity.hpp"
-#include "agent/backends/qemu/microvm/guest_kernel.hpp"
-#include "agent/backends/qemu/qemu_sandbox.hpp"
-#include "agent/backends/qemu/vm_instance.hpp"
-#include "agent/backends/qemu/vm_pool.hpp"
-#include "agent/backends/qemu/vm/image_kernel.hpp"
 #include "agent/backends/qemu/accelerator.hpp"
 #include "agent/backends/qemu/initramfs.hpp"
+#include "agent/backends/qemu/microvm/guest_kernel.hpp"
+#include "agent/backends/qemu/qemu_sandbox.hpp"
+#include "agent/backends/qemu/vm/image_kernel.hpp"
+#include "agent/backends/qemu/vm_instance.hpp"
+#include "agent/backends/qemu/vm_pool.hpp"
 #include "agent/backends/qemu/vm_record.hpp"
 #include "agent/backends/qemu/vm_template.hpp"
 #include "agent/backends/qemu/writable_disk.hpp"
-#include "agent/backends/command/exec_command.hpp"
 #include "agent/node/host.hpp"
 #include "common/log.hpp"
 #include "common/syscall.hpp"
@@ -88,7 +88,6 @@ fs::path init_binary(const AgentConfig& config) {
   return self.parent_path() / "dsec-init";
 }
 
-
 class QemuBackendImpl final : public QemuBackend {
  public:
   QemuBackendImpl(const AgentConfig& config, Tier tier, std::shared_ptr<network::NodeNetwork> network = nullptr)
@@ -137,7 +136,7 @@ class QemuBackendImpl final : public QemuBackend {
     shared_.host_cores = std::max<std::uint32_t>(1, host.cores);
     shared_.host_memory = host.memory_bytes;
     shared_.templates.set_budget(settings.template_memory_bytes ? settings.template_memory_bytes
-                                                                      : shared_.host_memory / 4);
+                                                                : shared_.host_memory / 4);
     {
       std::lock_guard lock(mu_);
       status_.kernel = shared_.kernel.release;
@@ -210,12 +209,11 @@ class QemuBackendImpl final : public QemuBackend {
       const std::uint64_t disk_bytes = spec.resources.disk_bytes;
       const std::string template_name = template_key(shape, shape.layers, disk_bytes);
       const Resources limits = vm_limits(spec);
-      std::unique_ptr<PooledVm> pooled =
-          pool_.take(fmt::format("{}|cpu{}|{}", template_name, spec.resources.cpu,
-                                 priority_name(spec.resources.priority)),
-                     [this, template_name, shape, limits, disk_bytes] {
-                       return make_pooled(template_name, shape, limits, disk_bytes);
-                     });
+      std::unique_ptr<PooledVm> pooled = pool_.take(
+          fmt::format("{}|cpu{}|{}", template_name, spec.resources.cpu, priority_name(spec.resources.priority)),
+          [this, template_name, shape, limits, disk_bytes] {
+            return make_pooled(template_name, shape, limits, disk_bytes);
+          });
       if (pooled) {
         try {
           fs::path run_dir = shared_.config.run_dir / params.id;
@@ -224,7 +222,7 @@ class QemuBackendImpl final : public QemuBackend {
           // The sandbox owns its cgroup, uid and directories from here on.
           pooled->has_uid = false;
           return make_qemu_sandbox(shared_, params.id, spec, run_dir, pooled->uid, std::move(pooled->cgroup),
-                                      pooled->boot, std::move(vm));
+                                   pooled->boot, std::move(vm));
         } catch (const std::exception& e) {
           log_warn("sandbox {}: claiming pooled VM {} failed ({}); starting one instead", params.id, pooled->name,
                    e.what());
@@ -267,8 +265,8 @@ class QemuBackendImpl final : public QemuBackend {
       } else {
         vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
       }
-      return make_qemu_sandbox(shared_, params.id, spec, run_dir, uid, std::move(cgroup),
-                                              std::move(boot), std::move(vm));
+      return make_qemu_sandbox(shared_, params.id, spec, run_dir, uid, std::move(cgroup), std::move(boot),
+                               std::move(vm));
     } catch (...) {
       if (cgroup) {
         try {
@@ -295,8 +293,8 @@ class QemuBackendImpl final : public QemuBackend {
         qemu::copy_sparse(t->disk, boot.disk);
         return restore_in(boot, cgroup, VmRestore{t->state, t->memory});
       } catch (const Error& e) {
-        log_warn("sandbox {}: start from template failed ({}); booting instead, and the template is made anew",
-                 boot.id, e.what());
+        log_warn("sandbox {}: start from template failed ({}); booting instead, and the template is made anew", boot.id,
+                 e.what());
         shared_.templates.invalidate(key, t);
         ::unlink(boot.disk.c_str());
       }
@@ -356,8 +354,8 @@ class QemuBackendImpl final : public QemuBackend {
   static std::string template_key(const VmBootSpec& boot, const std::vector<layers::LayerImage>& layers,
                                   std::uint64_t disk_bytes) {
     std::string key = fmt::format("m{}-c{}-d{}", boot.memory_bytes, boot.vcpus, disk_bytes);
-    if (boot.full_system) key += fmt::format("|{}|{}|{}", boot.kernel.string(), boot.initrd.string(),
-                                             encode_display(boot.display));
+    if (boot.full_system)
+      key += fmt::format("|{}|{}|{}", boot.kernel.string(), boot.initrd.string(), encode_display(boot.display));
     for (const auto& l : layers) key += "|" + l.file.string() + ":" + l.data_file.string();
     return key;
   }
@@ -365,8 +363,7 @@ class QemuBackendImpl final : public QemuBackend {
   // Boots a guest of the create's shape under a template name, lets it set up its root, and freezes it.
   TemplatePtr make_template(const std::string& key, const VmBootSpec& like, std::uint64_t disk_bytes) {
     const auto started = Clock::now();
-    fs::path dir = fresh_dir(shared_.data_dir / "templates" /
-                             fmt::format("{:016x}", std::hash<std::string>{}(key)));
+    fs::path dir = fresh_dir(shared_.data_dir / "templates" / fmt::format("{:016x}", std::hash<std::string>{}(key)));
     std::error_code ec;
     HostIdPool::Lease uid{shared_.uids, shared_.uids.take()};
     VmBootSpec b = like;
@@ -427,8 +424,8 @@ class QemuBackendImpl final : public QemuBackend {
     p->boot = b;
     // The first command in a fresh QEMU runs through code TCG has not translated yet (a quarter of a second): run
     // one here, so that the sandbox's first exec is as fast as its next ones. What it exits with does not matter.
-    gp::ExecStart warm{{"/bin/sh", "-c", "true"}, {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}, "/", 4096,
-                       false};
+    gp::ExecStart warm{
+        {"/bin/sh", "-c", "true"}, {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}, "/", 4096, false};
     try {
       (void)p->vm->guest().exec(std::move(warm), "", 30, OutputSink{});
     } catch (const Error& e) {
@@ -470,8 +467,8 @@ class QemuBackendImpl final : public QemuBackend {
       boot.usb_input = true;
       for (const fs::path& f : {boot.kernel, boot.initrd})
         if (f.parent_path() != shared_.data_dir / "kernels" / f.parent_path().filename() || !fs::exists(f))
-          throw Error(Code::kNotFound, fmt::format("sandbox {}: its kernel {} is gone from the agent's cache", p.id,
-                                                   f.string()));
+          throw Error(Code::kNotFound,
+                      fmt::format("sandbox {}: its kernel {} is gone from the agent's cache", p.id, f.string()));
     }
     const std::string cgroup_path = value(key::kCgroup);
     container::check_adoptable_path(cgroup_path);
@@ -497,12 +494,12 @@ class QemuBackendImpl final : public QemuBackend {
       if (!container::process_in_cgroup(pid, cgroup_path, shared_.cgroups->version()))
         throw Error(Code::kFailedPrecondition,
                     fmt::format("sandbox {}: pid {} is not in the sandbox's cgroup", p.id, pid));
-      vm = VmInstance::attach(p.id, run_dir, pid, std::move(pidfd), value(key::kRam) == "clone",
-                              boot.hostname, Clock::now() + std::chrono::seconds(10));
+      vm = VmInstance::attach(p.id, run_dir, pid, std::move(pidfd), value(key::kRam) == "clone", boot.hostname,
+                              Clock::now() + std::chrono::seconds(10));
     }
     shared_.uids.claim(boot.uid);
-    return make_qemu_sandbox(shared_, p.id, p.spec, run_dir, boot.uid, std::move(cgroup),
-                                            std::move(boot), std::move(vm), p.sleeping);
+    return make_qemu_sandbox(shared_, p.id, p.spec, run_dir, boot.uid, std::move(cgroup), std::move(boot),
+                             std::move(vm), p.sleeping);
   }
 
   void remove_leftovers(const std::string& id) override {
@@ -561,8 +558,7 @@ class QemuBackendImpl final : public QemuBackend {
   }
 
   std::uint32_t vcpus_for(const SandboxSpec& spec) const {
-    return std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1,
-                                     shared_.host_cores);
+    return std::clamp<std::uint32_t>(static_cast<std::uint32_t>(std::ceil(spec.resources.cpu)), 1, shared_.host_cores);
   }
 
   VmBootSpec boot_spec(const std::string& id, const fs::path& run_dir, std::uint32_t uid) {
@@ -590,8 +586,8 @@ class QemuBackendImpl final : public QemuBackend {
       throw Error(Code::kUnavailable, fmt::format("the {} backend is still probing its accelerator", shared_.kind),
                   true);
     if (!status_.unavailable.empty())
-      throw Error(Code::kFailedPrecondition, fmt::format("this node cannot run {}s: {}", vm_noun(),
-                                                         status_.unavailable));
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("this node cannot run {}s: {}", vm_noun(), status_.unavailable));
   }
 
   // Boots one small guest with the given accelerator; the boot's seconds, or the reason it failed.
@@ -636,8 +632,8 @@ class QemuBackendImpl final : public QemuBackend {
       failure = why;
       boot_seconds = seconds;
     }
-    qemu::AcceleratorChoice choice = qemu::choose_accelerator("--microvm-accelerator", wanted, access, failure, probed,
-                                                              host_is_pvm());
+    qemu::AcceleratorChoice choice =
+        qemu::choose_accelerator("--microvm-accelerator", wanted, access, failure, probed, host_is_pvm());
     const Accelerator chosen = choice.kvm ? Accelerator::kKvm : Accelerator::kTcg;
     const std::string& reason = choice.reason;
     const std::string& unavailable = choice.unavailable;
@@ -659,11 +655,10 @@ class QemuBackendImpl final : public QemuBackend {
     }
     probed_.notify_all();
     if (unavailable.empty())
-      log_info("microvm: {} (guest kernel {}){}", status_.accelerator, shared_.kernel.release,
-               chosen == Accelerator::kKvm ? fmt::format(", probe boot {:.2f} s", boot_seconds)
-                                           : "; not KVM: " + reason);
-    else
-      log_warn("microvm: cannot run VMs: {}", unavailable);
+      log_info(
+          "microvm: {} (guest kernel {}){}", status_.accelerator, shared_.kernel.release,
+          chosen == Accelerator::kKvm ? fmt::format(", probe boot {:.2f} s", boot_seconds) : "; not KVM: " + reason);
+    else log_warn("microvm: cannot run VMs: {}", unavailable);
   }
 
   // A full VM boots the image's kernel, which no probe at start can boot (there is no image yet): KVM is used where
@@ -677,8 +672,9 @@ class QemuBackendImpl final : public QemuBackend {
       choice.reason = access.reason;
       if (wanted == "kvm") choice.unavailable = "--vm-accelerator kvm: " + access.reason;
     } else if (host_is_pvm() && wanted != "kvm") {
-      choice.reason = "this host's KVM is kvm_pvm, which runs only guest kernels built for PVM (an image's stock "
-                      "kernel dies in it); --vm-accelerator kvm tries it anyway";
+      choice.reason =
+          "this host's KVM is kvm_pvm, which runs only guest kernels built for PVM (an image's stock "
+          "kernel dies in it); --vm-accelerator kvm tries it anyway";
     } else {
       choice.kvm = true;
       choice.reason = "KVM is usable (a boot whose guest it does not run falls back to TCG)";
@@ -693,10 +689,8 @@ class QemuBackendImpl final : public QemuBackend {
       status_.unavailable = choice.unavailable;
     }
     probed_.notify_all();
-    if (choice.unavailable.empty())
-      log_info("vm: {} ({})", choice.kvm ? "kvm" : "tcg", choice.reason);
-    else
-      log_warn("vm: cannot run VMs: {}", choice.unavailable);
+    if (choice.unavailable.empty()) log_info("vm: {} ({})", choice.kvm ? "kvm" : "tcg", choice.reason);
+    else log_warn("vm: cannot run VMs: {}", choice.unavailable);
   }
 
   // KVM did not run a full VM's guest: every later VM of this backend uses TCG, and the node says why.
@@ -798,10 +792,9 @@ class QemuBackendImpl final : public QemuBackend {
                   e.retryable());
     }
     if (r.timed_out || r.exit_code != 0)
-      throw Error(Code::kDeadlineExceeded,
-                  fmt::format("{}: its system did not start in time ({}): {}{}", b.id,
-                              r.timed_out ? "timed out" : fmt::format("exit {}", r.exit_code),
-                              r.stdout_data.substr(0, 2000), vm.last_words()));
+      throw Error(Code::kDeadlineExceeded, fmt::format("{}: its system did not start in time ({}): {}{}", b.id,
+                                                       r.timed_out ? "timed out" : fmt::format("exit {}", r.exit_code),
+                                                       r.stdout_data.substr(0, 2000), vm.last_words()));
   }
 
   BackendContext shared_;
@@ -824,8 +817,7 @@ std::unique_ptr<QemuBackend> make_microvm_backend(const AgentConfig& config) {
   return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kMicrovm);
 }
 
-std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config,
-                                             std::shared_ptr<network::NodeNetwork> network) {
+std::unique_ptr<QemuBackend> make_vm_backend(const AgentConfig& config, std::shared_ptr<network::NodeNetwork> network) {
   return std::make_unique<qemu::QemuBackendImpl>(config, qemu::Tier::kVm, std::move(network));
 }
 

@@ -80,9 +80,7 @@ bool is_name_char(char c) { return is_alpha(c) || (c >= '0' && c <= '9') || c ==
 bool all_name_chars(std::string_view s) { return std::all_of(s.begin(), s.end(), is_name_char); }
 
 // QEMU's node names (block.c): a letter first, then letters, digits, '-', '.', '_'; at most 31 bytes.
-bool valid_node_name(std::string_view n) {
-  return !n.empty() && n.size() <= 31 && is_alpha(n[0]) && all_name_chars(n);
-}
+bool valid_node_name(std::string_view n) { return !n.empty() && n.size() <= 31 && is_alpha(n[0]) && all_name_chars(n); }
 
 // virtio-blk's ID field: at most 20 bytes.
 bool valid_serial(std::string_view s) { return s.size() <= 20 && all_name_chars(s); }
@@ -106,8 +104,8 @@ void check_display(const QemuSpec& spec) {
   if (d.kind == DisplaySpec::Kind::kNone) return;
   if (spec.machine != Machine::kQ35) invalid("display", "a screen needs machine q35 (microvm has no PCI)");
   constexpr std::uint32_t kMaxSide = 16384;
-  for (auto [field, side] : {std::pair<std::string_view, std::uint32_t>{"display.width", d.width},
-                             {"display.height", d.height}}) {
+  for (auto [field, side] :
+       {std::pair<std::string_view, std::uint32_t>{"display.width", d.width}, {"display.height", d.height}}) {
     if (side < 1 || side > kMaxSide) invalid(field, fmt::format("{} is not in [1, {}]", side, kMaxSide));
   }
   if (d.kind != DisplaySpec::Kind::kVga) return;
@@ -203,8 +201,8 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   }
   check_text("kernel_cmdline", spec.kernel_cmdline);
   if (spec.kernel_cmdline.size() > kMaxKernelCmdline) {
-    invalid("kernel_cmdline", fmt::format("{} bytes, the kernel takes at most {}", spec.kernel_cmdline.size(),
-                                          kMaxKernelCmdline));
+    invalid("kernel_cmdline",
+            fmt::format("{} bytes, the kernel takes at most {}", spec.kernel_cmdline.size(), kMaxKernelCmdline));
   }
 
   if (!spec.console_path.empty() && spec.console_ringbuf_bytes != 0) {
@@ -255,10 +253,8 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   add({"-name", fmt::format("{},debug-threads=on", qemu_opt_escape(spec.name))});
   add({"-nodefaults", "-no-user-config"});
   // A screen is a device only: no window, and no VNC server of QEMU's own listening.
-  if (screen)
-    add({"-display", "none", "-vnc", "none"});
-  else
-    add({"-nographic", "-display", "none"});
+  if (screen) add({"-display", "none", "-vnc", "none"});
+  else add({"-nographic", "-display", "none"});
   a.push_back("-no-reboot");
   add({"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"});
   // q35: no SMM (SeaBIOS does not use it), no VMware port and no PS/2 controller (input is USB when asked for).
@@ -268,8 +264,7 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   add({"-cpu", !spec.cpu_model.empty() ? spec.cpu_model : std::string(kvm ? "host" : "max")});
   add({"-smp", std::to_string(spec.vcpus)});
   add({"-m", fmt::format("{}M", mib)});
-  if (spec.memory_path.empty())
-    add({"-object", fmt::format("memory-backend-ram,id=ram,size={}M", mib)});
+  if (spec.memory_path.empty()) add({"-object", fmt::format("memory-backend-ram,id=ram,size={}M", mib)});
   else
     add({"-object", fmt::format("memory-backend-file,id=ram,size={}M,mem-path={},share={}", mib,
                                 qemu_opt_escape(spec.memory_path), spec.memory_share ? "on" : "off")});
@@ -355,8 +350,8 @@ std::string kernel_cmdline(const CmdlineOptions& options) {
     line += w;
   }
   if (line.size() > kMaxKernelCmdline) {
-    bad("extra", fmt::format("the command line is {} bytes, the kernel takes at most {}", line.size(),
-                                 kMaxKernelCmdline));
+    bad("extra",
+        fmt::format("the command line is {} bytes, the kernel takes at most {}", line.size(), kMaxKernelCmdline));
   }
   return line;
 }

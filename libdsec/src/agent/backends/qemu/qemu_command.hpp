@@ -2,7 +2,8 @@
 // kernel's command line. Pure: no I/O, nothing is opened or checked on disk; every input is validated
 // (INVALID_ARGUMENT naming the field) and every value that QEMU splits at commas is escaped (',' -> ',,').
 //
-// What QEMU 7.2 (Debian 1:7.2+dfsg-7+deb12u18) was checked to accept, by running it (tests/unit/agent/backends/qemu/qemu_command_test.cpp):
+// What QEMU 7.2 (Debian 1:7.2+dfsg-7+deb12u18) was checked to accept, by running it
+// (tests/unit/agent/backends/qemu/qemu_command_test.cpp):
 //  - chardev socket with fd=N of a LISTENING unix socket and server=on,wait=off, for both the QMP monitor and the
 //    agent's virtserialport. The caller binds and listens before it starts QEMU, so it can connect at once (the
 //    connection waits in the backlog until QEMU accepts). It should close its own copy of the listening socket after
@@ -70,9 +71,9 @@ struct BlockDevice {
   std::string node_name;  // QEMU node name: a letter, then letters, digits, '-', '.', '_' (at most 31)
   std::string filename;   // a path or "/dev/fdset/S" (S must be among QemuSpec::fds)
   bool read_only = true;
-  std::uint64_t offset = 0;  // raw only: where the disk starts in the file
-  std::uint64_t size = 0;    // raw only: its length; 0 = to the end of the file
-  std::string serial;        // the guest sees /dev/disk/by-id/virtio-<serial>; at most 20 of [A-Za-z0-9._-]; optional
+  std::uint64_t offset = 0;    // raw only: where the disk starts in the file
+  std::uint64_t size = 0;      // raw only: its length; 0 = to the end of the file
+  std::string serial;          // the guest sees /dev/disk/by-id/virtio-<serial>; at most 20 of [A-Za-z0-9._-]; optional
   std::string format = "raw";  // "raw" or "qcow2"
 };
 

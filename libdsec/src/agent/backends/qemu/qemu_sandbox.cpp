@@ -9,14 +9,14 @@
 
 #include <fmt/format.h>
 
+#include "agent/backends/command/exec_command.hpp"
+#include "agent/backends/command/exec_user.hpp"
 #include "agent/backends/container/process_identity.hpp"
 #include "agent/backends/qemu/vm_record.hpp"
 #include "agent/backends/qemu/vm_screen.hpp"
-#include "agent/backends/command/exec_command.hpp"
-#include "agent/backends/command/exec_user.hpp"
 #include "agent/node/host.hpp"
-#include "common/log.hpp"
 #include "agent/node/qos/ksm.hpp"
+#include "common/log.hpp"
 
 namespace dsec::agent::qemu {
 namespace {
@@ -39,16 +39,16 @@ auto guarded(const std::string& id, F&& fn) -> decltype(fn()) {
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw Error(Code::kUnavailable, fmt::format("sandbox {}: its guest answered with a malformed message ({})", id,
-                                                e.what()));
+    throw Error(Code::kUnavailable,
+                fmt::format("sandbox {}: its guest answered with a malformed message ({})", id, e.what()));
   }
 }
 
 class QemuSandbox final : public BackendSandbox, public InitProcesses {
  public:
   QemuSandbox(BackendContext& shared, std::string id, SandboxSpec spec, fs::path run_dir, std::uint32_t uid,
-                 std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm,
-                 bool sleeping = false)
+              std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot, std::unique_ptr<VmInstance> vm,
+              bool sleeping = false)
       : InitProcesses(id),
         shared_(shared),
         id_(std::move(id)),
@@ -73,12 +73,12 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
         log_warn("sandbox {}: {}", id_, e.what());
       }
     }
-    qos_ = qos::describe_grant(spec_.resources, {&shared_.kernel_qos, &shared_.cpus,
-                                                 shared_.cgroups->version(), shared_.cgroups->cpu_idle(),
-                                                 /*vm=*/true, ksm_hold_ != nullptr});
+    qos_ = qos::describe_grant(
+        spec_.resources, {&shared_.kernel_qos, &shared_.cpus, shared_.cgroups->version(), shared_.cgroups->cpu_idle(),
+                          /*vm=*/true, ksm_hold_ != nullptr});
     if (boot_.display.kind != DisplaySpec::Kind::kNone)
-      screen_ = std::make_unique<VmScreen>(id_, boot_.display.width, boot_.display.height,
-                                           [this] { return running_vm("its screen"); }, shared_.network);
+      screen_ = std::make_unique<VmScreen>(
+          id_, boot_.display.width, boot_.display.height, [this] { return running_vm("its screen"); }, shared_.network);
     ++shared_.vms;
   }
 
@@ -109,9 +109,10 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
     gp::ExecStart start;
     try {
       command = resolve_command(vm->guest(), req);
-      start = gp::ExecStart{command.argv, command.env_strings(), command.cwd, req.max_output_bytes, false,
-                            command.named_user, command.uid, command.gid, command.groups};
-      return guarded(id_, [&] { return vm->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
+      start = gp::ExecStart{command.argv,       command.env_strings(), command.cwd, req.max_output_bytes, false,
+                            command.named_user, command.uid,           command.gid, command.groups};
+      return guarded(id_,
+                     [&] { return vm->guest().exec(std::move(start), req.stdin_data, req.timeout_seconds, sink); });
     } catch (const Error& e) {
       if (e.code() == Code::kUnavailable) check_running();
       throw;
@@ -143,9 +144,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
     if (sleeping_) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} is already sleeping", id_));
     if (!vm_ || vm_->exited()) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
     if (running_execs_ > 0)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} has {} exec{} running; it can sleep once they end", id_, running_execs_,
-                              running_execs_ == 1 ? "" : "s"));
+      throw Error(Code::kFailedPrecondition, fmt::format("sandbox {} has {} exec{} running; it can sleep once they end",
+                                                         id_, running_execs_, running_execs_ == 1 ? "" : "s"));
     SleepReport report;
     report.memory_before_bytes = cgroup_->memory_current();
     fs::path state = data_dir_ / "sleep.state";
@@ -190,7 +190,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
     with_guest([&](guest::GuestChannel& g) { g.write_file(path, data, mode, Clock::now() + kFileTimeout); });
   }
   std::string read_file(std::string_view path) override {
-    return with_guest([&](guest::GuestChannel& g) { return g.read_file(path, kMaxFileBytes, Clock::now() + kFileTimeout); });
+    return with_guest(
+        [&](guest::GuestChannel& g) { return g.read_file(path, kMaxFileBytes, Clock::now() + kFileTimeout); });
   }
   void put_archive(std::string_view dir, std::string_view tar_bytes) override {
     with_guest([&](guest::GuestChannel& g) { g.put_archive(dir, tar_bytes, Clock::now() + kFileTimeout); });
@@ -206,12 +207,11 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
   // The writable layer as the guest sees it, read by dsec-init inside with every command frozen (the guest walks
   // its own file system: the agent never mounts what the guest wrote), and written here as a layer's tree.
   FilesCapture capture_files(const fs::path& dest, const image::UpperTreeLimits& limits) override {
-    check_running();  // (takes power_mu_ itself)
+    check_running();                  // (takes power_mu_ itself)
     std::lock_guard lock(power_mu_);  // one capture at a time, never during a sleep, a wake or a fork
     if (sleeping_)
       throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {} is sleeping: a VM is snapshotted awake (its files live in the guest)",
-                              id_));
+                  fmt::format("sandbox {} is sleeping: a VM is snapshotted awake (its files live in the guest)", id_));
     std::shared_ptr<VmInstance> vm = vm_;
     if (!vm) throw Error(Code::kFailedPrecondition, fmt::format("sandbox {}: its VM stopped", id_));
     FilesCapture out;
@@ -381,7 +381,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
   // Process requests go to the guest's init over the VM's line (GuestChannel::process_request).
   std::string exchange(process_protocol::Op op, const std::string& payload,
                        std::chrono::milliseconds reply_within) override {
-    return with_guest([&](guest::GuestChannel& g) { return g.process_request(op, payload, Clock::now() + reply_within); });
+    return with_guest(
+        [&](guest::GuestChannel& g) { return g.process_request(op, payload, Clock::now() + reply_within); });
   }
   std::uint32_t max_read_bytes() const override { return gp::kMaxDataChunk; }
 
@@ -390,9 +391,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
   ExecCommand resolve_command(guest::GuestChannel& guest, const ExecRequest& req) {
     ExecUser user = resolve_exec_user(spec_, req, [&](const std::string& path) -> std::optional<std::string> {
       try {
-        return guarded(id_, [&] {
-          return guest.read_file(path, kMaxUserDatabaseBytes, Clock::now() + kUserDatabaseTimeout);
-        });
+        return guarded(
+            id_, [&] { return guest.read_file(path, kMaxUserDatabaseBytes, Clock::now() + kUserDatabaseTimeout); });
       } catch (const Error& e) {
         if (e.code() == Code::kNotFound) return std::nullopt;
         throw;
@@ -456,8 +456,8 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
   fs::path data_dir_;  // the writable disk, saved state: on local disk
   std::uint32_t uid_;
   std::unique_ptr<container::SandboxCgroup> cgroup_;
-  VmBootSpec boot_;  // how its QEMU was started: a wake starts the next one the same way
-  std::mutex power_mu_;  // guards vm_, sleeping_ and running_execs_; held through a sleep or a wake
+  VmBootSpec boot_;                 // how its QEMU was started: a wake starts the next one the same way
+  std::mutex power_mu_;             // guards vm_, sleeping_ and running_execs_; held through a sleep or a wake
   std::shared_ptr<VmInstance> vm_;  // null while it sleeps
   bool sleeping_ = false;
   int running_execs_ = 0;
@@ -476,11 +476,11 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
 }  // namespace
 
 std::unique_ptr<BackendSandbox> make_qemu_sandbox(BackendContext& shared, std::string id, SandboxSpec spec,
-                                                     fs::path run_dir, std::uint32_t uid,
-                                                     std::unique_ptr<container::SandboxCgroup> cgroup,
-                                                     VmBootSpec boot, std::unique_ptr<VmInstance> vm, bool sleeping) {
+                                                  fs::path run_dir, std::uint32_t uid,
+                                                  std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot,
+                                                  std::unique_ptr<VmInstance> vm, bool sleeping) {
   return std::make_unique<QemuSandbox>(shared, std::move(id), std::move(spec), std::move(run_dir), uid,
-                                          std::move(cgroup), std::move(boot), std::move(vm), sleeping);
+                                       std::move(cgroup), std::move(boot), std::move(vm), sleeping);
 }
 
 }  // namespace dsec::agent::qemu

@@ -28,9 +28,8 @@ class QemuForkSource final : public ForkSource {
 // says how its QEMU was started (a wake or a fork starts the next one the same way); the sandbox owns the uid, the
 // cgroup and both directories from now on and releases them when it is destroyed or its VM stops by itself.
 std::unique_ptr<BackendSandbox> make_qemu_sandbox(BackendContext& shared, std::string id, SandboxSpec spec,
-                                                     std::filesystem::path run_dir, std::uint32_t uid,
-                                                     std::unique_ptr<container::SandboxCgroup> cgroup,
-                                                     VmBootSpec boot, std::unique_ptr<VmInstance> vm,
-                                                     bool sleeping = false);
+                                                  std::filesystem::path run_dir, std::uint32_t uid,
+                                                  std::unique_ptr<container::SandboxCgroup> cgroup, VmBootSpec boot,
+                                                  std::unique_ptr<VmInstance> vm, bool sleeping = false);
 
 }  // namespace dsec::agent::qemu

@@ -28,9 +28,7 @@ int poll_timeout_ms(Clock::time_point deadline) {
   return static_cast<int>(std::min<long long>(left, 1 << 30));
 }
 
-Clock::time_point deadline_after(milliseconds timeout) {
-  return Clock::now() + std::max(timeout, milliseconds(0));
-}
+Clock::time_point deadline_after(milliseconds timeout) { return Clock::now() + std::max(timeout, milliseconds(0)); }
 
 bool is_reply(const nlohmann::json& msg) { return msg.contains("return") || msg.contains("error"); }
 
@@ -92,8 +90,7 @@ void QmpClient::handshake(Clock::time_point deadline) {
   run("qmp_capabilities", nlohmann::json::object(), {}, deadline, "qmp command 'qmp_capabilities'");
 }
 
-nlohmann::json QmpClient::execute(std::string_view command, const nlohmann::json& arguments,
-                                  milliseconds timeout) {
+nlohmann::json QmpClient::execute(std::string_view command, const nlohmann::json& arguments, milliseconds timeout) {
   return run(command, arguments, {}, deadline_after(timeout),
              fmt::format("qmp command '{}' (timeout {} ms)", command, timeout.count()));
 }
@@ -101,9 +98,8 @@ nlohmann::json QmpClient::execute(std::string_view command, const nlohmann::json
 nlohmann::json QmpClient::execute_with_fds(std::string_view command, const nlohmann::json& arguments,
                                            const std::vector<int>& fds, milliseconds timeout) {
   if (fds.size() > kMaxFdsPerMessage) {
-    throw Error(Code::kInvalidArgument,
-                fmt::format("qmp command '{}': {} fds, at most {} per message", command, fds.size(),
-                            kMaxFdsPerMessage));
+    throw Error(Code::kInvalidArgument, fmt::format("qmp command '{}': {} fds, at most {} per message", command,
+                                                    fds.size(), kMaxFdsPerMessage));
   }
   return run(command, arguments, fds, deadline_after(timeout),
              fmt::format("qmp command '{}' (timeout {} ms)", command, timeout.count()));

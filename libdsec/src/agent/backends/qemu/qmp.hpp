@@ -20,8 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <optional>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -96,8 +96,7 @@ class QmpClient {
   void handshake(Clock::time_point deadline);
   nlohmann::json run(std::string_view command, const nlohmann::json& arguments, const std::vector<int>& fds,
                      Clock::time_point deadline, std::string_view what);
-  void send_all(std::string_view data, const std::vector<int>& fds, Clock::time_point deadline,
-                std::string_view what);
+  void send_all(std::string_view data, const std::vector<int>& fds, Clock::time_point deadline, std::string_view what);
   // The next whole message, reading as needed until `deadline`. `what` names the wait in errors.
   nlohmann::json next_message(Clock::time_point deadline, std::string_view what);
   // A whole message already received, if there is one.
@@ -108,12 +107,12 @@ class QmpClient {
   [[noreturn]] void fail_closed(std::string_view what, int err);
 
   UniqueFd fd_;
-  std::string in_;             // bytes received and not yet parsed
-  std::size_t scanned_ = 0;    // in_[0, scanned_) holds no newline
+  std::string in_;           // bytes received and not yet parsed
+  std::size_t scanned_ = 0;  // in_[0, scanned_) holds no newline
   std::deque<nlohmann::json> events_;
   nlohmann::json greeting_;
   std::uint64_t next_id_ = 1;
-  bool closed_ = false;        // the peer hung up: every later call is UNAVAILABLE
+  bool closed_ = false;  // the peer hung up: every later call is UNAVAILABLE
   std::string closed_reason_;
 };
 

@@ -34,25 +34,75 @@ std::string lower(std::string_view s) {
 // Key names (lower case) -> QEMU key codes (qapi's QKeyCode). Letters and digits are their own codes.
 const std::map<std::string, std::string, std::less<>>& key_names() {
   static const std::map<std::string, std::string, std::less<>> kNames = {
-      {"ctrl", "ctrl"},           {"control", "ctrl"},       {"ctrl_l", "ctrl"},        {"ctrl_r", "ctrl_r"},
-      {"shift", "shift"},         {"shift_l", "shift"},      {"shift_r", "shift_r"},    {"alt", "alt"},
-      {"alt_l", "alt"},           {"alt_r", "alt_r"},        {"altgr", "alt_r"},        {"super", "meta_l"},
-      {"super_l", "meta_l"},      {"super_r", "meta_r"},     {"meta", "meta_l"},        {"win", "meta_l"},
-      {"cmd", "meta_l"},          {"return", "ret"},         {"enter", "ret"},          {"kp_enter", "kp_enter"},
-      {"escape", "esc"},          {"esc", "esc"},            {"backspace", "backspace"}, {"tab", "tab"},
-      {"space", "spc"},           {"delete", "delete"},      {"del", "delete"},         {"insert", "insert"},
-      {"home", "home"},           {"end", "end"},            {"page_up", "pgup"},       {"pageup", "pgup"},
-      {"prior", "pgup"},          {"page_down", "pgdn"},     {"pagedown", "pgdn"},      {"next", "pgdn"},
-      {"up", "up"},               {"down", "down"},          {"left", "left"},          {"right", "right"},
-      {"caps_lock", "caps_lock"}, {"capslock", "caps_lock"}, {"print", "print"},        {"menu", "menu"},
-      {"minus", "minus"},         {"equal", "equal"},        {"bracketleft", "bracket_left"},
-      {"bracket_left", "bracket_left"},                      {"bracketright", "bracket_right"},
-      {"bracket_right", "bracket_right"},                    {"backslash", "backslash"},
-      {"semicolon", "semicolon"}, {"apostrophe", "apostrophe"},                         {"grave", "grave_accent"},
-      {"grave_accent", "grave_accent"},                      {"comma", "comma"},        {"period", "dot"},
-      {"dot", "dot"},             {"slash", "slash"},        {"-", "minus"},            {"=", "equal"},
-      {"[", "bracket_left"},      {"]", "bracket_right"},    {"\\", "backslash"},       {";", "semicolon"},
-      {"'", "apostrophe"},        {"`", "grave_accent"},     {",", "comma"},            {".", "dot"},
+      {"ctrl", "ctrl"},
+      {"control", "ctrl"},
+      {"ctrl_l", "ctrl"},
+      {"ctrl_r", "ctrl_r"},
+      {"shift", "shift"},
+      {"shift_l", "shift"},
+      {"shift_r", "shift_r"},
+      {"alt", "alt"},
+      {"alt_l", "alt"},
+      {"alt_r", "alt_r"},
+      {"altgr", "alt_r"},
+      {"super", "meta_l"},
+      {"super_l", "meta_l"},
+      {"super_r", "meta_r"},
+      {"meta", "meta_l"},
+      {"win", "meta_l"},
+      {"cmd", "meta_l"},
+      {"return", "ret"},
+      {"enter", "ret"},
+      {"kp_enter", "kp_enter"},
+      {"escape", "esc"},
+      {"esc", "esc"},
+      {"backspace", "backspace"},
+      {"tab", "tab"},
+      {"space", "spc"},
+      {"delete", "delete"},
+      {"del", "delete"},
+      {"insert", "insert"},
+      {"home", "home"},
+      {"end", "end"},
+      {"page_up", "pgup"},
+      {"pageup", "pgup"},
+      {"prior", "pgup"},
+      {"page_down", "pgdn"},
+      {"pagedown", "pgdn"},
+      {"next", "pgdn"},
+      {"up", "up"},
+      {"down", "down"},
+      {"left", "left"},
+      {"right", "right"},
+      {"caps_lock", "caps_lock"},
+      {"capslock", "caps_lock"},
+      {"print", "print"},
+      {"menu", "menu"},
+      {"minus", "minus"},
+      {"equal", "equal"},
+      {"bracketleft", "bracket_left"},
+      {"bracket_left", "bracket_left"},
+      {"bracketright", "bracket_right"},
+      {"bracket_right", "bracket_right"},
+      {"backslash", "backslash"},
+      {"semicolon", "semicolon"},
+      {"apostrophe", "apostrophe"},
+      {"grave", "grave_accent"},
+      {"grave_accent", "grave_accent"},
+      {"comma", "comma"},
+      {"period", "dot"},
+      {"dot", "dot"},
+      {"slash", "slash"},
+      {"-", "minus"},
+      {"=", "equal"},
+      {"[", "bracket_left"},
+      {"]", "bracket_right"},
+      {"\\", "backslash"},
+      {";", "semicolon"},
+      {"'", "apostrophe"},
+      {"`", "grave_accent"},
+      {",", "comma"},
+      {".", "dot"},
       {"/", "slash"},
   };
   return kNames;
@@ -119,14 +169,13 @@ std::string screenshot_png(QmpClient& qmp, std::chrono::milliseconds timeout, st
   struct stat st {};
   if (::fstat(memfd.get(), &st) != 0) throw_errno(errno, "stat the screenshot");
   if (static_cast<std::uint64_t>(st.st_size) > max_bytes)
-    throw Error(Code::kInternal, fmt::format("the screenshot is {} bytes, more than the {} allowed", st.st_size,
-                                             max_bytes));
+    throw Error(Code::kInternal,
+                fmt::format("the screenshot is {} bytes, more than the {} allowed", st.st_size, max_bytes));
   std::string png(static_cast<std::size_t>(st.st_size), '\0');
   std::size_t done = 0;
   while (done < png.size()) {
-    ssize_t n = retry_eintr([&] {
-      return ::pread(memfd.get(), png.data() + done, png.size() - done, static_cast<off_t>(done));
-    });
+    ssize_t n = retry_eintr(
+        [&] { return ::pread(memfd.get(), png.data() + done, png.size() - done, static_cast<off_t>(done)); });
     if (n <= 0) throw_errno(n < 0 ? errno : EIO, "read the screenshot");
     done += static_cast<std::size_t>(n);
   }
@@ -217,8 +266,9 @@ json pointer_move_events(std::uint32_t x, std::uint32_t y, std::uint32_t width, 
                 fmt::format("({}, {}) is outside the {}x{} screen (x from 0 to {}, y from 0 to {})", x, y, width,
                             height, width ? width - 1 : 0, height ? height - 1 : 0));
   auto scale = [](std::uint32_t v, std::uint32_t size) {
-    return size <= 1 ? 0u : static_cast<std::uint32_t>((static_cast<std::uint64_t>(v) * kAbsMax + (size - 1) / 2) /
-                                                       (size - 1));
+    return size <= 1
+               ? 0u
+               : static_cast<std::uint32_t>((static_cast<std::uint64_t>(v) * kAbsMax + (size - 1) / 2) / (size - 1));
   };
   return json::array({{{"type", "abs"}, {"data", {{"axis", "x"}, {"value", scale(x, width)}}}},
                       {{"type", "abs"}, {"data", {{"axis", "y"}, {"value", scale(y, height)}}}}});

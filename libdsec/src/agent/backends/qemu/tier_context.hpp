@@ -14,8 +14,8 @@
 #include "agent/backends/qemu/vm_template.hpp"
 #include "agent/backends/qemu/writable_disk.hpp"
 #include "agent/config.hpp"
-#include "agent/node/host_id_pool.hpp"
 #include "agent/network/node_network.hpp"
+#include "agent/node/host_id_pool.hpp"
 #include "agent/node/qos/kernel_qos.hpp"
 
 namespace dsec::agent::qemu {
@@ -31,12 +31,12 @@ enum class Tier {
 struct BackendContext {
   AgentConfig config;
   Tier tier;
-  std::string kind;        // "microvm" or "vm"
+  std::string kind;         // "microvm" or "vm"
   QemuTierConfig settings;  // config.microvm or config.vm
   std::string qemu;
-  microvm::GuestKernel kernel;          // microvm: the node's guest kernel
-  std::filesystem::path initramfs;      // microvm: dsec-init and the guest kernel's modules
-  std::filesystem::path init_binary;    // dsec-init (a full VM's initramfs is made per image kernel)
+  microvm::GuestKernel kernel;        // microvm: the node's guest kernel
+  std::filesystem::path initramfs;    // microvm: dsec-init and the guest kernel's modules
+  std::filesystem::path init_binary;  // dsec-init (a full VM's initramfs is made per image kernel)
   std::uint32_t tsc_khz = 0;
   std::filesystem::path work_dir;  // <run dir>/.<kind>: the initramfs, probes, pooled VMs' sockets and logs
   // <home>/<kind>/<cgroup name>: what is large and must be on local disk (never a tmpfs /run): writable disks,

@@ -186,7 +186,8 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   if (spec.full_system) {
     // dsec-init as the initramfs's /init: the root from these disks, then the image's own init.
     if (spec.layers.empty() || spec.disk.empty())
-      throw Error(Code::kInvalidArgument, fmt::format("sandbox {}: a full system boots from layers and a disk", spec.id));
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("sandbox {}: a full system boots from layers and a disk", spec.id));
     cmdline.guest_mode = "boot";
     cmdline.extra.push_back("dsec_root=" + gp::encode_root_word(setup));
   } else {
@@ -295,9 +296,10 @@ void VmInstance::load_state(const UniqueFd& state, bool ignore_shared, bool paus
     return std::max(std::chrono::milliseconds(1),
                     std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
   };
-  qmp_->execute("migrate-set-capabilities",
-                {{"capabilities", nlohmann::json::array({{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}})}},
-                left());
+  qmp_->execute(
+      "migrate-set-capabilities",
+      {{"capabilities", nlohmann::json::array({{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}})}},
+      left());
   qmp_->execute_with_fds("getfd", {{"fdname", "state"}}, {state.get()}, left());
   qmp_->execute("migrate-incoming", {{"uri", "fd:state"}}, left());
   // QEMU runs the guest on its own once the stream is loaded (no -S).
@@ -320,8 +322,9 @@ void VmInstance::save(const fs::path& state_file, bool ignore_shared, std::chron
   if (!qmp_) throw Error(Code::kUnavailable, fmt::format("sandbox {}: no QMP connection", id_));
   UniqueFd out = open_or_throw(state_file, O_WRONLY | O_CREAT | O_TRUNC, 0600);
   qmp_->execute("stop");
-  qmp_->execute("migrate-set-capabilities",
-                {{"capabilities", nlohmann::json::array({{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}})}});
+  qmp_->execute(
+      "migrate-set-capabilities",
+      {{"capabilities", nlohmann::json::array({{{"capability", "x-ignore-shared"}, {"state", ignore_shared}}})}});
   // QEMU throttles migration to 32 MiB/s unless told otherwise; a file takes what the disk gives.
   qmp_->execute("migrate-set-parameters", {{"max-bandwidth", std::int64_t{1} << 40}});
   qmp_->execute_with_fds("getfd", {{"fdname", "save"}}, {out.get()});

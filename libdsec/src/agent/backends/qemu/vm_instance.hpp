@@ -20,11 +20,11 @@
 #include <string>
 #include <vector>
 
+#include "agent/backends/qemu/guest/guest_channel.hpp"
 #include "agent/backends/qemu/qemu_command.hpp"
 #include "agent/backends/qemu/qmp.hpp"
 #include "agent/backends/qemu/vm_process.hpp"
 #include "agent/backends/qemu/vm_template.hpp"
-#include "agent/backends/qemu/guest/guest_channel.hpp"
 #include "agent/images/layers/layer_image.hpp"
 #include "common/unique_fd.hpp"
 
@@ -33,7 +33,7 @@ namespace dsec::agent::qemu {
 using Clock = std::chrono::steady_clock;
 
 struct VmBootSpec {
-  std::string id;                // the sandbox id (QEMU's -name)
+  std::string id;                 // the sandbox id (QEMU's -name)
   std::filesystem::path run_dir;  // exists; qmp.sock, agent.sock, console.log, qemu.log go here
   std::string qemu;
   Accelerator accelerator = Accelerator::kTcg;

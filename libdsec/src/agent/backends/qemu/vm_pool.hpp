@@ -64,12 +64,12 @@ class PooledVm {
 };
 
 struct VmPoolStatus {
-  std::uint32_t size = 0;     // VMs kept ready per shape (0: no pools)
-  std::uint32_t ready = 0;    // VMs waiting now, over all shapes
-  std::uint32_t shapes = 0;   // shapes with a pool
-  std::uint64_t claims = 0;   // creates served from a pool
-  std::uint64_t misses = 0;   // creates of a pooled shape that found its pool empty
-  std::uint64_t failures = 0; // pooled VMs that could not be made
+  std::uint32_t size = 0;      // VMs kept ready per shape (0: no pools)
+  std::uint32_t ready = 0;     // VMs waiting now, over all shapes
+  std::uint32_t shapes = 0;    // shapes with a pool
+  std::uint64_t claims = 0;    // creates served from a pool
+  std::uint64_t misses = 0;    // creates of a pooled shape that found its pool empty
+  std::uint64_t failures = 0;  // pooled VMs that could not be made
 };
 
 class VmPool {

@@ -1,8 +1,8 @@
 #include "agent/backends/qemu/vm_process.hpp"
 
 #include <fcntl.h>
-#include <sched.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -25,15 +25,24 @@ enum Step : int { kNone = 0, kDup, kCgroup, kGroups, kGid, kUid, kNoNewPrivs, kS
 
 const char* step_name(int step) {
   switch (step) {
-    case kDup: return "place its descriptors";
-    case kCgroup: return "join the sandbox's cgroup";
-    case kGroups: return "drop supplementary groups";
-    case kGid: return "change gid";
-    case kUid: return "change uid";
-    case kNoNewPrivs: return "set no_new_privs";
-    case kSched: return "run SCHED_IDLE";
-    case kExec: return "exec";
-    default: return "start";
+    case kDup:
+      return "place its descriptors";
+    case kCgroup:
+      return "join the sandbox's cgroup";
+    case kGroups:
+      return "drop supplementary groups";
+    case kGid:
+      return "change gid";
+    case kUid:
+      return "change uid";
+    case kNoNewPrivs:
+      return "set no_new_privs";
+    case kSched:
+      return "run SCHED_IDLE";
+    case kExec:
+      return "exec";
+    default:
+      return "start";
   }
 }
 

@@ -50,9 +50,12 @@ std::uint64_t state_number(std::string_view kind, const BackendState& state, con
 
 std::string encode_display(const DisplaySpec& display) {
   switch (display.kind) {
-    case DisplaySpec::Kind::kNone: return "none";
-    case DisplaySpec::Kind::kVga: return fmt::format("vga {}x{}", display.width, display.height);
-    case DisplaySpec::Kind::kVirtioGpu: return fmt::format("virtio-gpu {}x{}", display.width, display.height);
+    case DisplaySpec::Kind::kNone:
+      return "none";
+    case DisplaySpec::Kind::kVga:
+      return fmt::format("vga {}x{}", display.width, display.height);
+    case DisplaySpec::Kind::kVirtioGpu:
+      return fmt::format("virtio-gpu {}x{}", display.width, display.height);
   }
   return "none";
 }

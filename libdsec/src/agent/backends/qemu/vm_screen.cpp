@@ -78,8 +78,9 @@ ScreenState VmScreen::input(const std::vector<InputAction>& actions) {
       run(*vm, actions[i]);
     } catch (const Error& e) {
       if (actions.size() == 1) throw;
-      throw Error(e.code(), fmt::format("actions[{}]: {}{}", i, e.what(),
-                                        i > 0 ? fmt::format(" (actions 0 to {} took effect)", i - 1) : ""),
+      throw Error(e.code(),
+                  fmt::format("actions[{}]: {}{}", i, e.what(),
+                              i > 0 ? fmt::format(" (actions 0 to {} took effect)", i - 1) : ""),
                   e.retryable(), e.fault());
     }
   }

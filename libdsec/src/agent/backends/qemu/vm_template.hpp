@@ -36,7 +36,7 @@ struct VmTemplate {
   std::filesystem::path disk;   // the writable disk as it was when the template stopped
   GuestMemory memory;           // sealed
   std::uint64_t memory_bytes = 0;
-  double build_seconds = 0;     // boot (or the running VM's save) to frozen
+  double build_seconds = 0;  // boot (or the running VM's save) to frozen
 
   ~VmTemplate();
 };
@@ -64,7 +64,7 @@ class TemplateCache {
   void invalidate(const std::string& key, const TemplatePtr& which);
   void clear();
   std::size_t size() const;
-  std::uint64_t bytes() const;     // guest RAM of the templates kept
+  std::uint64_t bytes() const;      // guest RAM of the templates kept
   std::uint64_t evictions() const;  // templates dropped for the budget so far
 
  private:

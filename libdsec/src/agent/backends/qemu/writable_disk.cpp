@@ -48,9 +48,8 @@ fs::path WritableDisks::template_for(std::uint64_t bytes) {
     if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) throw_errno_fmt(errno, "size {}", tmp.string());
   }
   // No reserved blocks (the disk is the sandbox's alone), inode tables and journal initialised lazily by the guest.
-  image::ProcessResult r = image::run_process(
-      {"mkfs.ext4", "-q", "-F", "-m", "0", "-L", "dsec-rw", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
-       tmp.string()});
+  image::ProcessResult r = image::run_process({"mkfs.ext4", "-q", "-F", "-m", "0", "-L", "dsec-rw", "-E",
+                                               "lazy_itable_init=1,lazy_journal_init=1,nodiscard", tmp.string()});
   if (!r.ok()) {
     ::unlink(tmp.c_str());
     std::string tail = r.tail(3);

@@ -23,9 +23,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 bool is_hex64(std::string_view s) {
   return s.size() == 64 &&
@@ -95,8 +93,7 @@ BlobCache::BlobCache(BlobCacheOptions options, LayerMetrics& metrics)
   std::error_code ec;
   fs::create_directories(options_.dir, ec);
   if (ec)
-    throw Error(code_for_errno(ec.value()),
-                fmt::format("layer cache {}: {}", options_.dir.string(), ec.message()));
+    throw Error(code_for_errno(ec.value()), fmt::format("layer cache {}: {}", options_.dir.string(), ec.message()));
   std::vector<fs::path> leftovers;
   for (const auto& item : fs::directory_iterator(options_.dir, ec)) {
     std::string name = item.path().filename().string();
@@ -138,8 +135,8 @@ std::shared_ptr<CacheEntry> BlobCache::load_entry(const std::string& hex) const 
   struct stat st {};
   if (::fstat(entry->layer_fd_.get(), &st) != 0) throw_errno_fmt(errno, "stat {}", entry->layer_file().string());
   if (static_cast<std::uint64_t>(st.st_size) != entry->index_.size)
-    throw Error(Code::kDataLoss, fmt::format("layer file has {} bytes, the index says {}", st.st_size,
-                                             entry->index_.size));
+    throw Error(Code::kDataLoss,
+                fmt::format("layer file has {} bytes, the index says {}", st.st_size, entry->index_.size));
   fs::path present_path = entry->dir_ / "present";
   entry->present_fd_.reset(::open(present_path.c_str(), O_RDWR | O_CLOEXEC));
   if (!entry->present_fd_) throw_errno_fmt(errno, "open {}", present_path.string());
@@ -320,9 +317,8 @@ void BlobCache::open_new_entry(CacheEntry& entry, const image::LayerDescriptor& 
     } catch (...) {
     }
     if (e.code() == Code::kResourceExhausted)
-      throw Error(Code::kResourceExhausted,
-                  fmt::format("layer cache {} is full: cannot add layer {} ({} bytes): {}", options_.dir.string(),
-                              layer.digest, layer.size, e.what()));
+      throw Error(Code::kResourceExhausted, fmt::format("layer cache {} is full: cannot add layer {} ({} bytes): {}",
+                                                        options_.dir.string(), layer.digest, layer.size, e.what()));
     throw;
   }
   entry.index_ = std::move(index);
@@ -377,8 +373,7 @@ std::size_t BlobCache::read(CacheEntry& entry, std::uint64_t offset, std::size_t
 void BlobCache::ensure_chunk(CacheEntry& entry, std::size_t i) {
   using State = CacheEntry::ChunkState;
   std::unique_lock lock(entry.mutex_);
-  if (i >= entry.state_.size())
-    throw Error(Code::kOutOfRange, fmt::format("layer {}: no chunk {}", entry.digest(), i));
+  if (i >= entry.state_.size()) throw Error(Code::kOutOfRange, fmt::format("layer {}: no chunk {}", entry.digest(), i));
   for (;;) {
     State state = entry.state_[i];
     if (state == State::kPresent) {
@@ -636,7 +631,8 @@ std::uint64_t BlobCache::total_bytes() const {
 std::vector<CachedLayer> BlobCache::layers() const {
   std::lock_guard lock(mutex_);
   std::vector<CachedLayer> out;
-  for (const auto& [hex, e] : entries_) out.push_back(CachedLayer{e->digest_, e->size(), e->present_bytes() + e->extra_bytes(), 0});
+  for (const auto& [hex, e] : entries_)
+    out.push_back(CachedLayer{e->digest_, e->size(), e->present_bytes() + e->extra_bytes(), 0});
   return out;
 }
 

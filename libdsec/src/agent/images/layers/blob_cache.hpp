@@ -44,8 +44,8 @@ namespace dsec::agent::layers {
 using Stores = std::vector<std::shared_ptr<image::BlobStore>>;
 
 struct BlobCacheOptions {
-  std::filesystem::path dir;                // created when missing
-  std::uint64_t max_bytes = 20ull << 30;   // unused layers are evicted beyond this
+  std::filesystem::path dir;              // created when missing
+  std::uint64_t max_bytes = 20ull << 30;  // unused layers are evicted beyond this
 };
 
 class BlobCache;
@@ -79,8 +79,8 @@ class CacheEntry {
   mutable std::mutex mutex_;  // guards the chunk vectors, stores_ and errors_
   std::condition_variable changed_;
   std::vector<ChunkState> state_;
-  std::vector<std::uint32_t> attempts_;   // fetches of chunk i that ended (ok or not) in this run
-  std::vector<std::uint16_t> fetched_;    // fetches of chunk i from a store in this run
+  std::vector<std::uint32_t> attempts_;            // fetches of chunk i that ended (ok or not) in this run
+  std::vector<std::uint16_t> fetched_;             // fetches of chunk i from a store in this run
   std::unordered_map<std::size_t, Error> errors_;  // why the last fetch of chunk i failed
   Stores stores_;
   std::atomic<std::uint64_t> present_bytes_{0};

@@ -220,8 +220,8 @@ std::unique_ptr<LayerKeeper> LayerKeeper::find(const fs::path& record, std::stri
     return nullptr;
   }
   if (st->start_time != r->start_time) {
-    why = fmt::format("pid {} is another process now (started at tick {}, the keeper at {})", r->pid,
-                      st->start_time, r->start_time);
+    why = fmt::format("pid {} is another process now (started at tick {}, the keeper at {})", r->pid, st->start_time,
+                      r->start_time);
     return nullptr;
   }
   if (st->comm != kKeeperName.substr(0, 15)) {

@@ -72,7 +72,7 @@ class LayerKeeper {
   UniqueFd pidfd_;
   KeeperRecord record_;
   std::filesystem::path record_path_;
-  bool child_ = false;   // started by this process (it must reap it)
+  bool child_ = false;  // started by this process (it must reap it)
   bool stopped_ = false;
   bool reaped_ = false;
 };

@@ -133,9 +133,12 @@ LayerMode parse_layer_mode(std::string_view text) {
 
 std::string_view to_string(LayerMode mode) {
   switch (mode) {
-    case LayerMode::kAuto: return "auto";
-    case LayerMode::kLazy: return "lazy";
-    case LayerMode::kExtract: return "extract";
+    case LayerMode::kAuto:
+      return "auto";
+    case LayerMode::kLazy:
+      return "lazy";
+    case LayerMode::kExtract:
+      return "extract";
   }
   return "auto";
 }
@@ -149,8 +152,8 @@ struct LayerMounts::Slot {
   bool mounted = false;  // an EROFS mount at dir; else dir is an extracted tree in the cache
   LayerUse use;
   std::atomic<std::uint32_t> users{0};
-  bool adopted = false;       // taken over from an earlier agent at start
-  bool warned_busy = false;   // prune() said once that it could not unmount it
+  bool adopted = false;      // taken over from an earlier agent at start
+  bool warned_busy = false;  // prune() said once that it could not unmount it
 };
 
 LayerMounts::LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetrics& metrics)
@@ -218,11 +221,11 @@ bool LayerMounts::resume_lazy() {
   for (const auto& m : left)
     if (m.point == blobs) fuse = &m;  // the last one: a mount stacked on another hides it
   if (fuse == nullptr || fuse->fstype != "fuse.dsec-layers" || fuse->minor != keeper->record().connection) {
-    log_warn("layer mounts of the earlier agent are detached, not taken over: its keeper (pid {}) holds FUSE "
-             "connection {}, but {} is {}",
-             keeper->pid(), keeper->record().connection, blobs.string(),
-             fuse == nullptr ? std::string("not mounted")
-                             : fmt::format("{} of connection {}", fuse->fstype, fuse->minor));
+    log_warn(
+        "layer mounts of the earlier agent are detached, not taken over: its keeper (pid {}) holds FUSE "
+        "connection {}, but {} is {}",
+        keeper->pid(), keeper->record().connection, blobs.string(),
+        fuse == nullptr ? std::string("not mounted") : fmt::format("{} of connection {}", fuse->fstype, fuse->minor));
     keeper->stop();  // its connection ends with the last descriptor of it
     return false;
   }
@@ -247,9 +250,10 @@ bool LayerMounts::resume_lazy() {
                         m.fstype == "erofs" && m.source == (blobs / name).string() && cache_.find(name) != nullptr;
     struct statfs sfs {};
     if (!usable || ::statfs(m.point.c_str(), &sfs) != 0 || sfs.f_type != EROFS_SUPER_MAGIC_V1) {
-      log_warn("layer mounts: detaching {} ({} from {}) that the earlier agent left: not a layer mount this agent "
-               "can serve",
-               m.point.string(), m.fstype, m.source);
+      log_warn(
+          "layer mounts: detaching {} ({} from {}) that the earlier agent left: not a layer mount this agent "
+          "can serve",
+          m.point.string(), m.fstype, m.source);
       detach.push_back(m.point);
       continue;
     }
@@ -264,9 +268,8 @@ bool LayerMounts::resume_lazy() {
     slots_.insert_or_assign(name, std::move(slot));
     kept.insert(name);
   }
-  std::sort(detach.begin(), detach.end(), [](const fs::path& a, const fs::path& b) {
-    return a.string().size() > b.string().size();
-  });
+  std::sort(detach.begin(), detach.end(),
+            [](const fs::path& a, const fs::path& b) { return a.string().size() > b.string().size(); });
   for (const auto& point : detach) ::umount2(point.c_str(), MNT_DETACH);
   // Directories of layers that are not mounted any more, a half-written record: gone.
   std::error_code ec;
@@ -282,10 +285,10 @@ bool LayerMounts::resume_lazy() {
   resumed_ = true;
   lazy_ = true;
   description_ = "erofs-lazy";
-  log_info("layer file system taken over from the earlier agent (keeper pid {}, FUSE connection {}): {} layer "
-           "mounts kept{}",
-           keeper_->pid(), fs_->connection(), kept.size(),
-           fs_->resent() ? ", unanswered reads resent" : "");
+  log_info(
+      "layer file system taken over from the earlier agent (keeper pid {}, FUSE connection {}): {} layer "
+      "mounts kept{}",
+      keeper_->pid(), fs_->connection(), kept.size(), fs_->resent() ? ", unanswered reads resent" : "");
   return true;
 }
 
@@ -495,8 +498,8 @@ void LayerMounts::extract(Slot& slot) {
       image::remove_tree(building);
       std::string tail = result.tail(5);
       Code code = tail.find("No space left") != std::string::npos ? Code::kResourceExhausted : Code::kInternal;
-      throw Error(code, fmt::format("extracting layer {} with fsck.erofs: {}: {}", slot.digest, result.status_text(),
-                                    tail));
+      throw Error(code,
+                  fmt::format("extracting layer {} with fsck.erofs: {}: {}", slot.digest, result.status_text(), tail));
     }
     // fsck.erofs (erofs-utils 1.5) writes neither xattrs (an opaque directory would no longer hide the layers
     // below) nor hard links: both come back from the layer's own metadata.

@@ -38,8 +38,8 @@
 #include <vector>
 
 #include "agent/images/layers/blob_cache.hpp"
-#include "agent/images/layers/layer_keeper.hpp"
 #include "agent/images/layers/layer_image.hpp"
+#include "agent/images/layers/layer_keeper.hpp"
 #include "agent/images/layers/lazy_layer_fs.hpp"
 #include "agent/metrics.hpp"
 #include "dsec/error.hpp"
@@ -64,8 +64,8 @@ struct LayerMountsOptions {
 };
 
 struct MountedLayer {
-  std::filesystem::path dir;          // the layer's files
-  std::shared_ptr<const void> hold;   // keeps the layer mounted while held
+  std::filesystem::path dir;         // the layer's files
+  std::shared_ptr<const void> hold;  // keeps the layer mounted while held
   LayerImage image;
 };
 

@@ -12,8 +12,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <optional>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -95,7 +95,8 @@ struct LazyLayerFs::Handlers {
     std::string_view n = name;
     std::string_view hex = n.substr(0, 64);
     std::shared_ptr<CacheEntry> entry;
-    if (parent == FUSE_ROOT_ID && is_hex64(hex) && (n.size() == 64 || n.substr(64) == ".data")) entry = fs.cache_.find(hex);
+    if (parent == FUSE_ROOT_ID && is_hex64(hex) && (n.size() == 64 || n.substr(64) == ".data"))
+      entry = fs.cache_.find(hex);
     std::optional<Inode> file;
     if (entry)
       for (auto& f : LazyLayerFs::files_of(*entry))
@@ -265,9 +266,9 @@ LazyLayerFs::LazyLayerFs(BlobCache& cache, fs::path mount_point, LayerMetrics& m
   if (fuse_session_mount(session_, mount_point_.c_str()) != 0) {
     fuse_session_destroy(session_);
     session_ = nullptr;
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("layer file system: cannot mount FUSE at {} (libfuse says why above)",
-                            mount_point_.string()));
+    throw Error(
+        Code::kFailedPrecondition,
+        fmt::format("layer file system: cannot mount FUSE at {} (libfuse says why above)", mount_point_.string()));
   }
   // Its connection number, for an abort at shutdown (from mountinfo: a stat() would wait for the loop's INIT).
   connection_ = connection_of(mount_point_);
@@ -322,10 +323,11 @@ LazyLayerFs::LazyLayerFs(BlobCache& cache, fs::path mount_point, LayerMetrics& m
   if (::write(fd, &resend, sizeof resend) == static_cast<ssize_t>(sizeof resend)) {
     resent_ = true;
   } else {
-    log_warn("layer file system: the kernel cannot resend the requests the earlier agent took and did not answer "
-             "({}; FUSE_NOTIFY_RESEND needs Linux 6.9): reads that were in flight when it died stay blocked until "
-             "their readers are killed or the layer file system is stopped",
-             std::strerror(errno));
+    log_warn(
+        "layer file system: the kernel cannot resend the requests the earlier agent took and did not answer "
+        "({}; FUSE_NOTIFY_RESEND needs Linux 6.9): reads that were in flight when it died stay blocked until "
+        "their readers are killed or the layer file system is stopped",
+        std::strerror(errno));
   }
 }
 

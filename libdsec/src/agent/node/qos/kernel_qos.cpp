@@ -98,7 +98,8 @@ std::vector<int> parse_cpu_list(std::string_view list) {
       cpus.insert(number(item));
     } else {
       int from = number(item.substr(0, dash)), to = number(item.substr(dash + 1));
-      if (from > to) throw Error(Code::kInvalidArgument, fmt::format("cpu list '{}': range {} runs backwards", list, item));
+      if (from > to)
+        throw Error(Code::kInvalidArgument, fmt::format("cpu list '{}': range {} runs backwards", list, item));
       for (int c = from; c <= to; ++c) cpus.insert(c);
     }
     if (comma == std::string_view::npos) break;

@@ -61,7 +61,8 @@ std::shared_ptr<void> hold_ksm() {
     if (s.holders == 0) {
       std::string now = read_value(kRun);
       if (now.empty())
-        throw Error(Code::kFailedPrecondition, fmt::format("ksm: {} cannot be read (a kernel without CONFIG_KSM)", kRun));
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("ksm: {} cannot be read (a kernel without CONFIG_KSM)", kRun));
       if (now != "1" && !write_value(kRun, "1"))
         throw Error(Code::kFailedPrecondition, fmt::format("ksm: {} cannot be set to 1 (needs root)", kRun));
       s.found = now;

@@ -44,17 +44,18 @@ ColdReclaimer::ColdReclaimer(Registry& registry, ReclaimerOptions options)
   policy_.standard_age = options_.age;
   policy_.batch_age = std::max<std::chrono::milliseconds>(options_.age / 4, std::chrono::seconds(1));
   if (options_.interval.count() == 0)
-    options_.interval = std::clamp<std::chrono::milliseconds>(policy_.batch_age / 4, std::chrono::seconds(1),
-                                                              std::chrono::seconds(10));
+    options_.interval =
+        std::clamp<std::chrono::milliseconds>(policy_.batch_age / 4, std::chrono::seconds(1), std::chrono::seconds(10));
   if (options_.mode == "off") {
     mode_ = "off";
     reason_ = "turned off (dsecd --reclaim off)";
     return;
   }
   mode_ = "idle";
-  reason_ = fmt::format("the agent's idle tracking: standard sandboxes after {} s unused, batch after {} s, latency "
-                        "never; {}",
-                        policy_.standard_age.count() / 1000, policy_.batch_age.count() / 1000, damon_note());
+  reason_ = fmt::format(
+      "the agent's idle tracking: standard sandboxes after {} s unused, batch after {} s, latency "
+      "never; {}",
+      policy_.standard_age.count() / 1000, policy_.batch_age.count() / 1000, damon_note());
   if (!options_.have_swap)
     reason_ += "; the node has no swap, so only page cache is released (dsecd --zram-size or --swap-file)";
 }

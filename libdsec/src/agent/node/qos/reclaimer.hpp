@@ -25,10 +25,10 @@
 namespace dsec::agent::qos {
 
 struct ReclaimerOptions {
-  std::string mode = "auto";               // auto | idle | off (dsecd --reclaim)
-  std::chrono::seconds age{120};           // a standard sandbox's; batch a quarter of it
-  std::chrono::milliseconds interval{0};   // between rounds; 0: a quarter of the batch age, 1 to 10 s
-  bool have_swap = false;                  // the node has swap (else only page cache can go)
+  std::string mode = "auto";              // auto | idle | off (dsecd --reclaim)
+  std::chrono::seconds age{120};          // a standard sandbox's; batch a quarter of it
+  std::chrono::milliseconds interval{0};  // between rounds; 0: a quarter of the batch age, 1 to 10 s
+  bool have_swap = false;                 // the node has swap (else only page cache can go)
 };
 
 struct ReclaimerStatus {

@@ -16,9 +16,9 @@
 
 #include "agent/backends/command/exec_command.hpp"
 #include "agent/backends/command/exec_user.hpp"
+#include "common/protocol.hpp"
 #include "common/wire/guest_protocol.hpp"
 #include "common/wire/init_protocol.hpp"
-#include "common/protocol.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec {
@@ -162,8 +162,8 @@ TEST(ExecUser, IdsOutOfRangeAreInvalidArgument) {
 }
 
 TEST(ExecUser, GarbageIsInvalidArgument) {
-  for (const char* bad : {"1:", ":1", ":", "a:b", "1:2:3", "1:x", "-1", "-rf", "bob smith", "a/b", "a;b", "$",
-                          "x\ny", "uid=0", " 1", "1 ", "+1", "0x10", "é"})
+  for (const char* bad : {"1:", ":1", ":", "a:b", "1:2:3", "1:x", "-1", "-rf", "bob smith", "a/b", "a;b", "$", "x\ny",
+                          "uid=0", " 1", "1 ", "+1", "0x10", "é"})
     expect_invalid(bad, "user: '");
   expect_invalid(std::string(65, 'a'), "not a user name");
   expect_invalid(std::string("a\0b", 3), "(contains NUL)");
@@ -176,29 +176,29 @@ TEST(ExecUser, GarbageIsInvalidArgument) {
 
 TEST(ExecUser, HostileDatabaseLinesAreSkipped) {
   const std::string passwd = std::string(
-      "# alice:x:0:0:comment:/root:/bin/sh\n"
-      "alice:x:0\n"                              // too few fields
-      "alice:x:0:0:::/bin/sh:extra\n"            // too many
-      "alice:x:abc:0:::/bin/sh\n"                // uid not a number
-      "alice:x:-1:0:::/bin/sh\n"                 // negative
-      "alice:x: 0:0:::/bin/sh\n"                 // space
-      "alice:x:4294967296:0:::/bin/sh\n"         // past 32 bits
-      "alice:x::0:::/bin/sh\n"                   // empty uid
-      "+alice::0:0:::\n"                         // NIS compat
-      "-alice::0:0:::\n"
-      ":x:0:0:::/bin/sh\n") +                    // no name
-      std::string("alice:x:0:0:nul\0:/root:/bin/sh\n", 31) +  // a NUL byte
-      "\n\n"
-      "alice:x:1001:1001:Alice:/home/alice:/bin/sh\r\n"  // the real one, CRLF
-      "alice:x:0:0:later duplicate:/root:/bin/sh\n";   // the first well-formed entry wins
+                                 "# alice:x:0:0:comment:/root:/bin/sh\n"
+                                 "alice:x:0\n"                       // too few fields
+                                 "alice:x:0:0:::/bin/sh:extra\n"     // too many
+                                 "alice:x:abc:0:::/bin/sh\n"         // uid not a number
+                                 "alice:x:-1:0:::/bin/sh\n"          // negative
+                                 "alice:x: 0:0:::/bin/sh\n"          // space
+                                 "alice:x:4294967296:0:::/bin/sh\n"  // past 32 bits
+                                 "alice:x::0:::/bin/sh\n"            // empty uid
+                                 "+alice::0:0:::\n"                  // NIS compat
+                                 "-alice::0:0:::\n"
+                                 ":x:0:0:::/bin/sh\n") +                             // no name
+                             std::string("alice:x:0:0:nul\0:/root:/bin/sh\n", 31) +  // a NUL byte
+                             "\n\n"
+                             "alice:x:1001:1001:Alice:/home/alice:/bin/sh\r\n"  // the real one, CRLF
+                             "alice:x:0:0:later duplicate:/root:/bin/sh\n";     // the first well-formed entry wins
   const std::string group =
       "staff:x:50:alice\n"
-      "huge:x:70000:alice\n"           // a gid out of range: skipped
-      "bad:x:nope:alice\n"             // not a number
-      "short:x:51\n"                   // too few fields
+      "huge:x:70000:alice\n"  // a gid out of range: skipped
+      "bad:x:nope:alice\n"    // not a number
+      "short:x:51\n"          // too few fields
       "+nis:x:52:alice\n"
-      "staff:x:50:alice\n"             // the same gid twice: once
-      "ok:x:53:alice";                 // no final newline
+      "staff:x:50:alice\n"  // the same gid twice: once
+      "ok:x:53:alice";      // no final newline
   ExecUser u = resolve_exec_user("alice", passwd, group);
   EXPECT_EQ(u.uid, 1001u);
   EXPECT_EQ(u.gid, 1001u);
@@ -216,7 +216,8 @@ TEST(ExecUser, AnEmptyHomeIsTheRoot) {
 
 TEST(ExecUser, MoreGroupsThanTheLimitIsInvalidArgument) {
   std::string group;
-  for (std::size_t i = 0; i <= agent::kMaxExecGroups; ++i) group += "g" + std::to_string(i) + ":x:" + std::to_string(2000 + i) + ":alice\n";
+  for (std::size_t i = 0; i <= agent::kMaxExecGroups; ++i)
+    group += "g" + std::to_string(i) + ":x:" + std::to_string(2000 + i) + ":alice\n";
   Error e = error_of([&] { resolve_exec_user("alice", kPasswd, group); });
   EXPECT_EQ(e.code(), Code::kInvalidArgument);
   EXPECT_NE(std::string(e.what()).find("more than 256 groups"), std::string::npos) << e.what();
@@ -417,15 +418,15 @@ TEST(ExecUserWire, StartPayloadCarriesTheUserPartOnlyWhenGiven) {
   EXPECT_TRUE(r.groups.empty());
 
   for (const std::string& bad : {
-           base + u32(1000),                                         // cut
-           base + u32(1000) + u32(1000),                             // no count
-           base + u32(1000) + u32(1000) + u32(1),                    // a group short
-           base + u32(1000) + u32(1000) + u32(1) + u32(5) + "x",     // trailing
-           base + u32(1000) + u32(1000) + u32(0xffffffffu),          // a count the payload cannot hold
-           base + u32(65536) + u32(0) + u32(0),                      // uid out of range
-           base + u32(0xffffffffu) + u32(0) + u32(0),                // -1 would mean "unchanged" to setresuid
-           base + u32(0) + u32(65536) + u32(0),                      // gid out of range
-           base + u32(0) + u32(0) + u32(1) + u32(70000),             // group out of range
+           base + u32(1000),                                      // cut
+           base + u32(1000) + u32(1000),                          // no count
+           base + u32(1000) + u32(1000) + u32(1),                 // a group short
+           base + u32(1000) + u32(1000) + u32(1) + u32(5) + "x",  // trailing
+           base + u32(1000) + u32(1000) + u32(0xffffffffu),       // a count the payload cannot hold
+           base + u32(65536) + u32(0) + u32(0),                   // uid out of range
+           base + u32(0xffffffffu) + u32(0) + u32(0),             // -1 would mean "unchanged" to setresuid
+           base + u32(0) + u32(65536) + u32(0),                   // gid out of range
+           base + u32(0) + u32(0) + u32(1) + u32(70000),          // group out of range
        }) {
     init_protocol::StartPayload x;
     EXPECT_FALSE(init_protocol::decode_start_payload(bad, x)) << bad.size();

@@ -71,7 +71,8 @@ class CgroupDriverTest : public ::testing::Test {
   std::string name_;
 };
 
-void exercise(CgroupDriver& driver, const std::string& name, const std::function<std::string(const std::string&)>& file) {
+void exercise(CgroupDriver& driver, const std::string& name,
+              const std::function<std::string(const std::string&)>& file) {
   Resources r;
   r.cpu = 0.5;
   r.memory_bytes = 64ull << 20;

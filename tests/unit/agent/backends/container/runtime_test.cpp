@@ -78,13 +78,10 @@ TEST_F(SeccompFilter, OrdinaryCallsWork) {
 }
 
 TEST_F(SeccompFilter, MountAndPivotRootAreEperm) {
-  EXPECT_EQ(exit_code(run_filtered(*strict_, [] {
-              return refused_with(::mount("none", "/tmp", "tmpfs", 0, nullptr), EPERM);
-            })),
+  EXPECT_EQ(exit_code(run_filtered(*strict_,
+                                   [] { return refused_with(::mount("none", "/tmp", "tmpfs", 0, nullptr), EPERM); })),
             kRefused);
-  EXPECT_EQ(exit_code(run_filtered(*strict_, [] {
-              return refused_with(::syscall(SYS_pivot_root, "/", "/"), EPERM);
-            })),
+  EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::syscall(SYS_pivot_root, "/", "/"), EPERM); })),
             kRefused);
   EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::umount2("/proc", MNT_DETACH), EPERM); })),
             kRefused);
@@ -92,15 +89,15 @@ TEST_F(SeccompFilter, MountAndPivotRootAreEperm) {
 
 TEST_F(SeccompFilter, NewUserNamespacesAreEperm) {
   EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::unshare(CLONE_NEWUSER), EPERM); })), kRefused);
-  EXPECT_EQ(exit_code(run_filtered(*strict_, [] {
-              return refused_with(::unshare(CLONE_NEWUSER | CLONE_NEWNS), EPERM);
-            })),
-            kRefused);
-  EXPECT_EQ(exit_code(run_filtered(*strict_, [] {
-              long pid = ::syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0);
-              if (pid == 0) ::_exit(0);
-              return refused_with(pid, EPERM);
-            })),
+  EXPECT_EQ(
+      exit_code(run_filtered(*strict_, [] { return refused_with(::unshare(CLONE_NEWUSER | CLONE_NEWNS), EPERM); })),
+      kRefused);
+  EXPECT_EQ(exit_code(run_filtered(*strict_,
+                                   [] {
+                                     long pid = ::syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0);
+                                     if (pid == 0) ::_exit(0);
+                                     return refused_with(pid, EPERM);
+                                   })),
             kRefused);
   // clone3 cannot be checked by flags, so it is not offered at all: libc falls back to clone.
   EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::syscall(SYS_clone3, nullptr, 0), ENOSYS); })),
@@ -108,13 +105,15 @@ TEST_F(SeccompFilter, NewUserNamespacesAreEperm) {
 }
 
 TEST_F(SeccompFilter, ModulesKeysBpfAreEperm) {
-  EXPECT_EQ(exit_code(run_filtered(*strict_, [] {
-              static char image[16];
-              return refused_with(::syscall(SYS_init_module, image, sizeof image, ""), EPERM);
-            })),
+  EXPECT_EQ(exit_code(run_filtered(*strict_,
+                                   [] {
+                                     static char image[16];
+                                     return refused_with(::syscall(SYS_init_module, image, sizeof image, ""), EPERM);
+                                   })),
             kRefused);
-  EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::syscall(SYS_finit_module, 0, "", 0), EPERM); })),
-            kRefused);
+  EXPECT_EQ(
+      exit_code(run_filtered(*strict_, [] { return refused_with(::syscall(SYS_finit_module, 0, "", 0), EPERM); })),
+      kRefused);
   EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::syscall(SYS_keyctl, 0, 0, 0, 0, 0), EPERM); })),
             kRefused);
   EXPECT_EQ(exit_code(run_filtered(*strict_, [] { return refused_with(::syscall(SYS_bpf, 0, nullptr, 0), EPERM); })),
@@ -127,9 +126,8 @@ TEST_F(SeccompFilter, PtraceOnlyWhenAllowed) {
   auto attach_parent = [] { return refused_with(::ptrace(PTRACE_TRACEME, 0, nullptr, nullptr), EPERM); };
   EXPECT_EQ(exit_code(run_filtered(*strict_, attach_parent)), kRefused);
   // With ptrace allowed, TRACEME succeeds (the child becomes traceable by its parent, the test).
-  EXPECT_EQ(exit_code(run_filtered(*ptrace_, [] {
-              return ::ptrace(PTRACE_TRACEME, 0, nullptr, nullptr) == 0 ? kRefused : 1;
-            })),
+  EXPECT_EQ(exit_code(run_filtered(*ptrace_,
+                                   [] { return ::ptrace(PTRACE_TRACEME, 0, nullptr, nullptr) == 0 ? kRefused : 1; })),
             kRefused);
 }
 

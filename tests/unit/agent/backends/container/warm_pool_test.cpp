@@ -25,7 +25,8 @@ std::string error_of(std::string_view value) {
 }
 
 TEST(WarmPoolFlag, ParsesAShape) {
-  WarmPoolConfig p = parse_warm_pool("swe/task:latest,size=8,cpu=0.5,memory=128Mi,disk=2Gi,pids=64,priority=batch,ksm=true");
+  WarmPoolConfig p =
+      parse_warm_pool("swe/task:latest,size=8,cpu=0.5,memory=128Mi,disk=2Gi,pids=64,priority=batch,ksm=true");
   EXPECT_EQ(p.image, "swe/task:latest");
   EXPECT_EQ(p.size, 8u);
   EXPECT_DOUBLE_EQ(p.resources.cpu, 0.5);

@@ -59,8 +59,7 @@ std::map<std::string, std::tuple<std::string, unsigned, bool>> read_tar(const st
     std::string data;
     char buf[4096];
     for (la_ssize_t n; (n = archive_read_data(a, buf, sizeof buf)) > 0;) data.append(buf, static_cast<size_t>(n));
-    out[archive_entry_pathname(entry)] = {data, archive_entry_perm(entry),
-                                          archive_entry_filetype(entry) == AE_IFDIR};
+    out[archive_entry_pathname(entry)] = {data, archive_entry_perm(entry), archive_entry_filetype(entry) == AE_IFDIR};
   }
   archive_read_free(a);
   return out;
@@ -156,10 +155,11 @@ TEST_F(NullBackendTest, TarStreamsRoundTrip) {
 }
 
 TEST_F(NullBackendTest, TarEntriesCannotLeaveTheirDirectory) {
-  EXPECT_EQ(code_of([&] { sandbox_->put_archive("/src", make_tar({{"../escape", "x"}})); }),
-            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { sandbox_->put_archive("/src", make_tar({{"../escape", "x"}})); }), Code::kInvalidArgument);
   EXPECT_EQ(code_of([&] { sandbox_->read_file("/escape"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { sandbox_->put_archive("/src", make_tar({{"link", "/etc/passwd", AE_IFLNK}})); }),
+  EXPECT_EQ(code_of([&] {
+              sandbox_->put_archive("/src", make_tar({{"link", "/etc/passwd", AE_IFLNK}}));
+            }),
             Code::kInvalidArgument);
   EXPECT_EQ(code_of([&] { sandbox_->put_archive("/src", "this is not a tar stream at all, not even close......"); }),
             Code::kInvalidArgument);

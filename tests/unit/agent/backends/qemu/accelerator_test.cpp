@@ -10,8 +10,8 @@
 
 #include <gtest/gtest.h>
 
-#include "agent/backends/qemu/qemu_backend.hpp"
 #include "agent/backends/qemu/accelerator.hpp"
+#include "agent/backends/qemu/qemu_backend.hpp"
 
 namespace dsec::agent::microvm {
 namespace {

@@ -35,8 +35,8 @@
 #include <nlohmann/json.hpp>
 
 #include "agent/backends/qemu/qemu_command.hpp"
-#include "agent/backends/qemu/screen.hpp"
 #include "agent/backends/qemu/qmp.hpp"
+#include "agent/backends/qemu/screen.hpp"
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
@@ -161,46 +161,72 @@ QemuSpec microvm_backend_spec() {
 // changes every microVM (and a template or saved VM restores only into the same devices).
 const std::vector<std::string> kMicrovmBackendArgv = {
     "/usr/bin/qemu-system-x86_64",
-    "-name", "sb-0123456789abcdef,debug-threads=on",
-    "-nodefaults", "-no-user-config",
+    "-name",
+    "sb-0123456789abcdef,debug-threads=on",
+    "-nodefaults",
+    "-no-user-config",
     "-nographic",
-    "-display", "none",
+    "-display",
+    "none",
     "-no-reboot",
-    "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-    "-machine", "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram",
-    "-accel", "tcg,tb-size=32",
-    "-cpu", "max",
-    "-smp", "2",
-    "-m", "256M",
-    "-object", "memory-backend-file,id=ram,size=256M,mem-path=/proc/self/fd/3,share=on",
-    "-kernel", "/proc/self/fd/4",
-    "-initrd", "/proc/self/fd/5",
+    "-sandbox",
+    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    "-machine",
+    "microvm,x-option-roms=off,pic=off,isa-serial=on,rtc=on,acpi=on,memory-backend=ram",
+    "-accel",
+    "tcg,tb-size=32",
+    "-cpu",
+    "max",
+    "-smp",
+    "2",
+    "-m",
+    "256M",
+    "-object",
+    "memory-backend-file,id=ram,size=256M,mem-path=/proc/self/fd/3,share=on",
+    "-kernel",
+    "/proc/self/fd/4",
+    "-initrd",
+    "/proc/self/fd/5",
     "-append",
     "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t rdinit=/init dsec_guest=1 tsc_early_khz=2445453 "
     "tsc=reliable",
-    "-add-fd", "fd=8,set=1",
-    "-add-fd", "fd=9,set=2",
-    "-add-fd", "fd=10,set=3",
-    "-add-fd", "fd=11,set=4",
-    "-chardev", "socket,id=qmp,fd=6,server=on,wait=off",
-    "-mon", "chardev=qmp,mode=control",
-    "-chardev", "file,id=console,path=/dev/fdset/1,append=on",
-    "-serial", "chardev:console",
-    "-device", "virtio-serial-device,max_ports=2",
-    "-chardev", "socket,id=agent,fd=7,server=on,wait=off",
-    "-device", "virtserialport,chardev=agent,name=dsec.agent",
+    "-add-fd",
+    "fd=8,set=1",
+    "-add-fd",
+    "fd=9,set=2",
+    "-add-fd",
+    "fd=10,set=3",
+    "-add-fd",
+    "fd=11,set=4",
+    "-chardev",
+    "socket,id=qmp,fd=6,server=on,wait=off",
+    "-mon",
+    "chardev=qmp,mode=control",
+    "-chardev",
+    "file,id=console,path=/dev/fdset/1,append=on",
+    "-serial",
+    "chardev:console",
+    "-device",
+    "virtio-serial-device,max_ports=2",
+    "-chardev",
+    "socket,id=agent,fd=7,server=on,wait=off",
+    "-device",
+    "virtserialport,chardev=agent,name=dsec.agent",
     "-blockdev",
     "driver=raw,node-name=layer0,read-only=on,file.driver=file,file.filename=/dev/fdset/2,"
     "file.locking=off",
-    "-device", "virtio-blk-device,drive=layer0,serial=dsec-layer-0",
+    "-device",
+    "virtio-blk-device,drive=layer0,serial=dsec-layer-0",
     "-blockdev",
     "driver=raw,node-name=layer0data,read-only=on,file.driver=file,file.filename=/dev/fdset/3,"
     "file.locking=off",
-    "-device", "virtio-blk-device,drive=layer0data,serial=dsec-data-0",
+    "-device",
+    "virtio-blk-device,drive=layer0data,serial=dsec-data-0",
     "-blockdev",
     "driver=raw,node-name=disk,discard=unmap,detect-zeroes=unmap,file.driver=file,"
     "file.filename=/dev/fdset/4,file.locking=off",
-    "-device", "virtio-blk-device,drive=disk,serial=dsec-disk"};
+    "-device",
+    "virtio-blk-device,drive=disk,serial=dsec-disk"};
 
 TEST(QemuCommand, MicrovmArgvIsUnchanged) {
   EXPECT_EQ(qemu_argv(microvm_backend_spec()), kMicrovmBackendArgv);
@@ -240,16 +266,16 @@ TEST(QemuCommand, Q35ScreensAndUsbInput) {
   auto argv = qemu_argv(s);
   // A screen: no -nographic, no window and no VNC server of QEMU's own.
   EXPECT_EQ(index_of(argv, "-nographic"), -1);
-  EXPECT_EQ(std::vector<std::string>(argv.begin() + 3, argv.begin() + 10),
-            (std::vector<std::string>{"-nodefaults", "-no-user-config", "-display", "none", "-vnc", "none",
-                                      "-no-reboot"}));
+  EXPECT_EQ(
+      std::vector<std::string>(argv.begin() + 3, argv.begin() + 10),
+      (std::vector<std::string>{"-nodefaults", "-no-user-config", "-display", "none", "-vnc", "none", "-no-reboot"}));
   EXPECT_EQ(value_after(argv, "-machine"), "q35,memory-backend=ram,smm=off,vmport=off,i8042=off");
   // The screen and the USB devices come after the disks, before -S.
   std::vector<std::string> devices = values_of(argv, "-device");
   ASSERT_GE(devices.size(), 4u);
   EXPECT_THAT(std::vector<std::string>(devices.end() - 4, devices.end()),
-              ElementsAre("VGA,id=video0,xres=1280,yres=800,vgamem_mb=16", "qemu-xhci,id=xhci",
-                          "usb-kbd,bus=xhci.0", "usb-tablet,bus=xhci.0"));
+              ElementsAre("VGA,id=video0,xres=1280,yres=800,vgamem_mb=16", "qemu-xhci,id=xhci", "usb-kbd,bus=xhci.0",
+                          "usb-tablet,bus=xhci.0"));
   EXPECT_EQ(argv.back(), "-S");
 
   s.display = {DisplaySpec::Kind::kVirtioGpu, 1920, 1080, 16};
@@ -283,7 +309,10 @@ TEST(QemuCommand, ScreenValidationNamesTheField) {
       {"display.vgamem_mb", [](QemuSpec& s) { s.display.vgamem_mb = 24; }},
       {"display.vgamem_mb", [](QemuSpec& s) { s.display.vgamem_mb = 1024; }},
       // 1920 x 1080 x 4 bytes is more than 4 MiB.
-      {"display.vgamem_mb", [](QemuSpec& s) { s.display = {DisplaySpec::Kind::kVga, 1920, 1080, 4}; }},
+      {"display.vgamem_mb",
+       [](QemuSpec& s) {
+         s.display = {DisplaySpec::Kind::kVga, 1920, 1080, 4};
+       }},
   };
   for (const Case& c : cases) {
     QemuSpec s = microvm_backend_spec();
@@ -538,7 +567,8 @@ class FakeQmp {
   // Greeting and the reply to qmp_capabilities (always id 1), so the client's constructor returns at once.
   void script_handshake() {
     send(kGreeting);
-    send(R"({"return": {}, "id": 1})" "\r\n");
+    send(R"({"return": {}, "id": 1})"
+         "\r\n");
   }
   // The next request the client sent, with any fds that came with it.
   json read_request(std::vector<UniqueFd>* fds = nullptr) {
@@ -567,7 +597,8 @@ class FakeQmp {
         for (std::size_t i = 0; i < count; ++i) {
           int fd;
           std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-          if (fds) fds->emplace_back(fd); else ::close(fd);
+          if (fds) fds->emplace_back(fd);
+          else ::close(fd);
         }
       }
       in_.append(buf, static_cast<std::size_t>(n));
@@ -583,9 +614,7 @@ class FakeQmp {
   std::string in_;
 };
 
-std::string reply(std::uint64_t id, const json& value) {
-  return json{{"return", value}, {"id", id}}.dump() + "\r\n";
-}
+std::string reply(std::uint64_t id, const json& value) { return json{{"return", value}, {"id", id}}.dump() + "\r\n"; }
 std::string event(std::string_view name) {
   return json{{"event", name}, {"timestamp", {{"seconds", 1}, {"microseconds", 2}}}, {"data", json::object()}}.dump() +
          "\r\n";
@@ -643,8 +672,8 @@ TEST(QemuQmpFake, MessagesSplitAcrossReadsAndBareNewlines) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
-  std::string data = event("A") + "\n" + R"({"id": 2, "return": {"s": "split, {braces} and \"quotes\"\n"}})" + "\n" +
-                     event("B");
+  std::string data =
+      event("A") + "\n" + R"({"id": 2, "return": {"s": "split, {braces} and \"quotes\"\n"}})" + "\n" + event("B");
   data.erase(std::remove(data.begin(), data.end(), '\r'), data.end());  // "\n" alone ends a message too
   std::thread t([&] {
     for (char c : data) {
@@ -662,7 +691,8 @@ TEST(QemuQmpFake, ErrorRepliesBecomeCodes) {
   FakeQmp server;
   server.script_handshake();
   QmpClient qmp(server.take_client_end(), soon());
-  server.send(R"({"id": 2, "error": {"class": "DeviceNotFound", "desc": "Device 'blk9' not found"}})" "\r\n");
+  server.send(R"({"id": 2, "error": {"class": "DeviceNotFound", "desc": "Device 'blk9' not found"}})"
+              "\r\n");
   try {
     qmp.execute("device_del", {{"id", "blk9"}});
     FAIL() << "no error";
@@ -672,14 +702,17 @@ TEST(QemuQmpFake, ErrorRepliesBecomeCodes) {
     EXPECT_THAT(e.what(), HasSubstr("Device 'blk9' not found"));
     EXPECT_THAT(e.what(), HasSubstr("device_del"));
   }
-  server.send(R"({"id": 3, "error": {"class": "GenericError", "desc": "Parameter 'uri' is missing"}})" "\r\n");
+  server.send(R"({"id": 3, "error": {"class": "GenericError", "desc": "Parameter 'uri' is missing"}})"
+              "\r\n");
   std::string message;
   EXPECT_EQ(code_of([&] { qmp.execute("migrate"); }, &message), Code::kFailedPrecondition);
   EXPECT_THAT(message, HasSubstr("Parameter 'uri' is missing"));
-  server.send(R"({"id": 4, "error": {"class": "CommandNotFound", "desc": "The command x has not been found"}})" "\r\n");
+  server.send(R"({"id": 4, "error": {"class": "CommandNotFound", "desc": "The command x has not been found"}})"
+              "\r\n");
   EXPECT_EQ(code_of([&] { qmp.execute("x"); }), Code::kNotFound);
   // An error without an id (QEMU could not parse the request) answers the request in flight.
-  server.send(R"({"error": {"class": "GenericError", "desc": "JSON parse error"}})" "\r\n");
+  server.send(R"({"error": {"class": "GenericError", "desc": "JSON parse error"}})"
+              "\r\n");
   EXPECT_EQ(code_of([&] { qmp.execute("y"); }, &message), Code::kFailedPrecondition);
   EXPECT_THAT(message, HasSubstr("JSON parse error"));
   EXPECT_EQ(code_for_qmp_error_class("KVMMissingCap"), Code::kFailedPrecondition);
@@ -740,8 +773,7 @@ TEST(QemuQmpFake, TimeoutsAndLateRepliesDropped) {
   QmpClient qmp(server.take_client_end(), soon());
   auto t0 = Clock::now();
   std::string message;
-  EXPECT_EQ(code_of([&] { qmp.execute("slow", json::object(), milliseconds(50)); }, &message),
-            Code::kDeadlineExceeded);
+  EXPECT_EQ(code_of([&] { qmp.execute("slow", json::object(), milliseconds(50)); }, &message), Code::kDeadlineExceeded);
   auto took = Clock::now() - t0;
   EXPECT_GE(took, milliseconds(50));
   EXPECT_LT(took, milliseconds(1000));
@@ -861,8 +893,7 @@ TEST(QemuQmpConnect, RetriesUntilTheSocketListens) {
             Code::kDeadlineExceeded);
   EXPECT_GE(Clock::now() - t0, milliseconds(30));
   EXPECT_THAT(message, HasSubstr(sock.string()));
-  EXPECT_EQ(code_of([&] { QmpClient::connect(dir.path() / std::string(200, 'x'), soon()); }),
-            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { QmpClient::connect(dir.path() / std::string(200, 'x'), soon()); }), Code::kInvalidArgument);
 
   // The socket appears (bound, not yet listening: ECONNREFUSED; then listening) 30 ms after the client starts.
   std::thread server([&] {
@@ -876,7 +907,8 @@ TEST(QemuQmpConnect, RetriesUntilTheSocketListens) {
     ASSERT_EQ(::listen(l.get(), 1), 0);
     UniqueFd c(::accept4(l.get(), nullptr, nullptr, SOCK_CLOEXEC));
     ASSERT_TRUE(c);
-    std::string hello = std::string(kGreeting) + R"({"return": {}, "id": 1})" "\r\n";
+    std::string hello = std::string(kGreeting) + R"({"return": {}, "id": 1})"
+                                                 "\r\n";
     ASSERT_EQ(::send(c.get(), hello.data(), hello.size(), MSG_NOSIGNAL), static_cast<ssize_t>(hello.size()));
     char buf[256];
     (void)::recv(c.get(), buf, sizeof buf, 0);  // the capabilities request
@@ -1179,8 +1211,8 @@ TEST(QemuRealArgv, RingBufferConsoleReadOverQmp) {
   std::string console;
   auto deadline = Clock::now() + std::chrono::seconds(20);
   while (console.find("Linux version") == std::string::npos && Clock::now() < deadline) {
-    console += qmp.execute("ringbuf-read", {{"device", "console"}, {"size", 1 << 16}, {"format", "utf8"}})
-                   .get<std::string>();
+    console +=
+        qmp.execute("ringbuf-read", {{"device", "console"}, {"size", 1 << 16}, {"format", "utf8"}}).get<std::string>();
     std::this_thread::sleep_for(milliseconds(5));
   }
   EXPECT_THAT(console, HasSubstr("Linux version"));
@@ -1304,7 +1336,7 @@ TEST(QemuRealArgv, AScreenshotOfAVmWithoutADisplayIsRefused) {
 
 // A hash of a memfd's contents (mapped, not copied).
 std::size_t memfd_hash(int fd) {
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) throw std::runtime_error("fstat");
   void* p = ::mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) throw std::runtime_error("mmap");

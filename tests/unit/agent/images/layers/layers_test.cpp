@@ -803,8 +803,9 @@ class LayerServerChild {
  public:
   LayerServerChild(const fs::path& dir, int run) : dir_(dir), run_(std::to_string(run)) {
     log_ = dir_ / ("server-" + run_ + ".log");
-    pid_ = spawn({fs::read_symlink("/proc/self/exe").string(), "--gtest_filter=LayerServerProcess.ServesUntilTerminated"},
-                 {"DSEC_LAYER_SERVER_DIR=" + dir_.string(), "DSEC_LAYER_SERVER_RUN=" + run_}, log_);
+    pid_ =
+        spawn({fs::read_symlink("/proc/self/exe").string(), "--gtest_filter=LayerServerProcess.ServesUntilTerminated"},
+              {"DSEC_LAYER_SERVER_DIR=" + dir_.string(), "DSEC_LAYER_SERVER_RUN=" + run_}, log_);
   }
   ~LayerServerChild() { kill9(); }
 
@@ -1021,7 +1022,8 @@ TEST_F(LayersTest, CleanShutdownLeavesNoMountKeeperOrRecordAndAnEndedKeeperIsRep
   // Node ids are a function of the digest: the same in every run of the agent.
   MountedLayer m = mounts.acquire(layer.descriptor, stores_);
   const std::string hex = image::digest_hex(layer.descriptor.digest);
-  struct stat meta {}, data {};
+  struct stat meta {
+  }, data{};
   ASSERT_EQ(::stat((mounts_dir / "blobs" / hex).c_str(), &meta), 0);
   ASSERT_EQ(::stat((mounts_dir / "blobs" / (hex + ".data")).c_str(), &data), 0);
   EXPECT_EQ(meta.st_ino, layer_inode(hex, false));
@@ -1052,8 +1054,8 @@ TEST_F(LayersTest, CleanShutdownLeavesNoMountKeeperOrRecordAndAnEndedKeeperIsRep
 
 void write_record(const fs::path& path, pid_t pid, std::uint64_t start_time, const std::string& boot_id,
                   unsigned connection) {
-  write_file(path, fmt::format("pid {}\nstart_time {}\nboot_id {}\nconnection {}\n", pid, start_time, boot_id,
-                               connection));
+  write_file(path,
+             fmt::format("pid {}\nstart_time {}\nboot_id {}\nconnection {}\n", pid, start_time, boot_id, connection));
 }
 
 TEST_F(LayersTest, AKeeperRecordIsTrustedOnlyForTheProcessItNames) {
@@ -1066,8 +1068,8 @@ TEST_F(LayersTest, AKeeperRecordIsTrustedOnlyForTheProcessItNames) {
       ::waitpid(pid, nullptr, 0);
     }
   } reap{other};
-  ASSERT_TRUE(wait_until([&] { return read_file(fmt::format("/proc/{}/comm", other)) == "sleep\n"; },
-                         std::chrono::seconds(5)));
+  ASSERT_TRUE(
+      wait_until([&] { return read_file(fmt::format("/proc/{}/comm", other)) == "sleep\n"; }, std::chrono::seconds(5)));
   const std::uint64_t started = process_start_time(other);
   ASSERT_GT(started, 0u);
   const fs::path record = tmp_ / "keeper";

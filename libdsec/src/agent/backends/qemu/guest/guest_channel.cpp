@@ -8,10 +8,10 @@
 
 #include <fmt/format.h>
 
-#include "agent/files/tar_stream.hpp"
 #include "agent/backends/qemu/guest/upper_capture.hpp"
-#include "common/wire/start_error.hpp"
+#include "agent/files/tar_stream.hpp"
 #include "common/syscall.hpp"
+#include "common/wire/start_error.hpp"
 
 namespace dsec::agent::guest {
 
@@ -198,7 +198,8 @@ std::optional<gp::Frame> GuestChannel::next(std::uint32_t channel, Clock::time_p
 
 gp::Frame GuestChannel::answer(std::uint32_t channel, Clock::time_point deadline, std::string_view what) {
   auto f = next(channel, deadline);
-  if (!f) throw Error(Code::kDeadlineExceeded, fmt::format("sandbox {}: its guest did not answer {} in time", label_, what));
+  if (!f)
+    throw Error(Code::kDeadlineExceeded, fmt::format("sandbox {}: its guest did not answer {} in time", label_, what));
   if (f->type == Type::kError) {
     gp::ErrorReply e = gp::decode_error(f->payload);
     auto code = static_cast<Code>(e.code);
@@ -226,7 +227,8 @@ void GuestChannel::setup(const gp::Setup& setup, Clock::time_point deadline) {
 void GuestChannel::sync(Clock::time_point deadline) {
   Call call(*this);
   send(Type::kSync, call.id(), {});
-  if (answer(call.id(), deadline, "sync").type != Type::kOk) throw Error(Code::kInternal, "guest: unexpected answer to sync");
+  if (answer(call.id(), deadline, "sync").type != Type::kOk)
+    throw Error(Code::kInternal, "guest: unexpected answer to sync");
 }
 
 void GuestChannel::power_off(Clock::time_point deadline) {
@@ -415,7 +417,7 @@ std::uint32_t GuestChannel::mode_of(std::string_view path, Clock::time_point dea
 }
 
 std::string GuestChannel::process_request(process_protocol::Op op, std::string_view payload,
-                                         Clock::time_point deadline) {
+                                          Clock::time_point deadline) {
   Call call(*this);
   std::string request(4, '\0');
   const auto op_value = static_cast<std::uint32_t>(op);

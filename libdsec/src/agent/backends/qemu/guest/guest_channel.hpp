@@ -21,11 +21,11 @@
 #include <thread>
 
 #include "agent/backends/backend.hpp"
+#include "common/unique_fd.hpp"
 #include "common/wire/guest_protocol.hpp"
 #include "common/wire/process_protocol.hpp"
-#include "image/upper_tree.hpp"
-#include "common/unique_fd.hpp"
 #include "dsec/exec.hpp"
+#include "image/upper_tree.hpp"
 
 namespace dsec::agent::guest {
 

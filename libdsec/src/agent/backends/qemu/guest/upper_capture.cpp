@@ -41,7 +41,8 @@ UpperTreeWriter::UpperTreeWriter(const fs::path& dest, const image::UpperTreeLim
 }
 
 UniqueFd UpperTreeWriter::parent_of(const std::string& rel, std::string& leaf) {
-  if (rel.empty() || rel.front() == '/' || rel.size() > limits_.max_path_bytes) bad(rel, "is not a relative path within the limit");
+  if (rel.empty() || rel.front() == '/' || rel.size() > limits_.max_path_bytes)
+    bad(rel, "is not a relative path within the limit");
   std::size_t pos = 0;
   while (pos <= rel.size()) {
     auto next = rel.find('/', pos);

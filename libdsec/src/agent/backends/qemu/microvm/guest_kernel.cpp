@@ -72,7 +72,11 @@ T load(std::string_view bytes, std::size_t offset) {
 
 // The x86 boot protocol's header of a bzImage: "HdrS" at 0x202.
 bool is_bzimage(std::string_view head) { return head.size() >= 0x210 && head.substr(0x202, 4) == "HdrS"; }
-bool is_elf(std::string_view head) { return head.size() >= 4 && head.substr(0, 4) == "\x7f" "ELF"; }
+bool is_elf(std::string_view head) {
+  return head.size() >= 4 && head.substr(0, 4) ==
+                                 "\x7f"
+                                 "ELF";
+}
 
 // The release in a bzImage's kernel_version string ("6.1.0-57-cloud-amd64 (debian-kernel@...) #1 SMP ..."), or "".
 std::string bzimage_release(std::string_view head) {
@@ -89,9 +93,9 @@ std::string bzimage_release(std::string_view head) {
 GuestKernel kernel_file(const fs::path& kernel, const fs::path& layout_dir) {
   std::string head = read_prefix(kernel, 0x4000);
   if (!is_elf(head) && !is_bzimage(head))
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("microVM guest kernel {} is neither an ELF vmlinux nor a bzImage; {}", kernel.string(),
-                            kHowToGet));
+    throw Error(
+        Code::kFailedPrecondition,
+        fmt::format("microVM guest kernel {} is neither an ELF vmlinux nor a bzImage; {}", kernel.string(), kHowToGet));
   GuestKernel k;
   k.kernel = kernel;
   if (is_dir(layout_dir / "modules")) k.modules_dir = layout_dir / "modules";
@@ -114,11 +118,11 @@ GuestKernel find_guest_kernel(const fs::path& configured) {
   auto status = fs::status(where, ec);
   if (ec || !fs::exists(status)) {
     if (configured.empty())
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("the microVM backend has no guest kernel: {} does not exist; {}", where.string(),
-                              kHowToGet));
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("microVM guest kernel {} (--microvm-kernel) does not exist; {}", where.string(), kHowToGet));
+      throw Error(
+          Code::kFailedPrecondition,
+          fmt::format("the microVM backend has no guest kernel: {} does not exist; {}", where.string(), kHowToGet));
+    throw Error(Code::kFailedPrecondition, fmt::format("microVM guest kernel {} (--microvm-kernel) does not exist; {}",
+                                                       where.string(), kHowToGet));
   }
   if (fs::is_directory(status)) {
     for (const char* name : {"vmlinux", "vmlinuz"}) {
@@ -129,14 +133,14 @@ GuestKernel find_guest_kernel(const fs::path& configured) {
                             kHowToGet));
   }
   if (!fs::is_regular_file(status))
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("microVM guest kernel {} is neither a file nor a directory; {}", where.string(), kHowToGet));
+    throw Error(Code::kFailedPrecondition, fmt::format("microVM guest kernel {} is neither a file nor a directory; {}",
+                                                       where.string(), kHowToGet));
   return kernel_file(where, where.parent_path());
 }
 
 const std::vector<std::string>& guest_modules() {
-  static const std::vector<std::string> kModules = {"virtio_mmio", "virtio_blk", "virtio_console",
-                                                    "virtio_balloon", "erofs", "overlay"};
+  static const std::vector<std::string> kModules = {"virtio_mmio",    "virtio_blk", "virtio_console",
+                                                    "virtio_balloon", "erofs",      "overlay"};
   return kModules;
 }
 

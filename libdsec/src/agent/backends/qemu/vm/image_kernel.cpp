@@ -26,8 +26,9 @@ namespace fs = std::filesystem;
 constexpr std::size_t kMaxKernelBytes = 128u << 20;
 constexpr std::size_t kMaxModuleBytes = 64u << 20;
 constexpr std::size_t kMaxModulesDepBytes = 16u << 20;
-constexpr const char* kHowToGet = "a full VM boots the image's own kernel: build the image with --include "
-                                  "linux-image-amd64,systemd-sysv";
+constexpr const char* kHowToGet =
+    "a full VM boots the image's own kernel: build the image with --include "
+    "linux-image-amd64,systemd-sysv";
 
 // A module's name as the kernel knows it: the file's stem, '-' and '_' alike.
 std::string module_name(std::string_view path) {
@@ -96,8 +97,8 @@ std::string read_image_file(files::SandboxTree& tree, const std::string& path, s
 }  // namespace
 
 const std::vector<std::string>& boot_modules() {
-  static const std::vector<std::string> kModules = {"crc32c_generic", "virtio_pci",  "virtio_blk", "virtio_console",
-                                                    "erofs",          "overlay",     "ext4"};
+  static const std::vector<std::string> kModules = {"crc32c_generic", "virtio_pci", "virtio_blk", "virtio_console",
+                                                    "erofs",          "overlay",    "ext4"};
   return kModules;
 }
 
@@ -149,8 +150,8 @@ ImageBoot prepare_image_boot(const fs::path& root, const fs::path& init_binary, 
     for (const auto& d : it->second.depends) stack.push_back(d);
     if (it->second.path.size() < 3 || it->second.path.compare(it->second.path.size() - 3, 3, ".ko") != 0)
       throw Error(Code::kFailedPrecondition,
-                  fmt::format("the image's module {} is compressed ({}); a full VM's boot loads plain .ko files",
-                              name, it->second.path));
+                  fmt::format("the image's module {} is compressed ({}); a full VM's boot loads plain .ko files", name,
+                              it->second.path));
     wanted[name] = read_image_file(tree, modules_root + "/" + it->second.path, kMaxModuleBytes);
   }
 

@@ -25,8 +25,8 @@
 #include <archive_entry.h>
 #include <gtest/gtest.h>
 
-#include "agent/backends/qemu/microvm/guest_kernel.hpp"
 #include "agent/backends/qemu/initramfs.hpp"
+#include "agent/backends/qemu/microvm/guest_kernel.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec::agent::microvm {
@@ -180,7 +180,10 @@ TEST_F(MicrovmGuestKernelTest, RejectsWhatIsNotAModule) {
   expect_invalid(base_ / "exec.ko", "relocatable");
   write_bytes(base_ / "nomodinfo.ko", make_elf(modinfo_for("x", ""), ET_REL, ".data"));
   expect_invalid(base_ / "nomodinfo.ko", ".modinfo");
-  write_bytes(base_ / "xz.ko.xz", std::string("\xfd" "7zXZ\0\0", 6) + std::string(100, 'x'));
+  write_bytes(base_ / "xz.ko.xz", std::string("\xfd"
+                                              "7zXZ\0\0",
+                                              6) +
+                                      std::string(100, 'x'));
   expect_invalid(base_ / "xz.ko.xz", "compressed");
   std::string truncated = make_elf(modinfo_for("x", ""));
   truncated.resize(truncated.size() - 10);
@@ -297,7 +300,8 @@ TEST_F(MicrovmGuestKernelTest, GuestModuleFilesSayHowToGetThem) {
 
 TEST(MicrovmGuestKernelInstalled, RealModulesAndTheirOrder) {
   if (!fs::is_directory(kInstalledModules))
-    GTEST_SKIP() << kInstalledModules << " does not exist: run scripts/guest-kernel.sh as root to unpack the guest kernel";
+    GTEST_SKIP() << kInstalledModules
+                 << " does not exist: run scripts/guest-kernel.sh as root to unpack the guest kernel";
   ModuleInfo blk = read_module_info(kInstalledModules / "virtio_blk.ko");
   EXPECT_EQ(blk.name, "virtio_blk");
   std::sort(blk.depends.begin(), blk.depends.end());
@@ -339,9 +343,15 @@ std::vector<CpioEntry> read_cpio(const fs::path& p) {
   EXPECT_EQ(archive_read_open_filename(a, p.c_str(), 10240), ARCHIVE_OK) << archive_error_string(a);
   archive_entry* e = nullptr;
   while (archive_read_next_header(a, &e) == ARCHIVE_OK) {
-    CpioEntry c{archive_entry_pathname(e), archive_entry_filetype(e), archive_entry_perm(e), archive_entry_uid(e),
-                archive_entry_gid(e), archive_entry_mtime(e), archive_entry_size(e),
-                static_cast<unsigned>(archive_entry_rdevmajor(e)), static_cast<unsigned>(archive_entry_rdevminor(e)),
+    CpioEntry c{archive_entry_pathname(e),
+                archive_entry_filetype(e),
+                archive_entry_perm(e),
+                archive_entry_uid(e),
+                archive_entry_gid(e),
+                archive_entry_mtime(e),
+                archive_entry_size(e),
+                static_cast<unsigned>(archive_entry_rdevmajor(e)),
+                static_cast<unsigned>(archive_entry_rdevminor(e)),
                 {}};
     char buf[4096];
     la_ssize_t n;
@@ -356,7 +366,9 @@ std::vector<CpioEntry> read_cpio(const fs::path& p) {
 
 TEST_F(MicrovmGuestKernelTest, InitramfsHoldsInitDevicesAndModulesInOrder) {
   fs::path init = base_ / "dsec-guest-init";
-  write_bytes(init, std::string("\x7f" "ELF pretend init binary\n") + std::string(100000, 'i'));
+  write_bytes(init, std::string("\x7f"
+                                "ELF pretend init binary\n") +
+                        std::string(100000, 'i'));
   ::chmod(init.c_str(), 0700);
   auto ring = add_module("virtio_ring", "virtio_ring", "");
   auto rng = add_module("virtio-rng", "virtio_rng", "virtio_ring");
@@ -367,10 +379,10 @@ TEST_F(MicrovmGuestKernelTest, InitramfsHoldsInitDevicesAndModulesInOrder) {
   auto entries = read_cpio(out);
   std::vector<std::string> names;
   for (const auto& c : entries) names.push_back(c.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"dev", "proc", "sys", "tmp", "run", "mnt", "newroot", "lib", "lib/dsec",
-                                             "lib/dsec/modules", "dev/console", "dev/null", "init",
-                                             "lib/dsec/modules/00-virtio_ring.ko",
-                                             "lib/dsec/modules/01-virtio_rng.ko"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"dev", "proc", "sys", "tmp", "run", "mnt", "newroot", "lib", "lib/dsec",
+                                      "lib/dsec/modules", "dev/console", "dev/null", "init",
+                                      "lib/dsec/modules/00-virtio_ring.ko", "lib/dsec/modules/01-virtio_rng.ko"}));
   std::map<std::string, CpioEntry> by_name;
   for (const auto& c : entries) {
     EXPECT_EQ(c.uid, 0) << c.name;
@@ -434,8 +446,8 @@ TEST_F(MicrovmGuestKernelTest, InitramfsMissingInitFails) {
 }
 
 TEST(MicrovmGuestKernelModuleLists, AreTheGuestsNeeds) {
-  EXPECT_EQ(guest_modules(), (std::vector<std::string>{"virtio_mmio", "virtio_blk", "virtio_console",
-                                                       "virtio_balloon", "erofs", "overlay"}));
+  EXPECT_EQ(guest_modules(), (std::vector<std::string>{"virtio_mmio", "virtio_blk", "virtio_console", "virtio_balloon",
+                                                       "erofs", "overlay"}));
   EXPECT_EQ(optional_guest_modules(), std::vector<std::string>{"virtio_rng"});
 }
 
@@ -495,7 +507,9 @@ TEST_F(MicrovmGuestKernelFindTest, NothingThereSaysHowToGetIt) {
 TEST_F(MicrovmGuestKernelFindTest, ScriptLayoutAndLoneFile) {
   fs::path rel = base_ / "cache" / "6.1.0-57-cloud-amd64";
   fs::create_directories(rel / "modules");
-  write_bytes(rel / "vmlinux", std::string("\x7f" "ELF\x02\x01\x01") + std::string(100, '\0'));
+  write_bytes(rel / "vmlinux", std::string("\x7f"
+                                           "ELF\x02\x01\x01") +
+                                   std::string(100, '\0'));
   write_bytes(rel / "release", "6.1.0-57-cloud-amd64\n");
   fs::create_directory_symlink("6.1.0-57-cloud-amd64", base_ / "cache" / "current");
 
@@ -546,7 +560,9 @@ TEST_F(MicrovmGuestKernelFindTest, InstalledKernel) {
   std::ifstream in(k.kernel, std::ios::binary);
   char magic[4] = {};
   in.read(magic, 4);
-  EXPECT_EQ(std::string(magic, 4), "\x7f" "ELF");
+  EXPECT_EQ(std::string(magic, 4),
+            "\x7f"
+            "ELF");
   std::cout << "[ installed guest kernel " << k.release << " at " << k.kernel << " ]\n";
 }
 

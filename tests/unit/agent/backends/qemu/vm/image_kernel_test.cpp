@@ -62,7 +62,8 @@ class ImageKernel : public ::testing::Test {
     }
     write(mods_ / "modules.dep", dep.str());
     // What that kernel builds in, plus virtio_pci, which it has as a module that the microVM tier does not install.
-    write(mods_ / "modules.builtin", slurp(kGuestKernel / "modules/modules.builtin") + "kernel/drivers/virtio/virtio_pci.ko\n");
+    write(mods_ / "modules.builtin",
+          slurp(kGuestKernel / "modules/modules.builtin") + "kernel/drivers/virtio/virtio_pci.ko\n");
     init_ = base_ / "dsec-init";
     write(init_, "#!/bin/false\n");
   }
