@@ -22,8 +22,9 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   # fuzzing (scripts/fuzz.sh, and the fuzz step of scripts/test.sh): clang 14 and its runtimes (libFuzzer, ASan, UBSan)
   clang libclang-rt-14-dev
-  # the Python binding and the integration tests (for Debian's /usr/bin/python3)
-  python3 python3-dev python3-setuptools python3-pytest pybind11-dev python3-pybind11
+  # the Python binding and the integration tests (for Debian's /usr/bin/python3); flake8 and mypy lint them
+  # (scripts/lint-python.sh)
+  python3 python3-dev python3-setuptools python3-pytest pybind11-dev python3-pybind11 flake8 mypy
   # images: busybox-static for the tiny image, debootstrap (with the archive keys and gpgv) for Debian images
   busybox-static debootstrap debian-archive-keyring gpgv ca-certificates
   # sandbox runtime helpers and the reference runtimes benchmarks compare against

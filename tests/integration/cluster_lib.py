@@ -279,7 +279,8 @@ class NetnsAgent(lib.Agent):
         self.url = f"http://{address}:{AGENT_PORT}"
         self.backends = backends
         self.etcd = etcd
-        args = ["--listen", f"{address}:{AGENT_PORT}", "--insecure-no-tls", "--state-dir", os.path.join(self.tmp, "state"),
+        args = ["--listen", f"{address}:{AGENT_PORT}", "--insecure-no-tls",
+                "--state-dir", os.path.join(self.tmp, "state"),
                 "--layer-cache", os.path.join(self.tmp, "layers"), "--store", os.path.join(home, "store"),
                 "--backends", backends, "--netns-pool", "2"]
         if etcd:

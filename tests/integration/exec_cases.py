@@ -379,7 +379,8 @@ def case_tar_round_trip_with_modes_and_links(sandbox):
     tar_bytes, files = _tree_tar()
     sandbox.upload_tar("/scratch/tree", tar_bytes)
     r = sandbox.exec("cd /scratch/tree && stat -c '%n %a' bin etc data && "
-                     "stat -c '%n %a %h' bin/run.sh etc/secret data/blob data/hard && readlink bin/link && readlink abs && "
+                     "stat -c '%n %a %h' bin/run.sh etc/secret data/blob data/hard && "
+                     "readlink bin/link && readlink abs && "
                      "test $(stat -c %i data/blob) = $(stat -c %i data/hard) && bin/link")
     assert r.exit_code == 0, r
     assert r.stdout.decode().splitlines() == [
@@ -410,7 +411,7 @@ def case_tar_round_trip_with_modes_and_links(sandbox):
     else:
         assert got["data/hard"] == files["data/blob"][0]
     assert {k: v for k, v in got.items() if k != "data/hard"} == {k: v[0] for k, v in files.items()
-                                                                   if k in got}
+                                                                  if k in got}
 
 
 def case_links_resolve_inside_the_sandbox(sandbox):

@@ -276,6 +276,7 @@ def test_a_tenants_snapshots_and_request_ids_are_its_own(secure, pki, tokens):
                 "tenants/team-a/nothing:v9", "IMG")
             with pytest.raises(dsec.InvalidArgument, match="another tenant"):
                 b.create(image="busybox", ttl=60, cpu=0.25, memory="64Mi").snapshot("tenants/team-a/mine:v1")
+
             def theirs(c):
                 return [i for i in c.nodes()[0].images if i.startswith("tenants/team-a/")]
             assert theirs(b) == [] and theirs(a) and theirs(ops), (theirs(a), theirs(b), theirs(ops))
@@ -426,7 +427,8 @@ def test_tls_all_the_way_agent_and_client_find_each_other_through_etcd(pki, toke
         agent = start_agent(home, "etls", [
             "--listen", f"127.0.0.1:{port}", "--tls-cert", pki.path("server.pem"), "--tls-key", pki.path("server.key"),
             "--tokens", tokens["file"], "--etcd", etcd.url(), "--etcd-prefix", prefix,
-            "--etcd-ca", pki.path("ca.pem"), "--etcd-cert", pki.path("client.pem"), "--etcd-key", pki.path("client.key")])
+            "--etcd-ca", pki.path("ca.pem"), "--etcd-cert", pki.path("client.pem"),
+            "--etcd-key", pki.path("client.key")])
         etcd_tls = dict(etcd_tls_ca_file=pki.path("ca.pem"), etcd_tls_client_cert=pki.path("client.pem"),
                         etcd_tls_client_key=pki.path("client.key"))
         with dsec.Client(etcd=[etcd.url()], etcd_prefix=prefix, token=tokens["team-a"], tls_ca_file=pki.path("ca.pem"),

@@ -354,14 +354,17 @@ def test_removing_an_image_keeps_its_layers_for_running_sandboxes(client, agent,
         layers = lib.http_request(agent.socket_path, "GET", "/v1/node").json()["cached_layers"]
         assert any(layer["users"] >= 1 for layer in layers), layers
     # Once the last sandbox is gone, the reaper unmounts the layers (no other sandbox lives now).
+
     def users():
-        return [layer["users"] for layer in lib.http_request(agent.socket_path, "GET", "/v1/node").json()["cached_layers"]]
+        node = lib.http_request(agent.socket_path, "GET", "/v1/node").json()
+        return [layer["users"] for layer in node["cached_layers"]]
     assert lib.wait_for(lambda: not any(users()), timeout=10), users()
 
     def layer_mounts():
         with open("/proc/self/mountinfo") as f:
             points = [line.split()[4] for line in f]
-        return [p for p in points if p.startswith(os.path.join(agent.run_dir, ".layers") + "/") and not p.endswith("/blobs")]
+        layers_dir = os.path.join(agent.run_dir, ".layers") + "/"
+        return [p for p in points if p.startswith(layers_dir) and not p.endswith("/blobs")]
     assert lib.wait_for(lambda: not layer_mounts(), timeout=10), layer_mounts()
 
 

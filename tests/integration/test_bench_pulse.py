@@ -59,7 +59,8 @@ def test_small_pulse_reports_and_leaves_nothing():
 
     # Both pulses ran over every agent, the agents hold exactly what was asked (plus one warm-up each), every
     # container has a live process, and nothing is left after the destroy.
-    assert "null backend (control-plane simulation: nothing started): 300 sandboxes over 3 agents with create_group" in out
+    assert ("null backend (control-plane simulation: nothing started): 300 sandboxes over 3 agents with create_group"
+            in out)
     assert "per agent: 100 to 100 sandboxes (3 of 3 agents used); the agents report 303 live (with 3 warm-up)" in out
     assert "container backend: 6 sandboxes over 2 agents with create_group" in out
     assert "the agents report 8 live (with 2 warm-up)" in out

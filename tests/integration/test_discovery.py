@@ -213,9 +213,11 @@ def test_registration_needs_an_address_clients_can_use(nodes):
         assert r.returncode == 2 and "every address" in r.stderr, r.stderr
         r = _dsecd(["--listen", "127.0.0.1:0", "--insecure-no-tls", "--etcd", "127.0.0.1:2379"], tmp)
         assert r.returncode == 2 and "http://" in r.stderr, r.stderr
-        r = _dsecd(["--listen", "127.0.0.1:0", "--insecure-no-tls", "--etcd", nodes.etcd.url(), "--etcd-lease-ttl", "1"], tmp)
+        r = _dsecd(["--listen", "127.0.0.1:0", "--insecure-no-tls", "--etcd", nodes.etcd.url(),
+                    "--etcd-lease-ttl", "1"], tmp)
         assert r.returncode == 2 and "--etcd-lease-ttl" in r.stderr, r.stderr
-        r = _dsecd(["--listen", "127.0.0.1:0", "--insecure-no-tls", "--etcd", nodes.etcd.url(), "--advertise", "10.0.0.1:7070"], tmp)
+        r = _dsecd(["--listen", "127.0.0.1:0", "--insecure-no-tls", "--etcd", nodes.etcd.url(),
+                    "--advertise", "10.0.0.1:7070"], tmp)
         assert r.returncode == 2 and "advertise" in r.stderr, r.stderr
 
 

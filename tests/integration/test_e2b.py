@@ -23,7 +23,6 @@ import pathlib
 import re
 import select
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -309,7 +308,7 @@ def gateway(dsec_home):
 # ------------------------------------------------------------------------------------------------- running scenarios
 
 def _describe(name: str, proc_stdout: str, proc_stderr: str, gw: Gateway) -> str:
-    lines = [l for l in proc_stdout.splitlines() if l.strip()]
+    lines = [line for line in proc_stdout.splitlines() if line.strip()]
     try:
         result = json.loads(lines[-1]) if lines else {}
         pretty = "\n".join(f"{k}: {json.dumps(v)[:2000]}" for k, v in result.items()) or "(no JSON line)"
@@ -350,8 +349,8 @@ def test_basic_commands(gateway, scenarios):
     assert r["echo"] == {"stdout": "hello\n", "stderr": "warn\n", "exitCode": 0, "error": None}
 
     s = r["stream"]
-    assert (s["stdout"], s["stderr"], s["exitCode"]) == ("out1\nout2\nout3\nout4\ndone\n", "err1\nerr2\nerr3\nerr4\n",
-                                                        0), s
+    assert (s["stdout"], s["stderr"], s["exitCode"]) == ("out1\nout2\nout3\nout4\ndone\n",
+                                                         "err1\nerr2\nerr3\nerr4\n", 0), s
     # The callbacks saw everything, in order, and as it was printed (not in one piece at the end).
     assert "".join(s["stdoutChunks"]) == s["stdout"] and "".join(s["stderrChunks"]) == s["stderr"], s
     assert len(s["stdoutChunks"]) >= 3 and len(s["stderrChunks"]) >= 3, s

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
-
-import pytest
 
 import dsec_testlib as lib
 

@@ -8,8 +8,6 @@ import signal
 import threading
 import time
 
-import pytest
-
 import dsec_testlib as lib
 
 dsec = lib.dsec

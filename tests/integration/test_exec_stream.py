@@ -8,7 +8,6 @@ import base64
 import json
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
@@ -140,7 +139,7 @@ def test_wire_format_is_chunked_ndjson(sandbox, agent):
     assert res.status == 200, res
     lines = [json.loads(line) for line in lib.dechunk(res.body).split(b"\n") if line]
     assert (lines[-1]["result"]["exit_code"], lines[-1]["result"]["reason"]) == (127, "executable_not_found"), lines
-    assert b"command not found" in b"".join(base64.b64decode(l["stderr"]) for l in lines if "stderr" in l)
+    assert b"command not found" in b"".join(base64.b64decode(line["stderr"]) for line in lines if "stderr" in line)
     # Errors before any output keep the plain error answer; a non-boolean stream is refused.
     bad = json.dumps({"argv": ["true"], "user": "no-such-user", "stream": True}).encode()
     res = lib.http_request(agent.socket_path, "POST", f"/v1/sandboxes/{sandbox.id}/exec", bad)

@@ -114,10 +114,12 @@ def test_node_reports_warm_pools(fc):
     assert f["default_image"] == IMAGE
     assert f["gpus"] == ["0", "1"] and f["gpu_shares"] == 2
     # The warm pools come up in the background; the python one keeps its minimum of 2 armed servers.
+
     def warm():
         pools = lib.http_request(fc.socket_path, "GET", "/v1/node").json()["fncall"]["pools"]
         by_lang = {p["language"]: p for p in pools}
-        return by_lang if by_lang.get("python", {}).get("idle", 0) >= 2 and by_lang.get("shell", {}).get("idle") else None
+        armed = by_lang.get("python", {}).get("idle", 0) >= 2 and by_lang.get("shell", {}).get("idle")
+        return by_lang if armed else None
     pools = lib.wait_for(warm, 60, 0.2)
     assert pools, lib.http_request(fc.socket_path, "GET", "/v1/node").json()["fncall"]
     assert pools["python"]["image"].startswith(IMAGE + "@sha256:")
@@ -202,6 +204,7 @@ def test_nothing_of_a_call_reaches_the_next(fc):
         out = run(fc, code=check)
         assert out["stdout"] == "[] [] None None [1] False True\n", out
     # The background processes died with their calls: none is left anywhere on the host.
+
     def stragglers():
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -371,6 +374,7 @@ def test_a_crashed_agent_leaves_nothing_after_its_restart(image_store):
                                                            "--fncall-image", IMAGE, "--fncall-idle", "1",
                                                            "--fncall-pool", "python=0:3"])
         restarted.start(timeout=60)
+
         def stale():
             left = [p for p in lib.leftovers(restarted.run_dir, subtree) if "cgroup" in p or "process" in p]
             fncall_dir = os.path.join(restarted.run_dir, "fncall")
@@ -378,6 +382,7 @@ def test_a_crashed_agent_leaves_nothing_after_its_restart(image_store):
         assert lib.wait_for(lambda: not stale(), 10), stale()
         assert run(restarted, code="print(2)")["stdout"] == "2\n"
         # A pool with no minimum gives its servers up once they idled past --fncall-idle.
+
         def servers():
             pools = lib.http_request(restarted.socket_path, "GET", "/v1/node").json()["fncall"]["pools"]
             return sum(p["idle"] + p["busy"] + p["starting"] for p in pools)

@@ -18,7 +18,6 @@ import os
 import pathlib
 import subprocess
 import tarfile
-import tempfile
 
 import pytest
 
@@ -251,7 +250,7 @@ def write_oci_layout(root: pathlib.Path) -> pathlib.Path:
     config = put(json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers"}}).encode())
     manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config},
-                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **l} for l in (l1, l2)]}
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **layer} for layer in (l1, l2)]}
     m = put(json.dumps(manifest).encode())
     (root / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
     (root / "index.json").write_text(json.dumps(
@@ -280,10 +279,11 @@ def test_build_from_a_directory_then_ls_and_inspect(home, tmp_path):
     assert info["reference"].startswith("app:v1@sha256:")
     assert info["digest"] == info["reference"].split("@")[1]
     assert r.stdout.startswith(f"built {info['reference']}")
-    assert [l["role"] for l in info["layers"]] == ["base"]
+    assert [layer["role"] for layer in info["layers"]] == ["base"]
     assert str(src) in info["source"]
     assert info["size"] == info["layers"][0]["size"] > 0
-    assert info["layers"][0]["files_size"] == len("box\n") + len("#!/bin/sh\necho tool\n") + 300_000 + len("../bin/tool")
+    assert info["layers"][0]["files_size"] == (len("box\n") + len("#!/bin/sh\necho tool\n") + 300_000 +
+                                               len("../bin/tool"))
     assert scratch_left(store) == []
 
     listed = ls_json(home=home)
@@ -380,12 +380,12 @@ def test_build_on_a_parent_with_a_role(home, tmp_path):
     r = ok(dsec("build", "swe/task-1", "--from", f"tar:{task}", "--parent", "base:v1", home=home))
     assert "2 layers in all" in r.stdout
     info = inspect("swe/task-1", home=home)
-    assert [l["role"] for l in info["layers"]] == ["base", "task"]
+    assert [layer["role"] for layer in info["layers"]] == ["base", "task"]
     assert info["layers"][0] == base_info["layers"][0]
     assert info["parent"] == base_info["reference"]
 
     ok(dsec("build", "py:dev", "--from", base, "--parent", "base:v1", "--role", "toolchain", home=home))
-    assert [l["role"] for l in inspect("py:dev", home=home)["layers"]] == ["base", "toolchain"]
+    assert [layer["role"] for layer in inspect("py:dev", home=home)["layers"]] == ["base", "toolchain"]
 
     with mounted(home / "store", "swe/task-1", tmp_path / "mnt") as image:
         assert image.files() == {"etc", "etc/hosts", "opt", "opt/dir", "opt/dir/b", "task", "task/README"}
@@ -457,7 +457,7 @@ def test_rm_and_gc(home, tmp_path):
     ok(dsec("build", "b", "--from", tmp_path / "src" / "etc", "-q", home=home))
     all_blobs = blob_names(store)
     a_blobs = {d[7:] for d in [inspect("a", home=home)["digest"]] +
-               [x for l in inspect("a", home=home)["layers"] for x in (l["index"], l["data"])]}
+               [x for layer in inspect("a", home=home)["layers"] for x in (layer["index"], layer["data"])]}
 
     r = ok(dsec("rm", "a", home=home))
     assert r.stdout == "removed a:latest\n"
@@ -598,7 +598,7 @@ def test_push_and_pull_through_an_http_store(home, tmp_path, http_store):
     ok(dsec("build", "app:task", "--from", f"tar:{tar}", "--parent", "app:v1", "-q", home=home,
             store=http_store.url))
     info = inspect("app:task", store=http_store.url)
-    assert [l["role"] for l in info["layers"]] == ["base", "task"]
+    assert [layer["role"] for layer in info["layers"]] == ["base", "task"]
     fails(dsec("inspect", "ghost", store=http_store.url), "NOT_FOUND", "ghost:latest", http_store.url)
 
     # The store goes away: a clear UNAVAILABLE, not a hang.

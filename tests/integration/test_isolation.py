@@ -226,7 +226,7 @@ def test_fork_bomb_stops_at_pids_limit(client, agent, probe):
         # forking in the background either way, until the sandbox is destroyed.
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", bombed.exec("b(){ b|b& }; b; sleep 60",
-                                                                              timeout=6)))
+                                                                               timeout=6)))
         t.start()
         pids_current = agent.cgroup_dir("pids", bombed.id) + "/pids.current"
         peak = 0
@@ -320,9 +320,9 @@ def test_planted_symlinks_do_not_reach_the_host(sandbox):
     shadow_digest = hashlib.sha256(shadow).hexdigest()
     try:
         sandbox.exec(f"ln -s / /tmp/esc; ln -s /etc/shadow /tmp/x; ln -s {host_marker} /tmp/y; "
-                     f"ln -s /tmp /tmp/tmplink; ln -s ../../../../../../tmp /root/up")
+                     "ln -s /tmp /tmp/tmplink; ln -s ../../../../../../tmp /root/up")
         # Writes land inside the sandbox, whatever the links say.
-        for path in (f"/tmp/esc/tmp/{name}", f"/tmp/y", f"/tmp/tmplink/{name}", f"/root/up/{name}",
+        for path in (f"/tmp/esc/tmp/{name}", "/tmp/y", f"/tmp/tmplink/{name}", f"/root/up/{name}",
                      f"/../../../../tmp/{name}"):
             try:
                 sandbox.write_file(path, b"pwned")

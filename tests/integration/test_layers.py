@@ -3,8 +3,9 @@ the store or the cache's disk misbehaves.
 
 Each test runs its own dsecd with an empty layer cache, reading images from a store built once for the module with
 `dsec image build`: "busybox" (one base layer: 1 MiB of EROFS metadata, 2 MiB of busybox) and "blobby" (busybox
-plus a task layer holding /data/blob.bin, 6 MiB of random bytes, and /data/small.txt). Chunks are 1 MiB. Every agent is stopped at the end and must leave nothing behind: no
-mount (layer mounts and the FUSE mount live under its run dir), no run dir entry, no cgroup, no process.
+plus a task layer holding /data/blob.bin, 6 MiB of random bytes, and /data/small.txt). Chunks are 1 MiB. Every
+agent is stopped at the end and must leave nothing behind: no mount (layer mounts and the FUSE mount live under its
+run dir), no run dir entry, no cgroup, no process.
 """
 
 from __future__ import annotations
@@ -308,7 +309,8 @@ def test_a_damaged_chunk_is_eio_inside_and_an_error_in_the_agent(store, tmp_path
         assert "dsecd error: layer file system: read of" in log and "answered EIO" in log, log
         assert "sha256 mismatch" in log or "decompress" in log, log
         # Nothing damaged was marked present.
-        present = (pathlib.Path(agent.home) / "cache" / "layers" / task["digest"].split(":")[1] / "present").read_bytes()
+        layer_dir = pathlib.Path(agent.home) / "cache" / "layers" / task["digest"].split(":")[1]
+        present = (layer_dir / "present").read_bytes()
         data_chunks = [i for i in range(len(index["chunks"])) if i * index["chunk_size"] >= index["meta_size"]]
         assert all(present[i] == 0 for i in data_chunks), present
         destroy(agent, sid)

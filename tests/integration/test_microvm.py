@@ -6,11 +6,11 @@ long-lived VM (and its container twin: the exec, stream and files bodies of exec
 VM is held to what a container does); after each test a cleanup kills every process of the shared sandbox but its
 pid 1 and removes what the test wrote. Only what destroys, limits or compares VMs gets VMs of its own: the disk
 limit (then destroy), TTL expiry, a VM with protected paths, two VMs side by side, and a VM that stops under its
-sandbox (QEMU killed, the guest powering off, a guest panic). All but the disk-limit VM have the shared VM's shape (image, memory, vCPUs, disk), so
-the agent makes them as clones of its template of that shape (one frozen guest) rather than boots of their own:
-four boots in all, the shared VM and the disk-limit VM and the agent's template of each. At most three of the
-tests' VMs run at once (and a template boot beside them), but for the fork test's five (a VM, three copies, a copy of
-a copy).
+sandbox (QEMU killed, the guest powering off, a guest panic). All but the disk-limit VM have the shared VM's shape
+(image, memory, vCPUs, disk), so the agent makes them as clones of its template of that shape (one frozen guest)
+rather than boots of their own: four boots in all, the shared VM and the disk-limit VM and the agent's template of
+each. At most three of the tests' VMs run at once (and a template boot beside them), but for the fork test's five (a
+VM, three copies, a copy of a copy).
 
 The last section sleeps and wakes VMs, forks them and kills the agent: a VM's processes (a background counter) stand
 still while it sleeps, run on in each copy of a fork, and go on while no agent runs; the restarted agent takes its VMs
@@ -79,7 +79,8 @@ def run_dir_entries(agent) -> set[str]:
 
 def assert_gone(agent, client, sandbox_id: str) -> None:
     """A destroyed VM left nothing: no QEMU, no run dir, no cgroup, no mount; destroy again is fine."""
-    assert lib.wait_for(lambda: not qemu_pids(sandbox_id), 10), f"QEMU of {sandbox_id} still runs: {qemu_pids(sandbox_id)}"
+    assert lib.wait_for(lambda: not qemu_pids(sandbox_id), 10), \
+        f"QEMU of {sandbox_id} still runs: {qemu_pids(sandbox_id)}"
     assert lib.wait_for(lambda: not agent.leftovers(sandbox_id), 5), agent.leftovers(sandbox_id)
     client.attach(sandbox_id).destroy()
     for _ in range(2):
@@ -201,14 +202,14 @@ def vmc(vm):
     cleanup(vm)
 
 
-# ---------------------------------------------------------------------------------------------------- the same as a container
+# ---------------------------------------------------------------------------------------------- the same as a container
 
 @pytest.mark.parametrize("case", exec_cases.CONTAINER_SUITE_CASES + exec_cases.CASES, ids=exec_cases.id_of)
 def test_same_as_a_container(case, sb, mvm, mclient):
     exec_cases.run(case, sandbox=sb, agent=mvm, client=mclient)
 
 
-# ---------------------------------------------------------------------------------------------------- node and isolation
+# --------------------------------------------------------------------------------------------------- node and isolation
 
 def test_node_reports_microvm(mvm, vm):
     info = node_info(mvm)
@@ -645,10 +646,10 @@ def test_stdin_waits_in_the_agent_not_in_the_guest(vmc):
     assert r.stdout.split()[0].decode() == hashlib.md5(data).hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------------- sleep, fork, restart
+# ------------------------------------------------------------------------------------------------- sleep, fork, restart
 #
-# A background counter (about ten steps a second, /tmp/c) tells whether a guest's processes ran: it stands still while its
-# VM sleeps, runs on in each copy of a fork, and keeps going while the agent is down. Every VM here has the shared
+# A background counter (about ten steps a second, /tmp/c) tells whether a guest's processes ran: it stands still while
+# its VM sleeps, runs on in each copy of a fork, and keeps going while the agent is down. Every VM here has the shared
 # VM's shape (a clone of the agent's template); the restart test comes last, as it kills the module's agent.
 
 COUNTER = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/c; sleep 0.1; done) >/dev/null 2>&1 &"
@@ -728,7 +729,8 @@ def test_sleep_and_wake_keep_processes_and_memory(mvm, mclient):
             before, read_at = read_counter(sb), time.monotonic()
             s = sb.sleep()
             awake_around = time.monotonic() - read_at  # the counter may step until the guest stops, and...
-            print(f"\nround {round_}: sleep took {s.seconds:.2f} s; cgroup memory {s.memory_before_bytes / MiB:.1f} MiB "
+            print(f"\nround {round_}: sleep took {s.seconds:.2f} s; "
+                  f"cgroup memory {s.memory_before_bytes / MiB:.1f} MiB "
                   f"-> {s.memory_after_bytes / MiB:.1f} MiB (released {s.memory_released_bytes / MiB:.1f} MiB)")
             slept_at = time.monotonic()
             assert s.info.state == "sleeping" and s.info.id == sid, s

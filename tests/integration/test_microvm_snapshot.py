@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import dsec_testlib as lib
 from test_microvm import mclient, mvm  # noqa: F401  (fixtures)
 

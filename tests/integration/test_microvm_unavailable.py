@@ -4,7 +4,6 @@ microvm is not offered, a microvm create is refused with a clear 400 and contain
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 

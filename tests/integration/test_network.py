@@ -8,7 +8,6 @@ veth pairs. Nothing is ever sent to any other address.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -228,7 +227,7 @@ def test_none_is_loopback_only(net):
         try:
             assert sb.network() == {"mode": "none", "rules": []}
             r = sb.exec(["ip", "-o", "link"])
-            assert [l.split(":")[1].strip() for l in r.stdout.decode().splitlines()] == ["lo"], r.stdout
+            assert [line.split(":")[1].strip() for line in r.stdout.decode().splitlines()] == ["lo"], r.stdout
             assert not connect(sb, SERVER, 8080, 2)
         finally:
             sb.destroy()
@@ -260,12 +259,12 @@ def resolve(sb, name: str) -> list[str]:
     r = sb.exec(["nslookup", "-type=a", name], timeout=20)
     out = r.stdout.decode()
     answers = out.split("answer:", 1)[1] if "answer:" in out else ""
-    return [l.split(":", 1)[1].strip() for l in answers.splitlines() if l.startswith("Address:")]
+    return [line.split(":", 1)[1].strip() for line in answers.splitlines() if line.startswith("Address:")]
 
 
 def asked_upstream() -> list[str]:
     with open(DNS_LOG) as f:
-        return [l.strip().rstrip(".") for l in f]
+        return [line.strip().rstrip(".") for line in f]
 
 
 def test_names_resolve_only_when_allowed_and_admit_what_was_answered(net):

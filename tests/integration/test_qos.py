@@ -66,8 +66,8 @@ def test_each_class_gets_its_weight_and_policy(client, agent):
         assert policy_of_self(made["latency"]) == SCHED_OTHER
         # Nothing inside may raise its priority: RLIMIT_NICE is 0 (and it holds no CAP_SYS_NICE on the host).
         limits = made["batch"].exec("cat /proc/self/limits").stdout.decode()
-        assert any(l.startswith("Max nice priority") and l.split()[3:5] == ["0", "0"] for l in limits.splitlines()), \
-            limits
+        assert any(line.startswith("Max nice priority") and line.split()[3:5] == ["0", "0"]
+                   for line in limits.splitlines()), limits
         renice = made["batch"].exec("renice -n -5 -p $$ || nice -n -5 true")
         assert renice.exit_code != 0, renice
         # A child of a child still runs SCHED_IDLE.

@@ -27,6 +27,7 @@ import pytest
 
 import dsec_testlib as lib
 
+
 def lazy_layers_skip_reason() -> str | None:
     with open("/proc/filesystems") as f:
         if "\terofs\n" not in f.read():
@@ -460,6 +461,7 @@ def test_kill_9_and_restart_keeps_the_sandboxes(own_home):
 
         # The image layers are held again, once per sandbox taken over (the failed one holds none).
         holders = sum(1 for sid in live if info(restarted, sid)["state"] in ("running", "sleeping"))
+
         def users() -> list[int]:  # the layer code keeps what it took over until the reaper's first prune
             return [layer["users"] for layer in call(restarted, "GET", "/v1/node").json()["cached_layers"]]
         assert users() and lib.wait_for(lambda: set(users()) == {holders}, 5), (users(), holders)
@@ -612,12 +614,13 @@ def test_processes_and_sessions_survive_kill_9(own_home):
         pid = r.json()["pid"]
         # Exactly-once execs: one finished before the kill, one under way at it.
         done = call(a, "POST", f"/v1/sandboxes/{sid}/exec", {"shell": "echo once >> /tmp/once; cat /tmp/once",
-                                                              "request_id": "before"})
+                                                             "request_id": "before"})
         assert done.status == 200, done
+
         def cut_exec():
             try:
-                call(a, "POST", f"/v1/sandboxes/{sid}/exec", {"shell": "sleep 300", "request_id": "cut", "timeout": 600},
-                     timeout=5)
+                call(a, "POST", f"/v1/sandboxes/{sid}/exec",
+                     {"shell": "sleep 300", "request_id": "cut", "timeout": 600}, timeout=5)
             except Exception:
                 pass  # the agent is killed under it
 

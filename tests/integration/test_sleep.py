@@ -153,7 +153,7 @@ def test_sleep_freezes_and_wake_resumes(sb, sclient):
 
 
 def test_sleep_releases_page_cache(sb):
-    r = sb.exec(f"cat /data/blob.bin > /dev/null && echo read", timeout=60)
+    r = sb.exec("cat /data/blob.bin > /dev/null && echo read", timeout=60)
     assert r.stdout == b"read\n", r
     s = sb.sleep()
     assert s.memory_before_bytes >= (BLOB_MIB // 2) << 20, s
@@ -162,7 +162,7 @@ def test_sleep_releases_page_cache(sb):
     assert s.memory_after_bytes == s.memory_before_bytes - s.memory_released_bytes
     w = sb.wake()
     assert w.memory_before_bytes < s.memory_before_bytes, w
-    r = sb.exec(f"cat /data/blob.bin | wc -c", timeout=60)
+    r = sb.exec("cat /data/blob.bin | wc -c", timeout=60)
     assert r.stdout.strip() == str(BLOB_MIB << 20).encode(), r
 
 

@@ -14,7 +14,6 @@ Skips, with the reason, where this host does not let root turn swap on."""
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
 import socket
 import subprocess

@@ -159,9 +159,9 @@ def test_qemu_is_confined(desktop):
     pids = qemu_pids(desktop.id)
     assert len(pids) == 1, pids
     status = open(f"/proc/{pids[0]}/status").read()
-    uid = int(next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1])
+    uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
     assert uid >= 2000000000, status
-    assert next(l for l in status.splitlines() if l.startswith("Seccomp:")).split()[1] == "2", status
+    assert next(line for line in status.splitlines() if line.startswith("Seccomp:")).split()[1] == "2", status
     argv = open(f"/proc/{pids[0]}/cmdline", "rb").read().split(b"\0")
     assert b"-sandbox" in argv, argv
     assert b"q35" in b" ".join(argv), argv

@@ -174,4 +174,4 @@ def test_a_claimed_sandbox_outlives_a_killed_agent(image_home):
 ])
 def test_a_pool_that_cannot_be_stops_the_start(pool_home, image_home, pool, message):
     lib.Agent(pool_home, tag="warmbad", extra_args=["--store", os.path.join(image_home, "store"),
-                                                     "--warm-pool", pool]).start_refused(message)
+                                                    "--warm-pool", pool]).start_refused(message)

@@ -29,6 +29,7 @@ its timeout (the agent never stops a command for a client that went away), and b
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures
 import functools
 import io
@@ -37,7 +38,7 @@ import os
 import tarfile
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union, overload
 from urllib.parse import quote
 
 from . import _dsec
@@ -46,7 +47,8 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .group import SandboxGroup
 from .process import _READ_WAIT, _WAIT_SLICE, _signal_number
 from ._spec import _field_size, _request_id, _str_map, _user
-from ._types import BytesLike, ExecResult, ProcessInfo, ProcessOutput, SandboxInfo, SessionInfo, Size, SleepResult
+from ._types import (BytesLike, ExecResult, FnCallResult, ImageInfo, NodeInfo, ProcessInfo, ProcessOutput, SandboxInfo,
+                     SessionInfo, Size, SleepResult)
 from .sandbox import Sandbox, Snapshot, _command, _safe_extract
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSandboxGroup", "AsyncSession", "AsyncProcess"]
@@ -76,6 +78,14 @@ def _run_batch(calls: list) -> None:
     """Run on the loop once per round of the I/O thread: the _resolve and _deliver calls it queued, in order."""
     for fn, *args in calls:
         fn(*args)
+
+
+@overload
+def _bytes(data: None, what: str) -> None: ...
+
+
+@overload
+def _bytes(data: BytesLike, what: str) -> bytes: ...
 
 
 def _bytes(data: BytesLike | None, what: str) -> Optional[bytes]:
@@ -160,19 +170,21 @@ class AsyncClient:
         """:meth:`Client.create` (same arguments); on the bounded executor."""
         return AsyncSandbox(await self._run(self._sync.create, *args, **kwargs), self)
 
-    async def create_many(self, n: int | Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> list["AsyncSandbox"]:
+    async def create_many(self, n: int | Sequence[Mapping[str, Any]], *args: Any,
+                          **kwargs: Any) -> list["AsyncSandbox"]:
         """:meth:`Client.create_many` (same arguments); on the bounded executor."""
         return [AsyncSandbox(s, self) for s in await self._run(self._sync.create_many, n, *args, **kwargs)]
 
-    async def create_group(self, n: int | Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> "AsyncSandboxGroup":
+    async def create_group(self, n: int | Sequence[Mapping[str, Any]], *args: Any,
+                           **kwargs: Any) -> "AsyncSandboxGroup":
         """:meth:`Client.create_group` (same arguments); on the bounded executor."""
         return AsyncSandboxGroup(await self._run(self._sync.create_group, n, *args, **kwargs), self)
 
-    async def run_code(self, code: str, language: str = "python", **kwargs: Any):
+    async def run_code(self, code: str, language: str = "python", **kwargs: Any) -> FnCallResult:
         """:meth:`Client.run_code` (same arguments); on the bounded executor."""
         return await self._run(self._sync.run_code, code, language, **kwargs)
 
-    async def run_code_many(self, calls: Iterable[Any]) -> list:
+    async def run_code_many(self, calls: Iterable[Any]) -> list[FnCallResult]:
         """:meth:`Client.run_code_many`; on the bounded executor."""
         return await self._run(self._sync.run_code_many, list(calls))
 
@@ -183,10 +195,10 @@ class AsyncClient:
     async def list(self, labels: Mapping[str, str] | None = None, tenant: str = "") -> list[SandboxInfo]:
         return await self._run(self._sync.list, labels, tenant)
 
-    async def nodes(self) -> list:
+    async def nodes(self) -> builtins.list[NodeInfo]:
         return await self._run(self._sync.nodes)
 
-    async def images(self) -> list:
+    async def images(self) -> builtins.list[ImageInfo]:
         return await self._run(self._sync.images)
 
     async def remove_image(self, name: str) -> None:
@@ -361,7 +373,7 @@ class AsyncSandbox:
     async def screen(self) -> dict:
         return await self._client._run(self._sb.screen)
 
-    async def cursor(self):
+    async def cursor(self) -> Optional[tuple[int, int]]:
         return await self._client._run(self._sb.cursor)
 
     async def input(self, actions: Sequence[Mapping[str, Any]]) -> dict:
@@ -498,10 +510,16 @@ class AsyncSandboxGroup:
     def __len__(self) -> int:
         return len(self._members)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[AsyncSandbox]:
         return iter(self._members)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> AsyncSandbox: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> builtins.list[AsyncSandbox]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[AsyncSandbox, builtins.list[AsyncSandbox]]:
         return self._members[i]
 
     async def exec(self, command: Union[str, Sequence[str]], **kwargs: Any) -> list[ExecResult]:
@@ -663,18 +681,19 @@ class AsyncProcess:
             if stderr and self._never_started.reason:
                 yield "stderr", self._never_started.reason.encode()
             return
-        at = {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
+        at: dict[str, Optional[int]] = {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
         while True:
             out = await self.read(at["stdout"], at["stderr"], _READ_WAIT)
             done = not out.running
             for name, data, start, end in (("stdout", out.stdout, out.stdout_offset, out.stdout_end),
                                            ("stderr", out.stderr, out.stderr_offset, out.stderr_end)):
-                if at[name] is None:
+                offset = at[name]
+                if offset is None:
                     continue
                 if data:
                     yield name, data
-                at[name] = max(at[name], start + len(data))
-                if at[name] < end:
+                at[name] = offset = max(offset, start + len(data))
+                if offset < end:
                     done = False
             if done:
                 return

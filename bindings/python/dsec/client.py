@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import builtins
 import inspect
 import os
 import threading
@@ -388,7 +389,7 @@ class Client:
             if isinstance(c, FnCallRequest):
                 requests.append(c)
             elif isinstance(c, Mapping):
-                kw = dict(c)
+                kw: dict[str, Any] = dict(c)
                 if "code" not in kw:
                     raise InvalidArgument(f"calls[{i}]: no 'code'")
                 try:
@@ -409,11 +410,11 @@ class Client:
         """Sandboxes on every node of this client that carry all of ``labels`` (and belong to ``tenant``)."""
         return self._c().list(_str_map(labels, "labels"), tenant)
 
-    def nodes(self) -> list[NodeInfo]:
+    def nodes(self) -> builtins.list[NodeInfo]:
         """Each node's capacity, load, backends and images."""
         return self._c().nodes()
 
-    def images(self) -> list[ImageInfo]:
+    def images(self) -> builtins.list[ImageInfo]:
         """The images in this client's stores (``stores``; with an embedded agent and none given, the agent's
         ``<home>/store``), as ``dsec image ls`` lists them: ``reference`` ("name:tag"), ``digest``, ``layers``
         (each with ``role``, ``digest``, ``size``, ``stored_size``), ``size``, ``created_at``, ``source`` and the

@@ -16,6 +16,8 @@ A command that runs past its timeout is not an exception: ``exec`` returns a res
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DsecError",
     "InfraError",
@@ -181,10 +183,9 @@ class OutcomeUnknown(DataLoss):
 
     code = "DATA_LOSS"
 
-    def __init__(self, message: str = "", *, retryable: bool = False, request_id: str = "", **kwargs) -> None:
+    def __init__(self, message: str = "", *, retryable: bool = False, request_id: str = "", **kwargs: Any) -> None:
         super().__init__(message, retryable=retryable, **kwargs)
         self.request_id = request_id
-
 
 
 class Unauthenticated(RequestError):

@@ -41,11 +41,12 @@ def fncall_request(
     if stdin is not None:
         if not isinstance(stdin, (bytes, bytearray, memoryview, str)):
             raise InvalidArgument(f"stdin: expected bytes or str, got {type(stdin).__name__}")
-        r.stdin = stdin
+        r.stdin = stdin  # type: ignore[assignment]  # the setter takes str too (mypy 1.0 reads the getter)
     if files is not None:
         if not isinstance(files, Mapping):
-            raise InvalidArgument(f"files: expected a dict of relative path to bytes or str, got {type(files).__name__}")
-        r.files = dict(files)
+            raise InvalidArgument(
+                f"files: expected a dict of relative path to bytes or str, got {type(files).__name__}")
+        r.files = dict(files)  # type: ignore[arg-type]  # the setter takes str values too (mypy 1.0 reads the getter)
     if args is not None:
         if isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args):
             raise InvalidArgument("args: expected a list of str")

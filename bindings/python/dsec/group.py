@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, Union, overload
 
 from . import _dsec
 from .errors import InvalidArgument
@@ -41,10 +41,16 @@ class SandboxGroup:
     def __len__(self) -> int:
         return len(self._members)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Sandbox]:
         return iter(self._members)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> Sandbox: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Sandbox]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[Sandbox, list[Sandbox]]:
         return self._members[i]
 
     def exec(

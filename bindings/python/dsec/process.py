@@ -126,19 +126,20 @@ class Process:
         return self._p.read(stdout_offset, stderr_offset, float(wait), max_bytes)
 
     def _follow(self, stdout: bool, stderr: bool) -> Iterator[Tuple[str, bytes]]:
-        at = {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
+        at: dict[str, Optional[int]] = {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
         while True:
             out = self._p.read(at["stdout"], at["stderr"], _READ_WAIT)
             done = not out.running
             for name, data, start, end in (("stdout", out.stdout, out.stdout_offset, out.stdout_end),
                                            ("stderr", out.stderr, out.stderr_offset, out.stderr_end)):
-                if at[name] is None:
+                offset = at[name]
+                if offset is None:
                     continue
                 if data:
                     yield name, data
                 # Bytes no longer kept are skipped: the next read starts where this answer's ended.
-                at[name] = max(at[name], start + len(data))
-                if at[name] < end:
+                at[name] = offset = max(offset, start + len(data))
+                if offset < end:
                     done = False
             if done:
                 return

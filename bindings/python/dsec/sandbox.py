@@ -29,6 +29,19 @@ class Snapshot(str):
     the sandbox stood still), ``seconds`` (the whole snapshot), and ``result`` (the :class:`SnapshotResult`).
     """
 
+    result: _dsec.SnapshotResult
+    image: str
+    sandbox_id: str
+    parent: str
+    store: str
+    layer_digest: str
+    layer_bytes: int
+    stored_bytes: int
+    file_bytes: int
+    entries: int
+    frozen_seconds: float
+    seconds: float
+
     def __new__(cls, result: _dsec.SnapshotResult) -> "Snapshot":
         self = super().__new__(cls, result.image)
         self.result = result
@@ -37,12 +50,12 @@ class Snapshot(str):
             setattr(self, name, getattr(result, name))
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
         return (str, (str(self),))
 
     def __repr__(self) -> str:
-        return (f"Snapshot({str.__repr__(self)}, file_bytes={self.file_bytes}, frozen_seconds={self.frozen_seconds:.3f}, "
-                f"seconds={self.seconds:.3f})")
+        return (f"Snapshot({str.__repr__(self)}, file_bytes={self.file_bytes}, "
+                f"frozen_seconds={self.frozen_seconds:.3f}, seconds={self.seconds:.3f})")
 
 
 class Sandbox(ScreenMethods):
@@ -193,7 +206,8 @@ class Sandbox(ScreenMethods):
         return self._sb.sessions()
 
     def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:
-        """Writes one file (``str`` data is UTF-8), creating parent directories. ``path`` is absolute inside the sandbox."""
+        """Writes one file (``str`` data is UTF-8), creating parent directories. ``path`` is absolute inside the
+        sandbox."""
         self._sb.write_file(path, data, mode)
 
     def read_file(self, path: str) -> bytes:
@@ -348,7 +362,8 @@ class Sandbox(ScreenMethods):
 
 
 def _command(command: Union[str, Sequence[str]]) -> tuple[list[str] | None, str | None]:
-    """A command as exec and spawn take it: a str is shell text (``/bin/sh -c``), a list an argv. Returns (argv, shell)."""
+    """A command as exec and spawn take it: a str is shell text (``/bin/sh -c``), a list an argv. Returns (argv,
+    shell)."""
     if isinstance(command, str):
         return None, command
     if isinstance(command, (list, tuple)):
@@ -388,6 +403,7 @@ def _safe_extract(tar_bytes: bytes, dest: str) -> None:
             elif m.isfile():
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 src = tar.extractfile(m)
+                assert src is not None  # a regular file's member always has its data
                 with open(target, "wb") as f:
                     while True:
                         chunk = src.read(1 << 20)

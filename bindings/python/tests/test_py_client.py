@@ -48,10 +48,11 @@ def test_unknown_sandbox_is_not_found(client):
 
 
 def test_bad_specs_are_invalid_argument(client):
-    cases = [({"memory": "lots"}, "resources.memory"), ({"disk": "-1"}, "resources.disk"), ({"cpu": 0}, "resources.cpu"),
-             ({"cpu": "2"}, "resources.cpu"), ({"memory": 1}, "resources.memory"), ({"ttl": -1}, "ttl"),
-             ({"env": {"A=B": "x"}}, "env"), ({"labels": {"k": 1}}, "labels"), ({"image": "../x"}, "image"),
-             ({"hostname": "not a hostname!"}, "hostname"), ({"pids": 0}, "resources.pids")]
+    cases = [({"memory": "lots"}, "resources.memory"), ({"disk": "-1"}, "resources.disk"),
+             ({"cpu": 0}, "resources.cpu"), ({"cpu": "2"}, "resources.cpu"), ({"memory": 1}, "resources.memory"),
+             ({"ttl": -1}, "ttl"), ({"env": {"A=B": "x"}}, "env"), ({"labels": {"k": 1}}, "labels"),
+             ({"image": "../x"}, "image"), ({"hostname": "not a hostname!"}, "hostname"),
+             ({"pids": 0}, "resources.pids")]
     for kw, field in cases:
         with pytest.raises(dsec.InvalidArgument) as info:
             null(client, **kw)

@@ -95,7 +95,8 @@ def test_shell_call(fc):
 
 
 @pytest.mark.parametrize("language, code", [
-    ("c", '#include <stdio.h>\nint main(int argc, char **argv) {\n  int a, b;\n  if (scanf("%d %d", &a, &b) != 2) return 9;\n'
+    ("c", '#include <stdio.h>\nint main(int argc, char **argv) {\n  int a, b;\n'
+          '  if (scanf("%d %d", &a, &b) != 2) return 9;\n'
           '  printf("%d %s\\n", a + b, argv[1]);\n  return 5;\n}\n'),
     ("cpp", '#include <iostream>\n#include <vector>\nint main(int argc, char **argv) {\n  int a, b;\n'
             '  if (!(std::cin >> a >> b)) return 9;\n  std::vector<int> v{a, b};\n'
@@ -223,6 +224,7 @@ def test_calls_from_many_threads(fc):
     """Blocking calls release the GIL: calls from threads overlap."""
     client, image = fc
     out: list = [None] * 6
+
     def work(i: int) -> None:
         out[i] = client.run_code(f"import time; time.sleep(0.5); print({i})", image=image, timeout=20)
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(out))]
