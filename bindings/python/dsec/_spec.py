@@ -1,9 +1,11 @@
 """Checking a caller's arguments and building the native spec and policy objects from them (sizes, maps, a
-sandbox's spec, its network policy, a user)."""
+sandbox's spec from its keywords, its network policy, a user). The spec keywords, with their types and defaults, are
+defined once here (:class:`SpecKeywords`) for every create call of the sync and asyncio clients."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import inspect
+from typing import Annotated, Any, Callable, Mapping, Optional, Sequence, TypedDict, TypeVar, Union, get_type_hints
 
 from . import _dsec
 from .errors import InvalidArgument
@@ -47,91 +49,149 @@ def _str_map(value: Mapping[str, str] | None, what: str) -> dict[str, str]:
     return out
 
 
-def _spec(
-    image: str,
-    kind: str,
-    cpu: float,
-    memory: Size,
-    disk: Size,
-    pids: int,
-    open_files: int,
-    ttl: float,
-    env: Mapping[str, str] | None,
-    labels: Mapping[str, str] | None,
-    tenant: str,
-    hostname: str,
-    workdir: str,
-    allow_ptrace: bool,
-    request_id: str | None,
-    node_selector: Mapping[str, str] | None = None,
-    anti_affinity: str = "",
-    gpus: int = 0,
-    user: str | int | None = None,
-    protected_paths: Sequence[str] | None = None,
-    network: str | Mapping[str, Any] | None = None,
-    egress_mbps: int = 0,
-    connections: int = 0,
-    display: str = "",
-    priority: str = "standard",
-    ksm: bool = False,
-    reclaim: bool = True,
-    queue_timeout: float = 0,
-) -> _dsec.SandboxSpec:
+DEFAULT_IMAGE = "busybox"
+DEFAULT_KIND = "container"
+
+
+class SpecKeywords(TypedDict, total=False):
+    """A sandbox's spec besides its image and kind: each keyword with its type, Annotated with its default.
+
+    :meth:`Client.create`, ``create_many`` and ``create_group`` (and :class:`AsyncClient`'s) take these as keyword
+    arguments, and a list of specs as the keys of its dicts (with ``image`` and ``kind``); :meth:`Client.create` says
+    what each means. The types are spelled for Python 3.9 (no ``X | Y``): they are evaluated at import.
+    """
+
+    cpu: Annotated[float, 1.0]
+    memory: Annotated[Size, "512Mi"]
+    disk: Annotated[Size, "1Gi"]
+    pids: Annotated[int, 512]
+    open_files: Annotated[int, 4096]
+    ttl: Annotated[float, 3600]
+    env: Annotated[Optional[Mapping[str, str]], None]
+    labels: Annotated[Optional[Mapping[str, str]], None]
+    tenant: Annotated[str, ""]
+    hostname: Annotated[str, ""]
+    workdir: Annotated[str, "/"]
+    allow_ptrace: Annotated[bool, False]
+    request_id: Annotated[Optional[str], None]
+    node_selector: Annotated[Optional[Mapping[str, str]], None]
+    anti_affinity: Annotated[str, ""]
+    gpus: Annotated[int, 0]
+    user: Annotated[Union[str, int, None], None]
+    protected_paths: Annotated[Optional[Sequence[str]], None]
+    network: Annotated[Union[str, Mapping[str, Any], None], None]
+    egress_mbps: Annotated[int, 0]
+    connections: Annotated[int, 0]
+    display: Annotated[str, ""]
+    priority: Annotated[str, "standard"]
+    ksm: Annotated[bool, False]
+    reclaim: Annotated[bool, True]
+    queue_timeout: Annotated[float, 0]
+
+
+SPEC_DEFAULTS: dict[str, Any] = {
+    name: hint.__metadata__[0] for name, hint in get_type_hints(SpecKeywords, include_extras=True).items()}
+
+_SPEC_PARAMETERS = [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=SPEC_DEFAULTS[name],
+                      annotation=inspect.formatannotation(hint))
+    for name, hint in get_type_hints(SpecKeywords).items()]
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def takes_spec_keywords(method: _Method) -> _Method:
+    """Shows the spec keywords (:class:`SpecKeywords`, with their defaults) in the signature of ``method`` in place of
+    its ``**spec``, for help(), inspect and editors that read signatures at run time."""
+    signature = inspect.signature(method)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    setattr(method, "__signature__", signature.replace(parameters=own + _SPEC_PARAMETERS))
+    return method
+
+
+def check_spec_keywords(caller: str, keywords: Mapping[str, Any]) -> None:
+    """Raises TypeError for a keyword that is not a spec keyword, as Python would for ``caller``'s own."""
+    for name in keywords:
+        if name not in SPEC_DEFAULTS:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+
+
+def _spec(caller: str, image: str, kind: str, **keywords: Any) -> _dsec.SandboxSpec:
+    """The native spec of ``image``, ``kind`` and spec keywords by name (:class:`SpecKeywords`; those not given take
+    their defaults). Raises TypeError for a keyword that is not one (:func:`check_spec_keywords`).
+
+    Checked here: what the native fields cannot hold (types, negative counts) and the shapes of maps, lists, ``user``
+    and ``network``. Ranges and formats are the client library's to check (dsec::protocol::validate, when the spec
+    is sent; the ttl and queue_timeout fields check theirs when set), raising :class:`InvalidArgument` naming the
+    field. The exceptions: ``pids`` and ``open_files`` of at least 1 (so that a list of specs names the spec that
+    has 0) and ``priority`` (its native field raises a plain ValueError).
+    """
+    check_spec_keywords(caller, keywords)
+    k = {**SPEC_DEFAULTS, **keywords}
     s = _dsec.SandboxSpec()
     s.image = image
     s.kind = kind
     r = _dsec.Resources()
+    cpu = k["cpu"]
     if isinstance(cpu, bool) or not isinstance(cpu, (int, float)):
         raise InvalidArgument(f"resources.cpu: expected a number of cores, got {cpu!r}")
     r.cpu = float(cpu)
-    r.memory_bytes = _field_size(memory, "resources.memory")
-    r.disk_bytes = _field_size(disk, "resources.disk")
-    if not isinstance(pids, int) or pids < 1:
-        raise InvalidArgument(f"resources.pids: must be a positive int, got {pids!r}")
-    if not isinstance(open_files, int) or open_files < 1:
-        raise InvalidArgument(f"resources.open_files: must be a positive int, got {open_files!r}")
-    r.pids = pids
-    r.open_files = open_files
+    r.memory_bytes = _field_size(k["memory"], "resources.memory")
+    r.disk_bytes = _field_size(k["disk"], "resources.disk")
+    for field in ("pids", "open_files"):
+        value = k[field]
+        if not isinstance(value, int) or value < 1:
+            raise InvalidArgument(f"resources.{field}: must be a positive int, got {value!r}")
+        setattr(r, field, value)
+    gpus = k["gpus"]
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 0:
         raise InvalidArgument(f"resources.gpus: must be a non-negative int, got {gpus!r}")
     r.gpus = gpus
-    for field, value in (("egress_mbps", egress_mbps), ("connections", connections)):
+    for field in ("egress_mbps", "connections"):
+        value = k[field]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidArgument(f"resources.{field}: must be a non-negative int (0: unlimited), got {value!r}")
         setattr(r, field, value)
+    priority = k["priority"]
     if priority not in ("latency", "standard", "batch"):
         raise InvalidArgument(f"priority: expected 'latency', 'standard' or 'batch', got {priority!r}")
     r.priority = priority
-    for field, value in (("ksm", ksm), ("reclaim", reclaim)):
+    for field in ("ksm", "reclaim"):
+        value = k[field]
         if not isinstance(value, bool):
             raise InvalidArgument(f"{field}: expected True or False, got {value!r}")
         setattr(r, field, value)
     s.resources = r
-    if ttl is None or ttl < 0:
-        raise InvalidArgument(f"ttl: must be >= 0 seconds (0 = no TTL), got {ttl!r}")
-    s.ttl = float(ttl)
-    s.env = _str_map(env, "env")
-    s.labels = _str_map(labels, "labels")
-    s.tenant = tenant
-    s.hostname = hostname
-    s.workdir = workdir
-    s.allow_ptrace = bool(allow_ptrace)
-    s.request_id = request_id or ""
-    s.node_selector = _str_map(node_selector, "node_selector")
-    s.anti_affinity = anti_affinity or ""
-    s.user = _user(user)
+    ttl = k["ttl"]
+    if ttl is None:
+        raise InvalidArgument("ttl: expected seconds (0 = no TTL), got None")
+    s.ttl = ttl  # the field refuses a negative ttl (InvalidArgument)
+    s.env = _str_map(k["env"], "env")
+    s.labels = _str_map(k["labels"], "labels")
+    s.tenant = k["tenant"]
+    s.hostname = k["hostname"]
+    s.workdir = k["workdir"]
+    s.allow_ptrace = bool(k["allow_ptrace"])
+    s.request_id = k["request_id"] or ""
+    s.node_selector = _str_map(k["node_selector"], "node_selector")
+    s.anti_affinity = k["anti_affinity"] or ""
+    s.user = _user(k["user"])
+    protected_paths = k["protected_paths"]
     if protected_paths is not None:
         if isinstance(protected_paths, (str, bytes)) or not all(isinstance(p, str) for p in protected_paths):
             raise InvalidArgument(f"protected_paths: expected a list of absolute paths (str), got {protected_paths!r}")
         s.protected_paths = list(protected_paths)
+    network = k["network"]
     if network is not None:
         s.network = _network_policy(network)
+    display = k["display"]
     if not isinstance(display, str):
         raise InvalidArgument(f"display: expected \"WIDTHxHEIGHT\" or \"none\", got {display!r}")
     s.display = display
-    if isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float)) or not 0 <= queue_timeout <= 3600:
+    queue_timeout = k["queue_timeout"]
+    if isinstance(queue_timeout, bool) or not isinstance(queue_timeout, (int, float)):
         raise InvalidArgument(f"queue_timeout: expected seconds from 0 to 3600, got {queue_timeout!r}")
-    s.queue_timeout = float(queue_timeout)
+    s.queue_timeout = float(queue_timeout)  # the field refuses one outside 0 to 3600 (InvalidArgument)
     return s
 
 

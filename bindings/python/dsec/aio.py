@@ -35,10 +35,12 @@ import functools
 import io
 import json
 import os
+import sys
 import tarfile
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union, overload
+from typing import (TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Tuple,
+                    Union, overload)
 from urllib.parse import quote
 
 from . import _dsec
@@ -46,10 +48,17 @@ from .client import Client
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .group import SandboxGroup
 from .process import _READ_WAIT, _WAIT_SLICE, _signal_number
-from ._spec import _field_size, _request_id, _str_map, _user
+from ._spec import (DEFAULT_IMAGE, DEFAULT_KIND, SpecKeywords, _field_size, _request_id, _str_map, _user,
+                    takes_spec_keywords)
 from ._types import (BytesLike, ExecResult, FnCallResult, ImageInfo, NodeInfo, ProcessInfo, ProcessOutput, SandboxInfo,
                      SessionInfo, Size, SleepResult)
 from .sandbox import Sandbox, Snapshot, _command, _safe_extract
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from typing import Unpack
+    else:
+        from typing_extensions import Unpack
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSandboxGroup", "AsyncSession", "AsyncProcess"]
 
@@ -166,19 +175,24 @@ class AsyncClient:
             self._executor = concurrent.futures.ThreadPoolExecutor(self.EXECUTOR_THREADS, thread_name_prefix="dsec-aio")
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def create(self, *args: Any, **kwargs: Any) -> "AsyncSandbox":
+    @takes_spec_keywords
+    async def create(self, image: str = DEFAULT_IMAGE, kind: str = DEFAULT_KIND,
+                     **spec: Unpack[SpecKeywords]) -> "AsyncSandbox":
         """:meth:`Client.create` (same arguments); on the bounded executor."""
-        return AsyncSandbox(await self._run(self._sync.create, *args, **kwargs), self)
+        return AsyncSandbox(await self._run(self._sync.create, image, kind, **spec), self)
 
-    async def create_many(self, n: int | Sequence[Mapping[str, Any]], *args: Any,
-                          **kwargs: Any) -> list["AsyncSandbox"]:
+    @takes_spec_keywords
+    async def create_many(self, n: int | Sequence[Mapping[str, Any]], image: str = DEFAULT_IMAGE,
+                          kind: str = DEFAULT_KIND, **spec: Unpack[SpecKeywords]) -> list["AsyncSandbox"]:
         """:meth:`Client.create_many` (same arguments); on the bounded executor."""
-        return [AsyncSandbox(s, self) for s in await self._run(self._sync.create_many, n, *args, **kwargs)]
+        return [AsyncSandbox(s, self) for s in await self._run(self._sync.create_many, n, image, kind, **spec)]
 
-    async def create_group(self, n: int | Sequence[Mapping[str, Any]], *args: Any,
-                           **kwargs: Any) -> "AsyncSandboxGroup":
+    @takes_spec_keywords
+    async def create_group(self, n: int | Sequence[Mapping[str, Any]], image: str = DEFAULT_IMAGE,
+                           kind: str = DEFAULT_KIND, *, lease: float = 30.0,
+                           **spec: Unpack[SpecKeywords]) -> "AsyncSandboxGroup":
         """:meth:`Client.create_group` (same arguments); on the bounded executor."""
-        return AsyncSandboxGroup(await self._run(self._sync.create_group, n, *args, **kwargs), self)
+        return AsyncSandboxGroup(await self._run(self._sync.create_group, n, image, kind, lease=lease, **spec), self)
 
     async def run_code(self, code: str, language: str = "python", **kwargs: Any) -> FnCallResult:
         """:meth:`Client.run_code` (same arguments); on the bounded executor."""

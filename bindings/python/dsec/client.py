@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import atexit
 import builtins
-import inspect
 import os
+import sys
 import threading
 import weakref
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 
 from . import _dsec
 from .errors import FailedPrecondition, InvalidArgument
-from ._spec import _spec, _str_map
+from ._spec import (DEFAULT_IMAGE, DEFAULT_KIND, SPEC_DEFAULTS, SpecKeywords, _spec, _str_map, check_spec_keywords,
+                    takes_spec_keywords)
 from ._types import BytesLike, FnCallRequest, FnCallResult, ImageInfo, NodeInfo, SandboxInfo, Size
 from .fncall import fncall_request
 from .group import SandboxGroup
 from .sandbox import Sandbox
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from typing import Unpack
+    else:
+        from typing_extensions import Unpack
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,19 +53,18 @@ def _specs(specs: object) -> list[_dsec.SandboxSpec]:
     """A list of dicts of Client.create's arguments as SandboxSpecs, with create's defaults."""
     if isinstance(specs, bool) or not isinstance(specs, Sequence) or isinstance(specs, (str, bytes)):
         raise InvalidArgument(f"n: expected an int or a list of specs (dicts), got {type(specs).__name__}")
-    signature = inspect.signature(Client.create)
     out = []
     for i, s in enumerate(specs):
         if not isinstance(s, Mapping):
             raise InvalidArgument(f"specs[{i}]: expected a dict of create()'s arguments, got {type(s).__name__}")
+        keywords = dict(s)
+        image = keywords.pop("image", DEFAULT_IMAGE)
+        kind = keywords.pop("kind", DEFAULT_KIND)
+        unknown = [name for name in keywords if name not in SPEC_DEFAULTS]
+        if unknown:
+            raise InvalidArgument(f"specs[{i}]: got an unexpected keyword argument {unknown[0]!r}")
         try:
-            bound = signature.bind(None, **s)
-        except TypeError as e:
-            raise InvalidArgument(f"specs[{i}]: {e}") from None
-        bound.apply_defaults()
-        args = list(bound.arguments.values())[1:]
-        try:
-            out.append(_spec(*args))
+            out.append(_spec("Client.create", image, kind, **keywords))
         except InvalidArgument as e:
             raise InvalidArgument(f"specs[{i}]: {e.message}") from None
     return out
@@ -162,38 +168,8 @@ class Client:
         with _live_lock:
             _live_clients.add(self)
 
-    def create(
-        self,
-        image: str = "busybox",
-        kind: str = "container",
-        *,
-        cpu: float = 1.0,
-        memory: Size = "512Mi",
-        disk: Size = "1Gi",
-        pids: int = 512,
-        open_files: int = 4096,
-        ttl: float = 3600,
-        env: Mapping[str, str] | None = None,
-        labels: Mapping[str, str] | None = None,
-        tenant: str = "",
-        hostname: str = "",
-        workdir: str = "/",
-        allow_ptrace: bool = False,
-        request_id: str | None = None,
-        node_selector: Mapping[str, str] | None = None,
-        anti_affinity: str = "",
-        gpus: int = 0,
-        user: str | int | None = None,
-        protected_paths: Sequence[str] | None = None,
-        network: str | Mapping[str, Any] | None = None,
-        egress_mbps: int = 0,
-        connections: int = 0,
-        display: str = "",
-        priority: str = "standard",
-        ksm: bool = False,
-        reclaim: bool = True,
-        queue_timeout: float = 0,
-    ) -> Sandbox:
+    @takes_spec_keywords
+    def create(self, image: str = DEFAULT_IMAGE, kind: str = DEFAULT_KIND, **spec: Unpack[SpecKeywords]) -> Sandbox:
         """Creates a sandbox and returns once it can run commands.
 
         ``cpu`` in cores (fractions allowed), ``memory`` and ``disk`` in bytes or as "512Mi"/"2G", ``ttl`` in
@@ -225,44 +201,11 @@ class Client:
 
         The sandbox is not destroyed by garbage collection: call ``destroy()`` or use ``with``.
         """
-        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority, ksm, reclaim, queue_timeout)
-        return Sandbox(self._c().create(spec), self)
+        return Sandbox(self._c().create(_spec("Client.create", image, kind, **spec)), self)
 
-    def create_many(
-        self,
-        n: int | Sequence[Mapping[str, Any]],
-        image: str = "busybox",
-        kind: str = "container",
-        *,
-        cpu: float = 1.0,
-        memory: Size = "512Mi",
-        disk: Size = "1Gi",
-        pids: int = 512,
-        open_files: int = 4096,
-        ttl: float = 3600,
-        env: Mapping[str, str] | None = None,
-        labels: Mapping[str, str] | None = None,
-        tenant: str = "",
-        hostname: str = "",
-        workdir: str = "/",
-        allow_ptrace: bool = False,
-        request_id: str | None = None,
-        node_selector: Mapping[str, str] | None = None,
-        anti_affinity: str = "",
-        gpus: int = 0,
-        user: str | int | None = None,
-        protected_paths: Sequence[str] | None = None,
-        network: str | Mapping[str, Any] | None = None,
-        egress_mbps: int = 0,
-        connections: int = 0,
-        display: str = "",
-        priority: str = "standard",
-        ksm: bool = False,
-        reclaim: bool = True,
-        queue_timeout: float = 0,
-    ) -> list[Sandbox]:
+    @takes_spec_keywords
+    def create_many(self, n: int | Sequence[Mapping[str, Any]], image: str = DEFAULT_IMAGE, kind: str = DEFAULT_KIND,
+                    **spec: Unpack[SpecKeywords]) -> list[Sandbox]:
         """``n`` sandboxes from one spec, created concurrently (``create_concurrency`` at a time).
 
         Placed over the nodes by the client's placement policy, one batch request per node, all at once; a node
@@ -274,49 +217,16 @@ class Client:
         a dict of :meth:`create`'s arguments), made as one pulse (equal specs share their batches); the first
         spec's ``request_id`` names the pulse. The other arguments are not used then.
         """
+        check_spec_keywords("Client.create_many", spec)
         if not isinstance(n, int):
             return [Sandbox(h, self) for h in self._c().create_many(_specs(n))]
         if n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
-        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority, ksm, reclaim, queue_timeout)
-        return [Sandbox(h, self) for h in self._c().create_many(n, spec)]
+        return [Sandbox(h, self) for h in self._c().create_many(n, _spec("Client.create_many", image, kind, **spec))]
 
-    def create_group(
-        self,
-        n: int | Sequence[Mapping[str, Any]],
-        image: str = "busybox",
-        kind: str = "container",
-        *,
-        lease: float = 30.0,
-        cpu: float = 1.0,
-        memory: Size = "512Mi",
-        disk: Size = "1Gi",
-        pids: int = 512,
-        open_files: int = 4096,
-        ttl: float = 3600,
-        env: Mapping[str, str] | None = None,
-        labels: Mapping[str, str] | None = None,
-        tenant: str = "",
-        hostname: str = "",
-        workdir: str = "/",
-        allow_ptrace: bool = False,
-        request_id: str | None = None,
-        node_selector: Mapping[str, str] | None = None,
-        anti_affinity: str = "",
-        gpus: int = 0,
-        user: str | int | None = None,
-        protected_paths: Sequence[str] | None = None,
-        network: str | Mapping[str, Any] | None = None,
-        egress_mbps: int = 0,
-        connections: int = 0,
-        display: str = "",
-        priority: str = "standard",
-        ksm: bool = False,
-        reclaim: bool = True,
-        queue_timeout: float = 0,
-    ) -> SandboxGroup:
+    @takes_spec_keywords
+    def create_group(self, n: int | Sequence[Mapping[str, Any]], image: str = DEFAULT_IMAGE, kind: str = DEFAULT_KIND,
+                     *, lease: float = 30.0, **spec: Unpack[SpecKeywords]) -> SandboxGroup:
         """``n`` sandboxes as one :class:`SandboxGroup` under a lease of ``lease`` seconds.
 
         Placed over the nodes by the client's placement policy and sent as one batch request per node, all at once;
@@ -325,14 +235,13 @@ class Client:
 
         ``n`` may instead be a list of specs, one member each, as in :meth:`create_many`.
         """
+        check_spec_keywords("Client.create_group", spec)
         if not isinstance(n, int):
             return SandboxGroup(self._c().create_group(_specs(n), float(lease)), self)
         if n < 0:
             raise InvalidArgument(f"n: must be a non-negative int, got {n!r}")
-        spec = _spec(image, kind, cpu, memory, disk, pids, open_files, ttl, env, labels, tenant, hostname, workdir,
-                     allow_ptrace, request_id, node_selector, anti_affinity, gpus, user, protected_paths, network,
-                     egress_mbps, connections, display, priority, ksm, reclaim, queue_timeout)
-        return SandboxGroup(self._c().create_group(n, spec, float(lease)), self)
+        native = _spec("Client.create_group", image, kind, **spec)
+        return SandboxGroup(self._c().create_group(n, native, float(lease)), self)
 
     def run_code(
         self,
