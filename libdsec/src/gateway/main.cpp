@@ -10,7 +10,6 @@
 
 #include <fmt/format.h>
 
-#include "agent/metrics.hpp"
 #include "gateway/e2b/gateway.hpp"
 #include "http/server.hpp"
 
@@ -105,7 +104,7 @@ int main(int argc, char** argv) {
 
   try {
     dsec::e2b::Gateway gateway(options);
-    dsec::agent::Metrics metrics;
+    dsec::agent::ConnectionCount connections;
     dsec::agent::ServerOptions server_options;
     server_options.tcp_listen = listen;
     server_options.max_body_bytes = 1ull << 30;  // file uploads
@@ -115,7 +114,7 @@ int main(int argc, char** argv) {
         [&gateway](dsec::agent::HttpRequest& request, dsec::agent::ResponseStream& stream, const dsec::agent::Peer&) {
           return gateway.handle(request, stream);
         },
-        metrics);
+        connections);
     server.start();
     fmt::print("listening on {}\n", server.tcp_endpoint());
     std::fflush(stdout);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dsec/spec.hpp"
+#include "http/query.hpp"
 
 namespace dsec::agent {
 
@@ -53,21 +54,6 @@ enum class Route {
 // The route's template, as used in metrics labels: "/v1/sandboxes/{id}/exec"; "unknown" for kUnknown.
 std::string_view route_template(Route route) noexcept;
 
-// The query string decoded into (key, value) pairs, in order; keys may repeat (label=a=1&label=b=2).
-class Query {
- public:
-  Query() = default;
-  explicit Query(std::vector<std::pair<std::string, std::string>> items) : items_(std::move(items)) {}
-
-  const std::vector<std::pair<std::string, std::string>>& items() const noexcept { return items_; }
-  // The last value of a key, if any.
-  std::optional<std::string> get(std::string_view key) const;
-  std::vector<std::string> get_all(std::string_view key) const;
-
- private:
-  std::vector<std::pair<std::string, std::string>> items_;
-};
-
 struct Target {
   Route route = Route::kUnknown;
   std::string path;        // decoded path, without the query
@@ -76,13 +62,6 @@ struct Target {
   std::string item;        // a process's pid or a session's name, for the routes under them (as given)
   Query query;
 };
-
-// Decodes %XX escapes. '+' stays a literal plus (clients encode a space as %20). Throws INVALID_ARGUMENT, naming
-// `what`, for a malformed escape.
-std::string percent_decode(std::string_view text, std::string_view what);
-
-// Parses "a=1&b=x%2Fy&flag" (a key without '=' gets an empty value). Throws INVALID_ARGUMENT on malformed escapes.
-Query parse_query(std::string_view query);
 
 // Parses an origin-form request target. An unknown path gives Route::kUnknown, not an error; a target that is not
 // an absolute path or carries malformed escapes is INVALID_ARGUMENT.

@@ -11,8 +11,8 @@
 #include <boost/beast/http/status.hpp>
 #include <nlohmann/json.hpp>
 
-#include "agent/api/routes.hpp"
 #include "common/protocol.hpp"
+#include "http/query.hpp"
 #include "http/tokens.hpp"
 
 namespace dsec::e2b {

@@ -15,11 +15,11 @@
 #include <boost/beast/http/field.hpp>
 #include <boost/beast/http/status.hpp>
 
-#include "agent/api/routes.hpp"
 #include "dsec/exec.hpp"
 #include "gateway/e2b/connect_rpc.hpp"
 #include "gateway/e2b/control_plane.hpp"
 #include "gateway/e2b/multipart.hpp"
+#include "http/query.hpp"
 #include "http/tokens.hpp"
 
 namespace dsec::e2b {
@@ -228,12 +228,12 @@ HttpResponse watch_dir(EnvdTarget& t, HttpRequest& request, agent::ResponseStrea
     const bool recursive = m.value("recursive", false), include_entry = m.value("includeEntry", false);
     const auto timeout = connect_timeout(request);
     const auto keepalive = keepalive_interval(request);
-    const auto stop_at = timeout && timeout->count() > 0 ? std::optional(Clock::now() + *timeout) : std::nullopt;
+    const auto stop_at = timeout && timeout->count() > 0 ? Clock::now() + *timeout : Clock::time_point::max();
     auto before = watch_snapshot(t, path, recursive);
     out.send(json{{"start", json::object()}});
     auto last_sent = Clock::now();
     while (!out.gone()) {
-      if (stop_at && Clock::now() >= *stop_at) {
+      if (Clock::now() >= stop_at) {
         out.finish(RpcError("deadline_exceeded", "the watch's timeout passed"));
         return;
       }

@@ -10,12 +10,12 @@
 #include <boost/beast/http/field.hpp>
 #include <boost/beast/http/status.hpp>
 
-#include "agent/api/routes.hpp"
 #include "common/protocol.hpp"
 #include "gateway/e2b/connect_rpc.hpp"
 #include "gateway/e2b/control_plane.hpp"
 #include "gateway/e2b/envd_filesystem.hpp"
 #include "gateway/e2b/envd_process.hpp"
+#include "http/query.hpp"
 
 namespace dsec::e2b {
 namespace http = boost::beast::http;
