@@ -58,6 +58,15 @@ constexpr std::string_view kEtcd = "/usr/bin/etcd";
 constexpr std::string_view kAgentLabel = "dsec-bench-agent";  // node label: which agent of the run
 constexpr std::string_view kPulseLabel = "dsec-bench-pulse";  // sandbox label: pulse or warm-up
 constexpr auto kStartTimeout = std::chrono::seconds(60);
+
+// The benchmark's etcd client: one member on loopback, a short connect timeout.
+cluster::EtcdOptions etcd_options(const std::string& url, std::chrono::milliseconds request_timeout) {
+  cluster::EtcdOptions o;
+  o.endpoints = {url};
+  o.request_timeout = request_timeout;
+  o.connect_timeout = std::chrono::milliseconds(500);
+  return o;
+}
 constexpr auto kStopGrace = std::chrono::seconds(60);
 
 std::string human_bytes(double bytes) {
@@ -523,9 +532,7 @@ Etcd start_etcd(const fs::path& dir) {
                        "--listen-client-urls", e.url, "--advertise-client-urls", e.url, "--listen-peer-urls", peer,
                        "--initial-advertise-peer-urls", peer, "--initial-cluster", "dsec-bench=" + peer},
                       dir / "etcd.log");
-  cluster::EtcdClient etcd(cluster::EtcdOptions{.endpoints = {e.url},
-                                                .request_timeout = std::chrono::milliseconds(1000),
-                                                .connect_timeout = std::chrono::milliseconds(500)});
+  cluster::EtcdClient etcd(etcd_options(e.url, std::chrono::milliseconds(1000)));
   auto give_up = Clock::now() + kStartTimeout;
   for (;;) {
     if (e.process.exited())
@@ -656,9 +663,7 @@ PulseRun run_cluster(const Options& o, const fs::path& scratch, const std::strin
     }
   }
   // ... and registered in etcd.
-  cluster::EtcdClient ec(cluster::EtcdOptions{.endpoints = {etcd.url},
-                                              .request_timeout = std::chrono::milliseconds(2000),
-                                              .connect_timeout = std::chrono::milliseconds(500)});
+  cluster::EtcdClient ec(etcd_options(etcd.url, std::chrono::milliseconds(2000)));
   for (;;) {
     auto listing = ec.range_prefix(run.prefix + "nodes/");
     if (static_cast<std::size_t>(listing.kvs.size()) == agents) break;

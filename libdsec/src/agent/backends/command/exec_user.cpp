@@ -128,7 +128,8 @@ ExecUser resolve_exec_user(std::string_view user, std::string_view passwd, std::
   }
   out.groups.push_back(out.gid);
   if (!entry) {
-    out.home = "/";
+    out.home =
+        std::string(1, '/');  // not `= "/"`: GCC 12 misreads that assignment here as an overlapping copy (-Wrestrict)
     return out;
   }
   out.name = std::string(entry->name);

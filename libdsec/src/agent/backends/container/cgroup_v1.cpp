@@ -53,7 +53,11 @@ Hierarchies find_hierarchies(bool cpu_accounting) {
     auto it = mounts.find(controller);
     return it == mounts.end() ? std::string() : it->second;
   };
-  Hierarchies h{at("cpu"), at("memory"), at("pids"), at("freezer"), {}};
+  Hierarchies h;
+  h.cpu = at("cpu");
+  h.memory = at("memory");
+  h.pids = at("pids");
+  h.freezer = at("freezer");
   if (cpu_accounting && at("cpuacct") != h.cpu) h.cpuacct = at("cpuacct");
   return h;
 }

@@ -75,17 +75,19 @@ VmProcess launch_vm(const VmLaunch& launch) {
   char* envp[] = {path_env.data(), nullptr};
   UniqueFd null_fd(::open("/dev/null", O_RDWR | O_CLOEXEC));
   if (!null_fd) throw_errno(errno, "open /dev/null");
-  int log_fd = launch.log_fd >= 0 ? launch.log_fd : null_fd.get();
+  // What the child reads after vfork is volatile: it runs on this stack frame, and the compiler must not keep these
+  // in registers across vfork's second return (-Wclobbered).
+  const volatile int log_fd = launch.log_fd >= 0 ? launch.log_fd : null_fd.get();
   int highest_target = 2;
   for (const auto& f : launch.fds) {
     if (f.target < 3) throw Error(Code::kInvalidArgument, "launch_vm: inherited descriptors start at 3");
     highest_target = std::max(highest_target, f.target);
   }
   // Sources are first moved above every target, so placing one cannot overwrite another still to be placed.
-  const int park = std::max(highest_target + 1, 64);
+  const volatile int park = std::max(highest_target + 1, 64);
   std::vector<int> parked(launch.fds.size(), -1);
   gid_t groups[1] = {launch.extra_group.value_or(0)};
-  const int ngroups = launch.extra_group ? 1 : 0;
+  const volatile int ngroups = launch.extra_group ? 1 : 0;
 
   volatile int child_step = kNone;
   volatile int child_errno = 0;
