@@ -54,12 +54,13 @@ std::string_view fault_name(Fault fault) noexcept;  // "request", "infrastructur
 
 class Error : public std::runtime_error {
  public:
-  Error(Code code, std::string message)
-      : std::runtime_error(std::move(message)), code_(code), retryable_(is_retryable(code)), fault_(fault_of(code)) {}
-  Error(Code code, std::string message, bool retryable)
-      : std::runtime_error(std::move(message)), code_(code), retryable_(retryable), fault_(fault_of(code)) {}
-  Error(Code code, std::string message, bool retryable, Fault fault)
-      : std::runtime_error(std::move(message)), code_(code), retryable_(retryable), fault_(fault) {}
+  // std::runtime_error keeps its own copy of the message (it has no constructor that takes one over).
+  Error(Code code, const std::string& message)
+      : std::runtime_error(message), code_(code), retryable_(is_retryable(code)), fault_(fault_of(code)) {}
+  Error(Code code, const std::string& message, bool retryable)
+      : std::runtime_error(message), code_(code), retryable_(retryable), fault_(fault_of(code)) {}
+  Error(Code code, const std::string& message, bool retryable, Fault fault)
+      : std::runtime_error(message), code_(code), retryable_(retryable), fault_(fault) {}
 
   Code code() const noexcept { return code_; }
   bool retryable() const noexcept { return retryable_; }

@@ -242,6 +242,7 @@ std::vector<AllowedBox> make_disjoint(const std::vector<AllowedBox>& boxes) {
     kept.insert(kept.end(), pieces.begin(), pieces.end());
   }
   std::vector<AllowedBox> out;
+  out.reserve(kept.size());
   for (const Box& b : kept) out.push_back({b[0][0], b[0][1], b[1][0], b[1][1], b[2][0], b[2][1]});
   return out;
 }

@@ -127,7 +127,9 @@ void walk_dir(int dirfd, const std::string& rel, dev_t root_dev, WalkState& stat
     if (name == "." || name == "..") continue;
     struct stat st {};
     if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // vanished meanwhile
-    std::string path = rel.empty() ? name : rel + "/" + name;
+    std::string path = rel;
+    if (!path.empty()) path += '/';
+    path += name;
     TreeEntry e;
     e.path = path;
     e.mode = st.st_mode & 07777;

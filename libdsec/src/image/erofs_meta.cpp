@@ -127,7 +127,7 @@ class ErofsReader {
     const bool extended = format & 1;
     in.layout = (format >> 1) & 7;
     const std::uint16_t icount = le16(p + 2);
-    in.xattr_size = icount ? kXattrIbodyHeaderSize + 4u * (icount - 1u) : 0;
+    in.xattr_size = icount ? kXattrIbodyHeaderSize + std::size_t{4} * (icount - 1u) : 0;
     in.mode = le16(p + 4);
     if (extended) {
       std::string full = read(in.offset, kExtendedInodeSize);
@@ -174,10 +174,10 @@ class ErofsReader {
     std::string body = read(in.offset + in.inode_size, in.xattr_size);
     auto* p = reinterpret_cast<const unsigned char*>(body.data());
     const unsigned shared = p[4];
-    std::size_t at = kXattrIbodyHeaderSize + 4u * shared;
+    std::size_t at = kXattrIbodyHeaderSize + std::size_t{4} * shared;
     if (at > body.size()) bad("more shared xattrs than fit in the xattr body");
     for (unsigned i = 0; i < shared; ++i) {
-      const std::uint32_t id = le32(p + kXattrIbodyHeaderSize + 4u * i);
+      const std::uint32_t id = le32(p + kXattrIbodyHeaderSize + std::size_t{4} * i);
       const std::uint64_t where = static_cast<std::uint64_t>(xattr_blkaddr_) * block_size() + std::uint64_t{id} * 4;
       // An entry is at most 4 + 255 + 65535 bytes; read its head, then all of it.
       std::string head = read(where, kXattrEntrySize);

@@ -185,7 +185,7 @@ void pack_tree(const fs::path& source, const fs::path& tarball) {
     LinkResolver links(archive_entry_linkresolver_new());
     archive_entry_linkresolver_set_strategy(links.get(), archive_format(aw.get()));
 
-    std::vector<char> zeros(64 * 1024, 0);
+    std::vector<char> zeros(std::size_t{64} << 10, 0);
     for (;;) {
       Entry owned(archive_entry_new());
       int r = archive_read_next_header2(rd.get(), owned.get());
