@@ -110,27 +110,36 @@ AccessPolicy access_policy(const AgentConfig& c, std::shared_ptr<auth::TlsServer
 
 }  // namespace
 
-Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) {
-  if (config_.node_id.empty()) {
+namespace {
+
+// The config's own checks, before anything is made (INVALID_ARGUMENT naming the setting). Fills in the node id from
+// the host name when none is given.
+void check_config(AgentConfig& config) {
+  if (config.node_id.empty()) {
     char host[HOST_NAME_MAX + 1] = {};
-    if (::gethostname(host, sizeof host - 1) == 0) config_.node_id = host;
+    if (::gethostname(host, sizeof host - 1) == 0) config.node_id = host;
   }
-  if (!valid_node_id(config_.node_id))
+  if (!valid_node_id(config.node_id))
     throw Error(Code::kInvalidArgument,
-                fmt::format("node id '{}': use 1 to 64 letters, digits, '-', '_' or '.'", config_.node_id));
-  if (config_.max_connections == 0) throw Error(Code::kInvalidArgument, "max_connections must be at least 1");
-  if (!(config_.cpu_overcommit > 0) || !(config_.memory_overcommit > 0))
+                fmt::format("node id '{}': use 1 to 64 letters, digits, '-', '_' or '.'", config.node_id));
+  if (config.max_connections == 0) throw Error(Code::kInvalidArgument, "max_connections must be at least 1");
+  if (!(config.cpu_overcommit > 0) || !(config.memory_overcommit > 0))
     throw Error(Code::kInvalidArgument, "overcommit ratios must be positive");
-  if (config_.memory_overcommit_ceiling != 0 && config_.memory_overcommit_ceiling < config_.memory_overcommit)
+  if (config.memory_overcommit_ceiling != 0 && config.memory_overcommit_ceiling < config.memory_overcommit)
     throw Error(Code::kInvalidArgument,
                 fmt::format("memory overcommit ceiling {} is below the memory overcommit {}: it can only go further",
-                            config_.memory_overcommit_ceiling, config_.memory_overcommit));
-  if (!config_.advertise.empty() && config_.advertise.rfind("http://", 0) != 0 &&
-      config_.advertise.rfind("https://", 0) != 0 && config_.advertise.rfind("unix:", 0) != 0)
+                            config.memory_overcommit_ceiling, config.memory_overcommit));
+  if (!config.advertise.empty() && config.advertise.rfind("http://", 0) != 0 &&
+      config.advertise.rfind("https://", 0) != 0 && config.advertise.rfind("unix:", 0) != 0)
     throw Error(Code::kInvalidArgument, fmt::format("advertised endpoint '{}': use http://host:port, https://host:port "
                                                     "or unix:/path",
-                                                    config_.advertise));
+                                                    config.advertise));
+}
 
+}  // namespace
+
+Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) {
+  check_config(config_);
   std::error_code ec;
   std::filesystem::create_directories(config_.home, ec);
   if (ec) throw Error(Code::kFailedPrecondition, fmt::format("home {}: {}", config_.home.string(), ec.message()));
@@ -151,21 +160,34 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   latency_cpus_ = qos::resolve_cpu_reservation(config_.latency_cpus, kernel_qos_);
 
   capacity_ = parts.capacity ? *parts.capacity : probe_host();
+  set_up_images(parts);
+  set_up_shared_parts();
+  set_up_backends(parts);
+  set_up_registry();
+  set_up_api(std::move(access));
+}
+
+void Agent::set_up_images(AgentParts& parts) {
   if (parts.images) {
     images_ = std::move(parts.images);
-  } else {
-    ImageSourceOptions images;
-    images.stores = config_.stores;
-    if (images.stores.empty()) images.stores.push_back((config_.home / "store").string());
-    images.cache_dir = config_.layer_cache_dir.empty() ? config_.home / "cache" / "layers" : config_.layer_cache_dir;
-    images.cache_bytes = config_.layer_cache_bytes;
-    images.layer_mode = config_.layer_mode;
-    images.mount_dir = config_.run_dir / ".layers";
-    images_ = make_layered_image_source(images, metrics_.layers());
+    return;
   }
-  const auto serves = [&](std::string_view kind) {
-    return std::find(config_.backends.begin(), config_.backends.end(), kind) != config_.backends.end();
-  };
+  ImageSourceOptions images;
+  images.stores = config_.stores;
+  if (images.stores.empty()) images.stores.push_back((config_.home / "store").string());
+  images.cache_dir = config_.layer_cache_dir.empty() ? config_.home / "cache" / "layers" : config_.layer_cache_dir;
+  images.cache_bytes = config_.layer_cache_bytes;
+  images.layer_mode = config_.layer_mode;
+  images.mount_dir = config_.run_dir / ".layers";
+  images_ = make_layered_image_source(images, metrics_.layers());
+}
+
+bool Agent::serves(std::string_view kind) const {
+  return std::find(config_.backends.begin(), config_.backends.end(), kind) != config_.backends.end();
+}
+
+// What backends share: the node's user namespaces, its sandbox networks, and the function-call service.
+void Agent::set_up_shared_parts() {
   if (serves("container") || serves("fncall")) {
     container::UsernsOptions u;
     u.mode = config_.userns;
@@ -201,15 +223,16 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     fo.cores = capacity_.cores;
     fncall_ = std::make_unique<fncall::FnCallService>(std::move(fo), *images_);
   }
+}
+
+void Agent::set_up_backends(AgentParts& parts) {
   const bool backends_from_config = parts.backends.empty();
   backends_ =
       backends_from_config ? make_backends(config_, userns_, network_, warm_shapes()) : std::move(parts.backends);
   // A node without QEMU (or, for microVMs, a guest kernel) still serves its other backends; GET /v1/node says why
   // not these.
   auto add_qemu_tier = [&](const char* kind, QemuTier& tier, auto make) {
-    if (!backends_from_config ||
-        std::find(config_.backends.begin(), config_.backends.end(), kind) == config_.backends.end())
-      return;
+    if (!backends_from_config || !serves(kind)) return;
     try {
       auto backend = make(config_);
       tier.backend = backend.get();
@@ -226,7 +249,11 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
     cgroup_version_ = container_cgroup_version();
     cgroup_cpu_idle_ = container_cgroup_cpu_idle(config_.cgroup_name);
   }
+}
 
+// The registry over the backends, what it takes over from an earlier run, then the backends' background work and
+// the cold-memory reclaimer.
+void Agent::set_up_registry() {
   RegistryOptions options;
   options.node_id = config_.node_id;
   options.state_dir = config_.state_dir.empty() ? config_.home / "state" / "sandboxes" : config_.state_dir;
@@ -252,7 +279,10 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   reclaim.have_swap = read_swap_totals().total_bytes > 0;
   reclaimer_ = std::make_unique<qos::ColdReclaimer>(*registry_, std::move(reclaim));
   metrics_.add_source([this](std::string& out) { render_cold_memory_metrics(out); });
+}
 
+// Snapshots, the router and the HTTP server in front of them.
+void Agent::set_up_api(AccessPolicy access) {
   SnapshotOptions snapshots;
   snapshots.node_id = config_.node_id;
   snapshots.store = config_.snapshot_store;

@@ -86,6 +86,14 @@ class Agent {
   const std::string& tcp_endpoint() const noexcept { return server_->tcp_endpoint(); }
 
  private:
+  // The steps of the constructor, in order.
+  void set_up_images(AgentParts& parts);
+  void set_up_shared_parts();
+  void set_up_backends(AgentParts& parts);
+  void set_up_registry();
+  void set_up_api(AccessPolicy access);
+  bool serves(std::string_view kind) const;  // whether config.backends names the kind
+
   void reaper_loop();
   void start_registration();
   QosNodeInfo qos_node_info() const;

@@ -370,101 +370,117 @@ void Server::refuse(UniqueFd fd, bool tls) {
   events_.count_request("unrouted", "-", res.result_int());
 }
 
+// A TCP connection's TLS handshake, on the connection's own thread. Null with `serving` false when it failed.
+std::unique_ptr<auth::TlsSession> Server::start_tls(int fd, Peer& peer, bool& serving) {
+  std::unique_ptr<auth::TlsSession> tls;
+  try {
+    tls = std::make_unique<auth::TlsSession>(*options_.tls, fd);
+    std::string why;
+    if (tls->accept(why)) {
+      peer.client_subject = tls->peer_subject();
+    } else {
+      events_.tls_handshake_failed();
+      serving = false;
+    }
+  } catch (const std::exception& e) {
+    log_warn("TLS connection from {}: {}", peer.address, e.what());
+    serving = false;
+  }
+  return tls;
+}
+
+// Reads one request: its header, a 100 Continue where the client waits for one, then its body.
+void Server::read_request(FdStream& stream, boost::beast::flat_buffer& buffer,
+                          http::request_parser<http::string_body>& parser, boost::system::error_code& ec) {
+  parser.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_header_bytes, UINT32_MAX)));
+  parser.body_limit(static_cast<std::uint64_t>(options_.max_body_bytes));
+  http::read_header(stream, buffer, parser, ec);
+  if (ec || parser.is_done()) return;
+  if (boost::beast::iequals(parser.get()[http::field::expect], "100-continue")) {
+    static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+    boost::asio::const_buffer b(kContinue.data(), kContinue.size());
+    while (b.size() > 0 && !ec) b += stream.write_some(b, ec);
+  }
+  if (!ec) http::read(stream, buffer, parser, ec);
+}
+
+// A request the parser refused gets an answer (431, 413, 400) and the connection closes after it; between requests,
+// end of stream and timeouts simply end the connection, and mid-request so does a client that went away. True when
+// an answer was sent (the connection then lingers, so the client reads it).
+bool Server::answer_unreadable(FdStream& stream, const boost::system::error_code& ec) {
+  std::optional<std::pair<int, Error>> answer;
+  if (ec == http::error::header_limit) {
+    answer.emplace(431, Error(Code::kResourceExhausted,
+                              fmt::format("request header larger than {} bytes", options_.max_header_bytes), false));
+  } else if (ec == http::error::body_limit) {
+    answer.emplace(413, Error(Code::kResourceExhausted,
+                              fmt::format("request body larger than {} bytes (the agent's max body size)",
+                                          options_.max_body_bytes),
+                              false));
+  } else if (ec.category() == http::make_error_code(http::error::bad_target).category() &&
+             ec != http::error::end_of_stream && ec != http::error::partial_message) {
+    answer.emplace(400, Error(Code::kInvalidArgument, fmt::format("malformed HTTP request: {}", ec.message())));
+  }
+  if (!answer) return false;
+  HttpResponse res = error_response(answer->second, answer->first);
+  res.keep_alive(false);
+  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
+  res.prepare_payload();
+  boost::system::error_code wec;
+  http::write(stream, res, wec);
+  events_.count_request("unrouted", "-", answer->first);
+  return true;
+}
+
+// Hands one request to the handler and writes its answer (or finishes the stream it began). False when the
+// connection ends here.
+bool Server::answer(FdStream& stream, HttpRequest& request, const Peer& peer) {
+  auto keep_alive = [&] {
+    std::lock_guard lock(mutex_);
+    return request.keep_alive() && !stopping_;
+  };
+  ChunkedStream streamed(stream, request.version(),
+                         std::chrono::duration_cast<std::chrono::milliseconds>(options_.idle_timeout), keep_alive);
+  HttpResponse res;
+  try {
+    res = handler_(request, streamed, peer);
+  } catch (const std::exception& e) {
+    if (streamed.begun()) {
+      // Too late for an error status: cut the body short, which the client sees as a broken response.
+      log_warn("streamed response to {} ended by an error: {}", std_view(request.target()), e.what());
+      return false;
+    }
+    res = error_response(Error(Code::kInternal, e.what()), 500);
+  }
+  if (streamed.begun()) return streamed.finish();
+  const bool keep = keep_alive();
+  res.version(request.version());
+  res.keep_alive(keep);
+  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
+  res.prepare_payload();
+  boost::system::error_code ec;
+  http::write(stream, res, ec);
+  return !ec && keep;
+}
+
 void Server::serve(int fd, Peer peer) {
   set_timeouts(fd, std::chrono::duration_cast<std::chrono::milliseconds>(options_.idle_timeout));
   std::unique_ptr<auth::TlsSession> tls;
   bool serving = true;
-  if (peer.tls) {
-    try {
-      tls = std::make_unique<auth::TlsSession>(*options_.tls, fd);
-      std::string why;
-      if (tls->accept(why)) {
-        peer.client_subject = tls->peer_subject();
-      } else {
-        events_.tls_handshake_failed();
-        serving = false;
-      }
-    } catch (const std::exception& e) {
-      log_warn("TLS connection from {}: {}", peer.address, e.what());
-      serving = false;
-    }
-  }
+  if (peer.tls) tls = start_tls(fd, peer, serving);
   FdStream stream(fd, tls ? tls->get() : nullptr);
   boost::beast::flat_buffer buffer;
   bool linger = false;
   while (serving) {
     http::request_parser<http::string_body> parser;
-    parser.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_header_bytes, UINT32_MAX)));
-    parser.body_limit(static_cast<std::uint64_t>(options_.max_body_bytes));
     boost::system::error_code ec;
-    http::read_header(stream, buffer, parser, ec);
-    if (!ec && !parser.is_done()) {
-      if (boost::beast::iequals(parser.get()[http::field::expect], "100-continue")) {
-        static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-        boost::asio::const_buffer b(kContinue.data(), kContinue.size());
-        while (b.size() > 0 && !ec) b += stream.write_some(b, ec);
-      }
-      if (!ec) http::read(stream, buffer, parser, ec);
-    }
+    read_request(stream, buffer, parser, ec);
     if (ec) {
-      // Between requests, end of stream and timeouts simply end the connection; mid-request, so does a client
-      // that went away. What the parser refused gets an answer.
-      std::optional<std::pair<int, Error>> answer;
-      if (ec == http::error::header_limit) {
-        answer.emplace(431,
-                       Error(Code::kResourceExhausted,
-                             fmt::format("request header larger than {} bytes", options_.max_header_bytes), false));
-      } else if (ec == http::error::body_limit) {
-        answer.emplace(413, Error(Code::kResourceExhausted,
-                                  fmt::format("request body larger than {} bytes (the agent's max body size)",
-                                              options_.max_body_bytes),
-                                  false));
-      } else if (ec.category() == http::make_error_code(http::error::bad_target).category() &&
-                 ec != http::error::end_of_stream && ec != http::error::partial_message) {
-        answer.emplace(400, Error(Code::kInvalidArgument, fmt::format("malformed HTTP request: {}", ec.message())));
-      }
-      if (answer) {
-        HttpResponse res = error_response(answer->second, answer->first);
-        res.keep_alive(false);
-        res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
-        res.prepare_payload();
-        boost::system::error_code wec;
-        http::write(stream, res, wec);
-        events_.count_request("unrouted", "-", answer->first);
-        linger = true;
-      }
+      linger = answer_unreadable(stream, ec);
       break;
     }
-
     HttpRequest request = parser.release();
-    auto keep_alive = [&] {
-      std::lock_guard lock(mutex_);
-      return request.keep_alive() && !stopping_;
-    };
-    ChunkedStream streamed(stream, request.version(),
-                           std::chrono::duration_cast<std::chrono::milliseconds>(options_.idle_timeout), keep_alive);
-    HttpResponse res;
-    try {
-      res = handler_(request, streamed, peer);
-    } catch (const std::exception& e) {
-      if (streamed.begun()) {
-        // Too late for an error status: cut the body short, which the client sees as a broken response.
-        log_warn("streamed response to {} ended by an error: {}", std_view(request.target()), e.what());
-        break;
-      }
-      res = error_response(Error(Code::kInternal, e.what()), 500);
-    }
-    if (streamed.begun()) {
-      if (!streamed.finish()) break;
-      continue;
-    }
-    const bool keep = keep_alive();
-    res.version(request.version());
-    res.keep_alive(keep);
-    res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
-    res.prepare_payload();
-    http::write(stream, res, ec);
-    if (ec || !keep) break;
+    if (!answer(stream, request, peer)) break;
   }
   if (tls && serving) tls->shutdown();
   if (linger) linger_close(fd);

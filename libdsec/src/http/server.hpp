@@ -13,11 +13,15 @@
 #include <cstddef>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_set>
 #include <vector>
+
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/http/parser.hpp>
 
 #include "common/unique_fd.hpp"
 #include "http/http.hpp"
@@ -70,7 +74,14 @@ class Server {
   void accept_loop();
   void refuse(UniqueFd fd, bool tls);
   void remove_socket_file();  // only if the path is still the socket this server bound
+  // One connection, request after request, on its own thread; and its steps.
   void serve(int fd, Peer peer);
+  std::unique_ptr<auth::TlsSession> start_tls(int fd, Peer& peer, bool& serving);
+  void read_request(FdStream& stream, boost::beast::flat_buffer& buffer,
+                    boost::beast::http::request_parser<boost::beast::http::string_body>& parser,
+                    boost::system::error_code& ec);
+  bool answer_unreadable(FdStream& stream, const boost::system::error_code& ec);
+  bool answer(FdStream& stream, HttpRequest& request, const Peer& peer);
 
   ServerOptions options_;
   HttpHandler handler_;

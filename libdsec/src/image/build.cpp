@@ -242,6 +242,83 @@ LayerDescriptor store_tree_as_layer(BlobStore& store, const fs::path& tree, Laye
   return d;
 }
 
+namespace {
+
+// The build's source as a tree under `tree` (a directory source is used where it is): what the manifest says it
+// was built from.
+std::string make_source_tree(const BuildOptions& options, fs::path& tree, WhiteoutMode whiteouts, BuildResult& result) {
+  const LayerSource& src = options.source;
+  TarLimits limits;
+  limits.max_bytes = options.max_bytes;
+  switch (src.kind) {
+    case LayerSource::Kind::kDirectory: {
+      std::error_code ec;
+      auto st = fs::status(src.path, ec);
+      if (ec || !fs::exists(st))
+        throw Error(Code::kNotFound, fmt::format("source directory {} does not exist", src.path));
+      if (!fs::is_directory(st))
+        throw Error(Code::kInvalidArgument, fmt::format("source {} is not a directory", src.path));
+      tree = fs::canonical(src.path);
+      return fmt::format("directory {}", tree.string());
+    }
+    case LayerSource::Kind::kTar:
+      apply_layer_tar(src.path, tree, whiteouts, limits, result.notes);
+      return src.path == "-" ? "tar from standard input" : fmt::format("tar {}", fs::absolute(src.path).string());
+    case LayerSource::Kind::kOci:
+      return apply_oci_image(fs::absolute(src.path), tree, whiteouts, limits, result.notes);
+    case LayerSource::Kind::kBusybox:
+      return make_busybox_tree(tree, options.busybox, result.notes);
+    case LayerSource::Kind::kDebootstrap:
+      if (options.cache_dir.empty())
+        throw Error(Code::kInvalidArgument, "build_image: no cache directory for debootstrap");
+      return make_debootstrap_tree(tree, src.path, options.include_packages, options.mirror, options.cache_dir,
+                                   options.log, result.notes);
+  }
+  return {};
+}
+
+// The difference of `tree` from the parent image, as a tree of its own under `work`.
+fs::path diff_from_parent(BlobStore& store, const BuildOptions& options, const ResolvedManifest& parent,
+                          const fs::path& tree, const fs::path& work, BuildResult& result,
+                          const std::function<void(std::string_view)>& log) {
+  auto started = std::chrono::steady_clock::now();
+  log(fmt::format("comparing with the {} layer{} of {}", parent.manifest.layers.size(),
+                  parent.manifest.layers.size() == 1 ? "" : "s", parent.reference.to_string()));
+  MountedImage parent_view(store, parent.manifest, work / "parent", options.progress);
+  std::vector<std::string> diff_notes;
+  fs::path diff_tree = work / "diff";
+  DiffOptions diff_options;
+  diff_options.link_files = options.source.kind != LayerSource::Kind::kDirectory;  // the user's directory is only read
+  make_diff_tree(parent_view.root(), tree, diff_tree, diff_notes, diff_options);
+  parent_view.release();
+  for (const auto& n : diff_notes) log(n);
+  result.notes.insert(result.notes.end(), diff_notes.begin(), diff_notes.end());
+  result.seconds_diff = since(started);
+  return diff_tree;
+}
+
+// The image's manifest (the parent's layers, then the new one) committed under the reference's name and tag.
+void commit_build(BlobStore& store, ImageReference ref, const std::optional<ResolvedManifest>& parent,
+                  const std::string& source, BuildResult& result) {
+  auto started = std::chrono::steady_clock::now();
+  Manifest m;
+  m.name = ref.name;
+  m.tag = ref.tag;
+  if (parent) {
+    m.layers = parent->manifest.layers;
+    m.parent = parent->reference.to_string();
+  }
+  m.layers.push_back(result.layer);
+  m.created_at = now_unix();
+  m.source = source;
+  m.notes = result.notes;
+  ref.digest = commit_manifest(store, m);
+  result.image = fetch_manifest(store, ref);
+  result.seconds_store = since(started);
+}
+
+}  // namespace
+
 BuildResult build_image(BlobStore& store, const BuildOptions& options) {
   ImageReference ref = parse_reference(options.reference);
   if (!ref.digest.empty())
@@ -276,59 +353,11 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
 
   auto started = std::chrono::steady_clock::now();
   fs::path tree = work / "tree";
-  std::string source;
-  const LayerSource& src = options.source;
-  TarLimits limits;
-  limits.max_bytes = options.max_bytes;
-  switch (src.kind) {
-    case LayerSource::Kind::kDirectory: {
-      std::error_code ec;
-      auto st = fs::status(src.path, ec);
-      if (ec || !fs::exists(st))
-        throw Error(Code::kNotFound, fmt::format("source directory {} does not exist", src.path));
-      if (!fs::is_directory(st))
-        throw Error(Code::kInvalidArgument, fmt::format("source {} is not a directory", src.path));
-      tree = fs::canonical(src.path);
-      source = fmt::format("directory {}", tree.string());
-      break;
-    }
-    case LayerSource::Kind::kTar:
-      apply_layer_tar(src.path, tree, whiteouts, limits, result.notes);
-      source = src.path == "-" ? "tar from standard input" : fmt::format("tar {}", fs::absolute(src.path).string());
-      break;
-    case LayerSource::Kind::kOci:
-      source = apply_oci_image(fs::absolute(src.path), tree, whiteouts, limits, result.notes);
-      break;
-    case LayerSource::Kind::kBusybox:
-      source = make_busybox_tree(tree, options.busybox, result.notes);
-      break;
-    case LayerSource::Kind::kDebootstrap:
-      if (options.cache_dir.empty())
-        throw Error(Code::kInvalidArgument, "build_image: no cache directory for debootstrap");
-      source = make_debootstrap_tree(tree, src.path, options.include_packages, options.mirror, options.cache_dir,
-                                     options.log, result.notes);
-      break;
-  }
+  const std::string source = make_source_tree(options, tree, whiteouts, result);
   for (const auto& n : result.notes) log(n);
   result.seconds_tree = since(started);
 
-  std::optional<MountedImage> parent_view;
-  if (diff) {
-    started = std::chrono::steady_clock::now();
-    log(fmt::format("comparing with the {} layer{} of {}", parent->manifest.layers.size(),
-                    parent->manifest.layers.size() == 1 ? "" : "s", parent->reference.to_string()));
-    parent_view.emplace(store, parent->manifest, work / "parent", options.progress);
-    std::vector<std::string> diff_notes;
-    fs::path diff_tree = work / "diff";
-    DiffOptions diff_options;
-    diff_options.link_files = src.kind != LayerSource::Kind::kDirectory;  // the user's directory is only read
-    make_diff_tree(parent_view->root(), tree, diff_tree, diff_notes, diff_options);
-    parent_view->release();
-    tree = diff_tree;
-    for (const auto& n : diff_notes) log(n);
-    result.notes.insert(result.notes.end(), diff_notes.begin(), diff_notes.end());
-    result.seconds_diff = since(started);
-  }
+  if (diff) tree = diff_from_parent(store, options, *parent, tree, work, result, log);
 
   started = std::chrono::steady_clock::now();
   std::vector<std::string> layer_notes;
@@ -338,22 +367,7 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
   result.notes.insert(result.notes.end(), layer_notes.begin(), layer_notes.end());
   result.seconds_mkfs = since(started);
 
-  started = std::chrono::steady_clock::now();
-  Manifest m;
-  m.name = ref.name;
-  m.tag = ref.tag;
-  if (parent) {
-    m.layers = parent->manifest.layers;
-    m.parent = parent->reference.to_string();
-  }
-  m.layers.push_back(result.layer);
-  m.created_at = now_unix();
-  m.source = source;
-  m.notes = result.notes;
-  std::string digest = commit_manifest(store, m);
-  ref.digest = digest;
-  result.image = fetch_manifest(store, ref);
-  result.seconds_store = since(started);
+  commit_build(store, ref, parent, source, result);
   return result;
 }
 

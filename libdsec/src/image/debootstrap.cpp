@@ -8,6 +8,7 @@
 #include <cctype>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -363,57 +364,30 @@ void clean_debootstrap_tree(const fs::path& rootfs, std::vector<std::string>& no
   notes.push_back("replaced /etc/hostname, /etc/resolv.conf and /etc/hosts copied from the build host");
 }
 
-std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite,
-                                  const std::vector<std::string>& include_packages, const std::string& mirror,
-                                  const fs::path& cache_dir, const LogSink& log, std::vector<std::string>& notes) {
-  check_suite(suite);
-  std::vector<std::string> packages = normalize_packages(include_packages);
-  if (!mirror.empty()) check_mirror(mirror);
-  std::string arch = host_debian_arch();
-  fs::path cache = cache_dir / debootstrap_cache_name(suite, arch, packages);
-  std::string source =
-      fmt::format("debootstrap:{} --variant=minbase{}", suite,
-                  packages.empty() ? std::string() : fmt::format(" --include={}", fmt::join(packages, ",")));
+namespace {
 
-  auto say = [&](std::string_view line) {
-    if (log) log(line);
-  };
-  const fs::path rootfs = dest;
-  struct Unmount {
-    const fs::path& p;
-    ~Unmount() {
-      try {
-        unmount_below(p);
-      } catch (...) {
-      }
-    }
-  } unmount_on_exit{rootfs};
-
-  if (fs::is_regular_file(cache)) {
-    say(fmt::format("using the cached debootstrap tree {}", cache.string()));
-    try {
-      unpack_tree(cache, rootfs, notes);
-      notes.push_back(fmt::format("unpacked from the cached debootstrap tree {}", cache.string()));
-      return source;
-    } catch (const Error& e) {
-      say(fmt::format("warning: the cached tree {} is unusable ({}); removing it and bootstrapping again",
-                      cache.string(), e.what()));
-      notes.clear();
-      remove_tree(rootfs);
-      ::unlink(cache.c_str());
-    }
+// Unpacks a tree cached by an earlier bootstrap into `rootfs`. False (with the cache removed) when it is unusable.
+bool unpack_cached_tree(const fs::path& cache, const fs::path& rootfs, std::vector<std::string>& notes,
+                        const std::function<void(std::string_view)>& say) {
+  say(fmt::format("using the cached debootstrap tree {}", cache.string()));
+  try {
+    unpack_tree(cache, rootfs, notes);
+    notes.push_back(fmt::format("unpacked from the cached debootstrap tree {}", cache.string()));
+    return true;
+  } catch (const Error& e) {
+    say(fmt::format("warning: the cached tree {} is unusable ({}); removing it and bootstrapping again", cache.string(),
+                    e.what()));
+    notes.clear();
+    remove_tree(rootfs);
+    ::unlink(cache.c_str());
+    return false;
   }
+}
 
-  if (::geteuid() != 0)
-    throw Error(Code::kPermissionDenied, "debootstrap needs root (it chroots and creates device nodes); run as root");
-  std::string from = mirror.empty() ? find_debian_mirror(suite) : mirror;
-  check_mirror(from);
-
-  std::vector<std::string> argv{"debootstrap", "--variant=minbase", "--components=main", "--arch=" + arch};
-  if (!packages.empty()) argv.push_back(fmt::format("--include={}", fmt::join(packages, ",")));
-  argv.insert(argv.end(), {suite, rootfs.string(), from});
-  say(fmt::format("running: {}", fmt::join(argv, " ")));
-
+// Runs debootstrap into `rootfs`; its seconds. A failure is UNAVAILABLE when a download failed, else INTERNAL, with
+// the end of its output and of its log.
+double run_debootstrap(const std::vector<std::string>& argv, const fs::path& rootfs, const std::string& suite,
+                       const std::string& from, const std::function<void(std::string_view)>& say) {
   ProcessOptions options;
   options.env = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                  "LANG=C.UTF-8",
@@ -433,22 +407,64 @@ std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite
   // debootstrap unmounts what it mounted in the target when it exits normally; not always when it fails.
   unmount_below(rootfs);
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (!result.ok()) {
-    std::string log_tail;
-    fs::path dlog = rootfs / "debootstrap/debootstrap.log";
-    if (fs::is_regular_file(dlog)) {
-      ProcessResult fake;
-      fake.err = read_text(dlog);
-      log_tail = "\n--- debootstrap.log ---\n" + fake.tail(15);
-    }
-    std::string all = result.out + result.err;
-    bool download = all.find("Failed getting") != std::string::npos ||
-                    all.find("Couldn't download") != std::string::npos ||
-                    all.find("Failed to download") != std::string::npos;
-    throw Error(
-        download ? Code::kUnavailable : Code::kInternal,
-        fmt::format("debootstrap {} from {} {}:\n{}{}", suite, from, result.status_text(), result.tail(), log_tail));
+  if (result.ok()) return seconds;
+  std::string log_tail;
+  fs::path dlog = rootfs / "debootstrap/debootstrap.log";
+  if (fs::is_regular_file(dlog)) {
+    ProcessResult fake;
+    fake.err = read_text(dlog);
+    log_tail = "\n--- debootstrap.log ---\n" + fake.tail(15);
   }
+  std::string all = result.out + result.err;
+  bool download = all.find("Failed getting") != std::string::npos ||
+                  all.find("Couldn't download") != std::string::npos ||
+                  all.find("Failed to download") != std::string::npos;
+  throw Error(
+      download ? Code::kUnavailable : Code::kInternal,
+      fmt::format("debootstrap {} from {} {}:\n{}{}", suite, from, result.status_text(), result.tail(), log_tail));
+}
+
+}  // namespace
+
+std::string make_debootstrap_tree(const fs::path& dest, const std::string& suite,
+                                  const std::vector<std::string>& include_packages, const std::string& mirror,
+                                  const fs::path& cache_dir, const LogSink& log, std::vector<std::string>& notes) {
+  check_suite(suite);
+  std::vector<std::string> packages = normalize_packages(include_packages);
+  if (!mirror.empty()) check_mirror(mirror);
+  std::string arch = host_debian_arch();
+  fs::path cache = cache_dir / debootstrap_cache_name(suite, arch, packages);
+  std::string source =
+      fmt::format("debootstrap:{} --variant=minbase{}", suite,
+                  packages.empty() ? std::string() : fmt::format(" --include={}", fmt::join(packages, ",")));
+
+  std::function<void(std::string_view)> say = [&](std::string_view line) {
+    if (log) log(line);
+  };
+  const fs::path rootfs = dest;
+  struct Unmount {
+    const fs::path& p;
+    ~Unmount() {
+      try {
+        unmount_below(p);
+      } catch (...) {
+      }
+    }
+  } unmount_on_exit{rootfs};
+
+  if (fs::is_regular_file(cache) && unpack_cached_tree(cache, rootfs, notes, say)) return source;
+
+  if (::geteuid() != 0)
+    throw Error(Code::kPermissionDenied, "debootstrap needs root (it chroots and creates device nodes); run as root");
+  std::string from = mirror.empty() ? find_debian_mirror(suite) : mirror;
+  check_mirror(from);
+
+  std::vector<std::string> argv{"debootstrap", "--variant=minbase", "--components=main", "--arch=" + arch};
+  if (!packages.empty()) argv.push_back(fmt::format("--include={}", fmt::join(packages, ",")));
+  argv.insert(argv.end(), {suite, rootfs.string(), from});
+  say(fmt::format("running: {}", fmt::join(argv, " ")));
+  const double seconds = run_debootstrap(argv, rootfs, suite, from, say);
+
   clean_debootstrap_tree(rootfs, notes);
   for (const auto& n : notes) say(n);
   say(fmt::format("caching the tree as {}", cache.string()));

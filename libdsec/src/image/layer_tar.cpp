@@ -147,6 +147,94 @@ fs::path spool_stdin(const fs::path& dir, std::uint64_t max_bytes) {
 
 }  // namespace
 
+namespace {
+
+// A layer's whiteouts: directories it makes opaque and paths it deletes.
+struct LayerWhiteouts {
+  std::vector<fs::path> opaque_dirs;
+  std::vector<fs::path> deleted;
+};
+
+// Pass 1 over the tar: its whiteouts, which apply before the layer's own entries (which they must not hide).
+LayerWhiteouts read_whiteouts(const fs::path& tar, Warnings& warnings) {
+  LayerWhiteouts w;
+  ReadArchive ar = open_tar(tar);
+  while (archive_entry* e = next_entry(ar.get(), tar, warnings)) {
+    fs::path rel = safe_relative(archive_entry_pathname(e));
+    std::string base = rel.filename().string();
+    if (base == kOpaqueMarker) {
+      w.opaque_dirs.push_back(rel.parent_path());
+    } else if (base.starts_with(kWhiteoutPrefix)) {
+      std::string name = base.substr(kWhiteoutPrefix.size());
+      if (name.empty() || name == "." || name == "..")
+        throw Error(Code::kInvalidArgument, fmt::format("{}: malformed whiteout {}", tar.string(), rel.string()));
+      w.deleted.push_back(rel.parent_path() / name);
+    }
+    if (archive_read_data_skip(ar.get()) < ARCHIVE_WARN) throw_archive_read(ar.get(), tar.string());
+  }
+  return w;
+}
+
+void apply_whiteouts(const LayerWhiteouts& w, const fs::path& root, WhiteoutMode mode,
+                     std::vector<std::string>& notes) {
+  for (const fs::path& rel : w.opaque_dirs) {
+    if (!reachable_without_symlinks(root, rel / "x")) continue;
+    fs::path dir = join(root, rel);
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) remove_children(dir);
+  }
+  for (const fs::path& rel : w.deleted) {
+    if (!reachable_without_symlinks(root, rel)) {
+      notes.push_back(fmt::format("whiteout {} lies under a symlink; ignored", rel.string()));
+      continue;
+    }
+    remove_tree(root / rel);
+    if (mode == WhiteoutMode::kOverlay) make_whiteout(root / rel);
+  }
+}
+
+// Counts a regular file's bytes against the build's budget and the disk's free space (RESOURCE_EXHAUSTED past
+// either).
+void count_file_bytes(const fs::path& tar, const fs::path& rel, archive_entry* e, const fs::path& root,
+                      TarLimits& limits) {
+  const la_int64_t size = archive_entry_size_is_set(e) ? archive_entry_size(e) : 0;
+  if (size < 0) throw Error(Code::kDataLoss, fmt::format("{}: {} has a negative size", tar.string(), rel.string()));
+  if (archive_entry_filetype(e) != AE_IFREG || archive_entry_hardlink(e) != nullptr) return;
+  const auto bytes = static_cast<std::uint64_t>(size);
+  if (bytes > limits.max_bytes - std::min(limits.max_bytes, limits.used_bytes))
+    throw Error(Code::kResourceExhausted, fmt::format("{}: {} is {} bytes, over the build's limit of {} bytes",
+                                                      tar.string(), rel.string(), bytes, limits.max_bytes));
+  if (bytes + kFreeSpaceMargin > free_bytes(root))
+    throw Error(Code::kResourceExhausted, fmt::format("{}: no space left for {} ({} bytes) under {}", tar.string(),
+                                                      rel.string(), bytes, root.string()));
+  limits.used_bytes += bytes;
+}
+
+// Writes one entry under `root` (its path and any hard link's target made relative to the root first).
+void extract_entry(ReadArchive& ar, WriteArchive& wd, archive_entry* e, const fs::path& tar, const fs::path& root,
+                   const fs::path& rel, Warnings& warnings) {
+  archive_entry_set_pathname(e, join(root, rel).c_str());
+  if (const char* hl = archive_entry_hardlink(e)) {
+    fs::path target = safe_relative(hl);
+    if (target.empty())
+      throw Error(Code::kInvalidArgument, fmt::format("{}: hard link to the tree's root", tar.string()));
+    archive_entry_set_hardlink(e, join(root, target).c_str());
+  }
+  try {
+    write_entry_to_disk(ar.get(), wd.get(), e, archive_entry_hardlink(e) == nullptr, warnings);
+  } catch (const Error& err) {
+    if (std::string_view(err.what()).find("No space") != std::string_view::npos ||
+        err.code() == Code::kResourceExhausted)
+      throw Error(Code::kResourceExhausted, fmt::format("{}: {}", tar.string(), err.what()));
+    // libarchive refuses what a hostile tar asks for (extracting through a symlink, a hard link through one)
+    // without an errno: the tar is at fault, not dsec.
+    throw Error(err.code() == Code::kInternal ? Code::kInvalidArgument : err.code(),
+                fmt::format("{}: {}", tar.string(), err.what()));
+  }
+}
+
+}  // namespace
+
 void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode mode, TarLimits& limits,
                      std::vector<std::string>& notes) {
   std::error_code ec;
@@ -164,39 +252,8 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
     throw Error(Code::kNotFound, fmt::format("tar {} does not exist or is not a file", tar.string()));
   Warnings warnings(notes);
 
-  // Pass 1: the whiteouts, applied before the layer's own entries (which they must not hide).
-  std::vector<fs::path> opaque_dirs;
-  std::vector<fs::path> whiteouts;
-  {
-    ReadArchive ar = open_tar(tar);
-    while (archive_entry* e = next_entry(ar.get(), tar, warnings)) {
-      fs::path rel = safe_relative(archive_entry_pathname(e));
-      std::string base = rel.filename().string();
-      if (base == kOpaqueMarker) {
-        opaque_dirs.push_back(rel.parent_path());
-      } else if (base.starts_with(kWhiteoutPrefix)) {
-        std::string name = base.substr(kWhiteoutPrefix.size());
-        if (name.empty() || name == "." || name == "..")
-          throw Error(Code::kInvalidArgument, fmt::format("{}: malformed whiteout {}", tar.string(), rel.string()));
-        whiteouts.push_back(rel.parent_path() / name);
-      }
-      if (archive_read_data_skip(ar.get()) < ARCHIVE_WARN) throw_archive_read(ar.get(), tar.string());
-    }
-  }
-  for (const fs::path& rel : opaque_dirs) {
-    if (!reachable_without_symlinks(root, rel / "x")) continue;
-    fs::path dir = join(root, rel);
-    struct stat st {};
-    if (::lstat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) remove_children(dir);
-  }
-  for (const fs::path& rel : whiteouts) {
-    if (!reachable_without_symlinks(root, rel)) {
-      notes.push_back(fmt::format("whiteout {} lies under a symlink; ignored", rel.string()));
-      continue;
-    }
-    remove_tree(root / rel);
-    if (mode == WhiteoutMode::kOverlay) make_whiteout(root / rel);
-  }
+  const LayerWhiteouts whiteouts = read_whiteouts(tar, warnings);
+  apply_whiteouts(whiteouts, root, mode, notes);
 
   // Pass 2: the layer's own entries.
   ReadArchive ar = open_tar(tar);
@@ -219,41 +276,13 @@ void apply_layer_tar(const fs::path& tar_arg, const fs::path& root, WhiteoutMode
       // The tree's root itself: keep the root we made (its owner and mode come from the build).
       continue;
     }
-    const la_int64_t size = archive_entry_size_is_set(e) ? archive_entry_size(e) : 0;
-    if (size < 0) throw Error(Code::kDataLoss, fmt::format("{}: {} has a negative size", tar.string(), rel.string()));
-    if (type == AE_IFREG && archive_entry_hardlink(e) == nullptr) {
-      const auto bytes = static_cast<std::uint64_t>(size);
-      if (bytes > limits.max_bytes - std::min(limits.max_bytes, limits.used_bytes))
-        throw Error(Code::kResourceExhausted, fmt::format("{}: {} is {} bytes, over the build's limit of {} bytes",
-                                                          tar.string(), rel.string(), bytes, limits.max_bytes));
-      if (bytes + kFreeSpaceMargin > free_bytes(root))
-        throw Error(Code::kResourceExhausted, fmt::format("{}: no space left for {} ({} bytes) under {}", tar.string(),
-                                                          rel.string(), bytes, root.string()));
-      limits.used_bytes += bytes;
-    }
-    archive_entry_set_pathname(e, join(root, rel).c_str());
-    if (const char* hl = archive_entry_hardlink(e)) {
-      fs::path target = safe_relative(hl);
-      if (target.empty())
-        throw Error(Code::kInvalidArgument, fmt::format("{}: hard link to the tree's root", tar.string()));
-      archive_entry_set_hardlink(e, join(root, target).c_str());
-    }
-    try {
-      write_entry_to_disk(ar.get(), wd.get(), e, archive_entry_hardlink(e) == nullptr, warnings);
-    } catch (const Error& err) {
-      if (std::string_view(err.what()).find("No space") != std::string_view::npos ||
-          err.code() == Code::kResourceExhausted)
-        throw Error(Code::kResourceExhausted, fmt::format("{}: {}", tar.string(), err.what()));
-      // libarchive refuses what a hostile tar asks for (extracting through a symlink, a hard link through one)
-      // without an errno: the tar is at fault, not dsec.
-      throw Error(err.code() == Code::kInternal ? Code::kInvalidArgument : err.code(),
-                  fmt::format("{}: {}", tar.string(), err.what()));
-    }
+    count_file_bytes(tar, rel, e, root, limits);
+    extract_entry(ar, wd, e, tar, root, rel, warnings);
   }
   if (skipped_special > 5) notes.push_back(fmt::format("... {} special files skipped in all", skipped_special));
   if (archive_write_close(wd.get()) != ARCHIVE_OK) throw_archive(wd.get(), fmt::format("finish {}", root.string()));
   if (mode == WhiteoutMode::kOverlay)
-    for (const fs::path& rel : opaque_dirs)
+    for (const fs::path& rel : whiteouts.opaque_dirs)
       if (reachable_without_symlinks(root, rel / "x")) mark_opaque(join(root, rel));
 }
 

@@ -103,55 +103,43 @@ std::string find_executable(std::string_view name, const std::vector<std::string
   return {};
 }
 
-ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options) {
-  if (argv.empty()) throw Error(Code::kInvalidArgument, "run_process: empty argv");
-  std::string exe = find_executable(argv[0], options.env);
-  if (exe.empty())
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("{}: no such program on PATH ({})", argv[0], path_variable(options.env)));
+namespace {
 
-  int out_pipe[2];
-  int err_pipe[2];
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0) throw_errno(errno, "pipe");
-  UniqueFd out_r(out_pipe[0]), out_w(out_pipe[1]);
-  if (::pipe2(err_pipe, O_CLOEXEC) != 0) throw_errno(errno, "pipe");
-  UniqueFd err_r(err_pipe[0]), err_w(err_pipe[1]);
-
+// Starts `exe` with `argv` and `env` (empty: the caller's), stdin from /dev/null and stdout and stderr into the
+// pipes' write ends, with default signal handling and an empty signal mask whatever the caller (an agent) has set up.
+pid_t spawn_child(const std::string& exe, const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                  int out_w, int err_w) {
   std::vector<char*> cargv;
   for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
   std::vector<char*> cenv;
-  if (!options.env.empty()) {
-    for (const auto& kv : options.env) cenv.push_back(const_cast<char*>(kv.c_str()));
+  if (!env.empty()) {
+    for (const auto& kv : env) cenv.push_back(const_cast<char*>(kv.c_str()));
     cenv.push_back(nullptr);
   }
-
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, out_w.get(), STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, err_w.get(), STDERR_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, out_w, STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err_w, STDERR_FILENO);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
-  // The child starts with default signal handling and an empty mask whatever the caller (an agent) has set up.
   sigset_t all, none;
   sigfillset(&all);
   sigemptyset(&none);
   posix_spawnattr_setsigdefault(&attr, &all);
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-
   pid_t pid = -1;
-  int rc = ::posix_spawn(&pid, exe.c_str(), &actions, &attr, cargv.data(), options.env.empty() ? environ : cenv.data());
+  int rc = ::posix_spawn(&pid, exe.c_str(), &actions, &attr, cargv.data(), env.empty() ? environ : cenv.data());
   posix_spawn_file_actions_destroy(&actions);
   posix_spawnattr_destroy(&attr);
   if (rc != 0) throw_errno_fmt(rc, "start {}", exe);
-  out_w.reset();
-  err_w.reset();
+  return pid;
+}
 
-  Stream streams[2];
-  streams[0].fd = std::move(out_r);
-  streams[1].fd = std::move(err_r);
+// Reads both streams until each reaches its end, handing what comes to the streams (lines, caps).
+void drain(Stream (&streams)[2], const ProcessOptions& options) {
   char buf[16384];
   while (streams[0].fd || streams[1].fd) {
     pollfd fds[2];
@@ -174,6 +162,32 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
       }
     }
   }
+}
+
+}  // namespace
+
+ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOptions& options) {
+  if (argv.empty()) throw Error(Code::kInvalidArgument, "run_process: empty argv");
+  std::string exe = find_executable(argv[0], options.env);
+  if (exe.empty())
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("{}: no such program on PATH ({})", argv[0], path_variable(options.env)));
+
+  int out_pipe[2];
+  int err_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) throw_errno(errno, "pipe");
+  UniqueFd out_r(out_pipe[0]), out_w(out_pipe[1]);
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) throw_errno(errno, "pipe");
+  UniqueFd err_r(err_pipe[0]), err_w(err_pipe[1]);
+
+  const pid_t pid = spawn_child(exe, argv, options.env, out_w.get(), err_w.get());
+  out_w.reset();
+  err_w.reset();
+
+  Stream streams[2];
+  streams[0].fd = std::move(out_r);
+  streams[1].fd = std::move(err_r);
+  drain(streams, options);
 
   ProcessResult result;
   for (auto& s : streams) s.finish(options);
@@ -188,5 +202,4 @@ ProcessResult run_process(const std::vector<std::string>& argv, const ProcessOpt
   }
   return result;
 }
-
 }  // namespace dsec::image

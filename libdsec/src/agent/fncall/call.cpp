@@ -123,17 +123,46 @@ Error setup_error(const Frame& f) {
   return Error(Code::kInternal, fmt::format("function call setup failed at {}: {}", stage, message));
 }
 
-}  // namespace
+// One call on an armed child, from its limits to its result: the state the loop shares, and a method per step.
+class CallRun {
+ public:
+  CallRun(Slot& slot, const FnCallRequest& req, const CallSettings& settings, bool* server_fault)
+      : slot_(slot),
+        req_(req),
+        settings_(settings),
+        server_fault_(server_fault),
+        compiles_(settings.language == "c" || settings.language == "cpp"),
+        // The group whose numbers are the program's: C and C++ programs move to a group of their own after the
+        // compile.
+        cgroup_(compiles_ && slot.run_cgroup ? *slot.run_cgroup : *slot.cgroup),
+        run_limits_(compiles_ && slot.run_cgroup ? slot.run_limits : slot.limits) {}
 
-FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& settings, bool* server_fault) {
-  *server_fault = false;
-  const bool compiles = settings.language == "c" || settings.language == "cpp";
-  // The group whose numbers are the program's: C and C++ programs move to a group of their own after the compile.
-  container::SandboxCgroup& cgroup = compiles && slot.run_cgroup ? *slot.run_cgroup : *slot.cgroup;
-  FnCallResult result;
+  FnCallResult run() {
+    *server_fault_ = false;
+    bool limits_ok =
+        compiles_ ? set_limits(*slot_.cgroup, slot_.limits, std::max(req_.memory_bytes, settings_.compile_memory_bytes),
+                               std::max(req_.pids, kCompilePids))
+                  : set_limits(cgroup_, run_limits_, req_.memory_bytes, req_.pids);
+    if (!limits_ok) {
+      result_.exit_code = -1;
+      result_.signal = SIGKILL;
+      return result_;
+    }
+    send_request();
+    phase_ = compiles_ ? Phase::kCompiling : Phase::kRunning;
+    deadline_ = compiles_ ? after(settings_.compile_timeout_seconds) : after(req_.timeout_seconds);
+    next_cpu_check_ = Clock::now() + kCpuPoll;
+    while (step()) {
+    }
+    if (failure_) throw *failure_;
+    return finish();
+  }
+
+ private:
+  enum class Phase { kCompiling, kRunning, kCompileFailed };
 
   // A limit below what the armed child already holds cannot be met: that is the call running out of memory.
-  auto set_limits = [&](container::SandboxCgroup& group, GroupLimits& now, std::uint64_t memory, std::uint32_t pids) {
+  bool set_limits(container::SandboxCgroup& group, GroupLimits& now, std::uint64_t memory, std::uint32_t pids) {
     if (now.memory_bytes == memory && now.pids == pids) return true;
     try {
       group.set_limits(memory, pids);
@@ -142,187 +171,211 @@ FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& 
       return true;
     } catch (const Error& e) {
       if (e.code() != Code::kResourceExhausted) throw;
-      kill_child(slot);
-      result.oom_killed = true;
+      kill_child(slot_);
+      result_.oom_killed = true;
       return false;
     }
-  };
-  GroupLimits& run_limits = compiles && slot.run_cgroup ? slot.run_limits : slot.limits;
-  bool limits_ok =
-      compiles ? set_limits(*slot.cgroup, slot.limits, std::max(req.memory_bytes, settings.compile_memory_bytes),
-                            std::max(req.pids, kCompilePids))
-               : set_limits(cgroup, run_limits, req.memory_bytes, req.pids);
-  if (!limits_ok) {
-    result.exit_code = -1;
-    result.signal = SIGKILL;
-    return result;
   }
 
-  auto [header, blob] = call_message(req, settings);
-  Pipe out = Pipe::make(), err = Pipe::make();
-  Clock::time_point started = Clock::now();
-  double cpu_base = 0;
-  std::uint64_t oom_base = 0;
   // The call's numbers are differences: the runner used its group before the call (it joined when it was armed;
   // its few pages stay in the peak), and groups are reused from call to call.
-  auto begin_run = [&] {
-    cpu_base = cgroup.cpu_usage_seconds();
-    oom_base = cgroup.oom_kills();
-    started = Clock::now();
-  };
-  if (!compiles) begin_run();
-  try {
-    send_frame(slot.sock.get(), header, blob, {out.write.get(), err.write.get()});
-  } catch (const Error& e) {
-    if (e.code() != Code::kUnavailable) throw;
-    *server_fault = true;
-    throw Error(Code::kUnavailable, "function call: the armed child was gone before the call");
+  void begin_run() {
+    cpu_base_ = cgroup_.cpu_usage_seconds();
+    oom_base_ = cgroup_.oom_kills();
+    started_ = Clock::now();
   }
-  out.write.reset();
-  err.write.reset();
-  blob.clear();
-  blob.shrink_to_fit();
 
-  Capture cout{std::move(out.read), req.max_output_bytes};
-  Capture cerr{std::move(err.read), req.max_output_bytes};
-  enum class Phase { kCompiling, kRunning, kCompileFailed };
-  Phase phase = compiles ? Phase::kCompiling : Phase::kRunning;
-  Clock::time_point deadline = compiles ? after(settings.compile_timeout_seconds) : after(req.timeout_seconds);
+  void send_request() {
+    auto [header, blob] = call_message(req_, settings_);
+    Pipe out = Pipe::make(), err = Pipe::make();
+    started_ = Clock::now();
+    if (!compiles_) begin_run();
+    try {
+      send_frame(slot_.sock.get(), header, blob, {out.write.get(), err.write.get()});
+    } catch (const Error& e) {
+      if (e.code() != Code::kUnavailable) throw;
+      *server_fault_ = true;
+      throw Error(Code::kUnavailable, "function call: the armed child was gone before the call");
+    }
+    out.write.reset();
+    err.write.reset();
+    cout_.emplace(std::move(out.read), req_.max_output_bytes);
+    cerr_.emplace(std::move(err.read), req_.max_output_bytes);
+  }
+
+  void kill() {
+    if (!killed_) kill_child(slot_);
+    killed_ = true;
+  }
+
   // The call's process has ended when the zygote, its parent, reports its exit status. Whatever it left running in
   // its cgroup is killed then, before the server takes another call.
-  std::optional<Clock::time_point> exited_at;
-  std::optional<int> status;
-  bool sock_open = true;
-  bool killed = false;
-  std::optional<Error> failure;
-  Clock::time_point next_cpu_check = Clock::now() + kCpuPoll;
-  double cpu_used = 0;
-  std::uint64_t peak = 0, ooms = 0;
-
-  auto kill = [&] {
-    if (!killed) kill_child(slot);
-    killed = true;
-  };
-  auto ended = [&] {
-    exited_at = Clock::now();
-    cpu_used = cgroup.cpu_usage_seconds() - cpu_base;
+  void ended() {
+    exited_at_ = Clock::now();
+    cpu_used_ = cgroup_.cpu_usage_seconds() - cpu_base_;
     const std::uint64_t before =
-        &cgroup == slot.cgroup.get() ? slot.limits.charged_before : slot.run_limits.charged_before;
-    peak = cgroup.memory_peak();
-    peak = peak > before ? peak - before : peak;
-    ooms = cgroup.oom_kills() - oom_base;
-    for (auto* group : {slot.cgroup.get(), slot.run_cgroup.get()})
+        &cgroup_ == slot_.cgroup.get() ? slot_.limits.charged_before : slot_.run_limits.charged_before;
+    peak_ = cgroup_.memory_peak();
+    peak_ = peak_ > before ? peak_ - before : peak_;
+    ooms_ = cgroup_.oom_kills() - oom_base_;
+    for (auto* group : {slot_.cgroup.get(), slot_.run_cgroup.get()})
       if (group && group->has_processes()) group->destroy();
-    cout.drain();
-    cerr.drain();
-  };
+    cout_->drain();
+    cerr_->drain();
+  }
 
-  for (;;) {
-    auto now = Clock::now();
-    if (exited_at && ((!cout.open() && !cerr.open()) || now >= *exited_at + kOutputGrace)) break;
-    if (!exited_at && !killed && now >= deadline) {
-      result.timed_out = true;
-      if (phase == Phase::kCompiling) result.compile_exit_code = -1;
+  // The wall and CPU limits, and a killed call whose end never comes. False when the loop must stop.
+  bool check_limits(Clock::time_point now) {
+    if (!exited_at_ && !killed_ && now >= deadline_) {
+      result_.timed_out = true;
+      if (phase_ == Phase::kCompiling) result_.compile_exit_code = -1;
       kill();
     }
-    if (!exited_at && !killed && phase == Phase::kRunning && req.cpu_seconds > 0 && now >= next_cpu_check) {
-      next_cpu_check = now + kCpuPoll;
-      if (cgroup.cpu_usage_seconds() - cpu_base > req.cpu_seconds) {
-        result.timed_out = true;
+    if (!exited_at_ && !killed_ && phase_ == Phase::kRunning && req_.cpu_seconds > 0 && now >= next_cpu_check_) {
+      next_cpu_check_ = now + kCpuPoll;
+      if (cgroup_.cpu_usage_seconds() - cpu_base_ > req_.cpu_seconds) {
+        result_.timed_out = true;
         kill();
       }
     }
-    if (killed && !exited_at && now >= deadline + std::chrono::seconds(10)) {
+    if (killed_ && !exited_at_ && now >= deadline_ + std::chrono::seconds(10)) {
       // Killed, and its end still not reported: something is wrong with the server. Give up on it.
-      *server_fault = true;
-      failure = Error(Code::kUnavailable, "function call: its fork server did not report the end of a killed call");
-      break;
+      *server_fault_ = true;
+      failure_ = Error(Code::kUnavailable, "function call: its fork server did not report the end of a killed call");
+      return false;
     }
+    return true;
+  }
 
+  // One turn of the loop: limits, then a poll of the outputs and the server's socket. False when the call is over.
+  bool step() {
+    auto now = Clock::now();
+    if (exited_at_ && ((!cout_->open() && !cerr_->open()) || now >= *exited_at_ + kOutputGrace)) return false;
+    if (!check_limits(now)) return false;
     pollfd fds[3];
     int n = 0, i_out = -1, i_err = -1, i_sock = -1;
-    if (cout.open()) fds[i_out = n++] = {cout.fd.get(), POLLIN, 0};
-    if (cerr.open()) fds[i_err = n++] = {cerr.fd.get(), POLLIN, 0};
-    if (sock_open && !exited_at) fds[i_sock = n++] = {slot.sock.get(), POLLIN, 0};
-    Clock::time_point until = exited_at ? *exited_at + kOutputGrace
-                              : killed  ? now + std::chrono::milliseconds(100)
-                                        : deadline;
-    if (!exited_at && !killed && phase == Phase::kRunning && req.cpu_seconds > 0)
-      until = std::min(until, next_cpu_check);
+    if (cout_->open()) fds[i_out = n++] = {cout_->fd.get(), POLLIN, 0};
+    if (cerr_->open()) fds[i_err = n++] = {cerr_->fd.get(), POLLIN, 0};
+    if (sock_open_ && !exited_at_) fds[i_sock = n++] = {slot_.sock.get(), POLLIN, 0};
+    Clock::time_point until = exited_at_ ? *exited_at_ + kOutputGrace
+                              : killed_  ? now + std::chrono::milliseconds(100)
+                                         : deadline_;
+    if (!exited_at_ && !killed_ && phase_ == Phase::kRunning && req_.cpu_seconds > 0)
+      until = std::min(until, next_cpu_check_);
     auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
     int rc = ::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::clamp<long long>(wait_ms + 1, 0, 1000)));
     if (rc < 0 && errno != EINTR) throw_errno(errno, "poll function call");
-    if (rc <= 0) continue;
-    if (i_out >= 0 && fds[i_out].revents) cout.drain();
-    if (i_err >= 0 && fds[i_err].revents) cerr.drain();
-    if (i_sock >= 0 && fds[i_sock].revents) {
-      Frame f;
-      if (!recv_frame(slot.sock.get(), f, Clock::now() + std::chrono::seconds(5))) {
-        // Nobody holds the other end any more: the server died with the call's process.
-        sock_open = false;
-        if (!killed) failure = Error(Code::kUnavailable, "function call: its fork server ended during the call");
-        ended();
-        continue;
-      }
-      std::string type = f.type();
-      if (type == "status") {
-        if (auto s = f.integer("status")) status = *s;
-        ended();
-      } else if (type == "compiled") {
-        result.compile_exit_code = f.integer("exit_code").value_or(-1);
-        result.compile_seconds = f.number("seconds", 0.0);
-        result.compile_output = std::move(f.blob);
-        if (result.compile_exit_code != 0) {
-          phase = Phase::kCompileFailed;
-          continue;
-        }
-        if (!set_limits(cgroup, run_limits, req.memory_bytes, req.pids)) continue;
-        begin_run();
-        std::vector<UniqueFd> procs;
-        if (&cgroup != slot.cgroup.get()) procs = cgroup.open_procs();
-        std::vector<int> fds;
-        for (const auto& fd : procs) fds.push_back(fd.get());
-        send_frame(slot.sock.get(), json{{"type", "go"}}, {}, fds);
-        phase = Phase::kRunning;
-        deadline = after(req.timeout_seconds);
-      } else if (type == "failed") {
-        failure = setup_error(f);
-        kill();
-      }
-    }
+    if (rc <= 0) return true;
+    if (i_out >= 0 && fds[i_out].revents) cout_->drain();
+    if (i_err >= 0 && fds[i_err].revents) cerr_->drain();
+    if (i_sock >= 0 && fds[i_sock].revents) on_server_frame();
+    return true;
   }
-  if (failure) throw *failure;
 
-  result.stdout_data = std::move(cout.data);
-  result.stderr_data = std::move(cerr.data);
-  result.stdout_truncated = cout.truncated;
-  result.stderr_truncated = cerr.truncated;
-  if (phase == Phase::kCompileFailed) {
-    result.exit_code = -1;
-    return result;
-  }
-  if (status) {
-    if (WIFEXITED(*status)) {
-      result.exit_code = WEXITSTATUS(*status);
-    } else if (WIFSIGNALED(*status)) {
-      result.exit_code = -1;
-      result.signal = WTERMSIG(*status);
-      if (result.signal == SIGXCPU) result.timed_out = true;
+  // What the fork server says: the call's exit status, the compile's end, or a failed setup.
+  void on_server_frame() {
+    Frame f;
+    if (!recv_frame(slot_.sock.get(), f, Clock::now() + std::chrono::seconds(5))) {
+      // Nobody holds the other end any more: the server died with the call's process.
+      sock_open_ = false;
+      if (!killed_) failure_ = Error(Code::kUnavailable, "function call: its fork server ended during the call");
+      ended();
+      return;
     }
-  } else {
-    result.exit_code = -1;
-    result.signal = SIGKILL;
+    std::string type = f.type();
+    if (type == "status") {
+      if (auto s = f.integer("status")) status_ = *s;
+      ended();
+    } else if (type == "compiled") {
+      on_compiled(f);
+    } else if (type == "failed") {
+      failure_ = setup_error(f);
+      kill();
+    }
   }
-  if (phase == Phase::kCompiling) {
-    // Killed while compiling (the compile timeout): nothing ran.
-    result.exit_code = -1;
-    return result;
+
+  // The compile ended: a failed one is the result; after a good one the program runs under the call's own limits.
+  void on_compiled(Frame& f) {
+    result_.compile_exit_code = f.integer("exit_code").value_or(-1);
+    result_.compile_seconds = f.number("seconds", 0.0);
+    result_.compile_output = std::move(f.blob);
+    if (result_.compile_exit_code != 0) {
+      phase_ = Phase::kCompileFailed;
+      return;
+    }
+    if (!set_limits(cgroup_, run_limits_, req_.memory_bytes, req_.pids)) return;
+    begin_run();
+    std::vector<UniqueFd> procs;
+    if (&cgroup_ != slot_.cgroup.get()) procs = cgroup_.open_procs();
+    std::vector<int> fds;
+    for (const auto& fd : procs) fds.push_back(fd.get());
+    send_frame(slot_.sock.get(), json{{"type", "go"}}, {}, fds);
+    phase_ = Phase::kRunning;
+    deadline_ = after(req_.timeout_seconds);
   }
-  result.duration_seconds = std::chrono::duration<double>((exited_at ? *exited_at : Clock::now()) - started).count();
-  result.cpu_seconds = std::max(0.0, cpu_used);
-  result.peak_memory_bytes = peak;
-  if (ooms > 0) result.oom_killed = true;
-  return result;
+
+  FnCallResult finish() {
+    result_.stdout_data = std::move(cout_->data);
+    result_.stderr_data = std::move(cerr_->data);
+    result_.stdout_truncated = cout_->truncated;
+    result_.stderr_truncated = cerr_->truncated;
+    if (phase_ == Phase::kCompileFailed) {
+      result_.exit_code = -1;
+      return result_;
+    }
+    if (status_) {
+      if (WIFEXITED(*status_)) {
+        result_.exit_code = WEXITSTATUS(*status_);
+      } else if (WIFSIGNALED(*status_)) {
+        result_.exit_code = -1;
+        result_.signal = WTERMSIG(*status_);
+        if (result_.signal == SIGXCPU) result_.timed_out = true;
+      }
+    } else {
+      result_.exit_code = -1;
+      result_.signal = SIGKILL;
+    }
+    if (phase_ == Phase::kCompiling) {
+      // Killed while compiling (the compile timeout): nothing ran.
+      result_.exit_code = -1;
+      return result_;
+    }
+    result_.duration_seconds =
+        std::chrono::duration<double>((exited_at_ ? *exited_at_ : Clock::now()) - started_).count();
+    result_.cpu_seconds = std::max(0.0, cpu_used_);
+    result_.peak_memory_bytes = peak_;
+    if (ooms_ > 0) result_.oom_killed = true;
+    return result_;
+  }
+
+  Slot& slot_;
+  const FnCallRequest& req_;
+  const CallSettings& settings_;
+  bool* server_fault_;
+  const bool compiles_;
+  container::SandboxCgroup& cgroup_;
+  GroupLimits& run_limits_;
+  FnCallResult result_;
+
+  std::optional<Capture> cout_, cerr_;
+  Phase phase_ = Phase::kRunning;
+  Clock::time_point started_ = Clock::now();
+  Clock::time_point deadline_;
+  Clock::time_point next_cpu_check_;
+  std::optional<Clock::time_point> exited_at_;
+  std::optional<int> status_;
+  bool sock_open_ = true;
+  bool killed_ = false;
+  std::optional<Error> failure_;
+  double cpu_base_ = 0;
+  double cpu_used_ = 0;
+  std::uint64_t oom_base_ = 0;
+  std::uint64_t peak_ = 0, ooms_ = 0;
+};
+
+}  // namespace
+
+FnCallResult run_call(Slot& slot, const FnCallRequest& req, const CallSettings& settings, bool* server_fault) {
+  return CallRun(slot, req, settings, server_fault).run();
 }
-
 }  // namespace dsec::agent::fncall

@@ -182,12 +182,8 @@ Registry::Recovered Registry::recover_one(LoadedRecord& loaded, bool adopt) {
   return {Outcome::kFailed, loaded.record};
 }
 
-RecoveryReport Registry::recover(bool adopt) {
-  RecoveryReport report;
-  if (options_.state_dir.empty()) return report;
-  const double t = now();
-
-  // 1. The records, read back: <id>.json, or <id>.destroying for a destroy under way (which wins over the other).
+// 1. The records, read back: <id>.json, or <id>.destroying for a destroy under way (which wins over the other).
+std::vector<Registry::LoadedRecord> Registry::load_records(RecoveryReport& report) {
   std::map<std::string, std::filesystem::path> files;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(options_.state_dir, ec)) {
@@ -218,26 +214,34 @@ RecoveryReport Registry::recover(bool adopt) {
       std::string state = path.extension() == ".destroying" ? "destroying" : record->info.state;
       loaded.push_back(LoadedRecord{std::move(state), std::move(record)});
     } catch (const std::exception& e) {
-      // Whatever its kind was, no backend keeps anything of an id it never made: ask them all.
-      log_warn("sandbox record {} is unreadable ({}); removing what any backend left of {}", path.string(), e.what(),
-               id);
-      bool clean = true;
-      if (plausible_sandbox_id(id)) {  // a file name that is no sandbox id is not passed on
-        for (const auto& [kind, backend] : backends_) {
-          try {
-            backend->remove_leftovers(id);
-          } catch (const std::exception& err) {
-            clean = false;
-            log_warn("sandbox {}: backend {}: {}", id, kind, err.what());
-          }
-        }
-      }
-      if (clean) remove_record_file(id);
+      forget_unreadable_record(id, path, e.what());
       ++report.unreadable;
     }
   }
+  return loaded;
+}
 
-  // 2. Each one taken over, rolled back or finished; adoptions check processes and sockets, so a few at a time.
+// A record that cannot be read: whatever its kind was, no backend keeps anything of an id it never made, so all of
+// them are asked to remove what they left of it.
+void Registry::forget_unreadable_record(const std::string& id, const std::filesystem::path& path,
+                                        std::string_view why) {
+  log_warn("sandbox record {} is unreadable ({}); removing what any backend left of {}", path.string(), why, id);
+  bool clean = true;
+  if (plausible_sandbox_id(id)) {  // a file name that is no sandbox id is not passed on
+    for (const auto& [kind, backend] : backends_) {
+      try {
+        backend->remove_leftovers(id);
+      } catch (const std::exception& err) {
+        clean = false;
+        log_warn("sandbox {}: backend {}: {}", id, kind, err.what());
+      }
+    }
+  }
+  if (clean) remove_record_file(id);
+}
+
+// 2. Each one taken over, rolled back or finished; adoptions check processes and sockets, so a few at a time.
+std::vector<Registry::Recovered> Registry::recover_all(std::vector<LoadedRecord>& loaded, bool adopt) {
   std::vector<Recovered> results(loaded.size());
   std::atomic<std::size_t> next{0};
   auto work = [&] {
@@ -250,85 +254,89 @@ RecoveryReport Registry::recover(bool adopt) {
       }
     }
   };
-  {
-    std::vector<std::thread> threads;
-    for (std::size_t w = 1; w < std::min(loaded.size(), options_.batch_parallelism); ++w) threads.emplace_back(work);
-    work();
-    for (auto& th : threads) th.join();
-  }
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < std::min(loaded.size(), options_.batch_parallelism); ++w) threads.emplace_back(work);
+  work();
+  for (auto& th : threads) th.join();
+  return results;
+}
 
-  // 3. Into the tables: live sandboxes and their load, groups, request ids, tombstones.
-  std::set<std::string> kept_groups;  // of records kept for a later start: their lease files stay
-  std::map<std::string, double> group_ttls;
+// 3. Into the tables: live sandboxes and their load, groups, request ids, tombstones. Fills the groups' longest TTLs
+// and the groups of records kept for a later start (their lease files stay).
+void Registry::enter_recovered(const std::vector<LoadedRecord>& loaded, const std::vector<Recovered>& results, double t,
+                               RecoveryReport& report, std::map<std::string, double>& group_ttls,
+                               std::set<std::string>& kept_groups) {
   std::vector<std::pair<double, std::string>> new_requests;
-  {
-    std::lock_guard lock(mutex_);
-    auto remember = [&](const Record& r) {
-      if (r.spec.request_id.empty() || requests_.count(r.spec.request_id)) return;
-      auto entry = std::make_shared<RequestEntry>();
-      entry->state = RequestEntry::State::kDone;
-      entry->fingerprint = r.fingerprint.empty() ? spec_fingerprint(r.spec) : r.fingerprint;
-      entry->sandbox_id = r.info.id;
-      entry->at = r.info.created_at > 0 ? r.info.created_at : t;
-      requests_.emplace(r.spec.request_id, entry);
-      new_requests.emplace_back(entry->at, r.spec.request_id);
-    };
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      const Recovered& out = results[i];
-      switch (out.outcome) {
-        case Recovered::Outcome::kAdopted:
-        case Recovered::Outcome::kFailed: {
-          const std::shared_ptr<Record>& r = out.record;
-          const bool sleeping = r->info.state == "sleeping";
-          records_.emplace(r->info.id, r);
-          r->cpu_released = sleeping;
-          if (!sleeping) live_cpu_ += r->spec.resources.cpu;
-          live_memory_ += r->spec.resources.memory_bytes;
-          live_gpus_ += r->spec.resources.gpus;
-          if (!r->spec.group.empty()) {
-            groups_[r->spec.group].members.insert(r->info.id);
-            double& ttl = group_ttls[r->spec.group];
-            ttl = std::max(ttl, static_cast<double>(r->spec.group_ttl.count()));
-          }
-          remember(*r);
-          if (out.outcome == Recovered::Outcome::kAdopted) ++report.adopted;
-          else ++report.failed;
-          break;
+  std::lock_guard lock(mutex_);
+  auto remember = [&](const Record& r) {
+    if (r.spec.request_id.empty() || requests_.count(r.spec.request_id)) return;
+    auto entry = std::make_shared<RequestEntry>();
+    entry->state = RequestEntry::State::kDone;
+    entry->fingerprint = r.fingerprint.empty() ? spec_fingerprint(r.spec) : r.fingerprint;
+    entry->sandbox_id = r.info.id;
+    entry->at = r.info.created_at > 0 ? r.info.created_at : t;
+    requests_.emplace(r.spec.request_id, entry);
+    new_requests.emplace_back(entry->at, r.spec.request_id);
+  };
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const Recovered& out = results[i];
+    switch (out.outcome) {
+      case Recovered::Outcome::kAdopted:
+      case Recovered::Outcome::kFailed: {
+        const std::shared_ptr<Record>& r = out.record;
+        const bool sleeping = r->info.state == "sleeping";
+        records_.emplace(r->info.id, r);
+        r->cpu_released = sleeping;
+        if (!sleeping) live_cpu_ += r->spec.resources.cpu;
+        live_memory_ += r->spec.resources.memory_bytes;
+        live_gpus_ += r->spec.resources.gpus;
+        if (!r->spec.group.empty()) {
+          groups_[r->spec.group].members.insert(r->info.id);
+          double& ttl = group_ttls[r->spec.group];
+          ttl = std::max(ttl, static_cast<double>(r->spec.group_ttl.count()));
         }
-        case Recovered::Outcome::kDestroyed:
-          tombstones_[out.record->info.id] = Tombstone{out.record->info, t};
-          tombstone_order_.emplace_back(t, out.record->info.id);
-          remember(*out.record);
-          ++report.destroyed;
-          break;
-        case Recovered::Outcome::kRolledBack:
-          ++report.rolled_back;
-          break;
-        case Recovered::Outcome::kKept:
-          ++report.kept;
-          if (!loaded[i].record->spec.group.empty()) kept_groups.insert(loaded[i].record->spec.group);
-          break;
+        remember(*r);
+        if (out.outcome == Recovered::Outcome::kAdopted) ++report.adopted;
+        else ++report.failed;
+        break;
       }
+      case Recovered::Outcome::kDestroyed:
+        tombstones_[out.record->info.id] = Tombstone{out.record->info, t};
+        tombstone_order_.emplace_back(t, out.record->info.id);
+        remember(*out.record);
+        ++report.destroyed;
+        break;
+      case Recovered::Outcome::kRolledBack:
+        ++report.rolled_back;
+        break;
+      case Recovered::Outcome::kKept:
+        ++report.kept;
+        if (!loaded[i].record->spec.group.empty()) kept_groups.insert(loaded[i].record->spec.group);
+        break;
     }
-    // Creates that finished, including those whose sandboxes are destroyed by now, from the request log.
-    const double retention = static_cast<double>(options_.request_id_retention.count());
-    for (auto& e : create_ids_.load()) {
-      if (t - e.at >= retention || requests_.count(e.request_id)) continue;
-      auto entry = std::make_shared<RequestEntry>();
-      entry->state = RequestEntry::State::kDone;
-      entry->fingerprint = std::move(e.fingerprint);
-      entry->sandbox_id = std::move(e.sandbox_id);
-      entry->at = e.at;
-      requests_.emplace(e.request_id, entry);
-      new_requests.emplace_back(e.at, std::move(e.request_id));
-    }
-    std::sort(new_requests.begin(), new_requests.end());
-    for (auto& r : new_requests) request_order_.push_back(std::move(r));
-    evict(t);
-    report.request_ids = requests_.size();
   }
+  // Creates that finished, including those whose sandboxes are destroyed by now, from the request log.
+  const double retention = static_cast<double>(options_.request_id_retention.count());
+  for (auto& e : create_ids_.load()) {
+    if (t - e.at >= retention || requests_.count(e.request_id)) continue;
+    auto entry = std::make_shared<RequestEntry>();
+    entry->state = RequestEntry::State::kDone;
+    entry->fingerprint = std::move(e.fingerprint);
+    entry->sandbox_id = std::move(e.sandbox_id);
+    entry->at = e.at;
+    requests_.emplace(e.request_id, entry);
+    new_requests.emplace_back(e.at, std::move(e.request_id));
+  }
+  std::sort(new_requests.begin(), new_requests.end());
+  for (auto& r : new_requests) request_order_.push_back(std::move(r));
+  evict(t);
+  report.request_ids = requests_.size();
+}
 
-  // 4. Group leases, as they were on disk; a group whose lease file is missing gets a fresh lease.
+// 4. Group leases, as they were on disk; a group whose lease file is missing gets a fresh lease. Lease files of
+// groups with no sandbox left here go: a trainer that renews learns (NOT_FOUND) that they are gone.
+void Registry::restore_group_leases(const std::map<std::string, double>& group_ttls,
+                                    const std::set<std::string>& kept_groups, double t) {
   std::vector<std::string> fresh_leases;
   for (auto& [group_id, ttl] : group_ttls) {
     double file_ttl = 0, expires_at = 0;
@@ -360,7 +368,7 @@ RecoveryReport Registry::recover(bool adopt) {
       log_warn("group {}: {}", group_id, e.what());
     }
   }
-  // Lease files of groups with no sandbox left here: a trainer that renews learns (NOT_FOUND) that they are gone.
+  std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(groups_dir(), ec)) {
     std::string name = entry.path().filename().string();
     if (!name.ends_with(".json")) {
@@ -372,8 +380,10 @@ RecoveryReport Registry::recover(bool adopt) {
     std::filesystem::remove(entry.path(), ec);
   }
   ::rmdir(groups_dir().c_str());  // only when empty
+}
 
-  // 5. The request log, compacted to what is remembered.
+// 5. The request log, compacted to what is remembered.
+void Registry::compact_create_ids() {
   try {
     create_ids_.rewrite([this] {
       std::vector<CreateIds::Entry> entries;
@@ -388,7 +398,10 @@ RecoveryReport Registry::recover(bool adopt) {
   } catch (const std::exception& e) {
     log_warn("request log: {}", e.what());
   }
+}
 
+void Registry::count_recovered(const std::vector<LoadedRecord>& loaded, const std::vector<Recovered>& results,
+                               const RecoveryReport& report) {
   for (std::size_t i = 0; i < results.size(); ++i) {
     const std::string& kind = loaded[i].record->info.kind;
     switch (results[i].outcome) {
@@ -416,13 +429,27 @@ RecoveryReport Registry::recover(bool adopt) {
         report.adopted, report.adopted == 1 ? "" : "es", report.failed, report.rolled_back,
         report.rolled_back == 1 ? "" : "s", report.destroyed, report.kept, report.unreadable,
         report.unreadable == 1 ? "" : "s", report.request_ids);
+}
+
+RecoveryReport Registry::recover(bool adopt) {
+  RecoveryReport report;
+  if (options_.state_dir.empty()) return report;
+  const double t = now();
+  std::vector<LoadedRecord> loaded = load_records(report);
+  std::vector<Recovered> results = recover_all(loaded, adopt);
+  std::map<std::string, double> group_ttls;
+  std::set<std::string> kept_groups;
+  enter_recovered(loaded, results, t, report, group_ttls, kept_groups);
+  restore_group_leases(group_ttls, kept_groups, t);
+  compact_create_ids();
+  count_recovered(loaded, results, report);
   // Exec request ids are kept for the sandboxes that still have a record (taken over, failed, or kept for a later
   // start); the others' are forgotten.
   std::set<std::string> with_records;
+  std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(options_.state_dir, ec))
     if (e.path().extension() == ".json") with_records.insert(e.path().stem().string());
   exec_journal_.retain(with_records);
   return report;
 }
-
 }  // namespace dsec::agent

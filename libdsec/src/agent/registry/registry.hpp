@@ -23,6 +23,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -277,6 +278,18 @@ class Registry {
   void write_record_or_warn(const Record& record, std::string_view what) const;
   RecoveryReport recover(bool adopt);
   Recovered recover_one(LoadedRecord& loaded, bool adopt);
+  // The steps of recover() (recovery.cpp), in order.
+  std::vector<LoadedRecord> load_records(RecoveryReport& report);
+  void forget_unreadable_record(const std::string& id, const std::filesystem::path& path, std::string_view why);
+  std::vector<Recovered> recover_all(std::vector<LoadedRecord>& loaded, bool adopt);
+  void enter_recovered(const std::vector<LoadedRecord>& loaded, const std::vector<Recovered>& results, double t,
+                       RecoveryReport& report, std::map<std::string, double>& group_ttls,
+                       std::set<std::string>& kept_groups);
+  void restore_group_leases(const std::map<std::string, double>& group_ttls, const std::set<std::string>& kept_groups,
+                            double t);
+  void compact_create_ids();
+  void count_recovered(const std::vector<LoadedRecord>& loaded, const std::vector<Recovered>& results,
+                       const RecoveryReport& report);
   // A record file's text, parsed; throws when it is not a record.
   static std::shared_ptr<Record> parse_record(const std::string& text);
   // Acquires the image of an adopted sandbox again; false (logged) when it cannot now: the reaper retries.

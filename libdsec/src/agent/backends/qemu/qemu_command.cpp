@@ -146,8 +146,10 @@ DisplaySpec make_display(DisplaySpec::Kind kind, std::uint32_t width, std::uint3
   return d;
 }
 
-std::vector<std::string> qemu_argv(const QemuSpec& spec) {
-  // --- validation, field by field ---
+namespace {
+
+// The spec's checks, field by field (INVALID_ARGUMENT naming the field).
+void check_machine(const QemuSpec& spec) {
   check_text("name", spec.name);
   check_text("binary", spec.binary);
   if (spec.vcpus < 1 || spec.vcpus > kMaxVcpus) {
@@ -164,8 +166,10 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   }
   check_display(spec);
   if (spec.usb_input && spec.machine != Machine::kQ35) invalid("usb_input", "needs machine q35 (microvm has no PCI)");
+}
 
-  std::set<int> seen_fds;
+// The descriptors QEMU takes over (fd sets, sockets), each once: fills `seen_fds`, returns the fd set ids.
+std::set<int> check_descriptors(const QemuSpec& spec, std::set<int>& seen_fds) {
   std::set<int> fdsets;
   for (std::size_t i = 0; i < spec.fds.size(); ++i) {
     const FdSetMember& m = spec.fds[i];
@@ -177,7 +181,11 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   check_fd("qmp_listen_fd", spec.qmp_listen_fd, seen_fds);
   if (spec.agent_listen_fd >= 0) check_fd("agent_listen_fd", spec.agent_listen_fd, seen_fds);
 
-  // seen_fds now holds every descriptor QEMU takes over (fd sets, sockets).
+  return fdsets;
+}
+
+// The files QEMU opens by name (memory, kernel, initrd, console), none of them a descriptor it also takes over.
+void check_files(const QemuSpec& spec, const std::set<int>& seen_fds, const std::set<int>& fdsets) {
   for (auto [field, path] : {std::pair<std::string_view, std::string_view>{"memory_path", spec.memory_path},
                              {"kernel", spec.kernel},
                              {"initrd", spec.initrd},
@@ -213,7 +221,9 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   if (ring != 0 && ((ring & (ring - 1)) != 0 || ring > (1u << 30))) {
     invalid("console_ringbuf_bytes", fmt::format("{} is not a power of two up to 1 GiB", spec.console_ringbuf_bytes));
   }
+}
 
+void check_block_devices(const QemuSpec& spec, const std::set<int>& fdsets) {
   std::set<std::string> node_names;
   std::set<std::string> serials;
   for (std::size_t i = 0; i < spec.block_devices.size(); ++i) {
@@ -238,15 +248,19 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
       invalid(f + ".serial", fmt::format("'{}' is used twice", d.serial));
     }
   }
+}
 
-  // --- the command line ---
+// virtio devices: on the virtio-mmio transport (microvm) or on PCI (q35).
+std::string virtio(const QemuSpec& spec, std::string_view device) {
+  return fmt::format("virtio-{}-{}", device, spec.machine == Machine::kQ35 ? "pci" : "device");
+}
+
+// The machine: QEMU's own settings, the accelerator, CPUs and memory, the kernel, the monitor and the console.
+void add_machine(std::vector<std::string>& a, const QemuSpec& spec) {
   const bool kvm = spec.accelerator == Accelerator::kKvm;
   const bool q35 = spec.machine == Machine::kQ35;
   const bool screen = spec.display.kind != DisplaySpec::Kind::kNone;
-  // virtio devices: on the virtio-mmio transport (microvm) or on PCI (q35).
-  auto virtio = [q35](std::string_view device) { return fmt::format("virtio-{}-{}", device, q35 ? "pci" : "device"); };
   const std::uint64_t mib = (spec.memory_bytes + kMiB - 1) / kMiB;
-  std::vector<std::string> a;
   auto add = [&a](std::initializer_list<std::string> words) { a.insert(a.end(), words); };
 
   a.push_back(spec.binary);
@@ -285,7 +299,12 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
     add({"-chardev", fmt::format("ringbuf,id=console,size={}", spec.console_ringbuf_bytes)});
     add({"-serial", "chardev:console"});
   }
+}
 
+// The devices: the agent's port, the disks, the balloon, the screen and its input.
+void add_devices(std::vector<std::string>& a, const QemuSpec& spec) {
+  auto add = [&a](std::initializer_list<std::string> words) { a.insert(a.end(), words); };
+  auto virtio = [&spec](std::string_view device) { return qemu::virtio(spec, device); };
   if (spec.agent_listen_fd >= 0) {
     add({"-device", virtio("serial") + ",max_ports=2"});
     add({"-chardev", fmt::format("socket,id=agent,fd={},server=on,wait=off", spec.agent_listen_fd)});
@@ -312,6 +331,19 @@ std::vector<std::string> qemu_argv(const QemuSpec& spec) {
   }
   if (spec.start_paused) a.push_back("-S");
   if (spec.incoming) add({"-incoming", "defer"});
+}
+
+}  // namespace
+
+std::vector<std::string> qemu_argv(const QemuSpec& spec) {
+  check_machine(spec);
+  std::set<int> seen_fds;
+  const std::set<int> fdsets = check_descriptors(spec, seen_fds);
+  check_files(spec, seen_fds, fdsets);
+  check_block_devices(spec, fdsets);
+  std::vector<std::string> a;
+  add_machine(a, spec);
+  add_devices(a, spec);
   return a;
 }
 
