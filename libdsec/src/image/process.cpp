@@ -110,10 +110,12 @@ namespace {
 pid_t spawn_child(const std::string& exe, const std::vector<std::string>& argv, const std::vector<std::string>& env,
                   int out_w, int err_w) {
   std::vector<char*> cargv;
+  cargv.reserve(argv.size() + 1);
   for (const auto& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
   cargv.push_back(nullptr);
   std::vector<char*> cenv;
   if (!env.empty()) {
+    cenv.reserve(env.size() + 1);
     for (const auto& kv : env) cenv.push_back(const_cast<char*>(kv.c_str()));
     cenv.push_back(nullptr);
   }

@@ -175,7 +175,12 @@ class UpperCopier {
       errno = 0;
     }
     if (errno != 0) throw_errno_fmt(errno, "read {}", shown(rel_dir));
-    for (const std::string& name : names) copy_entry(src, out, name, rel_dir.empty() ? name : rel_dir + "/" + name);
+    for (const std::string& name : names) {
+      std::string rel = rel_dir;
+      if (!rel.empty()) rel += '/';
+      rel += name;
+      copy_entry(src, out, name, rel);
+    }
   }
 
   void copy_entry(int src_dir, int out_dir, const std::string& name, const std::string& rel) {

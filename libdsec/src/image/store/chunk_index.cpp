@@ -164,8 +164,9 @@ void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view store
 }
 
 ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const std::filesystem::path& data_file,
-                                 std::uint64_t meta_size, std::vector<std::uint32_t> prefetch, std::uint32_t chunk_size,
-                                 int level, const std::function<void(std::uint64_t, std::uint64_t)>& progress) {
+                                 std::uint64_t meta_size, const std::vector<std::uint32_t>& prefetch,
+                                 std::uint32_t chunk_size, int level,
+                                 const std::function<void(std::uint64_t, std::uint64_t)>& progress) {
   UniqueFd in(::open(layer_file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!in) throw_errno_fmt(errno, "open {}", layer_file.string());
   struct stat st {};
@@ -184,7 +185,7 @@ ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const 
 
   // Chunks are compressed in parallel in windows of a few per thread and written in order.
   const unsigned threads = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
-  const std::size_t window = threads * 4;
+  const std::size_t window = std::size_t{threads} * 4;
   std::vector<std::string> raw(window), packed(window);
   Sha256 layer_hash, data_hash;
   std::uint64_t data_offset = 0;

@@ -75,7 +75,7 @@ struct ChunkedLayer {
 // called with bytes done and total.
 // `meta_size` is recorded in the index as it is.
 ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const std::filesystem::path& data_file,
-                                 std::uint64_t meta_size, std::vector<std::uint32_t> prefetch = {0},
+                                 std::uint64_t meta_size, const std::vector<std::uint32_t>& prefetch = {0},
                                  std::uint32_t chunk_size = ChunkIndex::kDefaultChunkSize, int level = 3,
                                  const std::function<void(std::uint64_t done, std::uint64_t total)>& progress = {});
 
