@@ -48,8 +48,8 @@ void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NON
 
 // One output stream of an exec, capped: kept in `data`, or handed to the sink as it is read.
 struct Capture {
-  Capture(UniqueFd fd_in, int stream_in, std::size_t cap_in, const OutputSink* sink_in)
-      : fd(std::move(fd_in)), stream(stream_in), cap(cap_in), sink(sink_in) {}
+  Capture(int stream_in, std::size_t cap_in, const OutputSink* sink_in)
+      : stream(stream_in), cap(cap_in), sink(sink_in) {}
   UniqueFd fd;
   int stream;  // 1 stdout, 2 stderr
   std::size_t cap;
@@ -57,6 +57,11 @@ struct Capture {
   std::string data;
   std::size_t kept = 0;  // bytes kept or delivered so far
   bool truncated = false;
+  bool open = true;  // no EOF yet
+  // Reads what is available, while the stream is open.
+  void read() {
+    if (open) open = drain();
+  }
   // Reads what is available; false at EOF.
   bool drain() {
     char buf[65536];
@@ -133,6 +138,213 @@ struct ContainerSandbox::CommandGroup {
   }
 };
 
+// One exec from the moment its command is handed to init until its result: the command's pipes, init's connection
+// (which reports the command's exit), the deadline and the output caps. start() hands the command over; wait() is
+// the poll loop, one step per method.
+class ContainerSandbox::ExecRun {
+ public:
+  ExecRun(ContainerSandbox& sandbox, const std::string& group, const ExecRequest& req, const OutputSink& sink,
+          Clock::time_point started);
+
+  // Sends init the command's start with the command's ends of the pipes and `group_fds` (the exec group's, when
+  // the command joins it itself), closes them here and returns init's reply: started, or why not.
+  Reply start(const std::string& payload, std::vector<UniqueFd>& group_fds);
+
+  // Feeds the command's stdin and reads its output until it exited and its output closed (or the grace after its
+  // exit ended); past the deadline its group is killed. Whatever ends the wait early (a sink that throws, a lost
+  // init) leaves nothing of the command running.
+  ExecResult wait();
+
+ private:
+  // Done: the command exited and its output closed, or the grace after its exit is over.
+  bool finished(Clock::time_point now) const;
+  // Kills the command's group once the deadline passes; true when the kill was never reported within 10 s (then
+  // taken as done).
+  bool past_deadline(Clock::time_point now);
+  // Init went away without reporting the exit: the sandbox died or is being destroyed.
+  void check_init_reports();
+  // Waits once for any of the pipes or init's connection, and serves what is ready.
+  void poll_once(Clock::time_point now);
+  int poll_timeout_ms(Clock::time_point now) const;
+  void feed_stdin();
+  void read_exit();
+  ExecResult result();
+
+  ContainerSandbox& sandbox_;
+  const std::string& group_;
+  Clock::time_point started_;
+  Clock::time_point deadline_;
+  UniqueFd conn_;  // to init: the start goes out, the start's and the exit's replies come back
+  UniqueFd command_stdin_, command_stdout_, command_stderr_;  // the command's ends, until start() passed them
+  UniqueFd stdin_;                                            // this end of the command's stdin, while it is fed
+  std::string_view stdin_left_;
+  Capture stdout_, stderr_;
+  bool conn_open_ = true;
+  std::optional<Clock::time_point> exited_at_;
+  int status_ = 0;
+  bool timed_out_ = false;
+};
+
+ContainerSandbox::ExecRun::ExecRun(ContainerSandbox& sandbox, const std::string& group, const ExecRequest& req,
+                                   const OutputSink& sink, Clock::time_point started)
+    : sandbox_(sandbox),
+      group_(group),
+      started_(started),
+      deadline_(started + std::chrono::microseconds(static_cast<std::int64_t>(req.timeout_seconds * 1e6))),
+      stdin_left_(req.stdin_data),
+      stdout_(1, req.max_output_bytes, sink ? &sink : nullptr),
+      stderr_(2, req.max_output_bytes, sink ? &sink : nullptr) {
+  Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
+  command_stdin_ = std::move(in.read);
+  stdin_ = std::move(in.write);
+  command_stdout_ = std::move(out.write);
+  stdout_.fd = std::move(out.read);
+  command_stderr_ = std::move(err.write);
+  stderr_.fd = std::move(err.read);
+}
+
+Reply ContainerSandbox::ExecRun::start(const std::string& payload, std::vector<UniqueFd>& group_fds) {
+  try {
+    conn_ = connect_init(sandbox_.socket_path_, sandbox_.id_);
+  } catch (const Error&) {
+    sandbox_.check_running();
+    throw;
+  }
+
+  std::string message;
+  append_u32(message, static_cast<std::uint32_t>(payload.size()));
+  message += payload;
+  std::vector<int> pass{command_stdin_.get(), command_stdout_.get(), command_stderr_.get()};
+  for (const auto& fd : group_fds) pass.push_back(fd.get());
+  send_init_request(conn_.get(), message, pass);
+  command_stdin_.reset();
+  command_stdout_.reset();
+  command_stderr_.reset();
+  group_fds.clear();
+
+  Reply reply{};
+  if (!read_init_reply(conn_.get(), &reply, sizeof reply, started_ + std::chrono::seconds(30))) {
+    sandbox_.check_running();
+    throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", sandbox_.id_));
+  }
+  return reply;
+}
+
+ExecResult ContainerSandbox::ExecRun::wait() {
+  set_nonblocking(stdout_.fd.get());
+  set_nonblocking(stderr_.fd.get());
+  if (stdin_left_.empty()) stdin_.reset();
+  else set_nonblocking(stdin_.get());
+
+  struct KillOnUnwind {
+    SandboxCgroup& cgroup;
+    const std::string& group;
+    int uncaught = std::uncaught_exceptions();
+    ~KillOnUnwind() {
+      if (std::uncaught_exceptions() > uncaught) {
+        try {
+          cgroup.kill_exec_group(group);
+        } catch (...) {
+        }
+      }
+    }
+  } kill_on_unwind{*sandbox_.cgroup_, group_};
+  for (;;) {
+    auto now = Clock::now();
+    if (finished(now)) break;
+    if (past_deadline(now)) continue;
+    check_init_reports();
+    poll_once(now);
+  }
+  return result();
+}
+
+bool ContainerSandbox::ExecRun::finished(Clock::time_point now) const {
+  return exited_at_ && ((!stdout_.open && !stderr_.open) || now >= *exited_at_ + kOutputGrace);
+}
+
+bool ContainerSandbox::ExecRun::past_deadline(Clock::time_point now) {
+  if (!timed_out_ && now >= deadline_) {
+    timed_out_ = true;
+    sandbox_.cgroup_->kill_exec_group(group_);
+  }
+  if (timed_out_ && !exited_at_ && now >= deadline_ + std::chrono::seconds(10)) {
+    // Killed but never reported: treat as killed rather than wait forever.
+    status_ = SIGKILL;
+    exited_at_ = now;
+    return true;
+  }
+  return false;
+}
+
+void ContainerSandbox::ExecRun::check_init_reports() {
+  if (conn_open_ || exited_at_) return;
+  sandbox_.check_running();
+  throw Error(Code::kUnavailable, fmt::format("sandbox {}: lost its init during exec", sandbox_.id_));
+}
+
+void ContainerSandbox::ExecRun::poll_once(Clock::time_point now) {
+  pollfd fds[4];
+  int n = 0;
+  int i_out = -1, i_err = -1, i_in = -1, i_conn = -1;
+  if (stdout_.open) fds[i_out = n++] = {stdout_.fd.get(), POLLIN, 0};
+  if (stderr_.open) fds[i_err = n++] = {stderr_.fd.get(), POLLIN, 0};
+  if (stdin_) fds[i_in = n++] = {stdin_.get(), POLLOUT, 0};
+  if (conn_open_ && !exited_at_) fds[i_conn = n++] = {conn_.get(), POLLIN, 0};
+  int rc = ::poll(fds, static_cast<nfds_t>(n), poll_timeout_ms(now));
+  if (rc < 0 && errno != EINTR) throw_errno(errno, "poll exec streams");
+  if (rc <= 0) return;
+  if (i_out >= 0 && fds[i_out].revents) stdout_.read();
+  if (i_err >= 0 && fds[i_err].revents) stderr_.read();
+  if (i_in >= 0 && fds[i_in].revents) feed_stdin();
+  if (i_conn >= 0 && fds[i_conn].revents) read_exit();
+}
+
+// Until the grace after the exit ends, the deadline, or (past the deadline) a second; at most a second at a time.
+int ContainerSandbox::ExecRun::poll_timeout_ms(Clock::time_point now) const {
+  auto until = exited_at_ ? *exited_at_ + kOutputGrace : (timed_out_ ? now + std::chrono::seconds(1) : deadline_);
+  auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
+  return static_cast<int>(std::clamp<long long>(wait_ms + 1, 0, 1000));
+}
+
+void ContainerSandbox::ExecRun::feed_stdin() {
+  ssize_t w = ::write(stdin_.get(), stdin_left_.data(), std::min<std::size_t>(stdin_left_.size(), 65536));
+  if (w > 0) stdin_left_.remove_prefix(static_cast<std::size_t>(w));
+  if ((w < 0 && errno != EAGAIN && errno != EINTR) || stdin_left_.empty()) stdin_.reset();
+}
+
+void ContainerSandbox::ExecRun::read_exit() {
+  Reply exit_reply{};
+  if (read_init_reply(conn_.get(), &exit_reply, sizeof exit_reply, Clock::now() + std::chrono::seconds(1)) &&
+      exit_reply.type == ReplyType::kExited) {
+    status_ = exit_reply.a;
+    exited_at_ = Clock::now();
+    // Output written before the exit is already in the pipes.
+    stdout_.read();
+    stderr_.read();
+  } else {
+    conn_open_ = false;
+  }
+}
+
+ExecResult ContainerSandbox::ExecRun::result() {
+  ExecResult result;
+  result.timed_out = timed_out_;
+  if (WIFEXITED(status_)) {
+    result.exit_code = WEXITSTATUS(status_);
+  } else if (WIFSIGNALED(status_)) {
+    result.exit_code = -1;
+    result.signal = WTERMSIG(status_);
+    if (result.signal == SIGKILL && !result.timed_out) result.oom_killed = sandbox_.oom_killed_since_last_look();
+  }
+  result.stdout_data = std::move(stdout_.data);
+  result.stderr_data = std::move(stderr_.data);
+  result.stdout_truncated = stdout_.truncated;
+  result.stderr_truncated = stderr_.truncated;
+  result.duration_seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+  return result;
+}
+
 ExecResult ContainerSandbox::exec(const ExecRequest& req, const OutputSink& sink) {
   check_running();
   {
@@ -149,8 +361,6 @@ ExecResult ContainerSandbox::exec(const ExecRequest& req, const OutputSink& sink
   } exec_count{*this};
   auto started = Clock::now();
   ExecCommand command = resolve_command(req);
-  const std::vector<std::string>& argv = command.argv;
-  const std::string& cwd = command.cwd;
   std::string payload = command.start_payload();
 
   // Declared before the group below, so it goes after it: while the mark exists, an agent restart takes the group
@@ -164,138 +374,23 @@ ExecResult ContainerSandbox::exec(const ExecRequest& req, const OutputSink& sink
     throw;
   }
   group.make();
-  Pipe in = Pipe::make(), out = Pipe::make(), err = Pipe::make();
-
-  UniqueFd conn;
-  try {
-    conn = connect_init(socket_path_, id_);
-  } catch (const Error&) {
-    check_running();
-    throw;
-  }
-
-  std::string message;
-  append_u32(message, static_cast<std::uint32_t>(payload.size()));
-  message += payload;
-  std::vector<int> pass{in.read.get(), out.write.get(), err.write.get()};
-  for (const auto& fd : group.fds) pass.push_back(fd.get());
-  send_init_request(conn.get(), message, pass);
-  in.read.reset();
-  out.write.reset();
-  err.write.reset();
-  group.fds.clear();
-
-  Reply reply{};
-  if (!read_init_reply(conn.get(), &reply, sizeof reply, started + std::chrono::seconds(30))) {
-    check_running();
-    throw Error(Code::kUnavailable, fmt::format("sandbox {}: its init did not answer", id_));
-  }
+  ExecRun run(*this, group.name, req, sink, started);
+  Reply reply = run.start(payload, group.fds);
   // Init forked the command (or tried): once this exec is over, the next group is made and init moved there. Not
   // while the command runs: the move holds the kernel's threadgroup lock for writing, which every fork and exit
   // on the host waits for, the command's own exit among them (milliseconds after an idle spell).
   group.place_next_when_done();
   if (reply.type == ReplyType::kFailed) {
-    if (auto r = init::start_failure_result(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd)) {
+    const std::string& argv0 = command.argv[0];
+    if (auto r = init::start_failure_result(reply.a, static_cast<FailStage>(reply.b), argv0, command.cwd)) {
       r->duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
       if (sink) sink(2, r->stderr_data);
       return *r;
     }
-    throw init::start_error(reply.a, static_cast<FailStage>(reply.b), argv[0], cwd,
+    throw init::start_error(reply.a, static_cast<FailStage>(reply.b), argv0, command.cwd,
                             fmt::format("uid {}, gid {}", command.uid, command.gid));
   }
-
-  ExecResult result;
-  const OutputSink* to = sink ? &sink : nullptr;
-  Capture cout{std::move(out.read), 1, req.max_output_bytes, to};
-  Capture cerr{std::move(err.read), 2, req.max_output_bytes, to};
-  set_nonblocking(cout.fd.get());
-  set_nonblocking(cerr.fd.get());
-  std::string_view stdin_left = req.stdin_data;
-  if (stdin_left.empty()) in.write.reset();
-  else set_nonblocking(in.write.get());
-
-  auto deadline = started + std::chrono::microseconds(static_cast<std::int64_t>(req.timeout_seconds * 1e6));
-  std::optional<Clock::time_point> exited_at;
-  bool out_open = true, err_open = true, conn_open = true;
-  int status = 0;
-  // Whatever ends the wait early (a sink that throws, a lost init) leaves nothing of the command running.
-  struct KillOnUnwind {
-    SandboxCgroup& cgroup;
-    const std::string& group;
-    int uncaught = std::uncaught_exceptions();
-    ~KillOnUnwind() {
-      if (std::uncaught_exceptions() > uncaught) {
-        try {
-          cgroup.kill_exec_group(group);
-        } catch (...) {
-        }
-      }
-    }
-  } kill_on_unwind{*cgroup_, group.name};
-  for (;;) {
-    auto now = Clock::now();
-    if (exited_at && ((!out_open && !err_open) || now >= *exited_at + kOutputGrace)) break;
-    if (!result.timed_out && now >= deadline) {
-      result.timed_out = true;
-      cgroup_->kill_exec_group(group.name);
-    }
-    if (result.timed_out && !exited_at && now >= deadline + std::chrono::seconds(10)) {
-      // Killed but never reported: treat as killed rather than wait forever.
-      status = SIGKILL;
-      exited_at = now;
-      continue;
-    }
-    if (!conn_open && !exited_at) {
-      // init went away without reporting: the sandbox died or is being destroyed.
-      check_running();
-      throw Error(Code::kUnavailable, fmt::format("sandbox {}: lost its init during exec", id_));
-    }
-    pollfd fds[4];
-    int n = 0;
-    int i_out = -1, i_err = -1, i_in = -1, i_conn = -1;
-    if (out_open) fds[i_out = n++] = {cout.fd.get(), POLLIN, 0};
-    if (err_open) fds[i_err = n++] = {cerr.fd.get(), POLLIN, 0};
-    if (in.write) fds[i_in = n++] = {in.write.get(), POLLOUT, 0};
-    if (conn_open && !exited_at) fds[i_conn = n++] = {conn.get(), POLLIN, 0};
-    auto until = exited_at ? *exited_at + kOutputGrace : (result.timed_out ? now + std::chrono::seconds(1) : deadline);
-    auto wait_ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count();
-    int rc = ::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::clamp<long long>(wait_ms + 1, 0, 1000)));
-    if (rc < 0 && errno != EINTR) throw_errno(errno, "poll exec streams");
-    if (rc <= 0) continue;
-    if (i_out >= 0 && fds[i_out].revents) out_open = cout.drain();
-    if (i_err >= 0 && fds[i_err].revents) err_open = cerr.drain();
-    if (i_in >= 0 && fds[i_in].revents) {
-      ssize_t w = ::write(in.write.get(), stdin_left.data(), std::min<std::size_t>(stdin_left.size(), 65536));
-      if (w > 0) stdin_left.remove_prefix(static_cast<std::size_t>(w));
-      if ((w < 0 && errno != EAGAIN && errno != EINTR) || stdin_left.empty()) in.write.reset();
-    }
-    if (i_conn >= 0 && fds[i_conn].revents) {
-      Reply exit_reply{};
-      if (read_init_reply(conn.get(), &exit_reply, sizeof exit_reply, Clock::now() + std::chrono::seconds(1)) &&
-          exit_reply.type == ReplyType::kExited) {
-        status = exit_reply.a;
-        exited_at = Clock::now();
-        // Output written before the exit is already in the pipes.
-        if (out_open) out_open = cout.drain();
-        if (err_open) err_open = cerr.drain();
-      } else {
-        conn_open = false;
-      }
-    }
-  }
-  if (WIFEXITED(status)) {
-    result.exit_code = WEXITSTATUS(status);
-  } else if (WIFSIGNALED(status)) {
-    result.exit_code = -1;
-    result.signal = WTERMSIG(status);
-    if (result.signal == SIGKILL && !result.timed_out) result.oom_killed = oom_killed_since_last_look();
-  }
-  result.stdout_data = std::move(cout.data);
-  result.stderr_data = std::move(cerr.data);
-  result.stdout_truncated = cout.truncated;
-  result.stderr_truncated = cerr.truncated;
-  result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  return result;
+  return run.wait();
 }
 
 std::variant<ProcessEntry, ExecResult> ContainerSandbox::spawn(const ExecRequest& req, const SpawnOptions& options) {

@@ -317,39 +317,8 @@ bool ContainerSandbox::alive() {
 void ContainerSandbox::destroy() {
   std::lock_guard lock(destroy_mu_);
   if (destroyed_.exchange(true)) return;
-  {
-    // Frozen processes would not die (cgroup v1): a sleeping sandbox is thawed first.
-    std::lock_guard power(power_mu_);
-    if (sleeping_) {
-      try {
-        cgroup_->restore_memory();
-        cgroup_->thaw();
-      } catch (const std::exception& e) {
-        log_warn("sandbox {}: thaw before destroy: {}", id_, e.what());
-      }
-      sleeping_ = false;
-    }
-  }
-  if (init_.pidfd) {
-    cgroup_->unthrottle();
-    // Killing pid 1 of the sandbox's pid namespace kills every process in it; the kernel reports init's exit
-    // only after all of them are gone. Its mount namespace, with the overlay and tmpfs, goes with the last one.
-    ::syscall(SYS_pidfd_send_signal, init_.pidfd.get(), SIGKILL, nullptr, 0);
-    if (adopted_) {
-      // Not this agent's child (its parent was the old agent): it cannot be reaped here, but its pidfd turns
-      // readable once it and, being pid 1 of its namespace, everything else in the sandbox has exited.
-      pollfd p{init_.pidfd.get(), POLLIN, 0};
-      for (auto until = Clock::now() + std::chrono::milliseconds(kAdoptedExitWaitMs);
-           ::poll(&p, 1, 100) == 0 && Clock::now() < until;) {
-      }
-    } else {
-      siginfo_t info{};
-      while (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(init_.pidfd.get()), &info, WEXITED) != 0 &&
-             errno == EINTR) {
-      }
-    }
-    init_.pidfd.reset();
-  }
+  thaw_for_destroy();
+  if (init_.pidfd) kill_init();
   join_placement();
   cgroup_->destroy();
   {
@@ -360,6 +329,39 @@ void ContainerSandbox::destroy() {
   if (identity_.userns_first && userns_) userns_->give_back(*identity_.userns_first);
   std::error_code ec;
   fs::remove_all(run_dir_, ec);
+}
+
+void ContainerSandbox::thaw_for_destroy() {
+  std::lock_guard power(power_mu_);
+  if (!sleeping_) return;
+  try {
+    cgroup_->restore_memory();
+    cgroup_->thaw();
+  } catch (const std::exception& e) {
+    log_warn("sandbox {}: thaw before destroy: {}", id_, e.what());
+  }
+  sleeping_ = false;
+}
+
+void ContainerSandbox::kill_init() {
+  cgroup_->unthrottle();
+  // Killing pid 1 of the sandbox's pid namespace kills every process in it; the kernel reports init's exit
+  // only after all of them are gone. Its mount namespace, with the overlay and tmpfs, goes with the last one.
+  ::syscall(SYS_pidfd_send_signal, init_.pidfd.get(), SIGKILL, nullptr, 0);
+  if (adopted_) {
+    // Not this agent's child (its parent was the old agent): it cannot be reaped here, but its pidfd turns
+    // readable once it and, being pid 1 of its namespace, everything else in the sandbox has exited.
+    pollfd p{init_.pidfd.get(), POLLIN, 0};
+    for (auto until = Clock::now() + std::chrono::milliseconds(kAdoptedExitWaitMs);
+         ::poll(&p, 1, 100) == 0 && Clock::now() < until;) {
+    }
+  } else {
+    siginfo_t info{};
+    while (::waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(init_.pidfd.get()), &info, WEXITED) != 0 &&
+           errno == EINTR) {
+    }
+  }
+  init_.pidfd.reset();
 }
 
 std::string ContainerSandbox::exchange_with(process_protocol::Op op, const std::string& payload,

@@ -132,7 +132,16 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
 
   void destroy() override;
 
+  // A sandbox with a link resolves names through the agent (NodeNetwork::resolv_conf). Holds network_mu_, or the
+  // sandbox is new.
+  void write_resolv_conf();
+
  private:
+  // Frozen processes would not die (cgroup v1): a sleeping sandbox is thawed before its destroy.
+  void thaw_for_destroy();
+  // Kills init, and with it every process of the sandbox, and waits until they are gone.
+  void kill_init();
+
   std::string hostname() const { return spec_.hostname.empty() ? id_ : spec_.hostname; }
 
   // Process requests to init (InitProcesses). A sandbox that sleeps has its init frozen: refused before, and a
@@ -169,6 +178,8 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
 
   // The exec group a command (an exec's or a spawned process's) starts in (container_exec.cpp).
   struct CommandGroup;
+  // One exec's command, from its start by init to its result (container_exec.cpp).
+  class ExecRun;
 
   // The group init sits in for the next exec, taken by this exec; empty when there is none. A placement under way
   // is waited for: the command's own move into a group of its own would wait on the same kernel work.
@@ -179,12 +190,6 @@ class ContainerSandbox final : public BackendSandbox, public InitProcesses {
   // The first link of a sandbox made without a network, into its namespace now. Holds network_mu_.
   void attach_now(const NetworkPolicy& policy);
 
- public:
-  // A sandbox with a link resolves names through the agent (NodeNetwork::resolv_conf). Holds network_mu_, or the
-  // sandbox is new.
-  void write_resolv_conf();
-
- private:
   RootfsFiles files();
 
   std::chrono::milliseconds reclaim_timeout_;
