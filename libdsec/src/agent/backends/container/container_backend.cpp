@@ -42,6 +42,42 @@ int read_cap_last_cap() {
   return v;
 }
 
+// A sandbox's run directory: rw (its scratch tmpfs), root (its overlay) and the exec markers. A step that fails
+// leaves none of it.
+void make_run_directory(const fs::path& run_dir) {
+  if (::mkdir(run_dir.c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}", run_dir.string());
+  try {
+    for (const char* sub : {"rw", "root", kExecMarkers})
+      if (::mkdir((run_dir / sub).c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}/{}", run_dir.string(), sub);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(run_dir, ec);
+    throw;
+  }
+}
+
+// A unix socket listening at `path`: a sandbox's init.sock, which its init serves.
+UniqueFd listen_on(const std::string& path) {
+  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!listener) throw_errno(errno, "socket");
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+    throw_errno_fmt(errno, "bind {}", path);
+  if (::listen(listener.get(), 256) != 0) throw_errno(errno, "listen");
+  return listener;
+}
+
+// The steps that build a sandbox's root in its run directory: its image layers (lowest first) stacked top first.
+RootfsPlan plan_sandbox_root(const fs::path& run_dir, const std::vector<fs::path>& image_layers,
+                             const Resources& resources, const RootfsOptions& options) {
+  std::vector<std::string> layers;
+  for (auto it = image_layers.rbegin(); it != image_layers.rend(); ++it) layers.push_back(it->string());
+  if (layers.empty()) throw Error(Code::kInvalidArgument, "image has no layers");
+  return plan_rootfs(run_dir.string(), layers, resources, options);
+}
+
 }  // namespace
 
 std::string layer_devices(const std::vector<fs::path>& layers) {
@@ -148,107 +184,85 @@ std::unique_ptr<PreMade> ContainerBackend::pre_make(const WarmShape& shape) {
   return made;
 }
 
+std::optional<UserNamespaces::Namespace> ContainerBackend::take_user_namespace(const std::vector<fs::path>& layers) {
+  if (!userns_ || !userns_->enabled() ||
+      !std::all_of(layers.begin(), layers.end(), [&](const fs::path& layer) { return userns_->can_idmap(layer); }))
+    return std::nullopt;
+  return userns_->take();
+}
+
+SpawnRequest ContainerBackend::spawn_request(const std::string& id, const SandboxSpec& spec) const {
+  SpawnRequest req;
+  req.hostname = spec.hostname.empty() ? id : spec.hostname;
+  if (req.hostname.size() > 64) req.hostname.resize(64);
+  req.init_binary_fd = init_binary_.get();
+  req.cap_last_cap = cap_last_cap_;
+  req.open_files = spec.resources.open_files;
+  req.sched_idle = spec.resources.priority == Priority::kBatch;
+  req.core_cookie = spec.resources.priority == Priority::kLatency && kernel_qos_.core_scheduling;
+  req.memory_merge = spec.resources.ksm && kernel_qos_.memory_merge;
+  return req;
+}
+
 std::unique_ptr<BackendSandbox> ContainerBackend::create_cold(const CreateParams& params) {
   // A user namespace of its own, when the node has them and every layer's file system can be idmapped; taken
   // first, so that a node out of id blocks has nothing to undo.
-  std::optional<UserNamespaces::Namespace> userns;
-  if (userns_ && userns_->enabled() &&
-      std::all_of(params.image_layers.begin(), params.image_layers.end(),
-                  [&](const fs::path& layer) { return userns_->can_idmap(layer); }))
-    userns.emplace(userns_->take());
-  struct GiveBack {
-    UserNamespaces* pool;
-    std::optional<UserNamespaces::Namespace>& ns;
-    bool armed = true;
-    ~GiveBack() {
-      if (armed && ns) pool->give_back(ns->first);
-    }
-  } give_back{userns_.get(), userns};
+  std::optional<UserNamespaces::Namespace> userns = take_user_namespace(params.image_layers);
+  Undo give_back([&] {
+    if (userns) userns_->give_back(userns->first);
+  });
 
   fs::path run_dir = config_.run_dir / params.id;
   std::string socket_path = (run_dir / "init.sock").string();
   if (socket_path.size() >= sizeof(sockaddr_un::sun_path))
     throw Error(Code::kFailedPrecondition,
                 fmt::format("run directory {} is too long for a unix socket path", config_.run_dir.string()));
-  if (::mkdir(run_dir.c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}", run_dir.string());
-  struct Cleanup {
-    fs::path dir;
-    bool armed = true;
-    ~Cleanup() {
-      std::error_code ec;
-      if (armed) fs::remove_all(dir, ec);
-    }
-  } cleanup{run_dir};
-  for (const char* sub : {"rw", "root", kExecMarkers})
-    if (::mkdir((run_dir / sub).c_str(), 0700) != 0) throw_errno_fmt(errno, "mkdir {}/{}", run_dir.string(), sub);
-
-  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!listener) throw_errno(errno, "socket");
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
-  if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
-    throw_errno_fmt(errno, "bind {}", socket_path);
-  if (::listen(listener.get(), 256) != 0) throw_errno(errno, "listen");
+  make_run_directory(run_dir);
+  Undo remove_run_dir([&] {
+    std::error_code ec;
+    fs::remove_all(run_dir, ec);
+  });
+  UniqueFd listener = listen_on(socket_path);
 
   std::unique_ptr<SandboxCgroup> cgroup = cgroups_->create(params.id, params.spec.resources);
   if (userns) cgroup->let_join_as(userns->first);
   std::vector<UniqueFd> procs = cgroup->open_procs();
   UniqueFd netns = netns_->take();
 
-  std::vector<std::string> layers;
-  for (auto it = params.image_layers.rbegin(); it != params.image_layers.rend(); ++it) layers.push_back(it->string());
-  if (layers.empty()) throw Error(Code::kInvalidArgument, "image has no layers");
   RootfsOptions options;
   if (userns) options.userns_first = userns->first;
-  RootfsPlan plan = plan_rootfs(run_dir.string(), layers, params.spec.resources, options);
+  RootfsPlan plan = plan_sandbox_root(run_dir, params.image_layers, params.spec.resources, options);
 
-  SpawnRequest req;
+  SpawnRequest req = spawn_request(params.id, params.spec);
   req.rootfs = &plan;
-  req.hostname = params.spec.hostname.empty() ? params.id : params.spec.hostname;
-  if (req.hostname.size() > 64) req.hostname.resize(64);
   req.netns_fd = netns.get();
   for (const auto& fd : procs) req.cgroup_procs_fds.push_back(fd.get());
   req.listen_fd = listener.get();
-  req.init_binary_fd = init_binary_.get();
   auto prog = params.spec.allow_ptrace ? seccomp_ptrace_.fprog() : seccomp_default_.fprog();
   req.seccomp = &prog;
-  req.cap_last_cap = cap_last_cap_;
-  req.open_files = params.spec.resources.open_files;
-  req.sched_idle = params.spec.resources.priority == Priority::kBatch;
-  req.core_cookie = params.spec.resources.priority == Priority::kLatency && kernel_qos_.core_scheduling;
   std::shared_ptr<void> ksm_hold;
-  if (params.spec.resources.ksm && kernel_qos_.memory_merge) {
-    ksm_hold = qos::hold_ksm();
-    req.memory_merge = true;
-  }
+  if (req.memory_merge) ksm_hold = qos::hold_ksm();
   if (userns) req.userns_fd = userns->fd.get();
 
   Identity identity{
       boot_id_,    0, netns_inode_of_fd(netns.get()), layer_devices(params.image_layers), options.userns_first,
       std::nullopt};
   // Its network, when the spec asks for one: the link is in its namespace before its first process runs.
-  struct Detach {
-    network::NodeNetwork* network;
-    const std::string& id;
-    bool armed = false;
-    ~Detach() {
-      if (armed) network->detach(id);
-    }
-  } detach{network_.get(), params.id};
+  Undo detach([&] {
+    if (identity.link) network_->detach(params.id);
+  });
   if (params.spec.network.mode != "none") {
     if (!network_) throw Error(Code::kUnimplemented, "network: this agent gives sandboxes no network");
     identity.link = network_->attach(params.id, netns.get(), params.spec.network, link_limits(params.spec.resources));
-    detach.armed = true;
   }
   // The root is built by the child in the sandbox's groups: at a small CPU share it would wait out quota periods
   // (a create of 0.01 cores took 40 ms instead of 4.5). Its limit holds from dsec-init's exec on.
   cgroup->unthrottle();
   SpawnedInit init = spawn_init(req);
   cgroup->limit_cpu(params.spec.resources.cpu);
-  cleanup.armed = false;
-  give_back.armed = false;
-  detach.armed = false;
+  remove_run_dir.disarm();
+  give_back.disarm();
+  detach.disarm();
   // Read while the agent holds init's pidfd: the pid cannot name another process yet (init is this process's
   // unreaped child). A sandbox whose init already died has no start time; it turns failed like any dead one.
   identity.init_start_time = process_start_time(init.pid).value_or(0);

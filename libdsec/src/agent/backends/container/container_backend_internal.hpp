@@ -2,7 +2,10 @@
 // shutdown. Private to backends/container: the agent makes it with make_container_backend (container_backend.hpp).
 #pragma once
 
+#include <filesystem>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -11,6 +14,7 @@
 #include "agent/backends/container/cgroup.hpp"
 #include "agent/backends/container/netns_pool.hpp"
 #include "agent/backends/container/seccomp.hpp"
+#include "agent/backends/container/spawn.hpp"
 #include "agent/backends/container/user_namespace.hpp"
 #include "agent/backends/container/warm_pool.hpp"
 #include "agent/config.hpp"
@@ -21,6 +25,21 @@
 namespace dsec::agent::container {
 
 class ContainerSandbox;
+
+// What to undo should a later step of a create or an adoption throw: run at the end of its scope unless disarmed.
+class Undo {
+ public:
+  explicit Undo(std::function<void()> undo) : undo_(std::move(undo)) {}
+  ~Undo() {
+    if (undo_) undo_();
+  }
+  Undo(const Undo&) = delete;
+  Undo& operator=(const Undo&) = delete;
+  void disarm() { undo_ = nullptr; }
+
+ private:
+  std::function<void()> undo_;
+};
 
 class ContainerBackend final : public Backend {
  public:
@@ -48,6 +67,11 @@ class ContainerBackend final : public Backend {
   static constexpr const char* kPreMadePrefix = "w-";
 
   std::unique_ptr<PreMade> pre_make(const WarmShape& shape);
+
+  // A user namespace of the sandbox's own, when the node has them and every layer's file system can be idmapped.
+  std::optional<UserNamespaces::Namespace> take_user_namespace(const std::vector<std::filesystem::path>& layers);
+  // A start's hostname, limits and kernel QoS, and this node's dsec-init and capabilities; the rest is the create's.
+  SpawnRequest spawn_request(const std::string& id, const SandboxSpec& spec) const;
 
  public:
   std::unique_ptr<BackendSandbox> create_cold(const CreateParams& params);
