@@ -118,13 +118,11 @@ const char* step_name(Kind k) {
   return "step";
 }
 
-// Runs in the cloned child, on its own stack, sharing the agent's memory: syscalls only, no allocation.
-int child_main(void* arg) {
-  auto* a = static_cast<ChildArgs*>(arg);
-  const SpawnRequest& r = *a->req;
-  errno = 0;
+// child_main's steps, in the order it takes them (it runs on its own stack, sharing the agent's memory: syscalls
+// only, no allocation). A step that fails ends the child (fail).
 
-  // Handlers are the agent's code: never run them here.
+// Handlers are the agent's code: never run them here.
+void reset_signal_handlers() {
   for (int sig = 1; sig < NSIG; ++sig) {
     struct sigaction sa;
     if (sigaction(sig, nullptr, &sa) == 0 && sa.sa_handler != SIG_DFL && sa.sa_handler != SIG_IGN) {
@@ -133,15 +131,22 @@ int child_main(void* arg) {
       sigaction(sig, &sa, nullptr);
     }
   }
-  // Directory modes in the plan are meant exactly (/tmp and /dev/shm are 1777).
-  umask(0);
-  // Join the sandbox's cgroups first, so that the cgroup namespace made next is rooted there.
+}
+
+// Joins the sandbox's cgroups first, so that the cgroup namespace made next is rooted there; then its network
+// namespace, and names the host.
+void join_sandbox(ChildArgs* a) {
+  const SpawnRequest& r = *a->req;
   for (int fd : r.cgroup_procs_fds)
     if (write(fd, "0", 1) != 1) fail(a, "join cgroup", nullptr);
   if (unshare(CLONE_NEWCGROUP) != 0) fail(a, "unshare cgroup namespace", nullptr);
   if (setns(r.netns_fd, CLONE_NEWNET) != 0) fail(a, "setns network namespace", nullptr);
   if (sethostname(r.hostname.data(), r.hostname.size()) != 0) fail(a, "sethostname", nullptr);
+}
 
+// Runs the plan's steps and makes its root the child's; returns the scratch tmpfs, opened on the way.
+int enter_root(ChildArgs* a) {
+  const SpawnRequest& r = *a->req;
   // Nothing mounted from here on may reach the host's mount table.
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) fail(a, "make mounts private", "/");
   for (const RootfsStep& s : r.rootfs->steps) {
@@ -157,7 +162,13 @@ int child_main(void* arg) {
   if (syscall(SYS_pivot_root, ".", ".") != 0) fail(a, "pivot_root", r.rootfs->root.c_str());
   if (umount2(".", MNT_DETACH) != 0) fail(a, "detach the host root", nullptr);
   if (chdir("/") != 0) fail(a, "chdir", "/");
+  return scratch;
+}
 
+// The OOM score, resource limits and scheduling every process of the sandbox inherits. Limits come before the user
+// namespace: raising a hard limit needs the host's CAP_SYS_RESOURCE.
+void set_limits(ChildArgs* a) {
+  const SpawnRequest& r = *a->req;
   // dsec-init should survive the sandbox's own OOM kills; the commands it starts reset this to 0. This needs
   // CAP_SYS_RESOURCE, which some hosts withhold even from root: then init stays at 0 and, as the smallest process in
   // the sandbox, is the OOM killer's last choice anyway.
@@ -167,7 +178,6 @@ int child_main(void* arg) {
     close(oom);
   }
 
-  // Limits before the user namespace: raising a hard limit needs the host's CAP_SYS_RESOURCE.
   rlimit files{r.open_files, r.open_files};
   if (setrlimit(RLIMIT_NOFILE, &files) != 0) fail(a, "setrlimit NOFILE", nullptr);
   rlimit core{0, 0};
@@ -182,20 +192,24 @@ int child_main(void* arg) {
   // PIDTYPE_TGID (1): the cookie covers this process; children inherit it.
   if (r.core_cookie && prctl(kPrSchedCore, kPrSchedCoreCreate, 0, 1, 0) != 0) fail(a, "prctl PR_SCHED_CORE", nullptr);
   if (r.memory_merge && prctl(kPrSetMemoryMerge, 1, 0, 0, 0) != 0) fail(a, "prctl PR_SET_MEMORY_MERGE", nullptr);
+}
 
-  // The sandbox's own user namespace, last of all: its root is then root inside only (the mount, pid, network and
-  // other namespaces stay the host's, so nothing inside has any power over them). Raw syscalls: glibc's set*id
-  // would signal the agent's other threads.
-  if (r.userns_fd >= 0) {
-    if (setns(r.userns_fd, CLONE_NEWUSER) != 0) fail(a, "setns user namespace", nullptr);
-    if (syscall(SYS_setgroups, 0, nullptr) != 0) fail(a, "setgroups", nullptr);
-    if (syscall(SYS_setresgid, 0, 0, 0) != 0) fail(a, "setresgid", nullptr);
-    if (syscall(SYS_setresuid, 0, 0, 0) != 0) fail(a, "setresuid", nullptr);
-  }
+// The sandbox's own user namespace, last of all: its root is then root inside only (the mount, pid, network and
+// other namespaces stay the host's, so nothing inside has any power over them). Raw syscalls: glibc's set*id
+// would signal the agent's other threads.
+void enter_user_namespace(ChildArgs* a) {
+  const SpawnRequest& r = *a->req;
+  if (r.userns_fd < 0) return;
+  if (setns(r.userns_fd, CLONE_NEWUSER) != 0) fail(a, "setns user namespace", nullptr);
+  if (syscall(SYS_setgroups, 0, nullptr) != 0) fail(a, "setgroups", nullptr);
+  if (syscall(SYS_setresgid, 0, 0, 0) != 0) fail(a, "setresgid", nullptr);
+  if (syscall(SYS_setresuid, 0, 0, 0) != 0) fail(a, "setresuid", nullptr);
+}
 
-  // Descriptors: 0-2 /dev/null, 3 init.sock, 4 the scratch tmpfs, 5 the dsec-init binary; nothing else survives.
-  // Another program (exec_path) gets 0-4 alike and no 5.
-  const bool own_program = r.exec_path != nullptr;
+// Descriptors: 0-2 /dev/null, 3 init.sock, 4 the scratch tmpfs, 5 the dsec-init binary; nothing else survives.
+// Another program (exec_path) gets 0-4 alike and no 5.
+void arrange_descriptors(ChildArgs* a, int scratch, bool own_program) {
+  const SpawnRequest& r = *a->req;
   int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
   if (devnull < 0) fail(a, "open", "/dev/null");
   int listen_hi = fcntl(r.listen_fd, F_DUPFD_CLOEXEC, 10);
@@ -207,7 +221,12 @@ int child_main(void* arg) {
       (!own_program && dup3(init_hi, 5, O_CLOEXEC) < 0))
     fail(a, "dup2", nullptr);
   if (close_range(own_program ? 5 : 6, ~0u, 0) != 0) fail(a, "close_range", nullptr);
+}
 
+// The capabilities the started program holds (see SpawnRequest::keep_capabilities), locked so that none can come
+// back; then no new privileges and the seccomp filter.
+void confine(ChildArgs* a, bool own_program) {
+  const SpawnRequest& r = *a->req;
   const std::uint64_t keep = r.keep_capabilities;
   // dsec-init (keep 0) holds exactly CAP_SETUID, CAP_SETGID and CAP_SETPCAP, to start each command as the user it
   // names; every command gives all three up (and the whole bounding set) before it execs (command_start.cpp), so
@@ -250,6 +269,24 @@ int child_main(void* arg) {
   }
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(a, "no_new_privs", nullptr);
   if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, r.seccomp) != 0) fail(a, "load seccomp filter", nullptr);
+}
+
+// Runs in the cloned child, on its own stack, sharing the agent's memory: syscalls only, no allocation.
+int child_main(void* arg) {
+  auto* a = static_cast<ChildArgs*>(arg);
+  const SpawnRequest& r = *a->req;
+  errno = 0;
+
+  reset_signal_handlers();
+  // Directory modes in the plan are meant exactly (/tmp and /dev/shm are 1777).
+  umask(0);
+  join_sandbox(a);
+  const int scratch = enter_root(a);
+  set_limits(a);
+  enter_user_namespace(a);
+  const bool own_program = r.exec_path != nullptr;
+  arrange_descriptors(a, scratch, own_program);
+  confine(a, own_program);
 
   // The agent's threads block signals they wait for (SIGTERM, SIGINT); nothing of that may reach the sandbox.
   umask(022);
@@ -267,88 +304,107 @@ int child_main(void* arg) {
   fail(a, "exec dsec-init", nullptr);
 }
 
-}  // namespace
+// Appends a plan's steps, one method per kind; strings the plan keeps (RootfsPlan::keep).
+class PlanSteps {
+ public:
+  explicit PlanSteps(RootfsPlan& plan) : p_(plan) {}
 
-RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
-                       const Resources& resources, const RootfsOptions& options) {
-  RootfsPlan p;
-  p.scratch = run_dir + "/rw";
-  p.root = run_dir + "/root";
-  auto at = [&](std::string_view rel) { return p.keep(p.root + std::string(rel)); };
-  auto mount_step = [&](const char* src, const char* target, const char* type, unsigned long flags, const char* data,
-                        bool optional = false) {
-    p.steps.push_back({Kind::kMount, src, target, type, flags, data, 0, 0, optional});
-  };
-  auto mkdir_step = [&](const char* target, unsigned mode) {
-    p.steps.push_back({Kind::kMkdir, nullptr, target, nullptr, 0, nullptr, mode, 0, false});
-  };
-  auto idmap_step = [&](const char* source, const char* target) {
-    p.steps.push_back({Kind::kIdmapBind, source, target, nullptr, 0, nullptr, 0, 0, false});
-  };
-  const bool idmapped = options.userns_first.has_value();
+  const char* keep(std::string s) { return p_.keep(std::move(s)); }
+  // A path under the new root.
+  const char* at(std::string_view rel) { return p_.keep(p_.root + std::string(rel)); }
+  void mount_step(const char* src, const char* target, const char* type, unsigned long flags, const char* data,
+                  bool optional = false) {
+    p_.steps.push_back({Kind::kMount, src, target, type, flags, data, 0, 0, optional});
+  }
+  void mkdir_step(const char* target, unsigned mode) {
+    p_.steps.push_back({Kind::kMkdir, nullptr, target, nullptr, 0, nullptr, mode, 0, false});
+  }
+  void idmap_step(const char* source, const char* target) {
+    p_.steps.push_back({Kind::kIdmapBind, source, target, nullptr, 0, nullptr, 0, 0, false});
+  }
+  void add(const RootfsStep& step) { p_.steps.push_back(step); }
+  const RootfsPlan& plan() const { return p_; }
 
-  // With a user namespace, every layer is stacked through an idmapped copy of its mount under <run>/lower, and the
-  // writable layer through one of the scratch tmpfs at <run>/rwmap: on disk, files keep the ids the sandbox sees.
+ private:
+  RootfsPlan& p_;
+};
+
+// The overlay's lowerdir: the layers, top first. With a user namespace, every layer is stacked through an idmapped
+// copy of its mount under <run>/lower: on disk, files keep the ids the sandbox sees.
+std::string stack_layers(PlanSteps& steps, const std::string& run_dir, const std::vector<std::string>& layers_top_first,
+                         bool idmapped) {
   std::string lower;
   for (std::size_t i = 0; i < layers_top_first.size(); ++i) {
     std::string layer = layers_top_first[i];
     if (idmapped) {
-      if (i == 0) mkdir_step(p.keep(run_dir + "/lower"), 0700);
-      const char* staged = p.keep(fmt::format("{}/lower/{}", run_dir, i));
-      mkdir_step(staged, 0700);
-      idmap_step(p.keep(layer), staged);
+      if (i == 0) steps.mkdir_step(steps.keep(run_dir + "/lower"), 0700);
+      const char* staged = steps.keep(fmt::format("{}/lower/{}", run_dir, i));
+      steps.mkdir_step(staged, 0700);
+      steps.idmap_step(steps.keep(layer), staged);
       layer = staged;
     }
     lower += (lower.empty() ? "" : ":") + layer;
   }
+  return lower;
+}
+
+// The scratch tmpfs and the overlay of the layers (`lower`) under it, mounted at the root. With a user namespace
+// the writable layer is stacked through an idmapped copy of the scratch tmpfs at <run>/rwmap.
+void mount_overlay(PlanSteps& steps, const std::string& run_dir, std::string lower, std::size_t layer_count,
+                   const Resources& resources, const RootfsOptions& options, const char* empty_dir) {
+  const RootfsPlan& p = steps.plan();
+  const bool idmapped = options.userns_first.has_value();
   // Where the overlay finds the scratch tmpfs's directories: idmapped, or the tmpfs itself.
   const std::string writable = idmapped ? run_dir + "/rwmap" : p.scratch;
   auto stack_writable = [&] {
     if (!idmapped) return;
-    mkdir_step(p.keep(writable), 0700);
-    idmap_step(p.keep(p.scratch), p.keep(writable));
+    steps.mkdir_step(steps.keep(writable), 0700);
+    steps.idmap_step(steps.keep(p.scratch), steps.keep(writable));
     // The overlay records its mounter's credentials and works on its upper layer with them: root inside, seen
     // through the idmapped mount as on-disk 0. What the steps after it make is root's inside too.
-    p.steps.push_back({Kind::kSetFsIds, nullptr, nullptr, nullptr, 0, nullptr, 0, *options.userns_first, false});
+    steps.add({Kind::kSetFsIds, nullptr, nullptr, nullptr, 0, nullptr, 0, *options.userns_first, false});
   };
-  const char* empty_dir = p.keep(p.scratch + "/empty");
   if (options.read_only_root) {
     // No writable layer: the scratch tmpfs only holds the empty directory, and the overlay has lower layers alone
     // (the kernel wants two of them then: an image of one layer gets the empty directory as its second).
-    mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=64,mode=0755");
-    mkdir_step(empty_dir, 0555);
+    steps.mount_step("dsec-rw", steps.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
+                     "size=64k,nr_inodes=64,mode=0755");
+    steps.mkdir_step(empty_dir, 0555);
     stack_writable();
-    if (layers_top_first.size() == 1) lower += ":" + writable + "/empty";
-    mount_step("dsec-root", p.keep(p.root), "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
-               p.keep(fmt::format("lowerdir={}", lower)));
-  } else {
-    // The writable layer: a tmpfs as large as the disk limit, so the kernel enforces it (ENOSPC past it).
-    std::uint64_t inodes = std::max<std::uint64_t>(16384, resources.disk_bytes / 8192);
-    mount_step("dsec-rw", p.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
-               p.keep(fmt::format("size={},nr_inodes={},mode=0755", resources.disk_bytes, inodes)));
-    mkdir_step(p.keep(p.scratch + "/upper"), 0755);
-    mkdir_step(p.keep(p.scratch + "/work"), 0755);
-    mkdir_step(empty_dir, 0555);
-    stack_writable();
-    // metacopy and redirect_dir off (the kernel's defaults, said here whatever the host's module options): every
-    // file the sandbox changes is then whole in the upper directory, which a snapshot takes as a layer of its own.
-    mount_step("dsec-root", p.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
-               p.keep(fmt::format("lowerdir={},upperdir={}/upper,workdir={}/work,volatile,metacopy=off,"
-                                  "redirect_dir=off",
-                                  lower, writable, writable)));
+    if (layer_count == 1) lower += ":" + writable + "/empty";
+    steps.mount_step("dsec-root", steps.keep(p.root), "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV,
+                     steps.keep(fmt::format("lowerdir={}", lower)));
+    return;
   }
+  // The writable layer: a tmpfs as large as the disk limit, so the kernel enforces it (ENOSPC past it).
+  std::uint64_t inodes = std::max<std::uint64_t>(16384, resources.disk_bytes / 8192);
+  steps.mount_step("dsec-rw", steps.keep(p.scratch), "tmpfs", MS_NOSUID | MS_NODEV,
+                   steps.keep(fmt::format("size={},nr_inodes={},mode=0755", resources.disk_bytes, inodes)));
+  steps.mkdir_step(steps.keep(p.scratch + "/upper"), 0755);
+  steps.mkdir_step(steps.keep(p.scratch + "/work"), 0755);
+  steps.mkdir_step(empty_dir, 0555);
+  stack_writable();
+  // metacopy and redirect_dir off (the kernel's defaults, said here whatever the host's module options): every
+  // file the sandbox changes is then whole in the upper directory, which a snapshot takes as a layer of its own.
+  steps.mount_step("dsec-root", steps.keep(p.root), "overlay", MS_NOSUID | MS_NODEV,
+                   steps.keep(fmt::format("lowerdir={},upperdir={}/upper,workdir={}/work,volatile,metacopy=off,"
+                                          "redirect_dir=off",
+                                          lower, writable, writable)));
+}
 
-  // On a read-only root these find the image's own directories (EEXIST); a missing one fails the start.
-  for (const char* d : {"/proc", "/dev", "/sys"}) mkdir_step(at(d), 0755);
-  mkdir_step(at("/tmp"), 01777);
-  mount_step("proc", at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-             options.proc_options ? p.keep(options.proc_options) : nullptr);
+// /proc, /dev (its devices, pts, shm and links) and /sys, and /tmp. On a read-only root the directories are the
+// image's own (EEXIST); a missing one fails the start.
+void mount_system(PlanSteps& steps, const Resources& resources, const RootfsOptions& options) {
+  for (const char* d : {"/proc", "/dev", "/sys"}) steps.mkdir_step(steps.at(d), 0755);
+  steps.mkdir_step(steps.at("/tmp"), 01777);
+  steps.mount_step("proc", steps.at("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   options.proc_options ? steps.keep(options.proc_options) : nullptr);
   // Each superblock a sandbox mounts costs kernel memory in every memory cgroup on the host (per-cgroup shrinker and
   // LRU bookkeeping), so a sandbox mounts as few as it can: /dev/shm is a directory of the /dev tmpfs, and every
   // masked directory is a read-only bind of one empty directory on the scratch tmpfs.
-  mount_step("dsec-dev", at("/dev"), "tmpfs", MS_NOSUID | MS_NOEXEC,
-             p.keep(fmt::format("mode=0755,size={},nr_inodes=4096",
-                                std::min<std::uint64_t>(resources.memory_bytes, 1ull << 30))));
+  steps.mount_step("dsec-dev", steps.at("/dev"), "tmpfs", MS_NOSUID | MS_NOEXEC,
+                   steps.keep(fmt::format("mode=0755,size={},nr_inodes=4096",
+                                          std::min<std::uint64_t>(resources.memory_bytes, 1ull << 30))));
   struct Device {
     const char* name;
     unsigned major, minor;
@@ -359,27 +415,46 @@ RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string
                           {"/dev/random", 1, 8},
                           {"/dev/urandom", 1, 9},
                           {"/dev/tty", 5, 0}})
-    p.steps.push_back({Kind::kMknod, nullptr, at(d.name), nullptr, 0, nullptr, 0666, makedev(d.major, d.minor), false});
-  mkdir_step(at("/dev/pts"), 0755);
-  mkdir_step(at("/dev/shm"), 01777);
-  mount_step("devpts", at("/dev/pts"), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620");
+    steps.add({Kind::kMknod, nullptr, steps.at(d.name), nullptr, 0, nullptr, 0666, makedev(d.major, d.minor), false});
+  steps.mkdir_step(steps.at("/dev/pts"), 0755);
+  steps.mkdir_step(steps.at("/dev/shm"), 01777);
+  steps.mount_step("devpts", steps.at("/dev/pts"), "devpts", MS_NOSUID | MS_NOEXEC,
+                   "newinstance,ptmxmode=0666,mode=0620");
   for (auto [target, link] : {std::pair{"/dev/ptmx", "pts/ptmx"},
                               {"/dev/fd", "/proc/self/fd"},
                               {"/dev/stdin", "/proc/self/fd/0"},
                               {"/dev/stdout", "/proc/self/fd/1"},
                               {"/dev/stderr", "/proc/self/fd/2"}})
-    p.steps.push_back({Kind::kSymlink, link, at(target), nullptr, 0, nullptr, 0, 0, false});
-  mount_step("sysfs", at("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+    steps.add({Kind::kSymlink, link, steps.at(target), nullptr, 0, nullptr, 0, 0, false});
+  steps.mount_step("sysfs", steps.at("/sys"), "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr);
+}
 
-  // Masked (docs/security.md has the list and why): files read as empty, directories are empty.
-  for (std::string_view f : kMaskedFiles) mount_step(at("/dev/null"), at(f), nullptr, MS_BIND, nullptr, true);
+// Masked (docs/security.md has the list and why): files read as empty, directories are empty. Read-only: kernel
+// tunables and triggers.
+void mask_kernel_files(PlanSteps& steps, const char* empty_dir) {
+  for (std::string_view f : kMaskedFiles)
+    steps.mount_step(steps.at("/dev/null"), steps.at(f), nullptr, MS_BIND, nullptr, true);
   for (std::string_view d : kMaskedDirectories)
-    p.steps.push_back(
-        {Kind::kBindReadOnly, empty_dir, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0, true});
-  // Read-only: kernel tunables and triggers.
+    steps.add(
+        {Kind::kBindReadOnly, empty_dir, steps.at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0, true});
   for (const char* d : {"/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"})
-    p.steps.push_back(
-        {Kind::kBindReadOnly, nullptr, at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0, true});
+    steps.add(
+        {Kind::kBindReadOnly, nullptr, steps.at(d), nullptr, MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr, 0, 0, true});
+}
+
+}  // namespace
+
+RootfsPlan plan_rootfs(const std::string& run_dir, const std::vector<std::string>& layers_top_first,
+                       const Resources& resources, const RootfsOptions& options) {
+  RootfsPlan p;
+  p.scratch = run_dir + "/rw";
+  p.root = run_dir + "/root";
+  PlanSteps steps(p);
+  std::string lower = stack_layers(steps, run_dir, layers_top_first, options.userns_first.has_value());
+  const char* empty_dir = p.keep(p.scratch + "/empty");
+  mount_overlay(steps, run_dir, std::move(lower), layers_top_first.size(), resources, options, empty_dir);
+  mount_system(steps, resources, options);
+  mask_kernel_files(steps, empty_dir);
   return p;
 }
 
