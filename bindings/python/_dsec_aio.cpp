@@ -25,8 +25,8 @@
 #include "client/client_core.hpp"
 #include "client/endpoint.hpp"
 #include "client/exec_stream.hpp"
-#include "client/process_codec.hpp"
 #include "common/protocol.hpp"
+#include "common/protocol/process.hpp"
 
 namespace py = pybind11;
 

@@ -17,7 +17,7 @@
 #include <string_view>
 
 #include "common/protocol.hpp"
-#include "common/screen_protocol.hpp"
+#include "common/protocol/screen.hpp"
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"
 

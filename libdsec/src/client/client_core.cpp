@@ -16,7 +16,7 @@
 
 #include "common/network_rules.hpp"
 #include "common/protocol.hpp"
-#include "common/screen_protocol.hpp"
+#include "common/protocol/screen.hpp"
 #include "dsec/retry.hpp"
 #include "image/store/manifest.hpp"
 

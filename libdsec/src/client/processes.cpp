@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 
 #include "client/client_core.hpp"
-#include "client/process_codec.hpp"
+#include "common/protocol/process.hpp"
 #include "dsec/sandbox.hpp"
 
 namespace dsec {

@@ -9,7 +9,8 @@
 
 #include "client/client_core.hpp"
 #include "client/endpoint.hpp"
-#include "client/process_codec.hpp"
+#include "common/protocol/exec.hpp"
+#include "common/protocol/process.hpp"
 #include "dsec/sandbox.hpp"
 
 namespace dsec {

@@ -3,7 +3,7 @@
 
 #include "agent/api/router.hpp"
 #include "agent/api/router_internal.hpp"
-#include "common/screen_protocol.hpp"
+#include "common/protocol/screen.hpp"
 
 namespace dsec::agent {
 namespace http = boost::beast::http;

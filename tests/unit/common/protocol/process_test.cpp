@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "client/process_codec.hpp"
+#include "common/protocol/process.hpp"
 #include "error_test_util.hpp"
 
 namespace dsec::detail {

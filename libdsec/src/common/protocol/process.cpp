@@ -1,4 +1,4 @@
-#include "client/process_codec.hpp"
+#include "common/protocol/process.hpp"
 
 #include <cctype>
 #include <cmath>
@@ -7,6 +7,9 @@
 #include <utility>
 
 #include <fmt/format.h>
+
+#include "common/protocol/exec.hpp"
+#include "dsec/error.hpp"
 
 namespace dsec::detail {
 namespace {

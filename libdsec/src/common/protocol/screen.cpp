@@ -1,4 +1,4 @@
-#include "common/screen_protocol.hpp"
+#include "common/protocol/screen.hpp"
 
 #include <fmt/format.h>
 

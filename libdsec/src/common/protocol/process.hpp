@@ -7,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-#include "common/protocol.hpp"
+#include "common/protocol/body.hpp"
 #include "dsec/process.hpp"
 #include "dsec/session.hpp"
 

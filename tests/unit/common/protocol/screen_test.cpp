@@ -1,4 +1,4 @@
-// A full VM's screen on the wire and in the spec (common/screen_protocol, SandboxSpec::display) and in a sandbox's
+// A full VM's screen on the wire and in the spec (common/protocol/screen, SandboxSpec::display) and in a sandbox's
 // record (qemu/vm_record): what is accepted, what is refused and how it says so.
 #include <string>
 #include <vector>
@@ -8,7 +8,7 @@
 #include "agent/backends/qemu/qemu_command.hpp"
 #include "agent/backends/qemu/vm_record.hpp"
 #include "common/protocol.hpp"
-#include "common/screen_protocol.hpp"
+#include "common/protocol/screen.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec {

@@ -1,0 +1,40 @@
+#include "common/protocol/error.hpp"
+
+#include <fmt/format.h>
+
+#include "common/protocol/fields_internal.hpp"
+
+namespace dsec::protocol {
+
+using namespace fields;
+
+json encode_error(const Error& e) {
+  return json{{"code", std::string(e.code_name())},
+              {"message", e.what()},
+              {"retryable", e.retryable()},
+              {"fault", std::string(fault_name(e.fault()))}};
+}
+
+Error decode_error(const json& j, int status) {
+  if (j.is_object() && j.contains("code") && j["code"].is_string()) {
+    // Never throws: an error body with members of the wrong type still becomes an error, with what it holds.
+    Code code = code_from_name(j["code"].get<std::string>());
+    std::string message;
+    if (auto m = j.find("message"); m != j.end() && !m->is_null())
+      message = m->is_string() ? m->get<std::string>() : m->dump();
+    bool retryable = is_retryable(code);
+    if (auto r = j.find("retryable"); r != j.end() && r->is_boolean()) retryable = r->get<bool>();
+    Fault fault = fault_of(code);
+    if (auto f = j.find("fault"); f != j.end() && f->is_string())
+      fault = f->get<std::string>() == "infrastructure" ? Fault::kInfrastructure : Fault::kRequest;
+    return Error(code, message, retryable, fault);
+  }
+  Code code = status == 404   ? Code::kNotFound
+              : status == 400 ? Code::kInvalidArgument
+              : status == 503 ? Code::kUnavailable
+              : status == 504 ? Code::kDeadlineExceeded
+                              : Code::kUnknown;
+  return Error(code, fmt::format("agent answered HTTP {} without a dsec error body", status));
+}
+
+}  // namespace dsec::protocol

@@ -1,0 +1,89 @@
+#include "common/protocol/exec.hpp"
+
+#include <fmt/format.h>
+
+#include "common/protocol/body.hpp"
+#include "common/protocol/sandbox.hpp"
+
+#include "common/protocol/fields_internal.hpp"
+
+namespace dsec::protocol {
+
+using namespace fields;
+
+json encode(const ExecRequest& r) {
+  json j{{"env", r.env}, {"cwd", r.cwd}, {"timeout", r.timeout_seconds}, {"max_output", r.max_output_bytes}};
+  if (!r.shell.empty()) j["shell"] = r.shell;
+  else j["argv"] = r.argv;
+  if (!r.stdin_data.empty()) j["stdin"] = base64_encode(r.stdin_data);
+  if (!r.user.empty()) j["user"] = r.user;
+  if (!r.request_id.empty()) j["request_id"] = r.request_id;
+  return j;
+}
+
+ExecRequest decode_exec_request(const json& j) {
+  if (!j.is_object()) bad("exec", "must be a JSON object");
+  ExecRequest r;
+  r.shell = get_string(j, "shell", "shell");
+  if (const json* a = find(j, "argv")) {
+    if (!a->is_array()) bad("argv", "must be an array of strings");
+    for (const auto& x : *a) {
+      if (!x.is_string()) bad("argv", "must be an array of strings");
+      r.argv.push_back(x.get<std::string>());
+    }
+  }
+  if (r.shell.empty() == r.argv.empty()) bad("argv", "give exactly one of a non-empty argv or shell");
+  if (!r.argv.empty() && r.argv[0].empty()) bad("argv[0]", "must not be empty");
+  for (const auto& a : r.argv)
+    if (has_nul(a)) bad("argv", "arguments must not contain NUL");
+  if (has_nul(r.shell)) bad("shell", "must not contain NUL");
+  r.env = get_string_map(j, "env", "env");
+  validate_env(r.env, "env");
+  r.cwd = get_string(j, "cwd", "cwd");
+  if (!r.cwd.empty() && (r.cwd.front() != '/' || has_nul(r.cwd))) bad("cwd", "must be an absolute path");
+  if (const json* s = find(j, "stdin")) {
+    if (!s->is_string()) bad("stdin", "must be a base64 string");
+    r.stdin_data = base64_decode(s->get<std::string>());
+  }
+  r.timeout_seconds = get_number(j, "timeout", "timeout", r.timeout_seconds);
+  if (!(r.timeout_seconds > 0) || r.timeout_seconds > 86400 * 7) bad("timeout", "must be in (0, 604800] seconds");
+  r.max_output_bytes = get_unsigned(j, "max_output", "max_output", r.max_output_bytes);
+  if (r.max_output_bytes > (1ull << 30)) bad("max_output", "at most 1 GiB");
+  r.user = get_string(j, "user", "user");
+  (void)parse_user(r.user, "user");
+  r.request_id = get_string(j, "request_id", "request_id");
+  if (r.request_id.size() > 128 || has_nul(r.request_id)) bad("request_id", "at most 128 bytes");
+  return r;
+}
+
+json encode(const ExecResult& r) {
+  json j{{"exit_code", r.exit_code},
+         {"signal", r.signal},
+         {"stdout", base64_encode(r.stdout_data)},
+         {"stderr", base64_encode(r.stderr_data)},
+         {"stdout_truncated", r.stdout_truncated},
+         {"stderr_truncated", r.stderr_truncated},
+         {"timed_out", r.timed_out},
+         {"duration", r.duration_seconds}};
+  if (!r.reason.empty()) j["reason"] = r.reason;
+  if (r.oom_killed) j["oom_killed"] = true;
+  return j;
+}
+
+ExecResult decode_exec_result(const json& j) {
+  expect_object(j, "exec result");
+  ExecResult r;
+  r.exit_code = member(j, "exit_code", -1);
+  r.signal = member(j, "signal", 0);
+  r.stdout_data = base64_decode(member(j, "stdout", ""));
+  r.stderr_data = base64_decode(member(j, "stderr", ""));
+  r.stdout_truncated = member(j, "stdout_truncated", false);
+  r.stderr_truncated = member(j, "stderr_truncated", false);
+  r.timed_out = member(j, "timed_out", false);
+  r.duration_seconds = member(j, "duration", 0.0);
+  r.reason = member(j, "reason", "");
+  r.oom_killed = member(j, "oom_killed", false);
+  return r;
+}
+
+}  // namespace dsec::protocol

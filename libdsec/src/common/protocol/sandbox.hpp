@@ -1,0 +1,60 @@
+// A sandbox on the v1 wire: its spec (POST /v1/sandboxes) with the checks every spec passes, its user and protected
+// paths, its network policy and usage, and the SandboxInfo answers describe it with.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/protocol/body.hpp"
+#include "dsec/network.hpp"
+#include "dsec/sandbox_info.hpp"
+#include "dsec/spec.hpp"
+
+namespace dsec::protocol {
+
+json encode(const SandboxSpec& spec);
+SandboxSpec decode_spec(const json& j);
+// A network policy: {"mode": ..., "rules": [{"allow", "cidr", "protocol", "ports"}]}; decoding also takes the bare
+// mode ("none", "egress", "open") and validates the whole policy (INVALID_ARGUMENT naming the field).
+json encode(const NetworkPolicy& policy);
+NetworkPolicy decode_network(const json& j);
+// {"bytes_out", "packets_out", "bytes_in", "packets_in", "refused", "resolved": {name: [address, ...]}}
+json encode(const NetworkUsage& usage);
+NetworkUsage decode_network_usage(const json& j);
+void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_ARGUMENT naming the field
+
+// A lease group's id: 1 to 128 of letters, digits, '.', '_' and '-'. Group TTLs are 1 to 86400 seconds.
+bool valid_group_id(std::string_view id) noexcept;
+inline constexpr double kMaxGroupTtlSeconds = 86400;
+// A sandbox's TTL: 0 (none) to one year, in seconds.
+inline constexpr std::int64_t kMaxTtlSeconds = 365LL * 86400;
+
+// Sandbox::fork labels the sandboxes it makes from a snapshot under a generated name ("fork/...") with this label,
+// whose value is the snapshot's "name:tag"; when the last sandbox carrying it goes from a node, the node removes
+// that tag from its snapshot store. Only names under kForkSnapshotPrefix are ever removed so.
+inline constexpr std::string_view kForkSnapshotLabel = "dsec.fork-snapshot";
+inline constexpr std::string_view kForkSnapshotPrefix = "fork/";
+
+// A `user` field (SandboxSpec::user, ExecRequest::user) by its form: "" (root), a user name (1 to 64 letters, digits,
+// '.', '_', '-', not starting with '-', an optional trailing '$'), "uid" or "uid:gid" (decimal, 0 to kMaxUserId).
+// Whether a name exists is known only inside the sandbox, at exec. Throws INVALID_ARGUMENT naming `field`.
+inline constexpr std::uint32_t kMaxUserId = 65535;
+struct UserRef {
+  std::string name;                  // set for a name
+  std::optional<std::uint32_t> uid;  // set for "uid" and "uid:gid"
+  std::optional<std::uint32_t> gid;  // set for "uid:gid"
+};
+UserRef parse_user(std::string_view user, std::string_view field = "user");
+
+// SandboxSpec::protected_paths: at most kMaxProtectedPaths, each absolute and normalized (no "//", ".", ".." or
+// trailing '/'), not "/" and not under /proc, /sys or /dev. Part of validate(SandboxSpec).
+inline constexpr std::size_t kMaxProtectedPaths = 32;
+void validate_protected_paths(const std::vector<std::string>& paths, std::string_view field = "protected_paths");
+
+json encode(const SandboxInfo& info);
+SandboxInfo decode_sandbox_info(const json& j);
+
+}  // namespace dsec::protocol
