@@ -32,13 +32,13 @@ milliseconds poll_time(double seconds) {
 }
 
 ProcessInfo info_of(const detail::HttpResponse& r, std::string_view what) {
-  return detail::decode_process_info(detail::parse_json(r, what));
+  return protocol::decode_process_info(detail::parse_json(r, what));
 }
 
 void check_wait(double seconds, std::string_view field) {
-  if (std::isnan(seconds) || seconds > detail::kMaxProcessWait)
+  if (std::isnan(seconds) || seconds > protocol::kMaxProcessWait)
     throw Error(Code::kInvalidArgument,
-                fmt::format("{}: at most {} seconds, got {}", field, detail::kMaxProcessWait, seconds));
+                fmt::format("{}: at most {} seconds, got {}", field, protocol::kMaxProcessWait, seconds));
 }
 
 }  // namespace
@@ -83,7 +83,7 @@ ProcessInfo Process::wait(double timeout_seconds) const {
     if (until) left = std::chrono::duration<double>(*until - SteadyClock::now()).count();
     const double slice = std::clamp(left, 0.0, kWaitSlice);
     auto r = core().call_sandbox(
-        sandbox_id_, detail::http_request("GET", path(slice > 0 ? "?wait=" + detail::query_seconds(slice) : "")),
+        sandbox_id_, detail::http_request("GET", path(slice > 0 ? "?wait=" + protocol::query_seconds(slice) : "")),
         {poll_time(slice), true});
     ProcessInfo info = info_of(r, "GET /v1/sandboxes/{id}/processes/{pid}?wait");
     if (!info.running || (until && SteadyClock::now() >= *until) || slice <= 0) return info;
@@ -104,20 +104,20 @@ ProcessOutput Process::read(std::optional<std::uint64_t> stdout_offset, std::opt
     out.exit_code = never_started_->exit_code;
     return out;
   }
-  if (max_bytes < 1 || max_bytes > detail::kMaxOutputRead)
-    throw Error(Code::kInvalidArgument, fmt::format("max_bytes: 1 to {}, got {}", detail::kMaxOutputRead, max_bytes));
+  if (max_bytes < 1 || max_bytes > protocol::kMaxOutputRead)
+    throw Error(Code::kInvalidArgument, fmt::format("max_bytes: 1 to {}, got {}", protocol::kMaxOutputRead, max_bytes));
   std::string query;
   auto add = [&query](std::string_view key, const std::string& value) {
     query += fmt::format("{}{}={}", query.empty() ? '?' : '&', key, value);
   };
   if (stdout_offset) add("stdout", std::to_string(*stdout_offset));
   if (stderr_offset) add("stderr", std::to_string(*stderr_offset));
-  if (wait_seconds > 0) add("wait", detail::query_seconds(wait_seconds));
-  if (max_bytes != detail::kMaxOutputRead) add("max", std::to_string(max_bytes));
+  if (wait_seconds > 0) add("wait", protocol::query_seconds(wait_seconds));
+  if (max_bytes != protocol::kMaxOutputRead) add("max", std::to_string(max_bytes));
   auto r = core().call_sandbox(sandbox_id_, detail::http_request("GET", path("/output" + query)),
                                {poll_time(wait_seconds), true});
   ProcessOutput out =
-      detail::decode_process_output(detail::parse_json(r, "GET /v1/sandboxes/{id}/processes/{pid}/output"));
+      protocol::decode_process_output(detail::parse_json(r, "GET /v1/sandboxes/{id}/processes/{pid}/output"));
   // A stream that was not asked for says nothing, whatever the agent put there.
   if (!stdout_offset) out.stdout_data.clear(), out.stdout_offset = out.stdout_end = 0;
   if (!stderr_offset) out.stderr_data.clear(), out.stderr_offset = out.stderr_end = 0;
@@ -152,7 +152,7 @@ ProcessInfo Process::signal(int sig, bool group) const {
 }
 
 ProcessInfo Process::resize(unsigned rows, unsigned cols) const {
-  detail::check_terminal_size(rows, cols);
+  protocol::check_terminal_size(rows, cols);
   check_started("resize");
   // The same size twice is the same state: retried like a read.
   const std::string body = protocol::json{{"rows", rows}, {"cols", cols}}.dump();
@@ -182,7 +182,7 @@ ProcessInfo Process::follow(const std::function<void(int fd, std::string_view da
 Process Sandbox::spawn(const ProcessRequest& request) const {
   // Exactly-once on the agent by its request id (one is made when the caller gave none): a retry after a lost
   // answer gets the first spawn's process, never a second one.
-  protocol::json encoded = detail::encode(request);
+  protocol::json encoded = protocol::encode(request);
   const std::string request_id = request.request_id.empty() ? detail::random_request_id() : request.request_id;
   encoded["request_id"] = request_id;
   auto r = core().call_sandbox(
@@ -201,7 +201,7 @@ Process Sandbox::process(int pid) const {
 
 std::vector<ProcessInfo> Sandbox::processes() const {
   auto r = core().call_sandbox(id_, detail::http_request("GET", core().sandbox_path(id_, "/processes")));
-  return detail::decode_process_list(detail::parse_json(r, "GET /v1/sandboxes/{id}/processes"));
+  return protocol::decode_process_list(detail::parse_json(r, "GET /v1/sandboxes/{id}/processes"));
 }
 
 }  // namespace dsec

@@ -21,7 +21,7 @@ using std::chrono::milliseconds;
 constexpr std::string_view kJson = "application/json";
 
 SessionInfo info_of(const detail::HttpResponse& r, std::string_view what) {
-  return detail::decode_session_info(detail::parse_json(r, what));
+  return protocol::decode_session_info(detail::parse_json(r, what));
 }
 
 // What a run of `timeout_seconds` adds to an exchange's time.
@@ -46,7 +46,7 @@ std::string Session::path(std::string_view suffix) const {
 ExecResult Session::run(std::string command, double timeout_seconds, std::size_t max_output) const {
   // Exactly once on the agent by a request id of its own, so a retry never runs the command twice in the shell.
   const std::string request_id = detail::random_request_id();
-  protocol::json encoded = detail::encode_session_run(command, timeout_seconds, max_output, false);
+  protocol::json encoded = protocol::encode_session_run(command, timeout_seconds, max_output, false);
   encoded["request_id"] = request_id;
   auto r = core().call_sandbox(
       sandbox_id_, detail::http_request("POST", core().sandbox_path(sandbox_id_, path("/run")), encoded.dump(), kJson),
@@ -57,7 +57,7 @@ ExecResult Session::run(std::string command, double timeout_seconds, std::size_t
 ExecResult Session::run_stream(std::string command, const std::function<void(int fd, std::string_view data)>& on_output,
                                double timeout_seconds, std::size_t max_output) const {
   const std::string request_id = detail::random_request_id();
-  protocol::json encoded = detail::encode_session_run(command, timeout_seconds, max_output, true);
+  protocol::json encoded = protocol::encode_session_run(command, timeout_seconds, max_output, true);
   encoded["request_id"] = request_id;
   return core().stream_command(sandbox_id_, path("/run"), encoded.dump(), run_time(timeout_seconds), on_output,
                                request_id);
@@ -85,7 +85,7 @@ void Session::close() const {
 }
 
 Session Sandbox::shell(const SessionOptions& options) const {
-  const std::string body = detail::encode(options).dump();
+  const std::string body = protocol::encode(options).dump();
   // Not retried once the agent may have it: a second attempt would start a second shell (or find the name taken).
   auto r = core().call_sandbox(id_, detail::http_request("POST", core().sandbox_path(id_, "/sessions"), body, kJson),
                                {milliseconds{0}, false});
@@ -100,7 +100,7 @@ Session Sandbox::session(std::string name) const {
 
 std::vector<SessionInfo> Sandbox::sessions() const {
   auto r = core().call_sandbox(id_, detail::http_request("GET", core().sandbox_path(id_, "/sessions")));
-  return detail::decode_session_list(detail::parse_json(r, "GET /v1/sandboxes/{id}/sessions"));
+  return protocol::decode_session_list(detail::parse_json(r, "GET /v1/sandboxes/{id}/sessions"));
 }
 
 }  // namespace dsec

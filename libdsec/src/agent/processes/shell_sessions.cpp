@@ -13,6 +13,7 @@
 #include <chrono>
 #include <optional>
 
+#include "common/protocol/process.hpp"
 #include "common/syscall.hpp"
 
 namespace dsec::agent {
@@ -147,16 +148,7 @@ class MarkerScan {
 
 }  // namespace
 
-void ShellSessions::check_name(std::string_view name) {
-  bool ok = !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
-           c == '-';
-  });
-  if (!ok)
-    throw Error(
-        Code::kInvalidArgument,
-        fmt::format("name: '{}' is not a session name (1 to 64 letters, digits, '.', '_', '-')", name.substr(0, 100)));
-}
+void ShellSessions::check_name(std::string_view name) { protocol::check_session_name(name); }
 
 std::vector<ShellSessions::Found> ShellSessions::all(Processes& processes) {
   std::vector<Found> out;

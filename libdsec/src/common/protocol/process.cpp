@@ -1,20 +1,23 @@
 #include "common/protocol/process.hpp"
 
+#include <signal.h>
+
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "common/protocol/exec.hpp"
 #include "dsec/error.hpp"
 
-namespace dsec::detail {
+namespace dsec::protocol {
 namespace {
-
-using protocol::json;
 
 [[noreturn]] void bad(std::string_view field, std::string_view why) {
   throw Error(Code::kInvalidArgument, fmt::format("{}: {}", field, why));
@@ -28,8 +31,8 @@ using protocol::json;
 // spawn and a session), as exec's JSON has them.
 json command_fields(ExecRequest request) {
   if (!request.argv.empty() && !request.shell.empty()) bad("argv", "give exactly one of a non-empty argv or shell");
-  json j = protocol::encode(request);
-  protocol::decode_exec_request(j);
+  json j = encode(request);
+  decode_exec_request(j);
   j.erase("timeout");
   j.erase("max_output");
   return j;
@@ -57,7 +60,7 @@ T member(const json& j, std::string_view what, const char* key, T fallback) {
 
 std::string bytes_member(const json& j, std::string_view what, const char* key) {
   try {
-    return protocol::base64_decode(member<std::string>(j, what, key, ""));
+    return base64_decode(member<std::string>(j, what, key, ""));
   } catch (const Error& e) {
     if (e.code() == Code::kDataLoss) throw;
     malformed(what, key, fmt::format("is not base64: {}", e.what()));
@@ -75,11 +78,77 @@ std::vector<T> list_of(const json& j, const char* key, std::string_view what, De
   return out;
 }
 
-bool valid_session_name(std::string_view name) {
-  if (name.empty() || name.size() > 64) return false;
-  for (char c : name)
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) return false;
-  return true;
+// A request's body: an object (null is an empty one) holding only fields of `known`.
+json known_fields(const json& j, std::initializer_list<std::string_view> known) {
+  json body = j.is_null() ? json::object() : j;
+  if (!body.is_object()) bad("body", "must be a JSON object");
+  for (const auto& [key, value] : body.items())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      bad(key, fmt::format("is not a field of this request (known: {})", fmt::join(known, ", ")));
+  return body;
+}
+
+template <typename T>
+T number_field(const json& body, const char* key, T fallback, T low, T high) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return fallback;
+  if (!it->is_number()) bad(key, "must be a number");
+  double v = it->get<double>();
+  if (!(v >= static_cast<double>(low) && v <= static_cast<double>(high)))
+    bad(key, fmt::format("must be in [{}, {}]", low, high));
+  if constexpr (std::is_integral_v<T>)
+    if (v != std::floor(v)) bad(key, "must be a whole number");
+  return static_cast<T>(v);
+}
+
+std::string string_field(const json& body, const char* key, std::size_t max_bytes) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return {};
+  if (!it->is_string()) bad(key, "must be a string");
+  std::string v = it->get<std::string>();
+  if (v.size() > max_bytes) bad(key, fmt::format("at most {} bytes", max_bytes));
+  if (v.find('\0') != std::string::npos) bad(key, "must not contain NUL");
+  return v;
+}
+
+bool bool_field(const json& body, const char* key) {
+  auto it = body.find(key);
+  if (it == body.end() || it->is_null()) return false;
+  if (!it->is_boolean()) bad(key, "must be true or false");
+  return it->get<bool>();
+}
+
+// The command fields of a spawn or a session (argv or shell, env, cwd, user), decoded as an exec's are.
+ExecRequest command_of(const json& body, json command) {
+  for (const char* k : {"argv", "shell", "env", "cwd", "user"})
+    if (body.contains(k)) command[k] = body[k];
+  return decode_exec_request(command);
+}
+
+int signal_number(const json& v) {
+  static constexpr std::pair<std::string_view, int> kNames[] = {
+      {"HUP", SIGHUP},   {"INT", SIGINT},   {"QUIT", SIGQUIT}, {"KILL", SIGKILL}, {"TERM", SIGTERM},
+      {"USR1", SIGUSR1}, {"USR2", SIGUSR2}, {"STOP", SIGSTOP}, {"CONT", SIGCONT}, {"WINCH", SIGWINCH},
+      {"ALRM", SIGALRM}, {"PIPE", SIGPIPE}, {"TSTP", SIGTSTP}, {"ABRT", SIGABRT}};
+  if (v.is_number_integer()) {
+    int n = v.get<int>();
+    if (n >= 1 && n < NSIG) return n;
+  } else if (v.is_string()) {
+    std::string_view name = v.get_ref<const std::string&>();
+    if (name.rfind("SIG", 0) == 0) name.remove_prefix(3);
+    for (auto [n, sig] : kNames)
+      if (n == name) return sig;
+  }
+  bad("signal", "must be a signal number (1 to 64) or a name such as \"SIGTERM\"");
+}
+
+// A command that could not start for what it names: a process that ended at once, kept nowhere.
+json encode_never_started(const ProcessInfo& p) {
+  return json{{"pid", 0},          {"argv", p.argv},     {"tag", ""},
+              {"pty", false},      {"running", false},   {"exit_code", p.exit_code},
+              {"signal", 0},       {"reason", p.reason}, {"message", p.message},
+              {"started_at", 0},   {"ended_at", 0},      {"stdout_bytes", 0},
+              {"stderr_bytes", 0}, {"stdin_open", false}};
 }
 
 }  // namespace
@@ -87,6 +156,15 @@ bool valid_session_name(std::string_view name) {
 void check_terminal_size(unsigned rows, unsigned cols) {
   for (auto [field, value] : {std::pair{"rows", rows}, std::pair{"cols", cols}})
     if (value < 1 || value > kMaxTerminalSide) bad(field, fmt::format("{} is not in 1 to {}", value, kMaxTerminalSide));
+}
+
+void check_session_name(std::string_view name) {
+  const bool ok = !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  });
+  if (!ok)
+    bad("name",
+        fmt::format("'{}' is not a session name (1 to 64 letters, digits, '.', '_', '-')", name.substr(0, 100)));
 }
 
 json encode(const ProcessRequest& r) {
@@ -120,8 +198,7 @@ json encode(const SessionOptions& o) {
   json j = command_fields(std::move(context));
   j.erase("shell");
   if (!o.name.empty()) {
-    if (!valid_session_name(o.name))
-      bad("name", fmt::format("'{}' is not a session name (1 to 64 letters, digits, '.', '_', '-')", o.name));
+    check_session_name(o.name);
     j["name"] = o.name;
   }
   if (o.shell.find('\0') != std::string::npos) bad("shell", "must not contain NUL");
@@ -134,6 +211,97 @@ json encode_session_run(std::string_view command, double timeout_seconds, std::s
   if (!(timeout_seconds > 0) || timeout_seconds > 86400 * 7) bad("timeout", "must be in (0, 604800] seconds");
   if (max_output > (std::size_t{1} << 30)) bad("max_output", "at most 1 GiB");
   return json{{"command", command}, {"timeout", timeout_seconds}, {"max_output", max_output}, {"stream", stream}};
+}
+
+ProcessRequest decode_process_request(const json& j) {
+  const json body =
+      known_fields(j, {"argv", "shell", "env", "cwd", "user", "pty", "rows", "cols", "tag", "request_id"});
+  ProcessRequest r;
+  r.request_id = string_field(body, "request_id", 128);
+  r.pty = bool_field(body, "pty");
+  r.rows = number_field<unsigned>(body, "rows", 24, 1, kMaxTerminalSide);
+  r.cols = number_field<unsigned>(body, "cols", 80, 1, kMaxTerminalSide);
+  r.tag = string_field(body, "tag", kMaxProcessTag);
+  ExecRequest command = command_of(body, json::object());
+  r.argv = std::move(command.argv);
+  r.shell = std::move(command.shell);
+  r.env = std::move(command.env);
+  r.cwd = std::move(command.cwd);
+  r.user = std::move(command.user);
+  return r;
+}
+
+SessionOptions decode_session_options(const json& j) {
+  const json body = known_fields(j, {"name", "shell", "env", "cwd", "user"});
+  SessionOptions o;
+  o.name = string_field(body, "name", 64);
+  if (!o.name.empty()) check_session_name(o.name);
+  o.shell = string_field(body, "shell", 4096);
+  if (!o.shell.empty() && o.shell.front() != '/') bad("shell", "must be an absolute path");
+  // env, cwd and user are checked as an exec's are.
+  json context = body;
+  context.erase("shell");
+  ExecRequest checked = command_of(context, json{{"argv", json::array({"sh"})}});
+  o.env = std::move(checked.env);
+  o.cwd = std::move(checked.cwd);
+  o.user = std::move(checked.user);
+  return o;
+}
+
+SessionRunRequest decode_session_run(const json& j) {
+  const json body = known_fields(j, {"command", "timeout", "max_output", "stream", "request_id"});
+  SessionRunRequest r;
+  auto it = body.find("command");
+  if (it == body.end() || !it->is_string()) bad("command", "must be a string of shell text");
+  r.command = it->get<std::string>();
+  if (r.command.find('\0') != std::string::npos) bad("command", "must not contain NUL");
+  r.timeout_seconds = number_field<double>(body, "timeout", 600, 0, 604800);
+  if (!(r.timeout_seconds > 0)) bad("timeout", "must be in (0, 604800] seconds");
+  r.max_output_bytes = number_field<std::size_t>(body, "max_output", 16u << 20, 0, 1ull << 30);
+  r.request_id = string_field(body, "request_id", 128);
+  r.stream = bool_field(body, "stream");
+  return r;
+}
+
+SignalRequest decode_signal_request(const json& j) {
+  const json body = known_fields(j, {"signal", "group", "request_id"});
+  if (!body.contains("signal")) bad("signal", "missing");
+  SignalRequest r;
+  r.signal = signal_number(body.at("signal"));
+  r.request_id = string_field(body, "request_id", 128);
+  r.group = bool_field(body, "group");
+  return r;
+}
+
+TerminalSize decode_resize_request(const json& j) {
+  const json body = known_fields(j, {"rows", "cols"});
+  if (!body.contains("rows") || !body.contains("cols")) bad("rows", "give rows and cols");
+  TerminalSize size;
+  size.rows = number_field<unsigned>(body, "rows", 24, 1, kMaxTerminalSide);
+  size.cols = number_field<unsigned>(body, "cols", 80, 1, kMaxTerminalSide);
+  return size;
+}
+
+json encode(const ProcessInfo& p, std::optional<TerminalSize> terminal) {
+  if (p.pid == 0) return encode_never_started(p);
+  json j{{"pid", p.pid},
+         {"argv", p.argv},
+         {"tag", p.tag},
+         {"pty", p.pty},
+         {"reason", p.reason},
+         {"started_at", p.started_at},
+         {"ended_at", p.ended_at},
+         {"stdout_bytes", p.stdout_bytes},
+         {"stderr_bytes", p.stderr_bytes},
+         {"stdin_open", p.stdin_open},
+         {"running", p.running},
+         {"exit_code", p.exit_code},
+         {"signal", p.signal}};
+  if (terminal) {
+    j["rows"] = terminal->rows;
+    j["cols"] = terminal->cols;
+  }
+  return j;
 }
 
 ProcessInfo decode_process_info(const json& j) {
@@ -166,8 +334,22 @@ ProcessInfo decode_process_info(const json& j) {
   return p;
 }
 
+json encode_process_list(json encoded_processes) { return json{{"processes", std::move(encoded_processes)}}; }
+
 std::vector<ProcessInfo> decode_process_list(const json& j) {
   return list_of<ProcessInfo>(j, "processes", "process list", decode_process_info);
+}
+
+json encode(const ProcessOutput& o) {
+  return json{{"stdout", base64_encode(o.stdout_data)},
+              {"stdout_offset", o.stdout_offset},
+              {"stderr", base64_encode(o.stderr_data)},
+              {"stderr_offset", o.stderr_offset},
+              {"stdout_end", o.stdout_end},
+              {"stderr_end", o.stderr_end},
+              {"running", o.running},
+              {"exit_code", o.exit_code},
+              {"signal", o.signal}};
 }
 
 ProcessOutput decode_process_output(const json& j) {
@@ -190,6 +372,15 @@ ProcessOutput decode_process_output(const json& j) {
   return out;
 }
 
+json encode(const SessionInfo& s) {
+  json j{{"name", s.name}, {"shell", s.shell}, {"pid", s.pid}, {"alive", s.alive}, {"busy", s.busy}};
+  if (!s.alive) {
+    j["exit_code"] = s.exit_code;
+    j["signal"] = s.signal;
+  }
+  return j;
+}
+
 SessionInfo decode_session_info(const json& j) {
   constexpr std::string_view what = "session info";
   const auto& o = object_of(j, what);
@@ -205,6 +396,12 @@ SessionInfo decode_session_info(const json& j) {
   return s;
 }
 
+json encode(const std::vector<SessionInfo>& sessions) {
+  json list = json::array();
+  for (const auto& s : sessions) list.push_back(encode(s));
+  return json{{"sessions", std::move(list)}};
+}
+
 std::vector<SessionInfo> decode_session_list(const json& j) {
   return list_of<SessionInfo>(j, "sessions", "session list", decode_session_info);
 }
@@ -218,4 +415,4 @@ std::string query_seconds(double seconds) {
   return out;
 }
 
-}  // namespace dsec::detail
+}  // namespace dsec::protocol

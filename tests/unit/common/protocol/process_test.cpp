@@ -1,4 +1,4 @@
-// The client's JSON for spawned processes and shell sessions: request bodies checked before they leave, answers
+// The JSON of spawned processes and shell sessions: request bodies checked before they leave, answers
 // decoded field by field, and every way an answer can be malformed.
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include "common/protocol/process.hpp"
 #include "error_test_util.hpp"
 
-namespace dsec::detail {
+namespace dsec::protocol {
 namespace {
 
 using protocol::json;
@@ -209,5 +209,94 @@ TEST(ProcessCodec, SecondsInAQuery) {
   EXPECT_EQ(query_seconds(299.999), "299.999");
 }
 
+TEST(ProcessCodec, RequestsRoundTripThroughTheAgentsDecoders) {
+  ProcessRequest r;
+  r.argv = {"python3", "-c", "print(1)"};
+  r.env = {{"A", "1"}};
+  r.cwd = "/tmp";
+  r.pty = true;
+  r.rows = 40;
+  r.cols = 120;
+  r.tag = "web";
+  ProcessRequest back = decode_process_request(encode(r));
+  EXPECT_EQ(back.argv, r.argv);
+  EXPECT_EQ(back.env, r.env);
+  EXPECT_EQ(back.cwd, "/tmp");
+  EXPECT_TRUE(back.pty);
+  EXPECT_EQ(back.rows, 40u);
+  EXPECT_EQ(back.cols, 120u);
+  EXPECT_EQ(back.tag, "web");
+  EXPECT_EQ(code_of([] { decode_process_request(json{{"shell", "true"}, {"colour", 1}}); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([] { decode_process_request(json::array()); }), Code::kInvalidArgument);
+
+  SessionOptions o;
+  o.name = "main";
+  o.shell = "/bin/sh";
+  o.user = "1000:1000";
+  SessionOptions opened = decode_session_options(encode(o));
+  EXPECT_EQ(opened.name, "main");
+  EXPECT_EQ(opened.shell, "/bin/sh");
+  EXPECT_EQ(opened.user, "1000:1000");
+  EXPECT_EQ(code_of([] { decode_session_options(json{{"shell", "sh"}}); }), Code::kInvalidArgument);
+
+  SessionRunRequest run = decode_session_run(encode_session_run("ls", 30, 1024, true));
+  EXPECT_EQ(run.command, "ls");
+  EXPECT_EQ(run.timeout_seconds, 30);
+  EXPECT_EQ(run.max_output_bytes, 1024u);
+  EXPECT_TRUE(run.stream);
+
+  EXPECT_EQ(decode_signal_request(json{{"signal", "SIGTERM"}, {"group", true}}).signal, 15);
+  EXPECT_EQ(decode_signal_request(json{{"signal", 9}}).signal, 9);
+  EXPECT_EQ(code_of([] { decode_signal_request(json{{"signal", "SIGNOPE"}}); }), Code::kInvalidArgument);
+  EXPECT_EQ(decode_resize_request(json{{"rows", 10}, {"cols", 20}}).cols, 20u);
+  EXPECT_EQ(code_of([] { decode_resize_request(json{{"rows", 10}}); }), Code::kInvalidArgument);
+}
+
+TEST(ProcessCodec, AnswersRoundTripThroughTheClientsDecoders) {
+  ProcessInfo p;
+  p.pid = 42;
+  p.argv = {"sleep", "1"};
+  p.running = false;
+  p.exit_code = 3;
+  p.started_at = 1.5;
+  p.ended_at = 2.5;
+  p.stdout_bytes = 7;
+  json j = encode(p, TerminalSize{30, 90});
+  EXPECT_EQ(j["rows"], 30);
+  ProcessInfo back = decode_process_info(j);
+  EXPECT_EQ(back.pid, 42);
+  EXPECT_EQ(back.argv, p.argv);
+  EXPECT_EQ(back.exit_code, 3);
+  EXPECT_EQ(back.stdout_bytes, 7u);
+  EXPECT_FALSE(encode(p).contains("rows"));
+  EXPECT_EQ(decode_process_list(encode_process_list(json::array({j}))).size(), 1u);
+
+  ProcessInfo never;
+  never.argv = {"/nope"};
+  never.exit_code = 127;
+  never.reason = "executable_not_found";
+  never.message = "no such file";
+  ProcessInfo failed = decode_process_info(encode(never));
+  EXPECT_EQ(failed.pid, 0);
+  EXPECT_EQ(failed.reason, "executable_not_found");
+  EXPECT_EQ(failed.message, "no such file");
+
+  ProcessOutput out;
+  out.stdout_data = std::string("a\0b", 3);
+  out.stdout_offset = 2;
+  out.stdout_end = 5;
+  out.signal = 9;
+  ProcessOutput got = decode_process_output(encode(out));
+  EXPECT_EQ(got.stdout_data, out.stdout_data);
+  EXPECT_EQ(got.stdout_end, 5u);
+  EXPECT_EQ(got.signal, 9);
+
+  SessionInfo s{"main", "/bin/sh", 12, false, false, 0, 0};
+  EXPECT_EQ(decode_session_list(encode(std::vector<SessionInfo>{s})).at(0).name, "main");
+  EXPECT_TRUE(encode(s).contains("exit_code"));
+  s.alive = true;
+  EXPECT_FALSE(encode(s).contains("exit_code"));
+}
+
 }  // namespace
-}  // namespace dsec::detail
+}  // namespace dsec::protocol
