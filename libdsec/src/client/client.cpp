@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "client/client_core.hpp"
+#include "common/protocol/limits.hpp"
 
 namespace dsec {
 
@@ -51,8 +52,9 @@ SandboxGroup Client::create_group(std::size_t n, const SandboxSpec& spec, std::c
 }
 
 SandboxGroup Client::create_group(const std::vector<SandboxSpec>& specs, std::chrono::seconds lease) {
-  if (lease.count() < 1 || lease.count() > 86400)
-    throw Error(Code::kInvalidArgument, "create_group: the lease must be 1 to 86400 seconds");
+  if (lease.count() < 1 || static_cast<double>(lease.count()) > protocol::kMaxGroupTtlSeconds)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("create_group: the lease must be 1 to {} seconds", protocol::kMaxGroupTtlSeconds));
   const std::string first = specs.empty() ? std::string() : specs.front().request_id;
   std::string group = first.empty() ? detail::random_request_id() : first;
   std::vector<SandboxSpec> named = specs;

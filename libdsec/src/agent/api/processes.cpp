@@ -51,7 +51,8 @@ std::chrono::milliseconds wait_param(const Query& query) {
     if (used != v->size()) seconds = -1;
   } catch (const std::exception&) {
   }
-  if (!(seconds >= 0 && seconds <= 300)) bad("wait", "must be 0 to 300 seconds");
+  if (!(seconds >= 0 && seconds <= protocol::kMaxProcessWait))
+    bad("wait", fmt::format("must be 0 to {} seconds", protocol::kMaxProcessWait));
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
 }
 

@@ -527,8 +527,8 @@ HttpResponse Router::ports(HttpRequest& request, const Target& target) {
     const std::string text = target.query.get("port").value_or("");
     std::uint32_t port = 0;
     auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), port);
-    if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || port < 1 || port > 65535)
-      throw Error(Code::kInvalidArgument, fmt::format("port: '{}' is not a TCP port (1-65535)", text));
+    if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || port < 1 || port > protocol::kMaxPort)
+      throw Error(Code::kInvalidArgument, fmt::format("port: '{}' is not a TCP port (1-{})", text, protocol::kMaxPort));
     registry_.unexpose(target.sandbox_id, port);
     return json_response(http::status::ok, listing());
   }
@@ -539,8 +539,9 @@ HttpResponse Router::ports(HttpRequest& request, const Target& target) {
   for (const auto& [key, value] : body.items())
     if (key != "port") throw Error(Code::kInvalidArgument, fmt::format("ports: unknown field '{}' (known: port)", key));
   auto it = body.find("port");
-  if (it == body.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 || it->get<std::int64_t>() > 65535)
-    throw Error(Code::kInvalidArgument, "port: a TCP port (1-65535) is required");
+  if (it == body.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 ||
+      it->get<std::int64_t>() > protocol::kMaxPort)
+    throw Error(Code::kInvalidArgument, fmt::format("port: a TCP port (1-{}) is required", protocol::kMaxPort));
   const auto port = static_cast<std::uint32_t>(it->get<std::int64_t>());
   std::string address = registry_.expose(target.sandbox_id, port);
   return json_response(http::status::created, json{{"port", port}, {"address", address}});
@@ -720,7 +721,8 @@ HttpResponse Router::group_renew(HttpRequest& request, const Target& target) {
   double ttl = 0;
   if (auto it = body.find("ttl"); it != body.end() && !it->is_null()) {
     if (!it->is_number() || it->get<double>() < 1 || it->get<double>() > protocol::kMaxGroupTtlSeconds)
-      throw Error(Code::kInvalidArgument, "ttl: must be a number of seconds from 1 to 86400");
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("ttl: must be a number of seconds from 1 to {}", protocol::kMaxGroupTtlSeconds));
     ttl = it->get<double>();
   }
   for (const auto& [key, value] : body.items())

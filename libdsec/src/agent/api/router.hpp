@@ -11,6 +11,7 @@
 #include "agent/metrics.hpp"
 #include "agent/processes/shell_sessions.hpp"
 #include "agent/registry/registry.hpp"
+#include "common/protocol/limits.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "http/http.hpp"
 #include "http/tokens.hpp"
@@ -21,7 +22,7 @@ namespace fncall {
 class FnCallService;
 }
 
-inline constexpr std::size_t kMaxBatch = 1024;
+inline constexpr std::size_t kMaxBatch = protocol::kMaxCreateBatch;
 
 // The "fncall" object of GET /v1/node for this service's state, as JSON text (the etcd registration carries it too).
 std::string fncall_status_json(fncall::FnCallService& service);

@@ -68,7 +68,8 @@ GroupInfo Registry::renew_group(const std::string& group, double ttl) {
   if (!protocol::valid_group_id(group))
     throw Error(Code::kInvalidArgument, fmt::format("group: '{}' is not a group id", group));
   if (ttl != 0 && (ttl < 1 || ttl > protocol::kMaxGroupTtlSeconds))
-    throw Error(Code::kInvalidArgument, "ttl: must be from 1 to 86400 seconds");
+    throw Error(Code::kInvalidArgument,
+                fmt::format("ttl: must be from 1 to {} seconds", protocol::kMaxGroupTtlSeconds));
   GroupInfo info;
   bool persist = false;
   {

@@ -46,13 +46,15 @@ ExecRequest decode_exec_request(const json& j) {
     r.stdin_data = base64_decode(s->get<std::string>());
   }
   r.timeout_seconds = get_number(j, "timeout", "timeout", r.timeout_seconds);
-  if (!(r.timeout_seconds > 0) || r.timeout_seconds > 86400 * 7) bad("timeout", "must be in (0, 604800] seconds");
+  if (!(r.timeout_seconds > 0) || r.timeout_seconds > kMaxExecTimeoutSeconds)
+    bad("timeout", fmt::format("must be in (0, {}] seconds", kMaxExecTimeoutSeconds));
   r.max_output_bytes = get_unsigned(j, "max_output", "max_output", r.max_output_bytes);
-  if (r.max_output_bytes > (1ull << 30)) bad("max_output", "at most 1 GiB");
+  if (r.max_output_bytes > kMaxOutputBytes) bad("max_output", "at most 1 GiB");
   r.user = get_string(j, "user", "user");
   (void)parse_user(r.user, "user");
   r.request_id = get_string(j, "request_id", "request_id");
-  if (r.request_id.size() > 128 || has_nul(r.request_id)) bad("request_id", "at most 128 bytes");
+  if (r.request_id.size() > kMaxRequestIdBytes || has_nul(r.request_id))
+    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
   return r;
 }
 

@@ -102,8 +102,9 @@ void expect_object(const json& j, std::string_view what) {
 
 void validate_labels(const Labels& labels, std::string_view field) {
   for (const auto& [k, v] : labels)
-    if (k.empty() || k.size() > 253 || has_nul(k) || has_nul(v) || k.find('=') != std::string::npos)
-      bad(fmt::format("{}.{}", field, k), "a label key must be non-empty, at most 253 bytes, without '=' or NUL");
+    if (k.empty() || k.size() > kMaxLabelKeyBytes || has_nul(k) || has_nul(v) || k.find('=') != std::string::npos)
+      bad(fmt::format("{}.{}", field, k),
+          fmt::format("a label key must be non-empty, at most {} bytes, without '=' or NUL", kMaxLabelKeyBytes));
 }
 
 void validate_env(const Env& env, std::string_view field) {

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/protocol/limits.hpp"
 #include "dsec/error.hpp"
 #include "dsec/spec.hpp"
 
@@ -106,8 +107,6 @@ T member(const json& j, const char* key, T fallback, std::string_view field = {}
 std::string member(const json& j, const char* key, const char* fallback, std::string_view field = {});
 
 void expect_object(const json& j, std::string_view what);
-
-inline constexpr std::uint64_t kMaxGpus = 256;
 
 void validate_labels(const Labels& labels, std::string_view field);
 void validate_env(const Env& env, std::string_view field);

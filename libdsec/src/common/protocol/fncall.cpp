@@ -55,7 +55,8 @@ namespace {
 // A file of a call: a relative path under its working directory, without "." or ".." components.
 void validate_fncall_path(const std::string& path) {
   std::string field = fmt::format("files.{}", path);
-  if (path.empty() || path.size() > 4096 || has_nul(path)) bad(field, "a path must be 1 to 4096 bytes without NUL");
+  if (path.empty() || path.size() > kMaxPathBytes || has_nul(path))
+    bad(field, fmt::format("a path must be 1 to {} bytes without NUL", kMaxPathBytes));
   if (path.front() == '/') bad(field, "must be relative (files go under the call's working directory in /tmp)");
   std::size_t start = 0;
   while (start <= path.size()) {
@@ -125,13 +126,13 @@ FnCallRequest decode_fncall_request(const json& j) {
   if (r.cpu_seconds < 0 || r.cpu_seconds > kMaxFnCallTimeoutSeconds)
     bad("cpu_time", fmt::format("must be in [0, {}] seconds (0: the wall timeout alone)", kMaxFnCallTimeoutSeconds));
   r.memory_bytes = get_size(j, "memory", "memory", r.memory_bytes);
-  if (r.memory_bytes < (4ull << 20)) bad("memory", "must be at least 4Mi");
-  if (r.memory_bytes > (1ull << 40)) bad("memory", "at most 1Ti");
+  if (r.memory_bytes < kMinMemoryBytes) bad("memory", "must be at least 4Mi");
+  if (r.memory_bytes > kMaxFnCallMemoryBytes) bad("memory", "at most 1Ti");
   auto pids = get_unsigned(j, "pids", "pids", r.pids);
-  if (pids < 1 || pids > (1u << 22)) bad("pids", "must be from 1 to 4194304");
+  if (pids < 1 || pids > kMaxPids) bad("pids", fmt::format("must be from 1 to {}", kMaxPids));
   r.pids = static_cast<std::uint32_t>(pids);
   r.max_output_bytes = get_size(j, "max_output_bytes", "max_output_bytes", r.max_output_bytes);
-  if (r.max_output_bytes > (1ull << 30)) bad("max_output_bytes", "at most 1 GiB");
+  if (r.max_output_bytes > kMaxOutputBytes) bad("max_output_bytes", "at most 1 GiB");
   r.gpu_mode = parse_gpu_mode(get_string(j, "gpu_mode", "gpu_mode", "none"));
   auto gpus = get_unsigned(j, "gpus", "gpus", 0);
   if (gpus > kMaxGpus) bad("gpus", fmt::format("at most {}", kMaxGpus));
@@ -139,7 +140,8 @@ FnCallRequest decode_fncall_request(const json& j) {
   if (r.gpu_mode == GpuMode::kNone && r.gpus != 0) bad("gpus", "needs gpu_mode \"exclusive\" or \"shared\"");
   if (r.gpu_mode != GpuMode::kNone && r.gpus == 0) r.gpus = 1;
   r.request_id = get_string(j, "request_id", "request_id");
-  if (r.request_id.size() > 128 || has_nul(r.request_id)) bad("request_id", "at most 128 bytes");
+  if (r.request_id.size() > kMaxRequestIdBytes || has_nul(r.request_id))
+    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
   return r;
 }
 

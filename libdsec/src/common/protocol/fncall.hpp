@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "common/protocol/body.hpp"
+#include "common/protocol/limits.hpp"
 #include "dsec/fncall.hpp"
 
 namespace dsec::protocol {
@@ -22,15 +23,5 @@ FnCallResult decode_fncall_result(const json& j);
 // "none", "exclusive", "shared"; parse_gpu_mode throws INVALID_ARGUMENT naming `field` for anything else.
 std::string_view gpu_mode_name(GpuMode mode) noexcept;
 GpuMode parse_gpu_mode(std::string_view name, std::string_view field = "gpu_mode");
-
-// The languages a call may name (a node serves those it has pools for; GET /v1/node lists them).
-inline constexpr const char* kFnCallLanguages[] = {"python", "shell", "c", "cpp"};
-// Bounds of one call's request: the code, stdin, and all files together; one batch's number of calls.
-inline constexpr std::size_t kMaxFnCallCodeBytes = 4u << 20;
-inline constexpr std::size_t kMaxFnCallInputBytes = 64u << 20;
-inline constexpr std::size_t kMaxFnCallFiles = 1024;
-inline constexpr std::size_t kMaxFnCallArgs = 4096;
-inline constexpr std::size_t kMaxFnCallBatch = 1024;
-inline constexpr double kMaxFnCallTimeoutSeconds = 3600;
 
 }  // namespace dsec::protocol

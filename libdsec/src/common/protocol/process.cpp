@@ -159,12 +159,13 @@ void check_terminal_size(unsigned rows, unsigned cols) {
 }
 
 void check_session_name(std::string_view name) {
-  const bool ok = !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
-  });
+  const bool ok =
+      !name.empty() && name.size() <= kMaxSessionNameBytes && std::all_of(name.begin(), name.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+      });
   if (!ok)
-    bad("name",
-        fmt::format("'{}' is not a session name (1 to 64 letters, digits, '.', '_', '-')", name.substr(0, 100)));
+    bad("name", fmt::format("'{}' is not a session name (1 to {} letters, digits, '.', '_', '-')", name.substr(0, 100),
+                            kMaxSessionNameBytes));
 }
 
 json encode(const ProcessRequest& r) {
@@ -184,8 +185,8 @@ json encode(const ProcessRequest& r) {
   if (r.tag.size() > kMaxProcessTag) bad("tag", fmt::format("{} bytes, at most {}", r.tag.size(), kMaxProcessTag));
   if (r.tag.find('\0') != std::string::npos) bad("tag", "must not contain NUL");
   if (!r.tag.empty()) j["tag"] = r.tag;
-  if (r.request_id.size() > 128 || r.request_id.find('\0') != std::string::npos)
-    bad("request_id", "at most 128 bytes, no NUL");
+  if (r.request_id.size() > kMaxRequestIdBytes || r.request_id.find('\0') != std::string::npos)
+    bad("request_id", fmt::format("at most {} bytes, no NUL", kMaxRequestIdBytes));
   return j;
 }
 
@@ -208,8 +209,9 @@ json encode(const SessionOptions& o) {
 
 json encode_session_run(std::string_view command, double timeout_seconds, std::size_t max_output, bool stream) {
   if (command.find('\0') != std::string_view::npos) bad("command", "must not contain NUL");
-  if (!(timeout_seconds > 0) || timeout_seconds > 86400 * 7) bad("timeout", "must be in (0, 604800] seconds");
-  if (max_output > (std::size_t{1} << 30)) bad("max_output", "at most 1 GiB");
+  if (!(timeout_seconds > 0) || timeout_seconds > kMaxExecTimeoutSeconds)
+    bad("timeout", fmt::format("must be in (0, {}] seconds", kMaxExecTimeoutSeconds));
+  if (max_output > kMaxOutputBytes) bad("max_output", "at most 1 GiB");
   return json{{"command", command}, {"timeout", timeout_seconds}, {"max_output", max_output}, {"stream", stream}};
 }
 
@@ -217,7 +219,7 @@ ProcessRequest decode_process_request(const json& j) {
   const json body =
       known_fields(j, {"argv", "shell", "env", "cwd", "user", "pty", "rows", "cols", "tag", "request_id"});
   ProcessRequest r;
-  r.request_id = string_field(body, "request_id", 128);
+  r.request_id = string_field(body, "request_id", kMaxRequestIdBytes);
   r.pty = bool_field(body, "pty");
   r.rows = number_field<unsigned>(body, "rows", 24, 1, kMaxTerminalSide);
   r.cols = number_field<unsigned>(body, "cols", 80, 1, kMaxTerminalSide);
@@ -234,9 +236,9 @@ ProcessRequest decode_process_request(const json& j) {
 SessionOptions decode_session_options(const json& j) {
   const json body = known_fields(j, {"name", "shell", "env", "cwd", "user"});
   SessionOptions o;
-  o.name = string_field(body, "name", 64);
+  o.name = string_field(body, "name", kMaxSessionNameBytes);
   if (!o.name.empty()) check_session_name(o.name);
-  o.shell = string_field(body, "shell", 4096);
+  o.shell = string_field(body, "shell", kMaxPathBytes);
   if (!o.shell.empty() && o.shell.front() != '/') bad("shell", "must be an absolute path");
   // env, cwd and user are checked as an exec's are.
   json context = body;
@@ -255,10 +257,10 @@ SessionRunRequest decode_session_run(const json& j) {
   if (it == body.end() || !it->is_string()) bad("command", "must be a string of shell text");
   r.command = it->get<std::string>();
   if (r.command.find('\0') != std::string::npos) bad("command", "must not contain NUL");
-  r.timeout_seconds = number_field<double>(body, "timeout", 600, 0, 604800);
-  if (!(r.timeout_seconds > 0)) bad("timeout", "must be in (0, 604800] seconds");
-  r.max_output_bytes = number_field<std::size_t>(body, "max_output", 16u << 20, 0, 1ull << 30);
-  r.request_id = string_field(body, "request_id", 128);
+  r.timeout_seconds = number_field<double>(body, "timeout", 600, 0, kMaxExecTimeoutSeconds);
+  if (!(r.timeout_seconds > 0)) bad("timeout", fmt::format("must be in (0, {}] seconds", kMaxExecTimeoutSeconds));
+  r.max_output_bytes = number_field<std::size_t>(body, "max_output", 16u << 20, 0, kMaxOutputBytes);
+  r.request_id = string_field(body, "request_id", kMaxRequestIdBytes);
   r.stream = bool_field(body, "stream");
   return r;
 }
@@ -268,7 +270,7 @@ SignalRequest decode_signal_request(const json& j) {
   if (!body.contains("signal")) bad("signal", "missing");
   SignalRequest r;
   r.signal = signal_number(body.at("signal"));
-  r.request_id = string_field(body, "request_id", 128);
+  r.request_id = string_field(body, "request_id", kMaxRequestIdBytes);
   r.group = bool_field(body, "group");
   return r;
 }

@@ -10,20 +10,15 @@
 #include <vector>
 
 #include "common/protocol/body.hpp"
+#include "common/protocol/limits.hpp"
 #include "dsec/process.hpp"
 #include "dsec/session.hpp"
 
 namespace dsec::protocol {
 
-// Limits the agent holds requests to; the client refuses what passes them before a round trip.
-inline constexpr unsigned kMaxTerminalSide = 1000;       // rows and cols
-inline constexpr std::size_t kMaxProcessTag = 128;       // bytes
-inline constexpr std::size_t kMaxOutputRead = 1u << 20;  // bytes of each stream per read
-inline constexpr double kMaxProcessWait = 300;           // seconds one long poll may wait
-
 // A pty's size: INVALID_ARGUMENT naming rows or cols outside 1 to kMaxTerminalSide.
 void check_terminal_size(unsigned rows, unsigned cols);
-// A session's name: 1 to 64 letters, digits, '.', '_', '-'; INVALID_ARGUMENT naming `name` otherwise.
+// A session's name: 1 to kMaxSessionNameBytes letters, digits, '.', '_', '-'; INVALID_ARGUMENT naming `name` otherwise.
 void check_session_name(std::string_view name);
 
 struct TerminalSize {

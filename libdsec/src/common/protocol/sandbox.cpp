@@ -63,19 +63,21 @@ SandboxSpec decode_spec(const json& j) {
     s.resources.memory_bytes = get_size(*r, "memory", "resources.memory", s.resources.memory_bytes);
     s.resources.disk_bytes = get_size(*r, "disk", "resources.disk", s.resources.disk_bytes);
     auto pids = get_unsigned(*r, "pids", "resources.pids", s.resources.pids);
-    if (pids > 1u << 22) bad("resources.pids", "at most 4194304");
+    if (pids > kMaxPids) bad("resources.pids", fmt::format("at most {}", kMaxPids));
     s.resources.pids = static_cast<std::uint32_t>(pids);
     auto files = get_unsigned(*r, "open_files", "resources.open_files", s.resources.open_files);
-    if (files > 1u << 20) bad("resources.open_files", "at most 1048576");
+    if (files > kMaxOpenFiles) bad("resources.open_files", fmt::format("at most {}", kMaxOpenFiles));
     s.resources.open_files = static_cast<std::uint32_t>(files);
     auto gpus = get_unsigned(*r, "gpus", "resources.gpus", s.resources.gpus);
     if (gpus > kMaxGpus) bad("resources.gpus", fmt::format("at most {}", kMaxGpus));
     s.resources.gpus = static_cast<std::uint32_t>(gpus);
     auto mbps = get_unsigned(*r, "egress_mbps", "resources.egress_mbps", 0);
-    if (mbps > 400000) bad("resources.egress_mbps", "at most 400000 (400 Gbit/s); 0 is unlimited");
+    if (mbps > kMaxEgressMbps)
+      bad("resources.egress_mbps", fmt::format("at most {} (400 Gbit/s); 0 is unlimited", kMaxEgressMbps));
     s.resources.egress_mbps = static_cast<std::uint32_t>(mbps);
     auto connections = get_unsigned(*r, "connections", "resources.connections", 0);
-    if (connections > 1u << 20) bad("resources.connections", "at most 1048576; 0 is unlimited");
+    if (connections > kMaxConnections)
+      bad("resources.connections", fmt::format("at most {}; 0 is unlimited", kMaxConnections));
     s.resources.connections = static_cast<std::uint32_t>(connections);
   }
   double ttl = get_number(j, "ttl", "ttl", static_cast<double>(s.ttl.count()));
@@ -94,7 +96,7 @@ SandboxSpec decode_spec(const json& j) {
   s.group = get_string(j, "group", "group");
   double group_ttl = get_number(j, "group_ttl", "group_ttl", 0);
   if (group_ttl != 0 && (group_ttl < 1 || group_ttl > kMaxGroupTtlSeconds))
-    bad("group_ttl", "must be from 1 to 86400 seconds");
+    bad("group_ttl", fmt::format("must be from 1 to {} seconds", kMaxGroupTtlSeconds));
   s.group_ttl = std::chrono::seconds{static_cast<std::int64_t>(group_ttl)};
   s.user = get_string(j, "user", "user");
   s.protected_paths = get_string_list(j, "protected_paths", "protected_paths");
@@ -109,7 +111,8 @@ SandboxSpec decode_spec(const json& j) {
   s.resources.ksm = get_bool(j, "ksm", "ksm", false);
   {
     double wait = get_number(j, "queue_timeout", "queue_timeout", 0);
-    if (!(wait >= 0 && wait <= 3600)) bad("queue_timeout", "must be from 0 to 3600 seconds");
+    if (!(wait >= 0 && wait <= kMaxQueueTimeoutSeconds))
+      bad("queue_timeout", fmt::format("must be from 0 to {} seconds", kMaxQueueTimeoutSeconds));
     s.queue_timeout = std::chrono::milliseconds{static_cast<std::int64_t>(wait * 1000)};
   }
   s.resources.reclaim = get_bool(j, "reclaim", "reclaim", true);
@@ -182,8 +185,8 @@ NetworkPolicy decode_network(const json& j) {
         if (const json* ports = find(r, "ports")) {
           auto bad_ports = [&] {
             bad(at + ".ports", fmt::format("{} is not a port or a range such as \"80\" or \"8000-8100\" within "
-                                           "1-65535",
-                                           ports->dump()));
+                                           "1-{}",
+                                           ports->dump(), kMaxPort));
           };
           std::uint64_t lo = 0, hi = 0;
           if (ports->is_number_unsigned()) {
@@ -202,7 +205,7 @@ NetworkPolicy decode_network(const json& j) {
           } else {
             bad_ports();
           }
-          if (lo < 1 || hi > 65535 || hi < lo) bad_ports();
+          if (lo < 1 || hi > kMaxPort || hi < lo) bad_ports();
           rule.port_min = static_cast<std::uint16_t>(lo);
           rule.port_max = static_cast<std::uint16_t>(hi);
         }
@@ -216,18 +219,14 @@ NetworkPolicy decode_network(const json& j) {
   return p;
 }
 
-// Memory and disk a sandbox may ask for: far beyond any node, and small enough that no sum of them in admission,
-// quotas or metrics can wrap.
-constexpr std::uint64_t kMaxResourceBytes = 16ull << 40;
-
 void validate(const SandboxSpec& s) {
   validate_image_ref(s.image, "image");
   if (s.kind.empty()) bad("kind", "must not be empty");
   const auto& r = s.resources;
-  if (!(r.cpu > 0) || r.cpu > 1024) bad("resources.cpu", "must be in (0, 1024] cores");
-  if (r.memory_bytes < (4ull << 20)) bad("resources.memory", "must be at least 4Mi");
+  if (!(r.cpu > 0) || r.cpu > kMaxCpus) bad("resources.cpu", fmt::format("must be in (0, {}] cores", kMaxCpus));
+  if (r.memory_bytes < kMinMemoryBytes) bad("resources.memory", "must be at least 4Mi");
   if (r.memory_bytes > kMaxResourceBytes) bad("resources.memory", "at most 16Ti");
-  if (r.disk_bytes < (1ull << 20)) bad("resources.disk", "must be at least 1Mi");
+  if (r.disk_bytes < kMinDiskBytes) bad("resources.disk", "must be at least 1Mi");
   if (r.disk_bytes > kMaxResourceBytes) bad("resources.disk", "at most 16Ti");
   network::validate(s.network);
   if (r.pids < 1) bad("resources.pids", "must be at least 1");
@@ -244,17 +243,20 @@ void validate(const SandboxSpec& s) {
     if (s.group_ttl.count() != 0) bad("group_ttl", "only with a group");
   } else {
     if (!valid_group_id(s.group))
-      bad("group", fmt::format("'{}' is not a group id (1 to 128 letters, digits, '.', '_', '-')", s.group));
+      bad("group",
+          fmt::format("'{}' is not a group id (1 to {} letters, digits, '.', '_', '-')", s.group, kMaxGroupIdBytes));
     if (s.group_ttl.count() < 1 || s.group_ttl.count() > static_cast<std::int64_t>(kMaxGroupTtlSeconds))
-      bad("group_ttl", "required with a group: from 1 to 86400 seconds");
+      bad("group_ttl", fmt::format("required with a group: from 1 to {} seconds", kMaxGroupTtlSeconds));
   }
-  if (s.hostname.size() > 64) bad("hostname", "at most 64 characters");
+  if (s.hostname.size() > kMaxHostnameBytes) bad("hostname", fmt::format("at most {} characters", kMaxHostnameBytes));
   for (char c : s.hostname)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.'))
       bad("hostname", "letters, digits, '-' and '.' only");
   if (s.workdir.empty() || s.workdir.front() != '/' || has_nul(s.workdir)) bad("workdir", "must be an absolute path");
-  if (s.request_id.size() > 128 || has_nul(s.request_id)) bad("request_id", "at most 128 bytes");
-  if (s.tenant.size() > 128 || has_nul(s.tenant)) bad("tenant", "at most 128 bytes");
+  if (s.request_id.size() > kMaxRequestIdBytes || has_nul(s.request_id))
+    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+  if (s.tenant.size() > kMaxTenantBytes || has_nul(s.tenant))
+    bad("tenant", fmt::format("at most {} bytes", kMaxTenantBytes));
   (void)parse_user(s.user, "user");
   validate_protected_paths(s.protected_paths, "protected_paths");
   if (!s.display.empty() && s.display != "none") {
@@ -298,10 +300,12 @@ UserRef parse_user(std::string_view user, std::string_view field) {
     return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
   };
   std::string_view body = user.back() == '$' ? user.substr(0, user.size() - 1) : user;
-  if (body.empty() || user.size() > 64 || body.front() == '-' || !std::all_of(body.begin(), body.end(), name_char))
-    bad(field, fmt::format("'{}' is not a user name (1 to 64 letters, digits, '.', '_', '-', not starting with '-'), "
+  if (body.empty() || user.size() > kMaxUserNameBytes || body.front() == '-' ||
+      !std::all_of(body.begin(), body.end(), name_char))
+    bad(field, fmt::format("'{}' is not a user name (1 to {} letters, digits, '.', '_', '-', not starting with '-'), "
                            "a uid or a uid:gid",
-                           has_nul(user) ? std::string("(contains NUL)") : std::string(user.substr(0, 80))));
+                           has_nul(user) ? std::string("(contains NUL)") : std::string(user.substr(0, 80)),
+                           kMaxUserNameBytes));
   out.name = std::string(user);
   return out;
 }
@@ -313,8 +317,8 @@ void validate_protected_paths(const std::vector<std::string>& paths, std::string
     const std::string& p = paths[i];
     std::string name = fmt::format("{}[{}]", field, i);
     if (p.empty() || p.front() != '/') bad(name, fmt::format("'{}' is not an absolute path", p));
-    if (p.size() > 4096 || has_nul(p) || p.find('\n') != std::string::npos)
-      bad(name, "at most 4096 bytes, without NUL or newline");
+    if (p.size() > kMaxPathBytes || has_nul(p) || p.find('\n') != std::string::npos)
+      bad(name, fmt::format("at most {} bytes, without NUL or newline", kMaxPathBytes));
     if (p == "/") bad(name, "'/' itself cannot be protected");
     std::string normal;
     for (std::size_t pos = 1; pos <= p.size();) {
@@ -333,7 +337,7 @@ void validate_protected_paths(const std::vector<std::string>& paths, std::string
 }
 
 bool valid_group_id(std::string_view id) noexcept {
-  if (id.empty() || id.size() > 128) return false;
+  if (id.empty() || id.size() > kMaxGroupIdBytes) return false;
   for (char c : id)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) return false;
   return true;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/protocol/body.hpp"
+#include "common/protocol/limits.hpp"
 #include "dsec/network.hpp"
 #include "dsec/sandbox_info.hpp"
 #include "dsec/spec.hpp"
@@ -26,22 +27,13 @@ json encode(const NetworkUsage& usage);
 NetworkUsage decode_network_usage(const json& j);
 void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_ARGUMENT naming the field
 
-// A lease group's id: 1 to 128 of letters, digits, '.', '_' and '-'. Group TTLs are 1 to 86400 seconds.
+// A lease group's id: 1 to kMaxGroupIdBytes of letters, digits, '.', '_' and '-'. Group TTLs are 1 to
+// kMaxGroupTtlSeconds (limits.hpp).
 bool valid_group_id(std::string_view id) noexcept;
-inline constexpr double kMaxGroupTtlSeconds = 86400;
-// A sandbox's TTL: 0 (none) to one year, in seconds.
-inline constexpr std::int64_t kMaxTtlSeconds = 365LL * 86400;
-
-// Sandbox::fork labels the sandboxes it makes from a snapshot under a generated name ("fork/...") with this label,
-// whose value is the snapshot's "name:tag"; when the last sandbox carrying it goes from a node, the node removes
-// that tag from its snapshot store. Only names under kForkSnapshotPrefix are ever removed so.
-inline constexpr std::string_view kForkSnapshotLabel = "dsec.fork-snapshot";
-inline constexpr std::string_view kForkSnapshotPrefix = "fork/";
 
 // A `user` field (SandboxSpec::user, ExecRequest::user) by its form: "" (root), a user name (1 to 64 letters, digits,
 // '.', '_', '-', not starting with '-', an optional trailing '$'), "uid" or "uid:gid" (decimal, 0 to kMaxUserId).
 // Whether a name exists is known only inside the sandbox, at exec. Throws INVALID_ARGUMENT naming `field`.
-inline constexpr std::uint32_t kMaxUserId = 65535;
 struct UserRef {
   std::string name;                  // set for a name
   std::optional<std::uint32_t> uid;  // set for "uid" and "uid:gid"
@@ -51,7 +43,6 @@ UserRef parse_user(std::string_view user, std::string_view field = "user");
 
 // SandboxSpec::protected_paths: at most kMaxProtectedPaths, each absolute and normalized (no "//", ".", ".." or
 // trailing '/'), not "/" and not under /proc, /sys or /dev. Part of validate(SandboxSpec).
-inline constexpr std::size_t kMaxProtectedPaths = 32;
 void validate_protected_paths(const std::vector<std::string>& paths, std::string_view field = "protected_paths");
 
 json encode(const SandboxInfo& info);

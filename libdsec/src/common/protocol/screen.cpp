@@ -2,16 +2,13 @@
 
 #include <fmt/format.h>
 
+#include "common/protocol/limits.hpp"
 #include "dsec/error.hpp"
 
 namespace dsec::protocol {
 namespace {
 
 using nlohmann::json;
-
-constexpr std::uint32_t kMaxCoordinate = 65535;
-constexpr std::uint32_t kMaxWaitMs = 10000;
-constexpr std::uint32_t kMaxTypeIntervalMs = 1000;
 
 [[noreturn]] void bad(const std::string& field, std::string_view what) {
   throw Error(Code::kInvalidArgument, fmt::format("{}: {}", field, what));
@@ -71,8 +68,8 @@ InputAction decode_action(const json& a, const std::string& at) {
       if (required) bad(at + ".x", "missing (a pixel of the screen)");
       return;
     }
-    out.x = static_cast<std::uint32_t>(number_at(a, "x", at, kMaxCoordinate));
-    out.y = static_cast<std::uint32_t>(number_at(a, "y", at, kMaxCoordinate));
+    out.x = static_cast<std::uint32_t>(number_at(a, "x", at, kMaxScreenCoordinate));
+    out.y = static_cast<std::uint32_t>(number_at(a, "y", at, kMaxScreenCoordinate));
   };
   auto button = [&] {
     if (!has("button")) return;
@@ -106,8 +103,8 @@ InputAction decode_action(const json& a, const std::string& at) {
     out.type = InputAction::Type::kDrag;
     point(true);
     if (!has("to_x") || !has("to_y")) bad(at + ".to_x", "a drag needs to_x and to_y");
-    out.to_x = static_cast<std::uint32_t>(number_at(a, "to_x", at, kMaxCoordinate));
-    out.to_y = static_cast<std::uint32_t>(number_at(a, "to_y", at, kMaxCoordinate));
+    out.to_x = static_cast<std::uint32_t>(number_at(a, "to_x", at, kMaxScreenCoordinate));
+    out.to_y = static_cast<std::uint32_t>(number_at(a, "to_y", at, kMaxScreenCoordinate));
     button();
   } else if (type == "key") {
     allow_only({"keys"});
@@ -127,7 +124,7 @@ InputAction decode_action(const json& a, const std::string& at) {
     allow_only({"interval_ms"});
     out.type = InputAction::Type::kWait;
     if (!has("interval_ms")) bad(at + ".interval_ms", "missing (milliseconds, at most 10000)");
-    out.interval_ms = static_cast<std::uint32_t>(number_at(a, "interval_ms", at, kMaxWaitMs));
+    out.interval_ms = static_cast<std::uint32_t>(number_at(a, "interval_ms", at, kMaxInputWaitMs));
   } else {
     bad(at + ".type", fmt::format("'{}' is not move, click, scroll, drag, key, type or wait", type.substr(0, 40)));
   }

@@ -31,20 +31,23 @@
 #include <string_view>
 #include <vector>
 
+#include "common/protocol/limits.hpp"
+
 namespace dsec::process_protocol {
 
 inline constexpr std::uint32_t kMagic = 0xD5EC0100;
 inline constexpr std::uint64_t kSkip = ~std::uint64_t{0};
 
-// What init keeps: at most this many processes (running, and ended ones until forgotten or evicted, oldest first),
-// the last kOutputKeep bytes of each stream, at most kStdinBuffer bytes waiting for a process's stdin.
+// What init keeps (reads, waits and terminals are the API's limits, common/protocol/limits.hpp): at most this many
+// processes (running, and ended ones until forgotten or evicted, oldest first), the last kOutputKeep bytes of each
+// stream, at most kStdinBuffer bytes waiting for a process's stdin.
 inline constexpr std::uint32_t kMaxProcesses = 80;
 inline constexpr std::size_t kOutputKeep = 1u << 20;
 inline constexpr std::size_t kStdinBuffer = 1u << 20;
-inline constexpr std::uint32_t kMaxReadBytes = 1u << 20;
-inline constexpr std::uint32_t kMaxWaitMs = 300'000;
+inline constexpr auto kMaxReadBytes = static_cast<std::uint32_t>(protocol::kMaxOutputRead);
+inline constexpr std::uint32_t kMaxWaitMs = static_cast<std::uint32_t>(protocol::kMaxProcessWait * 1000);
 inline constexpr std::uint32_t kMaxPayloadBytes = 8u << 20;
-inline constexpr std::uint32_t kMaxTerminalSide = 1000;
+inline constexpr std::uint32_t kMaxTerminalSide = protocol::kMaxTerminalSide;
 
 enum class Op : std::uint32_t {
   kSpawn = 1,
