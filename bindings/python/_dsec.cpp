@@ -214,10 +214,12 @@ std::string repr_bytes(const std::string& b) {
 py::object dsec_exception(const dsec::Error& e) {
   py::object errors = py::module_::import("dsec.errors");
   const bool node_lost = dynamic_cast<const dsec::NodeLost*>(&e) != nullptr;
+  // An error whose outcome is unknown raises dsec.OutcomeUnknown, with its request id where the client knows it.
   const auto* unknown = dynamic_cast<const dsec::OutcomeUnknown*>(&e);
+  py::object outcome_unknown = py::none();
+  if (e.outcome_unknown()) outcome_unknown = py::str(unknown ? unknown->request_id() : std::string());
   return errors.attr("_make")(std::string(e.code_name()), std::string(e.what()), e.retryable(), node_lost,
-                              e.infrastructure(),
-                              unknown ? py::object(py::str(unknown->request_id())) : py::object(py::none()));
+                              e.infrastructure(), outcome_unknown);
 }
 
 std::shared_ptr<dsec::Client> client_of(py::handle py_client) { return py_client.cast<PyClient&>().get(); }

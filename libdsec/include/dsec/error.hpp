@@ -61,16 +61,28 @@ class Error : public std::runtime_error {
       : std::runtime_error(message), code_(code), retryable_(retryable), fault_(fault_of(code)) {}
   Error(Code code, const std::string& message, bool retryable, Fault fault)
       : std::runtime_error(message), code_(code), retryable_(retryable), fault_(fault) {}
+  // `outcome_unknown`: see outcome_unknown().
+  Error(Code code, const std::string& message, bool retryable, Fault fault, bool outcome_unknown)
+      : std::runtime_error(message),
+        code_(code),
+        retryable_(retryable),
+        outcome_unknown_(outcome_unknown),
+        fault_(fault) {}
 
   Code code() const noexcept { return code_; }
   bool retryable() const noexcept { return retryable_; }
   Fault fault() const noexcept { return fault_; }
   bool infrastructure() const noexcept { return fault_ == Fault::kInfrastructure; }
+  // Whether what failed is a request whose outcome cannot be known: an exactly-once request (an exec, a session's
+  // run) that was under way when its agent stopped, so it may or may not have been carried out, and never is again.
+  // The agent says so in its error's "outcome_unknown" field; OutcomeUnknown is the client's error for it.
+  bool outcome_unknown() const noexcept { return outcome_unknown_; }
   std::string_view code_name() const noexcept { return dsec::code_name(code_); }
 
  private:
   Code code_;
   bool retryable_;
+  bool outcome_unknown_ = false;
   Fault fault_;
 };
 
@@ -94,7 +106,8 @@ class NodeLost : public Error {
 class OutcomeUnknown : public Error {
  public:
   OutcomeUnknown(std::string request_id, std::string message)
-      : Error(Code::kDataLoss, std::move(message), false, Fault::kInfrastructure), request_id_(std::move(request_id)) {}
+      : Error(Code::kDataLoss, std::move(message), false, Fault::kInfrastructure, true),
+        request_id_(std::move(request_id)) {}
   const std::string& request_id() const noexcept { return request_id_; }
 
  private:

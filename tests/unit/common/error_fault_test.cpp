@@ -1,6 +1,8 @@
 // Whose failure an error is: every code's usual fault, and an agent's word on one error travelling over the wire.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "common/protocol.hpp"
 #include "dsec/error.hpp"
 
@@ -33,6 +35,33 @@ TEST(ErrorFault, AnAgentsWordOnOneErrorCrossesTheWire) {
   j.erase("fault");
   EXPECT_FALSE(protocol::decode_error(j, 412).infrastructure());
   EXPECT_TRUE(protocol::decode_error(protocol::json{{"code", "UNAVAILABLE"}, {"message", "m"}}, 503).infrastructure());
+}
+
+// "Outcome unknown" is a field of the error: written by the agent, read back by the client, ignored by nobody.
+TEST(ErrorFault, OutcomeUnknownTravelsAsAField) {
+  Error journal(Code::kDataLoss, "outcome unknown: request 'r' of sandbox s was under way", false,
+                Fault::kInfrastructure, true);
+  protocol::json j = protocol::encode_error(journal);
+  EXPECT_EQ(j["outcome_unknown"], true);
+  Error back = protocol::decode_error(j, 500);
+  EXPECT_TRUE(back.outcome_unknown());
+  EXPECT_EQ(std::string(back.what()), journal.what());
+  EXPECT_EQ(back.code(), Code::kDataLoss);
+  EXPECT_TRUE(OutcomeUnknown("r", "m").outcome_unknown());
+
+  // Written only when set; other errors and unknown members decode as before.
+  EXPECT_FALSE(protocol::encode_error(Error(Code::kDataLoss, "checksum")).contains("outcome_unknown"));
+  Error other = protocol::decode_error(
+      protocol::json{{"code", "DATA_LOSS"}, {"message", "checksum"}, {"later_field", {1, 2}}}, 500);
+  EXPECT_FALSE(other.outcome_unknown());
+  EXPECT_EQ(std::string(other.what()), "checksum");
+  // An agent older than the field says so only in its message; the field, when present, decides.
+  EXPECT_TRUE(protocol::decode_error(protocol::json{{"code", "DATA_LOSS"}, {"message", "outcome unknown: x"}}, 500)
+                  .outcome_unknown());
+  EXPECT_FALSE(
+      protocol::decode_error(
+          protocol::json{{"code", "DATA_LOSS"}, {"message", "outcome unknown: x"}, {"outcome_unknown", false}}, 500)
+          .outcome_unknown());
 }
 
 }  // namespace

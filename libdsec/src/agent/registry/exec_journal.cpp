@@ -42,7 +42,7 @@ Error outcome_unknown(const std::string& sandbox_id, const std::string& request_
                fmt::format("outcome unknown: request '{}' of sandbox {} was under way when the node's agent "
                            "stopped; whether it was carried out cannot be known, and it is not carried out again",
                            request_id, sandbox_id),
-               false, Fault::kInfrastructure);
+               false, Fault::kInfrastructure, true);
 }
 
 }  // namespace

@@ -9,10 +9,12 @@ namespace dsec::protocol {
 using namespace fields;
 
 json encode_error(const Error& e) {
-  return json{{"code", std::string(e.code_name())},
-              {"message", e.what()},
-              {"retryable", e.retryable()},
-              {"fault", std::string(fault_name(e.fault()))}};
+  json j{{"code", std::string(e.code_name())},
+         {"message", e.what()},
+         {"retryable", e.retryable()},
+         {"fault", std::string(fault_name(e.fault()))}};
+  if (e.outcome_unknown()) j["outcome_unknown"] = true;
+  return j;
 }
 
 Error decode_error(const json& j, int status) {
@@ -27,7 +29,10 @@ Error decode_error(const json& j, int status) {
     Fault fault = fault_of(code);
     if (auto f = j.find("fault"); f != j.end() && f->is_string())
       fault = f->get<std::string>() == "infrastructure" ? Fault::kInfrastructure : Fault::kRequest;
-    return Error(code, message, retryable, fault);
+    // An agent older than the field says it only in its message.
+    bool outcome_unknown = code == Code::kDataLoss && message.find(kOutcomeUnknownPrefix) != std::string::npos;
+    if (auto u = j.find("outcome_unknown"); u != j.end() && u->is_boolean()) outcome_unknown = u->get<bool>();
+    return Error(code, message, retryable, fault, outcome_unknown);
   }
   Code code = status == 404   ? Code::kNotFound
               : status == 400 ? Code::kInvalidArgument
