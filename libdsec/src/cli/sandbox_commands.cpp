@@ -16,6 +16,7 @@
 
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
+#include "common/protocol/node.hpp"
 #include "dsec/client.hpp"
 #include "dsec/error.hpp"
 
@@ -111,6 +112,8 @@ constexpr std::string_view kNodeHelp = R"(usage: dsec node [--json] [--endpoint 
 
 Shows each node agent's id, version, capacity, load, backends and images. Without --endpoint and with no system
 agent running, it starts a private agent and shows this machine.
+
+  --json    a JSON array of the nodes, each in the fields of GET /v1/node's answer (docs/protocol.md)
 )";
 
 std::string with_endpoint_help(std::string_view help) { return fmt::format("{}\n{}\n", help, kEndpointHelp); }
@@ -494,35 +497,7 @@ int cmd_node(const std::vector<std::string>& args, GlobalOptions& global) {
   auto nodes = client.nodes();
   if (p.has("--json")) {
     nlohmann::json out = nlohmann::json::array();
-    for (const auto& n : nodes)
-      out.push_back({{"id", n.id},
-                     {"version", n.version},
-                     {"protocol", n.protocol},
-                     {"backends", n.backends},
-                     {"cores", n.cores},
-                     {"memory_bytes", n.memory_bytes},
-                     {"disk_bytes", n.disk_bytes},
-                     {"disk_free_bytes", n.disk_free_bytes},
-                     {"sandboxes", n.sandboxes},
-                     {"cpu_requested", n.cpu_requested},
-                     {"memory_requested", n.memory_requested},
-                     {"cpu_overcommit", n.cpu_overcommit},
-                     {"memory_overcommit", n.memory_overcommit},
-                     {"cgroup_version", n.cgroup_version},
-                     {"images", n.images},
-                     {"load1", n.load1},
-                     {"memory_used_bytes", n.memory_used_bytes},
-                     {"pressure",
-                      {{"cpu_some", n.pressure.cpu_some},
-                       {"memory_some", n.pressure.memory_some},
-                       {"memory_full", n.pressure.memory_full},
-                       {"io_full", n.pressure.io_full}}},
-                     {"qos",
-                      {{"core_scheduling", n.qos.core_scheduling},
-                       {"latency_cpus", n.qos.latency_cpus},
-                       {"reclaim", n.qos.reclaim},
-                       {"reclaimed_bytes", n.qos.reclaimed_bytes},
-                       {"ksm", n.qos.ksm}}}});
+    for (const auto& n : nodes) out.push_back(protocol::encode(n));
     fmt::print("{}\n", out.dump(2));
     return 0;
   }
