@@ -58,6 +58,24 @@ ExecRequest decode_exec_request(const json& j) {
   return r;
 }
 
+void validate(const ExecRequest& r) {
+  if (r.shell.empty()) {
+    if (r.argv.empty()) bad("argv", "give exactly one of a non-empty argv or shell");
+    if (r.argv[0].empty()) bad("argv[0]", "must not be empty");
+    for (const auto& a : r.argv)
+      if (has_nul(a)) bad("argv", "arguments must not contain NUL");
+  }
+  if (has_nul(r.shell)) bad("shell", "must not contain NUL");
+  validate_env(r.env, "env");
+  if (!r.cwd.empty() && (r.cwd.front() != '/' || has_nul(r.cwd))) bad("cwd", "must be an absolute path");
+  if (!(r.timeout_seconds > 0) || r.timeout_seconds > kMaxExecTimeoutSeconds)
+    bad("timeout", fmt::format("must be in (0, {}] seconds", kMaxExecTimeoutSeconds));
+  if (r.max_output_bytes > kMaxOutputBytes) bad("max_output", "at most 1 GiB");
+  (void)parse_user(r.user, "user");
+  if (r.request_id.size() > kMaxRequestIdBytes || has_nul(r.request_id))
+    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+}
+
 json encode(const ExecResult& r) {
   json j{{"exit_code", r.exit_code},
          {"signal", r.signal},

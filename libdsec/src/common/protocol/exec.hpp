@@ -9,6 +9,9 @@ namespace dsec::protocol {
 
 json encode(const ExecRequest& request);
 ExecRequest decode_exec_request(const json& j);
+// The checks decode_exec_request holds a request to, on the request as encode() sends it (with a shell, argv is not
+// sent): INVALID_ARGUMENT naming the field. A client validates before a round trip without encoding and decoding.
+void validate(const ExecRequest& request);
 
 json encode(const ExecResult& result);
 ExecResult decode_exec_result(const json& j);
