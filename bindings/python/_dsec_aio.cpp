@@ -10,23 +10,16 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "_dsec_aio.hpp"
 #include "client/async_transport.hpp"
-#include "client/client_core.hpp"
-#include "client/endpoint.hpp"
 #include "client/exec_stream.hpp"
-#include "common/protocol.hpp"
-#include "common/protocol/process.hpp"
+#include "client/requests.hpp"
 
 namespace py = pybind11;
 
@@ -34,14 +27,9 @@ namespace {
 
 using dsec::detail::AsyncCall;
 using dsec::detail::HttpResponse;
-using std::chrono::milliseconds;
-
-constexpr std::string_view kJson = "application/json";
-constexpr std::string_view kTar = "application/x-tar";
-
-milliseconds seconds_ms(double seconds) {
-  return milliseconds{static_cast<std::int64_t>(std::ceil(std::max(seconds, 0.0) * 1000.0))};
-}
+using dsec::detail::SandboxRequest;
+namespace requests = dsec::detail::requests;
+namespace answers = dsec::detail::answers;
 
 // The Python objects of one call. Released with the GIL held, whichever thread lets go of them last.
 struct PyTarget {
@@ -151,24 +139,19 @@ class Ticket {
   std::uint64_t id_;
 };
 
-// A streamed command's state across its attempts: the NDJSON decoder of the current attempt and what on_output
-// has had.
+// A streamed command's state across its attempts: output goes to on_output through the outbox, in the order it
+// arrived, without what an earlier attempt delivered.
 struct Streamed {
-  std::shared_ptr<PyTarget> target;
-  Outbox* outbox = nullptr;
-  std::optional<dsec::detail::ExecStreamDecoder> decoder;
-  dsec::detail::StreamReplayFilter replay;
+  explicit Streamed(std::shared_ptr<PyTarget> t, Outbox* o)
+      : target(std::move(t)), outbox(o), command([this](int fd, std::string_view data) {
+          outbox->post(target, false, [t = target.get(), fd, bytes = std::string(data)] {
+            return py::make_tuple(t->on_output, fd == 2 ? "stderr" : "stdout", py::bytes(bytes));
+          });
+        }) {}
 
-  void new_attempt() {
-    replay.new_attempt();
-    decoder.emplace([this](int fd, std::string_view data) {
-      data = replay.fresh(fd, data);
-      if (data.empty()) return;
-      outbox->post(target, false, [t = target.get(), fd, bytes = std::string(data)] {
-        return py::make_tuple(t->on_output, fd == 2 ? "stderr" : "stdout", py::bytes(bytes));
-      });
-    });
-  }
+  std::shared_ptr<PyTarget> target;
+  Outbox* outbox;
+  dsec::detail::StreamedCommand command;
 };
 
 class AsyncCore {
@@ -245,42 +228,19 @@ class AsyncCore {
     return t;
   }
 
-  AsyncCall sandbox_call(const std::string& id, std::string method, std::string_view suffix, std::string body = {},
-                         std::string_view content_type = {}, dsec::detail::SandboxCall how = {}) const {
-    AsyncCall c;
-    c.sandbox_id = id;
-    c.method = std::move(method);
-    c.target = core_->sandbox_path(id, suffix);
-    c.body = std::move(body);
-    c.content_type = content_type;
-    c.how = std::move(how);
-    return c;
-  }
-
-  // A command run exactly once under `request_id`: POST `suffix` with `body`, its answer an ExecResult, streamed
+  // A command run exactly once under its request's id (exec, a session's run), its answer an ExecResult, streamed
   // to on_output when it is not None.
-  Ticket command(const py::object& loop, const py::object& future, const std::string& id, std::string_view suffix,
-                 dsec::protocol::json body, milliseconds run_time, std::string request_id, py::object on_output) {
-    const bool streamed = !on_output.is_none();
-    if (streamed) {
-      if (!PyCallable_Check(on_output.ptr()))
-        throw dsec::Error(dsec::Code::kInvalidArgument, "on_output: must be a callable(stream, data)");
-      body["stream"] = true;
-    }
-    body["request_id"] = request_id;
-    AsyncCall call = sandbox_call(id, "POST", suffix, body.dump(), kJson, {run_time, true, request_id});
-    if (!streamed)
-      return start(loop, future, std::move(call), [](HttpResponse& r) {
-        return dsec::protocol::decode_exec_result(dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/exec"));
-      });
+  Ticket command(const py::object& loop, const py::object& future, SandboxRequest request, py::object on_output) {
+    AsyncCall call{std::move(request)};
+    if (on_output.is_none())
+      return start(loop, future, std::move(call),
+                   [what = call.request.what](HttpResponse& r) { return answers::exec_result(r, what); });
     auto target = make_target(loop, future, std::move(on_output));
-    auto stream = std::make_shared<Streamed>();
-    stream->target = target;
-    stream->outbox = outbox_.get();
-    call.on_attempt = [s = stream.get()] { s->new_attempt(); };
-    call.on_body = [s = stream.get()](std::string_view bytes) { s->decoder->feed(bytes); };
+    auto stream = std::make_shared<Streamed>(target, outbox_.get());
+    call.on_attempt = [s = stream.get()] { s->command.new_attempt(); };
+    call.on_body = [s = stream.get()](std::string_view bytes) { s->command.feed(bytes); };
     return start(
-        loop, future, std::move(call), [stream](HttpResponse&) { return stream->decoder->finish(); }, target);
+        loop, future, std::move(call), [stream](HttpResponse&) { return stream->command.finish(); }, target);
   }
 
   Ticket exec(const py::object& loop, const py::object& future, const std::string& id,
@@ -296,19 +256,17 @@ class AsyncCore {
     if (stdin_data) req.stdin_data = std::move(*stdin_data);
     req.timeout_seconds = timeout;
     req.max_output_bytes = max_output;
-    // The agent's own validation, run here first: a malformed request fails before it costs a round trip.
-    dsec::protocol::json encoded = dsec::protocol::encode(req);
-    dsec::protocol::decode_exec_request(encoded);
-    if (request_id.empty()) request_id = dsec::detail::random_request_id();
-    return command(loop, future, id, "/exec", std::move(encoded), seconds_ms(timeout), std::move(request_id),
-                   std::move(on_output));
+    req.request_id = std::move(request_id);
+    SandboxRequest request = requests::exec(id, req, !on_output.is_none());
+    check_output_callback(on_output);
+    return command(loop, future, std::move(request), std::move(on_output));
   }
 
   Ticket session_run(const py::object& loop, const py::object& future, const std::string& id, const std::string& name,
                      const std::string& command_text, double timeout, std::size_t max_output, py::object on_output) {
-    auto encoded = dsec::detail::encode_session_run(command_text, timeout, max_output, false);
-    return command(loop, future, id, session_suffix(name, "/run"), std::move(encoded), seconds_ms(timeout),
-                   dsec::detail::random_request_id(), std::move(on_output));
+    SandboxRequest request = requests::session_run(id, name, command_text, timeout, max_output, !on_output.is_none());
+    check_output_callback(on_output);
+    return command(loop, future, std::move(request), std::move(on_output));
   }
 
   Ticket shell(const py::object& loop, const py::object& future, const std::string& id, std::string name,
@@ -319,13 +277,9 @@ class AsyncCore {
     o.env = std::move(env);
     o.cwd = std::move(cwd);
     o.user = std::move(user);
-    // Not retried once the agent may have it: a second attempt would start a second shell.
-    return start(
-        loop, future,
-        sandbox_call(id, "POST", "/sessions", dsec::detail::encode(o).dump(), kJson, {milliseconds{0}, false}),
-        [](HttpResponse& r) {
-          return dsec::detail::decode_session_info(dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/sessions"));
-        });
+    AsyncCall call{requests::open_session(id, o)};
+    return start(loop, future, std::move(call),
+                 [what = call.request.what](HttpResponse& r) { return answers::session_info(r, what); });
   }
 
   Ticket spawn(const py::object& loop, const py::object& future, const std::string& id,
@@ -342,103 +296,56 @@ class AsyncCore {
     req.rows = rows;
     req.cols = cols;
     req.tag = std::move(tag);
-    // Exactly-once on the agent by its request id (one is made when the caller gave none): a retry after a lost
-    // answer gets the first spawn's process, never a second one.
-    dsec::protocol::json encoded = dsec::detail::encode(req);
-    if (request_id.empty()) request_id = dsec::detail::random_request_id();
-    if (request_id.size() > 128) throw dsec::Error(dsec::Code::kInvalidArgument, "request_id: at most 128 bytes");
-    encoded["request_id"] = request_id;
-    return start(
-        loop, future,
-        sandbox_call(id, "POST", "/processes", encoded.dump(), kJson, {milliseconds{0}, true, request_id}),
-        [](HttpResponse& r) {
-          return dsec::detail::decode_process_info(dsec::detail::parse_json(r, "POST /v1/sandboxes/{id}/processes"));
-        });
+    req.request_id = std::move(request_id);
+    AsyncCall call{requests::spawn(id, req)};
+    return start(loop, future, std::move(call),
+                 [what = call.request.what](HttpResponse& r) { return answers::process_info(r, what); });
   }
 
   Ticket process_read(const py::object& loop, const py::object& future, const std::string& id, int pid,
                       std::optional<std::uint64_t> stdout_offset, std::optional<std::uint64_t> stderr_offset,
                       double wait, std::size_t max_bytes) {
-    if (std::isnan(wait) || wait > dsec::detail::kMaxProcessWait)
-      throw dsec::Error(dsec::Code::kInvalidArgument,
-                        fmt::format("wait: at most {} seconds, got {}", dsec::detail::kMaxProcessWait, wait));
-    if (max_bytes < 1 || max_bytes > dsec::detail::kMaxOutputRead)
-      throw dsec::Error(dsec::Code::kInvalidArgument,
-                        fmt::format("max_bytes: 1 to {}, got {}", dsec::detail::kMaxOutputRead, max_bytes));
-    std::string query;
-    auto add = [&query](std::string_view key, const std::string& value) {
-      query += fmt::format("{}{}={}", query.empty() ? '?' : '&', key, value);
-    };
-    if (stdout_offset) add("stdout", std::to_string(*stdout_offset));
-    if (stderr_offset) add("stderr", std::to_string(*stderr_offset));
-    if (wait > 0) add("wait", dsec::detail::query_seconds(wait));
-    if (max_bytes != dsec::detail::kMaxOutputRead) add("max", std::to_string(max_bytes));
-    const bool want_out = stdout_offset.has_value(), want_err = stderr_offset.has_value();
-    return start(
-        loop, future,
-        sandbox_call(id, "GET", fmt::format("/processes/{}/output{}", pid, query), {}, {}, {seconds_ms(wait), true}),
-        [want_out, want_err](HttpResponse& r) {
-          auto out = dsec::detail::decode_process_output(
-              dsec::detail::parse_json(r, "GET /v1/sandboxes/{id}/processes/{pid}/output"));
-          // A stream that was not asked for says nothing, whatever the agent put there.
-          if (!want_out) out.stdout_data.clear(), out.stdout_offset = out.stdout_end = 0;
-          if (!want_err) out.stderr_data.clear(), out.stderr_offset = out.stderr_end = 0;
-          return out;
-        });
+    AsyncCall call{requests::process_output(id, pid, stdout_offset, stderr_offset, wait, max_bytes)};
+    return start(loop, future, std::move(call),
+                 [what = call.request.what, want_out = stdout_offset.has_value(), want_err = stderr_offset.has_value()](
+                     HttpResponse& r) { return answers::process_output(r, what, want_out, want_err); });
   }
 
   Ticket sleep_or_wake(const py::object& loop, const py::object& future, const std::string& id, bool sleep) {
-    // The sync client's kSleepTime: a sleep writes the sandbox's memory out to swap.
-    constexpr milliseconds kSleepTime{60'000};
-    // Every attempt carries the same request id: the agent answers a retry as it answered the first attempt.
-    const std::string body = dsec::protocol::json{{"request_id", dsec::detail::random_request_id()}}.dump();
-    AsyncCall call = sandbox_call(id, "POST", sleep ? "/sleep" : "/wake", body, kJson, {kSleepTime, true});
-    call.retry_timeouts = true;
-    return start(loop, future, std::move(call),
-                 [sleep](HttpResponse& r) { return dsec::detail::decode_sleep_result(r, sleep); });
+    return start(loop, future, AsyncCall{requests::sleep_or_wake(id, sleep)},
+                 [sleep](HttpResponse& r) { return answers::sleep_result(r, sleep); });
   }
 
   // Any other one-exchange call: `answer` names how its answer is decoded.
   Ticket request(const py::object& loop, const py::object& future, const std::string& id, std::string method,
                  const std::string& suffix, py::bytes body, std::string content_type, double extra_seconds,
                  bool repeatable, const std::string& answer) {
-    AsyncCall call = sandbox_call(id, std::move(method), suffix, std::string(body), content_type,
-                                  {seconds_ms(extra_seconds), repeatable});
-    const std::string what = call.method + " " + suffix;
-    auto json = [what](HttpResponse& r) { return dsec::detail::parse_json(r, what); };
+    AsyncCall call{requests::sandbox(id, std::move(method), suffix, std::string(body), content_type,
+                                     {requests::wait_time(extra_seconds), repeatable})};
+    const std::string what = call.request.what;
     if (answer == "none") return start(loop, future, std::move(call), [](HttpResponse&) { return Nothing{}; });
     if (answer == "bytes")
       return start(loop, future, std::move(call), [](HttpResponse& r) { return std::move(r.body); });
     if (answer == "file")
-      return start(loop, future, std::move(call), [what, id](HttpResponse& r) {
-        if (r.content_type.starts_with(kTar))
-          throw dsec::Error(dsec::Code::kInvalidArgument,
-                            fmt::format("{} in sandbox {} is a directory (download_tar reads a directory)", what, id));
-        return std::move(r.body);
-      });
+      return start(loop, future, std::move(call),
+                   [what, id](HttpResponse& r) { return answers::file(std::move(r), what, id); });
     if (answer == "sandbox_info")
-      return start(loop, future, std::move(call),
-                   [json](HttpResponse& r) { return dsec::protocol::decode_sandbox_info(json(r)); });
+      return start(loop, future, std::move(call), [what](HttpResponse& r) { return answers::sandbox_info(r, what); });
     if (answer == "session_info")
-      return start(loop, future, std::move(call),
-                   [json](HttpResponse& r) { return dsec::detail::decode_session_info(json(r)); });
+      return start(loop, future, std::move(call), [what](HttpResponse& r) { return answers::session_info(r, what); });
     if (answer == "session_list")
-      return start(loop, future, std::move(call),
-                   [json](HttpResponse& r) { return dsec::detail::decode_session_list(json(r)); });
+      return start(loop, future, std::move(call), [what](HttpResponse& r) { return answers::session_list(r, what); });
     if (answer == "process_info")
-      return start(loop, future, std::move(call),
-                   [json](HttpResponse& r) { return dsec::detail::decode_process_info(json(r)); });
+      return start(loop, future, std::move(call), [what](HttpResponse& r) { return answers::process_info(r, what); });
     if (answer == "process_list")
-      return start(loop, future, std::move(call),
-                   [json](HttpResponse& r) { return dsec::detail::decode_process_list(json(r)); });
+      return start(loop, future, std::move(call), [what](HttpResponse& r) { return answers::process_list(r, what); });
     throw dsec::Error(dsec::Code::kInvalidArgument, "answer: unknown kind '" + answer + "'");
   }
 
-  std::string path(const std::string& id, const std::string& suffix) const { return core_->sandbox_path(id, suffix); }
-
  private:
-  static std::string session_suffix(const std::string& name, std::string_view suffix) {
-    return fmt::format("/sessions/{}{}", dsec::detail::url_escape(name), suffix);
+  static void check_output_callback(const py::object& on_output) {
+    if (!on_output.is_none() && !PyCallable_Check(on_output.ptr()))
+      throw dsec::Error(dsec::Code::kInvalidArgument, "on_output: must be a callable(stream, data)");
   }
 
   std::shared_ptr<dsec::detail::ClientCore> core_;

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "client/client_core.hpp"
 #include "client/curl_exchange.hpp"
 
 namespace dsec::detail {
@@ -162,13 +163,13 @@ std::uint64_t AsyncTransport::submit(AsyncCall call, AsyncDone done) {
   p->ticket = impl_->next_ticket.fetch_add(1);
   p->call = std::move(call);
   p->done = std::move(done);
-  p->request = http_request(p->call.method, p->call.target, p->call.body, p->call.content_type);
+  p->request = p->call.request.http();
   p->request.on_body = p->call.on_body;
   const std::uint64_t ticket = p->ticket;
   {
     std::lock_guard lock(impl_->mu);
     if (impl_->closing) throw Error(Code::kFailedPrecondition, "this dsec client is closed");
-    p->deadline = impl_->core->deadline_after(p->call.how.extra);
+    p->deadline = impl_->core->deadline_after(p->call.request.how.extra);
     impl_->incoming.push_back(std::move(p));
     impl_->in_flight.fetch_add(1);
   }
@@ -299,9 +300,9 @@ void AsyncTransport::Impl::start(Pending& p) {
   try {
     core->check_open();
     // Routing is a lookup in the node table; only a sandbox of a node whose id is not known yet asks the nodes.
-    p.node = core->route(p.call.sandbox_id, p.deadline);
+    p.node = core->route(p.call.request.sandbox_id, p.deadline);
     const auto now = SteadyClock::now();
-    const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.how.extra);
+    const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.request.how.extra);
     const auto remaining = duration_cast<milliseconds>(until - now).count();
     if (remaining <= 0)
       throw TransportError(Code::kDeadlineExceeded,
@@ -323,7 +324,7 @@ void AsyncTransport::Impl::start(Pending& p) {
     }
     p.easy = easy;
     const auto now = SteadyClock::now();
-    const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.how.extra);
+    const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.request.how.extra);
     const auto& transport = p.node->transport;
     p.exchange = std::make_unique<CurlExchange>(easy, transport.endpoint(), transport.credentials().get(), p.request,
                                                 static_cast<long>(duration_cast<milliseconds>(until - now).count()));
@@ -375,7 +376,7 @@ void AsyncTransport::Impl::transfer_done(CURL* easy, CURLcode rc) {
 }
 
 void AsyncTransport::Impl::attempt_failed(Pending& p, std::exception_ptr error, bool exchange) {
-  const SandboxCall& how = p.call.how;
+  const SandboxCall& how = p.call.request.how;
   std::optional<Error> failure;
   try {
     std::rethrow_exception(error);
@@ -389,7 +390,7 @@ void AsyncTransport::Impl::attempt_failed(Pending& p, std::exception_ptr error, 
       failure =
           Error(e.code(), std::string(e.what()) + " (not retried: the agent may have acted on it)", false, e.fault());
     }
-    if (p.call.retry_timeouts && e.code() == Code::kDeadlineExceeded && SteadyClock::now() < p.deadline)
+    if (how.retry_timeouts && e.code() == Code::kDeadlineExceeded && SteadyClock::now() < p.deadline)
       failure = Error(Code::kUnavailable, std::string(e.what()) + " (retried with the same request id)", true);
   } catch (const Error& e) {
     failure = e;
@@ -419,11 +420,12 @@ void AsyncTransport::Impl::attempt_failed(Pending& p, std::exception_ptr error, 
 }
 
 void AsyncTransport::Impl::finish(Pending& p, HttpResponse* response, std::exception_ptr error) {
-  if (error && !p.call.how.request_id.empty()) {
+  const SandboxRequest& request = p.call.request;
+  if (error && !request.how.request_id.empty()) {
     try {
       std::rethrow_exception(error);
     } catch (const Error& e) {
-      if (auto unknown = outcome_unknown(e, p.call.sandbox_id, p.call.how.request_id, p.maybe_sent))
+      if (auto unknown = outcome_unknown(e, request.sandbox_id, request.how.request_id, p.maybe_sent))
         error = std::make_exception_ptr(*unknown);
     } catch (...) {
     }

@@ -13,23 +13,21 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 
-#include "client/client_core.hpp"
+#include "client/requests.hpp"
 #include "client/transport.hpp"
 
 namespace dsec::detail {
 
-// A request about one sandbox, as ClientCore::call_sandbox takes it.
+class ClientCore;
+
+// A request about one sandbox (requests.hpp), as ClientCore::call_sandbox takes it, and what a streamed answer is
+// handed to.
 struct AsyncCall {
-  std::string sandbox_id;
-  std::string method = "GET";  // GET, POST, PUT, DELETE
-  std::string target;          // sandbox_path(sandbox_id, suffix), escaped
-  std::string body;
-  std::string content_type;
-  SandboxCall how;
-  // Sleep and wake: an exchange that timed out with time left is retried too (the agent answers the same request
-  // id with the first attempt's outcome).
-  bool retry_timeouts = false;
+  explicit AsyncCall(SandboxRequest request_in = {}) : request(std::move(request_in)) {}
+
+  SandboxRequest request;
   // A streamed answer: on_attempt runs as each attempt starts, on_body gets a 2xx answer's bytes as they arrive
   // (both on the I/O thread; what on_body throws ends the call with it, as a decoding error).
   std::function<void()> on_attempt;

@@ -16,17 +16,6 @@ namespace dsec::detail {
 
 using std::chrono::milliseconds;
 
-std::vector<SandboxInfo> decode_sandbox_list(const HttpResponse& r, std::string_view what) {
-  auto j = parse_json(r, what);
-  auto it = j.find("sandboxes");
-  if (it == j.end() || !it->is_array())
-    throw Error(Code::kInternal, fmt::format("{}: the agent's answer has no \"sandboxes\" array", what));
-  std::vector<SandboxInfo> out;
-  out.reserve(it->size());
-  for (const auto& s : *it) out.push_back(protocol::decode_sandbox_info(s));
-  return out;
-}
-
 protocol::json parse_json(const HttpResponse& r, std::string_view what) {
   try {
     return protocol::json::parse(r.body);
@@ -236,10 +225,6 @@ NodeInfo ClientCore::learn_node_info(const NodePtr& node, const HttpResponse& re
   return info;
 }
 
-std::string ClientCore::sandbox_path(const std::string& id, std::string_view suffix) const {
-  return fmt::format("/v1/sandboxes/{}{}", url_escape(id), suffix);
-}
-
 HttpResponse ClientCore::call_once(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
                                    milliseconds extra) {
   try {
@@ -254,25 +239,41 @@ HttpResponse ClientCore::call_once(const NodePtr& node, const HttpRequest& reque
   }
 }
 
-HttpResponse ClientCore::call_sandbox(const std::string& id, const HttpRequest& request, SandboxCall how) {
+HttpResponse ClientCore::call_sandbox(const SandboxRequest& request) {
+  const std::string& id = request.sandbox_id;
+  const SandboxCall& how = request.how;
+  const HttpRequest http = request.http();
   auto deadline = deadline_after(how.extra);
   if (how.request_id.empty())
     return retrying(deadline, [&] {
       NodePtr node = route(id, deadline);
-      return how.repeatable ? call(node, request, deadline, how.extra) : call_once(node, request, deadline, how.extra);
+      if (!how.repeatable) return call_once(node, http, deadline, how.extra);
+      try {
+        return call(node, http, deadline, how.extra);
+      } catch (const TransportError& e) {
+        // An exchange that timed out is retried too when the request's id makes that safe (sleep, wake): the agent
+        // answers it with the first attempt's outcome, waiting for it if it still runs.
+        if (how.retry_timeouts && e.code() == Code::kDeadlineExceeded && SteadyClock::now() < deadline)
+          throw Error(Code::kUnavailable, std::string(e.what()) + " (retried with the same request id)", true);
+        throw;
+      }
     });
   bool maybe_sent = false;
   return exactly_once(id, how.request_id, maybe_sent, [&] {
     return retrying(deadline, [&] {
       NodePtr node = route(id, deadline);
       try {
-        return call(node, request, deadline, how.extra);
+        return call(node, http, deadline, how.extra);
       } catch (const TransportError& e) {
         maybe_sent = maybe_sent || e.maybe_sent();
         throw;
       }
     });
   });
+}
+
+HttpResponse ClientCore::send_once(const SandboxRequest& request, SteadyClock::time_point deadline) {
+  return call(route(request.sandbox_id, deadline), request.http(), deadline, request.how.extra);
 }
 
 std::optional<OutcomeUnknown> outcome_unknown(const Error& e, const std::string& id, const std::string& request_id,
@@ -305,7 +306,7 @@ std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::strin
   for (const auto& v : nodes_.view()) {
     auto deadline = deadline_after();
     auto r = retrying(deadline, [&] { return call(v.node, http_request("GET", target), deadline); });
-    auto part = decode_sandbox_list(r, "GET /v1/sandboxes");
+    auto part = answers::sandbox_list(r, "GET /v1/sandboxes");
     for (auto& s : part) out.push_back(std::move(s));
   }
   return out;

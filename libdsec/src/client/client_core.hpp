@@ -19,6 +19,7 @@
 #include "client/embedded_agent.hpp"
 #include "client/image_resolver.hpp"
 #include "client/node_table.hpp"
+#include "client/requests.hpp"
 #include "client/transport.hpp"
 #include "dsec/client.hpp"
 #include "dsec/exec.hpp"
@@ -30,21 +31,6 @@
 #include "dsec/spec.hpp"
 
 namespace dsec::detail {
-
-// How a call about a sandbox may be repeated, and how long each of its exchanges may take.
-struct SandboxCall {
-  SandboxCall(std::chrono::milliseconds extra_in = {}, bool repeatable_in = true, std::string request_id_in = {})
-      : extra(extra_in), repeatable(repeatable_in), request_id(std::move(request_id_in)) {}
-  // Beyond request_timeout for each exchange: a long poll's wait, a command's timeout.
-  std::chrono::milliseconds extra{0};
-  // False for a call that must not act twice (it starts something, writes bytes, sends a signal): it is not
-  // retried once the request may have reached the agent, and an error the agent answered is final.
-  bool repeatable = true;
-  // Set: the request carries this id, which makes it exactly-once on the agent (an exec, a session's run). It is
-  // then retried like a repeatable call, and a failure that leaves its outcome unknown (the answer lost and no
-  // retry could learn it, or the agent says so) is thrown as dsec::OutcomeUnknown.
-  std::string request_id;
-};
 
 class ClientCore {
  public:
@@ -108,19 +94,15 @@ class ClientCore {
   FnCallResult run_code(FnCallRequest request);
   std::vector<FnCallResult> run_code_many(const std::vector<FnCallRequest>& requests);
 
-  // A call about sandbox `id`: sent to the node that made it, retried as `how` allows under one fresh call
-  // deadline (call_deadline + how.extra).
-  HttpResponse call_sandbox(const std::string& id, const HttpRequest& request, SandboxCall how = {});
-  std::string sandbox_path(const std::string& id, std::string_view suffix = {}) const;
-  // A command whose answer streams as NDJSON (exec's "stream": true, a session run's): `body` POSTed to
-  // sandbox_path(id, suffix), each exchange allowed `run_time` beyond request_timeout; on_output and retries as
-  // exec_stream.
-  // With `request_id` (in the body too), retried like call_sandbox's exactly-once calls: a retry's answer replays the
-  // output from its start, and what on_output already had is not handed to it twice.
-  ExecResult stream_command(const std::string& id, std::string_view suffix, const std::string& body,
-                            std::chrono::milliseconds run_time,
-                            const std::function<void(int fd, std::string_view data)>& on_output,
-                            const std::string& request_id = {});
+  // A call about a sandbox (requests.hpp): sent to the node that made it, retried as request.how allows under one
+  // fresh call deadline (call_deadline + how.extra).
+  HttpResponse call_sandbox(const SandboxRequest& request);
+  // A command whose answer streams as NDJSON (exec's "stream": true, a session run's), each exchange allowed
+  // request.how.extra beyond request_timeout; on_output and retries as exec_stream.
+  // With how.request_id (in the body too), retried like call_sandbox's exactly-once calls: a retry's answer replays
+  // the output from its start, and what on_output already had is not handed to it twice.
+  ExecResult stream_command(const SandboxRequest& request,
+                            const std::function<void(int fd, std::string_view data)>& on_output);
 
   void write_file(const std::string& id, std::string_view path, std::string_view data, unsigned mode);
   std::string read_file(const std::string& id, std::string_view path);
@@ -156,6 +138,9 @@ class ClientCore {
   // agent, and any error the agent answered, are thrown as not retryable.
   HttpResponse call_once(const NodePtr& node, const HttpRequest& request, SteadyClock::time_point deadline,
                          std::chrono::milliseconds extra);
+  // One exchange of `request` with its sandbox's node, never repeated, within `deadline`: for calls that must not
+  // act twice whose errors keep their own retryable flag (expose, fork, screen input).
+  HttpResponse send_once(const SandboxRequest& request, SteadyClock::time_point deadline);
   // Runs `op` (the retried exchanges of an exactly-once request) and turns a failure that leaves the outcome
   // unknown into OutcomeUnknown: the agent's DATA_LOSS "outcome unknown", or a lost answer (`maybe_sent`, set by
   // `op`) that no retry recovered.
@@ -204,9 +189,6 @@ Error agent_error(const HttpRequest& request, const std::string& endpoint, const
 // have reached the agent) that no retry recovered. Nothing otherwise.
 std::optional<OutcomeUnknown> outcome_unknown(const Error& e, const std::string& id, const std::string& request_id,
                                               bool maybe_sent);
-
-// A sleep's or wake's answer.
-SleepResult decode_sleep_result(const HttpResponse& r, bool sleep);
 
 // 32 hex digits from a random 128-bit value: request ids for creates that came without one.
 std::string random_request_id();

@@ -14,9 +14,6 @@
 
 namespace dsec::detail {
 
-inline constexpr std::string_view kJson = "application/json";
-inline constexpr std::string_view kTar = "application/x-tar";
-inline constexpr std::string_view kOctets = "application/octet-stream";
 // Asking a node for its id while routing is quick or not at all.
 inline constexpr std::chrono::milliseconds kDiscoveryTimeout{5'000};
 // Labels every create carries: its request id, and for create_many the pulse's base request id. They find the
@@ -32,9 +29,6 @@ inline std::mt19937_64& thread_rng() {
   }();
   return rng;
 }
-
-// A {"sandboxes": [...]} answer; INTERNAL naming `what` when it has no such array.
-std::vector<SandboxInfo> decode_sandbox_list(const HttpResponse& r, std::string_view what);
 
 // Runs fn(worker) on `workers` threads and waits for all of them.
 template <typename Fn>

@@ -102,10 +102,11 @@ void ClientCore::remove_strays(const NodePtr& node, const std::string& key, cons
   try {
     auto r =
         call(node, http_request("GET", fmt::format("/v1/sandboxes?label={}", url_escape(key + "=" + value))), deadline);
-    for (const auto& s : decode_sandbox_list(r, "GET /v1/sandboxes")) {
+    for (const auto& s : answers::sandbox_list(r, "GET /v1/sandboxes")) {
       if (std::find(keep.begin(), keep.end(), s.id) != keep.end() || s.state == "destroyed") continue;
       try {
-        call(node, http_request("DELETE", sandbox_path(s.id)), deadline);
+        const SandboxRequest destroy = requests::destroy(s.id);
+        call(node, destroy.http(), deadline);
       } catch (const Error&) {
       }
     }
@@ -355,7 +356,7 @@ std::vector<SandboxInfo> ClientCore::create_many(const std::vector<SandboxSpec>&
           auto r = retrying(deadline, [&] {
             return call(batch.node, http_request("POST", "/v1/sandboxes", body, kJson), deadline, create_time(s));
           });
-          auto infos = decode_sandbox_list(r, "POST /v1/sandboxes (count)");
+          auto infos = answers::sandbox_list(r, "POST /v1/sandboxes (count)");
           if (infos.size() != batch.slots.size())
             throw Error(Code::kInternal,
                         fmt::format("POST /v1/sandboxes: asked for {} sandboxes, the agent answered {}",

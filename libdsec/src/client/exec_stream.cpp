@@ -76,6 +76,14 @@ std::string_view StreamReplayFilter::fresh(int fd, std::string_view data) noexce
   return data;
 }
 
+void StreamedCommand::new_attempt() {
+  replay_.new_attempt();
+  decoder_.emplace([this](int fd, std::string_view data) {
+    data = replay_.fresh(fd, data);
+    if (!data.empty() && on_output_) on_output_(fd, data);
+  });
+}
+
 ExecResult ExecStreamDecoder::finish() {
   if (error_) throw *error_;
   if (!result_) {

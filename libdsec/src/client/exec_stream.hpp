@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
@@ -65,6 +66,24 @@ class StreamReplayFilter {
  private:
   std::uint64_t delivered_[2] = {0, 0};  // over every attempt
   std::uint64_t seen_[2] = {0, 0};       // this attempt's
+};
+
+// A streamed command's answer over its attempts (ClientCore::stream_command, the asyncio core): each attempt's body
+// decoded as it arrives, and on_output handed only the bytes no earlier attempt delivered.
+class StreamedCommand {
+ public:
+  explicit StreamedCommand(ExecOutputCallback on_output) : on_output_(std::move(on_output)) {}
+  // An attempt's answer starts: decoding starts again from its first byte.
+  void new_attempt();
+  // The current attempt's body, piece by piece. What on_output throws propagates.
+  void feed(std::string_view bytes) { decoder_->feed(bytes); }
+  // Once the last attempt's body ended: as ExecStreamDecoder::finish.
+  ExecResult finish() { return decoder_->finish(); }
+
+ private:
+  ExecOutputCallback on_output_;
+  StreamReplayFilter replay_;
+  std::optional<ExecStreamDecoder> decoder_;
 };
 
 }  // namespace dsec::detail

@@ -26,7 +26,6 @@ namespace {
 
 using std::chrono::milliseconds;
 
-constexpr std::string_view kJson = "application/json";
 // C and C++ calls compile before they run (the agent bounds a compile by a minute); an exchange allows this much on
 // top of the call's own timeout.
 constexpr double kCompileAllowanceSeconds = 60;

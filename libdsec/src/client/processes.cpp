@@ -10,35 +10,24 @@
 #include <fmt/format.h>
 
 #include "client/client_core.hpp"
-#include "common/protocol/process.hpp"
+#include "client/requests.hpp"
 #include "dsec/sandbox.hpp"
 
 namespace dsec {
 namespace {
 
 using detail::SteadyClock;
-using std::chrono::milliseconds;
+namespace requests = detail::requests;
+namespace answers = detail::answers;
 
-constexpr std::string_view kJson = "application/json";
-constexpr std::string_view kOctets = "application/octet-stream";
 // Process::wait long-polls in slices of at most this many seconds.
 constexpr double kWaitSlice = 60;
 // How long each read of Process::follow waits for output.
 constexpr double kFollowWait = 30;
 
-// What a long poll of `seconds` adds to an exchange's time.
-milliseconds poll_time(double seconds) {
-  return milliseconds{static_cast<std::int64_t>(std::ceil(std::max(seconds, 0.0) * 1000.0))};
-}
-
-ProcessInfo info_of(const detail::HttpResponse& r, std::string_view what) {
-  return protocol::decode_process_info(detail::parse_json(r, what));
-}
-
-void check_wait(double seconds, std::string_view field) {
-  if (std::isnan(seconds) || seconds > protocol::kMaxProcessWait)
-    throw Error(Code::kInvalidArgument,
-                fmt::format("{}: at most {} seconds, got {}", field, protocol::kMaxProcessWait, seconds));
+// Sends `request` on `core` and decodes its ProcessInfo answer.
+ProcessInfo process_call(detail::ClientCore& core, const detail::SandboxRequest& request) {
+  return answers::process_info(core.call_sandbox(request), request.what);
 }
 
 }  // namespace
@@ -62,14 +51,9 @@ detail::ClientCore& Process::core() const {
   return *core_;
 }
 
-std::string Process::path(std::string_view suffix) const {
-  return core().sandbox_path(sandbox_id_, fmt::format("/processes/{}{}", pid_, suffix));
-}
-
 ProcessInfo Process::info() const {
   if (never_started_) return *never_started_;
-  auto r = core().call_sandbox(sandbox_id_, detail::http_request("GET", path("")));
-  return info_of(r, "GET /v1/sandboxes/{id}/processes/{pid}");
+  return process_call(core(), requests::process_info(sandbox_id_, pid_));
 }
 
 ProcessInfo Process::wait(double timeout_seconds) const {
@@ -77,22 +61,19 @@ ProcessInfo Process::wait(double timeout_seconds) const {
   if (never_started_) return *never_started_;
   std::optional<SteadyClock::time_point> until;
   if (!std::isinf(timeout_seconds) || timeout_seconds < 0)
-    until = SteadyClock::now() + poll_time(std::min(timeout_seconds, 366.0 * 86400));
+    until = SteadyClock::now() + requests::wait_time(std::min(timeout_seconds, 366.0 * 86400));
   for (;;) {
     double left = kWaitSlice;
     if (until) left = std::chrono::duration<double>(*until - SteadyClock::now()).count();
     const double slice = std::clamp(left, 0.0, kWaitSlice);
-    auto r = core().call_sandbox(
-        sandbox_id_, detail::http_request("GET", path(slice > 0 ? "?wait=" + protocol::query_seconds(slice) : "")),
-        {poll_time(slice), true});
-    ProcessInfo info = info_of(r, "GET /v1/sandboxes/{id}/processes/{pid}?wait");
+    ProcessInfo info = process_call(core(), requests::process_wait(sandbox_id_, pid_, slice));
     if (!info.running || (until && SteadyClock::now() >= *until) || slice <= 0) return info;
   }
 }
 
 ProcessOutput Process::read(std::optional<std::uint64_t> stdout_offset, std::optional<std::uint64_t> stderr_offset,
                             double wait_seconds, std::size_t max_bytes) const {
-  check_wait(wait_seconds, "wait");
+  requests::check_process_wait(wait_seconds);
   if (never_started_) {  // its stderr is the message
     ProcessOutput out;
     const std::string& message = never_started_->message;
@@ -104,66 +85,39 @@ ProcessOutput Process::read(std::optional<std::uint64_t> stdout_offset, std::opt
     out.exit_code = never_started_->exit_code;
     return out;
   }
-  if (max_bytes < 1 || max_bytes > protocol::kMaxOutputRead)
-    throw Error(Code::kInvalidArgument, fmt::format("max_bytes: 1 to {}, got {}", protocol::kMaxOutputRead, max_bytes));
-  std::string query;
-  auto add = [&query](std::string_view key, const std::string& value) {
-    query += fmt::format("{}{}={}", query.empty() ? '?' : '&', key, value);
-  };
-  if (stdout_offset) add("stdout", std::to_string(*stdout_offset));
-  if (stderr_offset) add("stderr", std::to_string(*stderr_offset));
-  if (wait_seconds > 0) add("wait", protocol::query_seconds(wait_seconds));
-  if (max_bytes != protocol::kMaxOutputRead) add("max", std::to_string(max_bytes));
-  auto r = core().call_sandbox(sandbox_id_, detail::http_request("GET", path("/output" + query)),
-                               {poll_time(wait_seconds), true});
-  ProcessOutput out =
-      protocol::decode_process_output(detail::parse_json(r, "GET /v1/sandboxes/{id}/processes/{pid}/output"));
-  // A stream that was not asked for says nothing, whatever the agent put there.
-  if (!stdout_offset) out.stdout_data.clear(), out.stdout_offset = out.stdout_end = 0;
-  if (!stderr_offset) out.stderr_data.clear(), out.stderr_offset = out.stderr_end = 0;
-  return out;
+  const detail::SandboxRequest request =
+      requests::process_output(sandbox_id_, pid_, stdout_offset, stderr_offset, wait_seconds, max_bytes);
+  return answers::process_output(core().call_sandbox(request), request.what, stdout_offset.has_value(),
+                                 stderr_offset.has_value());
 }
 
 // Writes, closes and signals carry a request id of their own, which makes them exactly-once on the agent: a lost
 // answer is retried without writing the bytes or sending the signal twice.
 void Process::write_stdin(std::string_view data) const {
   check_started("stdin");
-  const std::string id = detail::random_request_id();
-  core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/stdin?request_id=" + id), data, kOctets),
-                      {milliseconds{0}, true, id});
+  core().call_sandbox(requests::write_stdin(sandbox_id_, pid_, data));
 }
 
 void Process::close_stdin() const {
   check_started("stdin");
-  const std::string id = detail::random_request_id();
-  core().call_sandbox(sandbox_id_,
-                      detail::http_request("POST", path("/stdin?close=true&request_id=" + id), {}, kOctets),
-                      {milliseconds{0}, true, id});
+  core().call_sandbox(requests::close_stdin(sandbox_id_, pid_));
 }
 
 ProcessInfo Process::signal(int sig, bool group) const {
-  if (sig < 0) throw Error(Code::kInvalidArgument, fmt::format("signal: {} is not a signal number", sig));
+  const detail::SandboxRequest request = requests::signal(sandbox_id_, pid_, sig, group);
   check_started("signal");
-  const std::string id = detail::random_request_id();
-  const std::string body = protocol::json{{"signal", sig}, {"group", group}, {"request_id", id}}.dump();
-  auto r = core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/signal"), body, kJson),
-                               {milliseconds{0}, true, id});
-  return info_of(r, "POST /v1/sandboxes/{id}/processes/{pid}/signal");
+  return process_call(core(), request);
 }
 
 ProcessInfo Process::resize(unsigned rows, unsigned cols) const {
-  protocol::check_terminal_size(rows, cols);
+  const detail::SandboxRequest request = requests::resize(sandbox_id_, pid_, rows, cols);
   check_started("resize");
-  // The same size twice is the same state: retried like a read.
-  const std::string body = protocol::json{{"rows", rows}, {"cols", cols}}.dump();
-  auto r = core().call_sandbox(sandbox_id_, detail::http_request("POST", path("/resize"), body, kJson));
-  return info_of(r, "POST /v1/sandboxes/{id}/processes/{pid}/resize");
+  return process_call(core(), request);
 }
 
 ProcessInfo Process::kill() const {
   if (never_started_) return *never_started_;
-  auto r = core().call_sandbox(sandbox_id_, detail::http_request("DELETE", path("")));
-  return info_of(r, "DELETE /v1/sandboxes/{id}/processes/{pid}");
+  return process_call(core(), requests::kill(sandbox_id_, pid_));
 }
 
 ProcessInfo Process::follow(const std::function<void(int fd, std::string_view data)>& on_output) const {
@@ -180,15 +134,7 @@ ProcessInfo Process::follow(const std::function<void(int fd, std::string_view da
 }
 
 Process Sandbox::spawn(const ProcessRequest& request) const {
-  // Exactly-once on the agent by its request id (one is made when the caller gave none): a retry after a lost
-  // answer gets the first spawn's process, never a second one.
-  protocol::json encoded = protocol::encode(request);
-  const std::string request_id = request.request_id.empty() ? detail::random_request_id() : request.request_id;
-  encoded["request_id"] = request_id;
-  auto r = core().call_sandbox(
-      id_, detail::http_request("POST", core().sandbox_path(id_, "/processes"), encoded.dump(), kJson),
-      {milliseconds{0}, true, request_id});
-  ProcessInfo info = info_of(r, "POST /v1/sandboxes/{id}/processes");
+  ProcessInfo info = process_call(core(), requests::spawn(id_, request));
   if (info.pid == 0) return Process(core_, id_, std::move(info));  // it never started: a result, not an error
   return Process(core_, id_, info.pid);
 }
@@ -200,8 +146,8 @@ Process Sandbox::process(int pid) const {
 }
 
 std::vector<ProcessInfo> Sandbox::processes() const {
-  auto r = core().call_sandbox(id_, detail::http_request("GET", core().sandbox_path(id_, "/processes")));
-  return protocol::decode_process_list(detail::parse_json(r, "GET /v1/sandboxes/{id}/processes"));
+  const detail::SandboxRequest request = requests::processes(id_);
+  return answers::process_list(core().call_sandbox(request), request.what);
 }
 
 }  // namespace dsec

@@ -2,31 +2,23 @@
 // /v1/sandboxes/{id}/sessions.
 #include "dsec/session.hpp"
 
-#include <chrono>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include "client/client_core.hpp"
-#include "client/endpoint.hpp"
-#include "common/protocol/exec.hpp"
-#include "common/protocol/process.hpp"
+#include "client/requests.hpp"
 #include "dsec/sandbox.hpp"
 
 namespace dsec {
 namespace {
 
-using std::chrono::milliseconds;
+namespace requests = detail::requests;
+namespace answers = detail::answers;
 
-constexpr std::string_view kJson = "application/json";
-
-SessionInfo info_of(const detail::HttpResponse& r, std::string_view what) {
-  return protocol::decode_session_info(detail::parse_json(r, what));
-}
-
-// What a run of `timeout_seconds` adds to an exchange's time.
-milliseconds run_time(double timeout_seconds) {
-  return milliseconds{static_cast<std::int64_t>(timeout_seconds * 1000.0)};
+// Sends `request` on `core` and decodes its SessionInfo answer.
+SessionInfo session_call(detail::ClientCore& core, const detail::SandboxRequest& request) {
+  return answers::session_info(core.call_sandbox(request), request.what);
 }
 
 }  // namespace
@@ -39,57 +31,32 @@ detail::ClientCore& Session::core() const {
   return *core_;
 }
 
-std::string Session::path(std::string_view suffix) const {
-  return fmt::format("/sessions/{}{}", detail::url_escape(name_), suffix);
-}
-
 ExecResult Session::run(std::string command, double timeout_seconds, std::size_t max_output) const {
-  // Exactly once on the agent by a request id of its own, so a retry never runs the command twice in the shell.
-  const std::string request_id = detail::random_request_id();
-  protocol::json encoded = protocol::encode_session_run(command, timeout_seconds, max_output, false);
-  encoded["request_id"] = request_id;
-  auto r = core().call_sandbox(
-      sandbox_id_, detail::http_request("POST", core().sandbox_path(sandbox_id_, path("/run")), encoded.dump(), kJson),
-      {run_time(timeout_seconds), true, request_id});
-  return protocol::decode_exec_result(detail::parse_json(r, "POST /v1/sandboxes/{id}/sessions/{name}/run"));
+  const detail::SandboxRequest request =
+      requests::session_run(sandbox_id_, name_, command, timeout_seconds, max_output, false);
+  return answers::exec_result(core().call_sandbox(request), request.what);
 }
 
 ExecResult Session::run_stream(std::string command, const std::function<void(int fd, std::string_view data)>& on_output,
                                double timeout_seconds, std::size_t max_output) const {
-  const std::string request_id = detail::random_request_id();
-  protocol::json encoded = protocol::encode_session_run(command, timeout_seconds, max_output, true);
-  encoded["request_id"] = request_id;
-  return core().stream_command(sandbox_id_, path("/run"), encoded.dump(), run_time(timeout_seconds), on_output,
-                               request_id);
+  return core().stream_command(requests::session_run(sandbox_id_, name_, command, timeout_seconds, max_output, true),
+                               on_output);
 }
 
-SessionInfo Session::info() const {
-  auto r = core().call_sandbox(sandbox_id_, detail::http_request("GET", core().sandbox_path(sandbox_id_, path(""))));
-  return info_of(r, "GET /v1/sandboxes/{id}/sessions/{name}");
-}
+SessionInfo Session::info() const { return session_call(core(), requests::session_info(sandbox_id_, name_)); }
 
-SessionInfo Session::restart() const {
-  // Not retried once the agent may have it: a second restart would throw away the shell the first one started.
-  auto r = core().call_sandbox(
-      sandbox_id_, detail::http_request("POST", core().sandbox_path(sandbox_id_, path("/restart")), "{}", kJson),
-      {milliseconds{0}, false});
-  return info_of(r, "POST /v1/sandboxes/{id}/sessions/{name}/restart");
-}
+SessionInfo Session::restart() const { return session_call(core(), requests::restart_session(sandbox_id_, name_)); }
 
 void Session::close() const {
   try {
-    core().call_sandbox(sandbox_id_, detail::http_request("DELETE", core().sandbox_path(sandbox_id_, path(""))));
+    core().call_sandbox(requests::close_session(sandbox_id_, name_));
   } catch (const Error& e) {
     if (e.code() != Code::kNotFound) throw;
   }
 }
 
 Session Sandbox::shell(const SessionOptions& options) const {
-  const std::string body = protocol::encode(options).dump();
-  // Not retried once the agent may have it: a second attempt would start a second shell (or find the name taken).
-  auto r = core().call_sandbox(id_, detail::http_request("POST", core().sandbox_path(id_, "/sessions"), body, kJson),
-                               {milliseconds{0}, false});
-  return Session(core_, id_, info_of(r, "POST /v1/sandboxes/{id}/sessions").name);
+  return Session(core_, id_, session_call(core(), requests::open_session(id_, options)).name);
 }
 
 Session Sandbox::session(std::string name) const {
@@ -99,8 +66,8 @@ Session Sandbox::session(std::string name) const {
 }
 
 std::vector<SessionInfo> Sandbox::sessions() const {
-  auto r = core().call_sandbox(id_, detail::http_request("GET", core().sandbox_path(id_, "/sessions")));
-  return protocol::decode_session_list(detail::parse_json(r, "GET /v1/sandboxes/{id}/sessions"));
+  const detail::SandboxRequest request = requests::sessions(id_);
+  return answers::session_list(core().call_sandbox(request), request.what);
 }
 
 }  // namespace dsec

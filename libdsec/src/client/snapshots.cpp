@@ -11,23 +11,7 @@
 namespace dsec::detail {
 namespace {
 
-using std::chrono::milliseconds;
-
-// The longest one snapshot exchange may take on top of request_timeout (a large writable layer to copy and pack).
-constexpr milliseconds kSnapshotTime{600'000};
-
-}  // namespace
-
-SnapshotResult ClientCore::snapshot(const std::string& id, std::string_view name) {
-  const std::string body = protocol::json{{"name", std::string(name)}, {"request_id", random_request_id()}}.dump();
-  // A snapshot copies files and compresses a layer: each exchange may take far longer than request_timeout. A
-  // retry carries the same request id, so the agent answers it with the snapshot the first attempt takes.
-  auto deadline = deadline_after(kSnapshotTime);
-  auto r = retrying(deadline, [&] {
-    return call(route(id, deadline), http_request("POST", sandbox_path(id, "/snapshot"), body, kJson), deadline,
-                kSnapshotTime);
-  });
-  constexpr const char* what = "POST /v1/sandboxes/{id}/snapshot";
+SnapshotResult decode_snapshot_result(const HttpResponse& r, std::string_view what) {
   protocol::json j = parse_json(r, what);
   SnapshotResult out;
   try {
@@ -53,18 +37,22 @@ SnapshotResult ClientCore::snapshot(const std::string& id, std::string_view name
   return out;
 }
 
+}  // namespace
+
+SnapshotResult ClientCore::snapshot(const std::string& id, std::string_view name) {
+  const SandboxRequest request = requests::snapshot(id, name);
+  return decode_snapshot_result(call_sandbox(request), request.what);
+}
+
 std::vector<SandboxInfo> ClientCore::fork(const std::string& id, std::size_t n, std::string_view name, bool keep) {
   if (n == 0) throw Error(Code::kInvalidArgument, "fork: n must be at least 1");
   if (name.empty()) {
     // A backend that can copy a running sandbox (a microVM: processes and memory too) does it on the sandbox's
     // node; the others answer UNIMPLEMENTED and fork through a snapshot of the files. Not retried: the copies may
     // exist once the request arrived.
-    const std::string body = protocol::json{{"count", n}}.dump();
-    auto deadline = deadline_after(kSnapshotTime);
+    const SandboxRequest request = requests::fork(id, n);
     try {
-      auto r = call(route(id, deadline), http_request("POST", sandbox_path(id, "/fork"), body, kJson), deadline,
-                    kSnapshotTime);
-      return decode_sandbox_list(r, "POST /v1/sandboxes/{id}/fork");
+      return answers::sandbox_list(send_once(request, deadline_after(request.how.extra)), request.what);
     } catch (const Error& e) {
       if (e.code() != Code::kUnimplemented) throw;
     }
