@@ -127,6 +127,8 @@ class ClientCore {
   void count_exchange(const NodePtr& node, bool answered);
 
  private:
+  friend class Pulse;  // one create_many (create.cpp)
+
   template <typename Op>
   auto retrying(SteadyClock::time_point deadline, Op&& op) -> decltype(op());
 

@@ -15,8 +15,8 @@
 namespace dsec::detail {
 namespace {
 
-using std::chrono::milliseconds;
 using protocol::json;
+using std::chrono::milliseconds;
 
 // A sleep pushes the sandbox's memory out to swap, which takes as long as writing it (about 10 s per GiB on a
 // plain disk); the agent gives up after its --sleep-reclaim-timeout, 60 s by default. Each exchange may take that
@@ -49,7 +49,9 @@ std::string session_suffix(std::string_view name, std::string_view suffix = {}) 
   return fmt::format("/sessions/{}{}", url_escape(name), suffix);
 }
 
-std::string process_suffix(int pid, std::string_view suffix = {}) { return fmt::format("/processes/{}{}", pid, suffix); }
+std::string process_suffix(int pid, std::string_view suffix = {}) {
+  return fmt::format("/processes/{}{}", pid, suffix);
+}
 
 }  // namespace
 
@@ -104,9 +106,7 @@ SandboxRequest fork(std::string_view id, std::size_t count) {
               {kSnapshotTime, false});
 }
 
-SandboxRequest network(std::string_view id) {
-  return make(id, "GET", "/network", "GET /v1/sandboxes/{id}/network");
-}
+SandboxRequest network(std::string_view id) { return make(id, "GET", "/network", "GET /v1/sandboxes/{id}/network"); }
 
 SandboxRequest set_network(std::string_view id, const NetworkPolicy& policy) {
   network::validate(policy);  // a malformed policy never leaves the client
@@ -131,9 +131,7 @@ SandboxRequest unexpose(std::string_view id, std::uint32_t port) {
 
 SandboxRequest exposed(std::string_view id) { return make(id, "GET", "/ports", "GET /v1/sandboxes/{id}/ports"); }
 
-SandboxRequest screenshot(std::string_view id) {
-  return make(id, "GET", "/screen", "GET /v1/sandboxes/{id}/screen");
-}
+SandboxRequest screenshot(std::string_view id) { return make(id, "GET", "/screen", "GET /v1/sandboxes/{id}/screen"); }
 
 SandboxRequest screen_state(std::string_view id) {
   return make(id, "GET", "/screen/state", "GET /v1/sandboxes/{id}/screen/state");
@@ -189,8 +187,8 @@ SandboxRequest exec(std::string_view id, const ExecRequest& request, bool stream
               {wait_time(request.timeout_seconds), true, std::move(request_id)});
 }
 
-SandboxRequest session_run(std::string_view id, std::string_view name, std::string_view command,
-                           double timeout_seconds, std::size_t max_output, bool stream) {
+SandboxRequest session_run(std::string_view id, std::string_view name, std::string_view command, double timeout_seconds,
+                           std::size_t max_output, bool stream) {
   // Exactly once on the agent by a request id of its own, so a retry never runs the command twice in the shell.
   std::string request_id = random_request_id();
   json body = protocol::encode_session_run(command, timeout_seconds, max_output, stream);
@@ -205,9 +203,7 @@ SandboxRequest open_session(std::string_view id, const SessionOptions& options) 
               {milliseconds{0}, false});
 }
 
-SandboxRequest sessions(std::string_view id) {
-  return make(id, "GET", "/sessions", "GET /v1/sandboxes/{id}/sessions");
-}
+SandboxRequest sessions(std::string_view id) { return make(id, "GET", "/sessions", "GET /v1/sandboxes/{id}/sessions"); }
 
 SandboxRequest session_info(std::string_view id, std::string_view name) {
   return make(id, "GET", session_suffix(name), "GET /v1/sandboxes/{id}/sessions/{name}");
@@ -270,17 +266,16 @@ SandboxRequest process_output(std::string_view id, int pid, std::optional<std::u
 
 SandboxRequest write_stdin(std::string_view id, int pid, std::string_view data) {
   std::string request_id = random_request_id();
-  return with_bytes(make(id, "POST", process_suffix(pid, "/stdin?request_id=" + request_id),
-                         "POST /v1/sandboxes/{id}/processes/{pid}/stdin", {}, kOctets,
-                         {milliseconds{0}, true, request_id}),
-                    data);
+  return with_bytes(
+      make(id, "POST", process_suffix(pid, "/stdin?request_id=" + request_id),
+           "POST /v1/sandboxes/{id}/processes/{pid}/stdin", {}, kOctets, {milliseconds{0}, true, request_id}),
+      data);
 }
 
 SandboxRequest close_stdin(std::string_view id, int pid) {
   std::string request_id = random_request_id();
   return make(id, "POST", process_suffix(pid, "/stdin?close=true&request_id=" + request_id),
-              "POST /v1/sandboxes/{id}/processes/{pid}/stdin?close", {}, kOctets,
-              {milliseconds{0}, true, request_id});
+              "POST /v1/sandboxes/{id}/processes/{pid}/stdin?close", {}, kOctets, {milliseconds{0}, true, request_id});
 }
 
 SandboxRequest signal(std::string_view id, int pid, int sig, bool group) {

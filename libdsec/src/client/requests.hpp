@@ -105,8 +105,8 @@ SandboxRequest download_tar(std::string_view id, std::string_view dir);
 // Commands, exactly once under request.request_id (a fresh one when it has none); `stream`: the answer is NDJSON.
 SandboxRequest exec(std::string_view id, const ExecRequest& request, bool stream);
 // A shell session's run, under a fresh request id.
-SandboxRequest session_run(std::string_view id, std::string_view name, std::string_view command,
-                           double timeout_seconds, std::size_t max_output, bool stream);
+SandboxRequest session_run(std::string_view id, std::string_view name, std::string_view command, double timeout_seconds,
+                           std::size_t max_output, bool stream);
 
 // Shell sessions.
 SandboxRequest open_session(std::string_view id, const SessionOptions& options);
