@@ -22,6 +22,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   # fuzzing (scripts/fuzz.sh, and the fuzz step of scripts/test.sh): clang 14 and its runtimes (libFuzzer, ASan, UBSan)
   clang libclang-rt-14-dev
+  # the tree's habits (scripts/format.sh, scripts/tidy.py): clang-format and clang-tidy, 14 as clang is
+  clang-format clang-tidy
   # the Python binding and the integration tests (for Debian's /usr/bin/python3); flake8 and mypy lint them
   # (scripts/lint-python.sh)
   python3 python3-dev python3-setuptools python3-pytest pybind11-dev python3-pybind11 flake8 mypy

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# dsec's whole test suite: installs what is needed, builds, builds the busybox and bookworm-python images into a
-# test store, runs the unit tests (ctest), the integration tests (pytest against a real dsecd) and a short run of
-# every fuzz target (scripts/fuzz.sh all $FUZZ_SECONDS, default 10 s each, in ./build-fuzz). Fails if any of them fails. Run as root:
-# the tests create real sandboxes.
+# dsec's whole test suite: installs what is needed, builds with warnings as errors, checks the tree's habits
+# (scripts/format.sh --check, scripts/lint-python.sh), builds the busybox and bookworm-python images
+# into a test store, runs the unit tests (ctest), the integration tests (pytest against a real dsecd) and a short run
+# of every fuzz target (scripts/fuzz.sh all $FUZZ_SECONDS, default 10 s each, in ./build-fuzz). Fails if any of them
+# fails. Run as root: the tests create real sandboxes. clang-tidy (scripts/tidy.py) and the sanitizer runs
+# (scripts/sanitize.sh) are apart: each costs more of CI's time than a two-core machine has to spare
+# (docs/architecture.md, "Habits").
 #
 #   sudo scripts/test.sh
 #
@@ -18,7 +21,7 @@ if [[ $(id -u) -ne 0 ]]; then
   exit 1
 fi
 scripts/install-deps.sh
-scripts/build.sh
+scripts/build.sh -DDSEC_WERROR=ON
 BUILD_ABS=$(cd "$BUILD_DIR" && pwd)
 export DSEC_BUILD_DIR=$BUILD_ABS   # where the integration tests find dsecd, dsec-init and dsec
 
@@ -37,6 +40,11 @@ if command -v qemu-system-x86_64 >/dev/null 2>&1; then
 fi
 
 set +e
+echo "== habits (format, flake8 and mypy) =="
+habits_status=0
+scripts/format.sh --check || habits_status=1
+scripts/lint-python.sh || habits_status=1
+
 echo "== unit tests (ctest) =="
 (cd "$BUILD_ABS" && ctest --output-on-failure)
 unit_status=$?
@@ -57,9 +65,9 @@ echo "== fuzz targets (scripts/fuzz.sh, ${FUZZ_SECONDS:-10} s each) =="
 scripts/fuzz.sh all "${FUZZ_SECONDS:-10}"
 fuzz_status=$?
 
-if [[ $unit_status -ne 0 || $integration_status -ne 0 || $fuzz_status -ne 0 ]]; then
-  echo "test: FAILED (unit tests: status $unit_status, integration tests: status $integration_status," \
-       "fuzz targets: status $fuzz_status)" >&2
+if [[ $habits_status -ne 0 || $unit_status -ne 0 || $integration_status -ne 0 || $fuzz_status -ne 0 ]]; then
+  echo "test: FAILED (habits: status $habits_status, unit tests: status $unit_status," \
+       "integration tests: status $integration_status, fuzz targets: status $fuzz_status)" >&2
   exit 1
 fi
 echo "test: all passed"
