@@ -7,6 +7,7 @@
 #include "common/protocol/error.hpp"
 #include "common/protocol/exec.hpp"
 #include "common/protocol/fncall.hpp"
+#include "common/protocol/limits.hpp"
 #include "common/protocol/node.hpp"
 #include "common/protocol/process.hpp"
 #include "common/protocol/sandbox.hpp"

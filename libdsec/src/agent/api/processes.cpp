@@ -41,6 +41,17 @@ std::uint64_t offset_param(const Query& query, std::string_view key) {
   return n;
 }
 
+// ?max=: the bytes of each stream one read answers, 1 to the most a read may.
+std::uint32_t max_param(const Query& query) {
+  std::uint32_t max = process_protocol::kMaxReadBytes;
+  if (query.get("max")) {
+    std::uint64_t v = offset_param(query, "max");
+    if (v == 0 || v > max) bad("max", fmt::format("must be 1 to {} bytes", max));
+    max = static_cast<std::uint32_t>(v);
+  }
+  return max;
+}
+
 std::chrono::milliseconds wait_param(const Query& query) {
   auto v = query.get("wait");
   if (!v) return {};
@@ -89,6 +100,19 @@ json encode_process(const ProcessEntry& e) {
   p.stdin_open = e.stdin_open;
   if (!e.pty) return protocol::encode(p);
   return protocol::encode(p, protocol::TerminalSize{e.rows, e.cols});
+}
+
+json encode_output(ProcessOutput got) {
+  dsec::ProcessOutput out;
+  out.stdout_data = std::move(got.stdout_data);
+  out.stderr_data = std::move(got.stderr_data);
+  out.stdout_offset = got.stdout_offset;
+  out.stderr_offset = got.stderr_offset;
+  out.stdout_end = got.entry.stdout_end;
+  out.stderr_end = got.entry.stderr_end;
+  out.running = got.entry.running;
+  put_exit(got.entry.running, got.entry.wait_status, out.exit_code, out.signal);
+  return protocol::encode(out);
 }
 
 // A command that could not start for what it names: a process that ended at once, kept nowhere.
@@ -187,32 +211,17 @@ HttpResponse Router::process(HttpRequest& request, const Target& target) {
     case Route::kSandboxProcessOutput: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/output", {http::verb::get});
       only_params(target.query, {"stdout", "stderr", "wait", "max"});
-      std::uint32_t max = process_protocol::kMaxReadBytes;
-      if (auto m = target.query.get("max")) {
-        std::uint64_t v = offset_param(target.query, "max");
-        if (v == 0 || v > max) bad("max", fmt::format("must be 1 to {} bytes", max));
-        max = static_cast<std::uint32_t>(v);
-      }
       ProcessOutput got = procs.read(pid, offset_param(target.query, "stdout"), offset_param(target.query, "stderr"),
-                                     max, wait_param(target.query));
+                                     max_param(target.query), wait_param(target.query));
       check_kind(got.entry);
-      dsec::ProcessOutput out;
-      out.stdout_data = std::move(got.stdout_data);
-      out.stderr_data = std::move(got.stderr_data);
-      out.stdout_offset = got.stdout_offset;
-      out.stderr_offset = got.stderr_offset;
-      out.stdout_end = got.entry.stdout_end;
-      out.stderr_end = got.entry.stderr_end;
-      out.running = got.entry.running;
-      put_exit(got.entry.running, got.entry.wait_status, out.exit_code, out.signal);
-      json j = protocol::encode(out);
-      return json_response(http::status::ok, j);
+      return json_response(http::status::ok, encode_output(std::move(got)));
     }
     case Route::kSandboxProcessStdin: {
       allow(request, "/v1/sandboxes/{id}/processes/{pid}/stdin", {http::verb::post});
       only_params(target.query, {"close", "request_id"});
       const std::string request_id = std::string(target.query.get("request_id").value_or(""));
-      if (request_id.size() > 128) bad("request_id", "at most 128 bytes");
+      if (request_id.size() > protocol::kMaxRequestIdBytes)
+        bad("request_id", fmt::format("at most {} bytes", protocol::kMaxRequestIdBytes));
       if (request.body().size() > process_protocol::kStdinBuffer)
         bad("body", fmt::format("at most {} bytes per write", process_protocol::kStdinBuffer));
       const bool close = bool_param(target.query, "close");

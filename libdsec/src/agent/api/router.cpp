@@ -496,17 +496,8 @@ HttpResponse Router::network(HttpRequest& request, const Target& target) {
 HttpResponse Router::ttl(HttpRequest& request, const Target& target) {
   allow(request, "/v1/sandboxes/{id}/ttl", {http::verb::put});
   only_params(target.query, {});
-  json body = protocol::parse_body(request.body());
-  if (!body.is_object() || !body.contains("ttl"))
-    throw Error(Code::kInvalidArgument, "ttl: the body must be a JSON object such as {\"ttl\": 300}");
-  for (const auto& [key, value] : body.items())
-    if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("ttl: unknown field '{}' (known: ttl)", key));
-  const json& v = body.at("ttl");
-  if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > protocol::kMaxTtlSeconds)
-    throw Error(Code::kInvalidArgument, fmt::format("ttl: {} is not a whole number of seconds from 0 to {}", v.dump(),
-                                                    protocol::kMaxTtlSeconds));
-  return json_response(http::status::ok, protocol::encode(registry_.set_ttl(
-                                             target.sandbox_id, std::chrono::seconds(v.get<std::int64_t>()))));
+  const std::chrono::seconds ttl = protocol::decode_ttl_request(protocol::parse_body(request.body()));
+  return json_response(http::status::ok, protocol::encode(registry_.set_ttl(target.sandbox_id, ttl)));
 }
 
 // GET: the exposed ports. POST {"port": N}: expose one (201 with its address). DELETE ?port=N: unexpose it.
@@ -533,16 +524,7 @@ HttpResponse Router::ports(HttpRequest& request, const Target& target) {
     return json_response(http::status::ok, listing());
   }
   only_params(target.query, {});
-  json body = protocol::parse_body(request.body());
-  if (!body.is_object())
-    throw Error(Code::kInvalidArgument, "ports: the body must be a JSON object such as {\"port\": 8000}");
-  for (const auto& [key, value] : body.items())
-    if (key != "port") throw Error(Code::kInvalidArgument, fmt::format("ports: unknown field '{}' (known: port)", key));
-  auto it = body.find("port");
-  if (it == body.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 ||
-      it->get<std::int64_t>() > protocol::kMaxPort)
-    throw Error(Code::kInvalidArgument, fmt::format("port: a TCP port (1-{}) is required", protocol::kMaxPort));
-  const auto port = static_cast<std::uint32_t>(it->get<std::int64_t>());
+  const std::uint32_t port = protocol::decode_expose_request(protocol::parse_body(request.body()));
   std::string address = registry_.expose(target.sandbox_id, port);
   return json_response(http::status::created, json{{"port", port}, {"address", address}});
 }
@@ -715,18 +697,7 @@ HttpResponse Router::group_renew(HttpRequest& request, const Target& target) {
   allow(request, "/v1/groups/{id}/renew", {http::verb::post});
   only_params(target.query, {});
   check_group_id(target.group_id);
-  json body = protocol::parse_body(request.body());
-  if (!body.is_object())
-    throw Error(Code::kInvalidArgument, "renew: the body must be a JSON object such as {\"ttl\": 30}");
-  double ttl = 0;
-  if (auto it = body.find("ttl"); it != body.end() && !it->is_null()) {
-    if (!it->is_number() || it->get<double>() < 1 || it->get<double>() > protocol::kMaxGroupTtlSeconds)
-      throw Error(Code::kInvalidArgument,
-                  fmt::format("ttl: must be a number of seconds from 1 to {}", protocol::kMaxGroupTtlSeconds));
-    ttl = it->get<double>();
-  }
-  for (const auto& [key, value] : body.items())
-    if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("renew: unknown field '{}' (known: ttl)", key));
+  const double ttl = protocol::decode_group_renew(protocol::parse_body(request.body()));
   GroupInfo g = registry_.renew_group(target.group_id, ttl);
   return json_response(http::status::ok, encode_group(g, registry_.options().clock()));
 }

@@ -431,4 +431,48 @@ SandboxInfo decode_sandbox_info(const json& j) {
   return s;
 }
 
+json encode_ttl_request(std::chrono::seconds ttl) { return json{{"ttl", ttl.count()}}; }
+
+std::chrono::seconds decode_ttl_request(const json& body) {
+  if (!body.is_object() || !body.contains("ttl"))
+    throw Error(Code::kInvalidArgument, "ttl: the body must be a JSON object such as {\"ttl\": 300}");
+  for (const auto& [key, value] : body.items())
+    if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("ttl: unknown field '{}' (known: ttl)", key));
+  const json& v = body.at("ttl");
+  if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || v.get<std::int64_t>() > kMaxTtlSeconds)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("ttl: {} is not a whole number of seconds from 0 to {}", v.dump(), kMaxTtlSeconds));
+  return std::chrono::seconds(v.get<std::int64_t>());
+}
+
+json encode_expose_request(std::uint32_t port) { return json{{"port", port}}; }
+
+std::uint32_t decode_expose_request(const json& body) {
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "ports: the body must be a JSON object such as {\"port\": 8000}");
+  for (const auto& [key, value] : body.items())
+    if (key != "port") throw Error(Code::kInvalidArgument, fmt::format("ports: unknown field '{}' (known: port)", key));
+  auto it = body.find("port");
+  if (it == body.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 || it->get<std::int64_t>() > kMaxPort)
+    throw Error(Code::kInvalidArgument, fmt::format("port: a TCP port (1-{}) is required", kMaxPort));
+  return static_cast<std::uint32_t>(it->get<std::int64_t>());
+}
+
+json encode_group_renew(std::chrono::seconds ttl) { return json{{"ttl", ttl.count()}}; }
+
+double decode_group_renew(const json& body) {
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "renew: the body must be a JSON object such as {\"ttl\": 30}");
+  double ttl = 0;
+  if (auto it = body.find("ttl"); it != body.end() && !it->is_null()) {
+    if (!it->is_number() || it->get<double>() < 1 || it->get<double>() > kMaxGroupTtlSeconds)
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("ttl: must be a number of seconds from 1 to {}", kMaxGroupTtlSeconds));
+    ttl = it->get<double>();
+  }
+  for (const auto& [key, value] : body.items())
+    if (key != "ttl") throw Error(Code::kInvalidArgument, fmt::format("renew: unknown field '{}' (known: ttl)", key));
+  return ttl;
+}
+
 }  // namespace dsec::protocol

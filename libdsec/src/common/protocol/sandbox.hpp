@@ -2,6 +2,7 @@
 // paths, its network policy and usage, and the SandboxInfo answers describe it with.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -47,5 +48,15 @@ void validate_protected_paths(const std::vector<std::string>& paths, std::string
 
 json encode(const SandboxInfo& info);
 SandboxInfo decode_sandbox_info(const json& j);
+
+// PUT /v1/sandboxes/{id}/ttl {"ttl": seconds from now, 0 to kMaxTtlSeconds; 0: none}.
+json encode_ttl_request(std::chrono::seconds ttl);
+std::chrono::seconds decode_ttl_request(const json& body);
+// POST /v1/sandboxes/{id}/ports {"port": a TCP port}.
+json encode_expose_request(std::uint32_t port);
+std::uint32_t decode_expose_request(const json& body);
+// POST /v1/groups/{id}/renew {"ttl": seconds, 1 to kMaxGroupTtlSeconds}; 0 when absent (the group's own TTL).
+json encode_group_renew(std::chrono::seconds ttl);
+double decode_group_renew(const json& body);
 
 }  // namespace dsec::protocol

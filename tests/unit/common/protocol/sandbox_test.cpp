@@ -1,0 +1,71 @@
+// A sandbox's small requests on the wire (TTL, exposed ports, group renewals): what the client writes, the agent
+// reads back, and what the agent refuses, with the messages callers see.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+#include "common/protocol/sandbox.hpp"
+#include "dsec/error.hpp"
+
+namespace dsec::protocol {
+namespace {
+
+std::string message_of(void (*f)()) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kInvalidArgument);
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(ProtocolSandbox, SmallRequestsRoundTrip) {
+  EXPECT_EQ(decode_ttl_request(encode_ttl_request(std::chrono::seconds(300))), std::chrono::seconds(300));
+  EXPECT_EQ(decode_ttl_request(encode_ttl_request(std::chrono::seconds(0))), std::chrono::seconds(0));
+  EXPECT_EQ(decode_expose_request(encode_expose_request(8000)), 8000u);
+  EXPECT_EQ(decode_group_renew(encode_group_renew(std::chrono::seconds(30))), 30);
+  EXPECT_EQ(decode_group_renew(json::object()), 0);
+}
+
+TEST(ProtocolSandbox, SmallRequestsAreRefusedByName) {
+  EXPECT_EQ(message_of([] {
+              decode_ttl_request(json{{"ttl", -1}});
+            }),
+            "ttl: -1 is not a whole number of seconds from 0 to 31536000");
+  EXPECT_EQ(message_of([] { decode_ttl_request(json{{"ttl", 1}, {"x", 1}}); }), "ttl: unknown field 'x' (known: ttl)");
+  EXPECT_EQ(message_of([] { decode_expose_request(json{{"port", 70000}}); }), "port: a TCP port (1-65535) is required");
+  EXPECT_EQ(message_of([] {
+              decode_group_renew(json{{"ttl", 86401}});
+            }),
+            "ttl: must be a number of seconds from 1 to 86400");
+  EXPECT_EQ(message_of([] { decode_group_renew(json::array()); }),
+            "renew: the body must be a JSON object such as {\"ttl\": 30}");
+}
+
+// The limits spelled in messages read as they always did.
+TEST(ProtocolSandbox, LimitsInMessages) {
+  EXPECT_EQ(message_of([] {
+              SandboxSpec t;
+              t.group = "g";
+              t.group_ttl = std::chrono::seconds(90000);
+              validate(t);
+            }),
+            "group_ttl: required with a group: from 1 to 86400 seconds");
+  EXPECT_EQ(message_of([] {
+              decode_spec(json{{"queue_timeout", 4000}});
+            }),
+            "queue_timeout: must be from 0 to 3600 seconds");
+  EXPECT_EQ(message_of([] {
+              decode_spec(json{{"resources", {{"pids", 1u << 23}}}});
+            }),
+            "resources.pids: at most 4194304");
+  EXPECT_EQ(message_of([] {
+              decode_spec(json{{"resources", {{"cpu", 2000}}}});
+            }),
+            "resources.cpu: must be in (0, 1024] cores");
+}
+
+}  // namespace
+}  // namespace dsec::protocol
