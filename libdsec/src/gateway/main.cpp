@@ -10,87 +10,105 @@
 
 #include <fmt/format.h>
 
+#include "common/flags.hpp"
 #include "gateway/e2b/gateway.hpp"
 #include "http/server.hpp"
 
 namespace {
 
-constexpr const char* kUsage = R"(usage: dsec-e2b --listen HOST:PORT [options]
+using dsec::e2b::GatewayOptions;
+namespace flags = dsec::flags;
+
+constexpr std::string_view kHeader = R"(usage: dsec-e2b --listen HOST:PORT [options]
 
 Serves E2B's API (the control plane and every sandbox's envd) on dsec, so E2B's official SDKs run unchanged:
   E2B_API_URL=http://HOST:PORT E2B_SANDBOX_URL=http://HOST:PORT E2B_API_KEY=<key>
 Templates are dsec image names. See docs/e2b.md.
+)";
 
-Where dsec is (as dsec.Client takes it; none of them: an embedded agent of the gateway's own):
-  --endpoint URL        an agent (unix:/path or http(s)://host:port); repeatable
-  --etcd URL            discover the agents through etcd; repeatable
-  --etcd-prefix P       the agents' --etcd-prefix (default /dsec/)
-  --store URL           image store (directory or http(s)://); repeatable
-  --home DIR            the embedded agent's home (images and state; default $DSEC_HOME, else /var/lib/dsec)
-  --agent-arg ARG       one more flag for the embedded agent; repeatable
-
-The E2B side:
-  --listen HOST:PORT    where to serve (port 0: any free one; the line "listening on HOST:PORT" says which)
-  --tokens FILE         API keys are the tokens of this file (dsecd's format, docs/security.md): a key acts as its
-                        tenant. Without it any API key is accepted (a one-user local setup)
-  --domain D            the sandboxes' domain for deployments with wildcard DNS (<port>-<id>.D reaches the gateway)
-  --default-user NAME   commands run as this user where the template has it, else as root (default: user)
-  --network MODE        a create that does not set allow_internet_access: none (default) or open
-  --timeout SECONDS     a create's timeout when it gives none (default 300)
-
+constexpr std::string_view kFooter = R"(
 Signals: SIGTERM or SIGINT stops it (an embedded agent destroys its sandboxes).
 )";
 
-[[noreturn]] void usage_error(const std::string& message) {
-  fmt::print(stderr, "dsec-e2b: {}\n\n{}", message, kUsage);
-  std::exit(2);
+constexpr std::size_t kHelpColumn = 24;
+constexpr std::string_view kNeedsValue = "a value";
+
+// Where dsec is, as dsec.Client takes it.
+flags::Table client_flags(dsec::ClientOptions& client) {
+  return {
+      flags::repeated("--endpoint", "URL", "an agent (unix:/path or http(s)://host:port); repeatable",
+                      &client.endpoints, kNeedsValue),
+      flags::repeated("--etcd", "URL", "discover the agents through etcd; repeatable", &client.etcd_endpoints,
+                      kNeedsValue),
+      flags::text("--etcd-prefix", "P", "the agents' --etcd-prefix (default /dsec/)", &client.etcd_prefix, kNeedsValue),
+      flags::repeated("--store", "URL", "image store (directory or http(s)://); repeatable", &client.stores,
+                      kNeedsValue),
+      flags::text("--home", "DIR",
+                  "the embedded agent's home (images and state; default $DSEC_HOME, else /var/lib/dsec)", &client.home,
+                  kNeedsValue),
+      flags::repeated("--agent-arg", "ARG", "one more flag for the embedded agent; repeatable", &client.agent_args,
+                      kNeedsValue),
+  };
+}
+
+// The E2B side: where to serve and what E2B's calls mean on dsec.
+flags::Table e2b_flags(GatewayOptions& options, std::string& listen) {
+  return {
+      flags::text("--listen", "HOST:PORT",
+                  "where to serve (port 0: any free one; the line \"listening on HOST:PORT\" says which)", &listen,
+                  kNeedsValue),
+      flags::text("--tokens", "FILE",
+                  "API keys are the tokens of this file (dsecd's format, docs/security.md): a key acts as its tenant. "
+                  "Without it any API key is accepted (a one-user local setup)",
+                  &options.tokens_file, kNeedsValue),
+      flags::text("--domain", "D",
+                  "the sandboxes' domain for deployments with wildcard DNS (<port>-<id>.D reaches the gateway)",
+                  &options.domain, kNeedsValue),
+      flags::text("--default-user", "NAME",
+                  "commands run as this user where the template has it, else as root (default: user)",
+                  &options.default_user, kNeedsValue),
+      flags::choice("--network", "MODE", "a create that does not set allow_internet_access: none (default) or open",
+                    {"none", "open"}, &options.network),
+      flags::seconds("--timeout", "SECONDS", "a create's timeout when it gives none (default 300)",
+                     &options.default_timeout, {.min = 1, .max = 365 * 86400}),
+  };
+}
+
+std::string usage(const flags::Table& where, const flags::Table& e2b) {
+  return fmt::format(
+      "{}\nWhere dsec is (as dsec.Client takes it; none of them: an embedded agent of the gateway's own):\n{}\n"
+      "The E2B side:\n{}{}",
+      kHeader, flags::help(where, kHelpColumn), flags::help(e2b, kHelpColumn), kFooter);
+}
+
+// The command line into options and the address to listen on; --help prints and exits 0, a bad flag exits 2.
+GatewayOptions parse_command_line(int argc, char** argv, std::string& listen) {
+  GatewayOptions options;
+  flags::Table where = client_flags(options.client);
+  flags::Table e2b = e2b_flags(options, listen);
+  flags::Table table = where;
+  table.insert(table.end(), e2b.begin(), e2b.end());
+  auto usage_error = [&](std::string_view message) {
+    fmt::print(stderr, "dsec-e2b: {}\n\n{}", message, usage(where, e2b));
+    std::exit(2);
+  };
+  try {
+    if (flags::parse(table, {argv + 1, argv + argc}) == flags::Parsed::kHelp) {
+      fmt::print("{}", usage(where, e2b));
+      std::exit(0);
+    }
+  } catch (const flags::FlagError& e) {
+    usage_error(e.what());
+  }
+  if (listen.empty()) usage_error("--listen HOST:PORT is required");
+  return options;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  dsec::e2b::GatewayOptions options;
   std::string listen;
-  std::vector<std::string> args(argv + 1, argv + argc);
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    std::string flag = args[i];
-    std::string value;
-    if (flag == "-h" || flag == "--help") {
-      fmt::print("{}", kUsage);
-      return 0;
-    }
-    if (auto eq = flag.find('='); eq != std::string::npos && flag.rfind("--", 0) == 0) {
-      value = flag.substr(eq + 1);
-      flag.resize(eq);
-    } else if (i + 1 < args.size()) {
-      value = args[++i];
-    } else {
-      usage_error(fmt::format("{}: needs a value", flag));
-    }
-    if (value.empty()) usage_error(fmt::format("{}: needs a value", flag));
-    if (flag == "--listen") listen = value;
-    else if (flag == "--endpoint") options.client.endpoints.push_back(value);
-    else if (flag == "--etcd") options.client.etcd_endpoints.push_back(value);
-    else if (flag == "--etcd-prefix") options.client.etcd_prefix = value;
-    else if (flag == "--store") options.client.stores.push_back(value);
-    else if (flag == "--home") options.client.home = value;
-    else if (flag == "--agent-arg") options.client.agent_args.push_back(value);
-    else if (flag == "--tokens") options.tokens_file = value;
-    else if (flag == "--domain") options.domain = value;
-    else if (flag == "--default-user") options.default_user = value;
-    else if (flag == "--network") {
-      if (value != "none" && value != "open") usage_error("--network: none or open");
-      options.network = value;
-    } else if (flag == "--timeout") {
-      char* end = nullptr;
-      long seconds = std::strtol(value.c_str(), &end, 10);
-      if (*end != '\0' || seconds < 1 || seconds > 365L * 86400) usage_error("--timeout: 1 to 31536000 seconds");
-      options.default_timeout = std::chrono::seconds(seconds);
-    } else {
-      usage_error(fmt::format("unknown option {}", flag));
-    }
-  }
-  if (listen.empty()) usage_error("--listen HOST:PORT is required");
+  GatewayOptions options = parse_command_line(argc, argv, listen);
 
   // Signals are taken by this thread; every thread started below inherits the blocked mask.
   ::signal(SIGTERM, SIG_DFL);
