@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "common/flags.hpp"
+
 namespace dsec::cli {
 
 std::string GlobalOptions::resolved_home() const {
@@ -26,39 +28,27 @@ std::string GlobalOptions::resolved_store() const {
   return resolved_home() + "/store";
 }
 
-namespace {
-
-// "--name=value" or "--name value": returns the value and advances i, or nullopt if args[i] is not this option.
-std::optional<std::string> take_value(const std::vector<std::string>& args, std::size_t& i, const std::string& name,
-                                      const std::string& help) {
-  const std::string& a = args[i];
-  if (a == name) {
-    if (i + 1 >= args.size()) throw UsageError(fmt::format("{} needs a value", name), help);
-    return args[++i];
-  }
-  if (a.starts_with(name + "=")) return a.substr(name.size() + 1);
-  return std::nullopt;
+flags::Table global_flags(GlobalOptions& global) {
+  return {
+      flags::text("--home", "DIR", "dsec's state directory (default: $DSEC_HOME, else /var/lib/dsec)", &global.home,
+                  "a directory"),
+      flags::text("--store", "URL",
+                  "image store: a directory (also a shared filesystem) or http(s)://host/path (default: $DSEC_STORE, "
+                  "else DIR/store)",
+                  &global.store, "a directory or an http(s):// URL"),
+      flags::text("--endpoint", "URL",
+                  "node agent: unix:/path/to/dsecd.sock or http://host:port (default: $DSEC_ENDPOINT; without one, "
+                  "sandbox commands start a private agent on DIR for the duration of the command)",
+                  &global.endpoint, "unix:/path or http://host:port"),
+  };
 }
 
-}  // namespace
-
 bool take_global_option(const std::vector<std::string>& args, std::size_t& i, GlobalOptions& global) {
-  if (auto v = take_value(args, i, "--home", {})) {
-    if (v->empty()) throw UsageError("--home needs a directory");
-    global.home = *v;
-    return true;
+  try {
+    return flags::take(global_flags(global), args, i);
+  } catch (const flags::FlagError& e) {
+    throw UsageError(e.what());
   }
-  if (auto v = take_value(args, i, "--endpoint", {})) {
-    if (v->empty()) throw UsageError("--endpoint needs unix:/path or http://host:port");
-    global.endpoint = *v;
-    return true;
-  }
-  if (auto v = take_value(args, i, "--store", {})) {
-    if (v->empty()) throw UsageError("--store needs a directory or an http(s):// URL");
-    global.store = *v;
-    return true;
-  }
-  return false;
 }
 
 bool ParsedArgs::has(const std::string& name) const {
@@ -71,9 +61,34 @@ std::optional<std::string> ParsedArgs::get(const std::string& name) const {
   return it->second.back();
 }
 
+namespace {
+
+// A command's options as flags that record themselves in `out`: values in order given (a single option given twice
+// is an error), options without values by name.
+flags::Table command_flags(const std::vector<OptionSpec>& spec, ParsedArgs& out) {
+  flags::Table table;
+  for (const OptionSpec& opt : spec) {
+    const std::string& name = opt.name;
+    if (!opt.takes_value) {
+      table.push_back(flags::action(name, {}, [&out, name] { out.flags.push_back(name); }));
+      continue;
+    }
+    auto add = [&out, name, repeatable = opt.repeatable](std::string_view value) {
+      auto& slot = out.values[name];
+      if (!slot.empty() && !repeatable) throw flags::FlagError(fmt::format("{} given twice", name));
+      slot.emplace_back(value);
+    };
+    table.push_back(opt.repeatable ? flags::repeated(name, "VALUE", {}, add) : flags::text(name, "VALUE", {}, add));
+  }
+  return table;
+}
+
+}  // namespace
+
 ParsedArgs parse_args(const std::vector<std::string>& args, const std::vector<OptionSpec>& spec, GlobalOptions& global,
                       const std::string& help, std::size_t command_after) {
   ParsedArgs out;
+  const flags::Table table = command_flags(spec, out);
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--") {
@@ -93,26 +108,12 @@ ParsedArgs parse_args(const std::vector<std::string>& args, const std::vector<Op
     }
     if (a.size() > 1 && a[0] == '-') {
       if (take_global_option(args, i, global)) continue;
-      bool matched = false;
-      for (const auto& opt : spec) {
-        if (opt.takes_value) {
-          if (auto v = take_value(args, i, opt.name, help)) {
-            auto& slot = out.values[opt.name];
-            if (!slot.empty() && !opt.repeatable) throw UsageError(fmt::format("{} given twice", opt.name), help);
-            slot.push_back(*v);
-            matched = true;
-            break;
-          }
-        } else if (a == opt.name) {
-          out.flags.push_back(opt.name);
-          matched = true;
-          break;
-        } else if (a.starts_with(opt.name + "=")) {
-          throw UsageError(fmt::format("{} takes no value", opt.name), help);
-        }
+      try {
+        if (flags::take(table, args, i)) continue;
+      } catch (const flags::FlagError& e) {
+        throw UsageError(e.what(), help);
       }
-      if (!matched) throw UsageError(fmt::format("unknown option {}", a), help);
-      continue;
+      throw UsageError(fmt::format("unknown option {}", a), help);
     }
     out.positional.push_back(a);
   }

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "common/flags.hpp"
+
 namespace dsec::cli {
 
 constexpr int kExitFailure = 1;
@@ -31,6 +33,9 @@ struct GlobalOptions {
   std::string resolved_endpoint() const;
   std::string resolved_store() const;
 };
+
+// The global options as flags into `global` (--help lists them from here).
+flags::Table global_flags(GlobalOptions& global);
 
 // If args[i] is a global option (--home DIR, --endpoint URL, --store URL, each also as --name=value), stores it,
 // advances i past its value and returns true.

@@ -24,7 +24,7 @@
 namespace dsec::cli {
 namespace {
 
-constexpr std::string_view kUsage = R"(usage: dsec [--home DIR] [--endpoint URL] [--store URL] COMMAND [ARGS...]
+constexpr std::string_view kHead = R"(usage: dsec [--home DIR] [--endpoint URL] [--store URL] COMMAND [ARGS...]
 
 dsec drives dsec sandboxes and image stores.
 
@@ -53,18 +53,20 @@ Sandbox commands (through a node agent):
   node                             show the node's capacity, load and images
 
 Global options:
-  --home DIR        dsec's state directory (default: $DSEC_HOME, else /var/lib/dsec)
-  --store URL       image store: a directory (also a shared filesystem) or http(s)://host/path (default:
-                    $DSEC_STORE, else DIR/store)
-  --endpoint URL    node agent: unix:/path/to/dsecd.sock or http://host:port (default: $DSEC_ENDPOINT; without
-                    one, sandbox commands start a private agent on DIR for the duration of the command)
-  -h, --help        help (also after any command: dsec image build --help)
+)";
+
+constexpr std::string_view kTail = R"(  -h, --help        help (also after any command: dsec image build --help)
   --version         print dsec's version
 
 Exit status: 0 success, 1 the operation failed (the message names the error code), 2 bad usage. `run` and `exec`
 exit with the command's own status (128+N when a signal N ended it, 124 when it timed out) and with 125 when dsec
 itself failed.
 )";
+
+std::string usage() {
+  GlobalOptions unused;
+  return fmt::format("{}{}{}", kHead, flags::help(global_flags(unused), 20), kTail);
+}
 
 int print_version() {
   fmt::print("dsec {} (protocol {})\n", dsec::kVersion, dsec::kProtocolVersion);
@@ -81,14 +83,14 @@ int main_impl(int argc, char** argv) {
   for (; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "-h" || a == "--help") {
-      fmt::print("{}", kUsage);
+      fmt::print("{}", usage());
       return 0;
     }
     if (a == "--version") return print_version();
     if (!take_global_option(args, i, global)) break;
   }
   if (i >= args.size()) {
-    fmt::print(stderr, "{}", kUsage);
+    fmt::print(stderr, "{}", usage());
     return kExitUsage;
   }
   std::string command = args[i];
@@ -98,11 +100,11 @@ int main_impl(int argc, char** argv) {
   if (command == "token") return token_command(rest);
   if (command == "version") return print_version();
   if (command == "help") {
-    fmt::print("{}", kUsage);
+    fmt::print("{}", usage());
     return 0;
   }
   if (auto code = sandbox_command(command, rest, global)) return *code;
-  fmt::print(stderr, "dsec: unknown command '{}'\n\n{}", command, kUsage);
+  fmt::print(stderr, "dsec: unknown command '{}'\n\n{}", command, usage());
   return kExitUsage;
 }
 
