@@ -5,18 +5,10 @@
 
 #include "agent/api/routes.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent {
 namespace {
-
-Code code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
 
 TEST(AgentRoutes, MatchesEveryRouteOfProtocolV1) {
   EXPECT_EQ(parse_target("/healthz").route, Route::kHealthz);
@@ -62,9 +54,9 @@ TEST(AgentRoutes, AnEscapedSlashInAnIdDoesNotForgeARoute) {
 }
 
 TEST(AgentRoutes, TargetsThatAreNotPathsAreInvalid) {
-  EXPECT_EQ(code_of([] { parse_target("*"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { parse_target("http://host/v1/node"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { parse_target(""); }), Code::kInvalidArgument);
+  EXPECT_CODE(parse_target("*"), Code::kInvalidArgument);
+  EXPECT_CODE(parse_target("http://host/v1/node"), Code::kInvalidArgument);
+  EXPECT_CODE(parse_target(""), Code::kInvalidArgument);
 }
 
 TEST(AgentRoutes, QueryValuesArePercentDecodedAndKeysRepeat) {
@@ -89,7 +81,7 @@ TEST(AgentRoutes, MalformedEscapesAreInvalidArguments) {
       EXPECT_NE(std::string(e.what()).find("query path"), std::string::npos) << e.what();
     }
   }
-  EXPECT_EQ(code_of([] { parse_target("/v1/sandboxes/%zz"); }), Code::kInvalidArgument);
+  EXPECT_CODE(parse_target("/v1/sandboxes/%zz"), Code::kInvalidArgument);
 }
 
 TEST(AgentRoutes, LabelFilters) {
@@ -97,15 +89,15 @@ TEST(AgentRoutes, LabelFilters) {
   EXPECT_EQ(labels.at("team"), "rl");
   EXPECT_EQ(labels.at("note"), "a=b");
   EXPECT_EQ(labels.at("empty"), "");
-  EXPECT_EQ(code_of([] { parse_label_filters({"novalue"}); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { parse_label_filters({"=v"}); }), Code::kInvalidArgument);
+  EXPECT_CODE(parse_label_filters({"novalue"}), Code::kInvalidArgument);
+  EXPECT_CODE(parse_label_filters({"=v"}), Code::kInvalidArgument);
 }
 
 TEST(AgentRoutes, SandboxPathsMustBeAbsoluteWithoutNul) {
   EXPECT_NO_THROW(check_sandbox_path("/etc/hosts", "path"));
-  EXPECT_EQ(code_of([] { check_sandbox_path("etc/hosts", "path"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { check_sandbox_path("", "path"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { check_sandbox_path(std::string("/a\0b", 4), "path"); }), Code::kInvalidArgument);
+  EXPECT_CODE(check_sandbox_path("etc/hosts", "path"), Code::kInvalidArgument);
+  EXPECT_CODE(check_sandbox_path("", "path"), Code::kInvalidArgument);
+  EXPECT_CODE(check_sandbox_path(std::string("/a\0b", 4), "path"), Code::kInvalidArgument);
   try {
     check_sandbox_path("relative", "path");
   } catch (const Error& e) {
@@ -117,10 +109,10 @@ TEST(AgentRoutes, FileModesAreOctal) {
   EXPECT_EQ(parse_file_mode("0644"), 0644u);
   EXPECT_EQ(parse_file_mode("755"), 0755u);
   EXPECT_EQ(parse_file_mode("04755"), 04755u);
-  EXPECT_EQ(code_of([] { parse_file_mode("0800"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { parse_file_mode("rwx"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { parse_file_mode("17777"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { parse_file_mode(""); }), Code::kInvalidArgument);
+  EXPECT_CODE(parse_file_mode("0800"), Code::kInvalidArgument);
+  EXPECT_CODE(parse_file_mode("rwx"), Code::kInvalidArgument);
+  EXPECT_CODE(parse_file_mode("17777"), Code::kInvalidArgument);
+  EXPECT_CODE(parse_file_mode(""), Code::kInvalidArgument);
 }
 
 TEST(AgentRoutes, RouteTemplatesNameMetricsLabels) {

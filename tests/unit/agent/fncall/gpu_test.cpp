@@ -9,21 +9,13 @@
 
 #include "agent/fncall/gpu_allocator.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent::fncall {
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-Code code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
 
 TEST(FnCallGpus, ExclusiveTakesWholeFreeGpusInOrder) {
   auto gpus = GpuAllocator::make({"0", "1", "2"}, 4);
@@ -33,7 +25,7 @@ TEST(FnCallGpus, ExclusiveTakesWholeFreeGpusInOrder) {
   // A GPU with a share in use is not free for an exclusive call.
   GpuGrant s = gpus->acquire(GpuMode::kShared, 1, Clock::now() + 1s);
   EXPECT_EQ(s.devices(), (std::vector<std::string>{"2"}));
-  EXPECT_EQ(code_of([&] { gpus->acquire(GpuMode::kExclusive, 1, Clock::now() + 50ms); }), Code::kResourceExhausted);
+  EXPECT_CODE(gpus->acquire(GpuMode::kExclusive, 1, Clock::now() + 50ms), Code::kResourceExhausted);
   a.release();
   GpuGrant b = gpus->acquire(GpuMode::kExclusive, 1, Clock::now() + 1s);
   EXPECT_EQ(b.devices(), (std::vector<std::string>{"0"}));
@@ -55,10 +47,10 @@ TEST(FnCallGpus, SharedSpreadsOverGpusAndFillsThemUpToTheirShares) {
   }
   // The GPU with the most free shares first: they alternate.
   EXPECT_EQ(got, (std::vector<std::string>{"0", "1", "0", "1", "0", "1"}));
-  EXPECT_EQ(code_of([&] { gpus->acquire(GpuMode::kShared, 1, Clock::now() + 50ms); }), Code::kResourceExhausted);
+  EXPECT_CODE(gpus->acquire(GpuMode::kShared, 1, Clock::now() + 50ms), Code::kResourceExhausted);
   grants[1].release();  // a share of GPU 1
   // Two shares must come from one GPU: only one is free anywhere, so this waits...
-  EXPECT_EQ(code_of([&] { gpus->acquire(GpuMode::kShared, 2, Clock::now() + 50ms); }), Code::kResourceExhausted);
+  EXPECT_CODE(gpus->acquire(GpuMode::kShared, 2, Clock::now() + 50ms), Code::kResourceExhausted);
   grants[3].release();  // ...until GPU 1 has two.
   GpuGrant two = gpus->acquire(GpuMode::kShared, 2, Clock::now() + 1s);
   EXPECT_EQ(two.devices(), (std::vector<std::string>{"1"}));
@@ -67,16 +59,16 @@ TEST(FnCallGpus, SharedSpreadsOverGpusAndFillsThemUpToTheirShares) {
 
 TEST(FnCallGpus, RequestsTheNodeCanNeverMeetFailAtOnce) {
   auto none = GpuAllocator::make({}, 4);
-  EXPECT_EQ(code_of([&] { none->acquire(GpuMode::kExclusive, 1, Clock::now() + 10s); }), Code::kFailedPrecondition);
+  EXPECT_CODE(none->acquire(GpuMode::kExclusive, 1, Clock::now() + 10s), Code::kFailedPrecondition);
   auto gpus = GpuAllocator::make({"0", "1"}, 4);
   auto started = Clock::now();
-  EXPECT_EQ(code_of([&] { gpus->acquire(GpuMode::kExclusive, 3, Clock::now() + 10s); }), Code::kFailedPrecondition);
-  EXPECT_EQ(code_of([&] { gpus->acquire(GpuMode::kShared, 5, Clock::now() + 10s); }), Code::kFailedPrecondition);
+  EXPECT_CODE(gpus->acquire(GpuMode::kExclusive, 3, Clock::now() + 10s), Code::kFailedPrecondition);
+  EXPECT_CODE(gpus->acquire(GpuMode::kShared, 5, Clock::now() + 10s), Code::kFailedPrecondition);
   EXPECT_LT(Clock::now() - started, 1s);
   // No GPU asked for: an empty grant, even on a node without GPUs.
   EXPECT_TRUE(none->acquire(GpuMode::kNone, 0, Clock::now()).empty());
-  EXPECT_EQ(code_of([] { GpuAllocator::make({"0", "0"}, 1); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { GpuAllocator::make({"0"}, 0); }), Code::kInvalidArgument);
+  EXPECT_CODE(GpuAllocator::make({"0", "0"}, 1), Code::kInvalidArgument);
+  EXPECT_CODE(GpuAllocator::make({"0"}, 0), Code::kInvalidArgument);
 }
 
 TEST(FnCallGpus, WaitersAreServedFirstComeFirstServed) {
@@ -114,9 +106,8 @@ TEST(FnCallGpus, AWaiterThatTimesOutLetsTheNextOneGo) {
   auto gpus = GpuAllocator::make({"0"}, 2);
   GpuGrant held = gpus->acquire(GpuMode::kShared, 1, Clock::now() + 1s);
   // The head waits for the whole GPU and gives up; the shared request behind it then fits at once.
-  std::thread head([&] {
-    EXPECT_EQ(code_of([&] { gpus->acquire(GpuMode::kExclusive, 1, Clock::now() + 100ms); }), Code::kResourceExhausted);
-  });
+  std::thread head(
+      [&] { EXPECT_CODE(gpus->acquire(GpuMode::kExclusive, 1, Clock::now() + 100ms), Code::kResourceExhausted); });
   while (gpus->waiting() < 1) std::this_thread::sleep_for(1ms);
   auto started = Clock::now();
   GpuGrant next = gpus->acquire(GpuMode::kShared, 1, Clock::now() + 5s);

@@ -8,22 +8,13 @@
 #include "agent/agent_test_util.hpp"
 #include "agent/api/routes.hpp"
 #include "agent/fncall/fncall_service.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent::fncall {
 namespace {
 
 using dsec::agent::testing::FakeImages;
 using dsec::agent::testing::ScratchDir;
-
-Code code_of(const std::function<void()>& f, std::string* message = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (message) *message = e.what();
-    return e.code();
-  }
-  return Code::kOk;
-}
 
 class FnCallServiceTest : public ::testing::Test {
  protected:
@@ -41,25 +32,21 @@ class FnCallServiceTest : public ::testing::Test {
 };
 
 TEST_F(FnCallServiceTest, BadConfigurationsAreInvalidArguments) {
-  std::string message;
-  auto make = [&](std::function<void(FnCallConfig&)> tweak) {
-    return code_of([&] { FnCallService service(options(tweak), images_); }, &message);
-  };
-  EXPECT_EQ(make([](FnCallConfig& c) { c.pools["cobol"] = {1, 2}; }), Code::kInvalidArgument);
-  EXPECT_NE(message.find("cobol"), std::string::npos);
-  EXPECT_EQ(make([](FnCallConfig& c) { c.pools["python"] = {3, 2}; }), Code::kInvalidArgument);
-  EXPECT_EQ(make([](FnCallConfig& c) { c.warm = {"python"}; }), Code::kInvalidArgument);  // no default image
-  EXPECT_NE(message.find("--fncall-image"), std::string::npos);
-  EXPECT_EQ(make([](FnCallConfig& c) {
-              c.default_image = "judge";
-              c.warm = {"c"};
-              c.pools["c"] = {0, 0};
-            }),
-            Code::kInvalidArgument);
-  EXPECT_EQ(make([](FnCallConfig& c) { c.uid = 0; }), Code::kInvalidArgument);
-  EXPECT_EQ(make([](FnCallConfig& c) { c.default_image = "../x"; }), Code::kInvalidArgument);
-  EXPECT_EQ(make([](FnCallConfig& c) { c.gpus = {"0", "0"}; }), Code::kInvalidArgument);
-  EXPECT_EQ(make([](FnCallConfig& c) { c.default_image = "judge:py@sha256:" + std::string(64, 'a'); }), Code::kOk);
+  auto make = [&](std::function<void(FnCallConfig&)> tweak) { FnCallService service(options(tweak), images_); };
+  EXPECT_CODE_MSG(make([](FnCallConfig& c) { c.pools["cobol"] = {1, 2}; }), Code::kInvalidArgument, "cobol");
+  EXPECT_CODE(make([](FnCallConfig& c) { c.pools["python"] = {3, 2}; }), Code::kInvalidArgument);
+  EXPECT_CODE_MSG(make([](FnCallConfig& c) { c.warm = {"python"}; }), Code::kInvalidArgument,
+                  "--fncall-image");  // no default image
+  EXPECT_CODE(make([](FnCallConfig& c) {
+                c.default_image = "judge";
+                c.warm = {"c"};
+                c.pools["c"] = {0, 0};
+              }),
+              Code::kInvalidArgument);
+  EXPECT_CODE(make([](FnCallConfig& c) { c.uid = 0; }), Code::kInvalidArgument);
+  EXPECT_CODE(make([](FnCallConfig& c) { c.default_image = "../x"; }), Code::kInvalidArgument);
+  EXPECT_CODE(make([](FnCallConfig& c) { c.gpus = {"0", "0"}; }), Code::kInvalidArgument);
+  EXPECT_CODE(make([](FnCallConfig& c) { c.default_image = "judge:py@sha256:" + std::string(64, 'a'); }), Code::kOk);
 }
 
 TEST_F(FnCallServiceTest, CallsThatCannotRunSayWhy) {
@@ -71,28 +58,25 @@ TEST_F(FnCallServiceTest, CallsThatCannotRunSayWhy) {
   service.start();
   FnCallRequest r;
   r.code = "print(1)";
-  std::string message;
   // No image, and no default one.
-  EXPECT_EQ(code_of([&] { service.run(r); }, &message), Code::kFailedPrecondition);
-  EXPECT_NE(message.find("--fncall-image"), std::string::npos) << message;
+  EXPECT_CODE_MSG(service.run(r), Code::kFailedPrecondition, "--fncall-image");
   // An image no store has.
   r.image = "nothere:1";
-  EXPECT_EQ(code_of([&] { service.run(r); }, &message), Code::kNotFound);
+  EXPECT_CODE(service.run(r), Code::kNotFound);
   // A language the node turned off.
   r.language = "cpp";
-  EXPECT_EQ(code_of([&] { service.run(r); }, &message), Code::kFailedPrecondition);
-  EXPECT_NE(message.find("'cpp'"), std::string::npos) << message;
+  EXPECT_CODE_MSG(service.run(r), Code::kFailedPrecondition, "'cpp'");
   // More GPUs than the node has: refused before anything else.
   r.language = "python";
   r.gpu_mode = GpuMode::kExclusive;
   r.gpus = 2;
-  EXPECT_EQ(code_of([&] { service.run(r); }, &message), Code::kFailedPrecondition);
+  EXPECT_CODE(service.run(r), Code::kFailedPrecondition);
   // A failed call is not remembered: the same request id fails the same way again, it does not hang or succeed.
   r.gpus = 0;
   r.gpu_mode = GpuMode::kNone;
   r.request_id = "rid-1";
-  EXPECT_EQ(code_of([&] { service.run(r); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { service.run(r); }), Code::kNotFound);
+  EXPECT_CODE(service.run(r), Code::kNotFound);
+  EXPECT_CODE(service.run(r), Code::kNotFound);
   // A batch: each element's own answer, in order.
   std::vector<BatchCall> batch(3);
   batch[0].request = r;
@@ -111,7 +95,7 @@ TEST_F(FnCallServiceTest, CallsThatCannotRunSayWhy) {
   // After shutdown, calls are refused as unavailable.
   r.image = "judge";
   r.request_id.clear();
-  EXPECT_EQ(code_of([&] { service.run(r); }), Code::kUnavailable);
+  EXPECT_CODE(service.run(r), Code::kUnavailable);
 }
 
 TEST_F(FnCallServiceTest, StatusListsLanguagesAndGpus) {

@@ -12,6 +12,7 @@
 #include "agent/api/routes.hpp"
 #include "agent/registry/registry.hpp"
 #include "common/protocol.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -58,16 +59,6 @@ class GroupsTest : public ::testing::Test {
   void at(double seconds_after_t0) { clock_ = kT0 + seconds_after_t0; }
 
   std::string state_of(const std::string& id) { return registry_->get(id).state; }
-
-  Code code_of(const std::function<void()>& f, std::string* message = nullptr) {
-    try {
-      f();
-    } catch (const Error& e) {
-      if (message) *message = e.what();
-      return e.code();
-    }
-    return Code::kOk;
-  }
 
   struct Answer {
     int status;
@@ -135,11 +126,9 @@ TEST_F(GroupsTest, TheReaperDestroysAGroupWhoseLeaseExpired) {
   EXPECT_EQ(state_of(alive), "running");
   EXPECT_EQ(state_of(loose), "running");
   // The group is forgotten: renewing it, reading it or deleting it says so.
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->renew_group("crashed", 10); }, &message), Code::kNotFound);
-  EXPECT_NE(message.find("group 'crashed' not found on node 'n1'"), std::string::npos) << message;
-  EXPECT_EQ(code_of([&] { registry_->get_group("crashed"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { registry_->destroy_group("crashed"); }), Code::kNotFound);
+  EXPECT_CODE_MSG(registry_->renew_group("crashed", 10), Code::kNotFound, "group 'crashed' not found on node 'n1'");
+  EXPECT_CODE(registry_->get_group("crashed"), Code::kNotFound);
+  EXPECT_CODE(registry_->destroy_group("crashed"), Code::kNotFound);
   EXPECT_EQ(registry_->load().sandboxes, 2u);
   at(19.5);
   registry_->reap();
@@ -164,18 +153,16 @@ TEST_F(GroupsTest, RenewalsExtendTheLeaseAndNeverShortenIt) {
   at(52);
   registry_->reap();
   EXPECT_EQ(state_of(id), "running");
-  EXPECT_EQ(code_of([&] { registry_->renew_group("g", 0.5); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { registry_->renew_group("g", 86401); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { registry_->renew_group("bad/id", 10); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { registry_->renew_group("never", 10); }), Code::kNotFound);
+  EXPECT_CODE(registry_->renew_group("g", 0.5), Code::kInvalidArgument);
+  EXPECT_CODE(registry_->renew_group("g", 86401), Code::kInvalidArgument);
+  EXPECT_CODE(registry_->renew_group("bad/id", 10), Code::kInvalidArgument);
+  EXPECT_CODE(registry_->renew_group("never", 10), Code::kNotFound);
 }
 
 TEST_F(GroupsTest, ALeaseThatExpiredCannotBeRenewedEvenBeforeTheReaperRuns) {
   std::string id = create("g", 10);
   at(11);
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->renew_group("g", 10); }, &message), Code::kNotFound);
-  EXPECT_NE(message.find("lease expired 1.0 s ago"), std::string::npos) << message;
+  EXPECT_CODE_MSG(registry_->renew_group("g", 10), Code::kNotFound, "lease expired 1.0 s ago");
   EXPECT_EQ(state_of(id), "running");  // until the reaper comes
   registry_->reap();
   EXPECT_EQ(state_of(id), "destroyed");
@@ -205,8 +192,8 @@ TEST_F(GroupsTest, DeleteDestroysEveryMemberAndForgetsTheGroup) {
     EXPECT_EQ(registry_->get(id).message, "group 'g' deleted");
   }
   EXPECT_EQ(state_of(other), "running");
-  EXPECT_EQ(code_of([&] { registry_->destroy_group("g"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { registry_->renew_group("g", 10); }), Code::kNotFound);
+  EXPECT_CODE(registry_->destroy_group("g"), Code::kNotFound);
+  EXPECT_CODE(registry_->renew_group("g", 10), Code::kNotFound);
   EXPECT_EQ(registry_->load().sandboxes, 1u);
 }
 
@@ -268,7 +255,7 @@ TEST_F(GroupsTest, ShutdownDestroysEverySandboxAndForgetsEveryGroup) {
   create();
   EXPECT_EQ(registry_->destroy_all("agent shutdown"), 4u);
   EXPECT_TRUE(registry_->list_groups().empty());
-  EXPECT_EQ(code_of([&] { registry_->renew_group("a", 30); }), Code::kNotFound);
+  EXPECT_CODE(registry_->renew_group("a", 30), Code::kNotFound);
   EXPECT_FALSE(std::filesystem::exists(dir_.path() / "state" / "groups"));
   EXPECT_TRUE(std::filesystem::is_empty(dir_.path() / "state"));
 }
@@ -280,7 +267,7 @@ TEST_F(GroupsTest, AStartAfterACrashDropsTheLeasesOfSandboxesItRemoves) {
   make();
   EXPECT_EQ(registry_->remove_leftovers_of_earlier_run(), 1u);
   EXPECT_FALSE(std::filesystem::exists(lease_file("g")));
-  EXPECT_EQ(code_of([&] { registry_->renew_group("g", 10); }), Code::kNotFound);
+  EXPECT_CODE(registry_->renew_group("g", 10), Code::kNotFound);
 
   // A record the new run cannot clean up is kept, and so is its group's lease.
   create("k", 30);
@@ -297,20 +284,17 @@ TEST_F(GroupsTest, NodeSelectorAndGpusAreCheckedOnTheNodeToo) {
   make(options);
   SandboxSpec s = spec();
   s.node_selector = {{"zone", "b"}};
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->create(s); }, &message), Code::kFailedPrecondition);
-  EXPECT_NE(message.find("node_selector: node 'n1' does not match: label zone=a, not zone=b"), std::string::npos)
-      << message;
+  EXPECT_CODE_MSG(registry_->create(s), Code::kFailedPrecondition,
+                  "node_selector: node 'n1' does not match: label zone=a, not zone=b");
   s.node_selector = {{"zone", "a"}};
   s.resources.gpus = 1;
   std::string first = registry_->create(s).info.id;
   registry_->create(s);
   EXPECT_EQ(registry_->load().gpus_requested, 2u);
-  EXPECT_EQ(code_of([&] { registry_->create(s); }, &message), Code::kResourceExhausted);
-  EXPECT_NE(message.find("1 gpus wanted, node 'n1' has 0 free of 2"), std::string::npos) << message;
+  EXPECT_CODE_MSG(registry_->create(s), Code::kResourceExhausted, "1 gpus wanted, node 'n1' has 0 free of 2");
   registry_->destroy(first);
   registry_->create(s);
-  EXPECT_EQ(code_of([&] { registry_->create_batch(s, 2); }), Code::kResourceExhausted);
+  EXPECT_CODE(registry_->create_batch(s, 2), Code::kResourceExhausted);
 }
 
 TEST_F(GroupsTest, RoutesOfGroups) {

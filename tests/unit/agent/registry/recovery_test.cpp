@@ -13,6 +13,7 @@
 #include "agent/registry/create_ids.hpp"
 #include "agent/registry/registry.hpp"
 #include "common/protocol.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -64,16 +65,6 @@ class RecoveryTest : public ::testing::Test {
     s.resources.memory_bytes = 64ull << 20;
     s.request_id = std::move(request_id);
     return s;
-  }
-
-  Code code_of(const std::function<void()>& f, std::string* message = nullptr) {
-    try {
-      f();
-    } catch (const Error& e) {
-      if (message) *message = e.what();
-      return e.code();
-    }
-    return Code::kOk;
   }
 
   std::vector<std::string> leftovers_removed() {
@@ -196,7 +187,7 @@ TEST_F(RecoveryTest, LiveSandboxesAreTakenOverAsTheyWere) {
   EXPECT_EQ(state_->creates.load(), creates);
   SandboxSpec other = first;
   other.resources.cpu = 2;
-  EXPECT_EQ(code_of([&] { registry_->create(other); }), Code::kInvalidArgument);
+  EXPECT_CODE(registry_->create(other), Code::kInvalidArgument);
 
   // Destroying them works as for any sandbox.
   EXPECT_EQ(registry_->destroy_all("agent shutdown"), 3u);
@@ -222,9 +213,7 @@ TEST_F(RecoveryTest, ASandboxThatDiedWhileTheAgentWasDownTurnsFailed) {
   EXPECT_TRUE(leftovers_removed_of(dead));
   EXPECT_FALSE(leftovers_removed_of(live));
   EXPECT_EQ(read_json(record_of(dead))["info"]["state"], "failed");
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->acquire(dead).sandbox->read_file("/x"); }, &message), Code::kFailedPrecondition);
-  EXPECT_NE(message.find("is not running"), std::string::npos) << message;
+  EXPECT_CODE_MSG(registry_->acquire(dead).sandbox->read_file("/x"), Code::kFailedPrecondition, "is not running");
   // It holds its resources until destroyed, like any failed sandbox; a retried create answers with it.
   EXPECT_EQ(registry_->load().sandboxes, 2u);
   EXPECT_EQ(registry_->create(spec("r-dead")).info.id, dead);
@@ -277,7 +266,7 @@ TEST_F(RecoveryTest, ACreateCutShortIsRolledBackAndItsRequestIdForgotten) {
   EXPECT_EQ(report.adopted, 0u);
   EXPECT_TRUE(leftovers_removed_of(half));
   EXPECT_FALSE(fs::exists(record_of(half)));
-  EXPECT_EQ(code_of([&] { registry_->get(half); }), Code::kNotFound);
+  EXPECT_CODE(registry_->get(half), Code::kNotFound);
   EXPECT_EQ(registry_->load().sandboxes, 0u);
   // The create never answered: repeating it makes a sandbox.
   CreateOutcome retried = registry_->create(spec("r-half"));
@@ -311,7 +300,7 @@ TEST_F(RecoveryTest, RequestIdsOfFinishedCreatesSurviveRestarts) {
   // A batch that failed is not remembered, also after a restart.
   state_->fail_at = state_->creates.load() + 2;
   SandboxSpec batch = spec("job");
-  EXPECT_EQ(code_of([&] { registry_->create_batch(batch, 3); }), Code::kInternal);
+  EXPECT_CODE(registry_->create_batch(batch, 3), Code::kInternal);
   state_->fail_at = 0;
   clock_ = kT0 + 10;
 
@@ -328,7 +317,7 @@ TEST_F(RecoveryTest, RequestIdsOfFinishedCreatesSurviveRestarts) {
   EXPECT_EQ(state_->creates.load(), creates);
   SandboxSpec other = spec("r-destroyed");
   other.resources.memory_bytes = 128ull << 20;
-  EXPECT_EQ(code_of([&] { registry_->create(other); }), Code::kInvalidArgument);
+  EXPECT_CODE(registry_->create(other), Code::kInvalidArgument);
   auto retried = registry_->create_batch(batch, 3);
   for (const auto& r : retried) EXPECT_TRUE(r.created);
 
@@ -357,7 +346,7 @@ TEST_F(RecoveryTest, LeasesAndTtlsThatRanOutWhileTheAgentWasDownApplyAtOnce) {
   EXPECT_EQ(registry_->get(in_group).message, "group 'g' lease expired");
   EXPECT_EQ(registry_->get(expiring).message, "ttl expired");
   EXPECT_EQ(registry_->get(keeper).state, "running");
-  EXPECT_EQ(code_of([&] { registry_->renew_group("g", 30); }), Code::kNotFound);
+  EXPECT_CODE(registry_->renew_group("g", 30), Code::kNotFound);
   EXPECT_FALSE(fs::exists(state_dir() / "groups" / "g.json"));
 }
 
@@ -369,7 +358,7 @@ TEST_F(RecoveryTest, AGroupWhoseSandboxesAreAllGoneLosesItsLease) {
   rewrite_state(id, "creating");  // as if its create had been cut short
   EXPECT_EQ(restart().rolled_back, 1u);
   EXPECT_FALSE(fs::exists(state_dir() / "groups" / "g.json"));
-  EXPECT_EQ(code_of([&] { registry_->get_group("g"); }), Code::kNotFound);
+  EXPECT_CODE(registry_->get_group("g"), Code::kNotFound);
 }
 
 TEST_F(RecoveryTest, RecordsOfOtherKindsAreKeptAndUnreadableOnesCleanedUp) {
@@ -390,7 +379,7 @@ TEST_F(RecoveryTest, RecordsOfOtherKindsAreKeptAndUnreadableOnesCleanedUp) {
   EXPECT_TRUE(leftovers_removed_of("n1-0000000000bb"));
   EXPECT_FALSE(leftovers_removed_of("n1-0000000000aa"));
   EXPECT_TRUE(fs::exists(state_dir() / "notes.txt"));
-  EXPECT_EQ(code_of([&] { registry_->get("n1-0000000000aa"); }), Code::kNotFound);
+  EXPECT_CODE(registry_->get("n1-0000000000aa"), Code::kNotFound);
 }
 
 TEST_F(RecoveryTest, RemoveModeDestroysEverythingAnEarlierRunLeft) {

@@ -8,6 +8,7 @@
 #include "agent/agent_test_util.hpp"
 #include "agent/registry/registry.hpp"
 #include "common/protocol.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -32,16 +33,6 @@ class RegistryTest : public ::testing::Test {
     s.resources.memory_bytes = 64ull << 20;
     s.request_id = std::move(request_id);
     return s;
-  }
-
-  Code code_of(const std::function<void()>& f, std::string* message = nullptr) {
-    try {
-      f();
-    } catch (const Error& e) {
-      if (message) *message = e.what();
-      return e.code();
-    }
-    return Code::kOk;
   }
 
   std::atomic<double> clock_{1'700'000'000.0};
@@ -98,15 +89,16 @@ TEST_F(RegistryTest, ARequestIdReusedForAnotherSpecIsRefused) {
   registry_->create(spec("r1"));
   SandboxSpec other = spec("r1");
   other.resources.cpu = 2;
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->create(other); }, &message), Code::kInvalidArgument);
-  EXPECT_EQ(message.rfind("request_id: ", 0), 0u) << message;
+  std::optional<Error> e = dsec::test::thrown([&] { registry_->create(other); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), Code::kInvalidArgument);
+  EXPECT_EQ(std::string(e->what()).rfind("request_id: ", 0), 0u) << e->what();
 }
 
 TEST_F(RegistryTest, AFailedCreateIsNotRememberedUnderItsRequestId) {
   make();
   state_->fail_at = 1;
-  EXPECT_EQ(code_of([&] { registry_->create(spec("r1")); }), Code::kInternal);
+  EXPECT_CODE(registry_->create(spec("r1")), Code::kInternal);
   auto out = registry_->create(spec("r1"));
   EXPECT_TRUE(out.created);
   EXPECT_EQ(state_->creates.load(), 2);
@@ -120,7 +112,7 @@ TEST_F(RegistryTest, WaitersOnAFailingCreateGetItsError) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 4; ++i)
     threads.emplace_back([&] {
-      if (code_of([&] { registry_->create(spec("r1")); }) == Code::kInternal) ++internal;
+      if (dsec::test::code_of([&] { registry_->create(spec("r1")); }) == Code::kInternal) ++internal;
     });
   for (auto& t : threads) t.join();
   // The first create failed and every duplicate that waited for it got its error (all four, unless a thread was
@@ -138,11 +130,9 @@ TEST_F(RegistryTest, DestroyIsIdempotentThroughTombstones) {
   EXPECT_EQ(first.state, "destroyed");
   EXPECT_EQ(registry_->destroy(id).state, "destroyed");
   EXPECT_EQ(registry_->get(id).state, "destroyed");
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->acquire(id); }, &message), Code::kNotFound);
-  EXPECT_NE(message.find("was destroyed"), std::string::npos) << message;
-  EXPECT_EQ(code_of([&] { registry_->destroy("n1-000000000000"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { registry_->get("n1-000000000000"); }), Code::kNotFound);
+  EXPECT_CODE_MSG(registry_->acquire(id), Code::kNotFound, "was destroyed");
+  EXPECT_CODE(registry_->destroy("n1-000000000000"), Code::kNotFound);
+  EXPECT_CODE(registry_->get("n1-000000000000"), Code::kNotFound);
   EXPECT_EQ(metrics_.destroyed("null"), 1u);
   EXPECT_EQ(registry_->load().sandboxes, 0u);
 }
@@ -155,12 +145,12 @@ TEST_F(RegistryTest, TombstonesAreBoundedInCountAndTime) {
   std::vector<std::string> ids;
   for (int i = 0; i < 3; ++i) ids.push_back(registry_->create(spec()).info.id);
   for (const auto& id : ids) registry_->destroy(id);
-  EXPECT_EQ(code_of([&] { registry_->destroy(ids[0]); }), Code::kNotFound);  // the oldest went beyond 2
+  EXPECT_CODE(registry_->destroy(ids[0]), Code::kNotFound);  // the oldest went beyond 2
   EXPECT_EQ(registry_->destroy(ids[1]).state, "destroyed");
   EXPECT_EQ(registry_->destroy(ids[2]).state, "destroyed");
   clock_ = clock_.load() + 61;
   registry_->reap();
-  EXPECT_EQ(code_of([&] { registry_->destroy(ids[2]); }), Code::kNotFound);
+  EXPECT_CODE(registry_->destroy(ids[2]), Code::kNotFound);
 }
 
 TEST_F(RegistryTest, RequestIdsAreForgottenAfterTheirRetention) {
@@ -214,9 +204,7 @@ TEST_F(RegistryTest, AdmissionRefusesBeyondCpuAndMemoryWithOvercommit) {
   SandboxSpec big = spec();
   big.resources.cpu = 0.1;
   big.resources.memory_bytes = 700ull << 20;  // 400Mi + 700Mi > 1Gi
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->create(big); }, &message), Code::kResourceExhausted);
-  EXPECT_NE(message.find("memory"), std::string::npos) << message;
+  EXPECT_CODE_MSG(registry_->create(big), Code::kResourceExhausted, "memory");
   big.resources.memory_bytes = 624ull << 20;  // exactly 1Gi fits
   EXPECT_TRUE(registry_->create(big).created);
   EXPECT_EQ(state_->creates.load(), 5);  // refusals never reached the backend
@@ -261,7 +249,7 @@ TEST_F(RegistryTest, AdmissionCountsCreatesInFlight) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 3; ++i)
     threads.emplace_back([&] {
-      Code c = code_of([&] { registry_->create(s); });
+      Code c = dsec::test::code_of([&] { registry_->create(s); });
       if (c == Code::kOk) ++ok;
       if (c == Code::kResourceExhausted) ++exhausted;
     });
@@ -274,15 +262,15 @@ TEST_F(RegistryTest, UnknownKindAndMissingImageAreNamed) {
   make();
   SandboxSpec s = spec();
   s.kind = "microvm";
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->create(s); }, &message), Code::kInvalidArgument);
-  EXPECT_EQ(message.rfind("kind: 'microvm'", 0), 0u) << message;
-  EXPECT_NE(message.find("null"), std::string::npos) << message;  // says what the node serves
+  std::optional<Error> e = dsec::test::thrown([&] { registry_->create(s); });
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code(), Code::kInvalidArgument);
+  EXPECT_EQ(std::string(e->what()).rfind("kind: 'microvm'", 0), 0u) << e->what();
+  EXPECT_NE(std::string(e->what()).find("null"), std::string::npos) << e->what();  // says what the node serves
 
   s = spec();
   s.image = "swe/django-1234";
-  EXPECT_EQ(code_of([&] { registry_->create(s); }, &message), Code::kNotFound);
-  EXPECT_NE(message.find("swe/django-1234"), std::string::npos) << message;
+  EXPECT_CODE_MSG(registry_->create(s), Code::kNotFound, "swe/django-1234");
   EXPECT_EQ(state_->creates.load(), 0);
   // A failed create gives its reservation back.
   RegistryOptions tight;
@@ -290,7 +278,7 @@ TEST_F(RegistryTest, UnknownKindAndMissingImageAreNamed) {
   tight.cpu_overcommit = 1;
   make(std::move(tight));
   s.resources.cpu = 1;
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(code_of([&] { registry_->create(s); }), Code::kNotFound);
+  for (int i = 0; i < 3; ++i) EXPECT_CODE(registry_->create(s), Code::kNotFound);
   s.image = "busybox";
   EXPECT_TRUE(registry_->create(s).created);
 }
@@ -317,7 +305,7 @@ TEST_F(RegistryTest, BatchesUseIndexedRequestIds) {
 TEST_F(RegistryTest, ABatchIsAllOrNothing) {
   make();
   state_->fail_at = 4;
-  EXPECT_EQ(code_of([&] { registry_->create_batch(spec("job"), 6); }), Code::kInternal);
+  EXPECT_CODE(registry_->create_batch(spec("job"), 6), Code::kInternal);
   EXPECT_EQ(registry_->load().sandboxes, 0u);
   EXPECT_TRUE(registry_->list({}, {}).empty());
   // The request ids of the rolled-back elements are forgotten: a retry makes fresh sandboxes.
@@ -337,7 +325,7 @@ TEST_F(RegistryTest, ABatchThatCannotFitIsRefusedBeforeAnyCreate) {
   make(std::move(options));
   SandboxSpec s = spec();
   s.resources.cpu = 1;
-  EXPECT_EQ(code_of([&] { registry_->create_batch(s, 3); }), Code::kResourceExhausted);
+  EXPECT_CODE(registry_->create_batch(s, 3), Code::kResourceExhausted);
   EXPECT_EQ(state_->creates.load(), 0);
   EXPECT_EQ(registry_->create_batch(s, 2).size(), 2u);
 }
@@ -410,7 +398,7 @@ TEST_F(RegistryTest, AHandleOutlivesADestroy) {
   handle.sandbox->write_file("/a", "x", 0644);
   registry_->destroy(id);
   // The object is still there; it answers as a destroyed sandbox does.
-  EXPECT_EQ(code_of([&] { handle.sandbox->read_file("/a"); }), Code::kNotFound);
+  EXPECT_CODE(handle.sandbox->read_file("/a"), Code::kNotFound);
 }
 
 TEST_F(RegistryTest, RecordsAreWrittenAtCreateAndRemovedAtDestroy) {
@@ -465,7 +453,7 @@ TEST_F(RegistryTest, TheRecordIsOnDiskBeforeTheBackendStartsAnything) {
   // A create the backend refuses leaves no record behind.
   state_->create_delay_ms = 0;
   state_->fail_at = 2;
-  EXPECT_EQ(code_of([&] { registry_->create(spec()); }), Code::kInternal);
+  EXPECT_CODE(registry_->create(spec()), Code::kInternal);
   std::size_t count = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) count += e.path().extension() == ".json";
   EXPECT_EQ(count, 1u);
@@ -518,15 +506,13 @@ TEST_F(RegistryTest, DestroyAllEmptiesTheNode) {
 TEST_F(RegistryTest, SleepOfABackendWithoutItChangesNothing) {
   make();
   std::string id = registry_->create(spec()).info.id;
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->sleep(id); }, &message), Code::kUnimplemented) << message;
+  EXPECT_CODE(registry_->sleep(id), Code::kUnimplemented);
   EXPECT_EQ(registry_->get(id).state, "running");
   EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.5);
-  EXPECT_EQ(code_of([&] { registry_->wake(id); }, &message), Code::kFailedPrecondition);
-  EXPECT_NE(message.find("is running, not sleeping"), std::string::npos) << message;
-  EXPECT_EQ(code_of([&] { registry_->sleep("n1-nope"); }), Code::kNotFound);
+  EXPECT_CODE_MSG(registry_->wake(id), Code::kFailedPrecondition, "is running, not sleeping");
+  EXPECT_CODE(registry_->sleep("n1-nope"), Code::kNotFound);
   registry_->destroy(id);
-  EXPECT_EQ(code_of([&] { registry_->sleep(id); }), Code::kNotFound);
+  EXPECT_CODE(registry_->sleep(id), Code::kNotFound);
   EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.0);
 }
 
@@ -545,12 +531,9 @@ TEST_F(RegistryTest, RetriedSleepAndWakeAreAnsweredAgain) {
   EXPECT_EQ(again.report.memory_after_bytes, 1u) << "the retry was not answered with the first call's report";
   EXPECT_EQ(state_->sleeps.load(), 1) << "the retry reached the backend";
   EXPECT_DOUBLE_EQ(registry_->load().cpu_requested, 0.0);
-  std::string message;
-  EXPECT_EQ(code_of([&] { registry_->sleep(id, "t1-sleep-2"); }, &message), Code::kFailedPrecondition);
-  EXPECT_NE(message.find("already sleeping"), std::string::npos) << message;
-  EXPECT_EQ(code_of([&] { registry_->sleep(id); }), Code::kFailedPrecondition);
-  EXPECT_EQ(code_of([&] { registry_->wake(id, "t1-sleep"); }, &message), Code::kInvalidArgument);
-  EXPECT_NE(message.find("was a sleep"), std::string::npos) << message;
+  EXPECT_CODE_MSG(registry_->sleep(id, "t1-sleep-2"), Code::kFailedPrecondition, "already sleeping");
+  EXPECT_CODE(registry_->sleep(id), Code::kFailedPrecondition);
+  EXPECT_CODE_MSG(registry_->wake(id, "t1-sleep"), Code::kInvalidArgument, "was a sleep");
   EXPECT_EQ(registry_->get(id).state, "sleeping");
 
   EXPECT_EQ(registry_->wake(id, "t1-wake").report.memory_after_bytes, 1u);
@@ -561,7 +544,7 @@ TEST_F(RegistryTest, RetriedSleepAndWakeAreAnsweredAgain) {
   EXPECT_EQ(registry_->sleep(id, "t1-sleep").report.memory_after_bytes, 2u);
   EXPECT_EQ(state_->sleeps.load(), 2);
   registry_->destroy(id);
-  EXPECT_EQ(code_of([&] { registry_->sleep(id, "t1-sleep"); }), Code::kNotFound);
+  EXPECT_CODE(registry_->sleep(id, "t1-sleep"), Code::kNotFound);
 }
 
 }  // namespace

@@ -36,6 +36,7 @@
 #include "common/wire/guest_protocol.hpp"
 #include "common/wire/init_protocol.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec {
 namespace {
@@ -75,15 +76,6 @@ bool eventually(const std::function<bool()>& pred, std::chrono::milliseconds tim
     std::this_thread::sleep_for(5ms);
   }
   return true;
-}
-
-Code code_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
 }
 
 // ====================================================================================================== protocol
@@ -827,14 +819,14 @@ TEST(GuestChannel, ErrorAnswersBecomeTheirDsecError) {
     EXPECT_EQ(e.code(), Code::kNotFound);
     EXPECT_STREQ(e.what(), "no such file in the sandbox: /missing");
   }
-  EXPECT_EQ(code_of([&] { channel.read_file("/fifo", 1 << 20, soon()); }), Code::kInvalidArgument);
+  EXPECT_CODE(channel.read_file("/fifo", 1 << 20, soon()), Code::kInvalidArgument);
   // Codes the agent does not know, and "OK" as an error, are internal errors.
-  EXPECT_EQ(code_of([&] { channel.read_file("/bogus-code", 1 << 20, soon()); }), Code::kInternal);
-  EXPECT_EQ(code_of([&] { channel.read_file("/ok-code", 1 << 20, soon()); }), Code::kInternal);
-  EXPECT_EQ(code_of([&] { channel.mode_of("/x", soon()); }), Code::kPermissionDenied);
-  EXPECT_EQ(code_of([&] { channel.write_file("/x", "data", 0644, soon()); }), Code::kResourceExhausted);
+  EXPECT_CODE(channel.read_file("/bogus-code", 1 << 20, soon()), Code::kInternal);
+  EXPECT_CODE(channel.read_file("/ok-code", 1 << 20, soon()), Code::kInternal);
+  EXPECT_CODE(channel.mode_of("/x", soon()), Code::kPermissionDenied);
+  EXPECT_CODE(channel.write_file("/x", "data", 0644, soon()), Code::kResourceExhausted);
   // An error after the exec started is the agent's to report.
-  EXPECT_EQ(code_of([&] { channel.exec(exec_start({"x"}), "", 10, {}); }), Code::kInternal);
+  EXPECT_CODE(channel.exec(exec_start({"x"}), "", 10, {}), Code::kInternal);
   EXPECT_TRUE(channel.connected());
 }
 
@@ -850,9 +842,9 @@ TEST(GuestChannel, UnexpectedOrMalformedAnswers) {
     if (f.type == Type::kExec) g.send(Type::kOutput, f.channel, gp::Writer().u8(1).str("before start").take());
   });
   GuestChannel channel(guest.take_agent_end(), "sb");
-  EXPECT_EQ(code_of([&] { channel.mode_of("/wrong", soon()); }), Code::kInternal);
-  EXPECT_EQ(code_of([&] { channel.hello(gp::Hello{}, soon()); }), Code::kInternal);
-  EXPECT_EQ(code_of([&] { channel.exec(exec_start({"x"}), "", 10, {}); }), Code::kInternal);
+  EXPECT_CODE(channel.mode_of("/wrong", soon()), Code::kInternal);
+  EXPECT_CODE(channel.hello(gp::Hello{}, soon()), Code::kInternal);
+  EXPECT_CODE(channel.exec(exec_start({"x"}), "", 10, {}), Code::kInternal);
   // A malformed payload is the protocol's std::out_of_range (the microvm backend turns it into UNAVAILABLE).
   EXPECT_THROW(channel.mode_of("/short", soon()), std::out_of_range);
   EXPECT_THROW(channel.read_file("/x", 1 << 20, soon()), std::out_of_range);
@@ -878,9 +870,9 @@ TEST(GuestChannel, AGuestThatClosesTheStreamIsUnavailable) {
   EXPECT_FALSE(channel.connected());
   // Every later call is UNAVAILABLE at once.
   auto t0 = Clock::now();
-  EXPECT_EQ(code_of([&] { channel.hello(gp::Hello{}, soon()); }), Code::kUnavailable);
-  EXPECT_EQ(code_of([&] { channel.read_file("/x", 1, soon()); }), Code::kUnavailable);
-  EXPECT_EQ(code_of([&] { channel.exec(exec_start({"x"}), "", 30, {}); }), Code::kUnavailable);
+  EXPECT_CODE(channel.hello(gp::Hello{}, soon()), Code::kUnavailable);
+  EXPECT_CODE(channel.read_file("/x", 1, soon()), Code::kUnavailable);
+  EXPECT_CODE(channel.exec(exec_start({"x"}), "", 30, {}), Code::kUnavailable);
   EXPECT_LT(Clock::now() - t0, 2s);
 }
 
@@ -889,7 +881,7 @@ TEST(GuestChannel, CloseWakesACallThatWaits) {
   GuestChannel channel(guest.take_agent_end(), "sb");
   std::atomic<int> code{-1};
   std::thread waiter(
-      [&] { code = static_cast<int>(code_of([&] { channel.read_file("/x", 1, Clock::now() + 30s); })); });
+      [&] { code = static_cast<int>(dsec::test::code_of([&] { channel.read_file("/x", 1, Clock::now() + 30s); })); });
   ASSERT_TRUE(guest.wait_for([](auto& frames) { return !frames.empty(); }));
   auto t0 = Clock::now();
   channel.close();
@@ -958,7 +950,7 @@ TEST(GuestChannel, AFloodBeyondTheMailboxLimitDropsTheConnection) {
   bool release = false;
   std::atomic<int> code{-1};
   std::thread caller([&] {
-    code = static_cast<int>(code_of([&] {
+    code = static_cast<int>(dsec::test::code_of([&] {
       channel.exec(exec_start({"flood"}, 1ull << 30), "", 120, [&](int, std::string_view) {
         std::unique_lock lock(mu);
         cv.wait(lock, [&] { return release; });
@@ -1041,7 +1033,7 @@ TEST(GuestChannel, ACallPastItsDeadlineIsDeadlineExceededAndItsLateAnswerIsDropp
   });
   GuestChannel channel(guest.take_agent_end(), "sb");
   auto t0 = Clock::now();
-  EXPECT_EQ(code_of([&] { channel.mode_of("/slow", Clock::now() + 200ms); }), Code::kDeadlineExceeded);
+  EXPECT_CODE(channel.mode_of("/slow", Clock::now() + 200ms), Code::kDeadlineExceeded);
   EXPECT_GE(Clock::now() - t0, 190ms);
   EXPECT_LT(Clock::now() - t0, 2s);
   EXPECT_EQ(channel.hello(gp::Hello{}, soon()).kernel_release, "r");
@@ -1183,9 +1175,9 @@ TEST(GuestChannel, FilesRoundTripAgainstAFakeGuest) {
   channel.write_file("/empty", "", 0600, soon());
   EXPECT_EQ(channel.read_file("/empty", 10, soon()), "");
   // The agent's own read limit holds even when the guest sends more.
-  EXPECT_EQ(code_of([&] { channel.read_file("/a/b.bin", 1000, soon()); }), Code::kResourceExhausted);
-  EXPECT_EQ(code_of([&] { channel.read_file("/nope", 10, soon()); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { channel.mode_of("/nope", soon()); }), Code::kNotFound);
+  EXPECT_CODE(channel.read_file("/a/b.bin", 1000, soon()), Code::kResourceExhausted);
+  EXPECT_CODE(channel.read_file("/nope", 10, soon()), Code::kNotFound);
+  EXPECT_CODE(channel.mode_of("/nope", soon()), Code::kNotFound);
   EXPECT_TRUE(channel.connected());
 }
 
@@ -1241,11 +1233,11 @@ TEST(GuestChannel, TarTreesRoundTripAgainstAFakeGuest) {
     }
     EXPECT_TRUE(sink.entries[i].second == want[i].second) << i;
   }
-  EXPECT_EQ(code_of([&] { channel.get_archive("/dst", 1000, soon()); }), Code::kResourceExhausted);
-  EXPECT_EQ(code_of([&] { channel.get_archive("/elsewhere", 1u << 30, soon()); }), Code::kNotFound);
+  EXPECT_CODE(channel.get_archive("/dst", 1000, soon()), Code::kResourceExhausted);
+  EXPECT_CODE(channel.get_archive("/elsewhere", 1u << 30, soon()), Code::kNotFound);
 
   // A stream that is not a tar is refused, and the upload it opened is closed (kEnd) rather than left open.
-  EXPECT_EQ(code_of([&] { channel.put_archive("/bad", std::string(1024, 'x'), soon()); }), Code::kInvalidArgument);
+  EXPECT_CODE(channel.put_archive("/bad", std::string(1024, 'x'), soon()), Code::kInvalidArgument);
   std::optional<std::uint32_t> bad_channel;
   EXPECT_TRUE(guest.wait_for([&](auto& frames) {
     for (auto& f : frames)

@@ -4,6 +4,7 @@
 #include <boost/beast/http/field.hpp>
 
 #include "common/protocol.hpp"
+#include "error_test_util.hpp"
 #include "gateway/e2b/connect_rpc.hpp"
 #include "gateway/e2b/gateway.hpp"
 
@@ -36,12 +37,8 @@ TEST(ConnectRpc, StreamRequestReadsItsOneEnvelope) {
 
 TEST(ConnectRpc, MalformedStreamRequestsAreInvalidArgument) {
   auto code_of = [](agent::HttpRequest r) {
-    try {
-      stream_request(r);
-    } catch (const RpcError& e) {
-      return e.code();
-    }
-    return std::string("none");
+    std::optional<RpcError> e = dsec::test::thrown<RpcError>([&] { stream_request(r); });
+    return e ? e->code() : std::string("none");
   };
   EXPECT_EQ(code_of(post("application/connect+json", "abc")), "invalid_argument");                    // short
   EXPECT_EQ(code_of(post("application/connect+json", envelope(0, "{}") + "x")), "invalid_argument");  // two

@@ -32,6 +32,7 @@
 
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/digest.hpp"
 #include "image/store/manifest.hpp"
@@ -80,22 +81,10 @@ std::string read_text(const fs::path& p) {
 
 constexpr const char* kNginx = "/usr/sbin/nginx";
 
-Code code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
-
+// The message of the dsec::Error f() throws; empty when it throws none.
 std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return {};
+  std::optional<Error> e = dsec::test::thrown(f);
+  return e ? e->what() : std::string();
 }
 
 std::string random_bytes(std::size_t n, unsigned seed) {
@@ -525,12 +514,12 @@ TEST_F(HttpStore, ChecksBytesAgainstTheirDigestBeforeSending) {
   auto& server = serve();
   auto store = open(server);
   const std::string other = sha256_digest("other bytes");
-  EXPECT_EQ(code_of([&] { store->put_blob(other, "these bytes"); }), Code::kDataLoss);
+  EXPECT_CODE(store->put_blob(other, "these bytes"), Code::kDataLoss);
   write_text(dir_ / "f", "file bytes");
-  EXPECT_EQ(code_of([&] { store->put_blob_file(other, dir_ / "f"); }), Code::kDataLoss);
-  EXPECT_EQ(code_of([&] { store->put_blob("sha256:zz", "x"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { store->put_blob_file(sha256_digest("x"), dir_ / "missing"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { store->read_blob("md5:abc"); }), Code::kInvalidArgument);
+  EXPECT_CODE(store->put_blob_file(other, dir_ / "f"), Code::kDataLoss);
+  EXPECT_CODE(store->put_blob("sha256:zz", "x"), Code::kInvalidArgument);
+  EXPECT_CODE(store->put_blob_file(sha256_digest("x"), dir_ / "missing"), Code::kNotFound);
+  EXPECT_CODE(store->read_blob("md5:abc"), Code::kInvalidArgument);
   EXPECT_TRUE(server.wait_for_requests(1, 200ms).empty()) << "nothing reaches the store";
   EXPECT_FALSE(fs::exists(server.root() / "blobs" / "sha256" / other.substr(7)));
 }
@@ -555,10 +544,10 @@ TEST_F(HttpStore, ReadsRanges) {
   EXPECT_EQ(reqs[2].range, "bytes=69999-69999");
   for (int i = 0; i < 4; ++i) EXPECT_EQ(reqs[i].status, 206) << i;
 
-  EXPECT_EQ(code_of([&] { store->read_range(digest, bytes.size(), 1); }), Code::kOutOfRange);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, bytes.size() - 10, 11); }), Code::kOutOfRange);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, bytes.size() + 1, 0); }), Code::kOutOfRange);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, 1, ~0ull); }), Code::kOutOfRange);
+  EXPECT_CODE(store->read_range(digest, bytes.size(), 1), Code::kOutOfRange);
+  EXPECT_CODE(store->read_range(digest, bytes.size() - 10, 11), Code::kOutOfRange);
+  EXPECT_CODE(store->read_range(digest, bytes.size() + 1, 0), Code::kOutOfRange);
+  EXPECT_CODE(store->read_range(digest, 1, ~0ull), Code::kOutOfRange);
   std::string msg = message_of([&] { store->read_range(digest, 100000, 10); });
   EXPECT_NE(msg.find(server.url() + "/blobs/sha256/" + digest.substr(7)), std::string::npos) << msg;
   EXPECT_NE(msg.find("70000 bytes"), std::string::npos) << msg;
@@ -569,9 +558,9 @@ TEST_F(HttpStore, MissingThingsAreNotFound) {
   auto store = open(server);
   const std::string digest = sha256_digest("never stored");
   EXPECT_FALSE(store->has_blob(digest));
-  EXPECT_EQ(code_of([&] { store->read_blob(digest); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, 0, 10); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, 0, 0); }), Code::kNotFound);
+  EXPECT_CODE(store->read_blob(digest), Code::kNotFound);
+  EXPECT_CODE(store->read_range(digest, 0, 10), Code::kNotFound);
+  EXPECT_CODE(store->read_range(digest, 0, 0), Code::kNotFound);
   std::string msg = message_of([&] { store->read_blob(digest); });
   EXPECT_NE(msg.find("GET " + server.url() + "/blobs/sha256/" + digest.substr(7) + ": HTTP 404"), std::string::npos)
       << msg;
@@ -591,7 +580,7 @@ TEST_F(HttpStore, CorruptBlobIsDataLoss) {
   std::string damaged = bytes;
   damaged[4000] ^= 1;
   write_text(server.root() / "blobs" / "sha256" / digest.substr(7), damaged);
-  EXPECT_EQ(code_of([&] { store->read_blob(digest); }), Code::kDataLoss);
+  EXPECT_CODE(store->read_blob(digest), Code::kDataLoss);
   std::string msg = message_of([&] { store->read_blob(digest); });
   EXPECT_NE(msg.find(server.url() + "/blobs/sha256/" + digest.substr(7)), std::string::npos) << msg;
   EXPECT_NE(msg.find(sha256_digest(damaged)), std::string::npos) << msg;
@@ -624,12 +613,12 @@ TEST_F(HttpStore, WritesReadsListsAndRemovesRefs) {
   EXPECT_EQ(store->list_refs(), (std::vector<std::string>{"busybox:latest"}));
 
   write_text(server.root() / "refs" / "broken%3Alatest", "garbage\n");
-  EXPECT_EQ(code_of([&] { store->read_ref("broken:latest"); }), Code::kDataLoss);
+  EXPECT_CODE(store->read_ref("broken:latest"), Code::kDataLoss);
   write_text(server.root() / "refs" / "huge%3Alatest", std::string(10000, 'x'));
-  EXPECT_EQ(code_of([&] { store->read_ref("huge:latest"); }), Code::kDataLoss);
-  EXPECT_EQ(code_of([&] { store->write_ref("a:b", "sha256:nope"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { store->write_ref("Not A Name", m1); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { store->write_ref("a:b@" + m1, m1); }), Code::kInvalidArgument);
+  EXPECT_CODE(store->read_ref("huge:latest"), Code::kDataLoss);
+  EXPECT_CODE(store->write_ref("a:b", "sha256:nope"), Code::kInvalidArgument);
+  EXPECT_CODE(store->write_ref("Not A Name", m1), Code::kInvalidArgument);
+  EXPECT_CODE(store->write_ref("a:b@" + m1, m1), Code::kInvalidArgument);
 }
 
 TEST_F(HttpStore, CreateRefNeverMovesATag) {
@@ -685,8 +674,8 @@ TEST_F(HttpStore, StoreThatDoesNotListIsUnimplemented) {
     auto store = open(*server);
     store->write_ref("a:b", sha256_digest("m"));
     store->put_blob(sha256_digest("m"), "m");
-    EXPECT_EQ(code_of([&] { store->list_refs(); }), Code::kUnimplemented) << server->url();
-    EXPECT_EQ(code_of([&] { store->list_blobs(); }), Code::kUnimplemented) << server->url();
+    EXPECT_CODE(store->list_refs(), Code::kUnimplemented) << server->url();
+    EXPECT_CODE(store->list_blobs(), Code::kUnimplemented) << server->url();
     std::string msg = message_of([&] { store->list_refs(); });
     EXPECT_NE(msg.find("does not list its contents"), std::string::npos) << msg;
     EXPECT_EQ(store->read_ref("a:b"), sha256_digest("m"));  // everything else works
@@ -701,9 +690,9 @@ TEST_F(HttpStore, ServerThatIgnoresRangesIsRefused) {
   const std::string bytes = random_bytes(50000, 5);
   const std::string digest = sha256_digest(bytes);
   store->put_blob(digest, bytes);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, 100, 10); }), Code::kUnimplemented);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, 0, 10); }), Code::kUnimplemented);
-  EXPECT_EQ(code_of([&] { store->read_range(digest, 0, bytes.size() + 1); }), Code::kOutOfRange);
+  EXPECT_CODE(store->read_range(digest, 100, 10), Code::kUnimplemented);
+  EXPECT_CODE(store->read_range(digest, 0, 10), Code::kUnimplemented);
+  EXPECT_CODE(store->read_range(digest, 0, bytes.size() + 1), Code::kOutOfRange);
   EXPECT_EQ(store->read_range(digest, 0, bytes.size()), bytes);  // the whole blob is the range asked for
 }
 
@@ -789,7 +778,7 @@ TEST_F(HttpStore, ServerThatNeverAnswersIsUnavailableWithinTheTimeout) {
     StallingServer server(mode);
     auto store = open_http_store(server.url(), options);
     auto start = Clock::now();
-    Code code = code_of([&] { store->read_range(digest, 0, 100000); });
+    Code code = dsec::test::code_of([&] { store->read_range(digest, 0, 100000); });
     auto took = Clock::now() - start;
     EXPECT_EQ(code, Code::kUnavailable) << mode;
     EXPECT_GE(took, 800ms) << mode;  // two attempts of 400 ms each
@@ -815,7 +804,7 @@ TEST_F(HttpStore, ServerErrorsAreRetriedThenUnavailable) {
                      "attempts)"),
             std::string::npos)
       << msg;
-  EXPECT_EQ(code_of([&] { store->read_blob(digest); }), Code::kUnavailable);
+  EXPECT_CODE(store->read_blob(digest), Code::kUnavailable);
   EXPECT_EQ(server.wait_for_requests(6).size(), 6u);  // three attempts each
 }
 
@@ -824,8 +813,8 @@ TEST_F(HttpStore, BodyLargerThanMaxSizeIsResourceExhausted) {
   auto store = open(server);
   const std::string bytes = random_bytes(1u << 20, 8);
   const std::string digest = put_on_disk(server, bytes);
-  EXPECT_EQ(code_of([&] { store->read_blob(digest, 1000); }), Code::kResourceExhausted);
-  EXPECT_EQ(code_of([&] { store->read_blob(digest, bytes.size() - 1); }), Code::kResourceExhausted);
+  EXPECT_CODE(store->read_blob(digest, 1000), Code::kResourceExhausted);
+  EXPECT_CODE(store->read_blob(digest, bytes.size() - 1), Code::kResourceExhausted);
   EXPECT_EQ(store->read_blob(digest, bytes.size()), bytes);
 }
 
@@ -852,15 +841,15 @@ TEST_F(HttpStore, HttpsVerifiesTheServerWithTheGivenCa) {
 }
 
 TEST_F(HttpStore, OpenChecksTheUrlAndOptions) {
-  EXPECT_EQ(code_of([] { open_http_store("ftp://127.0.0.1/x", {}); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { open_http_store("http://", {}); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { open_http_store("http://127.0.0.1/x?y=1", {}); }), Code::kInvalidArgument);
+  EXPECT_CODE(open_http_store("ftp://127.0.0.1/x", {}), Code::kInvalidArgument);
+  EXPECT_CODE(open_http_store("http://", {}), Code::kInvalidArgument);
+  EXPECT_CODE(open_http_store("http://127.0.0.1/x?y=1", {}), Code::kInvalidArgument);
   StoreOptions bad;
   bad.attempts = 0;
-  EXPECT_EQ(code_of([&] { open_http_store("http://127.0.0.1/x", bad); }), Code::kInvalidArgument);
+  EXPECT_CODE(open_http_store("http://127.0.0.1/x", bad), Code::kInvalidArgument);
   StoreOptions missing_ca;
   missing_ca.ca_file = (dir_ / "no-such-ca.pem").string();
-  EXPECT_EQ(code_of([&] { open_http_store("https://127.0.0.1/x", missing_ca); }), Code::kInvalidArgument);
+  EXPECT_CODE(open_http_store("https://127.0.0.1/x", missing_ca), Code::kInvalidArgument);
   EXPECT_EQ(open_store("http://127.0.0.1:1/dsec/")->url(), "http://127.0.0.1:1/dsec");
   auto with_password = open_store("http://user:secret@127.0.0.1:1/dsec");
   EXPECT_EQ(with_password->url().find("secret"), std::string::npos) << with_password->url();

@@ -9,6 +9,7 @@
 
 #include "agent/backends/null/null_backend.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent {
 namespace {
@@ -65,15 +66,6 @@ std::map<std::string, std::tuple<std::string, unsigned, bool>> read_tar(const st
   return out;
 }
 
-Code code_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
-
 class NullBackendTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -119,18 +111,18 @@ TEST_F(NullBackendTest, FilesKeepEveryByteAndMakeTheirParents) {
 
 TEST_F(NullBackendTest, FileErrorsHaveTheirCodes) {
   sandbox_->write_file("/f", "x", 0644);
-  EXPECT_EQ(code_of([&] { sandbox_->read_file("/missing"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { sandbox_->read_file("/"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { sandbox_->write_file("/f/child", "x", 0644); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { sandbox_->write_file("relative", "x", 0644); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { sandbox_->get_archive("/f"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { sandbox_->get_archive("/missing"); }), Code::kNotFound);
+  EXPECT_CODE(sandbox_->read_file("/missing"), Code::kNotFound);
+  EXPECT_CODE(sandbox_->read_file("/"), Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->write_file("/f/child", "x", 0644), Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->write_file("relative", "x", 0644), Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->get_archive("/f"), Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->get_archive("/missing"), Code::kNotFound);
 }
 
 TEST_F(NullBackendTest, TheDiskLimitHolds) {
   std::string half(600 << 10, 'a');
   sandbox_->write_file("/a", half, 0644);
-  EXPECT_EQ(code_of([&] { sandbox_->write_file("/b", half, 0644); }), Code::kResourceExhausted);
+  EXPECT_CODE(sandbox_->write_file("/b", half, 0644), Code::kResourceExhausted);
   sandbox_->write_file("/a", "", 0644);  // freeing space makes room again
   sandbox_->write_file("/b", half, 0644);
 }
@@ -155,14 +147,11 @@ TEST_F(NullBackendTest, TarStreamsRoundTrip) {
 }
 
 TEST_F(NullBackendTest, TarEntriesCannotLeaveTheirDirectory) {
-  EXPECT_EQ(code_of([&] { sandbox_->put_archive("/src", make_tar({{"../escape", "x"}})); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { sandbox_->read_file("/escape"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] {
-              sandbox_->put_archive("/src", make_tar({{"link", "/etc/passwd", AE_IFLNK}}));
-            }),
-            Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { sandbox_->put_archive("/src", "this is not a tar stream at all, not even close......"); }),
-            Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->put_archive("/src", make_tar({{"../escape", "x"}})), Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->read_file("/escape"), Code::kNotFound);
+  EXPECT_CODE(sandbox_->put_archive("/src", make_tar({{"link", "/etc/passwd", AE_IFLNK}})), Code::kInvalidArgument);
+  EXPECT_CODE(sandbox_->put_archive("/src", "this is not a tar stream at all, not even close......"),
+              Code::kInvalidArgument);
 }
 
 TEST_F(NullBackendTest, DestroyEndsEverything) {
@@ -170,8 +159,8 @@ TEST_F(NullBackendTest, DestroyEndsEverything) {
   sandbox_->destroy();
   sandbox_->destroy();  // idempotent
   EXPECT_FALSE(sandbox_->alive());
-  EXPECT_EQ(code_of([&] { sandbox_->read_file("/a"); }), Code::kNotFound);
-  EXPECT_EQ(code_of([&] { sandbox_->write_file("/a", "x", 0644); }), Code::kNotFound);
+  EXPECT_CODE(sandbox_->read_file("/a"), Code::kNotFound);
+  EXPECT_CODE(sandbox_->write_file("/a", "x", 0644), Code::kNotFound);
 }
 
 }  // namespace

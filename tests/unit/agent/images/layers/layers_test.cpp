@@ -38,6 +38,7 @@
 #include "agent/images/layers/lazy_layer_fs.hpp"
 #include "agent/metrics.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 #include "image/build.hpp"
 #include "image/fs_tree.hpp"
 #include "image/store/blob_store.hpp"
@@ -715,19 +716,11 @@ TEST_F(LayersTest, ImageSourceResolvesNamesPinsAndClientManifests) {
   EXPECT_EQ(status.cached_layers[0].users, 2u);
   EXPECT_EQ(status.mode, options.layer_mode == "lazy" ? "erofs-lazy" : "extract (chosen by --layer-mode extract)");
 
-  auto code_of = [&](const std::string& ref, std::string_view manifest = {}) {
-    try {
-      source->resolve(ref, manifest);
-    } catch (const Error& e) {
-      return e.code();
-    }
-    return Code::kOk;
-  };
-  EXPECT_EQ(code_of("t/nothing:1"), Code::kNotFound);
-  EXPECT_EQ(code_of("t/img:1", layer.manifest_json), Code::kInvalidArgument);  // a manifest needs a pin
-  EXPECT_EQ(code_of("t/img:1@" + image::sha256_digest("other"), layer.manifest_json), Code::kInvalidArgument);
-  EXPECT_EQ(code_of("t/img:1@" + image::sha256_digest("x"), "x"), Code::kInvalidArgument);  // not a manifest
-  EXPECT_EQ(code_of("Bad Name"), Code::kInvalidArgument);
+  EXPECT_CODE(source->resolve("t/nothing:1"), Code::kNotFound);
+  EXPECT_CODE(source->resolve("t/img:1", layer.manifest_json), Code::kInvalidArgument);  // a manifest needs a pin
+  EXPECT_CODE(source->resolve("t/img:1@" + image::sha256_digest("other"), layer.manifest_json), Code::kInvalidArgument);
+  EXPECT_CODE(source->resolve("t/img:1@" + image::sha256_digest("x"), "x"), Code::kInvalidArgument);  // not a manifest
+  EXPECT_CODE(source->resolve("Bad Name"), Code::kInvalidArgument);
 
   // A manifest naming a layer whose blobs are not in the store: NOT_FOUND naming the image and the blob.
   image::Manifest broken = image::manifest_from_json(layer.manifest_json);

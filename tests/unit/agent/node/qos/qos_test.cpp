@@ -11,18 +11,10 @@
 #include "agent/node/qos/kernel_qos.hpp"
 #include "agent/node/qos/usage_overcommit.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 
 namespace dsec::agent::qos {
 namespace {
-
-Code code_of(auto&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
 
 std::size_t agent_cpus() {
   cpu_set_t set;
@@ -37,7 +29,7 @@ TEST(CpuList, ParsesAndFormatsKernelLists) {
   EXPECT_EQ(format_cpu_list({0, 1, 2, 3, 8, 10, 11}), "0-3,8,10-11");
   EXPECT_EQ(format_cpu_list({4}), "4");
   for (const char* bad : {"", ",", "1,", "a", "3-1", "-1", "1-", "99999", "1 2"})
-    EXPECT_EQ(code_of([&] { parse_cpu_list(bad); }), Code::kInvalidArgument) << bad;
+    EXPECT_CODE(parse_cpu_list(bad), Code::kInvalidArgument) << bad;
 }
 
 TEST(CpuReservation, NoneAndAutoOnASmallNode) {
@@ -70,8 +62,8 @@ TEST(CpuReservation, WhatTheNodeCannotHonourIsRefusedWithTheArithmetic) {
     EXPECT_NE(std::string(e.what()).find(fmt::format("reserves all {} CPUs", agent_cpus())), std::string::npos)
         << e.what();
   }
-  EXPECT_EQ(code_of([&] { resolve_cpu_reservation("1023", k); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { resolve_cpu_reservation("fast", k); }), Code::kInvalidArgument);
+  EXPECT_CODE(resolve_cpu_reservation("1023", k), Code::kInvalidArgument);
+  EXPECT_CODE(resolve_cpu_reservation("fast", k), Code::kInvalidArgument);
 }
 
 bool has(const std::vector<std::string>& v, std::string_view prefix) {
