@@ -389,17 +389,7 @@ void Registry::reap() {
   }
   if (create_ids_.appended() > std::max<std::size_t>(4096, 2 * remembered)) {
     try {
-      create_ids_.rewrite([this] {
-        std::vector<CreateIds::Entry> entries;
-        std::lock_guard lock(mutex_);
-        for (const auto& [at, request_id] : request_order_) {
-          auto it = requests_.find(request_id);
-          if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone)
-            continue;
-          entries.push_back(CreateIds::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
-        }
-        return entries;
-      });
+      compact_create_ids();
     } catch (const std::exception& e) {
       log_warn("reaper: request log: {}", e.what());
     }

@@ -382,22 +382,19 @@ void Registry::restore_group_leases(const std::map<std::string, double>& group_t
   ::rmdir(groups_dir().c_str());  // only when empty
 }
 
-// 5. The request log, compacted to what is remembered.
+// The request log, rewritten from the creates the registry remembers (at a start, and when the reaper finds the log
+// far longer than that). Throws what writing it throws.
 void Registry::compact_create_ids() {
-  try {
-    create_ids_.rewrite([this] {
-      std::vector<CreateIds::Entry> entries;
-      std::lock_guard lock(mutex_);
-      for (const auto& [at, request_id] : request_order_) {
-        auto it = requests_.find(request_id);
-        if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone) continue;
-        entries.push_back(CreateIds::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
-      }
-      return entries;
-    });
-  } catch (const std::exception& e) {
-    log_warn("request log: {}", e.what());
-  }
+  create_ids_.rewrite([this] {
+    std::vector<CreateIds::Entry> entries;
+    std::lock_guard lock(mutex_);
+    for (const auto& [at, request_id] : request_order_) {
+      auto it = requests_.find(request_id);
+      if (it == requests_.end() || it->second->at != at || it->second->state != RequestEntry::State::kDone) continue;
+      entries.push_back(CreateIds::Entry{request_id, it->second->sandbox_id, it->second->fingerprint, at});
+    }
+    return entries;
+  });
 }
 
 void Registry::count_recovered(const std::vector<LoadedRecord>& loaded, const std::vector<Recovered>& results,
@@ -441,7 +438,11 @@ RecoveryReport Registry::recover(bool adopt) {
   std::set<std::string> kept_groups;
   enter_recovered(loaded, results, t, report, group_ttls, kept_groups);
   restore_group_leases(group_ttls, kept_groups, t);
-  compact_create_ids();
+  try {
+    compact_create_ids();  // 5. to what is remembered
+  } catch (const std::exception& e) {
+    log_warn("request log: {}", e.what());
+  }
   count_recovered(loaded, results, report);
   // Exec request ids are kept for the sandboxes that still have a record (taken over, failed, or kept for a later
   // start); the others' are forgotten.
