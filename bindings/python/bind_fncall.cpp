@@ -20,7 +20,10 @@ py::object fncall_exception(const dsec::FnCallResult& r) {
 
 }  // namespace
 
-void bind_fncall(py::module_& m) {
+namespace {
+
+// FnCallRequest: what to run, with what input and limits.
+void bind_fncall_request(py::module_& m) {
   py::class_<dsec::FnCallRequest>(
       m, "FnCallRequest", "One function call (build it with dsec.fncall_request or Client.run_code's keywords).")
       .def(py::init<>())
@@ -81,7 +84,10 @@ void bind_fncall(py::module_& m) {
         return "FnCallRequest(language='" + r.language + "', code=" + code + (r.code.size() > 60 ? "..." : "") +
                (r.image.empty() ? "" : ", image='" + r.image + "'") + ")";
       });
+}
 
+// FnCallResult: what a call did, or why it could not run.
+void bind_fncall_result(py::module_& m) {
   py::class_<dsec::FnCallResult>(m, "FnCallResult",
                                  "What a function call did. stdout/stderr are bytes (stdout_text/stderr_text: str).")
       .def_readonly("exit_code", &dsec::FnCallResult::exit_code, "Exit status, or -1 when a signal ended it.")
@@ -133,6 +139,13 @@ void bind_fncall(py::module_& m) {
         if (!r.stderr_data.empty()) s += ", stderr=" + repr_bytes(r.stderr_data);
         return s + ", duration=" + py::repr(py::float_(r.duration_seconds)).cast<std::string>() + ")";
       });
+}
+
+}  // namespace
+
+void bind_fncall(py::module_& m) {
+  bind_fncall_request(m);
+  bind_fncall_result(m);
 }
 
 }  // namespace dsec::python

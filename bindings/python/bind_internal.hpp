@@ -162,6 +162,11 @@ void bind_images(py::module_& m);
 void bind_screen(py::module_& m);
 void bind_node(py::module_& m);
 void bind_sandbox(py::module_& m);
+// Sandbox's methods kept with their concern: the screen (bind_screen.cpp), processes and sessions
+// (bind_processes.cpp).
+using SandboxClass = py::class_<PySandbox, std::shared_ptr<PySandbox>>;
+void def_sandbox_screen(SandboxClass& sandbox);
+void def_sandbox_processes(SandboxClass& sandbox);
 void bind_group(py::module_& m);
 void bind_client(py::module_& m);
 

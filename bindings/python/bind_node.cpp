@@ -3,7 +3,10 @@
 
 namespace dsec::python {
 
-void bind_node(py::module_& m) {
+namespace {
+
+// The parts of NodeInfo: a QEMU tier, pressure, classes of service.
+void bind_node_parts(py::module_& m) {
   py::class_<dsec::QemuTierNodeInfo>(m, "MicroVmNodeInfo",
                                      "A QEMU tier of the node (microvm, vm): offered or why not, on what.")
       .def_readonly("offered", &dsec::MicroVmNodeInfo::offered)
@@ -44,7 +47,12 @@ void bind_node(py::module_& m) {
       .def_readonly("ksm", &dsec::QosNodeInfo::ksm)
       .def_readonly("ksm_sandboxes", &dsec::QosNodeInfo::ksm_sandboxes)
       .def_readonly("ksm_saved_bytes", &dsec::QosNodeInfo::ksm_saved_bytes);
+}
 
+}  // namespace
+
+void bind_node(py::module_& m) {
+  bind_node_parts(m);
   py::class_<dsec::NodeInfo>(m, "NodeInfo", "A node agent: its capacity, load and images.")
       .def_readonly("id", &dsec::NodeInfo::id)
       .def_readonly("version", &dsec::NodeInfo::version)

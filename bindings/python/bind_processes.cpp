@@ -3,7 +3,10 @@
 
 namespace dsec::python {
 
-void bind_processes(py::module_& m) {
+namespace {
+
+// What the agent reports of processes and sessions.
+void bind_process_infos(py::module_& m) {
   py::class_<dsec::ProcessInfo>(m, "ProcessInfo", "What the agent knows about a spawned process.")
       .def_readonly("pid", &dsec::ProcessInfo::pid, "Its pid inside the sandbox; its id in every call.")
       .def_readonly("argv", &dsec::ProcessInfo::argv)
@@ -64,7 +67,9 @@ void bind_processes(py::module_& m) {
                (i.alive ? "" : ", exit_code=" + std::to_string(i.exit_code) + ", signal=" + std::to_string(i.signal)) +
                ")";
       });
+}
 
+void bind_process_handles(py::module_& m) {
   // Handles: they own nothing and never change, so any thread may use them; every call releases the GIL.
   py::class_<dsec::Process>(m, "Process")
       .def_property_readonly("pid", &dsec::Process::pid)
@@ -111,6 +116,61 @@ void bind_processes(py::module_& m) {
       .def("info", &dsec::Session::info, Release())
       .def("restart", &dsec::Session::restart, Release())
       .def("close", &dsec::Session::close, Release());
+}
+
+}  // namespace
+
+void bind_processes(py::module_& m) {
+  bind_process_infos(m);
+  bind_process_handles(m);
+}
+
+// A Sandbox's processes and shell sessions: spawn, look up, list.
+void def_sandbox_processes(SandboxClass& sandbox) {
+  sandbox
+      .def(
+          "spawn",
+          [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
+             std::map<std::string, std::string> env, std::string cwd, std::string user, bool pty, unsigned rows,
+             unsigned cols, std::string tag, std::string request_id) {
+            auto req = command_request<dsec::ProcessRequest>(std::move(argv), std::move(shell), std::move(env),
+                                                             std::move(cwd), std::move(user));
+            req.pty = pty;
+            req.rows = rows;
+            req.cols = cols;
+            req.tag = std::move(tag);
+            req.request_id = std::move(request_id);
+            py::gil_scoped_release release;
+            return self.get().spawn(req);
+          },
+          py::arg("argv") = py::none(), py::arg("shell") = py::none(),
+          py::arg("env") = std::map<std::string, std::string>{}, py::arg("cwd") = "", py::arg("user") = "",
+          py::arg("pty") = false, py::arg("rows") = 24u, py::arg("cols") = 80u, py::arg("tag") = "",
+          py::arg("request_id") = "")
+      .def(
+          "process", [](PySandbox& self, int pid) { return self.get().process(pid); }, py::arg("pid"))
+      .def(
+          "processes", [](PySandbox& self) { return self.get().processes(); }, Release())
+      .def(
+          "shell",
+          [](PySandbox& self, std::string name, std::string shell, std::map<std::string, std::string> env,
+             std::string cwd, std::string user) {
+            dsec::SessionOptions o;
+            o.name = std::move(name);
+            o.shell = std::move(shell);
+            o.env = std::move(env);
+            o.cwd = std::move(cwd);
+            o.user = std::move(user);
+            py::gil_scoped_release release;
+            return self.get().shell(o);
+          },
+          py::arg("name") = "", py::arg("shell") = "", py::arg("env") = std::map<std::string, std::string>{},
+          py::arg("cwd") = "", py::arg("user") = "")
+      .def(
+          "session", [](PySandbox& self, std::string name) { return self.get().session(std::move(name)); },
+          py::arg("name"))
+      .def(
+          "sessions", [](PySandbox& self) { return self.get().sessions(); }, Release());
 }
 
 }  // namespace dsec::python

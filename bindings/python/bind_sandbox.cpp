@@ -105,10 +105,11 @@ void bind_sandbox_results(py::module_& m) {
       });
 }
 
-void bind_sandbox(py::module_& m) {
-  py::class_<PySandbox, std::shared_ptr<PySandbox>>(m, "Sandbox")
-      .def_property_readonly("id", &PySandbox::id)
-      .def_property_readonly("destroyed", &PySandbox::destroyed)
+namespace {
+
+// exec and the files API.
+void def_sandbox_exec_and_files(SandboxClass& sandbox) {
+  sandbox
       .def(
           "exec",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
@@ -169,7 +170,12 @@ void bind_sandbox(py::module_& m) {
             }
             return py::bytes(out);
           },
-          py::arg("dir"))
+          py::arg("dir"));
+}
+
+// What the agent knows of it, its TTL, its network and exposed ports.
+void def_sandbox_info_and_network(SandboxClass& sandbox) {
+  sandbox
       .def(
           "info", [](PySandbox& self) { return self.get().info(); }, py::call_guard<py::gil_scoped_release>())
       .def(
@@ -193,44 +199,6 @@ void bind_sandbox(py::module_& m) {
       .def(
           "exposed", [](PySandbox& self) { return self.get().exposed(); }, py::call_guard<py::gil_scoped_release>())
       .def(
-          "screenshot",
-          [](PySandbox& self) {
-            std::string png;
-            {
-              py::gil_scoped_release release;
-              png = self.get().screenshot();
-            }
-            return py::bytes(png);
-          },
-          "PNG bytes of a full VM's screen now.")
-      .def(
-          "screen",
-          [](PySandbox& self) {
-            dsec::ScreenState st;
-            {
-              py::gil_scoped_release release;
-              st = self.get().screen();
-            }
-            return screen_dict(st);
-          },
-          "The screen's size and where the pointer was last put.")
-      .def(
-          "input",
-          [](PySandbox& self, const std::vector<dsec::InputAction>& actions) {
-            dsec::ScreenState st;
-            {
-              py::gil_scoped_release release;
-              st = self.get().input(actions);
-            }
-            return screen_dict(st);
-          },
-          py::arg("actions"), "Sends input actions in order; answers the screen's state after them.")
-      .def(
-          "vnc", [](PySandbox& self) { return self.get().vnc(); }, py::call_guard<py::gil_scoped_release>(),
-          "A VNC endpoint 'host:port' to watch (and drive) the screen.")
-      .def(
-          "stop_vnc", [](PySandbox& self) { self.get().stop_vnc(); }, py::call_guard<py::gil_scoped_release>())
-      .def(
           "network_usage",
           [](PySandbox& self) {
             dsec::NetworkUsage u;
@@ -247,7 +215,12 @@ void bind_sandbox(py::module_& m) {
             d["resolved"] = u.resolved;
             return d;
           },
-          "What its network carried: bytes and packets each way, refused new connections, resolved names.")
+          "What its network carried: bytes and packets each way, refused new connections, resolved names.");
+}
+
+// Sleep, wake, snapshots, forks and destroy.
+void def_sandbox_lifecycle(SandboxClass& sandbox) {
+  sandbox
       .def(
           "sleep", [](PySandbox& self) { return self.get().sleep(); }, py::call_guard<py::gil_scoped_release>(),
           "Freezes the sandbox in place and releases its memory; exec fails until wake().")
@@ -273,50 +246,19 @@ void bind_sandbox(py::module_& m) {
           py::arg("n"), py::arg("name") = "", py::arg("keep") = false, py::call_guard<py::gil_scoped_release>(),
           "Snapshots the sandbox and creates n sandboxes from the snapshot with its spec; a generated snapshot goes "
           "with the last of them unless keep.")
-      .def(
-          "spawn",
-          [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
-             std::map<std::string, std::string> env, std::string cwd, std::string user, bool pty, unsigned rows,
-             unsigned cols, std::string tag, std::string request_id) {
-            auto req = command_request<dsec::ProcessRequest>(std::move(argv), std::move(shell), std::move(env),
-                                                             std::move(cwd), std::move(user));
-            req.pty = pty;
-            req.rows = rows;
-            req.cols = cols;
-            req.tag = std::move(tag);
-            req.request_id = std::move(request_id);
-            py::gil_scoped_release release;
-            return self.get().spawn(req);
-          },
-          py::arg("argv") = py::none(), py::arg("shell") = py::none(),
-          py::arg("env") = std::map<std::string, std::string>{}, py::arg("cwd") = "", py::arg("user") = "",
-          py::arg("pty") = false, py::arg("rows") = 24u, py::arg("cols") = 80u, py::arg("tag") = "",
-          py::arg("request_id") = "")
-      .def(
-          "process", [](PySandbox& self, int pid) { return self.get().process(pid); }, py::arg("pid"))
-      .def(
-          "processes", [](PySandbox& self) { return self.get().processes(); }, Release())
-      .def(
-          "shell",
-          [](PySandbox& self, std::string name, std::string shell, std::map<std::string, std::string> env,
-             std::string cwd, std::string user) {
-            dsec::SessionOptions o;
-            o.name = std::move(name);
-            o.shell = std::move(shell);
-            o.env = std::move(env);
-            o.cwd = std::move(cwd);
-            o.user = std::move(user);
-            py::gil_scoped_release release;
-            return self.get().shell(o);
-          },
-          py::arg("name") = "", py::arg("shell") = "", py::arg("env") = std::map<std::string, std::string>{},
-          py::arg("cwd") = "", py::arg("user") = "")
-      .def(
-          "session", [](PySandbox& self, std::string name) { return self.get().session(std::move(name)); },
-          py::arg("name"))
-      .def(
-          "sessions", [](PySandbox& self) { return self.get().sessions(); }, Release())
       .def("destroy", &PySandbox::destroy, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+void bind_sandbox(py::module_& m) {
+  SandboxClass sandbox(m, "Sandbox");
+  sandbox.def_property_readonly("id", &PySandbox::id).def_property_readonly("destroyed", &PySandbox::destroyed);
+  def_sandbox_exec_and_files(sandbox);
+  def_sandbox_info_and_network(sandbox);
+  def_sandbox_screen(sandbox);
+  def_sandbox_lifecycle(sandbox);
+  def_sandbox_processes(sandbox);
 }
 
 }  // namespace dsec::python

@@ -38,4 +38,47 @@ void bind_screen(py::module_& m) {
   }
 }
 
+// A full VM's screen on its Sandbox: screenshots, state, input and VNC.
+void def_sandbox_screen(SandboxClass& sandbox) {
+  sandbox
+      .def(
+          "screenshot",
+          [](PySandbox& self) {
+            std::string png;
+            {
+              py::gil_scoped_release release;
+              png = self.get().screenshot();
+            }
+            return py::bytes(png);
+          },
+          "PNG bytes of a full VM's screen now.")
+      .def(
+          "screen",
+          [](PySandbox& self) {
+            dsec::ScreenState st;
+            {
+              py::gil_scoped_release release;
+              st = self.get().screen();
+            }
+            return screen_dict(st);
+          },
+          "The screen's size and where the pointer was last put.")
+      .def(
+          "input",
+          [](PySandbox& self, const std::vector<dsec::InputAction>& actions) {
+            dsec::ScreenState st;
+            {
+              py::gil_scoped_release release;
+              st = self.get().input(actions);
+            }
+            return screen_dict(st);
+          },
+          py::arg("actions"), "Sends input actions in order; answers the screen's state after them.")
+      .def(
+          "vnc", [](PySandbox& self) { return self.get().vnc(); }, py::call_guard<py::gil_scoped_release>(),
+          "A VNC endpoint 'host:port' to watch (and drive) the screen.")
+      .def(
+          "stop_vnc", [](PySandbox& self) { self.get().stop_vnc(); }, py::call_guard<py::gil_scoped_release>());
+}
+
 }  // namespace dsec::python

@@ -3,18 +3,9 @@
 
 namespace dsec::python {
 
-void bind_spec(py::module_& m) {
-  m.def(
-      "parse_size",
-      [](const std::string& text) {
-        auto v = dsec::parse_size(text);
-        if (!v)
-          throw dsec::Error(dsec::Code::kInvalidArgument,
-                            "'" + text + "' is not a size (examples: 4096, \"512Mi\", \"2G\", \"1.5GiB\")");
-        return *v;
-      },
-      py::arg("text"), "Bytes in a size such as '512Mi', '2G' or '4096'.");
+namespace {
 
+void bind_resources(py::module_& m) {
   py::class_<dsec::Resources>(m, "Resources")
       .def(py::init<>())
       .def_readwrite("cpu", &dsec::Resources::cpu)
@@ -42,7 +33,9 @@ void bind_spec(py::module_& m) {
                ", memory_bytes=" + std::to_string(r.memory_bytes) + ", disk_bytes=" + std::to_string(r.disk_bytes) +
                ", pids=" + std::to_string(r.pids) + ", open_files=" + std::to_string(r.open_files) + ")";
       });
+}
 
+void bind_network_policy(py::module_& m) {
   py::class_<dsec::NetworkRule>(m, "NetworkRule", "One egress rule: allow or deny a network, protocol and ports.")
       .def(py::init<>())
       .def_readwrite("allow", &dsec::NetworkRule::allow)
@@ -56,7 +49,9 @@ void bind_spec(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("mode", &dsec::NetworkPolicy::mode)
       .def_readwrite("rules", &dsec::NetworkPolicy::rules);
+}
 
+void bind_sandbox_spec(py::module_& m) {
   py::class_<dsec::SandboxSpec>(m, "SandboxSpec")
       .def(py::init<>())
       .def_readwrite("image", &dsec::SandboxSpec::image)
@@ -94,6 +89,24 @@ void bind_spec(py::module_& m) {
             s.queue_timeout = std::chrono::milliseconds{static_cast<std::int64_t>(seconds * 1000)};
           },
           "Seconds a create may wait on a full node for room, in order (0: refused at once).");
+}
+
+}  // namespace
+
+void bind_spec(py::module_& m) {
+  m.def(
+      "parse_size",
+      [](const std::string& text) {
+        auto v = dsec::parse_size(text);
+        if (!v)
+          throw dsec::Error(dsec::Code::kInvalidArgument,
+                            "'" + text + "' is not a size (examples: 4096, \"512Mi\", \"2G\", \"1.5GiB\")");
+        return *v;
+      },
+      py::arg("text"), "Bytes in a size such as '512Mi', '2G' or '4096'.");
+  bind_resources(m);
+  bind_network_policy(m);
+  bind_sandbox_spec(m);
 }
 
 }  // namespace dsec::python
