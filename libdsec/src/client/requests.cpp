@@ -244,7 +244,8 @@ SandboxRequest process_wait(std::string_view id, int pid, double wait_seconds) {
 
 void check_process_wait(double seconds) {
   if (std::isnan(seconds) || seconds > protocol::kMaxProcessWait)
-    throw Error(Code::kInvalidArgument, fmt::format("wait: at most {} seconds, got {}", protocol::kMaxProcessWait, seconds));
+    throw Error(Code::kInvalidArgument,
+                fmt::format("wait: at most {} seconds, got {}", protocol::kMaxProcessWait, seconds));
 }
 
 SandboxRequest process_output(std::string_view id, int pid, std::optional<std::uint64_t> stdout_offset,

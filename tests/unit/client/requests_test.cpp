@@ -118,11 +118,12 @@ TEST(ClientRequests, HowEachCallMayBeRepeated) {
   EXPECT_TRUE(requests::info("sb-1").how.repeatable);
   EXPECT_FALSE(requests::open_session("sb-1", SessionOptions{}).how.repeatable);
   EXPECT_FALSE(requests::expose("sb-1", 80).how.repeatable);
-  EXPECT_FALSE(requests::spawn("sb-1", [] {
-                 ProcessRequest p;
-                 p.shell = "sleep 1";
-                 return p;
-               }())
+  EXPECT_FALSE(requests::spawn("sb-1",
+                               [] {
+                                 ProcessRequest p;
+                                 p.shell = "sleep 1";
+                                 return p;
+                               }())
                    .how.request_id.empty());
   SandboxRequest sleep = requests::sleep_or_wake("sb-1", true);
   EXPECT_TRUE(sleep.how.retry_timeouts);
