@@ -162,7 +162,7 @@ Error agent_error(const HttpRequest& request, const std::string& endpoint, const
   }
   Error e = protocol::decode_error(body, static_cast<int>(r.status));
   return Error(e.code(), fmt::format("{} {} on {}: {}", request.method, request.target, endpoint, e.what()),
-               e.retryable(), e.fault());
+               e.retryable(), e.fault(), e.outcome_unknown());
 }
 
 NodePtr ClientCore::route(const std::string& id, SteadyClock::time_point deadline) {
@@ -280,11 +280,8 @@ std::optional<OutcomeUnknown> outcome_unknown(const Error& e, const std::string&
                                               bool maybe_sent) {
   if (dynamic_cast<const OutcomeUnknown*>(&e)) return std::nullopt;
   // The agent knows the command was under way when it stopped, and so never learnt how it ended: its error says so
-  // in the outcome_unknown field, and in its words, which are what is left where the transport has rebuilt the
-  // error with the call's name in front (that copy does not carry the field yet).
-  if (e.code() == Code::kDataLoss &&
-      (e.outcome_unknown() || std::string_view(e.what()).find("outcome unknown:") != std::string_view::npos))
-    return OutcomeUnknown(request_id, e.what());
+  // in the outcome_unknown field.
+  if (e.code() == Code::kDataLoss && e.outcome_unknown()) return OutcomeUnknown(request_id, e.what());
   // The request may have reached the agent and every retry failed to ask it again: whether the command ran is
   // not known here.
   const bool lost = e.code() == Code::kUnavailable || e.code() == Code::kDeadlineExceeded ||
