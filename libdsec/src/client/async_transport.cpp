@@ -21,6 +21,7 @@
 
 #include "client/client_core.hpp"
 #include "client/curl_exchange.hpp"
+#include "http/curl.hpp"
 
 namespace dsec::detail {
 namespace {
@@ -58,7 +59,7 @@ struct Pending {
 struct AsyncTransport::Impl {
   Impl(std::shared_ptr<ClientCore> c, std::function<void()> after)
       : core(std::move(c)), after_events(std::move(after)) {
-    CurlExchange::global_init();
+    http::curl::global_init("the HTTP client");
     epoll = ::epoll_create1(EPOLL_CLOEXEC);
     wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (epoll < 0 || wake < 0) {
@@ -126,7 +127,7 @@ struct AsyncTransport::Impl {
   void transfer_done(CURL* easy, CURLcode rc);
   // The attempt failed with `error` (thrown by the exchange itself when `exchange` is true, else by routing): retry
   // after a backoff, or end the call.
-  void attempt_failed(Pending& p, std::exception_ptr error, bool exchange);
+  void attempt_failed(Pending& p, const std::exception_ptr& error, bool exchange);
   void finish(Pending& p, HttpResponse* response, std::exception_ptr error);
   void detach_transfer(Pending& p);
   long poll_timeout_ms();
@@ -149,7 +150,7 @@ struct AsyncTransport::Impl {
   // The I/O thread's own.
   std::unordered_map<std::uint64_t, std::unique_ptr<Pending>> calls;
   std::multimap<SteadyClock::time_point, std::uint64_t> timers;  // retries waiting out their backoff
-  std::vector<CURL*> idle;
+  http::curl::HandlePool handles{kMaxIdleHandles};               // easy handles for the next transfers
   std::mt19937_64 rng;
 };
 
@@ -272,8 +273,6 @@ void AsyncTransport::Impl::run() {
     finish(p, nullptr, std::make_exception_ptr(closed));
   }
   if (after_events) after_events();
-  for (CURL* h : idle) curl_easy_cleanup(h);
-  idle.clear();
   curl_multi_cleanup(multi);
   multi = nullptr;
 }
@@ -315,13 +314,7 @@ void AsyncTransport::Impl::start(Pending& p) {
   }
   try {
     if (p.call.on_attempt) p.call.on_attempt();
-    CURL* easy = nullptr;
-    if (!idle.empty()) {
-      easy = idle.back();
-      idle.pop_back();
-    } else if (!(easy = curl_easy_init())) {
-      throw Error(Code::kResourceExhausted, "curl_easy_init failed (out of memory?)");
-    }
+    CURL* easy = handles.take();
     p.easy = easy;
     const auto now = SteadyClock::now();
     const auto until = std::min(p.deadline, now + core->options().request_timeout + p.call.request.how.extra);
@@ -345,8 +338,7 @@ void AsyncTransport::Impl::detach_transfer(Pending& p) {
   if (!p.easy) return;
   curl_multi_remove_handle(multi, p.easy);  // mid-transfer: the connection is closed
   p.exchange.reset();
-  if (idle.size() < kMaxIdleHandles) idle.push_back(p.easy);
-  else curl_easy_cleanup(p.easy);
+  handles.give_back(p.easy);
   p.easy = nullptr;
 }
 
@@ -375,7 +367,7 @@ void AsyncTransport::Impl::transfer_done(CURL* easy, CURLcode rc) {
   attempt_failed(p, std::make_exception_ptr(agent_error(p.request, p.node->endpoint, response)), true);
 }
 
-void AsyncTransport::Impl::attempt_failed(Pending& p, std::exception_ptr error, bool exchange) {
+void AsyncTransport::Impl::attempt_failed(Pending& p, const std::exception_ptr& error, bool exchange) {
   const SandboxCall& how = p.call.request.how;
   std::optional<Error> failure;
   try {

@@ -22,9 +22,6 @@ class CurlExchange {
   CurlExchange(const CurlExchange&) = delete;
   CurlExchange& operator=(const CurlExchange&) = delete;
 
-  // curl_global_init, once per process.
-  static void global_init();
-
   void* handle() const noexcept { return handle_; }
   // After the transfer ended with curl code `rc`: the answer, or the TransportError (or what on_body threw) to raise.
   HttpResponse finish(int rc);

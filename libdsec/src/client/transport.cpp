@@ -1,31 +1,26 @@
 #include "client/transport.hpp"
 
 #include "client/curl_exchange.hpp"
+#include "http/curl.hpp"
 
 #include <curl/curl.h>
 
 #include <algorithm>
 #include <cstring>
 #include <exception>
-#include <mutex>
 
 #include <fmt/format.h>
 
 namespace dsec::detail {
 namespace {
 
+using http::curl::set;
+namespace curl = http::curl;
+
 using std::chrono::duration_cast;
 using std::chrono::milliseconds;
 
 constexpr long kMaxConnectTimeoutMs = 10'000;
-
-void global_init_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK)
-      throw Error(Code::kInternal, "curl_global_init failed: the HTTP client cannot start");
-  });
-}
 
 std::size_t append_body(char* data, std::size_t size, std::size_t count, void* user) {
   static_cast<std::string*>(user)->append(data, size * count);
@@ -58,54 +53,29 @@ std::size_t stream_body(char* data, std::size_t size, std::size_t count, void* u
   }
 }
 
-// Sets an option whose failure means curl itself is unusable (out of memory, a feature compiled out).
-template <typename T>
-void set(CURL* h, CURLoption option, T value) {
-  CURLcode rc = curl_easy_setopt(h, option, value);
-  if (rc != CURLE_OK)
-    throw Error(Code::kInternal,
-                fmt::format("libcurl refused option {}: {}", static_cast<int>(option), curl_easy_strerror(rc)));
-}
-
-struct HeaderList {
-  curl_slist* list = nullptr;
-  ~HeaderList() { curl_slist_free_all(list); }
-  void add(const std::string& line) {
-    curl_slist* next = curl_slist_append(list, line.c_str());
-    if (!next) throw Error(Code::kResourceExhausted, "out of memory building HTTP headers");
-    list = next;
-  }
-};
-
 // How a curl failure reads to a dsec caller. Connection failures before anything was sent are the one case every
 // call may retry; a broken connection after sending is retryable only for idempotent calls (the caller decides).
 TransportError to_error(CURLcode rc, const char* detail, int os_errno, const Endpoint& ep, const HttpRequest& req,
                         bool sent) {
-  std::string why = detail && *detail ? detail : curl_easy_strerror(rc);
+  std::string why = curl::describe(rc, detail);
   // curl words a unix socket failure as "port 80"; say what happened to the socket.
   if (rc == CURLE_COULDNT_CONNECT && !ep.unix_path.empty() && os_errno != 0)
     why = fmt::format("connect to {}: {}", ep.unix_path, std::strerror(os_errno));
   std::string what = fmt::format("{} {} on {}: {}", req.method, req.target, ep.text, why);
-  switch (rc) {
-    case CURLE_COULDNT_CONNECT:
-    case CURLE_COULDNT_RESOLVE_HOST:
-    case CURLE_COULDNT_RESOLVE_PROXY:
-    case CURLE_SSL_CONNECT_ERROR:
+  switch (curl::classify(rc)) {
+    case curl::Failure::kUnreachable:
       return TransportError(Code::kUnavailable, "agent unreachable: " + what, true, false);
-    case CURLE_OPERATION_TIMEDOUT:
+    case curl::Failure::kTimedOut:
       return TransportError(Code::kDeadlineExceeded, "deadline exceeded: " + what, false, sent);
-    case CURLE_SEND_ERROR:
-    case CURLE_RECV_ERROR:
-    case CURLE_GOT_NOTHING:
-    case CURLE_PARTIAL_FILE:
+    case curl::Failure::kBroken:
       return TransportError(Code::kUnavailable, "connection to the agent broke: " + what, true, sent);
-    case CURLE_OUT_OF_MEMORY:
+    case curl::Failure::kOutOfMemory:
       return TransportError(Code::kResourceExhausted, "out of memory: " + what, false, sent);
-    case CURLE_WEIRD_SERVER_REPLY:
-    case CURLE_UNSUPPORTED_PROTOCOL:
+    case curl::Failure::kNotHttp:
+    case curl::Failure::kUnsupportedProtocol:
       return TransportError(Code::kUnavailable, "the endpoint does not speak HTTP/1.1 like a dsec agent: " + what,
                             false, sent);
-    case CURLE_URL_MALFORMAT:
+    case curl::Failure::kMalformedUrl:
       return TransportError(Code::kInvalidArgument, "malformed URL: " + what, false, false);
     default:
       return TransportError(Code::kUnknown, what, false, sent);
@@ -115,45 +85,19 @@ TransportError to_error(CURLcode rc, const char* detail, int os_errno, const End
 }  // namespace
 
 Transport::Transport(Endpoint endpoint, std::shared_ptr<const Credentials> credentials, std::size_t max_idle_handles)
-    : endpoint_(std::move(endpoint)), credentials_(std::move(credentials)), max_idle_handles_(max_idle_handles) {
-  global_init_once();
+    : endpoint_(std::move(endpoint)),
+      credentials_(std::move(credentials)),
+      handles_(std::make_unique<curl::HandlePool>(max_idle_handles)) {
+  curl::global_init("the HTTP client");
 }
 
-Transport::~Transport() {
-  for (void* h : idle_) curl_easy_cleanup(static_cast<CURL*>(h));
-}
-
-void* Transport::acquire() {
-  {
-    std::lock_guard lock(mu_);
-    if (!idle_.empty()) {
-      void* h = idle_.back();
-      idle_.pop_back();
-      return h;
-    }
-  }
-  CURL* h = curl_easy_init();
-  if (!h) throw Error(Code::kResourceExhausted, "curl_easy_init failed (out of memory?)");
-  return h;
-}
-
-void Transport::give_back(void* handle) {
-  {
-    std::lock_guard lock(mu_);
-    if (idle_.size() < max_idle_handles_) {
-      idle_.push_back(handle);
-      return;
-    }
-  }
-  curl_easy_cleanup(static_cast<CURL*>(handle));
-}
+Transport::~Transport() = default;
 
 TransportStats Transport::stats() const {
   TransportStats s;
   s.requests = requests_.load();
   s.connects = connects_.load();
-  std::lock_guard lock(mu_);
-  s.idle_handles = idle_.size();
+  s.idle_handles = handles_->idle();
   return s;
 }
 
@@ -166,12 +110,8 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
         false);
 
   // The handle goes back to the pool on every path, keeping its connection for the next call.
-  CURL* h = static_cast<CURL*>(acquire());
-  struct Return {
-    Transport* t;
-    CURL* h;
-    ~Return() { t->give_back(h); }
-  } give_back_on_exit{this, h};
+  curl::HandlePool::Lease lease(*handles_);
+  CURL* h = lease.get();
 
   CurlExchange exchange(h, endpoint_, credentials_.get(), req, static_cast<long>(remaining));
   requests_.fetch_add(1, std::memory_order_relaxed);
@@ -183,7 +123,7 @@ HttpResponse Transport::send(const HttpRequest& req, SteadyClock::time_point dea
 struct CurlExchange::State {
   char errbuf[CURL_ERROR_SIZE] = {0};
   std::string url;
-  HeaderList headers;
+  curl::HeaderList headers;
   HttpResponse response;
   BodySink sink{nullptr, nullptr, nullptr, nullptr};
 };
@@ -191,9 +131,8 @@ struct CurlExchange::State {
 CurlExchange::CurlExchange(void* handle, const Endpoint& endpoint, const Credentials* credentials,
                            const HttpRequest& req, long timeout_ms)
     : handle_(handle), endpoint_(endpoint), request_(req), state_(std::make_unique<State>()) {
-  global_init_once();
+  curl::global_init("the HTTP client");
   CURL* h = static_cast<CURL*>(handle);
-  curl_easy_reset(h);  // options only: live connections stay in the handle
   State& s = *state_;
   s.url = endpoint.base_url + req.target;
   s.headers.add("Expect:");  // no 100-continue round trip before uploads
@@ -201,17 +140,19 @@ CurlExchange::CurlExchange(void* handle, const Endpoint& endpoint, const Credent
   if (!req.content_type.empty()) s.headers.add(fmt::format("Content-Type: {}", req.content_type));
   if (credentials && !credentials->token.empty()) s.headers.add("Authorization: Bearer " + credentials->token);
 
-  set(h, CURLOPT_URL, s.url.c_str());
-  if (!endpoint.unix_path.empty()) set(h, CURLOPT_UNIX_SOCKET_PATH, endpoint.unix_path.c_str());
-  set(h, CURLOPT_NOSIGNAL, 1L);  // no SIGALRM in a multi-threaded trainer
-  set(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));
-  set(h, CURLOPT_TCP_KEEPALIVE, 1L);
-  set(h, CURLOPT_TCP_NODELAY, 1L);
+  curl::TransferOptions transfer{.url = s.url,
+                                 .unix_socket = endpoint.unix_path,
+                                 .user_agent = "dsec-client/0.1.0",
+                                 .headers = &s.headers,
+                                 .error_buffer = s.errbuf};
+  if (credentials) {
+    transfer.ca_file = credentials->ca_file;
+    transfer.client_cert = credentials->client_cert;
+    transfer.client_key = credentials->client_key;
+  }
+  curl::start_transfer(h, transfer);
   set(h, CURLOPT_TIMEOUT_MS, std::max<long>(timeout_ms, 1));
   set(h, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(std::max<long>(timeout_ms, 1), kMaxConnectTimeoutMs));
-  set(h, CURLOPT_USERAGENT, "dsec-client/0.1.0");
-  set(h, CURLOPT_HTTPHEADER, s.headers.list);
-  set(h, CURLOPT_ERRORBUFFER, s.errbuf);
   s.sink = BodySink{h, &req.on_body, &s.response.body, nullptr};
   if (req.on_body) {
     set(h, CURLOPT_WRITEFUNCTION, &stream_body);
@@ -220,13 +161,6 @@ CurlExchange::CurlExchange(void* handle, const Endpoint& endpoint, const Credent
     set(h, CURLOPT_WRITEFUNCTION, &append_body);
     set(h, CURLOPT_WRITEDATA, static_cast<void*>(&s.response.body));
   }
-  set(h, CURLOPT_PROTOCOLS_STR, "http,https");
-  if (credentials) {
-    if (!credentials->ca_file.empty()) set(h, CURLOPT_CAINFO, credentials->ca_file.c_str());
-    if (!credentials->client_cert.empty()) set(h, CURLOPT_SSLCERT, credentials->client_cert.c_str());
-    if (!credentials->client_key.empty()) set(h, CURLOPT_SSLKEY, credentials->client_key.c_str());
-  }
-
   if (req.method == "GET") {
     set(h, CURLOPT_HTTPGET, 1L);
   } else if (req.method == "POST" || req.method == "PUT") {
@@ -243,8 +177,6 @@ CurlExchange::CurlExchange(void* handle, const Endpoint& endpoint, const Credent
 
 CurlExchange::~CurlExchange() = default;
 
-void CurlExchange::global_init() { global_init_once(); }
-
 std::uint64_t CurlExchange::connects() const {
   long connects = 0;
   if (curl_easy_getinfo(static_cast<CURL*>(handle_), CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects > 0)
@@ -259,14 +191,9 @@ HttpResponse CurlExchange::finish(int code) {
   if (s.sink.error) std::rethrow_exception(s.sink.error);
   if (rc != CURLE_OK) {
     // Conservative: the request may have reached the agent once curl was ready to send or sent any byte.
-    curl_off_t pretransfer_us = 0;
-    long request_bytes = 0;
-    curl_easy_getinfo(h, CURLINFO_PRETRANSFER_TIME_T, &pretransfer_us);
-    curl_easy_getinfo(h, CURLINFO_REQUEST_SIZE, &request_bytes);
     long os_errno = 0;
     curl_easy_getinfo(h, CURLINFO_OS_ERRNO, &os_errno);
-    throw to_error(rc, s.errbuf, static_cast<int>(os_errno), endpoint_, request_,
-                   pretransfer_us > 0 || request_bytes > 0);
+    throw to_error(rc, s.errbuf, static_cast<int>(os_errno), endpoint_, request_, curl::may_have_sent(h));
   }
   curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &s.response.status);
   char* ct = nullptr;

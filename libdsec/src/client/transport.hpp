@@ -16,6 +16,10 @@
 #include "client/endpoint.hpp"
 #include "dsec/error.hpp"
 
+namespace dsec::http::curl {
+class HandlePool;
+}
+
 namespace dsec::detail {
 
 using SteadyClock = std::chrono::steady_clock;
@@ -52,8 +56,8 @@ struct HttpResponse {
 // is not idempotent (exec) may only be retried when it is false.
 class TransportError : public Error {
  public:
-  TransportError(Code code, std::string message, bool retryable, bool maybe_sent)
-      : Error(code, std::move(message), retryable), maybe_sent_(maybe_sent) {}
+  TransportError(Code code, const std::string& message, bool retryable, bool maybe_sent)
+      : Error(code, message, retryable), maybe_sent_(maybe_sent) {}
   bool maybe_sent() const noexcept { return maybe_sent_; }
 
  private:
@@ -93,14 +97,9 @@ class Transport {
   TransportStats stats() const;
 
  private:
-  void* acquire();
-  void give_back(void* handle);
-
   Endpoint endpoint_;
   std::shared_ptr<const Credentials> credentials_;
-  std::size_t max_idle_handles_;
-  mutable std::mutex mu_;
-  std::vector<void*> idle_;  // CURL* easy handles, each with its live connection
+  std::unique_ptr<http::curl::HandlePool> handles_;  // easy handles, each with its live connection
   std::atomic<std::uint64_t> requests_{0};
   std::atomic<std::uint64_t> connects_{0};
 };

@@ -12,9 +12,13 @@
 #include <nlohmann/json.hpp>
 
 #include "common/protocol.hpp"
+#include "http/curl.hpp"
 
 namespace dsec::cluster {
 namespace {
+
+namespace curl = http::curl;
+using curl::set;
 
 using nlohmann::json;
 using std::chrono::duration_cast;
@@ -27,35 +31,17 @@ constexpr long kKeepIdleSeconds = 5;
 constexpr long kKeepIntervalSeconds = 2;
 constexpr int kKeepCount = 3;
 constexpr std::size_t kMaxAnswerBytes = 64u << 20;
+constexpr std::size_t kMaxIdleHandles = 8;
+constexpr std::size_t kMaxErrorBodyBytes = 64u << 10;
 
-void global_init_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK)
-      throw Error(Code::kInternal, "curl_global_init failed: the etcd client cannot start");
-  });
-}
-
-template <typename T>
-void set(CURL* h, CURLoption option, T value) {
-  if (CURLcode rc = curl_easy_setopt(h, option, value); rc != CURLE_OK)
-    throw Error(Code::kInternal,
-                fmt::format("curl_easy_setopt({}): {}", static_cast<int>(option), curl_easy_strerror(rc)));
-}
-
-struct HeaderList {
-  curl_slist* list = nullptr;
-  HeaderList() {
-    // hasleader: a member cut off from the cluster's leader refuses (UNAVAILABLE) instead of answering stale data
-    // or keeping a watch open that will never see another event.
+// The headers of every request. hasleader: a member cut off from the cluster's leader refuses (UNAVAILABLE) instead
+// of answering stale data or keeping a watch open that will never see another event.
+struct EtcdHeaders : curl::HeaderList {
+  EtcdHeaders() {
     for (const char* h :
          {"Content-Type: application/json", "Accept: application/json", "Expect:", "Grpc-Metadata-hasleader: true"})
-      list = curl_slist_append(list, h);
-    if (!list) throw Error(Code::kResourceExhausted, "out of memory for HTTP headers");
+      add(h);
   }
-  ~HeaderList() { curl_slist_free_all(list); }
-  HeaderList(const HeaderList&) = delete;
-  HeaderList& operator=(const HeaderList&) = delete;
 };
 
 int set_keepalive_count(void*, curl_socket_t fd, curlsocktype) {
@@ -64,24 +50,18 @@ int set_keepalive_count(void*, curl_socket_t fd, curlsocktype) {
   return CURL_SOCKOPT_OK;
 }
 
-void common_options(CURL* h, const std::string& url, const HeaderList& headers, const std::string& body, char* errbuf,
+void common_options(CURL* h, const std::string& url, const EtcdHeaders& headers, const std::string& body, char* errbuf,
                     const EtcdOptions& options) {
-  set(h, CURLOPT_URL, url.c_str());
-  if (!options.ca_file.empty()) set(h, CURLOPT_CAINFO, options.ca_file.c_str());
-  if (!options.client_cert.empty()) set(h, CURLOPT_SSLCERT, options.client_cert.c_str());
-  if (!options.client_key.empty()) set(h, CURLOPT_SSLKEY, options.client_key.c_str());
-  set(h, CURLOPT_PROTOCOLS_STR, "http,https");
-  set(h, CURLOPT_NOSIGNAL, 1L);
-  set(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));
-  set(h, CURLOPT_TCP_NODELAY, 1L);
-  set(h, CURLOPT_TCP_KEEPALIVE, 1L);
+  curl::start_transfer(h, {.url = url,
+                           .user_agent = "dsec-etcd/0.1.0",
+                           .ca_file = options.ca_file,
+                           .client_cert = options.client_cert,
+                           .client_key = options.client_key,
+                           .headers = &headers,
+                           .error_buffer = errbuf});
   set(h, CURLOPT_TCP_KEEPIDLE, kKeepIdleSeconds);
   set(h, CURLOPT_TCP_KEEPINTVL, kKeepIntervalSeconds);
   set(h, CURLOPT_SOCKOPTFUNCTION, &set_keepalive_count);
-  set(h, CURLOPT_FOLLOWLOCATION, 0L);
-  set(h, CURLOPT_USERAGENT, "dsec-etcd/0.1.0");
-  set(h, CURLOPT_HTTPHEADER, headers.list);
-  set(h, CURLOPT_ERRORBUFFER, errbuf);
   set(h, CURLOPT_POST, 1L);
   set(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(body.size()));
   set(h, CURLOPT_POSTFIELDS, body.c_str());
@@ -164,8 +144,9 @@ bool valid_endpoint(const std::string& e) {
 
 }  // namespace
 
-EtcdClient::EtcdClient(EtcdOptions options) : options_(std::move(options)) {
-  global_init_once();
+EtcdClient::EtcdClient(EtcdOptions options)
+    : options_(std::move(options)), handles_(std::make_unique<curl::HandlePool>(kMaxIdleHandles)) {
+  curl::global_init("the etcd client");
   if (options_.endpoints.empty()) throw Error(Code::kInvalidArgument, "etcd: no endpoint given");
   for (auto& e : options_.endpoints) {
     if (!valid_endpoint(e))
@@ -178,9 +159,7 @@ EtcdClient::EtcdClient(EtcdOptions options) : options_(std::move(options)) {
   if (options_.connect_timeout.count() <= 0) options_.connect_timeout = options_.request_timeout;
 }
 
-EtcdClient::~EtcdClient() {
-  for (void* h : idle_handles_) curl_easy_cleanup(static_cast<CURL*>(h));
-}
+EtcdClient::~EtcdClient() = default;
 
 std::string EtcdClient::prefix_end(std::string_view prefix) {
   std::string end(prefix);
@@ -205,27 +184,9 @@ std::string EtcdClient::call(std::string_view path, const std::string& body) {
   const std::size_t first = preferred_.load();
   std::vector<std::string> failures;
 
-  CURL* h = nullptr;
-  {
-    std::lock_guard lock(mu_);
-    if (!idle_handles_.empty()) {
-      h = static_cast<CURL*>(idle_handles_.back());
-      idle_handles_.pop_back();
-    }
-  }
-  if (!h) h = curl_easy_init();
-  if (!h) throw Error(Code::kResourceExhausted, "etcd: curl_easy_init failed (out of memory)");
-  struct GiveBack {
-    EtcdClient* c;
-    CURL* h;
-    ~GiveBack() {
-      std::lock_guard lock(c->mu_);
-      if (c->idle_handles_.size() < 8) c->idle_handles_.push_back(h);
-      else curl_easy_cleanup(h);
-    }
-  } give_back{this, h};
-
-  HeaderList headers;
+  curl::HandlePool::Lease lease(*handles_);
+  CURL* h = lease.get();
+  EtcdHeaders headers;
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t index = (first + i) % n;
     const std::string& endpoint = options_.endpoints[index];
@@ -240,7 +201,6 @@ std::string EtcdClient::call(std::string_view path, const std::string& body) {
         std::max<long long>(remaining / static_cast<long long>(n - i), std::min<long long>(remaining, 500)));
     std::string answer;
     char errbuf[CURL_ERROR_SIZE] = {0};
-    curl_easy_reset(h);
     std::string url = endpoint + std::string(path);
     common_options(h, url, headers, body, errbuf, options_);
     set(h, CURLOPT_TIMEOUT_MS, attempt_ms);
@@ -249,11 +209,10 @@ std::string EtcdClient::call(std::string_view path, const std::string& body) {
     set(h, CURLOPT_WRITEDATA, static_cast<void*>(&answer));
     CURLcode rc = curl_easy_perform(h);
     if (rc != CURLE_OK) {
-      failures.push_back(fmt::format("{}: {}", endpoint, errbuf[0] ? errbuf : curl_easy_strerror(rc)));
+      failures.push_back(fmt::format("{}: {}", endpoint, curl::describe(rc, errbuf)));
       continue;
     }
-    long status = 0;
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+    const long status = curl::response_code(h);
     json j = json::parse(answer, nullptr, false);
     if (status == 200 && j.is_object()) {
       preferred_.store(index);
@@ -477,10 +436,8 @@ struct StreamState {
 std::size_t stream_write(char* data, std::size_t size, std::size_t count, void* user) {
   auto* s = static_cast<StreamState*>(user);
   const std::size_t n = size * count;
-  long status = 0;
-  curl_easy_getinfo(s->handle, CURLINFO_RESPONSE_CODE, &status);
-  if (status != 200) {
-    if (s->error_body.size() < 64 * 1024) s->error_body.append(data, n);
+  if (curl::response_code(s->handle) != 200) {
+    if (s->error_body.size() < kMaxErrorBodyBytes) s->error_body.append(data, n);
     return n;
   }
   s->buffer.append(data, n);
@@ -526,7 +483,7 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
     }
   } cleanup{this, h, m};
 
-  HeaderList headers;
+  EtcdHeaders headers;
   char errbuf[CURL_ERROR_SIZE] = {0};
   const std::string url = endpoint + "/v3/watch";
   common_options(h, url, headers, body, errbuf, client_.options_);
@@ -631,15 +588,13 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
     if (end.why == StreamEnd::Why::kCompacted) throw Error(Code::kOutOfRange, end.message);
     throw Error(end.code, end.message);
   }
-  long status = 0;
-  curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+  const long status = curl::response_code(h);
   if (status != 0 && status != 200) {
     json j = json::parse(state.error_body, nullptr, false);
     throw etcd_error(j, status, endpoint);
   }
   if (rc != CURLE_OK)
-    throw Error(Code::kUnavailable,
-                fmt::format("etcd {} watch: {}", endpoint, errbuf[0] ? errbuf : curl_easy_strerror(rc)));
+    throw Error(Code::kUnavailable, fmt::format("etcd {} watch: {}", endpoint, curl::describe(rc, errbuf)));
   throw Error(Code::kUnavailable, fmt::format("etcd {} ended the watch stream", endpoint));
 }
 

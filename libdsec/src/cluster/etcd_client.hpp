@@ -22,6 +22,10 @@
 
 #include "dsec/error.hpp"
 
+namespace dsec::http::curl {
+class HandlePool;
+}
+
 namespace dsec::cluster {
 
 struct EtcdOptions {
@@ -139,8 +143,7 @@ class EtcdClient {
 
   EtcdOptions options_;
   std::atomic<std::size_t> preferred_{0};
-  std::mutex mu_;
-  std::vector<void*> idle_handles_;  // CURL* easy handles kept with their connections
+  std::unique_ptr<http::curl::HandlePool> handles_;  // easy handles kept with their connections
 };
 
 // A running watch (see EtcdClient::watch_prefix). Callbacks run on its thread, never after stop() returns.

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -28,12 +27,17 @@
 #include "common/syscall.hpp"
 #include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
+#include "dsec/retry.hpp"
+#include "http/curl.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/digest.hpp"
 #include "image/store/manifest.hpp"
 
 namespace dsec::image {
 namespace {
+
+namespace curl = http::curl;
+using curl::set;
 
 using std::chrono::milliseconds;
 
@@ -45,24 +49,9 @@ constexpr std::size_t kMaxErrorBodyBytes = 512;
 // request_timeout is cut.
 constexpr std::uint64_t kSlowestRate = 1u << 20;
 constexpr long kLowSpeedLimit = 1024;
-constexpr milliseconds kFirstBackoff{50};
-constexpr milliseconds kMaxBackoff{1000};
-
-void global_init_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK)
-      throw Error(Code::kInternal, "curl_global_init failed: the HTTP image store cannot start");
-  });
-}
-
-template <typename T>
-void set(CURL* h, CURLoption opt, T value) {
-  CURLcode rc = curl_easy_setopt(h, opt, value);
-  if (rc != CURLE_OK)
-    throw Error(Code::kInternal,
-                fmt::format("curl_easy_setopt({}): {}", static_cast<int>(opt), curl_easy_strerror(rc)));
-}
+// Between attempts: 50 ms, doubling, at most 1 s.
+const RetryPolicy kRetryBackoff{
+    .initial_backoff = milliseconds{50}, .max_backoff = milliseconds{1000}, .multiplier = 2.0};
 
 // Percent-encodes everything but RFC 3986's unreserved characters: one safe path segment.
 std::string url_segment(std::string_view text) {
@@ -184,8 +173,7 @@ std::size_t on_body(char* data, std::size_t size, std::size_t count, void* user)
   auto* ex = static_cast<Exchange*>(user);
   const std::size_t n = size * count;
   Outcome& o = *ex->outcome;
-  long status = 0;
-  curl_easy_getinfo(ex->handle, CURLINFO_RESPONSE_CODE, &status);
+  const long status = curl::response_code(ex->handle);
   if (!success(status)) {
     if (o.body.size() < kMaxErrorBodyBytes) o.body.append(data, std::min(n, kMaxErrorBodyBytes - o.body.size()));
     return n;
@@ -241,23 +229,9 @@ int on_seek(void* user, curl_off_t offset, int origin) {
 // Worth another attempt: the store could not be reached, cut the transfer, stalled, or said it is overloaded.
 bool transient(const Outcome& o) {
   if (o.upload_error || o.overflow || o.whole_instead_of_range) return false;
-  switch (o.result) {
-    case CURLE_OK:
-      break;
-    case CURLE_COULDNT_CONNECT:
-    case CURLE_COULDNT_RESOLVE_HOST:
-    case CURLE_COULDNT_RESOLVE_PROXY:
-    case CURLE_OPERATION_TIMEDOUT:
-    case CURLE_RECV_ERROR:
-    case CURLE_SEND_ERROR:
-    case CURLE_GOT_NOTHING:
-    case CURLE_PARTIAL_FILE:
-    case CURLE_SSL_CONNECT_ERROR:
-    case CURLE_HTTP2:
-    case CURLE_HTTP2_STREAM:
-      return true;
-    default:
-      return false;
+  if (o.result != CURLE_OK) {
+    const curl::Failure f = curl::classify(o.result);
+    return f == curl::Failure::kUnreachable || f == curl::Failure::kTimedOut || f == curl::Failure::kBroken;
   }
   if (o.status == 408 || o.status == 429) return true;
   return o.status >= 500 && o.status != 501 && o.status != 505 && o.status != 507;
@@ -296,10 +270,6 @@ class HttpStore final : public BlobStore {
  public:
   HttpStore(std::string base, std::string display, StoreOptions options)
       : base_(std::move(base)), display_(std::move(display)), options_(std::move(options)) {}
-
-  ~HttpStore() override {
-    for (CURL* h : idle_) curl_easy_cleanup(h);
-  }
 
   const std::string& url() const override { return display_; }
 
@@ -588,19 +558,19 @@ class HttpStore final : public BlobStore {
     if (!t.range.empty()) head += fmt::format(" (Range: bytes={})", t.range);
     std::string tries = o.attempts > 1 ? fmt::format(" (after {} attempts)", o.attempts) : "";
     if (o.result != CURLE_OK) {
-      std::string what = o.curl_error.empty() ? curl_easy_strerror(o.result) : o.curl_error;
-      switch (o.result) {
-        case CURLE_PEER_FAILED_VERIFICATION:
+      std::string what = curl::describe(o.result, o.curl_error.c_str());
+      switch (curl::classify(o.result)) {
+        case curl::Failure::kUntrustedCertificate:
           throw Error(Code::kUnavailable,
                       fmt::format("{}: the server's TLS certificate is not trusted ({}); give the CA that signed it "
                                   "as the store's ca_file",
                                   head, what),
                       /*retryable=*/false);
-        case CURLE_SSL_CACERT_BADFILE:
+        case curl::Failure::kBadCaFile:
           throw Error(Code::kInvalidArgument,
                       fmt::format("{}: the CA file '{}' cannot be used ({})", head, options_.ca_file, what));
-        case CURLE_UNSUPPORTED_PROTOCOL:
-        case CURLE_URL_MALFORMAT:
+        case curl::Failure::kUnsupportedProtocol:
+        case curl::Failure::kMalformedUrl:
           throw Error(Code::kInvalidArgument, fmt::format("{}: {}", head, what));
         default:
           throw Error(Code::kUnavailable, fmt::format("{}: {}{}", head, what, tries));
@@ -638,47 +608,37 @@ class HttpStore final : public BlobStore {
       o.attempts = attempt;
       if (o.upload_error) std::rethrow_exception(o.upload_error);
       if (!transient(o) || attempt >= options_.attempts) return o;
-      milliseconds backoff = std::min(kMaxBackoff, kFirstBackoff * (1 << std::min(attempt - 1, 10)));
+      const milliseconds backoff = kRetryBackoff.backoff_cap(attempt + 1);
       std::this_thread::sleep_for(backoff);
     }
   }
 
   Outcome perform_once(const Transfer& t) {
-    Lease lease(*this);
-    CURL* h = lease.handle;
-    curl_easy_reset(h);  // keeps the handle's live connections
+    curl::HandlePool::Lease lease(handles_);
+    CURL* h = lease.get();
     Outcome o;
     Exchange ex{h, &t, &o};
     char errbuf[CURL_ERROR_SIZE] = {0};
-    struct curl_slist* headers = curl_slist_append(nullptr, "Expect:");
-    if (t.if_none_match) headers = curl_slist_append(headers, "If-None-Match: *");
-    struct SlistFree {
-      curl_slist* l;
-      ~SlistFree() { curl_slist_free_all(l); }
-    } free_headers{headers};
+    curl::HeaderList headers;
+    headers.add("Expect:");
+    if (t.if_none_match) headers.add("If-None-Match: *");
 
     const long request_ms = static_cast<long>(options_.request_timeout.count());
     const long scaled_ms =
         static_cast<long>(std::min<std::uint64_t>(t.expected_bytes / kSlowestRate * 1000, LONG_MAX / 2));
-    set(h, CURLOPT_URL, t.url.c_str());
-    set(h, CURLOPT_PROTOCOLS_STR, "http,https");
-    set(h, CURLOPT_NOSIGNAL, 1L);
-    set(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));
-    set(h, CURLOPT_TCP_KEEPALIVE, 1L);
-    set(h, CURLOPT_TCP_NODELAY, 1L);
-    set(h, CURLOPT_FOLLOWLOCATION, 0L);
+    curl::start_transfer(h, {.url = t.url,
+                             .user_agent = "dsec-image-store/0.1.0",
+                             .ca_file = options_.ca_file,
+                             .headers = &headers,
+                             .error_buffer = errbuf});
     set(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options_.connect_timeout.count()));
     set(h, CURLOPT_TIMEOUT_MS, std::max(request_ms, scaled_ms));
     set(h, CURLOPT_LOW_SPEED_LIMIT, kLowSpeedLimit);
     set(h, CURLOPT_LOW_SPEED_TIME, std::max(1L, (request_ms + 999) / 1000));
-    set(h, CURLOPT_USERAGENT, "dsec-image-store/0.1.0");
-    set(h, CURLOPT_ERRORBUFFER, errbuf);
-    set(h, CURLOPT_HTTPHEADER, headers);
     set(h, CURLOPT_WRITEFUNCTION, &on_body);
     set(h, CURLOPT_WRITEDATA, static_cast<void*>(&ex));
     set(h, CURLOPT_HEADERFUNCTION, &on_header);
     set(h, CURLOPT_HEADERDATA, static_cast<void*>(&ex));
-    if (!options_.ca_file.empty()) set(h, CURLOPT_CAINFO, options_.ca_file.c_str());
     if (!t.range.empty()) set(h, CURLOPT_RANGE, t.range.c_str());
     std::string_view method = t.method;
     if (method == "HEAD") {
@@ -698,59 +658,26 @@ class HttpStore final : public BlobStore {
 
     o.result = curl_easy_perform(h);
     o.curl_error = errbuf;
-    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &o.status);
+    o.status = curl::response_code(h);
     curl_easy_getinfo(h, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &o.content_length);
     // What our own callbacks stopped is reported through the outcome's flags, not as a transport failure.
     if (o.result == CURLE_WRITE_ERROR && (o.overflow || o.whole_instead_of_range)) o.result = CURLE_OK;
     if (o.result == CURLE_ABORTED_BY_CALLBACK && o.upload_error) o.result = CURLE_OK;
     if (o.result != CURLE_OK) o.status = 0;
-    lease.keep = o.result == CURLE_OK;
+    if (o.result != CURLE_OK) lease.discard();
     return o;
   }
-
-  // One easy handle out of the pool for one transfer; back into it afterwards (with its connection) unless the pool
-  // is full or the transfer failed in a way that leaves the handle in doubt.
-  struct Lease {
-    HttpStore& store;
-    CURL* handle = nullptr;
-    bool keep = true;
-    explicit Lease(HttpStore& s) : store(s) {
-      {
-        std::lock_guard lock(store.mu_);
-        if (!store.idle_.empty()) {
-          handle = store.idle_.back();
-          store.idle_.pop_back();
-        }
-      }
-      if (!handle) handle = curl_easy_init();
-      if (!handle) throw Error(Code::kResourceExhausted, "curl_easy_init failed (out of memory?)");
-    }
-    ~Lease() {
-      if (keep) {
-        curl_easy_reset(handle);  // drop pointers into this transfer's stack frame
-        std::lock_guard lock(store.mu_);
-        if (store.idle_.size() < kMaxIdleHandles) {
-          store.idle_.push_back(handle);
-          return;
-        }
-      }
-      curl_easy_cleanup(handle);
-    }
-    Lease(const Lease&) = delete;
-    Lease& operator=(const Lease&) = delete;
-  };
 
   const std::string base_;     // no trailing '/'
   const std::string display_;  // for messages
   const StoreOptions options_;
-  std::mutex mu_;
-  std::vector<CURL*> idle_;
+  curl::HandlePool handles_{kMaxIdleHandles};  // each keeps its connection for the next transfer
 };
 
 }  // namespace
 
 std::unique_ptr<BlobStore> open_http_store(std::string_view url, const StoreOptions& options) {
-  global_init_once();
+  curl::global_init("the HTTP image store");
   const std::string given(url);
   auto bad = [&](const std::string& why) {
     return Error(Code::kInvalidArgument, fmt::format("HTTP store '{}': {}", given, why));
