@@ -73,6 +73,7 @@ std::vector<double> join_once(const std::vector<std::string>& parents, int index
   if (::pipe2(fds, O_CLOEXEC) != 0) throw_errno(errno, "pipe2");
   UniqueFd rd(fds[0]), wr(fds[1]);
   std::vector<int> raw;
+  raw.reserve(procs.size());
   for (const auto& p : procs) raw.push_back(p.get());
 
   pid_t pid = ::fork();

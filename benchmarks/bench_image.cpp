@@ -365,6 +365,7 @@ std::string pct(double part, double whole) { return whole > 0 ? fmt::format("{:.
 // Runs a command with this process's stdout and stderr, and waits for it; an error when it fails.
 void run_command(const std::vector<std::string>& argv) {
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid = -1;

@@ -180,6 +180,7 @@ void ensure_image(const Options& o, const std::string& home, std::vector<std::st
   for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
   fmt::print(stderr, "dsec-bench: {}\n", line);
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid = -1;
@@ -558,6 +559,7 @@ MicroVmDensityRun density_run(const Options& o, Agent& agent, std::vector<std::s
   std::mutex mu;
   auto e0 = Clock::now();
   std::vector<std::thread> pool;
+  pool.reserve(4);
   for (int t = 0; t < 4; ++t)
     pool.emplace_back([&] {
       for (std::size_t i = next++; i < vms.size(); i = next++) {

@@ -100,6 +100,7 @@ class Process {
   Process(std::string name, const std::vector<std::string>& argv, const fs::path& log, int ready_fd = -1)
       : name_(std::move(name)), log_(log) {
     std::vector<char*> args;
+    args.reserve(argv.size() + 1);
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
     UniqueFd out(::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644));

@@ -117,6 +117,7 @@ PulseNodeRun one_pulse(const Options& o, Client& client, const std::string& labe
   }
   if (failed) run.error = failed->what();
   std::vector<std::thread> destroyers;
+  destroyers.reserve(8);
   std::atomic<std::size_t> d{0};
   for (int t = 0; t < 8; ++t)
     destroyers.emplace_back([&] {

@@ -80,7 +80,7 @@ std::string first_line_with(const std::string& path, const std::string& prefix) 
   return {};
 }
 
-std::string trim(std::string s) {
+std::string trim(const std::string& s) {
   auto b = s.find_first_not_of(" \t\n");
   auto e = s.find_last_not_of(" \t\n");
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);

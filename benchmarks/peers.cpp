@@ -123,7 +123,7 @@ std::unique_ptr<PeerRoot> mount_image_rootfs(const std::string& home, const std:
   return std::make_unique<MountedPeerRoot>(std::move(store), m.manifest, scratch);
 }
 
-Peers::Peers(const Options& options, fs::path rootfs, fs::path work_dir, UniqueFd crun_mnt_ns,
+Peers::Peers(const Options& options, const fs::path& rootfs, fs::path work_dir, UniqueFd crun_mnt_ns,
              std::vector<std::string>& notes)
     : rootfs_(fs::absolute(rootfs)),
       work_dir_(std::move(work_dir)),
@@ -226,6 +226,7 @@ void Peers::write_bundle() {
 
 int Peers::run(const std::vector<std::string>& argv, int log_fd, int mnt_ns) const {
   std::vector<char*> args;
+  args.reserve(argv.size() + 1);
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   pid_t pid = -1;

@@ -38,8 +38,8 @@ class Peers {
  public:
   // `rootfs`: the busybox root; `work_dir`: where the OCI bundle and crun's state go (created). A peer named in
   // options.peers that cannot run on this host is dropped with a note, or is an error when --peers was explicit.
-  Peers(const Options& options, std::filesystem::path rootfs, std::filesystem::path work_dir, UniqueFd crun_mnt_ns,
-        std::vector<std::string>& notes);
+  Peers(const Options& options, const std::filesystem::path& rootfs, std::filesystem::path work_dir,
+        UniqueFd crun_mnt_ns, std::vector<std::string>& notes);
   ~Peers();
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;

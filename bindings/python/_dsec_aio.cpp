@@ -100,7 +100,7 @@ class Outbox {
   std::vector<Item> items_;
 };
 
-py::object exception_object(std::exception_ptr error) {
+py::object exception_object(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
   } catch (const dsec::Error& e) {
@@ -118,7 +118,7 @@ py::object exception_object(std::exception_ptr error) {
 
 struct Nothing {};
 py::object to_python(Nothing) { return py::none(); }
-py::object to_python(std::string bytes) { return py::bytes(bytes); }
+py::object to_python(const std::string& bytes) { return py::bytes(bytes); }
 template <typename T>
 py::object to_python(T value) {
   return py::cast(std::move(value));
@@ -127,8 +127,8 @@ py::object to_python(T value) {
 // A call's ticket for Python: cancel() takes its transfer off the multi handle.
 class Ticket {
  public:
-  Ticket(std::shared_ptr<dsec::detail::AsyncTransport> transport, std::uint64_t id)
-      : transport_(std::move(transport)), id_(id) {}
+  Ticket(const std::shared_ptr<dsec::detail::AsyncTransport>& transport, std::uint64_t id)
+      : transport_(transport), id_(id) {}
   void cancel() {
     if (auto t = transport_.lock()) t->cancel(id_);
   }
@@ -232,9 +232,9 @@ class AsyncCore {
   // to on_output when it is not None.
   Ticket command(const py::object& loop, const py::object& future, SandboxRequest request, py::object on_output) {
     AsyncCall call{std::move(request)};
-    if (on_output.is_none())
-      return start(loop, future, std::move(call),
-                   [what = call.request.what](HttpResponse& r) { return answers::exec_result(r, what); });
+    if (on_output.is_none()) std::string what = call.request.what;  // before call is moved
+    return start(loop, future, std::move(call),
+                 [what = std::move(what)](HttpResponse& r) { return answers::exec_result(r, what); });
     auto target = make_target(loop, future, std::move(on_output));
     auto stream = std::make_shared<Streamed>(target, outbox_.get());
     call.on_attempt = [s = stream.get()] { s->command.new_attempt(); };
@@ -278,8 +278,9 @@ class AsyncCore {
     o.cwd = std::move(cwd);
     o.user = std::move(user);
     AsyncCall call{requests::open_session(id, o)};
+    std::string what = call.request.what;  // before call is moved
     return start(loop, future, std::move(call),
-                 [what = call.request.what](HttpResponse& r) { return answers::session_info(r, what); });
+                 [what = std::move(what)](HttpResponse& r) { return answers::session_info(r, what); });
   }
 
   Ticket spawn(const py::object& loop, const py::object& future, const std::string& id,
@@ -298,16 +299,18 @@ class AsyncCore {
     req.tag = std::move(tag);
     req.request_id = std::move(request_id);
     AsyncCall call{requests::spawn(id, req)};
+    std::string what = call.request.what;  // before call is moved
     return start(loop, future, std::move(call),
-                 [what = call.request.what](HttpResponse& r) { return answers::process_info(r, what); });
+                 [what = std::move(what)](HttpResponse& r) { return answers::process_info(r, what); });
   }
 
   Ticket process_read(const py::object& loop, const py::object& future, const std::string& id, int pid,
                       std::optional<std::uint64_t> stdout_offset, std::optional<std::uint64_t> stderr_offset,
                       double wait, std::size_t max_bytes) {
     AsyncCall call{requests::process_output(id, pid, stdout_offset, stderr_offset, wait, max_bytes)};
+    std::string what = call.request.what;  // before call is moved
     return start(loop, future, std::move(call),
-                 [what = call.request.what, want_out = stdout_offset.has_value(), want_err = stderr_offset.has_value()](
+                 [what = std::move(what), want_out = stdout_offset.has_value(), want_err = stderr_offset.has_value()](
                      HttpResponse& r) { return answers::process_output(r, what, want_out, want_err); });
   }
 
@@ -318,8 +321,8 @@ class AsyncCore {
 
   // Any other one-exchange call: `answer` names how its answer is decoded.
   Ticket request(const py::object& loop, const py::object& future, const std::string& id, std::string method,
-                 const std::string& suffix, py::bytes body, std::string content_type, double extra_seconds,
-                 bool repeatable, const std::string& answer) {
+                 const std::string& suffix, const py::bytes& body, const std::string& content_type,
+                 double extra_seconds, bool repeatable, const std::string& answer) {
     AsyncCall call{requests::sandbox(id, std::move(method), suffix, std::string(body), content_type,
                                      {requests::wait_time(extra_seconds), repeatable})};
     const std::string what = call.request.what;

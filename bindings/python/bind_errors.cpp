@@ -32,6 +32,7 @@ void raise_dsec_error(const dsec::Error& e) {
 }  // namespace
 
 void bind_errors(py::module_& m) {
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): pybind11's translator type takes the pointer by value
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

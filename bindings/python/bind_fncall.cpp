@@ -31,7 +31,9 @@ void bind_fncall_request(py::module_& m) {
       .def_readwrite("code", &dsec::FnCallRequest::code)
       .def_property(
           "stdin", [](const dsec::FnCallRequest& r) { return py::bytes(r.stdin_data); },
-          [](dsec::FnCallRequest& r, py::object v) { r.stdin_data = v.is_none() ? "" : bytes_or_str(v, "stdin"); },
+          [](dsec::FnCallRequest& r, const py::object& v) {
+            r.stdin_data = v.is_none() ? "" : bytes_or_str(v, "stdin");
+          },
           "Bytes fed to the program's stdin, then EOF.")
       .def_readwrite("args", &dsec::FnCallRequest::args)
       .def_property(
@@ -41,7 +43,7 @@ void bind_fncall_request(py::module_& m) {
             for (const auto& [path, bytes] : r.files) d[py::str(path)] = py::bytes(bytes);
             return d;
           },
-          [](dsec::FnCallRequest& r, py::object v) {
+          [](dsec::FnCallRequest& r, const py::object& v) {
             r.files.clear();
             if (v.is_none()) return;
             if (!py::isinstance<py::dict>(v))

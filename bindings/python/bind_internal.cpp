@@ -1,11 +1,13 @@
 #include "bind_internal.hpp"
 
+#include <cmath>
+
 namespace dsec::python {
 
 milliseconds to_ms(double seconds, const char* what) {
   if (!(seconds > 0) || seconds > 365.0 * 86400)
     throw dsec::Error(dsec::Code::kInvalidArgument, std::string(what) + ": must be a positive number of seconds");
-  return milliseconds{static_cast<std::int64_t>(seconds * 1000.0 + 0.5)};
+  return milliseconds{std::llround(seconds * 1000.0)};
 }
 
 PySandbox detach(dsec::Client& client, dsec::Sandbox owned) {
@@ -24,7 +26,7 @@ std::vector<PySandbox> detach_all(dsec::Client& client, std::vector<dsec::Sandbo
 std::chrono::seconds lease_seconds(double lease) {
   if (!(lease >= 1) || lease > 86400)
     throw dsec::Error(dsec::Code::kInvalidArgument, "lease: must be 1 to 86400 seconds");
-  return std::chrono::seconds(static_cast<std::int64_t>(lease + 0.5));
+  return std::chrono::seconds(std::llround(lease));
 }
 
 std::string bytes_or_str(const py::handle& h, const char* what) {

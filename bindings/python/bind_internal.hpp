@@ -136,7 +136,8 @@ std::function<void(int, std::string_view)> output_callback(const py::object& on_
 // A command as Python passes it (argv or shell, env, cwd, user) as an ExecRequest or a ProcessRequest.
 template <typename Request>
 Request command_request(std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
-                        std::map<std::string, std::string> env, std::string cwd, std::string user) {
+                        const std::map<std::string, std::string>& env, const std::string& cwd,
+                        const std::string& user) {
   Request req;
   if (argv) req.argv = std::move(*argv);
   if (shell) req.shell = std::move(*shell);

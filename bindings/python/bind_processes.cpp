@@ -85,7 +85,7 @@ void bind_process_handles(py::module_& m) {
           py::arg("max_bytes") = std::size_t{1} << 20, Release())
       .def(
           "write_stdin",
-          [](const dsec::Process& self, py::object data) {
+          [](const dsec::Process& self, const py::object& data) {
             std::string bytes = bytes_or_str(data, "data");
             py::gil_scoped_release release;
             self.write_stdin(bytes);
@@ -102,7 +102,7 @@ void bind_process_handles(py::module_& m) {
       .def(
           "run",
           [](const dsec::Session& self, const std::string& command, double timeout, std::size_t max_output,
-             py::object on_output) {
+             const py::object& on_output) {
             if (on_output.is_none()) {
               py::gil_scoped_release release;
               return self.run(command, timeout, max_output);

@@ -113,8 +113,8 @@ void def_sandbox_exec_and_files(SandboxClass& sandbox) {
       .def(
           "exec",
           [](PySandbox& self, std::optional<std::vector<std::string>> argv, std::optional<std::string> shell,
-             std::map<std::string, std::string> env, std::string cwd, py::object stdin_data, double timeout,
-             std::size_t max_output, py::object on_output, std::string user, std::string request_id) {
+             std::map<std::string, std::string> env, std::string cwd, const py::object& stdin_data, double timeout,
+             std::size_t max_output, const py::object& on_output, std::string user, std::string request_id) {
             auto req = command_request<dsec::ExecRequest>(std::move(argv), std::move(shell), std::move(env),
                                                           std::move(cwd), std::move(user));
             if (!stdin_data.is_none()) req.stdin_data = bytes_or_str(stdin_data, "stdin");
@@ -135,7 +135,7 @@ void def_sandbox_exec_and_files(SandboxClass& sandbox) {
           py::arg("user") = "", py::arg("request_id") = "")
       .def(
           "write_file",
-          [](PySandbox& self, const std::string& path, py::object data, unsigned mode) {
+          [](PySandbox& self, const std::string& path, const py::object& data, unsigned mode) {
             std::string bytes = bytes_or_str(data, "data");
             py::gil_scoped_release release;
             self.get().write_file(path, bytes, mode);
@@ -154,7 +154,7 @@ void def_sandbox_exec_and_files(SandboxClass& sandbox) {
           py::arg("path"))
       .def(
           "upload_tar",
-          [](PySandbox& self, const std::string& dir, py::object data) {
+          [](PySandbox& self, const std::string& dir, const py::object& data) {
             std::string bytes = bytes_or_str(data, "tar_bytes");
             py::gil_scoped_release release;
             self.get().upload_tar(dir, bytes);

@@ -91,8 +91,8 @@ class Error : public std::runtime_error {
 // Python raises dsec.NodeLost (a dsec.Unavailable).
 class NodeLost : public Error {
  public:
-  NodeLost(std::string node, std::string message)
-      : Error(Code::kUnavailable, std::move(message), false), node_(std::move(node)) {}
+  NodeLost(std::string node, const std::string& message)
+      : Error(Code::kUnavailable, message, false), node_(std::move(node)) {}
   const std::string& node() const noexcept { return node_; }
 
  private:
@@ -105,9 +105,8 @@ class NodeLost : public Error {
 // infrastructure's, not retryable: a trainer masks the rollout. Python raises dsec.OutcomeUnknown.
 class OutcomeUnknown : public Error {
  public:
-  OutcomeUnknown(std::string request_id, std::string message)
-      : Error(Code::kDataLoss, std::move(message), false, Fault::kInfrastructure, true),
-        request_id_(std::move(request_id)) {}
+  OutcomeUnknown(std::string request_id, const std::string& message)
+      : Error(Code::kDataLoss, message, false, Fault::kInfrastructure, true), request_id_(std::move(request_id)) {}
   const std::string& request_id() const noexcept { return request_id_; }
 
  private:

@@ -56,10 +56,10 @@ class Session {
   // At the timeout the processes the run started are killed and the result says timed_out; the session stays
   // usable. A command that ends the shell (`exit 3`) answers reason "session_ended" with the shell's status.
   // Never retried once the request may have reached the agent.
-  ExecResult run(std::string command, double timeout_seconds = 600, std::size_t max_output = 16u << 20) const;
+  ExecResult run(const std::string& command, double timeout_seconds = 600, std::size_t max_output = 16u << 20) const;
   // Like run, but the output goes to on_output (fd 1 stdout, 2 stderr) as the shell writes it, and the result's
   // stdout/stderr are empty, as Sandbox::exec_stream.
-  ExecResult run_stream(std::string command, const std::function<void(int fd, std::string_view data)>& on_output,
+  ExecResult run_stream(const std::string& command, const std::function<void(int fd, std::string_view data)>& on_output,
                         double timeout_seconds = 600, std::size_t max_output = 16u << 20) const;
   SessionInfo info() const;
   // Kills the shell (and its process group) if it still runs and starts a new one as the session was first

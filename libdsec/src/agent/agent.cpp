@@ -52,13 +52,14 @@ QemuTierNodeInfo Agent::QemuTier::node_info() const {
 }
 
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
-    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns,
-    std::shared_ptr<network::NodeNetwork> network, std::vector<container::WarmShape> warm_pools) {
+    const AgentConfig& config, const std::shared_ptr<container::UserNamespaces>& userns,
+    const std::shared_ptr<network::NodeNetwork>& network, std::vector<container::WarmShape> warm_pools) {
   std::map<std::string, std::unique_ptr<Backend>, std::less<>> out;
   if (config.backends.empty()) throw Error(Code::kInvalidArgument, "backends: the agent needs at least one backend");
   for (const auto& name : config.backends) {
     if (out.count(name) || name == "fncall" || name == "microvm" || name == "vm") continue;
-    if (name == "container") out.emplace(name, make_container_backend(config, userns, network, std::move(warm_pools)));
+    if (name == "container")
+      out.emplace(name, make_container_backend(config, userns, network, std::exchange(warm_pools, {})));
     else if (name == "null") out.emplace(name, make_null_backend());
     else
       throw Error(Code::kInvalidArgument,

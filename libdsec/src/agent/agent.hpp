@@ -42,8 +42,8 @@ class NodeNetwork;
 // its FnCallService itself). Unknown names are INVALID_ARGUMENT; a backend the
 // host cannot run throws what its factory throws. `warm_pools`: the container backend's, resolved.
 std::map<std::string, std::unique_ptr<Backend>, std::less<>> make_backends(
-    const AgentConfig& config, std::shared_ptr<container::UserNamespaces> userns = nullptr,
-    std::shared_ptr<network::NodeNetwork> network = nullptr, std::vector<container::WarmShape> warm_pools = {});
+    const AgentConfig& config, const std::shared_ptr<container::UserNamespaces>& userns = nullptr,
+    const std::shared_ptr<network::NodeNetwork>& network = nullptr, std::vector<container::WarmShape> warm_pools = {});
 
 // What can be swapped out, mostly for tests: the image source (default: the stores of config.stores through the
 // node's layer cache), the backends (default: make_backends(config)), and the node's capacity (default: probed from

@@ -182,7 +182,7 @@ flags::Table qemu_tier_flags(std::string_view tier_name, dsec::agent::QemuTierCo
   auto name = [tier_name](std::string_view what) { return fmt::format("--{}-{}", tier_name, what); };
   // A full VM's flag says what it shares with the microVMs' instead of repeating it.
   auto help = [vm](std::string_view what, std::string text) {
-    return vm ? fmt::format("as --microvm-{}, for full VMs (kind vm, docs/vm.md)", what) : text;
+    return vm ? fmt::format("as --microvm-{}, for full VMs (kind vm, docs/vm.md)", what) : std::move(text);
   };
   return {
       flags::text(name("qemu"), "PATH", help("qemu", "qemu-system-x86_64 (default: found on PATH)"), &tier.qemu),

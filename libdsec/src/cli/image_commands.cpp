@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -163,7 +164,7 @@ nlohmann::json to_json(const image::ResolvedManifest& image) {
 
 std::string elapsed_text(double seconds) {
   if (seconds < 60) return fmt::format("{:.1f}s", seconds);
-  int s = static_cast<int>(seconds + 0.5);
+  int s = static_cast<int>(std::lround(seconds));
   return fmt::format("{}m{:02d}s", s / 60, s % 60);
 }
 

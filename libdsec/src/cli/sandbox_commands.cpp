@@ -241,7 +241,7 @@ int run_or_125(F&& f) {
 
 std::string labels_text(const Labels& labels) {
   std::string out;
-  for (const auto& [k, v] : labels) out += (out.empty() ? "" : ",") + k + "=" + v;
+  for (const auto& [k, v] : labels) out += fmt::format("{}{}={}", out.empty() ? "" : ",", k, v);
   return out.empty() ? "-" : out;
 }
 

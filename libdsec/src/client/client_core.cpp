@@ -298,7 +298,7 @@ std::vector<SandboxInfo> ClientCore::list(const Labels& labels, const std::strin
   std::string target = "/v1/sandboxes";
   char sep = '?';
   for (const auto& [k, v] : labels) {
-    target += fmt::format("{}label={}", sep, url_escape(k + "=" + v));
+    target += fmt::format("{}label={}", sep, url_escape(fmt::format("{}={}", k, v)));
     sep = '&';
   }
   if (!tenant.empty()) target += fmt::format("{}tenant={}", sep, url_escape(tenant));

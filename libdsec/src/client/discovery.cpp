@@ -11,9 +11,9 @@
 
 namespace dsec::detail {
 
-EtcdDiscovery::EtcdDiscovery(std::vector<std::string> etcd_endpoints, std::string prefix, Callback callback,
+EtcdDiscovery::EtcdDiscovery(std::vector<std::string> etcd_endpoints, const std::string& prefix, Callback callback,
                              DiscoveryOptions options)
-    : nodes_prefix_(cluster::nodes_prefix(prefix)), callback_(std::move(callback)), options_(options) {
+    : nodes_prefix_(cluster::nodes_prefix(prefix)), callback_(std::move(callback)), options_(std::move(options)) {
   cluster::EtcdOptions etcd;
   etcd.endpoints = std::move(etcd_endpoints);
   etcd.request_timeout = options_.request_timeout;

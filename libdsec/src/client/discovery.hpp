@@ -52,7 +52,7 @@ class EtcdDiscovery {
   // callback runs on the discovery's own thread, one event at a time in etcd's order, and never after stop()
   // returns; it may call snapshot(). Throws INVALID_ARGUMENT for a bad endpoint or an empty prefix. Contacts etcd
   // only from start().
-  EtcdDiscovery(std::vector<std::string> etcd_endpoints, std::string prefix, Callback callback,
+  EtcdDiscovery(std::vector<std::string> etcd_endpoints, const std::string& prefix, Callback callback,
                 DiscoveryOptions options = {});
   ~EtcdDiscovery();
   EtcdDiscovery(const EtcdDiscovery&) = delete;

@@ -31,13 +31,14 @@ detail::ClientCore& Session::core() const {
   return *core_;
 }
 
-ExecResult Session::run(std::string command, double timeout_seconds, std::size_t max_output) const {
+ExecResult Session::run(const std::string& command, double timeout_seconds, std::size_t max_output) const {
   const detail::SandboxRequest request =
       requests::session_run(sandbox_id_, name_, command, timeout_seconds, max_output, false);
   return answers::exec_result(core().call_sandbox(request), request.what);
 }
 
-ExecResult Session::run_stream(std::string command, const std::function<void(int fd, std::string_view data)>& on_output,
+ExecResult Session::run_stream(const std::string& command,
+                               const std::function<void(int fd, std::string_view data)>& on_output,
                                double timeout_seconds, std::size_t max_output) const {
   return core().stream_command(requests::session_run(sandbox_id_, name_, command, timeout_seconds, max_output, true),
                                on_output);

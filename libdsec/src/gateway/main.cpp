@@ -70,7 +70,7 @@ flags::Table e2b_flags(GatewayOptions& options, std::string& listen) {
       flags::choice("--network", "MODE", "a create that does not set allow_internet_access: none (default) or open",
                     {"none", "open"}, &options.network),
       flags::seconds("--timeout", "SECONDS", "a create's timeout when it gives none (default 300)",
-                     &options.default_timeout, {.min = 1, .max = 365 * 86400}),
+                     &options.default_timeout, {.min = 1, .max = 365ull * 86400}),
   };
 }
 

@@ -43,7 +43,7 @@ using LinkResolver = std::unique_ptr<archive_entry_linkresolver, ResolverFree>;
   const char* msg = archive_error_string(a);
   int err = archive_errno(a);
   std::string text = fmt::format("{}: {}", context, msg ? msg : "libarchive error");
-  throw Error(err > 0 ? code_for_errno(err) : Code::kInternal, std::move(text));
+  throw Error(err > 0 ? code_for_errno(err) : Code::kInternal, text);
 }
 
 // Reading failed: a stream that is not a tar, or is damaged or truncated, is DATA_LOSS (libarchive says so with
@@ -54,7 +54,7 @@ using LinkResolver = std::unique_ptr<archive_entry_linkresolver, ResolverFree>;
   int err = archive_errno(a);
   std::string text = fmt::format("{}: {}", context, msg ? msg : "libarchive error");
   const bool format = err <= 0 || err == EILSEQ || err == EINVAL || err == EIO;
-  throw Error(format ? Code::kDataLoss : code_for_errno(err), std::move(text));
+  throw Error(format ? Code::kDataLoss : code_for_errno(err), text);
 }
 
 class Warnings {

@@ -40,6 +40,7 @@ void exec_search(const char* file, char* const argv[], char* const envp[], const
       if (dlen == 0) {
         candidate[n++] = '.';
       } else {
+        // NOLINTNEXTLINE(bugprone-not-null-terminated-result): the file name copied below ends the string
         std::memcpy(candidate, p, dlen);
         n = dlen;
       }

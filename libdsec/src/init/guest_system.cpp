@@ -163,9 +163,19 @@ void build_overlay_root(const guest_protocol::Setup& s) {
     std::string options;
     if (!s.layers[i].data_serial.empty()) options = "device=" + disks[s.layers[i].data_serial];
     if (::mount(disks[s.layers[i].serial].c_str(), dir.c_str(), "erofs", MS_RDONLY | MS_NODEV,
-                options.empty() ? nullptr : options.c_str()) != 0)
-      fail_setup(errno, "mount layer " + std::to_string(i) + " (EROFS on " + disks[s.layers[i].serial] + ")");
-    lower = lower.empty() ? dir : dir + ":" + lower;  // overlayfs lists the top layer first
+                options.empty() ? nullptr : options.c_str()) != 0) {
+      const int err = errno;
+      std::string what = "mount layer " + std::to_string(i);
+      what.append(" (EROFS on ").append(disks[s.layers[i].serial]).append(")");
+      fail_setup(err, what);
+    }
+    // overlayfs lists the top layer first
+    if (lower.empty()) {
+      lower = dir;
+    } else {
+      lower.insert(0, 1, ':');
+      lower.insert(0, dir);
+    }
   }
   ::mkdir("/rw", 0755);
   if (::mount(disks[s.disk_serial].c_str(), "/rw", "ext4", MS_NOATIME | MS_NODEV, nullptr) != 0)

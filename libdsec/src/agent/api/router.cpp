@@ -588,6 +588,7 @@ HttpResponse Router::fork(HttpRequest& request, const Target& target) {
   }
   std::vector<CreateOutcome> outcomes = registry_.fork(target.sandbox_id, count, labels);
   std::vector<SandboxInfo> infos;
+  infos.reserve(outcomes.size());
   for (auto& o : outcomes) infos.push_back(std::move(o.info));
   return json_response(http::status::created, sandbox_list(infos));
 }
@@ -750,6 +751,7 @@ HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target) {
   }
   calls = json();  // the requests' bytes are in `batch` now
   std::vector<std::string> languages;
+  languages.reserve(batch.size());
   for (const auto& b : batch) languages.push_back(b.request ? b.request->language : "unknown");
   std::vector<fncall::BatchOutcome> outcomes = service.run_batch(std::move(batch));
   json results = json::array();

@@ -308,6 +308,7 @@ class CallRun {
     std::vector<UniqueFd> procs;
     if (&cgroup_ != slot_.cgroup.get()) procs = cgroup_.open_procs();
     std::vector<int> fds;
+    fds.reserve(procs.size());
     for (const auto& fd : procs) fds.push_back(fd.get());
     send_frame(slot_.sock.get(), json{{"type", "go"}}, {}, fds);
     phase_ = Phase::kRunning;

@@ -249,7 +249,7 @@ void Pool::retire_locked(const ServerPtr& server) {
   });
 }
 
-void Pool::release_slot(Slot slot, ServerPtr server) {
+void Pool::release_slot(Slot slot, const ServerPtr& server) {
   auto held = std::make_shared<Slot>(std::move(slot));
   if (server && server->process) {
     workers_.cleanup.post([held, server] { server->process->recycle(std::move(*held)); });

@@ -88,7 +88,7 @@ class Pool : public std::enable_shared_from_this<Pool> {
   void arm_job(const ServerPtr& server);
   // The slot's child is ended and its cgroups removed, in the background; with its server, the groups are kept for
   // the server's next calls.
-  void release_slot(Slot slot, ServerPtr server = nullptr);
+  void release_slot(Slot slot, const ServerPtr& server = nullptr);
   std::size_t live_locked() const;
 
   Runtime& rt_;
@@ -103,7 +103,6 @@ class Pool : public std::enable_shared_from_this<Pool> {
   std::size_t waiting_ = 0;
   std::size_t running_ = 0;
   std::uint64_t calls_ = 0;
-  std::uint64_t next_server_ = 0;
   bool shut_ = false;
   // Starts that failed one after another (reset by a start that works); past a few, new starts back off.
   std::size_t start_failures_ = 0;

@@ -21,7 +21,7 @@ namespace dsec::agent {
 
 namespace fs = std::filesystem;
 
-HostIdClaims::HostIdClaims(fs::path dir, fs::path run_dir) : dir_(std::move(dir)), run_dir_(run_dir.string()) {
+HostIdClaims::HostIdClaims(fs::path dir, const fs::path& run_dir) : dir_(std::move(dir)), run_dir_(run_dir.string()) {
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) throw_errno(ec.value(), fmt::format("create the host id claims directory {}", dir_.string()));

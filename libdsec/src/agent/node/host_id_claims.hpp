@@ -20,7 +20,7 @@ namespace dsec::agent {
 class HostIdClaims {
  public:
   // `run_dir` identifies this agent's claims (with its pid and start time).
-  HostIdClaims(std::filesystem::path dir, std::filesystem::path run_dir);
+  HostIdClaims(std::filesystem::path dir, const std::filesystem::path& run_dir);
 
   // Claims the block starting at `first`: true if this agent holds it now (newly, or it held it already), false if
   // a live holder or one whose run directory remains has it.

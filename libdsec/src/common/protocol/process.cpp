@@ -29,7 +29,7 @@ namespace {
 
 // argv or shell, env, cwd and user, checked by the rules exec holds them to (the agent applies the same ones to a
 // spawn and a session), as exec's JSON has them.
-json command_fields(ExecRequest request) {
+json command_fields(const ExecRequest& request) {
   if (!request.argv.empty() && !request.shell.empty()) bad("argv", "give exactly one of a non-empty argv or shell");
   json j = encode(request);
   decode_exec_request(j);
@@ -175,7 +175,7 @@ json encode(const ProcessRequest& r) {
   command.env = r.env;
   command.cwd = r.cwd;
   command.user = r.user;
-  json j = command_fields(std::move(command));
+  json j = command_fields(command);
   if (r.pty) {
     check_terminal_size(r.rows, r.cols);
     j["pty"] = true;
@@ -196,7 +196,7 @@ json encode(const SessionOptions& o) {
   context.env = o.env;
   context.cwd = o.cwd;
   context.user = o.user;
-  json j = command_fields(std::move(context));
+  json j = command_fields(context);
   j.erase("shell");
   if (!o.name.empty()) {
     check_session_name(o.name);

@@ -270,6 +270,7 @@ json process_list(EnvdTarget& t) {
   for (auto& p : t.sandbox.processes())
     if (p.running) running.push_back(std::move(p));
   std::vector<int> pids;
+  pids.reserve(running.size());
   for (const auto& p : running) pids.push_back(p.pid);
   const auto places = process_places(t, pids);
   json list = json::array();

@@ -1,5 +1,7 @@
 #include "agent/backends/command/exec_command.hpp"
 
+#include <fmt/format.h>
+
 #include "common/wire/init_protocol.hpp"
 #include "dsec/error.hpp"
 
@@ -8,7 +10,7 @@ namespace dsec::agent {
 std::vector<std::string> ExecCommand::env_strings() const {
   std::vector<std::string> out;
   out.reserve(env.size());
-  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  for (const auto& [k, v] : env) out.push_back(fmt::format("{}={}", k, v));
   return out;
 }
 

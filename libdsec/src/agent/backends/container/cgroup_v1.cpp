@@ -22,6 +22,8 @@
 #include <string_view>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "agent/backends/container/cgroup.hpp"
 #include "common/cgroupfs.hpp"
 #include "common/log.hpp"
@@ -584,7 +586,7 @@ class CgroupV1Driver final : public CgroupDriver {
       for (const auto& root : roots) {
         if (root.empty()) continue;
         try {
-          remove_tree(root + "/" + name_ + "/" + id);
+          remove_tree(fmt::format("{}/{}/{}", root, name_, id));
         } catch (const Error&) {
         }
       }

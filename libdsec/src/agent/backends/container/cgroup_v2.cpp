@@ -201,7 +201,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
     }
   }
 
-  bool frozen() override { return read_cgroup_file(dir_ + "/cgroup.freeze").rfind("1", 0) == 0; }
+  bool frozen() override { return read_cgroup_file(dir_ + "/cgroup.freeze").starts_with('1'); }
 
   std::string path() const override { return path_; }
 
@@ -302,7 +302,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
 
 class CgroupV2Driver final : public CgroupDriver {
  public:
-  CgroupV2Driver(std::string mount, std::string name) : mount_(std::move(mount)), root_(mount_ + "/" + name) {
+  CgroupV2Driver(std::string mount, const std::string& name) : mount_(std::move(mount)), root_(mount_ + "/" + name) {
     std::string available = read_cgroup_file(mount_ + "/cgroup.controllers");
     for (const char* c : {"cpu", "memory", "pids"}) {
       std::istringstream in(available);

@@ -107,7 +107,7 @@ UniqueFd make_user_namespace(std::uint32_t first, std::uint32_t count) {
 std::string uid_map_of(pid_t pid) {
   std::ifstream in(fmt::format("/proc/{}/uid_map", pid));
   std::string out, a, b, c;
-  while (in >> a >> b >> c) out += (out.empty() ? "" : " ") + a + " " + b + " " + c;
+  while (in >> a >> b >> c) out += fmt::format("{}{} {} {}", out.empty() ? "" : " ", a, b, c);
   return out;
 }
 

@@ -98,7 +98,7 @@ class NullSandbox final : public BackendSandbox {
         throw Error(Code::kInvalidArgument, fmt::format("malformed tar stream: {}", archive_error_string(r.a)));
       const char* raw = archive_entry_pathname(entry);
       std::string name = raw ? raw : "";
-      std::string target = normalize(base == "/" ? "/" + name : base + "/" + name);
+      std::string target = normalize(fmt::format("{}/{}", base == "/" ? "" : base, name));
       if (target != base && target.rfind(base == "/" ? "/" : base + "/", 0) != 0)
         throw Error(Code::kInvalidArgument, fmt::format("tar entry '{}' leaves the directory {}", name, base));
       unsigned mode = archive_entry_perm(entry) & 07777;

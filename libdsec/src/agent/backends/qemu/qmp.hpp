@@ -36,8 +36,8 @@ namespace dsec::agent::qemu {
 // A QMP error reply. error_class() is QMP's "class" ("GenericError", "DeviceNotFound", ...).
 class QmpError : public Error {
  public:
-  QmpError(Code code, std::string message, std::string error_class)
-      : Error(code, std::move(message)), error_class_(std::move(error_class)) {}
+  QmpError(Code code, const std::string& message, std::string error_class)
+      : Error(code, message), error_class_(std::move(error_class)) {}
   const std::string& error_class() const noexcept { return error_class_; }
 
  private:
