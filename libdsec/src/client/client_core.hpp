@@ -127,7 +127,8 @@ class ClientCore {
   void count_exchange(const NodePtr& node, bool answered);
 
  private:
-  friend class Pulse;  // one create_many (create.cpp)
+  friend class Pulse;        // one create_many (create.cpp)
+  friend class FnCallBatch;  // one run_code_many (fncall.cpp)
 
   template <typename Op>
   auto retrying(SteadyClock::time_point deadline, Op&& op) -> decltype(op());

@@ -358,18 +358,13 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
 
 EmbeddedAgent::~EmbeddedAgent() { stop(); }
 
-void EmbeddedAgent::keeper_main(int ready_write_fd, int log_fd, int null_fd) {
-  // Signals meant for the trainer go to its other threads.
-  sigset_t all;
-  ::sigfillset(&all);
-  ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
-
+pid_t EmbeddedAgent::spawn_child(int ready_write_fd, int log_fd, int null_fd, int& err) {
   std::vector<char*> argv;
   for (auto& a : argv_) argv.push_back(a.data());
   argv.push_back(nullptr);
   SpawnArgs args{binary_.c_str(), argv.data(), environ, null_fd, log_fd, ready_write_fd, ::getpid(), 0};
   pid_t pid = spawn_agent(&args);
-  int err = pid < 0 ? errno : args.child_errno;
+  err = pid < 0 ? errno : args.child_errno;
   ::close(ready_write_fd);  // the agent holds the only write end now: EOF on it means the agent is gone
   ::close(log_fd);
   ::close(null_fd);
@@ -379,6 +374,45 @@ void EmbeddedAgent::keeper_main(int ready_write_fd, int log_fd, int null_fd) {
     retry_eintr([&] { return ::waitpid(pid, &status, 0); });
     pid = -1;
   }
+  return pid;
+}
+
+bool EmbeddedAgent::reap(pid_t pid, int options) {
+  int status = 0;
+  pid_t r = retry_eintr([&] { return ::waitpid(pid, &status, options); });
+  if (r == pid || (r < 0 && errno == ECHILD)) {  // ECHILD: someone else in the trainer reaped it
+    std::lock_guard lock(mu_);
+    reaped_ = true;
+    wait_status_ = r == pid ? status : 0;
+    cv_.notify_all();
+    return true;
+  }
+  return false;
+}
+
+bool EmbeddedAgent::wait_exit(pid_t pid, int pidfd, milliseconds timeout) {
+  auto until = steady_clock::now() + timeout;
+  for (;;) {
+    if (reap(pid, WNOHANG)) return true;
+    auto left = std::chrono::duration_cast<milliseconds>(until - steady_clock::now()).count();
+    if (left <= 0) return false;
+    if (pidfd >= 0) {
+      pollfd p{pidfd, POLLIN, 0};
+      ::poll(&p, 1, static_cast<int>(left));
+    } else {
+      ::usleep(static_cast<useconds_t>(std::min<long long>(left, 20) * 1000));
+    }
+  }
+}
+
+void EmbeddedAgent::keeper_main(int ready_write_fd, int log_fd, int null_fd) {
+  // Signals meant for the trainer go to its other threads.
+  sigset_t all;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
+
+  int err = 0;
+  pid_t pid = spawn_child(ready_write_fd, log_fd, null_fd, err);
   {
     std::lock_guard lock(mu_);
     pid_ = pid;
@@ -390,39 +424,12 @@ void EmbeddedAgent::keeper_main(int ready_write_fd, int log_fd, int null_fd) {
 
   // Wait for either the agent's exit or a stop request.
   UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
-  auto reap = [&](int options) {
-    int status = 0;
-    pid_t r = retry_eintr([&] { return ::waitpid(pid, &status, options); });
-    if (r == pid || (r < 0 && errno == ECHILD)) {  // ECHILD: someone else in the trainer reaped it
-      std::lock_guard lock(mu_);
-      reaped_ = true;
-      wait_status_ = r == pid ? status : 0;
-      cv_.notify_all();
-      return true;
-    }
-    return false;
-  };
-  auto wait_exit = [&](milliseconds timeout) {  // true once reaped
-    auto until = steady_clock::now() + timeout;
-    for (;;) {
-      if (reap(WNOHANG)) return true;
-      auto left = std::chrono::duration_cast<milliseconds>(until - steady_clock::now()).count();
-      if (left <= 0) return false;
-      if (pidfd) {
-        pollfd p{pidfd.get(), POLLIN, 0};
-        ::poll(&p, 1, static_cast<int>(left));
-      } else {
-        ::usleep(static_cast<useconds_t>(std::min<long long>(left, 20) * 1000));
-      }
-    }
-  };
-
   bool exited = false;
   for (;;) {
     pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {pidfd.get(), POLLIN, 0}};
     int n = ::poll(fds, pidfd ? 2 : 1, pidfd ? -1 : 200);
     if (n < 0 && errno != EINTR) break;
-    if (!exited && reap(WNOHANG)) exited = true;
+    if (!exited && reap(pid, WNOHANG)) exited = true;
     if (fds[0].revents & POLLIN) break;
     if (exited) {
       // Gone on its own; wait for stop() only.
@@ -434,9 +441,9 @@ void EmbeddedAgent::keeper_main(int ready_write_fd, int log_fd, int null_fd) {
   }
   if (!exited) {
     ::kill(pid, SIGTERM);
-    if (!wait_exit(stop_grace_)) {
+    if (!wait_exit(pid, pidfd.get(), stop_grace_)) {
       ::kill(pid, SIGKILL);
-      wait_exit(milliseconds{60'000});
+      wait_exit(pid, pidfd.get(), milliseconds{60'000});
     }
   }
 }

@@ -58,6 +58,13 @@ class EmbeddedAgent {
 
  private:
   void keeper_main(int ready_write_fd, int log_fd, int null_fd);
+  // keeper_main's steps. The agent's process, its descriptors handed over (closed here); -1 when it did not start
+  // (`err` says why).
+  pid_t spawn_child(int ready_write_fd, int log_fd, int null_fd, int& err);
+  // waitpid(pid, options) for the agent; true once it is reaped (reaped_ and wait_status_ set).
+  bool reap(pid_t pid, int options);
+  // Waits up to `timeout` for the agent to end (on its pidfd, when it has one, else polling); true once reaped.
+  bool wait_exit(pid_t pid, int pidfd, std::chrono::milliseconds timeout);
   void wait_ready(int ready_read_fd);
   void cleanup_files() noexcept;
 

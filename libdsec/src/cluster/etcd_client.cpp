@@ -351,16 +351,12 @@ void EtcdWatch::sleep_for(milliseconds d) {
   wake_.wait_for(lock, d, [&] { return stopping_.load(); });
 }
 
-namespace {
-
 // What ended one watch stream.
-struct StreamEnd {
+struct EtcdWatch::StreamEnd {
   enum class Why { kBroken, kCompacted, kStopped } why = Why::kBroken;
   std::string message;
   Code code = Code::kUnavailable;
 };
-
-}  // namespace
 
 void EtcdWatch::run() {
   const std::size_t n = client_.options_.endpoints.size();
@@ -496,74 +492,7 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
   StreamState state;
   state.watch = this;
   state.handle = h;
-  state.on_message = [&](const json& j) -> bool {
-    if (!j.is_object()) {
-      end = {StreamEnd::Why::kBroken, "etcd watch stream sent a message that is not JSON", Code::kInternal};
-      ended = true;
-      return false;
-    }
-    if (j.contains("error")) {
-      Error e = etcd_error(j, 200, endpoint);
-      end = {StreamEnd::Why::kBroken, e.what(), e.code()};
-      ended = true;
-      return false;
-    }
-    auto r = j.find("result");
-    if (r == j.end() || !r->is_object()) return true;
-    if (r->value("created", false)) {
-      if (next_revision_.load() == 0) {
-        if (auto hd = r->find("header"); hd != r->end() && hd->is_object())
-          next_revision_.store(i64(*hd, "revision") + 1);
-      }
-      connected_.store(true);
-      connects_.fetch_add(1);
-      if (callbacks_.on_connected) {
-        try {
-          callbacks_.on_connected();
-        } catch (...) {
-        }
-      }
-    }
-    if (auto ev = r->find("events"); ev != r->end() && ev->is_array()) {
-      for (const auto& e : *ev) {
-        if (stopping_.load()) return false;
-        WatchEvent event;
-        event.type =
-            e.value("type", std::string("PUT")) == "DELETE" ? WatchEvent::Type::kDelete : WatchEvent::Type::kPut;
-        if (auto kv = e.find("kv"); kv != e.end() && kv->is_object()) {
-          event.key = b64(*kv, "key");
-          event.value = b64(*kv, "value");
-          event.mod_revision = i64(*kv, "mod_revision");
-        }
-        try {
-          callbacks_.on_event(event);
-        } catch (const std::exception& x) {
-          if (callbacks_.on_error) {
-            try {
-              callbacks_.on_error(Error(Code::kInternal, fmt::format("etcd watch callback threw: {}", x.what())));
-            } catch (...) {
-            }
-          }
-        }
-        if (event.mod_revision >= next_revision_.load()) next_revision_.store(event.mod_revision + 1);
-      }
-    }
-    if (r->value("canceled", false)) {
-      std::int64_t compact = i64(*r, "compact_revision");
-      if (compact > 0)
-        end = {StreamEnd::Why::kCompacted,
-               fmt::format("revision {} was compacted (history starts at {})", next_revision_.load(), compact),
-               Code::kOutOfRange};
-      else
-        end = {StreamEnd::Why::kBroken,
-               fmt::format("etcd {} cancelled the watch: {}", endpoint,
-                           r->value("cancel_reason", std::string("no reason given"))),
-               Code::kUnavailable};
-      ended = true;
-      return false;
-    }
-    return true;
-  };
+  state.on_message = [&](const json& j) { return on_stream_message(j, endpoint, end, ended); };
   set(h, CURLOPT_WRITEFUNCTION, &stream_write);
   set(h, CURLOPT_WRITEDATA, static_cast<void*>(&state));
 
@@ -596,6 +525,80 @@ void EtcdWatch::stream_once(const std::string& endpoint) {
   if (rc != CURLE_OK)
     throw Error(Code::kUnavailable, fmt::format("etcd {} watch: {}", endpoint, curl::describe(rc, errbuf)));
   throw Error(Code::kUnavailable, fmt::format("etcd {} ended the watch stream", endpoint));
+}
+
+bool EtcdWatch::on_stream_message(const json& j, const std::string& endpoint, StreamEnd& end, bool& ended) {
+  if (!j.is_object()) {
+    end = {StreamEnd::Why::kBroken, "etcd watch stream sent a message that is not JSON", Code::kInternal};
+    ended = true;
+    return false;
+  }
+  if (j.contains("error")) {
+    Error e = etcd_error(j, 200, endpoint);
+    end = {StreamEnd::Why::kBroken, e.what(), e.code()};
+    ended = true;
+    return false;
+  }
+  auto r = j.find("result");
+  if (r == j.end() || !r->is_object()) return true;
+  if (r->value("created", false)) on_stream_created(*r);
+  if (auto ev = r->find("events"); ev != r->end() && ev->is_array()) {
+    if (!deliver_events(*ev)) return false;
+  }
+  if (r->value("canceled", false)) {
+    std::int64_t compact = i64(*r, "compact_revision");
+    if (compact > 0)
+      end = {StreamEnd::Why::kCompacted,
+             fmt::format("revision {} was compacted (history starts at {})", next_revision_.load(), compact),
+             Code::kOutOfRange};
+    else
+      end = {StreamEnd::Why::kBroken,
+             fmt::format("etcd {} cancelled the watch: {}", endpoint,
+                         r->value("cancel_reason", std::string("no reason given"))),
+             Code::kUnavailable};
+    ended = true;
+    return false;
+  }
+  return true;
+}
+
+void EtcdWatch::on_stream_created(const json& r) {
+  if (next_revision_.load() == 0) {
+    if (auto hd = r.find("header"); hd != r.end() && hd->is_object()) next_revision_.store(i64(*hd, "revision") + 1);
+  }
+  connected_.store(true);
+  connects_.fetch_add(1);
+  if (callbacks_.on_connected) {
+    try {
+      callbacks_.on_connected();
+    } catch (...) {
+    }
+  }
+}
+
+bool EtcdWatch::deliver_events(const json& events) {
+  for (const auto& e : events) {
+    if (stopping_.load()) return false;
+    WatchEvent event;
+    event.type = e.value("type", std::string("PUT")) == "DELETE" ? WatchEvent::Type::kDelete : WatchEvent::Type::kPut;
+    if (auto kv = e.find("kv"); kv != e.end() && kv->is_object()) {
+      event.key = b64(*kv, "key");
+      event.value = b64(*kv, "value");
+      event.mod_revision = i64(*kv, "mod_revision");
+    }
+    try {
+      callbacks_.on_event(event);
+    } catch (const std::exception& x) {
+      if (callbacks_.on_error) {
+        try {
+          callbacks_.on_error(Error(Code::kInternal, fmt::format("etcd watch callback threw: {}", x.what())));
+        } catch (...) {
+        }
+      }
+    }
+    if (event.mod_revision >= next_revision_.load()) next_revision_.store(event.mod_revision + 1);
+  }
+  return true;
 }
 
 }  // namespace dsec::cluster

@@ -20,6 +20,8 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "dsec/error.hpp"
 
 namespace dsec::http::curl {
@@ -167,8 +169,16 @@ class EtcdWatch {
   EtcdWatch(EtcdClient& client, std::string prefix, std::int64_t start_revision, WatchCallbacks callbacks,
             WatchOptions options);
   void run();
+  // What ended one watch stream (etcd_client.cpp).
+  struct StreamEnd;
   // One stream, from next_revision_ until it breaks, is cancelled by etcd, or stop() is called.
   void stream_once(const std::string& endpoint);
+  // One message of the stream from `endpoint`; false ends the stream (`end` says why, unless stop() was called).
+  bool on_stream_message(const nlohmann::json& message, const std::string& endpoint, StreamEnd& end, bool& ended);
+  // The stream's "created" answer: the revision to resume from, when there was none, and on_connected.
+  void on_stream_created(const nlohmann::json& result);
+  // The stream's events to on_event, in order; false when stop() was called.
+  bool deliver_events(const nlohmann::json& events);
   void sleep_for(std::chrono::milliseconds d);
 
   EtcdClient& client_;

@@ -123,6 +123,59 @@ void hold_capabilities_permitted_only() {
   syscall(SYS_capset, &hdr, caps);
 }
 
+// Drains the signalfd `sfd` and reaps every child that ended: the table's own, and commands whose connection waits
+// for their exit (told, then closed).
+void reap_children(int sfd, ProcessTable& table, std::unordered_map<pid_t, int>& waiting) {
+  signalfd_siginfo info;
+  while (read(sfd, &info, sizeof info) == sizeof info) {
+  }
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    if (table.reaped(pid, status)) continue;
+    auto it = waiting.find(pid);
+    if (it == waiting.end()) continue;  // an orphan, or a background process: reaped, nobody to tell
+    send_reply(it->second, ReplyType::kExited, status, 0);
+    close(it->second);
+    waiting.erase(it);
+  }
+}
+
+// One connection of the agent: a process request for the table, or a command to start (its connection then waits
+// in `waiting` for its exit).
+void serve_connection(int conn, ProcessTable& table, const sigset_t& original_mask,
+                      std::unordered_map<pid_t, int>& waiting) {
+  timeval tv{10, 0};  // the agent sends its request at once; a stalled peer must not hold pid 1
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  StartRequest req;
+  std::uint32_t first = 0;
+  bool head = read_head(conn, first, req.fds);
+  if (head && first == dsec::process_protocol::kMagic) {
+    serve_process_request(conn, table, req.fds);
+    return;
+  }
+  if (!head || !read_request(conn, first, req)) {
+    send_reply(conn, ReplyType::kFailed, EINVAL, static_cast<std::int32_t>(FailStage::kRequest));
+    close_all(req.fds);
+    close(conn);
+    return;
+  }
+  int err = 0;
+  FailStage stage = FailStage::kRequest;
+  pid_t pid = start_command(req, original_mask, err, stage);
+  // A child that changed its ids made the memory it shared with us dumpable again, also one that failed
+  // halfway (become_user resets it only once all ids are set).
+  if (req.set_user) prctl(PR_SET_DUMPABLE, 0);
+  close_all(req.fds);
+  if (pid < 0) {
+    send_reply(conn, ReplyType::kFailed, err, static_cast<std::int32_t>(stage));
+    close(conn);
+    return;
+  }
+  send_reply(conn, ReplyType::kStarted, pid, 0);
+  waiting.emplace(pid, conn);
+}
+
 }  // namespace
 
 int run_container_init() {
@@ -159,52 +212,12 @@ int run_container_init() {
     table.poll_done(fds, 2);
     table.expire();
     if (fds[1].revents & POLLIN) {
-      signalfd_siginfo info;
-      while (read(sfd, &info, sizeof info) == sizeof info) {
-      }
-      int status;
-      pid_t pid;
-      while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-        if (table.reaped(pid, status)) continue;
-        auto it = waiting.find(pid);
-        if (it == waiting.end()) continue;  // an orphan, or a background process: reaped, nobody to tell
-        send_reply(it->second, ReplyType::kExited, status, 0);
-        close(it->second);
-        waiting.erase(it);
-      }
+      reap_children(sfd, table, waiting);
     }
     if (fds[0].revents & POLLIN) {
       int conn = accept4(kListenFd, nullptr, nullptr, SOCK_CLOEXEC);
       if (conn < 0) continue;
-      timeval tv{10, 0};  // the agent sends its request at once; a stalled peer must not hold pid 1
-      setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-      StartRequest req;
-      std::uint32_t first = 0;
-      bool head = read_head(conn, first, req.fds);
-      if (head && first == dsec::process_protocol::kMagic) {
-        serve_process_request(conn, table, req.fds);
-        continue;
-      }
-      if (!head || !read_request(conn, first, req)) {
-        send_reply(conn, ReplyType::kFailed, EINVAL, static_cast<std::int32_t>(FailStage::kRequest));
-        close_all(req.fds);
-        close(conn);
-        continue;
-      }
-      int err = 0;
-      FailStage stage = FailStage::kRequest;
-      pid_t pid = start_command(req, original_mask, err, stage);
-      // A child that changed its ids made the memory it shared with us dumpable again, also one that failed
-      // halfway (become_user resets it only once all ids are set).
-      if (req.set_user) prctl(PR_SET_DUMPABLE, 0);
-      close_all(req.fds);
-      if (pid < 0) {
-        send_reply(conn, ReplyType::kFailed, err, static_cast<std::int32_t>(stage));
-        close(conn);
-        continue;
-      }
-      send_reply(conn, ReplyType::kStarted, pid, 0);
-      waiting.emplace(pid, conn);
+      serve_connection(conn, table, original_mask, waiting);
     }
   }
 }

@@ -773,6 +773,50 @@ class GuestInit {
     flush_below(2u << 20);
   }
 
+  // A regular file of the writable layer: its entry (a hard link to one sent before, when it is one) and its data.
+  void capture_file(int dirfd, const std::string& name, const struct stat& st, files::TreeEntry& e, Capture& c) {
+    const std::string& path = e.path;
+    if (st.st_nlink > 1) {
+      auto [it, fresh] = c.links.try_emplace({st.st_dev, st.st_ino}, path);
+      if (!fresh) {
+        e.kind = files::EntryKind::kHardlink;
+        e.link = it->second;
+        emit(e, c);
+        return;
+      }
+    }
+    UniqueFd file(::openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (!file) return;
+    if (!xattr_of(file.get(), "trusted.overlay.metacopy").empty() ||
+        ::fgetxattr(file.get(), "trusted.overlay.metacopy", nullptr, 0) >= 0)
+      throw Error(Code::kFailedPrecondition, "/" + path + " is an overlayfs metacopy: its data is in a lower layer");
+    if (c.bytes + static_cast<std::uint64_t>(st.st_size) > c.max)
+      throw Error(Code::kResourceExhausted, "the writable layer holds more than the snapshot's limit", false);
+    c.bytes += static_cast<std::uint64_t>(st.st_size);
+    e.kind = files::EntryKind::kRegular;
+    e.size = static_cast<std::uint64_t>(st.st_size);
+    emit(e, c);
+    send_file_data(file.get(), e.size, c.channel);
+  }
+
+  // `size` bytes of the file open as `fd`, as data frames of `channel`.
+  void send_file_data(int fd, std::uint64_t size, std::uint32_t channel) {
+    std::string buf(gp::kMaxDataChunk, '\0');
+    std::uint64_t left = size;
+    while (left > 0) {
+      ssize_t n = ::read(fd, buf.data(), std::min<std::uint64_t>(left, buf.size()));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        // Shrunk under us (it cannot: everything is frozen, but the entry promised its size): zeros.
+        std::fill(buf.begin(), buf.end(), '\0');
+        n = static_cast<ssize_t>(std::min<std::uint64_t>(left, buf.size()));
+      }
+      send(Type::kData, channel, gp::Writer().str(std::string_view(buf.data(), static_cast<std::size_t>(n))).bytes());
+      flush_below(2u << 20);
+      left -= static_cast<std::uint64_t>(n);
+    }
+  }
+
   void capture_dir(int dirfd, const std::string& rel, Capture& c) {
     UniqueFd iter(::dup(dirfd));
     DIR* dir = iter ? ::fdopendir(iter.release()) : nullptr;
@@ -804,42 +848,7 @@ class GuestInit {
         emit(e, c);
         capture_dir(sub.get(), path, c);
       } else if (S_ISREG(st.st_mode)) {
-        if (st.st_nlink > 1) {
-          auto [it, fresh] = c.links.try_emplace({st.st_dev, st.st_ino}, path);
-          if (!fresh) {
-            e.kind = files::EntryKind::kHardlink;
-            e.link = it->second;
-            emit(e, c);
-            continue;
-          }
-        }
-        UniqueFd file(::openat(dirfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-        if (!file) continue;
-        if (!xattr_of(file.get(), "trusted.overlay.metacopy").empty() ||
-            ::fgetxattr(file.get(), "trusted.overlay.metacopy", nullptr, 0) >= 0)
-          throw Error(Code::kFailedPrecondition,
-                      "/" + path + " is an overlayfs metacopy: its data is in a lower layer");
-        if (c.bytes + static_cast<std::uint64_t>(st.st_size) > c.max)
-          throw Error(Code::kResourceExhausted, "the writable layer holds more than the snapshot's limit", false);
-        c.bytes += static_cast<std::uint64_t>(st.st_size);
-        e.kind = files::EntryKind::kRegular;
-        e.size = static_cast<std::uint64_t>(st.st_size);
-        emit(e, c);
-        std::string buf(gp::kMaxDataChunk, '\0');
-        std::uint64_t left = e.size;
-        while (left > 0) {
-          ssize_t n = ::read(file.get(), buf.data(), std::min<std::uint64_t>(left, buf.size()));
-          if (n < 0 && errno == EINTR) continue;
-          if (n <= 0) {
-            // Shrunk under us (it cannot: everything is frozen, but the entry promised its size): zeros.
-            std::fill(buf.begin(), buf.end(), '\0');
-            n = static_cast<ssize_t>(std::min<std::uint64_t>(left, buf.size()));
-          }
-          send(Type::kData, c.channel,
-               gp::Writer().str(std::string_view(buf.data(), static_cast<std::size_t>(n))).bytes());
-          flush_below(2u << 20);
-          left -= static_cast<std::uint64_t>(n);
-        }
+        capture_file(dirfd, name, st, e, c);
       } else if (S_ISLNK(st.st_mode)) {
         char target[4096];
         ssize_t n = ::readlinkat(dirfd, name.c_str(), target, sizeof target);

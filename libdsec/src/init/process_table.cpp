@@ -180,6 +180,47 @@ bool ProcessTable::make_room() {
   return false;
 }
 
+int ProcessTable::open_pty(Process& p, std::uint32_t rows, std::uint32_t cols, int (&child)[3]) {
+  int master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (master < 0) return errno;
+  int unlock = 0;
+  winsize size{static_cast<unsigned short>(rows ? rows : 24), static_cast<unsigned short>(cols ? cols : 80), 0, 0};
+  int slave = -1;
+  if (ioctl(master, TIOCSPTLCK, &unlock) != 0 || ioctl(master, TIOCSWINSZ, &size) != 0 ||
+      (slave = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+    int err = errno;
+    close(master);
+    return err;
+  }
+  p.in_fd = master;
+  p.out_fd = master;
+  child[0] = slave;
+  child[1] = dup(slave);
+  child[2] = dup(slave);
+  p.entry.rows = size.ws_row;
+  p.entry.cols = size.ws_col;
+  return 0;
+}
+
+int ProcessTable::open_pipes(Process& p, int (&child)[3]) {
+  int in[2], out[2], err[2];
+  if (pipe2(in, O_CLOEXEC) != 0) return errno;
+  if (pipe2(out, O_CLOEXEC) != 0) {
+    int e = errno;
+    close(in[0]), close(in[1]);
+    return e;
+  }
+  if (pipe2(err, O_CLOEXEC) != 0) {
+    int e = errno;
+    close(in[0]), close(in[1]), close(out[0]), close(out[1]);
+    return e;
+  }
+  child[0] = in[0], p.in_fd = in[1];
+  child[1] = out[1], p.out_fd = out[0];
+  child[2] = err[1], p.err_fd = err[0];
+  return 0;
+}
+
 std::string ProcessTable::spawn(std::string_view payload, std::vector<int>& fds) {
   Reader r(payload);
   std::uint32_t kind = 0, pty = 0, rows = 0, cols = 0;
@@ -192,48 +233,13 @@ std::string ProcessTable::spawn(std::string_view payload, std::vector<int>& fds)
   if (!make_room()) return status_only(Status::kTableFull);
 
   Process p;
-  int child_in = -1, child_out = -1, child_err = -1;
+  int child[3] = {-1, -1, -1};  // the child's stdin, stdout and stderr
   auto close_child_ends = [&] {
-    for (int fd : {child_in, child_out, child_err})
+    for (int fd : child)
       if (fd >= 0) close(fd);
   };
-  if (pty) {
-    int master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
-    if (master < 0) return system_error(errno);
-    int unlock = 0;
-    winsize size{static_cast<unsigned short>(rows ? rows : 24), static_cast<unsigned short>(cols ? cols : 80), 0, 0};
-    int slave = -1;
-    if (ioctl(master, TIOCSPTLCK, &unlock) != 0 || ioctl(master, TIOCSWINSZ, &size) != 0 ||
-        (slave = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
-      int err = errno;
-      close(master);
-      return system_error(err);
-    }
-    p.in_fd = master;
-    p.out_fd = master;
-    child_in = slave;
-    child_out = dup(slave);
-    child_err = dup(slave);
-    p.entry.rows = size.ws_row;
-    p.entry.cols = size.ws_col;
-  } else {
-    int in[2], out[2], err[2];
-    if (pipe2(in, O_CLOEXEC) != 0) return system_error(errno);
-    if (pipe2(out, O_CLOEXEC) != 0) {
-      int e = errno;
-      close(in[0]), close(in[1]);
-      return system_error(e);
-    }
-    if (pipe2(err, O_CLOEXEC) != 0) {
-      int e = errno;
-      close(in[0]), close(in[1]), close(out[0]), close(out[1]);
-      return system_error(e);
-    }
-    child_in = in[0], p.in_fd = in[1];
-    child_out = out[1], p.out_fd = out[0];
-    child_err = err[1], p.err_fd = err[0];
-  }
-  if (child_out < 0 || child_err < 0) {
+  if (int e = pty ? open_pty(p, rows, cols, child) : open_pipes(p, child); e != 0) return system_error(e);
+  if (child[1] < 0 || child[2] < 0) {
     int e = errno;
     close_child_ends();
     release(p);
@@ -243,7 +249,7 @@ std::string ProcessTable::spawn(std::string_view payload, std::vector<int>& fds)
   std::vector<std::string> argv = command.argv;  // kept for the entry
   StartRequest req = start_request_of(std::move(command), drop_capabilities_);
   req.controlling_tty = pty != 0;
-  req.fds = {child_in, child_out, child_err};
+  req.fds = {child[0], child[1], child[2]};
   req.fds.insert(req.fds.end(), fds.begin(), fds.end());
   fds.clear();  // now in req.fds, closed with it
   int err = 0;

@@ -87,6 +87,10 @@ class ProcessTable {
   };
 
   std::string spawn(std::string_view payload, std::vector<int>& fds);
+  // spawn()'s descriptors: the process's ends and the child's (stdin, stdout, stderr) of a pty of rows x cols (24 x
+  // 80 by default), or of three pipes. 0, or the errno of what failed (nothing of it left open).
+  static int open_pty(Process& p, std::uint32_t rows, std::uint32_t cols, int (&child)[3]);
+  static int open_pipes(Process& p, int (&child)[3]);
   std::string list() const;
   // Answers the read at once (the reply), or nullopt when it has to wait.
   std::optional<std::string> read(std::string_view payload, std::uint64_t ticket);

@@ -52,6 +52,55 @@ json compile_commands() {
               {"cpp", {"g++", "-O2", "-pipe", "-o", "{binary}", "{source}"}}};
 }
 
+// The host's GPU device nodes: each twice, as a node nobody may open where programs look for it, and usable in
+// a directory only root can enter, from where a call given the GPU binds it over the first one.
+void add_gpu_nodes(container::RootfsPlan& plan, const std::vector<DeviceNode>& gpu_nodes) {
+  using Kind = container::RootfsStep::Kind;
+  const char* hidden = plan.keep(plan.root + "/dev/.dsec-gpu");
+  plan.steps.push_back({Kind::kMkdir, nullptr, hidden, nullptr, 0, nullptr, 0700, 0, false});
+  for (const auto& node : gpu_nodes) {
+    plan.steps.push_back({Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/.dsec-gpu/" + node.name), nullptr, 0,
+                          nullptr, 0666, node.dev, false});
+    plan.steps.push_back(
+        {Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/" + node.name), nullptr, 0, nullptr, 0, node.dev, false});
+  }
+}
+
+// The zygote (python3 running zygote_script()) as the init of its sandbox, listening on `listen_fd`.
+container::SpawnedInit spawn_zygote(Runtime& rt, const ForkServerParams& params, container::RootfsPlan& plan,
+                                    int netns_fd, const std::vector<UniqueFd>& procs, int listen_fd,
+                                    const container::UserNamespaces::Namespace* userns) {
+  const std::string script(zygote_script());
+  const char* argv[] = {"python3", "-I", "-B", "-c", script.c_str(), nullptr};
+  const char* envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "HOME=/",
+                        nullptr};
+  container::SpawnRequest req;
+  req.rootfs = &plan;
+  req.hostname = "fncall";
+  req.netns_fd = netns_fd;
+  for (const auto& fd : procs) req.cgroup_procs_fds.push_back(fd.get());
+  req.listen_fd = listen_fd;
+  auto prog = rt.server_filter.fprog();
+  req.seccomp = &prog;
+  req.cap_last_cap = rt.cap_last_cap;
+  req.open_files = 4096;
+  req.exec_path = kPython;
+  req.exec_argv = argv;
+  req.exec_envp = envp;
+  req.keep_capabilities = (1ull << CAP_SYS_ADMIN) | (1ull << CAP_SETUID) | (1ull << CAP_SETGID);
+  if (userns) req.userns_fd = userns->fd.get();
+  try {
+    return container::spawn_init(req);
+  } catch (const Error& e) {
+    if (std::string_view(e.what()).find(fmt::format("exec {}", kPython)) != std::string_view::npos)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("image {} cannot serve function calls: its fork servers run {}, which the image does "
+                              "not have ({})",
+                              params.image, kPython, e.what()));
+    throw;
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParams& params) {
@@ -89,55 +138,21 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
   if (userns) options.userns_first = userns->first;
   options.proc_options = "hidepid=invisible";
   container::RootfsPlan plan = container::plan_rootfs(s.run_dir_.string(), layers, resources, options);
-  // The host's GPU device nodes: each twice, as a node nobody may open where programs look for it, and usable in
-  // a directory only root can enter, from where a call given the GPU binds it over the first one.
-  if (!rt.gpu_nodes.empty()) {
-    using Kind = container::RootfsStep::Kind;
-    const char* hidden = plan.keep(plan.root + "/dev/.dsec-gpu");
-    plan.steps.push_back({Kind::kMkdir, nullptr, hidden, nullptr, 0, nullptr, 0700, 0, false});
-    for (const auto& node : rt.gpu_nodes) {
-      plan.steps.push_back({Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/.dsec-gpu/" + node.name), nullptr, 0,
-                            nullptr, 0666, node.dev, false});
-      plan.steps.push_back(
-          {Kind::kMknod, nullptr, plan.keep(plan.root + "/dev/" + node.name), nullptr, 0, nullptr, 0, node.dev, false});
-    }
-  }
+  if (!rt.gpu_nodes.empty()) add_gpu_nodes(plan, rt.gpu_nodes);
 
-  const std::string script(zygote_script());
-  const char* argv[] = {"python3", "-I", "-B", "-c", script.c_str(), nullptr};
-  const char* envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "HOME=/",
-                        nullptr};
-  container::SpawnRequest req;
-  req.rootfs = &plan;
-  req.hostname = "fncall";
-  req.netns_fd = s.netns_.get();
-  for (const auto& fd : procs) req.cgroup_procs_fds.push_back(fd.get());
-  req.listen_fd = zygote_end.get();
-  auto prog = rt.server_filter.fprog();
-  req.seccomp = &prog;
-  req.cap_last_cap = rt.cap_last_cap;
-  req.open_files = 4096;
-  req.exec_path = kPython;
-  req.exec_argv = argv;
-  req.exec_envp = envp;
-  req.keep_capabilities = (1ull << CAP_SYS_ADMIN) | (1ull << CAP_SETUID) | (1ull << CAP_SETGID);
-  if (userns) req.userns_fd = userns->fd.get();
-  container::SpawnedInit init;
-  try {
-    init = container::spawn_init(req);
-  } catch (const Error& e) {
-    if (std::string_view(e.what()).find(fmt::format("exec {}", kPython)) != std::string_view::npos)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("image {} cannot serve function calls: its fork servers run {}, which the image does "
-                              "not have ({})",
-                              params.image, kPython, e.what()));
-    throw;
-  }
+  container::SpawnedInit init =
+      spawn_zygote(rt, params, plan, s.netns_.get(), procs, zygote_end.get(), userns ? &*userns : nullptr);
   s.pid_ = init.pid;
   s.pidfd_ = std::move(init.pidfd);
   s.ctl_ = std::move(agent_end);
   zygote_end.reset();
 
+  s.greet(params);
+  return server;
+}
+
+void ForkServer::greet(const ForkServerParams& params) {
+  Runtime& rt = runtime_;
   json hello_init{{"type", "init"},
                   {"language", params.language},
                   {"uid", rt.config.uid},
@@ -146,10 +161,10 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
                   {"seccomp", rt.call_filter_base64},
                   {"nofile", kCallOpenFiles},
                   {"compile", compile_commands()}};
-  send_frame(s.ctl_.get(), hello_init);
+  send_frame(ctl_.get(), hello_init);
   Frame hello;
   bool timed_out = false;
-  if (!recv_frame(s.ctl_.get(), hello, Clock::now() + kHelloTimeout, &timed_out))
+  if (!recv_frame(ctl_.get(), hello, Clock::now() + kHelloTimeout, &timed_out))
     throw Error(Code::kUnavailable,
                 fmt::format("fork server {} ({} over {}): the zygote {} before it was ready", params.id,
                             params.language, params.image, timed_out ? "did not answer" : "exited"));
@@ -159,8 +174,7 @@ std::unique_ptr<ForkServer> ForkServer::start(Runtime& rt, const ForkServerParam
   if (hello.type() != "hello")
     throw Error(Code::kInternal, fmt::format("fork server {}: unexpected first message '{}'", params.id, hello.type()));
   if (auto f = hello.header.find("failed"); f != hello.header.end() && f->is_object())
-    for (auto& [name, why] : f->items()) s.preload_failures_.push_back(fmt::format("{} ({})", name, why.dump()));
-  return server;
+    for (auto& [name, why] : f->items()) preload_failures_.push_back(fmt::format("{} ({})", name, why.dump()));
 }
 
 ForkServer::~ForkServer() {

@@ -107,6 +107,8 @@ class ForkServer {
 
  private:
   ForkServer(Runtime& runtime, std::string id) : runtime_(runtime), id_(std::move(id)) {}
+  // start()'s first exchange with the zygote: its settings for the language, then its hello (or why it failed).
+  void greet(const ForkServerParams& params);
 
   Runtime& runtime_;
   std::string id_;

@@ -158,6 +158,61 @@ void Snapshots::release_fork_snapshot(const std::string& tagged) {
     log_info("fork snapshot {}: its last sandbox on this node is gone; tag removed from {}", name, store_->url());
 }
 
+void Snapshots::check_name_free(const std::string& tagged, const std::string& what) {
+  try {
+    if (store_->read_ref(tagged))
+      throw Error(Code::kAlreadyExists,
+                  fmt::format("image {} exists in store {}; a snapshot never moves a tag: choose another name or "
+                              "remove it first (dsec image rm)",
+                              tagged, store_->url()));
+  } catch (const Error& e) {
+    if (e.code() == Code::kAlreadyExists) throw;
+    rethrow_with(e, what);
+  }
+}
+
+void Snapshots::make_staging_dir(const fs::path& staging, const std::string& what) {
+  std::error_code ec;
+  fs::create_directories(options_.staging_dir, ec);
+  if (ec)
+    throw Error(code_for_errno(ec.value()),
+                fmt::format("{}: mkdir {}: {}", what, options_.staging_dir.string(), ec.message()));
+  ::chmod(options_.staging_dir.c_str(), 0700);
+  if (::mkdir(staging.c_str(), 0700) != 0) throw_errno_fmt(errno, "{}: mkdir {}", what, staging.string());
+}
+
+void Snapshots::copy_parent_layers(const image::Manifest& parent, const std::string& what) {
+  for (const image::LayerDescriptor& layer : parent.layers) {
+    try {
+      image::copy_layer_blobs(images_.stores(), *store_, layer);
+    } catch (const Error& e) {
+      if (e.code() == Code::kNotFound)
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("{}: its image's layers cannot be put into the snapshot store: {}", what, e.what()));
+      rethrow_with(e, fmt::format("{}: copying its image's layers into {}", what, store_->url()));
+    }
+  }
+}
+
+std::string Snapshots::commit_snapshot(const image::ImageReference& ref, const image::Manifest& parent,
+                                       const SnapshotOutcome& out, const std::string& what) {
+  image::Manifest m;
+  m.name = ref.name;
+  m.tag = ref.tag;
+  m.layers = parent.layers;
+  m.layers.push_back(out.layer);
+  m.parent = out.parent;
+  m.created_at = unix_now();
+  m.source = fmt::format("snapshot of sandbox {} on node {}", out.sandbox_id, options_.node_id);
+  m.notes = out.notes;
+  try {
+    return image::commit_manifest_new_tag(*store_, m);
+  } catch (const Error& e) {
+    if (e.code() == Code::kAlreadyExists) throw;
+    rethrow_with(e, fmt::format("{}: committing it to {}", what, store_->url()));
+  }
+}
+
 SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::ImageReference& ref) {
   const auto started = Clock::now();
   const std::string tagged = ref.tagged();
@@ -179,16 +234,7 @@ SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::Ima
   out.spec = registry_.spec(id);
 
   // Early, before anything is frozen or written: a taken name fails at once (the commit checks again).
-  try {
-    if (store_->read_ref(tagged))
-      throw Error(Code::kAlreadyExists,
-                  fmt::format("image {} exists in store {}; a snapshot never moves a tag: choose another name or "
-                              "remove it first (dsec image rm)",
-                              tagged, store_->url()));
-  } catch (const Error& e) {
-    if (e.code() == Code::kAlreadyExists) throw;
-    rethrow_with(e, what);
-  }
+  check_name_free(tagged, what);
   std::shared_ptr<const image::Manifest> parent;
   try {
     parent = images_.manifest(info.image);
@@ -207,13 +253,7 @@ SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::Ima
       }
     }
   } remove_staging{staging};
-  std::error_code ec;
-  fs::create_directories(options_.staging_dir, ec);
-  if (ec)
-    throw Error(code_for_errno(ec.value()),
-                fmt::format("{}: mkdir {}: {}", what, options_.staging_dir.string(), ec.message()));
-  ::chmod(options_.staging_dir.c_str(), 0700);
-  if (::mkdir(staging.c_str(), 0700) != 0) throw_errno_fmt(errno, "{}: mkdir {}", what, staging.string());
+  make_staging_dir(staging, what);
 
   // 1. The sandbox's files, frozen for the copy.
   const fs::path tree = staging / "tree";
@@ -231,16 +271,7 @@ SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::Ima
   // 2. The image's own layers into the snapshot store, where it lacks them (usually it has them: it is the first
   // store); then the new layer.
   const auto build_started = Clock::now();
-  for (const image::LayerDescriptor& layer : parent->layers) {
-    try {
-      image::copy_layer_blobs(images_.stores(), *store_, layer);
-    } catch (const Error& e) {
-      if (e.code() == Code::kNotFound)
-        throw Error(Code::kFailedPrecondition,
-                    fmt::format("{}: its image's layers cannot be put into the snapshot store: {}", what, e.what()));
-      rethrow_with(e, fmt::format("{}: copying its image's layers into {}", what, store_->url()));
-    }
-  }
+  copy_parent_layers(*parent, what);
   try {
     out.layer = image::store_tree_as_layer(*store_, tree, image::LayerRole::kSnapshot, staging, out.notes, {},
                                            &out.layer_existed, options_.chunk_size);
@@ -250,21 +281,7 @@ SnapshotOutcome Snapshots::make(const SnapshotRequest& request, const image::Ima
   image::remove_tree(tree);
 
   // 3. The manifest and its (new) tag.
-  image::Manifest m;
-  m.name = ref.name;
-  m.tag = ref.tag;
-  m.layers = parent->layers;
-  m.layers.push_back(out.layer);
-  m.parent = info.image;
-  m.created_at = unix_now();
-  m.source = fmt::format("snapshot of sandbox {} on node {}", id, options_.node_id);
-  m.notes = out.notes;
-  try {
-    out.digest = image::commit_manifest_new_tag(*store_, m);
-  } catch (const Error& e) {
-    if (e.code() == Code::kAlreadyExists) throw;
-    rethrow_with(e, fmt::format("{}: committing it to {}", what, store_->url()));
-  }
+  out.digest = commit_snapshot(ref, *parent, out, what);
   out.image = tagged + "@" + out.digest;
   out.build_seconds = since(build_started);
   out.seconds = since(started);

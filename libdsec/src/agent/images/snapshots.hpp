@@ -100,6 +100,16 @@ class Snapshots {
  private:
   struct Pending;
   SnapshotOutcome make(const SnapshotRequest& request, const image::ImageReference& ref);
+  // make()'s steps. Each error names the snapshot (`what`).
+  // ALREADY_EXISTS when `tagged` is in the store already (a snapshot never moves a tag).
+  void check_name_free(const std::string& tagged, const std::string& what);
+  // The snapshot's staging directory, under options_.staging_dir (made, private to the agent, when missing).
+  void make_staging_dir(const std::filesystem::path& staging, const std::string& what);
+  // The layers of the snapshot's image into the snapshot store, where it lacks them.
+  void copy_parent_layers(const image::Manifest& parent, const std::string& what);
+  // The snapshot's manifest (`parent`'s layers and out.layer) committed under its new tag; returns its digest.
+  std::string commit_snapshot(const image::ImageReference& ref, const image::Manifest& parent,
+                              const SnapshotOutcome& out, const std::string& what);
   void evict(std::chrono::steady_clock::time_point now);  // caller holds mutex_
 
   SnapshotOptions options_;

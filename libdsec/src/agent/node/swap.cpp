@@ -249,6 +249,43 @@ NodeSwap::NodeSwap(const SwapOptions& options) {
 
 NodeSwap::~NodeSwap() { turn_off(); }
 
+namespace {
+
+// The directory of swap file `file`, made when missing; its filesystem, which can hold swap.
+SwapFilesystem swap_file_dir(const fs::path& file) {
+  const std::string path = file.string();
+  std::error_code ec;
+  fs::create_directories(file.parent_path(), ec);
+  if (ec)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("swap file {}: mkdir {}: {}", path, file.parent_path().string(), ec.message()));
+  SwapFilesystem where = swap_filesystem(file.parent_path());
+  if (!where.can_hold_swap)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("swap file {}: its directory is on {}, which cannot hold swap; put it on a local disk "
+                            "filesystem (ext4, xfs, btrfs)",
+                            path, where.name));
+  return where;
+}
+
+// swapon of the file at `path` (open as `fd`, its header written; `zeroed`: every block written already).
+void swap_on_file(int fd, const std::string& path, std::uint64_t bytes, std::string_view label,
+                  const std::string& filesystem, bool zeroed) {
+  if (::swapon(path.c_str(), 0) == 0) return;
+  int err = errno;
+  if (err == EPERM) throw_errno_fmt(err, "swapon {} (needs CAP_SYS_ADMIN)", path);
+  if (err != EINVAL || zeroed)
+    throw_errno_fmt(err, "swapon {} (a swap file on {}; the filesystem may not support swap files)", path, filesystem);
+  // Some filesystems refuse preallocated (unwritten) extents for swap: write every block and try once more.
+  write_zeros(fd, path, bytes);
+  write_header(fd, path, bytes, label);
+  if (::swapon(path.c_str(), 0) != 0)
+    throw_errno_fmt(errno, "swapon {} (a swap file on {}; the filesystem may not support swap files)", path,
+                    filesystem);
+}
+
+}  // namespace
+
 void NodeSwap::setup_file(const SwapOptions& o) {
   const std::string path = o.file.string();
   if (!o.file.is_absolute())
@@ -257,17 +294,7 @@ void NodeSwap::setup_file(const SwapOptions& o) {
     throw Error(Code::kInvalidArgument,
                 fmt::format("--swap-size: a swap file needs at least 1Mi (got {} bytes)", o.file_bytes));
   const std::uint64_t bytes = o.file_bytes / page_size() * page_size();
-  std::error_code ec;
-  fs::create_directories(o.file.parent_path(), ec);
-  if (ec)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("swap file {}: mkdir {}: {}", path, o.file.parent_path().string(), ec.message()));
-  SwapFilesystem where = swap_filesystem(o.file.parent_path());
-  if (!where.can_hold_swap)
-    throw Error(Code::kFailedPrecondition,
-                fmt::format("swap file {}: its directory is on {}, which cannot hold swap; put it on a local disk "
-                            "filesystem (ext4, xfs, btrfs)",
-                            path, where.name));
+  SwapFilesystem where = swap_file_dir(o.file);
 
   struct stat st {};
   const bool exists = ::lstat(path.c_str(), &st) == 0;
@@ -320,19 +347,7 @@ void NodeSwap::setup_file(const SwapOptions& o) {
     }
   }
   write_header(fd.get(), path, bytes, o.label);
-  if (::swapon(path.c_str(), 0) != 0) {
-    int err = errno;
-    if (err == EPERM) throw_errno_fmt(err, "swapon {} (needs CAP_SYS_ADMIN)", path);
-    if (err != EINVAL || zeroed)
-      throw_errno_fmt(err, "swapon {} (a swap file on {}; the filesystem may not support swap files)", path,
-                      where.name);
-    // Some filesystems refuse preallocated (unwritten) extents for swap: write every block and try once more.
-    write_zeros(fd.get(), path, bytes);
-    write_header(fd.get(), path, bytes, o.label);
-    if (::swapon(path.c_str(), 0) != 0)
-      throw_errno_fmt(errno, "swapon {} (a swap file on {}; the filesystem may not support swap files)", path,
-                      where.name);
-  }
+  swap_on_file(fd.get(), path, bytes, o.label, where.name, zeroed);
   areas_.push_back(Area{path, true});
   summary_.push_back(fmt::format("swap file {} ({} on {}) {}; turned off at shutdown", path, mib(bytes), where.name,
                                  reuse ? "reused" : "made"));

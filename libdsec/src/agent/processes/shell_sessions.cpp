@@ -146,6 +146,78 @@ class MarkerScan {
   bool found_ = false, truncated_ = false;
 };
 
+// The steps a timeout takes, in order: abandon the run and kill its processes, then kill the shell.
+class TimeoutSteps {
+ public:
+  TimeoutSteps(Processes& processes, int pid, const std::vector<int>& spared, Clock::time_point deadline)
+      : processes_(processes), pid_(pid), spared_(spared), next_step_(deadline) {}
+
+  Clock::time_point next_step() const { return next_step_; }
+  // The step due at `now` (once next_step() has come).
+  void take(Clock::time_point now) {
+    switch (step_) {
+      case Step::kRunning:
+        // The shell first (its trap waits for the command it runs to end), then what the run started.
+        ignore_ended([&] { processes_.signal(pid_, kAbandon, Scope::kProcess); });
+        ignore_ended([&] { processes_.signal(pid_, SIGKILL, Scope::kTreeExcept, spared_); });
+        step_ = Step::kAbandoned;
+        next_step_ = now + kShellGrace;
+        break;
+      case Step::kAbandoned:
+        ignore_ended([&] { processes_.signal(pid_, SIGKILL, Scope::kGroup); });
+        step_ = Step::kShellKilled;
+        next_step_ = Clock::time_point::max();
+        break;
+      case Step::kShellKilled:
+        break;
+    }
+  }
+
+ private:
+  static void ignore_ended(const std::function<void()>& send) {
+    try {
+      send();
+    } catch (const Error& e) {
+      if (e.code() != Code::kFailedPrecondition) throw;  // the shell ended meanwhile
+    }
+  }
+
+  enum class Step { kRunning, kAbandoned, kShellKilled };
+  Processes& processes_;
+  int pid_;
+  const std::vector<int>& spared_;
+  Step step_ = Step::kRunning;
+  Clock::time_point next_step_;
+};
+
+// A run's result from its two streams: the exit code its markers carry (`marked`), else, when the shell is gone
+// (`last`), how it ended.
+void finish_result(ExecResult& result, MarkerScan& out, MarkerScan& err, bool marked, const ProcessEntry& last) {
+  if (marked) {
+    std::string rest = *out.marker_rest();
+    int code = 0;
+    auto [ptr, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), code);
+    result.exit_code = ec == std::errc() ? code : -1;
+  } else {
+    out.flush();
+    err.flush();
+    if (!last.running) {
+      // The shell is gone: by `exit`, or killed. What it printed is the run's output.
+      result.reason = "session_ended";
+      if (WIFEXITED(last.wait_status)) {
+        result.exit_code = WEXITSTATUS(last.wait_status);
+      } else if (WIFSIGNALED(last.wait_status)) {
+        result.exit_code = -1;
+        result.signal = WTERMSIG(last.wait_status);
+      }
+    }
+  }
+  result.stdout_data = out.take();
+  result.stderr_data = err.take();
+  result.stdout_truncated = out.truncated();
+  result.stderr_truncated = err.truncated();
+}
+
 }  // namespace
 
 void ShellSessions::check_name(std::string_view name) { protocol::check_session_name(name); }
@@ -333,42 +405,18 @@ ExecResult ShellSessions::run_framed(Processes& processes, int pid, const std::s
   MarkerScan out(marker + " ", cap, 1, to);
   MarkerScan err(marker, cap, 2, to);
   ExecResult result;
-  // The steps a timeout takes, in order: abandon the run and kill its processes, then kill the shell.
-  enum class Step { kRunning, kAbandoned, kShellKilled } step = Step::kRunning;
-  Clock::time_point next_step = deadline;
+  TimeoutSteps timeout(processes, pid, spared, deadline);
   ProcessEntry last;
   auto out_done = [&] { return out.found() && out.marker_rest().has_value(); };
-  auto ignore_ended = [](const std::function<void()>& send) {
-    try {
-      send();
-    } catch (const Error& e) {
-      if (e.code() != Code::kFailedPrecondition) throw;  // the shell ended meanwhile
-    }
-  };
   for (;;) {
     if (out_done() && err.found()) break;
     auto now = Clock::now();
-    if (now >= next_step) {
+    if (now >= timeout.next_step()) {
       result.timed_out = true;
       if (!interrupt) break;  // a start that did not answer
-      switch (step) {
-        case Step::kRunning:
-          // The shell first (its trap waits for the command it runs to end), then what the run started.
-          ignore_ended([&] { processes.signal(pid, kAbandon, Scope::kProcess); });
-          ignore_ended([&] { processes.signal(pid, SIGKILL, Scope::kTreeExcept, spared); });
-          step = Step::kAbandoned;
-          next_step = now + kShellGrace;
-          break;
-        case Step::kAbandoned:
-          ignore_ended([&] { processes.signal(pid, SIGKILL, Scope::kGroup); });
-          step = Step::kShellKilled;
-          next_step = Clock::time_point::max();
-          break;
-        case Step::kShellKilled:
-          break;
-      }
+      timeout.take(now);
     }
-    auto until = std::min(next_step, now + std::chrono::seconds(60));
+    auto until = std::min(timeout.next_step(), now + std::chrono::seconds(60));
     auto wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(until - now),
                            std::chrono::milliseconds(0), std::chrono::milliseconds(60'000));
     ProcessOutput got = processes.read(pid, out_done() ? kSkip : out_at, err.found() ? kSkip : err_at,
@@ -385,29 +433,7 @@ ExecResult ShellSessions::run_framed(Processes& processes, int pid, const std::s
     if (!got.entry.running && got.stdout_data.empty() && got.stderr_data.empty()) break;
   }
 
-  if (out_done() && err.found()) {
-    std::string rest = *out.marker_rest();
-    int code = 0;
-    auto [ptr, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), code);
-    result.exit_code = ec == std::errc() ? code : -1;
-  } else {
-    out.flush();
-    err.flush();
-    if (!last.running) {
-      // The shell is gone: by `exit`, or killed. What it printed is the run's output.
-      result.reason = "session_ended";
-      if (WIFEXITED(last.wait_status)) {
-        result.exit_code = WEXITSTATUS(last.wait_status);
-      } else if (WIFSIGNALED(last.wait_status)) {
-        result.exit_code = -1;
-        result.signal = WTERMSIG(last.wait_status);
-      }
-    }
-  }
-  result.stdout_data = out.take();
-  result.stderr_data = err.take();
-  result.stdout_truncated = out.truncated();
-  result.stderr_truncated = err.truncated();
+  finish_result(result, out, err, out_done() && err.found(), last);
   return result;
 }
 

@@ -140,10 +140,7 @@ CreateOutcome Registry::create(const SandboxSpec& spec, std::string_view image_m
   }
 }
 
-CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest,
-                                   const std::string& fingerprint, std::shared_ptr<const ForkSource> fork_of,
-                                   const ClientGone& client_gone) {
-  auto started = std::chrono::steady_clock::now();
+Backend& Registry::backend_for(const SandboxSpec& spec) {
   auto backend_it = backends_.find(spec.kind);
   if (backend_it == backends_.end())
     throw Error(Code::kInvalidArgument, fmt::format("kind: '{}' is not served by node '{}' (it serves: {})", spec.kind,
@@ -153,6 +150,14 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   if (std::string why; !selector_matches(spec.node_selector, options_.node_labels, &why))
     throw Error(Code::kFailedPrecondition,
                 fmt::format("node_selector: node '{}' does not match: {}", options_.node_id, why));
+  return backend;
+}
+
+CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view image_manifest,
+                                   const std::string& fingerprint, std::shared_ptr<const ForkSource> fork_of,
+                                   const ClientGone& client_gone) {
+  auto started = std::chrono::steady_clock::now();
+  Backend& backend = backend_for(spec);
 
   std::string id;
   double lease_deadline = 0;
@@ -165,97 +170,17 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
     if (!spec.group.empty()) lease_deadline = join_group(spec, now(), persist_lease);
   }
   // Until the record is in the table, the resources are a reservation; it is released on every failure path.
-  bool reserved = true;
-  auto release = [&] {
-    if (!reserved) return;
-    std::lock_guard lock(mutex_);
-    reserve(spec, -1);
-    reserved = false;
-  };
-
   auto record = std::make_shared<Record>();
   try {
     if (persist_lease) persist_group(spec.group);
-    ResolvedImage image = images_.resolve(spec.image, image_manifest);
-    CreateParams params{id, spec, image.layers, image.layer_images, std::move(fork_of)};
-    SandboxInfo& info = record->info;
-    info.id = id;
-    info.node = options_.node_id;
-    info.kind = spec.kind;
-    info.image = image.name;
-    // The record goes to disk before the backend starts anything: an agent that dies in between leaves a record,
-    // and the next start removes whatever the half-made sandbox left (Backend::remove_leftovers).
-    info.state = "creating";
-    record->spec = spec;
-    record->layers = image.layers;
-    record->image_manifest = std::string(image_manifest);
-    record->fingerprint = fingerprint;
-    write_record(*record);
-    try {
-      record->sandbox = backend.create(params);
-    } catch (...) {
-      remove_record_file(*record);
-      throw;
-    }
-    if (!record->sandbox) {
-      remove_record_file(*record);
-      throw Error(Code::kInternal, fmt::format("backend '{}' returned no sandbox", spec.kind));
-    }
-
-    try {
-      // Before anything else runs in it; a fork's copy has them already (and its processes run on).
-      if (!params.fork_of) protect_paths(*record->sandbox, spec);
-      record->backend_state = record->sandbox->recovery_state();
-    } catch (...) {
-      record->sandbox->destroy();
-      remove_record_file(*record);
-      throw;
-    }
-    double created_at = now();
-    info.state = "running";
-    info.tenant = spec.tenant;
-    info.labels = spec.labels;
-    info.group = spec.group;
-    info.resources = spec.resources;
-    info.network = spec.network;
-    info.qos = record->sandbox->qos_grant();
-    info.created_at = created_at;
-    info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
-    record->image_hold = std::move(image.hold);
-    try {
-      write_record(*record);
-    } catch (...) {
-      record->sandbox->destroy();
-      remove_record_file(*record);
-      throw;
-    }
+    make_sandbox(*record, backend, id, spec, image_manifest, fingerprint, std::move(fork_of));
   } catch (...) {
-    release();
+    std::lock_guard lock(mutex_);
+    reserve(spec, -1);
     throw;
   }
 
-  bool group_came_back = false;
-  {
-    std::lock_guard lock(mutex_);
-    reserve(spec, -1);
-    reserved = false;
-    live_cpu_ += spec.resources.cpu;
-    live_memory_ += spec.resources.memory_bytes;
-    live_gpus_ += spec.resources.gpus;
-    records_.emplace(id, record);
-    if (!spec.group.empty()) {
-      // The group went (deleted, or reaped) while this sandbox was made: it comes back with the lease this create
-      // started, so the sandbox still dies with it unless the lease is renewed.
-      auto [it, fresh] = groups_.try_emplace(spec.group);
-      if (fresh) {
-        it->second.ttl = static_cast<double>(spec.group_ttl.count());
-        it->second.expires_at = lease_deadline;
-        group_came_back = true;
-      }
-      it->second.members.insert(id);
-    }
-  }
-  if (group_came_back) {
+  if (enter_record(record, spec, lease_deadline)) {
     try {
       persist_group(spec.group);
     } catch (const std::exception& e) {
@@ -264,6 +189,87 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   }
   metrics_.sandbox_created(spec.kind, seconds_since(started));
   return CreateOutcome{record->snapshot(), true};
+}
+
+void Registry::make_sandbox(Record& record, Backend& backend, const std::string& id, const SandboxSpec& spec,
+                            std::string_view image_manifest, const std::string& fingerprint,
+                            std::shared_ptr<const ForkSource> fork_of) {
+  ResolvedImage image = images_.resolve(spec.image, image_manifest);
+  CreateParams params{id, spec, image.layers, image.layer_images, std::move(fork_of)};
+  SandboxInfo& info = record.info;
+  info.id = id;
+  info.node = options_.node_id;
+  info.kind = spec.kind;
+  info.image = image.name;
+  // The record goes to disk before the backend starts anything: an agent that dies in between leaves a record,
+  // and the next start removes whatever the half-made sandbox left (Backend::remove_leftovers).
+  info.state = "creating";
+  record.spec = spec;
+  record.layers = image.layers;
+  record.image_manifest = std::string(image_manifest);
+  record.fingerprint = fingerprint;
+  write_record(record);
+  try {
+    record.sandbox = backend.create(params);
+  } catch (...) {
+    remove_record_file(record);
+    throw;
+  }
+  if (!record.sandbox) {
+    remove_record_file(record);
+    throw Error(Code::kInternal, fmt::format("backend '{}' returned no sandbox", spec.kind));
+  }
+
+  try {
+    // Before anything else runs in it; a fork's copy has them already (and its processes run on).
+    if (!params.fork_of) protect_paths(*record.sandbox, spec);
+    record.backend_state = record.sandbox->recovery_state();
+  } catch (...) {
+    record.sandbox->destroy();
+    remove_record_file(record);
+    throw;
+  }
+  double created_at = now();
+  info.state = "running";
+  info.tenant = spec.tenant;
+  info.labels = spec.labels;
+  info.group = spec.group;
+  info.resources = spec.resources;
+  info.network = spec.network;
+  info.qos = record.sandbox->qos_grant();
+  info.created_at = created_at;
+  info.expires_at = spec.ttl.count() > 0 ? created_at + static_cast<double>(spec.ttl.count()) : 0;
+  record.image_hold = std::move(image.hold);
+  try {
+    write_record(record);
+  } catch (...) {
+    record.sandbox->destroy();
+    remove_record_file(record);
+    throw;
+  }
+}
+
+bool Registry::enter_record(const std::shared_ptr<Record>& record, const SandboxSpec& spec, double lease_deadline) {
+  const std::string& id = record->info.id;
+  bool group_came_back = false;
+  std::lock_guard lock(mutex_);
+  reserve(spec, -1);
+  live_cpu_ += spec.resources.cpu;
+  live_memory_ += spec.resources.memory_bytes;
+  live_gpus_ += spec.resources.gpus;
+  records_.emplace(id, record);
+  if (!spec.group.empty()) {
+    // The group went (deleted, or reaped) while this sandbox was made: it comes back with the lease this create
+    // started, so the sandbox still dies with it unless the lease is renewed.
+    auto [it, fresh] = groups_.try_emplace(spec.group);
+    if (fresh) {
+      it->second.ttl = static_cast<double>(spec.group_ttl.count());
+      it->second.expires_at = lease_deadline;
+      group_came_back = true;
+    }
+    it->second.members.insert(id);
+  }
+  return group_came_back;
 }
 
 std::string Registry::new_id() {

@@ -263,6 +263,16 @@ class Registry {
   void refresh_backend_state(Record& record);
   CreateOutcome create_new(const SandboxSpec& spec, std::string_view image_manifest, const std::string& fingerprint,
                            std::shared_ptr<const ForkSource> fork_of = nullptr, const ClientGone& client_gone = {});
+  // The backend serving spec.kind, on a node that matches spec.node_selector.
+  Backend& backend_for(const SandboxSpec& spec);
+  // create_new's making of sandbox `id` into `record`: its record on disk first, then the backend's sandbox, then
+  // the record as running. What fails leaves nothing of it (the caller releases its reservation).
+  void make_sandbox(Record& record, Backend& backend, const std::string& id, const SandboxSpec& spec,
+                    std::string_view image_manifest, const std::string& fingerprint,
+                    std::shared_ptr<const ForkSource> fork_of);
+  // The sandbox made into the table: its reservation becomes live resources, it joins its group. True when the
+  // group had gone meanwhile and came back with this create's lease (to be written to disk).
+  bool enter_record(const std::shared_ptr<Record>& record, const SandboxSpec& spec, double lease_deadline);
   // admit() for one sandbox of `spec`; with its queue_timeout, waits for room in order (caller holds `lock` on
   // mutex_, released while it waits).
   void admit_or_wait(const SandboxSpec& spec, std::unique_lock<std::mutex>& lock, const ClientGone& client_gone);

@@ -49,20 +49,22 @@ const char* type_name(InputAction::Type t) {
   return "move";
 }
 
-InputAction decode_action(const json& a, const std::string& at) {
-  if (!a.is_object()) bad(at, "must be an object with a \"type\"");
-  if (!a.contains("type")) bad(at + ".type", "missing (move, click, scroll, drag, key, type or wait)");
-  const std::string type = string_at(a, "type", at);
-  InputAction out;
-  auto has = [&](const char* k) { return a.contains(k) && !a.at(k).is_null(); };
-  auto allow_only = [&](std::initializer_list<const char*> keys) {
+// One action of an input request at `at`, its fields read into `out` as its type allows them.
+struct ActionFields {
+  const json& a;
+  const std::string& at;
+  const std::string& type;
+  InputAction& out;
+
+  bool has(const char* k) const { return a.contains(k) && !a.at(k).is_null(); }
+  void allow_only(std::initializer_list<const char*> keys) const {
     for (auto it = a.begin(); it != a.end(); ++it) {
       bool known = it.key() == "type";
       for (const char* k : keys) known = known || it.key() == k;
       if (!known) bad(at + "." + it.key(), fmt::format("not a field of a {} action", type));
     }
-  };
-  auto point = [&](bool required) {
+  }
+  void point(bool required) {
     if (has("x") != has("y")) bad(at, "x and y go together");
     if (!has("x")) {
       if (required) bad(at + ".x", "missing (a pixel of the screen)");
@@ -70,60 +72,68 @@ InputAction decode_action(const json& a, const std::string& at) {
     }
     out.x = static_cast<std::uint32_t>(number_at(a, "x", at, kMaxScreenCoordinate));
     out.y = static_cast<std::uint32_t>(number_at(a, "y", at, kMaxScreenCoordinate));
-  };
-  auto button = [&] {
+  }
+  void button() {
     if (!has("button")) return;
     out.button = string_at(a, "button", at);
     if (out.button != "left" && out.button != "middle" && out.button != "right")
       bad(at + ".button", fmt::format("'{}' is not left, middle or right", out.button.substr(0, 40)));
-  };
+  }
+};
+
+InputAction decode_action(const json& a, const std::string& at) {
+  if (!a.is_object()) bad(at, "must be an object with a \"type\"");
+  if (!a.contains("type")) bad(at + ".type", "missing (move, click, scroll, drag, key, type or wait)");
+  const std::string type = string_at(a, "type", at);
+  InputAction out;
+  ActionFields f{a, at, type, out};
   if (type == "move") {
-    allow_only({"x", "y"});
+    f.allow_only({"x", "y"});
     out.type = InputAction::Type::kMove;
-    point(true);
+    f.point(true);
   } else if (type == "click") {
-    allow_only({"x", "y", "button", "count"});
+    f.allow_only({"x", "y", "button", "count"});
     out.type = InputAction::Type::kClick;
-    point(false);
-    button();
-    if (has("count")) {
+    f.point(false);
+    f.button();
+    if (f.has("count")) {
       out.count = static_cast<std::uint32_t>(number_at(a, "count", at, 3));
       if (out.count == 0) bad(at + ".count", "from 1 to 3");
     }
   } else if (type == "scroll") {
-    allow_only({"x", "y", "dy"});
+    f.allow_only({"x", "y", "dy"});
     out.type = InputAction::Type::kScroll;
-    point(false);
-    if (!has("dy") || !a.at("dy").is_number_integer()) bad(at + ".dy", "an integer number of notches is needed");
+    f.point(false);
+    if (!f.has("dy") || !a.at("dy").is_number_integer()) bad(at + ".dy", "an integer number of notches is needed");
     std::int64_t dy = a.at("dy").get<std::int64_t>();
     if (dy < -100 || dy > 100 || dy == 0) bad(at + ".dy", "from -100 to 100 notches, not 0");
     out.dy = static_cast<std::int32_t>(dy);
   } else if (type == "drag") {
-    allow_only({"x", "y", "to_x", "to_y", "button"});
+    f.allow_only({"x", "y", "to_x", "to_y", "button"});
     out.type = InputAction::Type::kDrag;
-    point(true);
-    if (!has("to_x") || !has("to_y")) bad(at + ".to_x", "a drag needs to_x and to_y");
+    f.point(true);
+    if (!f.has("to_x") || !f.has("to_y")) bad(at + ".to_x", "a drag needs to_x and to_y");
     out.to_x = static_cast<std::uint32_t>(number_at(a, "to_x", at, kMaxScreenCoordinate));
     out.to_y = static_cast<std::uint32_t>(number_at(a, "to_y", at, kMaxScreenCoordinate));
-    button();
+    f.button();
   } else if (type == "key") {
-    allow_only({"keys"});
+    f.allow_only({"keys"});
     out.type = InputAction::Type::kKey;
-    if (!has("keys")) bad(at + ".keys", "missing (a key combination such as \"ctrl+s\")");
+    if (!f.has("keys")) bad(at + ".keys", "missing (a key combination such as \"ctrl+s\")");
     out.keys = string_at(a, "keys", at);
     if (out.keys.empty() || out.keys.size() > 128) bad(at + ".keys", "1 to 128 characters");
   } else if (type == "type") {
-    allow_only({"text", "interval_ms"});
+    f.allow_only({"text", "interval_ms"});
     out.type = InputAction::Type::kType;
-    if (!has("text")) bad(at + ".text", "missing");
+    if (!f.has("text")) bad(at + ".text", "missing");
     out.text = string_at(a, "text", at);
     if (out.text.size() > kMaxTypedText) bad(at + ".text", fmt::format("at most {} characters", kMaxTypedText));
-    if (has("interval_ms"))
+    if (f.has("interval_ms"))
       out.interval_ms = static_cast<std::uint32_t>(number_at(a, "interval_ms", at, kMaxTypeIntervalMs));
   } else if (type == "wait") {
-    allow_only({"interval_ms"});
+    f.allow_only({"interval_ms"});
     out.type = InputAction::Type::kWait;
-    if (!has("interval_ms")) bad(at + ".interval_ms", "missing (milliseconds, at most 10000)");
+    if (!f.has("interval_ms")) bad(at + ".interval_ms", "missing (milliseconds, at most 10000)");
     out.interval_ms = static_cast<std::uint32_t>(number_at(a, "interval_ms", at, kMaxInputWaitMs));
   } else {
     bad(at + ".type", fmt::format("'{}' is not move, click, scroll, drag, key, type or wait", type.substr(0, 40)));

@@ -163,6 +163,40 @@ void decode_chunk(const ChunkIndex& index, std::size_t i, std::string_view store
                                              index.layer, i, digest, index.chunks[i].sha256_hex));
 }
 
+namespace {
+
+// Compresses raw[0..n) into packed[0..n) on up to `threads` threads (this one too), and sets the digests of those
+// chunks of `index` (from chunk `base` on). A chunk that compression would not make smaller is stored raw.
+void compress_chunks(const std::vector<std::string>& raw, std::vector<std::string>& packed, std::size_t n,
+                     unsigned threads, int level, ChunkIndex& index, std::size_t base) {
+  std::atomic<std::size_t> next{0};
+  std::mutex error_mutex;
+  std::string error;
+  auto work = [&] {
+    ZSTD_CCtx* cctx = ZSTD_createCCtx();
+    for (std::size_t k; (k = next.fetch_add(1)) < n;) {
+      packed[k].resize(ZSTD_compressBound(raw[k].size()));
+      std::size_t z = ZSTD_compressCCtx(cctx, packed[k].data(), packed[k].size(), raw[k].data(), raw[k].size(), level);
+      if (ZSTD_isError(z)) {
+        std::lock_guard lock(error_mutex);
+        error = ZSTD_getErrorName(z);
+        continue;
+      }
+      if (z >= raw[k].size()) packed[k] = raw[k];  // incompressible: stored raw
+      else packed[k].resize(z);
+      index.chunks[base + k].sha256_hex = sha256_digest(raw[k]).substr(7);
+    }
+    ZSTD_freeCCtx(cctx);
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < std::min<std::size_t>(threads, n); ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  if (!error.empty()) throw Error(Code::kInternal, fmt::format("zstd: {}", error));
+}
+
+}  // namespace
+
 ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const std::filesystem::path& data_file,
                                  std::uint64_t meta_size, const std::vector<std::uint32_t>& prefetch,
                                  std::uint32_t chunk_size, int level,
@@ -197,31 +231,7 @@ ChunkedLayer write_chunked_layer(const std::filesystem::path& layer_file, const 
                     layer_file);
       layer_hash.update(raw[k]);
     }
-    std::atomic<std::size_t> next{0};
-    std::mutex error_mutex;
-    std::string error;
-    auto work = [&] {
-      ZSTD_CCtx* cctx = ZSTD_createCCtx();
-      for (std::size_t k; (k = next.fetch_add(1)) < n;) {
-        packed[k].resize(ZSTD_compressBound(raw[k].size()));
-        std::size_t z =
-            ZSTD_compressCCtx(cctx, packed[k].data(), packed[k].size(), raw[k].data(), raw[k].size(), level);
-        if (ZSTD_isError(z)) {
-          std::lock_guard lock(error_mutex);
-          error = ZSTD_getErrorName(z);
-          continue;
-        }
-        if (z >= raw[k].size()) packed[k] = raw[k];  // incompressible: stored raw
-        else packed[k].resize(z);
-        index.chunks[base + k].sha256_hex = sha256_digest(raw[k]).substr(7);
-      }
-      ZSTD_freeCCtx(cctx);
-    };
-    std::vector<std::thread> pool;
-    for (unsigned t = 1; t < std::min<std::size_t>(threads, n); ++t) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
-    if (!error.empty()) throw Error(Code::kInternal, fmt::format("zstd: {}", error));
+    compress_chunks(raw, packed, n, threads, level, index, base);
     for (std::size_t k = 0; k < n; ++k) {
       write_all(out.get(), packed[k], data_file);
       data_hash.update(packed[k]);

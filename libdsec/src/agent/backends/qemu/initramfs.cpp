@@ -332,6 +332,80 @@ std::vector<fs::path> module_load_order(const fs::path& modules_dir, const std::
   return resolver.take_order();
 }
 
+namespace {
+
+// A newc cpio archive written to a descriptor, entry by entry. Everything but the path, type and mode is the same
+// for all entries, so the bytes depend only on the inputs.
+class CpioWriter {
+ public:
+  CpioWriter(int fd, const fs::path& out) : a_(archive_write_new()), out_(out) {
+    if (!a_) throw Error(Code::kResourceExhausted, "archive_write_new: out of memory");
+    archive_check(a_.get(), archive_write_set_format_cpio_newc(a_.get()), "cpio newc format", out_);
+    archive_check(a_.get(), archive_write_add_filter_none(a_.get()), "no compression", out_);
+    archive_check(a_.get(), archive_write_set_bytes_in_last_block(a_.get(), 1), "last block", out_);
+    archive_check(a_.get(), archive_write_open_fd(a_.get(), fd), "open", out_);
+    e_.reset(archive_entry_new());
+    if (!e_) throw Error(Code::kResourceExhausted, "archive_entry_new: out of memory");
+  }
+
+  void add_dir(const std::string& name) {
+    begin_entry(name, AE_IFDIR, 0755);
+    archive_check(a_.get(), archive_write_header(a_.get(), e_.get()), name, out_);
+  }
+
+  void add_chardev(const std::string& name, mode_t perm, unsigned major_nr, unsigned minor_nr) {
+    begin_entry(name, AE_IFCHR, perm);
+    archive_entry_set_rdev(e_.get(), makedev(major_nr, minor_nr));
+    archive_check(a_.get(), archive_write_header(a_.get(), e_.get()), name, out_);
+  }
+
+  void add_file(const std::string& name, const fs::path& src, mode_t perm) {
+    UniqueFd in(retry_eintr([&] { return ::open(src.c_str(), O_RDONLY | O_CLOEXEC); }));
+    if (!in) throw_errno_fmt(errno, "open {}", src.string());
+    struct stat st {};
+    if (::fstat(in.get(), &st) != 0) throw_errno_fmt(errno, "stat {}", src.string());
+    if (!S_ISREG(st.st_mode))
+      throw Error(Code::kInvalidArgument, fmt::format("initramfs {}: {} is not a regular file", name, src.string()));
+    begin_entry(name, AE_IFREG, perm);
+    archive_entry_set_size(e_.get(), st.st_size);
+    archive_check(a_.get(), archive_write_header(a_.get(), e_.get()), name, out_);
+    std::array<char, 1 << 16> buf;
+    std::int64_t left = st.st_size;
+    while (left > 0) {
+      ssize_t n = retry_eintr([&] { return ::read(in.get(), buf.data(), buf.size()); });
+      if (n < 0) throw_errno_fmt(errno, "read {}", src.string());
+      if (n == 0) throw Error(Code::kAborted, fmt::format("initramfs: {} shrank while it was read", src.string()));
+      std::size_t len = static_cast<std::size_t>(std::min<std::int64_t>(n, left));
+      if (archive_write_data(a_.get(), buf.data(), len) < 0) archive_check(a_.get(), ARCHIVE_FATAL, name, out_);
+      left -= static_cast<std::int64_t>(len);
+    }
+  }
+
+  void close() { archive_check(a_.get(), archive_write_close(a_.get()), "close", out_); }
+
+ private:
+  void begin_entry(const std::string& name, mode_t type, mode_t perm) {
+    archive_entry_clear(e_.get());
+    archive_entry_set_pathname(e_.get(), name.c_str());
+    archive_entry_set_filetype(e_.get(), type);
+    archive_entry_set_perm(e_.get(), perm);
+    archive_entry_set_uid(e_.get(), 0);
+    archive_entry_set_gid(e_.get(), 0);
+    archive_entry_set_mtime(e_.get(), 0, 0);
+    archive_entry_set_ino64(e_.get(), ++ino_);
+    archive_entry_set_dev(e_.get(), 0);
+    archive_entry_set_nlink(e_.get(), type == AE_IFDIR ? 2 : 1);
+    archive_entry_set_size(e_.get(), 0);
+  }
+
+  std::unique_ptr<archive, ArchiveWriteDeleter> a_;
+  std::unique_ptr<archive_entry, EntryDeleter> e_;
+  const fs::path& out_;
+  std::int64_t ino_ = 0;
+};
+
+}  // namespace
+
 void write_initramfs(const fs::path& out, const fs::path& init_binary, const std::vector<fs::path>& modules) {
   fs::path tmp = out;
   tmp += ".tmp";
@@ -344,73 +418,19 @@ void write_initramfs(const fs::path& out, const fs::path& init_binary, const std
     }
   } remover{&tmp};
 
-  std::unique_ptr<archive, ArchiveWriteDeleter> a(archive_write_new());
-  if (!a) throw Error(Code::kResourceExhausted, "archive_write_new: out of memory");
-  archive_check(a.get(), archive_write_set_format_cpio_newc(a.get()), "cpio newc format", out);
-  archive_check(a.get(), archive_write_add_filter_none(a.get()), "no compression", out);
-  archive_check(a.get(), archive_write_set_bytes_in_last_block(a.get(), 1), "last block", out);
-  archive_check(a.get(), archive_write_open_fd(a.get(), fd.get()), "open", out);
-
-  std::unique_ptr<archive_entry, EntryDeleter> e(archive_entry_new());
-  if (!e) throw Error(Code::kResourceExhausted, "archive_entry_new: out of memory");
-  std::int64_t ino = 0;
-  // Everything but the path, type and mode is the same for all entries, so the bytes depend only on the inputs.
-  auto begin_entry = [&](const std::string& name, mode_t type, mode_t perm) {
-    archive_entry_clear(e.get());
-    archive_entry_set_pathname(e.get(), name.c_str());
-    archive_entry_set_filetype(e.get(), type);
-    archive_entry_set_perm(e.get(), perm);
-    archive_entry_set_uid(e.get(), 0);
-    archive_entry_set_gid(e.get(), 0);
-    archive_entry_set_mtime(e.get(), 0, 0);
-    archive_entry_set_ino64(e.get(), ++ino);
-    archive_entry_set_dev(e.get(), 0);
-    archive_entry_set_nlink(e.get(), type == AE_IFDIR ? 2 : 1);
-    archive_entry_set_size(e.get(), 0);
-  };
-  auto add_dir = [&](const std::string& name) {
-    begin_entry(name, AE_IFDIR, 0755);
-    archive_check(a.get(), archive_write_header(a.get(), e.get()), name, out);
-  };
-  auto add_chardev = [&](const std::string& name, mode_t perm, unsigned major_nr, unsigned minor_nr) {
-    begin_entry(name, AE_IFCHR, perm);
-    archive_entry_set_rdev(e.get(), makedev(major_nr, minor_nr));
-    archive_check(a.get(), archive_write_header(a.get(), e.get()), name, out);
-  };
-  auto add_file = [&](const std::string& name, const fs::path& src, mode_t perm) {
-    UniqueFd in(retry_eintr([&] { return ::open(src.c_str(), O_RDONLY | O_CLOEXEC); }));
-    if (!in) throw_errno_fmt(errno, "open {}", src.string());
-    struct stat st {};
-    if (::fstat(in.get(), &st) != 0) throw_errno_fmt(errno, "stat {}", src.string());
-    if (!S_ISREG(st.st_mode))
-      throw Error(Code::kInvalidArgument, fmt::format("initramfs {}: {} is not a regular file", name, src.string()));
-    begin_entry(name, AE_IFREG, perm);
-    archive_entry_set_size(e.get(), st.st_size);
-    archive_check(a.get(), archive_write_header(a.get(), e.get()), name, out);
-    std::array<char, 1 << 16> buf;
-    std::int64_t left = st.st_size;
-    while (left > 0) {
-      ssize_t n = retry_eintr([&] { return ::read(in.get(), buf.data(), buf.size()); });
-      if (n < 0) throw_errno_fmt(errno, "read {}", src.string());
-      if (n == 0) throw Error(Code::kAborted, fmt::format("initramfs: {} shrank while it was read", src.string()));
-      std::size_t len = static_cast<std::size_t>(std::min<std::int64_t>(n, left));
-      if (archive_write_data(a.get(), buf.data(), len) < 0) archive_check(a.get(), ARCHIVE_FATAL, name, out);
-      left -= static_cast<std::int64_t>(len);
-    }
-  };
-
+  CpioWriter cpio(fd.get(), out);
   for (const char* dir : {"dev", "proc", "sys", "tmp", "run", "mnt", "newroot", "lib", "lib/dsec", "lib/dsec/modules"})
-    add_dir(dir);
-  add_chardev("dev/console", 0600, 5, 1);
-  add_chardev("dev/null", 0666, 1, 3);
-  add_file("init", init_binary, 0755);
+    cpio.add_dir(dir);
+  cpio.add_chardev("dev/console", 0600, 5, 1);
+  cpio.add_chardev("dev/null", 0666, 1, 3);
+  cpio.add_file("init", init_binary, 0755);
   int width = std::max<int>(2, static_cast<int>(std::to_string(modules.empty() ? 0 : modules.size() - 1).size()));
   for (std::size_t i = 0; i < modules.size(); ++i) {
     std::string name =
         fmt::format("lib/dsec/modules/{:0{}}-{}.ko", i, width, normalize_module_name(module_stem(modules[i])));
-    add_file(name, modules[i], 0644);
+    cpio.add_file(name, modules[i], 0644);
   }
-  archive_check(a.get(), archive_write_close(a.get()), "close", out);
+  cpio.close();
   if (::fsync(fd.get()) != 0) throw_errno_fmt(errno, "fsync {}", tmp.string());
   if (::close(fd.release()) != 0) throw_errno_fmt(errno, "close {}", tmp.string());
   if (::rename(tmp.c_str(), out.c_str()) != 0) throw_errno_fmt(errno, "rename {} to {}", tmp.string(), out.string());

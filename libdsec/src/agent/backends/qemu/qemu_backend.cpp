@@ -173,27 +173,7 @@ class QemuBackendImpl final : public QemuBackend {
     const auto started = Clock::now();
     wait_probe(started + shared_.settings.boot_timeout);
     const SandboxSpec& spec = params.spec;
-    if (spec.resources.memory_bytes < min_memory())
-      throw Error(Code::kInvalidArgument,
-                  fmt::format("resources.memory: a {} needs at least {} MiB (asked for {} bytes)", vm_noun(),
-                              min_memory() >> 20, spec.resources.memory_bytes));
-    const std::uint64_t overhead = shared_.settings.overhead_bytes;
-    if (spec.resources.memory_bytes + overhead > shared_.host_memory)
-      throw Error(Code::kResourceExhausted,
-                  fmt::format("resources.memory: a {} of {} MiB (plus {} MiB for QEMU) does not fit in this "
-                              "node's {} MiB",
-                              vm_noun(), spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20),
-                  /*retryable=*/false);
-    if (params.layer_images.size() != params.image_layers.size())
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("the {} backend attaches an image's layers as disks, which needs the node's lazy layer "
-                              "mode (this node keeps layers extracted)",
-                              shared_.kind));
-    if (spec.resources.gpus > 0)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("resources.gpus: this node has no GPU to pass through to a {} (asked for {})", vm_noun(),
-                              spec.resources.gpus),
-                  /*retryable=*/false);
+    check_creatable(params);
     const qemu::DisplaySpec display = display_for(spec);
     // A full VM boots its image's own kernel: found in the image (and its initramfs made) before anything else.
     std::optional<vm::ImageBoot> image_boot;
@@ -201,85 +181,9 @@ class QemuBackendImpl final : public QemuBackend {
 
     const std::string hostname = spec.hostname.empty() ? params.id : spec.hostname;
     if (!params.fork_of && shared_.settings.templates && shared_.settings.pool_size > 0) {
-      VmBootSpec shape;
-      shape.vcpus = vcpus_for(spec);
-      shape.memory_bytes = spec.resources.memory_bytes;
-      shape.layers = params.layer_images;
-      set_system(shape, image_boot, display);
-      const std::uint64_t disk_bytes = spec.resources.disk_bytes;
-      const std::string template_name = template_key(shape, shape.layers, disk_bytes);
-      const Resources limits = vm_limits(spec);
-      std::unique_ptr<PooledVm> pooled = pool_.take(
-          fmt::format("{}|cpu{}|{}", template_name, spec.resources.cpu, priority_name(spec.resources.priority)),
-          [this, template_name, shape, limits, disk_bytes] {
-            return make_pooled(template_name, shape, limits, disk_bytes);
-          });
-      if (pooled) {
-        try {
-          fs::path run_dir = shared_.config.run_dir / params.id;
-          std::unique_ptr<VmInstance> vm =
-              pooled->claim_into(params.id, run_dir, hostname, Clock::now() + shared_.settings.boot_timeout);
-          // The sandbox owns its cgroup, uid and directories from here on.
-          pooled->has_uid = false;
-          return make_qemu_sandbox(shared_, params.id, spec, run_dir, pooled->uid, std::move(pooled->cgroup),
-                                   pooled->boot, std::move(vm));
-        } catch (const std::exception& e) {
-          log_warn("sandbox {}: claiming pooled VM {} failed ({}); starting one instead", params.id, pooled->name,
-                   e.what());
-          pooled.reset();
-          std::error_code ec;
-          fs::remove_all(shared_.config.run_dir / params.id, ec);
-          fs::remove_all(shared_.data_dir / params.id, ec);
-        }
-      }
+      if (auto sandbox = claim_pooled(params, image_boot, display, hostname)) return sandbox;
     }
-
-    std::uint32_t uid = shared_.uids.take();
-    fs::path run_dir = shared_.config.run_dir / params.id;
-    std::unique_ptr<container::SandboxCgroup> cgroup;
-    try {
-      for (const fs::path& d : {run_dir, shared_.data_dir / params.id}) {
-        fs::create_directories(d);
-        ::chmod(d.c_str(), 0700);
-      }
-      cgroup = shared_.cgroups->create(params.id, vm_limits(spec));
-      VmBootSpec boot = boot_spec(params.id, run_dir, uid);
-      boot.sched_idle = spec.resources.priority == Priority::kBatch;
-      boot.vcpus = vcpus_for(spec);
-      boot.memory_bytes = spec.resources.memory_bytes;
-      boot.layers = params.layer_images;
-      boot.disk = shared_.data_dir / params.id / "disk.ext4";
-      boot.hostname = hostname;
-      set_system(boot, image_boot, display);
-      std::unique_ptr<VmInstance> vm;
-      if (params.fork_of) {
-        const auto* source = dynamic_cast<const QemuForkSource*>(params.fork_of.get());
-        if (!source) throw Error(Code::kInvalidArgument, fmt::format("fork: the source is not a {}", vm_noun()));
-        const VmBootSpec& parent = source->parent_boot;
-        boot.layers = parent.layers;
-        boot.memory_bytes = parent.memory_bytes;
-        boot.vcpus = parent.vcpus;
-        copy_system(boot, parent);
-        qemu::copy_sparse(source->frozen->disk, boot.disk);
-        vm = restore_in(boot, *cgroup, VmRestore{source->frozen->state, source->frozen->memory});
-      } else {
-        vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
-      }
-      return make_qemu_sandbox(shared_, params.id, spec, run_dir, uid, std::move(cgroup), std::move(boot),
-                               std::move(vm));
-    } catch (...) {
-      if (cgroup) {
-        try {
-          cgroup->destroy();
-        } catch (...) {
-        }
-      }
-      std::error_code ec;
-      fs::remove_all(run_dir, ec);
-      fs::remove_all(shared_.data_dir / params.id, ec);
-      shared_.uids.give_back(uid);
-      throw;
-    }
+    return create_own_vm(params, image_boot, display, hostname);
   }
 
   // A VM for a create: a clone of the template of its shape (made on first use), or a boot of its own.
@@ -549,6 +453,126 @@ class QemuBackendImpl final : public QemuBackend {
   }
 
  private:
+  // create()'s refusals of what this node cannot make, before anything is done for it.
+  void check_creatable(const CreateParams& params) const {
+    const SandboxSpec& spec = params.spec;
+    if (spec.resources.memory_bytes < min_memory())
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("resources.memory: a {} needs at least {} MiB (asked for {} bytes)", vm_noun(),
+                              min_memory() >> 20, spec.resources.memory_bytes));
+    const std::uint64_t overhead = shared_.settings.overhead_bytes;
+    if (spec.resources.memory_bytes + overhead > shared_.host_memory)
+      throw Error(Code::kResourceExhausted,
+                  fmt::format("resources.memory: a {} of {} MiB (plus {} MiB for QEMU) does not fit in this "
+                              "node's {} MiB",
+                              vm_noun(), spec.resources.memory_bytes >> 20, overhead >> 20, shared_.host_memory >> 20),
+                  /*retryable=*/false);
+    if (params.layer_images.size() != params.image_layers.size())
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("the {} backend attaches an image's layers as disks, which needs the node's lazy layer "
+                              "mode (this node keeps layers extracted)",
+                              shared_.kind));
+    if (spec.resources.gpus > 0)
+      throw Error(Code::kFailedPrecondition,
+                  fmt::format("resources.gpus: this node has no GPU to pass through to a {} (asked for {})", vm_noun(),
+                              spec.resources.gpus),
+                  /*retryable=*/false);
+  }
+
+  // A create from the pool: a VM of its shape booted ahead, made the sandbox. Nullptr when the pool has none (or
+  // claiming it failed: its leftovers are removed and the create starts a VM of its own).
+  std::unique_ptr<BackendSandbox> claim_pooled(const CreateParams& params,
+                                               const std::optional<vm::ImageBoot>& image_boot,
+                                               const qemu::DisplaySpec& display, const std::string& hostname) {
+    const SandboxSpec& spec = params.spec;
+    VmBootSpec shape;
+    shape.vcpus = vcpus_for(spec);
+    shape.memory_bytes = spec.resources.memory_bytes;
+    shape.layers = params.layer_images;
+    set_system(shape, image_boot, display);
+    const std::uint64_t disk_bytes = spec.resources.disk_bytes;
+    const std::string template_name = template_key(shape, shape.layers, disk_bytes);
+    const Resources limits = vm_limits(spec);
+    std::unique_ptr<PooledVm> pooled = pool_.take(
+        fmt::format("{}|cpu{}|{}", template_name, spec.resources.cpu, priority_name(spec.resources.priority)),
+        [this, template_name, shape, limits, disk_bytes] {
+          return make_pooled(template_name, shape, limits, disk_bytes);
+        });
+    if (pooled) {
+      try {
+        fs::path run_dir = shared_.config.run_dir / params.id;
+        std::unique_ptr<VmInstance> vm =
+            pooled->claim_into(params.id, run_dir, hostname, Clock::now() + shared_.settings.boot_timeout);
+        // The sandbox owns its cgroup, uid and directories from here on.
+        pooled->has_uid = false;
+        return make_qemu_sandbox(shared_, params.id, spec, run_dir, pooled->uid, std::move(pooled->cgroup),
+                                 pooled->boot, std::move(vm));
+      } catch (const std::exception& e) {
+        log_warn("sandbox {}: claiming pooled VM {} failed ({}); starting one instead", params.id, pooled->name,
+                 e.what());
+        pooled.reset();
+        std::error_code ec;
+        fs::remove_all(shared_.config.run_dir / params.id, ec);
+        fs::remove_all(shared_.data_dir / params.id, ec);
+      }
+    }
+    return nullptr;
+  }
+
+  // A create's own VM (booted, a template's clone, or a fork's copy), with its uid, cgroup and directories; what
+  // fails leaves none of them.
+  std::unique_ptr<BackendSandbox> create_own_vm(const CreateParams& params,
+                                                const std::optional<vm::ImageBoot>& image_boot,
+                                                const qemu::DisplaySpec& display, const std::string& hostname) {
+    const SandboxSpec& spec = params.spec;
+    std::uint32_t uid = shared_.uids.take();
+    fs::path run_dir = shared_.config.run_dir / params.id;
+    std::unique_ptr<container::SandboxCgroup> cgroup;
+    try {
+      for (const fs::path& d : {run_dir, shared_.data_dir / params.id}) {
+        fs::create_directories(d);
+        ::chmod(d.c_str(), 0700);
+      }
+      cgroup = shared_.cgroups->create(params.id, vm_limits(spec));
+      VmBootSpec boot = boot_spec(params.id, run_dir, uid);
+      boot.sched_idle = spec.resources.priority == Priority::kBatch;
+      boot.vcpus = vcpus_for(spec);
+      boot.memory_bytes = spec.resources.memory_bytes;
+      boot.layers = params.layer_images;
+      boot.disk = shared_.data_dir / params.id / "disk.ext4";
+      boot.hostname = hostname;
+      set_system(boot, image_boot, display);
+      std::unique_ptr<VmInstance> vm;
+      if (params.fork_of) {
+        const auto* source = dynamic_cast<const QemuForkSource*>(params.fork_of.get());
+        if (!source) throw Error(Code::kInvalidArgument, fmt::format("fork: the source is not a {}", vm_noun()));
+        const VmBootSpec& parent = source->parent_boot;
+        boot.layers = parent.layers;
+        boot.memory_bytes = parent.memory_bytes;
+        boot.vcpus = parent.vcpus;
+        copy_system(boot, parent);
+        qemu::copy_sparse(source->frozen->disk, boot.disk);
+        vm = restore_in(boot, *cgroup, VmRestore{source->frozen->state, source->frozen->memory});
+      } else {
+        vm = start_vm(boot, *cgroup, params.layer_images, spec.resources.disk_bytes);
+      }
+      return make_qemu_sandbox(shared_, params.id, spec, run_dir, uid, std::move(cgroup), std::move(boot),
+                               std::move(vm));
+    } catch (...) {
+      if (cgroup) {
+        try {
+          cgroup->destroy();
+        } catch (...) {
+        }
+      }
+      std::error_code ec;
+      fs::remove_all(run_dir, ec);
+      fs::remove_all(shared_.data_dir / params.id, ec);
+      shared_.uids.give_back(uid);
+      throw;
+    }
+  }
+
   // A VM's cgroup: its cores, its guest RAM plus QEMU's own overhead, QEMU's threads.
   Resources vm_limits(const SandboxSpec& spec) const {
     Resources limits = spec.resources;

@@ -82,6 +82,128 @@ std::unique_ptr<VmInstance> VmInstance::restore(const VmBootSpec& spec, const Vm
   return start(spec, &from, deadline);
 }
 
+namespace {
+
+// Guest RAM: a memfd of the guest's size (sealable: a frozen copy becomes a template clones map).
+UniqueFd guest_ram_memfd(const VmBootSpec& spec) {
+  UniqueFd memfd(::memfd_create(("dsec-ram-" + spec.id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!memfd) throw_errno(errno, "memfd_create for guest RAM");
+  if (::ftruncate(memfd.get(), static_cast<off_t>(spec.memory_bytes)) != 0) throw_errno(errno, "size guest RAM");
+  return memfd;
+}
+
+// The descriptors handed to QEMU: each at the next free number in QEMU, those named by a path also in an fdset.
+class PassedFds {
+ public:
+  PassedFds(VmLaunch& launch, QemuSpec& q) : launch_(launch), q_(q) {}
+  int pass(int fd) {
+    launch_.fds.push_back({fd, next_fd_});
+    return next_fd_++;
+  }
+  std::string pass_in_set(int fd) {
+    int target = pass(fd);
+    q_.fds.push_back({target, ++fdset_});
+    return fmt::format("/dev/fdset/{}", fdset_);
+  }
+
+ private:
+  VmLaunch& launch_;
+  QemuSpec& q_;
+  int next_fd_ = 3;
+  int fdset_ = 0;
+};
+
+QemuSpec base_qemu_spec(const VmBootSpec& spec, const VmRestore* from, bool from_template) {
+  QemuSpec q;
+  q.name = spec.id;
+  q.binary = spec.qemu;
+  q.accelerator = spec.accelerator;
+  q.tcg_tb_size_mib = spec.tcg_tb_size_mib;
+  q.vcpus = spec.vcpus;
+  q.memory_bytes = spec.memory_bytes;
+  q.memory_share = !from_template;
+  // No balloon. Its free page reporting gives pages back by punching holes in the RAM's file, and a clone's file is
+  // its template's sealed memfd, which refuses (and must); the devices of a template, its clones, a fork's parent
+  // and copies, a VM and its woken self must be the same, so no VM has one.
+  q.balloon = false;
+  q.incoming = from != nullptr;
+  q.start_paused = from && from->paused;
+  return q;
+}
+
+// The image's layers (each with its data file, when it has one) and the sandbox's disk as QEMU's block devices,
+// their files opened into `held`; returns what the guest is told of them.
+gp::Setup add_block_devices(const VmBootSpec& spec, QemuSpec& q, PassedFds& fds, std::vector<UniqueFd>& held) {
+  gp::Setup setup;
+  for (std::size_t i = 0; i < spec.layers.size(); ++i) {
+    const auto& layer = spec.layers[i];
+    held.push_back(open_or_throw(layer.file, O_RDONLY));
+    BlockDevice meta;
+    meta.node_name = fmt::format("layer{}", i);
+    meta.filename = fds.pass_in_set(held.back().get());
+    meta.serial = fmt::format("dsec-layer-{}", i);
+    q.block_devices.push_back(meta);
+    gp::SetupLayer sl{meta.serial, {}};
+    if (!layer.data_file.empty()) {
+      held.push_back(open_or_throw(layer.data_file, O_RDONLY));
+      BlockDevice data;
+      data.node_name = fmt::format("layer{}data", i);
+      data.filename = fds.pass_in_set(held.back().get());
+      data.serial = fmt::format("dsec-data-{}", i);
+      q.block_devices.push_back(data);
+      sl.data_serial = data.serial;
+    }
+    setup.layers.push_back(sl);
+  }
+  if (!spec.disk.empty()) {
+    held.push_back(open_or_throw(spec.disk, O_RDWR));
+    BlockDevice disk;
+    disk.node_name = "disk";
+    disk.filename = fds.pass_in_set(held.back().get());
+    disk.read_only = false;
+    disk.serial = "dsec-disk";
+    q.block_devices.push_back(disk);
+    setup.disk_serial = disk.serial;
+  }
+  return setup;
+}
+
+std::string guest_kernel_cmdline(const VmBootSpec& spec, const gp::Setup& setup) {
+  CmdlineOptions cmdline;
+  if (spec.full_system) {
+    // dsec-init as the initramfs's /init: the root from these disks, then the image's own init.
+    if (spec.layers.empty() || spec.disk.empty())
+      throw Error(Code::kInvalidArgument,
+                  fmt::format("sandbox {}: a full system boots from layers and a disk", spec.id));
+    cmdline.guest_mode = "boot";
+    cmdline.extra.push_back("dsec_root=" + gp::encode_root_word(setup));
+  } else {
+    cmdline.guest_mode = "1";  // dsec-init as the guest's pid 1, serving the agent
+  }
+  cmdline.accelerator = spec.accelerator;
+  cmdline.tsc_khz = spec.tsc_khz;
+  return qemu::kernel_cmdline(cmdline);
+}
+
+// The guest of `vm` did not come up (`e`): QEMU is stopped, and the error tells what it wrote last.
+[[noreturn]] void throw_guest_not_up(VmInstance& vm, const Error& e, const VmBootSpec& spec, bool restoring) {
+  // Give QEMU a moment to finish writing why it stopped.
+  if (!vm.exited()) vm.kill();
+  std::string words = vm.last_words();
+  Code code = e.code();
+  // A full system's boot stage (dsec-init in the initramfs) that powered the VM off said why on the console: the
+  // image cannot boot (no /sbin/init, a root that cannot be built), and a retry would only repeat it.
+  if (!restoring && spec.full_system && words.find(": powering off") != std::string::npos)
+    throw Error(Code::kFailedPrecondition,
+                fmt::format("sandbox {}: the image cannot boot as a full VM{}", spec.id, words), /*retryable=*/false);
+  if (code == Code::kDeadlineExceeded)
+    throw Error(code, fmt::format("sandbox {}: the guest did not come up in time ({}){}", spec.id, e.what(), words));
+  throw Error(code == Code::kInternal ? Code::kUnavailable : code,
+              fmt::format("sandbox {}: the guest did not come up: {}{}", spec.id, e.what(), words));
+}
+
+}  // namespace
+
 std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRestore* from,
                                               Clock::time_point deadline) {
   std::unique_ptr<VmInstance> vm(new VmInstance());
@@ -96,10 +218,7 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   } else if (from && !from->into_memfd) {
     // Anonymous RAM: memory_fd stays -1.
   } else {
-    // Guest RAM: a memfd of the guest's size (sealable: a frozen copy becomes a template clones map).
-    UniqueFd memfd(::memfd_create(("dsec-ram-" + spec.id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    if (!memfd) throw_errno(errno, "memfd_create for guest RAM");
-    if (::ftruncate(memfd.get(), static_cast<off_t>(spec.memory_bytes)) != 0) throw_errno(errno, "size guest RAM");
+    UniqueFd memfd = guest_ram_memfd(spec);
     memory_fd = memfd.get();
     vm->memory_ = std::make_shared<const UniqueFd>(std::move(memfd));
   }
@@ -113,89 +232,22 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
   UniqueFd qmp_listen = listen_unix(dir / "qmp.sock");
   UniqueFd agent_listen = listen_unix(dir / "agent.sock");
 
-  QemuSpec q;
-  q.name = spec.id;
-  q.binary = spec.qemu;
-  q.accelerator = spec.accelerator;
-  q.tcg_tb_size_mib = spec.tcg_tb_size_mib;
-  q.vcpus = spec.vcpus;
-  q.memory_bytes = spec.memory_bytes;
-  q.memory_share = !vm->template_;
-  // No balloon. Its free page reporting gives pages back by punching holes in the RAM's file, and a clone's file is
-  // its template's sealed memfd, which refuses (and must); the devices of a template, its clones, a fork's parent
-  // and copies, a VM and its woken self must be the same, so no VM has one.
-  q.balloon = false;
-  q.incoming = from != nullptr;
-  q.start_paused = from && from->paused;
-
+  QemuSpec q = base_qemu_spec(spec, from, !!vm->template_);
   VmLaunch launch;
   std::vector<UniqueFd> held;  // every descriptor handed to QEMU, closed here once it runs
-  int next_fd = 3;
-  auto pass = [&](int fd) {
-    launch.fds.push_back({fd, next_fd});
-    return next_fd++;
-  };
-  int fdset = 0;
-  auto pass_in_set = [&](int fd) {
-    int target = pass(fd);
-    q.fds.push_back({target, ++fdset});
-    return fmt::format("/dev/fdset/{}", fdset);
-  };
-  if (memory_fd >= 0) q.memory_path = fmt::format("/proc/self/fd/{}", pass(memory_fd));
-  q.kernel = fmt::format("/proc/self/fd/{}", pass(kernel.get()));
-  q.initrd = fmt::format("/proc/self/fd/{}", pass(initrd.get()));
-  q.qmp_listen_fd = pass(qmp_listen.get());
-  q.agent_listen_fd = pass(agent_listen.get());
-  q.console_path = pass_in_set(console.get());
+  PassedFds fds(launch, q);
+  if (memory_fd >= 0) q.memory_path = fmt::format("/proc/self/fd/{}", fds.pass(memory_fd));
+  q.kernel = fmt::format("/proc/self/fd/{}", fds.pass(kernel.get()));
+  q.initrd = fmt::format("/proc/self/fd/{}", fds.pass(initrd.get()));
+  q.qmp_listen_fd = fds.pass(qmp_listen.get());
+  q.agent_listen_fd = fds.pass(agent_listen.get());
+  q.console_path = fds.pass_in_set(console.get());
 
-  gp::Setup setup;
-  for (std::size_t i = 0; i < spec.layers.size(); ++i) {
-    const auto& layer = spec.layers[i];
-    held.push_back(open_or_throw(layer.file, O_RDONLY));
-    BlockDevice meta;
-    meta.node_name = fmt::format("layer{}", i);
-    meta.filename = pass_in_set(held.back().get());
-    meta.serial = fmt::format("dsec-layer-{}", i);
-    q.block_devices.push_back(meta);
-    gp::SetupLayer sl{meta.serial, {}};
-    if (!layer.data_file.empty()) {
-      held.push_back(open_or_throw(layer.data_file, O_RDONLY));
-      BlockDevice data;
-      data.node_name = fmt::format("layer{}data", i);
-      data.filename = pass_in_set(held.back().get());
-      data.serial = fmt::format("dsec-data-{}", i);
-      q.block_devices.push_back(data);
-      sl.data_serial = data.serial;
-    }
-    setup.layers.push_back(sl);
-  }
-  if (!spec.disk.empty()) {
-    held.push_back(open_or_throw(spec.disk, O_RDWR));
-    BlockDevice disk;
-    disk.node_name = "disk";
-    disk.filename = pass_in_set(held.back().get());
-    disk.read_only = false;
-    disk.serial = "dsec-disk";
-    q.block_devices.push_back(disk);
-    setup.disk_serial = disk.serial;
-  }
+  gp::Setup setup = add_block_devices(spec, q, fds, held);
   q.machine = spec.full_system ? qemu::Machine::kQ35 : qemu::Machine::kMicrovm;
   q.display = spec.display;
   q.usb_input = spec.usb_input;
-  CmdlineOptions cmdline;
-  if (spec.full_system) {
-    // dsec-init as the initramfs's /init: the root from these disks, then the image's own init.
-    if (spec.layers.empty() || spec.disk.empty())
-      throw Error(Code::kInvalidArgument,
-                  fmt::format("sandbox {}: a full system boots from layers and a disk", spec.id));
-    cmdline.guest_mode = "boot";
-    cmdline.extra.push_back("dsec_root=" + gp::encode_root_word(setup));
-  } else {
-    cmdline.guest_mode = "1";  // dsec-init as the guest's pid 1, serving the agent
-  }
-  cmdline.accelerator = spec.accelerator;
-  cmdline.tsc_khz = spec.tsc_khz;
-  q.kernel_cmdline = qemu::kernel_cmdline(cmdline);
+  q.kernel_cmdline = guest_kernel_cmdline(spec, setup);
 
   launch.argv = qemu::qemu_argv(q);
   launch.uid = spec.uid;
@@ -218,19 +270,7 @@ std::unique_ptr<VmInstance> VmInstance::start(const VmBootSpec& spec, const VmRe
     vm->greet(spec.hostname, deadline, from != nullptr || spec.full_system);
     if (!from && !spec.full_system && (!spec.layers.empty() || !spec.disk.empty())) vm->guest_->setup(setup, deadline);
   } catch (const Error& e) {
-    // Give QEMU a moment to finish writing why it stopped.
-    if (!vm->exited()) vm->kill();
-    std::string words = vm->last_words();
-    Code code = e.code();
-    // A full system's boot stage (dsec-init in the initramfs) that powered the VM off said why on the console: the
-    // image cannot boot (no /sbin/init, a root that cannot be built), and a retry would only repeat it.
-    if (!from && spec.full_system && words.find(": powering off") != std::string::npos)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("sandbox {}: the image cannot boot as a full VM{}", spec.id, words), /*retryable=*/false);
-    if (code == Code::kDeadlineExceeded)
-      throw Error(code, fmt::format("sandbox {}: the guest did not come up in time ({}){}", spec.id, e.what(), words));
-    throw Error(code == Code::kInternal ? Code::kUnavailable : code,
-                fmt::format("sandbox {}: the guest did not come up: {}{}", spec.id, e.what(), words));
+    throw_guest_not_up(*vm, e, spec, from != nullptr);
   }
   return vm;
 }

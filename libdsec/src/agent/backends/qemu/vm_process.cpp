@@ -46,6 +46,21 @@ const char* step_name(int step) {
   }
 }
 
+// QEMU, started as `pid`, with its pidfd; killed and reaped when there is none.
+VmProcess started_process(pid_t pid) {
+  VmProcess out;
+  out.pid = pid;
+  out.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
+  if (!out.pidfd) {
+    int err = errno;
+    ::kill(pid, SIGKILL);
+    int status;
+    ::waitpid(pid, &status, 0);
+    throw_errno(err, "pidfd_open for QEMU");
+  }
+  return out;
+}
+
 }  // namespace
 
 bool set_sched_idle_threads(pid_t pid) {
@@ -134,17 +149,7 @@ VmProcess launch_vm(const VmLaunch& launch) {
     }
     throw_errno_fmt(child_errno, "start QEMU ({}: {})", step_name(child_step), launch.argv[0]);
   }
-  VmProcess out;
-  out.pid = pid;
-  out.pidfd.reset(static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)));
-  if (!out.pidfd) {
-    int err = errno;
-    ::kill(pid, SIGKILL);
-    int status;
-    ::waitpid(pid, &status, 0);
-    throw_errno(err, "pidfd_open for QEMU");
-  }
-  return out;
+  return started_process(pid);
 }
 
 bool process_exited(int pidfd) {

@@ -70,6 +70,21 @@ std::string read_small_file(const fs::path& path) {
   return ss.str();
 }
 
+// The chunk index of `layer`, from the first store that has it (read_blob checks its digest).
+std::string read_chunk_index(const image::LayerDescriptor& layer, const Stores& stores) {
+  std::optional<Error> failure;
+  for (const auto& store : stores) {
+    try {
+      return store->read_blob(layer.index, 64u << 20);
+    } catch (const Error& e) {
+      if (e.code() != Code::kNotFound || !failure)
+        failure = Error(e.code(), fmt::format("layer {}: chunk index {}: {}", layer.digest, layer.index, e.what()));
+    }
+  }
+  if (stores.empty()) throw Error(Code::kFailedPrecondition, "layer cache: no image store is configured");
+  throw *failure;
+}
+
 }  // namespace
 
 LayerUse& LayerUse::operator=(LayerUse&& o) noexcept {
@@ -240,24 +255,7 @@ LayerUse BlobCache::acquire(const image::LayerDescriptor& layer, const Stores& s
 }
 
 void BlobCache::open_new_entry(CacheEntry& entry, const image::LayerDescriptor& layer, const Stores& stores) {
-  // The index, from the first store that has it (read_blob checks its digest).
-  std::string text;
-  std::optional<Error> failure;
-  bool found = false;
-  for (const auto& store : stores) {
-    try {
-      text = store->read_blob(layer.index, 64u << 20);
-      found = true;
-      break;
-    } catch (const Error& e) {
-      if (e.code() != Code::kNotFound || !failure)
-        failure = Error(e.code(), fmt::format("layer {}: chunk index {}: {}", layer.digest, layer.index, e.what()));
-    }
-  }
-  if (!found) {
-    if (stores.empty()) throw Error(Code::kFailedPrecondition, "layer cache: no image store is configured");
-    throw *failure;
-  }
+  const std::string text = read_chunk_index(layer, stores);
   image::ChunkIndex index;
   try {
     index = image::chunk_index_from_json(text);

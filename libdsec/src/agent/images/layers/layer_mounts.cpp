@@ -208,6 +208,40 @@ LayerMounts::LayerMounts(LayerMountsOptions options, BlobCache& cache, LayerMetr
   start_keeper();
 }
 
+namespace {
+
+// Detaches each of `points`, those below others first.
+void detach_deepest_first(std::vector<fs::path> points) {
+  std::sort(points.begin(), points.end(),
+            [](const fs::path& a, const fs::path& b) { return a.string().size() > b.string().size(); });
+  for (const auto& point : points) ::umount2(point.c_str(), MNT_DETACH);
+}
+
+// Removes what is in `mount_dir` besides the FUSE mount, the keeper's record and the layers in `kept`.
+void remove_unmounted(const fs::path& mount_dir, const std::set<std::string>& kept) {
+  std::error_code ec;
+  for (const auto& item : fs::directory_iterator(mount_dir, ec)) {
+    const std::string name = item.path().filename().string();
+    if (name == "blobs" || name == "keeper" || kept.count(name)) continue;
+    if (item.is_directory(ec)) ::rmdir(item.path().c_str());
+    else ::unlink(item.path().c_str());
+  }
+}
+
+}  // namespace
+
+void LayerMounts::adopt_layer_mount(const std::string& hex, const fs::path& point) {
+  auto slot = std::make_shared<Slot>();
+  slot->hex = hex;
+  slot->digest = "sha256:" + hex;
+  slot->state = Slot::State::kReady;
+  slot->dir = point;
+  slot->mounted = true;
+  slot->adopted = true;
+  slot->use = cache_.hold(hex);
+  slots_.insert_or_assign(hex, std::move(slot));
+}
+
 bool LayerMounts::resume_lazy() {
   std::string why;
   std::unique_ptr<LayerKeeper> keeper = LayerKeeper::find(keeper_record(), why);
@@ -257,28 +291,12 @@ bool LayerMounts::resume_lazy() {
       detach.push_back(m.point);
       continue;
     }
-    auto slot = std::make_shared<Slot>();
-    slot->hex = name;
-    slot->digest = "sha256:" + name;
-    slot->state = Slot::State::kReady;
-    slot->dir = m.point;
-    slot->mounted = true;
-    slot->adopted = true;
-    slot->use = cache_.hold(name);
-    slots_.insert_or_assign(name, std::move(slot));
+    adopt_layer_mount(name, m.point);
     kept.insert(name);
   }
-  std::sort(detach.begin(), detach.end(),
-            [](const fs::path& a, const fs::path& b) { return a.string().size() > b.string().size(); });
-  for (const auto& point : detach) ::umount2(point.c_str(), MNT_DETACH);
+  detach_deepest_first(detach);
   // Directories of layers that are not mounted any more, a half-written record: gone.
-  std::error_code ec;
-  for (const auto& item : fs::directory_iterator(options_.mount_dir, ec)) {
-    const std::string name = item.path().filename().string();
-    if (name == "blobs" || name == "keeper" || kept.count(name)) continue;
-    if (item.is_directory(ec)) ::rmdir(item.path().c_str());
-    else ::unlink(item.path().c_str());
-  }
+  remove_unmounted(options_.mount_dir, kept);
 
   fs_ = std::move(fs);
   keeper_ = std::move(keeper);

@@ -110,6 +110,8 @@ class LayerMounts {
   void release_slot(Slot& slot, bool force);
   void fall_back_to_extract(const std::string& reason);
   bool resume_lazy();
+  // A layer mount the earlier agent left at `point` (of layer `hex`, in the cache), taken over as a ready slot.
+  void adopt_layer_mount(const std::string& hex, const std::filesystem::path& point);
   void remove_leftovers();
   void adopt_extracted();
   void start_keeper();

@@ -241,6 +241,128 @@ void GuestChannel::power_off(Clock::time_point deadline) {
   }
 }
 
+// One exec after the guest started its command: stdin fed as the guest's window allows, output kept within the
+// caps and acknowledged, until the command exits (or is killed at its timeout).
+class GuestChannel::ExecRun {
+ public:
+  ExecRun(GuestChannel& owner, std::uint32_t channel, std::string_view stdin_data, bool stdin_open,
+          std::uint64_t max_output, const OutputSink& sink)
+      : owner_(owner),
+        channel_(channel),
+        stdin_data_(stdin_data),
+        stdin_open_(stdin_open),
+        max_output_(max_output),
+        sink_(sink) {}
+
+  // Stdin goes as the guest's window allows (it acknowledges what it wrote into the command's pipe), so a command
+  // that does not read it holds it here, not in guest memory.
+  void feed_stdin() {
+    while (stdin_open_ && stdin_window_ > 0 && !stdin_data_.empty()) {
+      auto piece = stdin_data_.substr(0, std::min<std::size_t>(gp::kMaxDataChunk, stdin_window_));
+      owner_.send(Type::kStdin, channel_, data_payload(piece));
+      stdin_data_.remove_prefix(piece.size());
+      stdin_window_ -= piece.size();
+    }
+    if (stdin_open_ && stdin_data_.empty()) {
+      owner_.send(Type::kStdin, channel_, data_payload({}));
+      stdin_open_ = false;
+    }
+  }
+
+  // The frames of the command until it exits; its wait status. Past `deadline` the command is killed.
+  int wait_for_exit(Clock::time_point deadline);
+  ExecResult& result() { return result_; }
+
+ private:
+  void take_output(const gp::Frame& f);
+  void take_credit(const gp::Frame& f);
+
+  GuestChannel& owner_;
+  std::uint32_t channel_;
+  std::string_view stdin_data_;
+  std::uint64_t stdin_window_ = gp::kWindowBytes;
+  bool stdin_open_;
+  std::uint64_t max_output_;
+  const OutputSink& sink_;
+  std::uint64_t delivered_ = 0;  // output taken since the last acknowledgement
+  std::uint64_t stdout_kept_ = 0, stderr_kept_ = 0;
+  ExecResult result_;
+};
+
+int GuestChannel::ExecRun::wait_for_exit(Clock::time_point deadline) {
+  auto wait_until = deadline;
+  for (;;) {
+    std::optional<gp::Frame> f;
+    try {
+      f = owner_.next(channel_, wait_until);
+    } catch (const Error&) {
+      owner_.throw_lost("an exec");
+    }
+    if (!f) {
+      if (!result_.timed_out) {
+        result_.timed_out = true;
+        owner_.send(Type::kKill, channel_, {});
+        wait_until = Clock::now() + kKillGrace;
+        continue;
+      }
+      // Killed but never reported: treat as killed rather than wait forever.
+      return SIGKILL;
+    }
+    if (f->type == Type::kOutput) {
+      take_output(*f);
+      continue;
+    }
+    if (f->type == Type::kCredit) {
+      take_credit(*f);
+      continue;
+    }
+    if (f->type == Type::kExited) {
+      gp::Exited e = gp::decode_exited(f->payload);
+      result_.stdout_truncated = result_.stdout_truncated || e.stdout_truncated;
+      result_.stderr_truncated = result_.stderr_truncated || e.stderr_truncated;
+      result_.oom_killed = e.oom_killed && !result_.timed_out;
+      return e.status;
+    }
+    if (f->type == Type::kError) {
+      gp::ErrorReply e = gp::decode_error(f->payload);
+      throw Error(Code::kInternal, fmt::format("sandbox {}: exec: {}", owner_.label_, e.message));
+    }
+  }
+}
+
+void GuestChannel::ExecRun::take_output(const gp::Frame& f) {
+  gp::Reader r(f.payload);
+  int stream = r.u8() == 2 ? 2 : 1;
+  std::string data = r.str();
+  r.finish();
+  const std::uint64_t received = data.size();
+  // The guest caps output already; the agent does not rely on it.
+  std::uint64_t& kept = stream == 2 ? stderr_kept_ : stdout_kept_;
+  std::uint64_t room = max_output_ > kept ? max_output_ - kept : 0;
+  if (data.size() > room) {
+    data.resize(room);
+    (stream == 2 ? result_.stderr_truncated : result_.stdout_truncated) = true;
+  }
+  kept += data.size();
+  if (!data.empty()) {
+    if (sink_) sink_(stream, data);
+    else (stream == 2 ? result_.stderr_data : result_.stdout_data) += data;
+  }
+  // Acknowledged once delivered: a caller that reads slowly keeps the command waiting on its pipe.
+  delivered_ += received;
+  if (delivered_ >= gp::kCreditStep) {
+    owner_.send(Type::kCredit, channel_, gp::Writer().u64(delivered_).take());
+    delivered_ = 0;
+  }
+}
+
+void GuestChannel::ExecRun::take_credit(const gp::Frame& f) {
+  gp::Reader r(f.payload);
+  stdin_window_ += std::min<std::uint64_t>(r.u64(), gp::kWindowBytes);
+  stdin_window_ = std::min<std::uint64_t>(stdin_window_, gp::kWindowBytes);
+  feed_stdin();
+}
+
 ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, double timeout_seconds,
                               const OutputSink& sink) {
   const auto started = Clock::now();
@@ -282,94 +404,11 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
   }
   if (first.type != Type::kStarted) throw Error(Code::kInternal, "guest: unexpected answer to exec");
 
-  // Stdin goes as the guest's window allows (it acknowledges what it wrote into the command's pipe), so a command
-  // that does not read it holds it here, not in guest memory.
-  std::uint64_t stdin_window = gp::kWindowBytes;
-  bool stdin_open = start.stdin_follows;
-  auto feed_stdin = [&] {
-    while (stdin_open && stdin_window > 0 && !stdin_data.empty()) {
-      auto piece = stdin_data.substr(0, std::min<std::size_t>(gp::kMaxDataChunk, stdin_window));
-      send(Type::kStdin, call.id(), data_payload(piece));
-      stdin_data.remove_prefix(piece.size());
-      stdin_window -= piece.size();
-    }
-    if (stdin_open && stdin_data.empty()) {
-      send(Type::kStdin, call.id(), data_payload({}));
-      stdin_open = false;
-    }
-  };
-  feed_stdin();
-  std::uint64_t delivered = 0;  // output taken since the last acknowledgement
-
-  ExecResult result;
+  ExecRun run(*this, call.id(), stdin_data, start.stdin_follows, start.max_output, sink);
+  run.feed_stdin();
   const auto deadline = started + std::chrono::microseconds(static_cast<std::int64_t>(timeout_seconds * 1e6));
-  auto wait_until = deadline;
-  int status = 0;
-  std::uint64_t stdout_kept = 0, stderr_kept = 0;
-  for (;;) {
-    std::optional<gp::Frame> f;
-    try {
-      f = next(call.id(), wait_until);
-    } catch (const Error&) {
-      throw_lost("an exec");
-    }
-    if (!f) {
-      if (!result.timed_out) {
-        result.timed_out = true;
-        send(Type::kKill, call.id(), {});
-        wait_until = Clock::now() + kKillGrace;
-        continue;
-      }
-      // Killed but never reported: treat as killed rather than wait forever.
-      status = SIGKILL;
-      break;
-    }
-    if (f->type == Type::kOutput) {
-      gp::Reader r(f->payload);
-      int stream = r.u8() == 2 ? 2 : 1;
-      std::string data = r.str();
-      r.finish();
-      const std::uint64_t received = data.size();
-      // The guest caps output already; the agent does not rely on it.
-      std::uint64_t& kept = stream == 2 ? stderr_kept : stdout_kept;
-      std::uint64_t room = start.max_output > kept ? start.max_output - kept : 0;
-      if (data.size() > room) {
-        data.resize(room);
-        (stream == 2 ? result.stderr_truncated : result.stdout_truncated) = true;
-      }
-      kept += data.size();
-      if (!data.empty()) {
-        if (sink) sink(stream, data);
-        else (stream == 2 ? result.stderr_data : result.stdout_data) += data;
-      }
-      // Acknowledged once delivered: a caller that reads slowly keeps the command waiting on its pipe.
-      delivered += received;
-      if (delivered >= gp::kCreditStep) {
-        send(Type::kCredit, call.id(), gp::Writer().u64(delivered).take());
-        delivered = 0;
-      }
-      continue;
-    }
-    if (f->type == Type::kCredit) {
-      gp::Reader r(f->payload);
-      stdin_window += std::min<std::uint64_t>(r.u64(), gp::kWindowBytes);
-      stdin_window = std::min<std::uint64_t>(stdin_window, gp::kWindowBytes);
-      feed_stdin();
-      continue;
-    }
-    if (f->type == Type::kExited) {
-      gp::Exited e = gp::decode_exited(f->payload);
-      status = e.status;
-      result.stdout_truncated = result.stdout_truncated || e.stdout_truncated;
-      result.stderr_truncated = result.stderr_truncated || e.stderr_truncated;
-      result.oom_killed = e.oom_killed && !result.timed_out;
-      break;
-    }
-    if (f->type == Type::kError) {
-      gp::ErrorReply e = gp::decode_error(f->payload);
-      throw Error(Code::kInternal, fmt::format("sandbox {}: exec: {}", label_, e.message));
-    }
-  }
+  const int status = run.wait_for_exit(deadline);
+  ExecResult& result = run.result();
   if (WIFEXITED(status)) {
     result.exit_code = WEXITSTATUS(status);
   } else if (WIFSIGNALED(status)) {
@@ -377,7 +416,7 @@ ExecResult GuestChannel::exec(gp::ExecStart start, std::string_view stdin_data, 
     result.signal = WTERMSIG(status);
   }
   result.duration_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  return result;
+  return std::move(result);
 }
 
 std::string GuestChannel::read_file(std::string_view path, std::size_t max_bytes, Clock::time_point deadline) {

@@ -79,6 +79,7 @@ class GuestChannel {
     std::size_t bytes = 0;
   };
   class Call;
+  class ExecRun;  // one exec once its command started
 
   void read_loop();
   std::uint32_t open_channel();
