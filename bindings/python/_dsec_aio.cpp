@@ -232,9 +232,11 @@ class AsyncCore {
   // to on_output when it is not None.
   Ticket command(const py::object& loop, const py::object& future, SandboxRequest request, py::object on_output) {
     AsyncCall call{std::move(request)};
-    if (on_output.is_none()) std::string what = call.request.what;  // before call is moved
-    return start(loop, future, std::move(call),
-                 [what = std::move(what)](HttpResponse& r) { return answers::exec_result(r, what); });
+    if (on_output.is_none()) {
+      std::string what = call.request.what;  // before call is moved
+      return start(loop, future, std::move(call),
+                   [what = std::move(what)](HttpResponse& r) { return answers::exec_result(r, what); });
+    }
     auto target = make_target(loop, future, std::move(on_output));
     auto stream = std::make_shared<Streamed>(target, outbox_.get());
     call.on_attempt = [s = stream.get()] { s->command.new_attempt(); };

@@ -87,7 +87,7 @@ struct TransferOptions {
   std::string_view url{};
   std::string_view unix_socket{};  // a unix socket path to connect to instead of the URL's host; empty: TCP
   const char* user_agent = "dsec/0.1.0";
-  std::string_view ca_file{};  // TLS: the CAs to trust; empty: the system's
+  std::string_view ca_file{};                    // TLS: the CAs to trust; empty: the system's
   std::string_view client_cert{}, client_key{};  // TLS: a client certificate and its key; empty: none
   const HeaderList* headers = nullptr;
   char* error_buffer = nullptr;  // CURL_ERROR_SIZE bytes: curl's own words for a failure

@@ -825,7 +825,9 @@ class GuestInit {
     while (dirent* d = ::readdir(dir)) {
       std::string name = d->d_name;
       if (name == "." || name == "..") continue;
-      std::string path = rel.empty() ? name : rel + "/" + name;
+      std::string path = rel;
+      if (!path.empty()) path += '/';
+      path += name;
       struct stat st {};
       if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
       files::TreeEntry e;

@@ -374,7 +374,7 @@ class QemuBackendImpl final : public QemuBackend {
           throw Error(Code::kNotFound,
                       fmt::format("sandbox {}: its kernel {} is gone from the agent's cache", p.id, f.string()));
     }
-    const std::string cgroup_path = value(key::kCgroup);
+    const std::string& cgroup_path = value(key::kCgroup);
     container::check_adoptable_path(cgroup_path);
     std::unique_ptr<container::SandboxCgroup> cgroup;
     try {
@@ -401,9 +401,10 @@ class QemuBackendImpl final : public QemuBackend {
       vm = VmInstance::attach(p.id, run_dir, pid, std::move(pidfd), value(key::kRam) == "clone", boot.hostname,
                               Clock::now() + std::chrono::seconds(10));
     }
-    shared_.uids.claim(boot.uid);
-    return make_qemu_sandbox(shared_, p.id, p.spec, run_dir, boot.uid, std::move(cgroup), std::move(boot),
-                             std::move(vm), p.sleeping);
+    const auto uid = boot.uid;
+    shared_.uids.claim(uid);
+    return make_qemu_sandbox(shared_, p.id, p.spec, run_dir, uid, std::move(cgroup), std::move(boot), std::move(vm),
+                             p.sleeping);
   }
 
   void remove_leftovers(const std::string& id) override {

@@ -84,6 +84,7 @@ VmProcess launch_vm(const VmLaunch& launch) {
   // Everything the child touches is made here: between vfork and exec it shares this memory and may not allocate.
   std::vector<std::string> argv_copy = launch.argv;
   std::vector<char*> argv;
+  argv.reserve(argv_copy.size() + 1);
   for (auto& a : argv_copy) argv.push_back(a.data());
   argv.push_back(nullptr);
   std::string path_env = "PATH=/usr/local/bin:/usr/bin:/bin";
