@@ -27,6 +27,7 @@
 #include "common/unique_fd.hpp"
 #include "common/wire/init_protocol.hpp"
 #include "dsec/error.hpp"
+#include "error_test_util.hpp"
 #include "image/layer_tar.hpp"
 #include "image/store/chunk_index.hpp"
 #include "image/store/manifest.hpp"
@@ -36,15 +37,7 @@ namespace {
 
 using nlohmann::json;
 
-template <typename F>
-Code code_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code::kOk;
-}
+using test::code_of;
 
 template <typename F>
 std::string message_of(F&& f) {
@@ -57,33 +50,33 @@ std::string message_of(F&& f) {
 }
 
 TEST(FuzzRegressions, BodyWithANumberTooLargeForADoubleIsInvalidArgument) {
-  EXPECT_EQ(code_of([] { protocol::parse_body(R"({"ttl": 1e999})"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { protocol::parse_body(R"({"gpu_mode":44e531})"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { protocol::parse_body(R"({"ttl": 1e300})"); }), Code::kOk);
+  EXPECT_CODE(protocol::parse_body(R"({"ttl": 1e999})"), Code::kInvalidArgument);
+  EXPECT_CODE(protocol::parse_body(R"({"gpu_mode":44e531})"), Code::kInvalidArgument);
+  EXPECT_CODE(protocol::parse_body(R"({"ttl": 1e300})"), Code::kOk);
 }
 
 TEST(FuzzRegressions, AnswerNumbersThatDoNotFitTheirFieldAreErrors) {
   json info = {{"id", "sb-1"}, {"resources", {{"memory", 1}}}};
   info["resources"]["memory"] = json::parse("53687999999999999999999999999999999999999999990912");
-  EXPECT_EQ(code_of([&] { protocol::decode_sandbox_info(info); }), Code::kInternal);
+  EXPECT_CODE(protocol::decode_sandbox_info(info), Code::kInternal);
   EXPECT_NE(message_of([&] { protocol::decode_sandbox_info(info); }).find("resources.memory"), std::string::npos);
   info["resources"]["memory"] = -1;
-  EXPECT_EQ(code_of([&] { protocol::decode_sandbox_info(info); }), Code::kInternal);
+  EXPECT_CODE(protocol::decode_sandbox_info(info), Code::kInternal);
   info["resources"]["memory"] = "1Gi";
-  EXPECT_EQ(code_of([&] { protocol::decode_sandbox_info(info); }), Code::kInternal);
+  EXPECT_CODE(protocol::decode_sandbox_info(info), Code::kInternal);
   info["resources"]["memory"] = 1e3;  // a whole number written as a float still reads
   EXPECT_EQ(protocol::decode_sandbox_info(info).resources.memory_bytes, 1000u);
 
-  EXPECT_EQ(code_of([] { protocol::decode_exec_result(json{{"exit_code", 1e300}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_exec_result(json{{"exit_code", 2.5}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_exec_result(json{{"signal", std::int64_t{1} << 40}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_exec_result(json{{"timed_out", 1}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_exec_result(json::array()); }), Code::kInternal);
+  EXPECT_CODE(protocol::decode_exec_result(json{{"exit_code", 1e300}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_exec_result(json{{"exit_code", 2.5}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_exec_result(json{{"signal", std::int64_t{1} << 40}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_exec_result(json{{"timed_out", 1}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_exec_result(json::array()), Code::kInternal);
   EXPECT_EQ(protocol::decode_exec_result(json{{"exit_code", -3}}).exit_code, -3);
-  EXPECT_EQ(code_of([] { protocol::decode_fncall_result(json{{"peak_memory", -1.5}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_fncall_result(json{{"error", {{"code", 7}}}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_node_info(json{{"capacity", {{"cores", 4294967296}}}}); }), Code::kInternal);
-  EXPECT_EQ(code_of([] { protocol::decode_node_info(json{{"load", {{"load1", "high"}}}}); }), Code::kInternal);
+  EXPECT_CODE(protocol::decode_fncall_result(json{{"peak_memory", -1.5}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_fncall_result(json{{"error", {{"code", 7}}}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_node_info(json{{"capacity", {{"cores", 4294967296}}}}), Code::kInternal);
+  EXPECT_CODE(protocol::decode_node_info(json{{"load", {{"load1", "high"}}}}), Code::kInternal);
   EXPECT_EQ(protocol::decode_node_info(json{{"capacity", {{"cores", 4294967295u}}}}).cores, 4294967295u);
 }
 
@@ -102,9 +95,9 @@ std::string chunk_index(std::uint64_t size, const std::string& chunks, const std
 
 TEST(FuzzRegressions, ChunkIndexNumbersMustFitAndCoverTheLayer) {
   const std::string one = R"([[0,10,")" + std::string(64, 'b') + R"("]])";
-  EXPECT_EQ(code_of([&] { image::chunk_index_from_json(chunk_index(4096, one)); }), Code::kOk);
+  EXPECT_CODE(image::chunk_index_from_json(chunk_index(4096, one)), Code::kOk);
   // A layer of 2^64 - 1 bytes with no chunks at all: the chunk count used to wrap around to 0.
-  EXPECT_EQ(code_of([&] { image::chunk_index_from_json(chunk_index(UINT64_MAX, "[]")); }), Code::kInvalidArgument);
+  EXPECT_CODE(image::chunk_index_from_json(chunk_index(UINT64_MAX, "[]")), Code::kInvalidArgument);
   auto with = [&](std::string text, const std::string& from, const std::string& to) {
     text.replace(text.find(from), from.size(), to);
     return text;
@@ -119,7 +112,7 @@ TEST(FuzzRegressions, ChunkIndexNumbersMustFitAndCoverTheLayer) {
            {"[[0,10,", "[[-1.5,10,"},
            {"[[0,10,", "[[0,1e20,"}}) {
     std::string text = with(good, from, to);
-    EXPECT_EQ(code_of([&] { image::chunk_index_from_json(text); }), Code::kInvalidArgument) << text;
+    EXPECT_CODE(image::chunk_index_from_json(text), Code::kInvalidArgument) << text;
   }
   EXPECT_EQ(code_of([&] { image::chunk_index_from_json(chunk_index(4096, one, R"(,"prefetch":[1e40])")); }),
             Code::kInvalidArgument);
@@ -139,7 +132,7 @@ TEST(FuzzRegressions, ManifestSchemaMustBeAnInteger) {
   EXPECT_EQ(image::manifest_from_json(text).name, "busybox");
   std::string big = text;
   big.replace(big.find(R"("schema":1)"), 10, R"("schema":1e300)");
-  EXPECT_EQ(code_of([&] { image::manifest_from_json(big); }), Code::kInvalidArgument);
+  EXPECT_CODE(image::manifest_from_json(big), Code::kInvalidArgument);
   EXPECT_NE(message_of([&] { image::manifest_from_json(big); }).find("schema"), std::string::npos);
 }
 

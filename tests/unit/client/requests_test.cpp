@@ -12,7 +12,6 @@ namespace dsec::detail {
 namespace {
 
 using protocol::json;
-using test::code_of;
 
 ExecRequest shell(std::string command) {
   ExecRequest r;
@@ -101,7 +100,7 @@ TEST(ClientRequests, ExecCarriesItsRequestIdAndTimeout) {
   SandboxRequest streamed = requests::exec("sb-1", r, true);
   EXPECT_EQ(streamed.how.request_id, "mine");
   EXPECT_EQ(json::parse(streamed.body).at("stream"), true);
-  EXPECT_EQ(code_of([] { requests::exec("sb-1", ExecRequest{}, false); }), Code::kInvalidArgument);
+  EXPECT_CODE(requests::exec("sb-1", ExecRequest{}, false), Code::kInvalidArgument);
 }
 
 TEST(ClientRequests, TargetsAreEscaped) {
@@ -132,13 +131,13 @@ TEST(ClientRequests, HowEachCallMayBeRepeated) {
 }
 
 TEST(ClientRequests, ArgumentsRefusedBeforeARoundTrip) {
-  EXPECT_EQ(code_of([] { requests::set_ttl("sb-1", std::chrono::seconds(-1)); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { requests::expose("sb-1", 0); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { requests::write_file("sb-1", "/x", "", 010000); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { requests::process_output("sb-1", 1, 0, 0, 301, 10); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { requests::process_output("sb-1", 1, 0, 0, 0, 0); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { requests::signal("sb-1", 1, -1, false); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { requests::resize("sb-1", 1, 0, 80); }), Code::kInvalidArgument);
+  EXPECT_CODE(requests::set_ttl("sb-1", std::chrono::seconds(-1)), Code::kInvalidArgument);
+  EXPECT_CODE(requests::expose("sb-1", 0), Code::kInvalidArgument);
+  EXPECT_CODE(requests::write_file("sb-1", "/x", "", 010000), Code::kInvalidArgument);
+  EXPECT_CODE(requests::process_output("sb-1", 1, 0, 0, 301, 10), Code::kInvalidArgument);
+  EXPECT_CODE(requests::process_output("sb-1", 1, 0, 0, 0, 0), Code::kInvalidArgument);
+  EXPECT_CODE(requests::signal("sb-1", 1, -1, false), Code::kInvalidArgument);
+  EXPECT_CODE(requests::resize("sb-1", 1, 0, 80), Code::kInvalidArgument);
 }
 
 }  // namespace

@@ -197,8 +197,6 @@ ExecRequest shell_exec(std::string command, double timeout_seconds = 600) {
   return r;
 }
 
-using test::code_of;
-
 // What a roomy node says about itself: 8 cores, 64 GiB, the container and null backends.
 std::string node_json(const std::string& node) {
   NodeInfo n;
@@ -317,10 +315,10 @@ TEST(ClientCore, IdempotentCallsAreRetriedOnRetryableErrors) {
 
 TEST(ClientCore, UnreachableAgentIsRetriedUntilAttemptsRunOut) {
   ClientCore core(fast_options({"unix:/tmp/dsec-no-such-dir/agent.sock"}));
-  EXPECT_EQ(code_of([&] { core.get("n1-1"); }), Code::kUnavailable);
+  EXPECT_CODE(core.get("n1-1"), Code::kUnavailable);
   EXPECT_EQ(core.stats().requests, 4u);  // max_attempts
   // An exec that could not connect never reached the agent, so it is retried too.
-  EXPECT_EQ(code_of([&] { core.exec("n1-1", shell_exec("true")); }), Code::kUnavailable);
+  EXPECT_CODE(core.exec("n1-1", shell_exec("true")), Code::kUnavailable);
   EXPECT_EQ(core.stats().requests, 8u);
 }
 
@@ -332,7 +330,7 @@ TEST(ClientCore, TheCallDeadlineBoundsAllRetries) {
   options.call_deadline = milliseconds{300};
   ClientCore core(options);
   auto start = SteadyClock::now();
-  EXPECT_EQ(code_of([&] { core.get("n1-1"); }), Code::kDeadlineExceeded);
+  EXPECT_CODE(core.get("n1-1"), Code::kDeadlineExceeded);
   auto took = SteadyClock::now() - start;
   EXPECT_GE(took, milliseconds{200});
   EXPECT_LT(took, milliseconds{2000});
@@ -381,7 +379,7 @@ TEST(ClientCore, ExecErrorsFromTheAgent) {
     return Reply{503, json{{"code", "UNAVAILABLE"}, {"message", "draining"}, {"retryable", true}}.dump()};
   });
   ClientCore core(fast_options({draining.endpoint()}));
-  EXPECT_EQ(code_of([&] { core.exec("n1-1", shell_exec("true")); }), Code::kUnavailable);
+  EXPECT_CODE(core.exec("n1-1", shell_exec("true")), Code::kUnavailable);
   EXPECT_GT(draining.requests().size(), 1u);
   // The agent knows an id's command was under way when it stopped: the outcome is unknown, never run again.
   TestServer restarted([](const Request&) {
@@ -406,9 +404,9 @@ TEST(ClientCore, ExecErrorsFromTheAgent) {
 TEST(ClientCore, ExecRequestsAreCheckedBeforeTheyAreSent) {
   TestServer server([](const Request& r) { return simple_node(r, "n1"); });
   ClientCore core(fast_options({server.endpoint()}));
-  EXPECT_EQ(code_of([&] { core.exec("n1-1", ExecRequest{}); }), Code::kInvalidArgument);  // neither argv nor shell
-  EXPECT_EQ(code_of([&] { core.exec("n1-1", shell_exec("x", -1)); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { core.exec("../etc", shell_exec("x")); }), Code::kInvalidArgument);
+  EXPECT_CODE(core.exec("n1-1", ExecRequest{}), Code::kInvalidArgument);  // neither argv nor shell
+  EXPECT_CODE(core.exec("n1-1", shell_exec("x", -1)), Code::kInvalidArgument);
+  EXPECT_CODE(core.exec("../etc", shell_exec("x")), Code::kInvalidArgument);
   EXPECT_TRUE(server.requests().empty());
 }
 
@@ -443,8 +441,8 @@ TEST(ClientCore, InvalidSpecsFailBeforeAnyCall) {
   ClientCore core(fast_options({server.endpoint()}));
   SandboxSpec spec;
   spec.resources.memory_bytes = 1;
-  EXPECT_EQ(code_of([&] { core.create(spec); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([&] { core.create_many(3, spec); }), Code::kInvalidArgument);
+  EXPECT_CODE(core.create(spec), Code::kInvalidArgument);
+  EXPECT_CODE(core.create_many(3, spec), Code::kInvalidArgument);
   EXPECT_TRUE(server.requests().empty());
 }
 
@@ -557,7 +555,7 @@ TEST(ClientCore, CallsForAnIdGoToTheNodeThatMadeIt) {
   ClientCore core(fast_options({a.endpoint(), b.endpoint()}));
   EXPECT_EQ(core.get("rack1-node2-abc").node, "rack1-node2");
   EXPECT_EQ(core.get("rack1-abc").node, "rack1");
-  EXPECT_EQ(code_of([&] { core.get("rack9-abc"); }), Code::kNotFound);
+  EXPECT_CODE(core.get("rack9-abc"), Code::kNotFound);
   // Each node was asked for its id once; the sandbox calls went to the right node only.
   int a_node = 0, b_node = 0, a_sandbox = 0, b_sandbox = 0;
   for (const auto& r : a.requests()) (r.target == "/v1/node" ? a_node : a_sandbox)++;
@@ -574,7 +572,7 @@ TEST(ClientCore, AnUnreachableNodeMakesRoutingUnavailableNotNotFound) {
   options.retry.max_attempts = 2;
   ClientCore core(options);
   EXPECT_EQ(core.get("n1-a").id, "n1-a");
-  EXPECT_EQ(code_of([&] { core.get("n2-a"); }), Code::kUnavailable);
+  EXPECT_CODE(core.get("n2-a"), Code::kUnavailable);
 }
 
 TEST(ClientCore, CreatePlacementSkipsANodeThatCannotBeReached) {
@@ -612,12 +610,12 @@ TEST(ClientCore, FilesTravelRawAndDirectoriesAsTar) {
   EXPECT_EQ(files["%2Ftmp%2Fx%20y type"], "application/octet-stream");
   EXPECT_EQ(files["%2Ftmp%2Fx%20y query"], "%2Ftmp%2Fx%20y&mode=0755");
   EXPECT_EQ(core.read_file("n1-1", "/tmp/x y"), bytes);
-  EXPECT_EQ(code_of([&] { core.read_file("n1-1", "/dir"); }), Code::kInvalidArgument);
+  EXPECT_CODE(core.read_file("n1-1", "/dir"), Code::kInvalidArgument);
   EXPECT_EQ(core.download_tar("n1-1", "/dir"), "TARBYTES");
   EXPECT_EQ(server.requests().back().target, "/v1/sandboxes/n1-1/files?path=%2Fdir&format=tar");
   core.upload_tar("n1-1", "/up", "TAR");
   EXPECT_EQ(files["%2Fup type"], "application/x-tar");
-  EXPECT_EQ(code_of([&] { core.write_file("n1-1", "/x", "", 010000); }), Code::kInvalidArgument);
+  EXPECT_CODE(core.write_file("n1-1", "/x", "", 010000), Code::kInvalidArgument);
 }
 
 TEST(ClientCore, ListSendsLabelAndTenantFilters) {
@@ -645,7 +643,7 @@ TEST(ClientCore, AClosedClientRefusesCalls) {
   TestServer server([](const Request& r) { return simple_node(r, "n1"); });
   ClientCore core(fast_options({server.endpoint()}));
   core.close();
-  EXPECT_EQ(code_of([&] { core.get("n1-1"); }), Code::kFailedPrecondition);
+  EXPECT_CODE(core.get("n1-1"), Code::kFailedPrecondition);
   EXPECT_TRUE(server.requests().empty());
 }
 
@@ -676,7 +674,7 @@ TEST(Client, SandboxHandlesOwnWhatCreateMadeAndNotWhatAttachFound) {
   std::lock_guard lock(mu);
   ASSERT_EQ(deleted.size(), 1u);
   EXPECT_EQ(deleted[0], "/v1/sandboxes/" + created_id);
-  EXPECT_EQ(code_of([&] { client.attach("no/slash"); }), Code::kInvalidArgument);
+  EXPECT_CODE(client.attach("no/slash"), Code::kInvalidArgument);
 }
 
 }  // namespace
