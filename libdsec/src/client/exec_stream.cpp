@@ -59,8 +59,10 @@ void ExecStreamDecoder::line(std::string_view text) {
     if (!value.is_object()) throw Error(Code::kInternal, "the agent's exec stream: \"result\" is not an object", false);
     result_ = protocol::decode_exec_result(value);
   } else if (key == "error") {
+    // Not retryable whatever the agent says: the command ran, and its output is already delivered. The fault and
+    // whether its outcome is unknown are the agent's.
     Error e = protocol::decode_error(value, 500);
-    error_.emplace(e.code(), e.what(), false);
+    error_.emplace(e.code(), e.what(), false, e.fault(), e.outcome_unknown());
   } else {
     throw Error(Code::kInternal, fmt::format("the agent's exec stream has an unknown line \"{}\"", key), false);
   }

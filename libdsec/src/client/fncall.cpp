@@ -562,7 +562,7 @@ std::vector<FnCallResult> FnCallBatch::finish() {
     const Error& e = node_error_ ? *node_error_ : *place_error_;
     throw Error(e.code(),
                 fmt::format("run_code_many: no node could run any of the {} calls: {}", requests_.size(), e.what()),
-                e.retryable(), e.fault());
+                e.retryable(), e.fault(), e.outcome_unknown());
   }
   return std::move(results_);
 }

@@ -110,6 +110,21 @@ TEST(ExecStreamDecoder, AnErrorLineIsTheAgentsErrorNeverRetried) {
   }
 }
 
+TEST(ExecStreamDecoder, AnErrorLineKeepsTheAgentsFaultAndOutcomeUnknown) {
+  ExecStreamDecoder decoder(nullptr);
+  decoder.feed(R"({"error":{"code":"DATA_LOSS","message":"exec r1: the agent restarted","retryable":false,)"
+               R"("fault":"request","outcome_unknown":true}})"
+               "\n");
+  try {
+    decoder.finish();
+    FAIL() << "an error line must throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kDataLoss);
+    EXPECT_EQ(e.fault(), Fault::kRequest);  // DATA_LOSS alone would say the infrastructure's
+    EXPECT_TRUE(e.outcome_unknown());
+  }
+}
+
 using test::code_of;
 
 TEST(ExecStreamDecoder, MalformedBodiesAreErrors) {
