@@ -89,20 +89,22 @@ SandboxRequest sleep_or_wake(std::string_view id, bool sleep) {
   how.retry_timeouts = true;
   return make(id, "POST", sleep ? "/sleep" : "/wake",
               sleep ? "POST /v1/sandboxes/{id}/sleep" : "POST /v1/sandboxes/{id}/wake",
-              json{{"request_id", random_request_id()}}.dump(), kJson, std::move(how));
+              protocol::encode_sleep_request(random_request_id()).dump(), kJson, std::move(how));
 }
 
 SandboxRequest snapshot(std::string_view id, std::string_view name) {
   // A snapshot copies files and compresses a layer: each exchange may take far longer than request_timeout. A
   // retry carries the same request id, so the agent answers it with the snapshot the first attempt takes.
-  return make(id, "POST", "/snapshot", "POST /v1/sandboxes/{id}/snapshot",
-              json{{"name", std::string(name)}, {"request_id", random_request_id()}}.dump(), kJson,
-              {kSnapshotTime, true});
+  return make(
+      id, "POST", "/snapshot", "POST /v1/sandboxes/{id}/snapshot",
+      protocol::encode(protocol::SnapshotCall{.name = std::string(name), .request_id = random_request_id()}).dump(),
+      kJson, {kSnapshotTime, true});
 }
 
 SandboxRequest fork(std::string_view id, std::size_t count) {
   // Not retried: the copies may exist once the request arrived.
-  return make(id, "POST", "/fork", "POST /v1/sandboxes/{id}/fork", json{{"count", count}}.dump(), kJson,
+  return make(id, "POST", "/fork", "POST /v1/sandboxes/{id}/fork",
+              protocol::encode(protocol::ForkRequest{.count = count, .labels = {}}).dump(), kJson,
               {kSnapshotTime, false});
 }
 
@@ -182,7 +184,7 @@ SandboxRequest exec(std::string_view id, const ExecRequest& request, bool stream
   std::string request_id = request.request_id.empty() ? random_request_id() : request.request_id;
   json body = protocol::encode(request);
   body["request_id"] = request_id;
-  if (stream) body["stream"] = true;
+  if (stream) protocol::set_exec_stream(body);
   return make(id, "POST", "/exec", "POST /v1/sandboxes/{id}/exec", body.dump(), kJson,
               {wait_time(request.timeout_seconds), true, std::move(request_id)});
 }

@@ -100,6 +100,12 @@ TEST(ClientRequests, ExecCarriesItsRequestIdAndTimeout) {
   SandboxRequest streamed = requests::exec("sb-1", r, true);
   EXPECT_EQ(streamed.how.request_id, "mine");
   EXPECT_EQ(json::parse(streamed.body).at("stream"), true);
+  // The agent reads the flag with the same codec.
+  EXPECT_TRUE(protocol::exec_streams(json::parse(streamed.body)));
+  EXPECT_FALSE(protocol::exec_streams(body));
+  EXPECT_FALSE(protocol::exec_streams(json{{"stream", nullptr}}));
+  EXPECT_CODE_MSG(protocol::exec_streams(json{{"stream", "yes"}}), Code::kInvalidArgument,
+                  "stream: must be true or false");
   EXPECT_CODE(requests::exec("sb-1", ExecRequest{}, false), Code::kInvalidArgument);
 }
 

@@ -428,13 +428,7 @@ HttpResponse Router::exec(HttpRequest& request, const Target& target, ResponseSt
   allow(request, "/v1/sandboxes/{id}/exec", {http::verb::post});
   only_params(target.query, {});
   json body = protocol::parse_body(request.body());
-  bool streaming = false;
-  if (body.is_object()) {
-    if (auto it = body.find("stream"); it != body.end() && !it->is_null()) {
-      if (!it->is_boolean()) throw Error(Code::kInvalidArgument, "stream: must be true or false");
-      streaming = it->get<bool>();
-    }
-  }
+  const bool streaming = protocol::exec_streams(body);
   ExecRequest exec_request = protocol::decode_exec_request(body);
   SandboxHandle handle = registry_.acquire(target.sandbox_id);
   return exec_answer(request, stream, streaming, exec_request.timeout_seconds, [&](const OutputSink& sink) {
@@ -533,21 +527,8 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
   allow(request, sleep ? "/v1/sandboxes/{id}/sleep" : "/v1/sandboxes/{id}/wake", {http::verb::post});
   only_params(target.query, {});
   // An empty body, or {"request_id": "..."}: the same id again answers what the first call did (a retry).
-  json in = protocol::parse_body(request.body());
-  const char* what = sleep ? "sleep" : "wake";
-  if (!in.is_object())
-    throw Error(Code::kInvalidArgument, fmt::format("{}: the body must be empty or a JSON object such as "
-                                                    "{{\"request_id\": \"...\"}}",
-                                                    what));
-  std::string request_id;
-  for (const auto& [key, value] : in.items()) {
-    if (key != "request_id")
-      throw Error(Code::kInvalidArgument, fmt::format("{}: unknown field '{}' (known: request_id)", what, key));
-    if (!value.is_string() || value.get_ref<const std::string&>().size() > 128 ||
-        value.get_ref<const std::string&>().find('\0') != std::string::npos)
-      throw Error(Code::kInvalidArgument, "request_id: a string of at most 128 bytes");
-    request_id = value.get<std::string>();
-  }
+  const std::string request_id =
+      protocol::decode_sleep_request(protocol::parse_body(request.body()), sleep ? "sleep" : "wake");
   Registry::SleepOutcome out =
       sleep ? registry_.sleep(target.sandbox_id, request_id) : registry_.wake(target.sandbox_id, request_id);
   json body = protocol::encode(out.info);
@@ -567,26 +548,8 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
 HttpResponse Router::fork(HttpRequest& request, const Target& target) {
   allow(request, "/v1/sandboxes/{id}/fork", {http::verb::post});
   only_params(target.query, {});
-  json body = protocol::parse_body(request.body());
-  if (!body.is_object())
-    throw Error(Code::kInvalidArgument, "fork: the body must be a JSON object such as {\"count\": 4}");
-  std::size_t count = 0;
-  Labels labels;
-  for (const auto& [key, value] : body.items()) {
-    if (key == "count") {
-      if (!value.is_number_unsigned()) throw Error(Code::kInvalidArgument, "count: must be a positive integer");
-      count = value.get<std::size_t>();
-    } else if (key == "labels") {
-      if (!value.is_object()) throw Error(Code::kInvalidArgument, "labels: must be an object of strings");
-      for (const auto& [k, v] : value.items()) {
-        if (!v.is_string()) throw Error(Code::kInvalidArgument, fmt::format("labels.{}: must be a string", k));
-        labels[k] = v.get<std::string>();
-      }
-    } else {
-      throw Error(Code::kInvalidArgument, fmt::format("fork: unknown field '{}' (known: count, labels)", key));
-    }
-  }
-  std::vector<CreateOutcome> outcomes = registry_.fork(target.sandbox_id, count, labels);
+  const protocol::ForkRequest fork = protocol::decode_fork_request(protocol::parse_body(request.body()));
+  std::vector<CreateOutcome> outcomes = registry_.fork(target.sandbox_id, fork.count, fork.labels);
   std::vector<SandboxInfo> infos;
   infos.reserve(outcomes.size());
   for (auto& o : outcomes) infos.push_back(std::move(o.info));
@@ -598,20 +561,11 @@ HttpResponse Router::fork(HttpRequest& request, const Target& target) {
 HttpResponse Router::snapshot(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/sandboxes/{id}/snapshot", {http::verb::post});
   only_params(target.query, {});
-  json body = protocol::parse_body(request.body());
-  if (!body.is_object())
-    throw Error(Code::kInvalidArgument, "snapshot: the body must be a JSON object such as {\"name\": \"repo:tag\"}");
+  protocol::SnapshotCall call = protocol::decode_snapshot_call(protocol::parse_body(request.body()));
   SnapshotRequest req;
   req.sandbox_id = target.sandbox_id;
-  for (const auto& [key, value] : body.items()) {
-    if (key == "name" || key == "request_id") {
-      if (!value.is_string()) throw Error(Code::kInvalidArgument, fmt::format("{}: must be a string", key));
-      (key == "name" ? req.name : req.request_id) = value.get<std::string>();
-    } else {
-      throw Error(Code::kInvalidArgument, fmt::format("snapshot: unknown field '{}' (known: name, request_id)", key));
-    }
-  }
-  if (req.name.empty()) throw Error(Code::kInvalidArgument, "name: missing (the new image's repo[:tag])");
+  req.name = std::move(call.name);
+  req.request_id = std::move(call.request_id);
   if (!who.admin) {
     // A tenant's snapshots go under tenants/<tenant>/ (said in the answer's "image").
     if (req.name.starts_with(kTenantImages) && !req.name.starts_with(tenant_image_prefix(who)))

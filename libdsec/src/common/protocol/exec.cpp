@@ -106,4 +106,14 @@ ExecResult decode_exec_result(const json& j) {
   return r;
 }
 
+void set_exec_stream(json& body) { body["stream"] = true; }
+
+bool exec_streams(const json& body) {
+  if (!body.is_object()) return false;
+  auto it = body.find("stream");
+  if (it == body.end() || it->is_null()) return false;
+  if (!it->is_boolean()) throw Error(Code::kInvalidArgument, "stream: must be true or false");
+  return it->get<bool>();
+}
+
 }  // namespace dsec::protocol

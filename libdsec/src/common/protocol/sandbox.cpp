@@ -445,6 +445,70 @@ std::chrono::seconds decode_ttl_request(const json& body) {
   return std::chrono::seconds(v.get<std::int64_t>());
 }
 
+json encode(const ForkRequest& request) {
+  json j{{"count", request.count}};
+  if (!request.labels.empty()) j["labels"] = request.labels;
+  return j;
+}
+
+ForkRequest decode_fork_request(const json& body) {
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "fork: the body must be a JSON object such as {\"count\": 4}");
+  ForkRequest r;
+  for (const auto& [key, value] : body.items()) {
+    if (key == "count") {
+      if (!value.is_number_unsigned()) throw Error(Code::kInvalidArgument, "count: must be a positive integer");
+      r.count = value.get<std::size_t>();
+    } else if (key == "labels") {
+      if (!value.is_object()) throw Error(Code::kInvalidArgument, "labels: must be an object of strings");
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) throw Error(Code::kInvalidArgument, fmt::format("labels.{}: must be a string", k));
+        r.labels[k] = v.get<std::string>();
+      }
+    } else {
+      throw Error(Code::kInvalidArgument, fmt::format("fork: unknown field '{}' (known: count, labels)", key));
+    }
+  }
+  return r;
+}
+
+json encode_sleep_request(std::string_view request_id) { return json{{"request_id", request_id}}; }
+
+std::string decode_sleep_request(const json& body, std::string_view what) {
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, fmt::format("{}: the body must be empty or a JSON object such as "
+                                                    "{{\"request_id\": \"...\"}}",
+                                                    what));
+  std::string request_id;
+  for (const auto& [key, value] : body.items()) {
+    if (key != "request_id")
+      throw Error(Code::kInvalidArgument, fmt::format("{}: unknown field '{}' (known: request_id)", what, key));
+    if (!value.is_string() || value.get_ref<const std::string&>().size() > kMaxRequestIdBytes ||
+        value.get_ref<const std::string&>().find('\0') != std::string::npos)
+      throw Error(Code::kInvalidArgument, "request_id: a string of at most 128 bytes");
+    request_id = value.get<std::string>();
+  }
+  return request_id;
+}
+
+json encode(const SnapshotCall& call) { return json{{"name", call.name}, {"request_id", call.request_id}}; }
+
+SnapshotCall decode_snapshot_call(const json& body) {
+  if (!body.is_object())
+    throw Error(Code::kInvalidArgument, "snapshot: the body must be a JSON object such as {\"name\": \"repo:tag\"}");
+  SnapshotCall call;
+  for (const auto& [key, value] : body.items()) {
+    if (key == "name" || key == "request_id") {
+      if (!value.is_string()) throw Error(Code::kInvalidArgument, fmt::format("{}: must be a string", key));
+      (key == "name" ? call.name : call.request_id) = value.get<std::string>();
+    } else {
+      throw Error(Code::kInvalidArgument, fmt::format("snapshot: unknown field '{}' (known: name, request_id)", key));
+    }
+  }
+  if (call.name.empty()) throw Error(Code::kInvalidArgument, "name: missing (the new image's repo[:tag])");
+  return call;
+}
+
 json encode_expose_request(std::uint32_t port) { return json{{"port", port}}; }
 
 std::uint32_t decode_expose_request(const json& body) {

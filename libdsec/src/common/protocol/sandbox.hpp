@@ -55,6 +55,24 @@ std::chrono::seconds decode_ttl_request(const json& body);
 // POST /v1/sandboxes/{id}/ports {"port": a TCP port}.
 json encode_expose_request(std::uint32_t port);
 std::uint32_t decode_expose_request(const json& body);
+// POST /v1/sandboxes/{id}/fork {"count": n, "labels": {...}}: n copies of a running sandbox on its node.
+struct ForkRequest {
+  std::size_t count = 0;
+  Labels labels;
+};
+json encode(const ForkRequest& request);
+ForkRequest decode_fork_request(const json& body);
+// POST /v1/sandboxes/{id}/sleep and /wake: an empty body or {"request_id": "..."} (at most kMaxRequestIdBytes, no
+// NUL); `what` ("sleep", "wake") names the call in errors.
+json encode_sleep_request(std::string_view request_id);
+std::string decode_sleep_request(const json& body, std::string_view what);
+// POST /v1/sandboxes/{id}/snapshot {"name": "repo[:tag]", "request_id": "..."}; the name is required.
+struct SnapshotCall {
+  std::string name;
+  std::string request_id;
+};
+json encode(const SnapshotCall& call);
+SnapshotCall decode_snapshot_call(const json& body);
 // POST /v1/groups/{id}/renew {"ttl": seconds, 1 to kMaxGroupTtlSeconds}; 0 when absent (the group's own TTL).
 json encode_group_renew(std::chrono::seconds ttl);
 double decode_group_renew(const json& body);

@@ -44,6 +44,48 @@ TEST(ProtocolSandbox, SmallRequestsAreRefusedByName) {
             "renew: the body must be a JSON object such as {\"ttl\": 30}");
 }
 
+TEST(ProtocolSandbox, ForkRequestsRoundTripAndAreRefusedByName) {
+  ForkRequest r = decode_fork_request(encode(ForkRequest{.count = 3, .labels = {{"run", "7"}}}));
+  EXPECT_EQ(r.count, 3u);
+  EXPECT_EQ(r.labels, (Labels{{"run", "7"}}));
+  EXPECT_EQ(encode(ForkRequest{.count = 2, .labels = {}}), (json{{"count", 2}}));
+  EXPECT_EQ(message_of([] { decode_fork_request(json::array()); }),
+            "fork: the body must be a JSON object such as {\"count\": 4}");
+  EXPECT_EQ(message_of([] { decode_fork_request(json{{"count", -1}}); }), "count: must be a positive integer");
+  EXPECT_EQ(message_of([] {
+              decode_fork_request(json{{"count", 1u}, {"labels", json{{"a", 1}}}});
+            }),
+            "labels.a: must be a string");
+  EXPECT_EQ(message_of([] {
+              decode_fork_request(json{{"count", 1u}, {"keep", true}});
+            }),
+            "fork: unknown field 'keep' (known: count, labels)");
+}
+
+TEST(ProtocolSandbox, SleepAndSnapshotRequestsRoundTripAndAreRefusedByName) {
+  EXPECT_EQ(decode_sleep_request(encode_sleep_request("r1"), "sleep"), "r1");
+  EXPECT_EQ(decode_sleep_request(json::object(), "wake"), "");
+  EXPECT_EQ(message_of([] {
+              decode_sleep_request(json{{"id", "r1"}}, "wake");
+            }),
+            "wake: unknown field 'id' (known: request_id)");
+  EXPECT_EQ(message_of([] {
+              decode_sleep_request(json{{"request_id", std::string(129, 'x')}}, "sleep");
+            }),
+            "request_id: a string of at most 128 bytes");
+  SnapshotCall call = decode_snapshot_call(encode(SnapshotCall{.name = "repo:tag", .request_id = "r2"}));
+  EXPECT_EQ(call.name, "repo:tag");
+  EXPECT_EQ(call.request_id, "r2");
+  EXPECT_EQ(message_of([] {
+              decode_snapshot_call(json{{"request_id", "r"}});
+            }),
+            "name: missing (the new image's repo[:tag])");
+  EXPECT_EQ(message_of([] {
+              decode_snapshot_call(json{{"name", "a"}, {"keep", 1}});
+            }),
+            "snapshot: unknown field 'keep' (known: name, request_id)");
+}
+
 // The limits spelled in messages read as they always did.
 TEST(ProtocolSandbox, LimitsInMessages) {
   EXPECT_EQ(message_of([] {
