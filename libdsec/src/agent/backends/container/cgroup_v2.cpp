@@ -102,16 +102,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
 
   void release_exec_group(const std::string& name) override {
     std::lock_guard lock(mu_);
-    if (exec_groups_.count(name)) ended_groups_.insert(name);
-    for (auto it = ended_groups_.begin(); it != ended_groups_.end();) {
-      std::string dir = dir_ + "/" + *it;
-      if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) {
-        exec_groups_.erase(*it);
-        it = ended_groups_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    release_ended_groups(dir_, name, exec_groups_, ended_groups_);
   }
 
   void destroy() override {
