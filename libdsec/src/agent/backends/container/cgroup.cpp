@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -59,6 +60,14 @@ std::vector<int> read_pids(const std::string& procs_path) {
   int pid;
   while (in >> pid) pids.push_back(pid);
   return pids;
+}
+
+std::vector<std::string> child_groups(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
+    if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
+  return out;
 }
 
 void release_ended_groups(const std::string& parent, const std::string& name, std::set<std::string>& exec_groups,

@@ -321,13 +321,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
   std::string path() const override { return rel_; }
 
-  std::vector<std::string> exec_groups() override {
-    std::vector<std::string> out;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(dir(h_.pids), ec))
-      if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
-    return out;
-  }
+  std::vector<std::string> exec_groups() override { return child_groups(dir(h_.pids)); }
 
   void adopt_exec_group(const std::string& name, bool kill) override {
     {

@@ -196,13 +196,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
 
   std::string path() const override { return path_; }
 
-  std::vector<std::string> exec_groups() override {
-    std::vector<std::string> out;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(dir_, ec))
-      if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
-    return out;
-  }
+  std::vector<std::string> exec_groups() override { return child_groups(dir_); }
 
   void adopt_exec_group(const std::string& name, bool kill) override {
     {
