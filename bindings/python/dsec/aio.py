@@ -32,27 +32,27 @@ import asyncio
 import builtins
 import concurrent.futures
 import functools
-import io
 import json
 import os
 import sys
-import tarfile
 import time
 import uuid
-from typing import (TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Tuple,
-                    Union, overload)
+from typing import (TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union,
+                    overload)
 from urllib.parse import quote
 
 from . import _dsec
 from .client import Client
 from .errors import FailedPrecondition, InvalidArgument, NotFound
-from .group import SandboxGroup
-from .process import _READ_WAIT, _WAIT_SLICE, _signal_number
+from .group import SandboxGroup, _Members
+from .process import (_READ_WAIT, _WAIT_SLICE, _check_pid, _check_terminal_size, _follow_start, _follow_step,
+                      _signal_number)
 from ._spec import (DEFAULT_IMAGE, DEFAULT_KIND, SpecKeywords, _field_size, _request_id, _str_map, _user,
                     takes_spec_keywords)
 from ._types import (BytesLike, ExecResult, FnCallResult, ImageInfo, NodeInfo, ProcessInfo, ProcessOutput, SandboxInfo,
                      SessionInfo, Size, SleepResult)
-from .sandbox import Sandbox, Snapshot, _command, _safe_extract
+from .sandbox import Sandbox, Snapshot, _command, _safe_extract, _tar_of
+from .session import _check_session_name, _run_limit
 
 if TYPE_CHECKING:
     if sys.version_info >= (3, 11):
@@ -325,21 +325,7 @@ class AsyncSandbox:
 
     async def upload(self, local_path: str | os.PathLike, remote_dir: str) -> None:
         """:meth:`Sandbox.upload`: the tar stream is built on the bounded executor, sent on the asyncio core."""
-        local_path = os.fspath(local_path)
-
-        def pack() -> bytes:
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w") as tar:
-                if os.path.isdir(local_path):
-                    for name in sorted(os.listdir(local_path)):
-                        tar.add(os.path.join(local_path, name), arcname=name)
-                elif os.path.exists(local_path):
-                    tar.add(local_path, arcname=os.path.basename(local_path))
-                else:
-                    raise InvalidArgument(f"upload: {local_path} does not exist")
-            return buf.getvalue()
-
-        await self.upload_tar(remote_dir, await self._client._run(pack))
+        await self.upload_tar(remote_dir, await self._client._run(_tar_of, os.fspath(local_path)))
 
     async def download(self, remote_dir: str, local_dir: str | os.PathLike) -> None:
         """:meth:`Sandbox.download`: fetched on the asyncio core, unpacked on the bounded executor."""
@@ -434,17 +420,14 @@ class AsyncSandbox:
         """:meth:`Sandbox.spawn`, awaited: an :class:`AsyncProcess`. Exactly-once by ``request_id`` (made when not
         given), so a lost answer is retried without starting the command twice."""
         argv, shell = _command(command)
-        for field, value in (("rows", rows), ("cols", cols)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-                raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
+        _check_terminal_size(rows, cols)
         info = await _await(self._core().spawn, self.id, argv, shell, _str_map(env, "env"), cwd or "", _user(user),
                             bool(pty), rows, cols, tag or "", _request_id(request_id))
         return AsyncProcess(self, info.pid, info if info.pid == 0 else None)
 
     def process(self, pid: int) -> "AsyncProcess":
         """The spawned process ``pid`` of this sandbox; no call is made until it is used."""
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            raise InvalidArgument(f"pid: expected a positive int, got {pid!r}")
+        _check_pid(pid)
         return AsyncProcess(self, pid)
 
     async def processes(self) -> list[ProcessInfo]:
@@ -466,8 +449,7 @@ class AsyncSandbox:
 
     def session(self, name: str) -> "AsyncSession":
         """The session named ``name`` of this sandbox; no call is made until it is used."""
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"name: expected a session's name, got {name!r}")
+        _check_session_name(name)
         return AsyncSession(self, name)
 
     async def sessions(self) -> list[SessionInfo]:
@@ -499,7 +481,7 @@ class AsyncSandbox:
         return hash(self.id)
 
 
-class AsyncSandboxGroup:
+class AsyncSandboxGroup(_Members[AsyncSandbox]):
     """:class:`dsec.SandboxGroup` for asyncio: a list of :class:`AsyncSandbox`; its lease is renewed in the
     background as the sync group's is. Group-wide calls run on the bounded executor, per-member calls on the
     asyncio core."""
@@ -520,21 +502,6 @@ class AsyncSandboxGroup:
     @property
     def sync(self) -> SandboxGroup:
         return self._g
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __iter__(self) -> Iterator[AsyncSandbox]:
-        return iter(self._members)
-
-    @overload
-    def __getitem__(self, i: int) -> AsyncSandbox: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> builtins.list[AsyncSandbox]: ...
-
-    def __getitem__(self, i: Union[int, slice]) -> Union[AsyncSandbox, builtins.list[AsyncSandbox]]:
-        return self._members[i]
 
     async def exec(self, command: Union[str, Sequence[str]], **kwargs: Any) -> list[ExecResult]:
         """The same command in every member, concurrently on the asyncio core; results in member order. Errors
@@ -571,7 +538,22 @@ class AsyncSandboxGroup:
         return f"AsyncSandboxGroup(id={self.id!r}, size={len(self)}, lease={self.lease})"
 
 
-class AsyncSession:
+class _InAsyncSandbox:
+    """What AsyncSession and AsyncProcess share: the :class:`AsyncSandbox` they belong to."""
+
+    __slots__ = ()
+    _sandbox: AsyncSandbox
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._sandbox.id
+
+    @property
+    def sandbox(self) -> AsyncSandbox:
+        return self._sandbox
+
+
+class AsyncSession(_InAsyncSandbox):
     """:class:`dsec.Session` for asyncio. ``async with`` closes it."""
 
     __slots__ = ("_sandbox", "_name")
@@ -584,14 +566,6 @@ class AsyncSession:
     def name(self) -> str:
         return self._name
 
-    @property
-    def sandbox_id(self) -> str:
-        return self._sandbox.id
-
-    @property
-    def sandbox(self) -> AsyncSandbox:
-        return self._sandbox
-
     def _suffix(self, suffix: str = "") -> str:
         return f"/sessions/{_escape(self._name)}{suffix}"
 
@@ -599,9 +573,7 @@ class AsyncSession:
                   max_output: Size | None = None) -> ExecResult:
         """:meth:`Session.run`, awaited (exactly once under a request id of its own, as the sync run). Cancelling
         leaves the command running in the shell to its end or timeout; the session stays busy until then."""
-        if not isinstance(command, str):
-            raise InvalidArgument(f"command: expected shell text (a str), got {type(command).__name__}")
-        limit = 16 << 20 if max_output is None else _field_size(max_output, "max_output")
+        limit = _run_limit(command, max_output)
         return await _await(
             self._sandbox._core().session_run, self._sandbox.id, self._name, command, float(timeout), limit,
             on_output,
@@ -632,7 +604,7 @@ class AsyncSession:
         return f"<dsec.AsyncSession {self._name!r} in {self.sandbox_id}>"
 
 
-class AsyncProcess:
+class AsyncProcess(_InAsyncSandbox):
     """:class:`dsec.Process` for asyncio; ``stdout``, ``stderr`` and ``output()`` are async iterators."""
 
     __slots__ = ("_sandbox", "_pid", "_never_started")
@@ -645,14 +617,6 @@ class AsyncProcess:
     @property
     def pid(self) -> int:
         return self._pid
-
-    @property
-    def sandbox_id(self) -> str:
-        return self._sandbox.id
-
-    @property
-    def sandbox(self) -> AsyncSandbox:
-        return self._sandbox
 
     def _suffix(self, suffix: str = "") -> str:
         return f"/processes/{self._pid}{suffix}"
@@ -695,20 +659,11 @@ class AsyncProcess:
             if stderr and self._never_started.reason:
                 yield "stderr", self._never_started.reason.encode()
             return
-        at: dict[str, Optional[int]] = {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
+        at = _follow_start(stdout, stderr)
         while True:
-            out = await self.read(at["stdout"], at["stderr"], _READ_WAIT)
-            done = not out.running
-            for name, data, start, end in (("stdout", out.stdout, out.stdout_offset, out.stdout_end),
-                                           ("stderr", out.stderr, out.stderr_offset, out.stderr_end)):
-                offset = at[name]
-                if offset is None:
-                    continue
-                if data:
-                    yield name, data
-                at[name] = offset = max(offset, start + len(data))
-                if offset < end:
-                    done = False
+            chunks, done = _follow_step(await self.read(at["stdout"], at["stderr"], _READ_WAIT), at)
+            for chunk in chunks:
+                yield chunk
             if done:
                 return
 
@@ -745,9 +700,7 @@ class AsyncProcess:
                                             content_type="application/json", repeatable=False)
 
     async def resize(self, rows: int, cols: int) -> ProcessInfo:
-        for field, value in (("rows", rows), ("cols", cols)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-                raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
+        _check_terminal_size(rows, cols)
         self._check_started("resize")
         body = json.dumps({"rows": rows, "cols": cols}).encode()
         return await self._sandbox._request("POST", self._suffix("/resize"), "process_info", body=body,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence, Union, overload
+from typing import TYPE_CHECKING, Any, Generic, Iterator, Mapping, Sequence, TypeVar, Union, overload
 
 from . import _dsec
 from .errors import InvalidArgument
@@ -14,7 +14,33 @@ if TYPE_CHECKING:  # annotations only: the client module imports this one
     from .client import Client
 
 
-class SandboxGroup:
+_Member = TypeVar("_Member")
+
+
+class _Members(Generic[_Member]):
+    """A group as a list of its members (SandboxGroup's :class:`Sandbox`, AsyncSandboxGroup's
+    :class:`AsyncSandbox`): ``len``, iteration and indexing over ``_members``."""
+
+    __slots__ = ()
+    _members: list[_Member]
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self) -> Iterator[_Member]:
+        return iter(self._members)
+
+    @overload
+    def __getitem__(self, i: int) -> _Member: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[_Member]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[_Member, list[_Member]]:
+        return self._members[i]
+
+
+class SandboxGroup(_Members[Sandbox]):
     """The sandboxes of one pulse, made by :meth:`Client.create_group` and held by a lease.
 
     Iterates, indexes and measures like a list of :class:`Sandbox`. The client renews the lease on every node that
@@ -37,21 +63,6 @@ class SandboxGroup:
     def lease(self) -> float:
         """Seconds the agents keep the members after the last renewal."""
         return self._g.lease
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __iter__(self) -> Iterator[Sandbox]:
-        return iter(self._members)
-
-    @overload
-    def __getitem__(self, i: int) -> Sandbox: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[Sandbox]: ...
-
-    def __getitem__(self, i: Union[int, slice]) -> Union[Sandbox, list[Sandbox]]:
-        return self._members[i]
 
     def exec(
         self,

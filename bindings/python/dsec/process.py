@@ -45,6 +45,43 @@ def _signal_number(sig: Union[int, str]) -> int:
     raise InvalidArgument(f"signal: expected a signal number or name, got {type(sig).__name__}")
 
 
+def _check_pid(pid: int) -> None:
+    """A spawned process's pid as Sandbox.process and AsyncSandbox.process take it."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        raise InvalidArgument(f"pid: expected a positive int, got {pid!r}")
+
+
+def _check_terminal_size(rows: int, cols: int) -> None:
+    """A pty's size as spawn and resize take it: 1 to 1000 rows and columns."""
+    for field, value in (("rows", rows), ("cols", cols)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
+            raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
+
+
+def _follow_start(stdout: bool, stderr: bool) -> dict[str, Optional[int]]:
+    """Where an output iterator reads from first: byte 0 of each stream it follows, None for one it does not."""
+    return {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
+
+
+def _follow_step(out: ProcessOutput, at: dict[str, Optional[int]]) -> Tuple[list[Tuple[str, bytes]], bool]:
+    """One read of an output iterator (Process's and AsyncProcess's): the ``(stream, data)`` chunks it brought, and
+    whether the process has ended with everything read. Moves ``at`` past what the read covered."""
+    chunks: list[Tuple[str, bytes]] = []
+    done = not out.running
+    for name, data, start, end in (("stdout", out.stdout, out.stdout_offset, out.stdout_end),
+                                   ("stderr", out.stderr, out.stderr_offset, out.stderr_end)):
+        offset = at[name]
+        if offset is None:
+            continue
+        if data:
+            chunks.append((name, data))
+        # Bytes no longer kept are skipped: the next read starts where this answer's ended.
+        at[name] = offset = max(offset, start + len(data))
+        if offset < end:
+            done = False
+    return chunks, done
+
+
 class Process:
     """A process started by :meth:`Sandbox.spawn`, or found again with :meth:`Sandbox.process` (from any client).
 
@@ -126,21 +163,10 @@ class Process:
         return self._p.read(stdout_offset, stderr_offset, float(wait), max_bytes)
 
     def _follow(self, stdout: bool, stderr: bool) -> Iterator[Tuple[str, bytes]]:
-        at: dict[str, Optional[int]] = {"stdout": 0 if stdout else None, "stderr": 0 if stderr else None}
+        at = _follow_start(stdout, stderr)
         while True:
-            out = self._p.read(at["stdout"], at["stderr"], _READ_WAIT)
-            done = not out.running
-            for name, data, start, end in (("stdout", out.stdout, out.stdout_offset, out.stdout_end),
-                                           ("stderr", out.stderr, out.stderr_offset, out.stderr_end)):
-                offset = at[name]
-                if offset is None:
-                    continue
-                if data:
-                    yield name, data
-                # Bytes no longer kept are skipped: the next read starts where this answer's ended.
-                at[name] = offset = max(offset, start + len(data))
-                if offset < end:
-                    done = False
+            chunks, done = _follow_step(self._p.read(at["stdout"], at["stderr"], _READ_WAIT), at)
+            yield from chunks
             if done:
                 return
 

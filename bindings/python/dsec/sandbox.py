@@ -12,9 +12,9 @@ from . import _dsec
 from .errors import InvalidArgument
 from ._spec import _field_size, _network_dict, _network_policy, _policy_of, _request_id, _str_map, _user
 from ._types import BytesLike, ExecResult, ProcessInfo, SandboxInfo, SessionInfo, Size, SleepResult
-from .process import Process
+from .process import Process, _check_pid, _check_terminal_size
 from .screen import ScreenMethods
-from .session import Session
+from .session import Session, _check_session_name
 
 if TYPE_CHECKING:  # annotations only: the client module imports this one
     from .client import Client
@@ -159,9 +159,7 @@ class Sandbox(ScreenMethods):
         the first spawn's process and starts nothing; :class:`OutcomeUnknown` when that cannot be known.
         """
         argv, shell = _command(command)
-        for field, value in (("rows", rows), ("cols", cols)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-                raise InvalidArgument(f"{field}: expected an int from 1 to 1000, got {value!r}")
+        _check_terminal_size(rows, cols)
         handle = self._sb.spawn(argv=argv, shell=shell, env=_str_map(env, "env"), cwd=cwd or "", user=_user(user),
                                 pty=bool(pty), rows=rows, cols=cols, tag=tag or "",
                                 request_id=_request_id(request_id))
@@ -169,8 +167,7 @@ class Sandbox(ScreenMethods):
 
     def process(self, pid: int) -> Process:
         """The spawned process ``pid`` of this sandbox (started by any client); no call is made until it is used."""
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-            raise InvalidArgument(f"pid: expected a positive int, got {pid!r}")
+        _check_pid(pid)
         return Process(self._sb.process(pid), self)
 
     def processes(self) -> list[ProcessInfo]:
@@ -197,8 +194,7 @@ class Sandbox(ScreenMethods):
 
     def session(self, name: str) -> Session:
         """The session named ``name`` of this sandbox (started by any client); no call is made until it is used."""
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"name: expected a session's name, got {name!r}")
+        _check_session_name(name)
         return Session(self._sb.session(name), self)
 
     def sessions(self) -> list[SessionInfo]:
@@ -224,17 +220,7 @@ class Sandbox(ScreenMethods):
 
     def upload(self, local_path: str | os.PathLike, remote_dir: str) -> None:
         """Copies a local directory's contents (or one local file) into ``remote_dir``."""
-        local_path = os.fspath(local_path)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            if os.path.isdir(local_path):
-                for name in sorted(os.listdir(local_path)):
-                    tar.add(os.path.join(local_path, name), arcname=name)
-            elif os.path.exists(local_path):
-                tar.add(local_path, arcname=os.path.basename(local_path))
-            else:
-                raise InvalidArgument(f"upload: {local_path} does not exist")
-        self._sb.upload_tar(remote_dir, buf.getvalue())
+        self._sb.upload_tar(remote_dir, _tar_of(os.fspath(local_path)))
 
     def download(self, remote_dir: str, local_dir: str | os.PathLike) -> None:
         """Copies ``remote_dir``'s contents into ``local_dir`` (created if missing).
@@ -373,6 +359,21 @@ def _command(command: Union[str, Sequence[str]]) -> tuple[list[str] | None, str 
                 raise InvalidArgument(f"argv: every argument must be a str, got {a!r}")
         return argv, None
     raise InvalidArgument(f"command: expected a str (shell) or a list of str (argv), got {type(command).__name__}")
+
+
+def _tar_of(local_path: str) -> bytes:
+    """What upload sends (Sandbox's and AsyncSandbox's): a local directory's contents, or one local file, as a tar
+    stream."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if os.path.isdir(local_path):
+            for name in sorted(os.listdir(local_path)):
+                tar.add(os.path.join(local_path, name), arcname=name)
+        elif os.path.exists(local_path):
+            tar.add(local_path, arcname=os.path.basename(local_path))
+        else:
+            raise InvalidArgument(f"upload: {local_path} does not exist")
+    return buf.getvalue()
 
 
 def _safe_extract(tar_bytes: bytes, dest: str) -> None:

@@ -19,6 +19,19 @@ if TYPE_CHECKING:  # annotations only: the sandbox module imports this one
     from .sandbox import Sandbox
 
 
+def _run_limit(command: str, max_output: Size | None) -> int:
+    """Session.run's and AsyncSession.run's arguments checked: the output cap in bytes (16 MiB when None)."""
+    if not isinstance(command, str):
+        raise InvalidArgument(f"command: expected shell text (a str), got {type(command).__name__}")
+    return 16 << 20 if max_output is None else _field_size(max_output, "max_output")
+
+
+def _check_session_name(name: str) -> None:
+    """A session's name as Sandbox.session and AsyncSandbox.session take it."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"name: expected a session's name, got {name!r}")
+
+
 class Session:
     """A shell session of a sandbox, started by :meth:`Sandbox.shell` or found again by :meth:`Sandbox.session`.
 
@@ -60,9 +73,7 @@ class Session:
         "session_ended"`` with the shell's status; :meth:`restart` starts a new shell. ``on_output`` streams the
         output as :meth:`Sandbox.exec` does. Never retried once it may have reached the agent.
         """
-        if not isinstance(command, str):
-            raise InvalidArgument(f"command: expected shell text (a str), got {type(command).__name__}")
-        limit = 16 << 20 if max_output is None else _field_size(max_output, "max_output")
+        limit = _run_limit(command, max_output)
         return self._s.run(command, float(timeout), limit, on_output)
 
     def info(self) -> SessionInfo:

@@ -384,14 +384,7 @@ void Agent::stop() {
   stopped_ = true;
   // Leave the cluster first, so that clients stop placing sandboxes here while the agent winds down.
   if (registration_) registration_->stop();
-  server_->stop_accepting();
-  {
-    std::lock_guard lock(reaper_mutex_);
-    stopping_ = true;
-  }
-  reaper_wake_.notify_all();
-  if (reaper_.joinable()) reaper_.join();
-  reclaimer_->stop();
+  stop_serving();
   std::size_t destroyed = registry_->destroy_all("agent shutdown");
   // Requests still running (an exec in a sandbox just destroyed ends now) finish and close their connections; a
   // create that was in flight may have added a sandbox meanwhile, so look once more.
@@ -425,9 +418,7 @@ void Agent::stop() {
   if (swap_) swap_->turn_off();
 }
 
-void Agent::leave() {
-  if (stopped_ || !started_) return;
-  stopped_ = true;
+void Agent::stop_serving() {
   server_->stop_accepting();
   {
     std::lock_guard lock(reaper_mutex_);
@@ -436,6 +427,12 @@ void Agent::leave() {
   reaper_wake_.notify_all();
   if (reaper_.joinable()) reaper_.join();
   reclaimer_->stop();
+}
+
+void Agent::leave() {
+  if (stopped_ || !started_) return;
+  stopped_ = true;
+  stop_serving();
   log_info("leaving {} sandboxes running for the next start to take over", registry_->load().sandboxes);
 }
 

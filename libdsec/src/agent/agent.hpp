@@ -95,6 +95,8 @@ class Agent {
   bool serves(std::string_view kind) const;  // whether config.backends names the kind
 
   void reaper_loop();
+  // What stop and leave both do first: stop accepting connections, stop the reaper and the reclaimer.
+  void stop_serving();
   void start_registration();
   QosNodeInfo qos_node_info() const;
   void render_cold_memory_metrics(std::string& out) const;

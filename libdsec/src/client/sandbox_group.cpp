@@ -128,8 +128,8 @@ std::vector<ExecResult> SandboxGroup::exec(std::string shell_command, double tim
 
 namespace {
 
-// Calls `call(member)` on every member, concurrently (at most `concurrency` at once); results in member order.
-// Every member is tried; then the first error, if any, is thrown.
+// Calls `call(i, members[i])` for every member, concurrently (at most `concurrency` at once); results in member
+// order. Every member is tried; then the first error, if any, is thrown.
 template <typename Result, typename Call>
 std::vector<Result> for_every_member(const std::vector<Sandbox>& members, std::size_t concurrency, Call call) {
   std::vector<Result> out(members.size());
@@ -139,7 +139,7 @@ std::vector<Result> for_every_member(const std::vector<Sandbox>& members, std::s
   auto work = [&] {
     for (std::size_t i = next.fetch_add(1); i < members.size(); i = next.fetch_add(1)) {
       try {
-        out[i] = call(members[i]);
+        out[i] = call(i, members[i]);
       } catch (const Error& e) {
         std::lock_guard lock(error_mutex);
         if (!first_error) first_error = e;
@@ -159,17 +159,17 @@ std::vector<Result> for_every_member(const std::vector<Sandbox>& members, std::s
 
 std::vector<SleepResult> SandboxGroup::sleep() const {
   return for_every_member<SleepResult>(members_, core_ ? core_->create_concurrency() : 1,
-                                       [](const Sandbox& sb) { return sb.sleep(); });
+                                       [](std::size_t, const Sandbox& sb) { return sb.sleep(); });
 }
 
 std::vector<SleepResult> SandboxGroup::wake() const {
   return for_every_member<SleepResult>(members_, core_ ? core_->create_concurrency() : 1,
-                                       [](const Sandbox& sb) { return sb.wake(); });
+                                       [](std::size_t, const Sandbox& sb) { return sb.wake(); });
 }
 
 std::vector<NetworkPolicy> SandboxGroup::set_network(const NetworkPolicy& policy) const {
   return for_every_member<NetworkPolicy>(members_, core_ ? core_->create_concurrency() : 1,
-                                         [&](const Sandbox& sb) { return sb.set_network(policy); });
+                                         [&](std::size_t, const Sandbox& sb) { return sb.set_network(policy); });
 }
 
 std::vector<SnapshotResult> SandboxGroup::snapshot(std::string_view name) const {
@@ -179,30 +179,10 @@ std::vector<SnapshotResult> SandboxGroup::snapshot(std::string_view name) const 
     throw Error(Code::kInvalidArgument,
                 fmt::format("name: '{}' pins a digest; a snapshot is named by a repository and a tag", name));
   const bool tagged = name.find(':') != std::string_view::npos;
-  std::vector<SnapshotResult> out(members_.size());
-  std::optional<Error> first_error;
-  std::mutex error_mutex;
-  std::atomic<std::size_t> next{0};
-  auto work = [&] {
-    for (std::size_t i = next.fetch_add(1); i < members_.size(); i = next.fetch_add(1)) {
-      std::string member_name =
-          tagged ? fmt::format("{}:{}-{}", ref.name, ref.tag, i) : fmt::format("{}:{}", ref.name, i);
-      try {
-        out[i] = members_[i].snapshot(member_name);
-      } catch (const Error& e) {
-        std::lock_guard lock(error_mutex);
-        if (!first_error) first_error = e;
-      }
-    }
-  };
-  const std::size_t workers =
-      std::min(members_.size(), std::max<std::size_t>(core_ ? core_->create_concurrency() : 1, 1));
-  std::vector<std::thread> threads;
-  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
-  if (first_error) throw *first_error;
-  return out;
+  return for_every_member<SnapshotResult>(
+      members_, core_ ? core_->create_concurrency() : 1, [&](std::size_t i, const Sandbox& sb) {
+        return sb.snapshot(tagged ? fmt::format("{}:{}-{}", ref.name, ref.tag, i) : fmt::format("{}:{}", ref.name, i));
+      });
 }
 
 void SandboxGroup::renew() {

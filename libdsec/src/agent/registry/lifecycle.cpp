@@ -261,16 +261,9 @@ Registry::SleepOutcome Registry::wake(const std::string& id, std::string_view re
 }
 
 SandboxInfo Registry::destroy(const std::string& id, std::string_view reason) {
-  std::shared_ptr<Record> record;
-  {
-    std::lock_guard lock(mutex_);
-    auto it = records_.find(id);
-    if (it == records_.end()) {
-      if (auto t = tombstones_.find(id); t != tombstones_.end()) return t->second.info;
-      throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, options_.node_id));
-    }
-    record = it->second;
-  }
+  std::optional<SandboxInfo> destroyed;
+  std::shared_ptr<Record> record = find_or_tombstone(id, destroyed);
+  if (!record) return *destroyed;
   // On disk first: an agent that dies from here on finishes the destroy when it starts again. (A second destroy
   // racing this one leaves the record to it.)
   const bool first = !record->destroying.exchange(true);

@@ -374,16 +374,9 @@ SandboxInfo Registry::info_of(const std::string& id) const {
 }
 
 SandboxInfo Registry::get(const std::string& id) {
-  std::shared_ptr<Record> record;
-  {
-    std::lock_guard lock(mutex_);
-    auto it = records_.find(id);
-    if (it == records_.end()) {
-      if (auto t = tombstones_.find(id); t != tombstones_.end()) return t->second.info;
-      throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, options_.node_id));
-    }
-    record = it->second;
-  }
+  std::optional<SandboxInfo> destroyed;
+  std::shared_ptr<Record> record = find_or_tombstone(id, destroyed);
+  if (!record) return *destroyed;
   check_alive(*record);
   SandboxInfo info = record->snapshot();
   if (record->sandbox && info.state != "creating") {
@@ -432,6 +425,18 @@ SandboxHandle Registry::acquire(const std::string& id) const {
 }
 
 SandboxSpec Registry::spec(const std::string& id) const { return find_live(id)->spec; }
+
+std::shared_ptr<Registry::Record> Registry::find_or_tombstone(const std::string& id,
+                                                              std::optional<SandboxInfo>& destroyed) const {
+  std::lock_guard lock(mutex_);
+  auto it = records_.find(id);
+  if (it != records_.end()) return it->second;
+  if (auto t = tombstones_.find(id); t != tombstones_.end()) {
+    destroyed = t->second.info;
+    return nullptr;
+  }
+  throw Error(Code::kNotFound, fmt::format("sandbox '{}' not found on node '{}'", id, options_.node_id));
+}
 
 std::shared_ptr<Registry::Record> Registry::find_live(const std::string& id) const {
   std::lock_guard lock(mutex_);

@@ -314,6 +314,9 @@ class Registry {
   double now() const { return options_.clock(); }
   // Destroys the sandboxes (batch_parallelism at a time), logging failures; returns how many it destroyed.
   std::shared_ptr<Record> find_live(const std::string& id) const;  // NOT_FOUND unless live and not being destroyed
+  // The record of `id`, or nullptr with `destroyed` set to its tombstone's info when it was destroyed here (get and
+  // destroy answer with that); NOT_FOUND when the node has neither.
+  std::shared_ptr<Record> find_or_tombstone(const std::string& id, std::optional<SandboxInfo>& destroyed) const;
   std::size_t destroy_ids(const std::vector<std::string>& ids, std::string_view reason);
 
   struct Group {

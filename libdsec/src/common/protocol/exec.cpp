@@ -53,8 +53,7 @@ ExecRequest decode_exec_request(const json& j) {
   r.user = get_string(j, "user", "user");
   (void)parse_user(r.user, "user");
   r.request_id = get_string(j, "request_id", "request_id");
-  if (r.request_id.size() > kMaxRequestIdBytes || has_nul(r.request_id))
-    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+  validate_request_id(r.request_id);
   return r;
 }
 
@@ -72,19 +71,12 @@ void validate(const ExecRequest& r) {
     bad("timeout", fmt::format("must be in (0, {}] seconds", kMaxExecTimeoutSeconds));
   if (r.max_output_bytes > kMaxOutputBytes) bad("max_output", "at most 1 GiB");
   (void)parse_user(r.user, "user");
-  if (r.request_id.size() > kMaxRequestIdBytes || has_nul(r.request_id))
-    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+  validate_request_id(r.request_id);
 }
 
 json encode(const ExecResult& r) {
-  json j{{"exit_code", r.exit_code},
-         {"signal", r.signal},
-         {"stdout", base64_encode(r.stdout_data)},
-         {"stderr", base64_encode(r.stderr_data)},
-         {"stdout_truncated", r.stdout_truncated},
-         {"stderr_truncated", r.stderr_truncated},
-         {"timed_out", r.timed_out},
-         {"duration", r.duration_seconds}};
+  json j = encode_run_outcome(r);
+  j["duration"] = r.duration_seconds;
   if (!r.reason.empty()) j["reason"] = r.reason;
   if (r.oom_killed) j["oom_killed"] = true;
   return j;
@@ -93,13 +85,7 @@ json encode(const ExecResult& r) {
 ExecResult decode_exec_result(const json& j) {
   expect_object(j, "exec result");
   ExecResult r;
-  r.exit_code = member(j, "exit_code", -1);
-  r.signal = member(j, "signal", 0);
-  r.stdout_data = base64_decode(member(j, "stdout", ""));
-  r.stderr_data = base64_decode(member(j, "stderr", ""));
-  r.stdout_truncated = member(j, "stdout_truncated", false);
-  r.stderr_truncated = member(j, "stderr_truncated", false);
-  r.timed_out = member(j, "timed_out", false);
+  decode_run_outcome(j, r);
   r.duration_seconds = member(j, "duration", 0.0);
   r.reason = member(j, "reason", "");
   r.oom_killed = member(j, "oom_killed", false);

@@ -107,6 +107,11 @@ void validate_labels(const Labels& labels, std::string_view field) {
           fmt::format("a label key must be non-empty, at most {} bytes, without '=' or NUL", kMaxLabelKeyBytes));
 }
 
+void validate_request_id(std::string_view id) {
+  if (id.size() > kMaxRequestIdBytes || has_nul(id))
+    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+}
+
 void validate_env(const Env& env, std::string_view field) {
   for (const auto& [k, v] : env) {
     if (k.empty() || k.find('=') != std::string::npos || has_nul(k))

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/protocol/body.hpp"
 #include "common/protocol/limits.hpp"
 #include "dsec/error.hpp"
 #include "dsec/spec.hpp"
@@ -107,6 +108,33 @@ T member(const json& j, const char* key, T fallback, std::string_view field = {}
 std::string member(const json& j, const char* key, const char* fallback, std::string_view field = {});
 
 void expect_object(const json& j, std::string_view what);
+
+// A request id (exec, function call, sandbox create): INVALID_ARGUMENT "request_id: at most 128 bytes" when longer
+// or holding a NUL.
+void validate_request_id(std::string_view id);
+
+// How a command ended, as exec and function call results both carry it (ExecResult, FnCallResult): exit_code,
+// signal, stdout and stderr (base64), their truncation flags and timed_out. Each result's codec adds its own fields.
+template <typename Result>
+json encode_run_outcome(const Result& r) {
+  return json{{"exit_code", r.exit_code},
+              {"signal", r.signal},
+              {"stdout", base64_encode(r.stdout_data)},
+              {"stderr", base64_encode(r.stderr_data)},
+              {"stdout_truncated", r.stdout_truncated},
+              {"stderr_truncated", r.stderr_truncated},
+              {"timed_out", r.timed_out}};
+}
+template <typename Result>
+void decode_run_outcome(const json& j, Result& r) {
+  r.exit_code = member(j, "exit_code", -1);
+  r.signal = member(j, "signal", 0);
+  r.stdout_data = base64_decode(member(j, "stdout", ""));
+  r.stderr_data = base64_decode(member(j, "stderr", ""));
+  r.stdout_truncated = member(j, "stdout_truncated", false);
+  r.stderr_truncated = member(j, "stderr_truncated", false);
+  r.timed_out = member(j, "timed_out", false);
+}
 
 void validate_labels(const Labels& labels, std::string_view field);
 void validate_env(const Env& env, std::string_view field);

@@ -140,28 +140,22 @@ FnCallRequest decode_fncall_request(const json& j) {
   if (r.gpu_mode == GpuMode::kNone && r.gpus != 0) bad("gpus", "needs gpu_mode \"exclusive\" or \"shared\"");
   if (r.gpu_mode != GpuMode::kNone && r.gpus == 0) r.gpus = 1;
   r.request_id = get_string(j, "request_id", "request_id");
-  if (r.request_id.size() > kMaxRequestIdBytes || has_nul(r.request_id))
-    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+  validate_request_id(r.request_id);
   return r;
 }
 
 json encode(const FnCallResult& r) {
-  return json{{"exit_code", r.exit_code},
-              {"signal", r.signal},
-              {"stdout", base64_encode(r.stdout_data)},
-              {"stderr", base64_encode(r.stderr_data)},
-              {"stdout_truncated", r.stdout_truncated},
-              {"stderr_truncated", r.stderr_truncated},
-              {"timed_out", r.timed_out},
-              {"oom_killed", r.oom_killed},
-              {"duration", r.duration_seconds},
-              {"cpu_time", r.cpu_seconds},
-              {"peak_memory", r.peak_memory_bytes},
-              {"compile_exit_code", r.compile_exit_code},
-              {"compile_output", base64_encode(r.compile_output)},
-              {"compile_seconds", r.compile_seconds},
-              {"gpus", r.gpus},
-              {"node", r.node}};
+  json j = encode_run_outcome(r);
+  j.update(json{{"oom_killed", r.oom_killed},
+                {"duration", r.duration_seconds},
+                {"cpu_time", r.cpu_seconds},
+                {"peak_memory", r.peak_memory_bytes},
+                {"compile_exit_code", r.compile_exit_code},
+                {"compile_output", base64_encode(r.compile_output)},
+                {"compile_seconds", r.compile_seconds},
+                {"gpus", r.gpus},
+                {"node", r.node}});
+  return j;
 }
 
 FnCallResult decode_fncall_result(const json& j) {
@@ -173,13 +167,7 @@ FnCallResult decode_fncall_result(const json& j) {
     if (r.error.empty()) r.error = r.error_code;
     return r;
   }
-  r.exit_code = member(j, "exit_code", -1);
-  r.signal = member(j, "signal", 0);
-  r.stdout_data = base64_decode(member(j, "stdout", ""));
-  r.stderr_data = base64_decode(member(j, "stderr", ""));
-  r.stdout_truncated = member(j, "stdout_truncated", false);
-  r.stderr_truncated = member(j, "stderr_truncated", false);
-  r.timed_out = member(j, "timed_out", false);
+  decode_run_outcome(j, r);
   r.oom_killed = member(j, "oom_killed", false);
   r.duration_seconds = member(j, "duration", 0.0);
   r.cpu_seconds = member(j, "cpu_time", 0.0);

@@ -14,17 +14,27 @@ namespace dsec::protocol {
 
 using namespace fields;
 
+namespace {
+
+// A spec's and a sandbox info's "resources" object: cpu, memory, disk, pids, open_files and gpus, and with
+// `with_network` egress_mbps and connections too (a spec writes those only when set, in encode(SandboxSpec)).
+json encode_limits(const Resources& r, bool with_network = false) {
+  json j{{"cpu", r.cpu},   {"memory", r.memory_bytes},   {"disk", r.disk_bytes},
+         {"pids", r.pids}, {"open_files", r.open_files}, {"gpus", r.gpus}};
+  if (with_network) {
+    j["egress_mbps"] = r.egress_mbps;
+    j["connections"] = r.connections;
+  }
+  return j;
+}
+
+}  // namespace
+
 json encode(const SandboxSpec& s) {
   json j{
       {"image", s.image},
       {"kind", s.kind},
-      {"resources",
-       {{"cpu", s.resources.cpu},
-        {"memory", s.resources.memory_bytes},
-        {"disk", s.resources.disk_bytes},
-        {"pids", s.resources.pids},
-        {"open_files", s.resources.open_files},
-        {"gpus", s.resources.gpus}}},
+      {"resources", encode_limits(s.resources)},
       {"ttl", s.ttl.count()},
       {"env", s.env},
       {"labels", s.labels},
@@ -253,8 +263,7 @@ void validate(const SandboxSpec& s) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.'))
       bad("hostname", "letters, digits, '-' and '.' only");
   if (s.workdir.empty() || s.workdir.front() != '/' || has_nul(s.workdir)) bad("workdir", "must be an absolute path");
-  if (s.request_id.size() > kMaxRequestIdBytes || has_nul(s.request_id))
-    bad("request_id", fmt::format("at most {} bytes", kMaxRequestIdBytes));
+  validate_request_id(s.request_id);
   if (s.tenant.size() > kMaxTenantBytes || has_nul(s.tenant))
     bad("tenant", fmt::format("at most {} bytes", kMaxTenantBytes));
   (void)parse_user(s.user, "user");
@@ -352,15 +361,7 @@ json encode(const SandboxInfo& s) {
               {"tenant", s.tenant},
               {"labels", s.labels},
               {"group", s.group},
-              {"resources",
-               {{"cpu", s.resources.cpu},
-                {"memory", s.resources.memory_bytes},
-                {"disk", s.resources.disk_bytes},
-                {"pids", s.resources.pids},
-                {"open_files", s.resources.open_files},
-                {"gpus", s.resources.gpus},
-                {"egress_mbps", s.resources.egress_mbps},
-                {"connections", s.resources.connections}}},
+              {"resources", encode_limits(s.resources, true)},
               {"priority", priority_name(s.resources.priority)},
               {"ksm", s.resources.ksm},
               {"reclaim", s.resources.reclaim},

@@ -31,6 +31,21 @@ double now_unix() {
 
 std::string short_digest(const std::string& digest) { return digest.substr(0, 19); }
 
+// The manifest's blob, put in `store` once every layer blob it names is there (FAILED_PRECONDITION naming the first
+// that is not): its digest, for commit_manifest and commit_manifest_new_tag to tag.
+std::string put_manifest(BlobStore& store, const Manifest& m) {
+  for (const auto& layer : m.layers)
+    for (const std::string* blob : {&layer.index, &layer.data})
+      if (!store.touch_blob(*blob))
+        throw Error(Code::kFailedPrecondition,
+                    fmt::format("image {}: layer {} needs blob {}, which store {} lacks", m.reference(),
+                                short_digest(layer.digest), *blob, store.url()));
+  std::string json = manifest_to_json(m);
+  std::string digest = sha256_digest(json);
+  store.put_blob(digest, json);
+  return digest;
+}
+
 }  // namespace
 
 ResolvedManifest fetch_manifest(BlobStore& store, const ImageReference& reference) {
@@ -86,15 +101,7 @@ ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const Ima
 }
 
 std::string commit_manifest(BlobStore& store, const Manifest& m) {
-  for (const auto& layer : m.layers)
-    for (const std::string* blob : {&layer.index, &layer.data})
-      if (!store.touch_blob(*blob))
-        throw Error(Code::kFailedPrecondition,
-                    fmt::format("image {}: layer {} needs blob {}, which store {} lacks", m.reference(),
-                                short_digest(layer.digest), *blob, store.url()));
-  std::string json = manifest_to_json(m);
-  std::string digest = sha256_digest(json);
-  store.put_blob(digest, json);
+  std::string digest = put_manifest(store, m);
   store.write_ref(m.reference(), digest);
   return digest;
 }
@@ -205,15 +212,7 @@ std::uint64_t copy_layer_blobs(const std::vector<BlobStore*>& from, BlobStore& t
 }
 
 std::string commit_manifest_new_tag(BlobStore& store, const Manifest& m) {
-  for (const auto& layer : m.layers)
-    for (const std::string* blob : {&layer.index, &layer.data})
-      if (!store.touch_blob(*blob))
-        throw Error(Code::kFailedPrecondition,
-                    fmt::format("image {}: layer {} needs blob {}, which store {} lacks", m.reference(),
-                                short_digest(layer.digest), *blob, store.url()));
-  std::string json = manifest_to_json(m);
-  std::string digest = sha256_digest(json);
-  store.put_blob(digest, json);
+  std::string digest = put_manifest(store, m);
   if (!store.create_ref(m.reference(), digest))
     throw Error(Code::kAlreadyExists,
                 fmt::format("image {} exists in store {}; a tag is never moved by a snapshot: choose another name or "

@@ -412,32 +412,13 @@ class HttpStore final : public BlobStore {
 
   void write_ref(const std::string& tagged, const std::string& manifest_digest) override {
     digest_hex(manifest_digest, "manifest digest");
-    const std::string body = manifest_digest + "\n";
-    BytesSource source(body);
-    Transfer t;
-    t.method = "PUT";
-    t.url = ref_url(tagged);
-    t.upload = &source;
-    t.expected_bytes = body.size();
-    Outcome o = perform(t);
-    if (!success(o.status)) fail(t, o);
+    put_ref(tagged, manifest_digest, false);
   }
 
   bool create_ref(const std::string& tagged, const std::string& manifest_digest) override {
     digest_hex(manifest_digest, "manifest digest");
     if (read_ref(tagged)) return false;
-    const std::string body = manifest_digest + "\n";
-    BytesSource source(body);
-    Transfer t;
-    t.method = "PUT";
-    t.url = ref_url(tagged);
-    t.upload = &source;
-    t.expected_bytes = body.size();
-    t.if_none_match = true;
-    Outcome o = perform(t);
-    if (o.status == 412) return false;  // the server saw the tag appear since the look
-    if (!success(o.status)) fail(t, o);
-    return true;
+    return put_ref(tagged, manifest_digest, true);
   }
 
   bool remove_ref(const std::string& tagged) override {
@@ -482,6 +463,23 @@ class HttpStore final : public BlobStore {
       throw Error(Code::kInvalidArgument,
                   fmt::format("ref '{}': a ref is a name and tag, without a pinned digest", tagged));
     return base_ + "/refs/" + url_segment(escape_reference(ref.tagged()));
+  }
+
+  // PUTs `manifest_digest` as the ref of `tagged`, with `if_none_match` only where no ref is yet: false when the
+  // server saw one appear (412), true when it took the write; any other failure throws. write_ref and create_ref.
+  bool put_ref(const std::string& tagged, const std::string& manifest_digest, bool if_none_match) {
+    const std::string body = manifest_digest + "\n";
+    BytesSource source(body);
+    Transfer t;
+    t.method = "PUT";
+    t.url = ref_url(tagged);
+    t.upload = &source;
+    t.expected_bytes = body.size();
+    t.if_none_match = if_none_match;
+    Outcome o = perform(t);
+    if (if_none_match && o.status == 412) return false;  // the server saw the tag appear since the look
+    if (!success(o.status)) fail(t, o);
+    return true;
   }
 
   // The URL as messages show it: the store's URL as the user named it (no credentials), then the path below it.

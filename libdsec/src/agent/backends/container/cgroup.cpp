@@ -6,6 +6,8 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -58,6 +60,28 @@ std::vector<int> read_pids(const std::string& procs_path) {
   int pid;
   while (in >> pid) pids.push_back(pid);
   return pids;
+}
+
+std::vector<std::string> child_groups(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
+    if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
+  return out;
+}
+
+void release_ended_groups(const std::string& parent, const std::string& name, std::set<std::string>& exec_groups,
+                          std::set<std::string>& ended_groups) {
+  if (exec_groups.count(name)) ended_groups.insert(name);
+  for (auto it = ended_groups.begin(); it != ended_groups.end();) {
+    std::string dir = parent + "/" + *it;
+    if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) {
+      exec_groups.erase(*it);
+      it = ended_groups.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 std::string enable_cgroup_favordynmods() {

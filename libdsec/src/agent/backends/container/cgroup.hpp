@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -163,5 +164,12 @@ std::string read_cgroup_file(const std::string& path);
 void check_adoptable_path(const std::string& path);
 // Reads cgroup.procs and returns the pids in it.
 std::vector<int> read_pids(const std::string& procs_path);
+// The names of the groups directly below `dir` (SandboxCgroup::exec_groups of both drivers); none when unreadable.
+std::vector<std::string> child_groups(const std::string& dir);
+// SandboxCgroup::release_exec_group, as both drivers do it under their lock: `name` is marked ended if it is one of
+// `exec_groups`, then every ended group below `parent` that is empty now (its rmdir succeeds, or it is gone) is
+// forgotten from both sets.
+void release_ended_groups(const std::string& parent, const std::string& name, std::set<std::string>& exec_groups,
+                          std::set<std::string>& ended_groups);
 
 }  // namespace dsec::agent::container

@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 
 #include "agent/backends/container/cgroup.hpp"
+#include "agent/backends/container/process_identity.hpp"
 #include "common/cgroupfs.hpp"
 #include "common/log.hpp"
 #include "common/syscall.hpp"
@@ -78,26 +79,6 @@ int pidfd_send_signal(int pidfd, int sig) {
   return static_cast<int>(::syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0));
 }
 
-// Whether host process `pid` sits in `group` (a path relative to the pids hierarchy root) or below it.
-bool in_pids_group(int pid, const std::string& group) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/cgroup");
-  std::string line;
-  while (std::getline(in, line)) {
-    auto first = line.find(':');
-    auto second = line.find(':', first + 1);
-    if (first == std::string::npos || second == std::string::npos) continue;
-    std::string controllers = line.substr(first + 1, second - first - 1);
-    std::istringstream cs(controllers);
-    std::string c;
-    bool is_pids = false;
-    while (std::getline(cs, c, ',')) is_pids |= c == "pids";
-    if (!is_pids) continue;
-    std::string path = line.substr(second + 1);
-    return path == group || path.rfind(group + "/", 0) == 0;
-  }
-  return false;
-}
-
 // Kills every process listed in dir/cgroup.procs and in its child groups but `spare`, until none is left (or ~2 s
 // pass).
 void kill_group_tree(const std::string& pids_root, const std::string& dir, pid_t spare = 0) {
@@ -126,7 +107,7 @@ void kill_group_tree(const std::string& pids_root, const std::string& dir, pid_t
     for (int pid : pids) {
       UniqueFd pfd(pidfd_open(pid));
       if (!pfd) continue;  // already gone
-      if (in_pids_group(pid, rel)) pidfd_send_signal(pfd.get(), SIGKILL);
+      if (process_in_cgroup(pid, rel, "v1")) pidfd_send_signal(pfd.get(), SIGKILL);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -218,16 +199,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
   void release_exec_group(const std::string& name) override {
     std::lock_guard lock(mu_);
-    if (exec_groups_.count(name)) ended_groups_.insert(name);
-    for (auto it = ended_groups_.begin(); it != ended_groups_.end();) {
-      std::string d = dir(h_.pids) + "/" + *it;
-      if (::rmdir(d.c_str()) == 0 || errno == ENOENT) {
-        exec_groups_.erase(*it);
-        it = ended_groups_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    release_ended_groups(dir(h_.pids), name, exec_groups_, ended_groups_);
   }
 
   void destroy() override {
@@ -349,13 +321,7 @@ class SandboxCgroupV1 final : public SandboxCgroup {
 
   std::string path() const override { return rel_; }
 
-  std::vector<std::string> exec_groups() override {
-    std::vector<std::string> out;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(dir(h_.pids), ec))
-      if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
-    return out;
-  }
+  std::vector<std::string> exec_groups() override { return child_groups(dir(h_.pids)); }
 
   void adopt_exec_group(const std::string& name, bool kill) override {
     {

@@ -102,16 +102,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
 
   void release_exec_group(const std::string& name) override {
     std::lock_guard lock(mu_);
-    if (exec_groups_.count(name)) ended_groups_.insert(name);
-    for (auto it = ended_groups_.begin(); it != ended_groups_.end();) {
-      std::string dir = dir_ + "/" + *it;
-      if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) {
-        exec_groups_.erase(*it);
-        it = ended_groups_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    release_ended_groups(dir_, name, exec_groups_, ended_groups_);
   }
 
   void destroy() override {
@@ -205,13 +196,7 @@ class SandboxCgroupV2 final : public SandboxCgroup {
 
   std::string path() const override { return path_; }
 
-  std::vector<std::string> exec_groups() override {
-    std::vector<std::string> out;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(dir_, ec))
-      if (entry.is_directory(ec)) out.push_back(entry.path().filename().string());
-    return out;
-  }
+  std::vector<std::string> exec_groups() override { return child_groups(dir_); }
 
   void adopt_exec_group(const std::string& name, bool kill) override {
     {
