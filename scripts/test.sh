@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # dsec's whole test suite: installs what is needed, builds with warnings as errors, checks the tree's habits
-# (scripts/format.sh --check, scripts/lint-python.sh, and clang-tidy through scripts/tidy.py, which runs beside the
-# other steps at the lowest CPU priority, so that it takes the time the tests leave idle), builds the busybox and
-# bookworm-python images into a test store, runs the unit tests (ctest), the integration tests (pytest against a
+# (scripts/format.sh --check, scripts/lint-python.sh, and clang-tidy through scripts/tidy.py, which runs at the
+# lowest CPU priority beside the image builds and the unit tests, and is waited for before the integration tests),
+# builds the busybox and bookworm-python images into a test store, runs the unit tests (ctest), the integration tests (pytest against a
 # real dsecd) and a short run of every fuzz target (scripts/fuzz.sh all $FUZZ_SECONDS, default 10 s each, in
 # ./build-fuzz). Fails if any of them fails. Run as root: the tests create real sandboxes. The sanitizer runs
 # (scripts/sanitize.sh) are apart: they cost more of CI's time than a two-core machine has to spare
@@ -26,8 +26,9 @@ scripts/build.sh -DDSEC_WERROR=ON
 BUILD_ABS=$(cd "$BUILD_DIR" && pwd)
 export DSEC_BUILD_DIR=$BUILD_ABS   # where the integration tests find dsecd, dsec-init and dsec
 
-# clang-tidy over every source file (about 25 CPU-minutes from cold; a file it passed before is remembered), in the
-# background at nice 19: the tests below wait on sandboxes, VMs and timeouts much of the time, and it fills that.
+# clang-tidy over every source file (about 26 CPU-minutes from cold; a file it passed before is remembered), in the
+# background at nice 19 while the images build (mostly downloads and disk) and the unit tests run. It is waited for
+# before the integration tests: those run batch sandboxes under SCHED_IDLE, which even nice 19 work would starve.
 tidy_log=$(mktemp)
 nice -n 19 scripts/tidy.py >"$tidy_log" 2>&1 &
 tidy_pid=$!
@@ -57,6 +58,13 @@ echo "== unit tests (ctest) =="
 (cd "$BUILD_ABS" && ctest --output-on-failure)
 unit_status=$?
 
+echo "== clang-tidy (scripts/tidy.py, started after the build) =="
+wait "$tidy_pid"
+tidy_status=$?
+cat "$tidy_log"
+rm -f "$tidy_log"
+[[ $tidy_status -eq 0 ]] || habits_status=1
+
 echo "== integration tests (pytest) =="
 integration_status=0
 if [[ -z "$(find tests/integration \( -name 'test_*.py' -o -name '*_test.py' \) -print -quit 2>/dev/null)" ]]; then
@@ -66,13 +74,6 @@ else
   PYTHONPATH="$BUILD_ABS/python${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m pytest tests/integration bindings/python/tests -q </dev/null
   integration_status=$?
 fi
-
-echo "== clang-tidy (scripts/tidy.py, run beside the steps above) =="
-wait "$tidy_pid"
-tidy_status=$?
-cat "$tidy_log"
-rm -f "$tidy_log"
-[[ $tidy_status -eq 0 ]] || habits_status=1
 
 echo "== fuzz targets (scripts/fuzz.sh, ${FUZZ_SECONDS:-10} s each) =="
 # The decoders that face the network or a sandbox, each from its seeds: a regression that crashes one, leaks, or
