@@ -140,15 +140,15 @@ CurlExchange::CurlExchange(void* handle, const Endpoint& endpoint, const Credent
   if (!req.content_type.empty()) s.headers.add(fmt::format("Content-Type: {}", req.content_type));
   if (credentials && !credentials->token.empty()) s.headers.add("Authorization: Bearer " + credentials->token);
 
-  curl::TransferOptions transfer{.url = s.url,
-                                 .unix_socket = endpoint.unix_path,
+  curl::TransferOptions transfer{.url = s.url.c_str(),
+                                 .unix_socket = endpoint.unix_path.c_str(),
                                  .user_agent = "dsec-client/0.1.0",
                                  .headers = &s.headers,
                                  .error_buffer = s.errbuf};
   if (credentials) {
-    transfer.ca_file = credentials->ca_file;
-    transfer.client_cert = credentials->client_cert;
-    transfer.client_key = credentials->client_key;
+    transfer.ca_file = credentials->ca_file.c_str();
+    transfer.client_cert = credentials->client_cert.c_str();
+    transfer.client_key = credentials->client_key.c_str();
   }
   curl::start_transfer(h, transfer);
   set(h, CURLOPT_TIMEOUT_MS, std::max<long>(timeout_ms, 1));

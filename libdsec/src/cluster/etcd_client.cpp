@@ -52,11 +52,11 @@ int set_keepalive_count(void*, curl_socket_t fd, curlsocktype) {
 
 void common_options(CURL* h, const std::string& url, const EtcdHeaders& headers, const std::string& body, char* errbuf,
                     const EtcdOptions& options) {
-  curl::start_transfer(h, {.url = url,
+  curl::start_transfer(h, {.url = url.c_str(),
                            .user_agent = "dsec-etcd/0.1.0",
-                           .ca_file = options.ca_file,
-                           .client_cert = options.client_cert,
-                           .client_key = options.client_key,
+                           .ca_file = options.ca_file.c_str(),
+                           .client_cert = options.client_cert.c_str(),
+                           .client_key = options.client_key.c_str(),
                            .headers = &headers,
                            .error_buffer = errbuf});
   set(h, CURLOPT_TCP_KEEPIDLE, kKeepIdleSeconds);

@@ -60,12 +60,12 @@ HandlePool::Lease::~Lease() {
 
 void start_transfer(CURL* h, const TransferOptions& o) {
   curl_easy_reset(h);  // options only: live connections stay in the handle
-  const std::string url(o.url);
-  set(h, CURLOPT_URL, url.c_str());  // curl copies string options
-  if (!o.unix_socket.empty()) set(h, CURLOPT_UNIX_SOCKET_PATH, std::string(o.unix_socket).c_str());
-  if (!o.ca_file.empty()) set(h, CURLOPT_CAINFO, std::string(o.ca_file).c_str());
-  if (!o.client_cert.empty()) set(h, CURLOPT_SSLCERT, std::string(o.client_cert).c_str());
-  if (!o.client_key.empty()) set(h, CURLOPT_SSLKEY, std::string(o.client_key).c_str());
+  auto given = [](const char* s) { return s != nullptr && *s != '\0'; };
+  set(h, CURLOPT_URL, o.url);  // curl copies string options
+  if (given(o.unix_socket)) set(h, CURLOPT_UNIX_SOCKET_PATH, o.unix_socket);
+  if (given(o.ca_file)) set(h, CURLOPT_CAINFO, o.ca_file);
+  if (given(o.client_cert)) set(h, CURLOPT_SSLCERT, o.client_cert);
+  if (given(o.client_key)) set(h, CURLOPT_SSLKEY, o.client_key);
   set(h, CURLOPT_PROTOCOLS_STR, "http,https");
   set(h, CURLOPT_NOSIGNAL, 1L);  // no SIGALRM in a multi-threaded program
   set(h, CURLOPT_HTTP_VERSION, static_cast<long>(CURL_HTTP_VERSION_1_1));

@@ -82,13 +82,15 @@ class HandlePool {
   std::vector<CURL*> idle_;
 };
 
-// What every dsec transfer sets the same way. Strings must outlive the transfer.
+// What every dsec transfer sets the same way. C strings (curl copies them), so that a transfer makes no copies of
+// its own; null or empty: not given.
 struct TransferOptions {
-  std::string_view url{};
-  std::string_view unix_socket{};  // a unix socket path to connect to instead of the URL's host; empty: TCP
+  const char* url = nullptr;
+  const char* unix_socket = nullptr;  // a unix socket path to connect to instead of the URL's host; none: TCP
   const char* user_agent = "dsec/0.1.0";
-  std::string_view ca_file{};                    // TLS: the CAs to trust; empty: the system's
-  std::string_view client_cert{}, client_key{};  // TLS: a client certificate and its key; empty: none
+  const char* ca_file = nullptr;      // TLS: the CAs to trust; none: the system's
+  const char* client_cert = nullptr;  // TLS: a client certificate and its key; none: no client certificate
+  const char* client_key = nullptr;
   const HeaderList* headers = nullptr;
   char* error_buffer = nullptr;  // CURL_ERROR_SIZE bytes: curl's own words for a failure
 };

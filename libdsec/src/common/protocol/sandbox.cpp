@@ -486,7 +486,7 @@ std::string decode_sleep_request(const json& body, std::string_view what) {
       throw Error(Code::kInvalidArgument, fmt::format("{}: unknown field '{}' (known: request_id)", what, key));
     if (!value.is_string() || value.get_ref<const std::string&>().size() > kMaxRequestIdBytes ||
         value.get_ref<const std::string&>().find('\0') != std::string::npos)
-      throw Error(Code::kInvalidArgument, "request_id: a string of at most 128 bytes");
+      throw Error(Code::kInvalidArgument, fmt::format("request_id: a string of at most {} bytes", kMaxRequestIdBytes));
     request_id = value.get<std::string>();
   }
   return request_id;

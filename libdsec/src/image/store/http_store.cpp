@@ -624,9 +624,9 @@ class HttpStore final : public BlobStore {
     const long request_ms = static_cast<long>(options_.request_timeout.count());
     const long scaled_ms =
         static_cast<long>(std::min<std::uint64_t>(t.expected_bytes / kSlowestRate * 1000, LONG_MAX / 2));
-    curl::start_transfer(h, {.url = t.url,
+    curl::start_transfer(h, {.url = t.url.c_str(),
                              .user_agent = "dsec-image-store/0.1.0",
-                             .ca_file = options_.ca_file,
+                             .ca_file = options_.ca_file.c_str(),
                              .headers = &headers,
                              .error_buffer = errbuf});
     set(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options_.connect_timeout.count()));
