@@ -78,7 +78,8 @@ def test_example_runs(where, lang, code, example_home, tmp_path):
         compile_ = subprocess.run(
             ["g++", "-std=c++20", "-O1", f"-I{ROOT / 'libdsec' / 'include'}", str(source), "-o", str(binary),
              str(libdir / "libdsec.a"), str(libdir / "libdsec_imagestore.a"), str(libdir / "libdsec_cluster.a"),
-             str(libdir / "libdsec_http_client.a"), str(libdir / "libdsec_common.a"), "-lfmt", "-lcurl", "-lcrypto", "-lzstd", "-pthread"],
+             str(libdir / "libdsec_http_client.a"), str(libdir / "libdsec_common.a"),
+             "-lfmt", "-lcurl", "-lcrypto", "-lzstd", "-pthread"],
             capture_output=True, text=True, timeout=600)
         assert compile_.returncode == 0, f"{where} does not compile:\n{compile_.stderr[-4000:]}"
         r = subprocess.run([str(binary)], env=_env(example_home), capture_output=True, timeout=900,
