@@ -32,14 +32,12 @@ import asyncio
 import builtins
 import concurrent.futures
 import functools
-import json
 import os
 import sys
 import time
 import uuid
 from typing import (TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Sequence, Tuple, Union,
                     overload)
-from urllib.parse import quote
 
 from . import _dsec
 from .client import Client
@@ -105,15 +103,6 @@ def _bytes(data: BytesLike | None, what: str) -> Optional[bytes]:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return bytes(data)
     raise InvalidArgument(f"{what}: expected bytes or str")
-
-
-def _seconds(x: float) -> str:
-    """Seconds as a query value: at most millisecond precision, no exponent."""
-    return f"{max(x, 0.0):.3f}".rstrip("0").rstrip(".") or "0"
-
-
-def _escape(text: str) -> str:
-    return quote(text, safe="")
 
 
 async def _await(start: Callable[..., Any], *args: Any, cancelled: Optional[str] = None) -> Any:
@@ -278,11 +267,6 @@ class AsyncSandbox:
             raise FailedPrecondition(f"sandbox {self.id} was destroyed through this handle")
         return self._client._core
 
-    async def _request(self, method: str, suffix: str, answer: str = "none", body: bytes = b"",
-                       content_type: str = "", extra: float = 0.0, repeatable: bool = True) -> Any:
-        return await _await(self._core().request, self.id, method, suffix, body, content_type, float(extra),
-                            repeatable, answer)
-
     async def exec(
         self,
         command: Union[str, Sequence[str]],
@@ -310,18 +294,16 @@ class AsyncSandbox:
     async def write_file(self, path: str, data: BytesLike, mode: int = 0o644) -> None:
         if not isinstance(mode, int) or mode < 0 or mode > 0o7777:
             raise InvalidArgument(f"mode: {mode!r} is not a file mode (0 to 0o7777)")
-        await self._request("PUT", f"/files?path={_escape(path)}&mode={mode:04o}", body=_bytes(data, "data"),
-                            content_type="application/octet-stream")
+        await _await(self._core().write_file, self.id, path, _bytes(data, "data"), mode)
 
     async def read_file(self, path: str) -> bytes:
-        return await self._request("GET", f"/files?path={_escape(path)}", "file")
+        return await _await(self._core().read_file, self.id, path)
 
     async def upload_tar(self, remote_dir: str, tar_bytes: BytesLike) -> None:
-        await self._request("PUT", f"/files?path={_escape(remote_dir)}", body=_bytes(tar_bytes, "tar_bytes"),
-                            content_type="application/x-tar")
+        await _await(self._core().upload_tar, self.id, remote_dir, _bytes(tar_bytes, "tar_bytes"))
 
     async def download_tar(self, remote_dir: str) -> bytes:
-        return await self._request("GET", f"/files?path={_escape(remote_dir)}&format=tar", "bytes")
+        return await _await(self._core().download_tar, self.id, remote_dir)
 
     async def upload(self, local_path: str | os.PathLike, remote_dir: str) -> None:
         """:meth:`Sandbox.upload`: the tar stream is built on the bounded executor, sent on the asyncio core."""
@@ -332,13 +314,13 @@ class AsyncSandbox:
         await self._client._run(_safe_extract, await self.download_tar(remote_dir), os.fspath(local_dir))
 
     async def info(self) -> SandboxInfo:
-        return await self._request("GET", "", "sandbox_info")
+        return await _await(self._core().info, self.id)
 
     async def sleep(self) -> SleepResult:
-        return await _await(self._core().sleep_or_wake, self.id, True)
+        return await _await(self._core().sleep, self.id)
 
     async def wake(self) -> SleepResult:
-        return await _await(self._core().sleep_or_wake, self.id, False)
+        return await _await(self._core().wake, self.id)
 
     async def snapshot(self, name: str) -> Snapshot:
         """:meth:`Sandbox.snapshot`; on the bounded executor."""
@@ -431,7 +413,7 @@ class AsyncSandbox:
         return AsyncProcess(self, pid)
 
     async def processes(self) -> list[ProcessInfo]:
-        return await self._request("GET", "/processes", "process_list")
+        return await _await(self._core().processes, self.id)
 
     async def shell(
         self,
@@ -453,14 +435,14 @@ class AsyncSandbox:
         return AsyncSession(self, name)
 
     async def sessions(self) -> list[SessionInfo]:
-        return await self._request("GET", "/sessions", "session_list")
+        return await _await(self._core().sessions, self.id)
 
     async def destroy(self) -> None:
         """Destroys the sandbox. Idempotent."""
         if self._destroyed:
             return
         try:
-            await self._request("DELETE", "")
+            await _await(self._core().destroy, self.id)
         except NotFound:
             pass
         self._destroyed = True
@@ -566,9 +548,6 @@ class AsyncSession(_InAsyncSandbox):
     def name(self) -> str:
         return self._name
 
-    def _suffix(self, suffix: str = "") -> str:
-        return f"/sessions/{_escape(self._name)}{suffix}"
-
     async def run(self, command: str, timeout: float = 600, on_output: Callable[[str, bytes], object] | None = None,
                   max_output: Size | None = None) -> ExecResult:
         """:meth:`Session.run`, awaited (exactly once under a request id of its own, as the sync run). Cancelling
@@ -581,16 +560,15 @@ class AsyncSession(_InAsyncSandbox):
                        f"waiting, the command runs on in the shell to its end or timeout"))
 
     async def info(self) -> SessionInfo:
-        return await self._sandbox._request("GET", self._suffix(), "session_info")
+        return await _await(self._sandbox._core().session_info, self._sandbox.id, self._name)
 
     async def restart(self) -> SessionInfo:
-        return await self._sandbox._request("POST", self._suffix("/restart"), "session_info", body=b"{}",
-                                            content_type="application/json", repeatable=False)
+        return await _await(self._sandbox._core().restart_session, self._sandbox.id, self._name)
 
     async def close(self) -> None:
         """Ends the shell and forgets the session. Idempotent."""
         try:
-            await self._sandbox._request("DELETE", self._suffix())
+            await _await(self._sandbox._core().close_session, self._sandbox.id, self._name)
         except NotFound:
             pass
 
@@ -618,9 +596,6 @@ class AsyncProcess(_InAsyncSandbox):
     def pid(self) -> int:
         return self._pid
 
-    def _suffix(self, suffix: str = "") -> str:
-        return f"/processes/{self._pid}{suffix}"
-
     def _check_started(self, what: str) -> None:
         if self._never_started is not None:
             info = self._never_started
@@ -629,7 +604,7 @@ class AsyncProcess(_InAsyncSandbox):
     async def info(self) -> ProcessInfo:
         if self._never_started is not None:
             return self._never_started
-        return await self._sandbox._request("GET", self._suffix(), "process_info")
+        return await _await(self._sandbox._core().process_info, self._sandbox.id, self._pid)
 
     async def wait(self, timeout: Optional[float] = None) -> ProcessInfo:
         """Waits until the process ends, at most ``timeout`` seconds (None: no limit), long-polling the agent in
@@ -642,8 +617,7 @@ class AsyncProcess(_InAsyncSandbox):
         while True:
             left = _WAIT_SLICE if deadline is None else max(0.0, deadline - time.monotonic())
             slice_ = min(left, _WAIT_SLICE)
-            query = f"?wait={_seconds(slice_)}" if slice_ > 0 else ""
-            info = await self._sandbox._request("GET", self._suffix(query), "process_info", extra=slice_)
+            info = await _await(self._sandbox._core().process_wait, self._sandbox.id, self._pid, slice_)
             if not info.running or slice_ <= 0 or (deadline is not None and time.monotonic() >= deadline):
                 return info
 
@@ -682,34 +656,28 @@ class AsyncProcess(_InAsyncSandbox):
 
     async def write_stdin(self, data: BytesLike) -> None:
         self._check_started("stdin")
-        await self._sandbox._request("POST", self._suffix("/stdin"), body=_bytes(data, "data"),
-                                     content_type="application/octet-stream", repeatable=False)
+        await _await(self._sandbox._core().write_stdin, self._sandbox.id, self._pid, _bytes(data, "data"))
 
     async def close_stdin(self) -> None:
         self._check_started("stdin")
-        await self._sandbox._request("POST", self._suffix("/stdin?close=true"),
-                                     content_type="application/octet-stream", repeatable=False)
+        await _await(self._sandbox._core().close_stdin, self._sandbox.id, self._pid)
 
     async def signal(self, sig: Union[int, str], group: bool = False) -> ProcessInfo:
         number = _signal_number(sig)
         if number < 0:
             raise InvalidArgument(f"signal: {number} is not a signal number")
         self._check_started("signal")
-        body = json.dumps({"signal": number, "group": bool(group)}).encode()
-        return await self._sandbox._request("POST", self._suffix("/signal"), "process_info", body=body,
-                                            content_type="application/json", repeatable=False)
+        return await _await(self._sandbox._core().signal, self._sandbox.id, self._pid, number, bool(group))
 
     async def resize(self, rows: int, cols: int) -> ProcessInfo:
         _check_terminal_size(rows, cols)
         self._check_started("resize")
-        body = json.dumps({"rows": rows, "cols": cols}).encode()
-        return await self._sandbox._request("POST", self._suffix("/resize"), "process_info", body=body,
-                                            content_type="application/json")
+        return await _await(self._sandbox._core().resize, self._sandbox.id, self._pid, rows, cols)
 
     async def kill(self) -> ProcessInfo:
         if self._never_started is not None:
             return self._never_started
-        return await self._sandbox._request("DELETE", self._suffix(), "process_info")
+        return await _await(self._sandbox._core().kill, self._sandbox.id, self._pid)
 
     def __repr__(self) -> str:
         return f"<dsec.AsyncProcess {self._pid} in {self.sandbox_id}>"

@@ -1,6 +1,7 @@
 // Umbrella header: everything a trainer needs to drive dsec sandboxes from C++.
 #pragma once
 
+#include "dsec/async_client.hpp"
 #include "dsec/client.hpp"
 #include "dsec/error.hpp"
 #include "dsec/exec.hpp"
