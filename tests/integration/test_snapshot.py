@@ -319,6 +319,12 @@ def test_the_cli_takes_a_snapshot(made, agent):
     assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr, r.stdout + r.stderr
     r = dsec_cli("--endpoint", agent.endpoint, "snapshot", src.id)
     assert r.returncode == 2, r.stdout + r.stderr
+    # `dsec ps --json` prints the agent's own encoding of each sandbox (GET /v1/sandboxes).
+    r = dsec_cli("--endpoint", agent.endpoint, "ps", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    listed = {s["id"]: s for s in json.loads(r.stdout)}
+    assert listed[src.id]["image"].startswith("busybox:latest@sha256:") and listed[src.id]["state"] == "running"
+    assert listed[src.id]["resources"]["memory"] == src.info().resources.memory_bytes
 
 
 def test_bad_inputs(made, client, agent, home):

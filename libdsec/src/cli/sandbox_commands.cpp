@@ -17,6 +17,7 @@
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "common/protocol/node.hpp"
+#include "common/protocol/sandbox.hpp"
 #include "dsec/client.hpp"
 #include "dsec/error.hpp"
 
@@ -259,17 +260,8 @@ int cmd_ps(const std::vector<std::string>& args, GlobalOptions& global) {
   auto sandboxes = client.list(labels, p.get("--tenant").value_or(""));
   if (p.has("--json")) {
     nlohmann::json out = nlohmann::json::array();
-    for (const auto& s : sandboxes)
-      out.push_back({{"id", s.id},
-                     {"node", s.node},
-                     {"state", s.state},
-                     {"image", s.image},
-                     {"kind", s.kind},
-                     {"tenant", s.tenant},
-                     {"labels", s.labels},
-                     {"created_at", s.created_at},
-                     {"expires_at", s.expires_at},
-                     {"message", s.message}});
+    // The agent's own SandboxInfo encoding, as GET /v1/sandboxes answers it.
+    for (const auto& s : sandboxes) out.push_back(protocol::encode(s));
     fmt::print("{}\n", out.dump(2));
     return 0;
   }
