@@ -57,12 +57,13 @@ struct AsyncClient::Impl {
   Ticket decoded(SandboxRequest request, Decoder decoder, Completion<T> done) {
     std::string what = request.what;
     return start<T>(
-        AsyncCall{std::move(request)},
-        [decoder, what = std::move(what)](HttpResponse& r) { return decoder(r, what); }, std::move(done));
+        AsyncCall{std::move(request)}, [decoder, what = std::move(what)](HttpResponse& r) { return decoder(r, what); },
+        std::move(done));
   }
 
   Ticket no_answer(SandboxRequest request, Completion<void> done) {
-    return start<void>(AsyncCall{std::move(request)}, [](HttpResponse&) {}, std::move(done));
+    return start<void>(
+        AsyncCall{std::move(request)}, [](HttpResponse&) {}, std::move(done));
   }
 
   // A command (exec, a session's run) whose answer is an ExecResult, or NDJSON streamed to on_output.
@@ -165,8 +166,7 @@ AsyncClient::Ticket AsyncClient::processes(std::string_view sandbox_id, Completi
 }
 
 AsyncClient::Ticket AsyncClient::process_info(std::string_view sandbox_id, int pid, Completion<ProcessInfo> done) {
-  return impl_->decoded<ProcessInfo>(requests::process_info(sandbox_id, pid), answers::process_info,
-                                     std::move(done));
+  return impl_->decoded<ProcessInfo>(requests::process_info(sandbox_id, pid), answers::process_info, std::move(done));
 }
 
 AsyncClient::Ticket AsyncClient::process_wait(std::string_view sandbox_id, int pid, double wait_seconds,
@@ -229,8 +229,7 @@ AsyncClient::Ticket AsyncClient::sessions(std::string_view sandbox_id, Completio
 
 AsyncClient::Ticket AsyncClient::session_info(std::string_view sandbox_id, std::string_view name,
                                               Completion<SessionInfo> done) {
-  return impl_->decoded<SessionInfo>(requests::session_info(sandbox_id, name), answers::session_info,
-                                     std::move(done));
+  return impl_->decoded<SessionInfo>(requests::session_info(sandbox_id, name), answers::session_info, std::move(done));
 }
 
 AsyncClient::Ticket AsyncClient::restart_session(std::string_view sandbox_id, std::string_view name,

@@ -119,9 +119,11 @@ TEST_F(AsyncClientTest, StreamedOutputArrivesInOrderBeforeTheResult) {
 
 TEST_F(AsyncClientTest, FilesProcessesAndSessions) {
   const std::string& id = sandbox_.id();
-  auto wrote = wait_for<void>([&](const Completion<void>& done) { calls_->write_file(id, "/tmp/a.txt", "hello", 0600, done); });
+  auto wrote =
+      wait_for<void>([&](const Completion<void>& done) { calls_->write_file(id, "/tmp/a.txt", "hello", 0600, done); });
   ASSERT_TRUE(wrote.ok());
-  auto read = wait_for<std::string>([&](const Completion<std::string>& done) { calls_->read_file(id, "/tmp/a.txt", done); });
+  auto read =
+      wait_for<std::string>([&](const Completion<std::string>& done) { calls_->read_file(id, "/tmp/a.txt", done); });
   EXPECT_EQ(read.get(), "hello");
   EXPECT_EQ(sandbox_.read_file("/tmp/a.txt"), "hello");  // the blocking API sees the same file
 
@@ -130,13 +132,16 @@ TEST_F(AsyncClientTest, FilesProcessesAndSessions) {
   auto spawned = wait_for<ProcessInfo>([&](const Completion<ProcessInfo>& done) { calls_->spawn(id, cat, done); });
   int pid = spawned.get().pid;
   ASSERT_GT(pid, 0);
-  ASSERT_TRUE(wait_for<void>([&](const Completion<void>& done) { calls_->write_stdin(id, pid, "through stdin", done); }).ok());
+  ASSERT_TRUE(
+      wait_for<void>([&](const Completion<void>& done) { calls_->write_stdin(id, pid, "through stdin", done); }).ok());
   ASSERT_TRUE(wait_for<void>([&](const Completion<void>& done) { calls_->close_stdin(id, pid, done); }).ok());
-  auto ended = wait_for<ProcessInfo>([&](const Completion<ProcessInfo>& done) { calls_->process_wait(id, pid, 20, done); });
+  auto ended =
+      wait_for<ProcessInfo>([&](const Completion<ProcessInfo>& done) { calls_->process_wait(id, pid, 20, done); });
   EXPECT_FALSE(ended.get().running);
   EXPECT_EQ(ended.get().exit_code, 0);
-  auto output = wait_for<ProcessOutput>(
-      [&](const Completion<ProcessOutput>& done) { calls_->process_output(id, pid, 0, std::nullopt, 0, 1 << 20, done); });
+  auto output = wait_for<ProcessOutput>([&](const Completion<ProcessOutput>& done) {
+    calls_->process_output(id, pid, 0, std::nullopt, 0, 1 << 20, done);
+  });
   EXPECT_EQ(output.get().stdout_data, "through stdin");
   auto listed = wait_for<std::vector<ProcessInfo>>(
       [&](const Completion<std::vector<ProcessInfo>>& done) { calls_->processes(id, done); });
@@ -144,7 +149,9 @@ TEST_F(AsyncClientTest, FilesProcessesAndSessions) {
 
   SessionOptions options;
   options.name = "work";
-  ASSERT_TRUE(wait_for<SessionInfo>([&](const Completion<SessionInfo>& done) { calls_->open_session(id, options, done); }).ok());
+  ASSERT_TRUE(wait_for<SessionInfo>([&](const Completion<SessionInfo>& done) {
+                calls_->open_session(id, options, done);
+              }).ok());
   auto set = wait_for<ExecResult>(
       [&](const Completion<ExecResult>& done) { calls_->session_run(id, "work", "export X=kept", 30, 1 << 20, done); });
   ASSERT_TRUE(set.ok());
@@ -152,7 +159,8 @@ TEST_F(AsyncClientTest, FilesProcessesAndSessions) {
       [&](const Completion<ExecResult>& done) { calls_->session_run(id, "work", "echo $X", 30, 1 << 20, done); });
   EXPECT_EQ(echoed.get().stdout_data, "kept\n");  // the shell kept its state between runs
   ASSERT_TRUE(wait_for<void>([&](const Completion<void>& done) { calls_->close_session(id, "work", done); }).ok());
-  auto gone = wait_for<SessionInfo>([&](const Completion<SessionInfo>& done) { calls_->session_info(id, "work", done); });
+  auto gone =
+      wait_for<SessionInfo>([&](const Completion<SessionInfo>& done) { calls_->session_info(id, "work", done); });
   EXPECT_CODE(gone.get(), Code::kNotFound);
 }
 
