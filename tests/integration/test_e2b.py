@@ -930,5 +930,39 @@ def test_api_keys(dsec_home, scenarios, tmp_path):
         assert status == 200 and [x["sandboxID"] for x in listed] == [sid], listed
         status, _, _ = gw.rest("DELETE", f"/sandboxes/{sid}")
         assert status == 204
+
+        # A sandbox made through dsec's own API has no envd access token: its envd API answers no anonymous call
+        # (sandbox ids are not secrets) and no other tenant's key, only its own tenant's API key.
+        res = lib.http_request(gw.agent_socket, "POST", "/v1/sandboxes",
+                               json.dumps({"image": "bookworm-python", "tenant": "e2b-test"}).encode(),
+                               {"Content-Type": "application/json"})
+        assert res.status == 201, res
+        own = res.json()["id"]
+        envd = _Envd(gw, {"sandboxID": own, "envdAccessToken": ""})
+        stat = json.dumps({"path": "/etc/hostname"}).encode()
+
+        def stat_with(headers):
+            c, r = envd("/filesystem.Filesystem/Stat", stat, headers=headers, read=False)
+            data = r.read()
+            c.close()
+            return r.status, data
+
+        for headers in ({"X-Access-Token": ""}, {"X-Access-Token": "made-up"}, {"X-API-KEY": WRONG_KEY},
+                        {"X-API-KEY": other_key}):
+            status, data = stat_with({k: v for k, v in headers.items()})
+            assert status in (401, 404), f"envd of a dsec-made sandbox answered {status} to {headers}: {data!r}"
+        # No credentials at all: `_Envd` always sends X-Access-Token, so this one goes out by hand.
+        import http.client
+        host, port = gw.url[len("http://"):].split(":")
+        c = http.client.HTTPConnection(host, int(port), timeout=30)
+        c.request("POST", "/filesystem.Filesystem/Stat", body=stat,
+                  headers={"E2b-Sandbox-Id": own, "Content-Type": "application/json", "Connect-Protocol-Version": "1"})
+        r = c.getresponse()
+        assert r.status == 401, (r.status, r.read())
+        c.close()
+        status, data = stat_with({"X-API-KEY": API_KEY})
+        assert status == 200 and json.loads(data)["entry"]["name"] == "hostname", (status, data)
+        res = lib.http_request(gw.agent_socket, "DELETE", f"/v1/sandboxes/{own}")
+        assert res.status in (200, 204), res
     finally:
         gw.stop_and_check()

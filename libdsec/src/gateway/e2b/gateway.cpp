@@ -199,19 +199,35 @@ EnvdTarget Gateway::target(Client& client, const std::string& sandbox_id, const 
                     home->second.empty() ? std::string("/") : home->second};
 }
 
+Client& Gateway::envd_client(const HttpRequest& request, const std::string& sandbox_id) {
+  if (request.find("X-Access-Token") == request.end() && request.find("X-API-KEY") == request.end())
+    throw RpcError("unauthenticated", "an envd call needs the sandbox's X-Access-Token (or X-API-KEY)");
+  // A sandbox the gateway made carries an access token, which every envd call must present (E2B's SDKs send it).
+  auto f = facts(*client_, sandbox_id);
+  if (!f->access_token.empty()) {
+    auto it = request.find("X-Access-Token");
+    if (it == request.end() || !constant_time_equal(std::string(std_view(it->value())), f->access_token))
+      throw RpcError("unauthenticated", "X-Access-Token: not this sandbox's access token");
+    return *client_;
+  }
+  // One made through dsec's own API has none: it is reached only with an API key, and every call then goes to the
+  // agent as that key's tenant, which answers NOT_FOUND for another tenant's sandbox. Never anonymously: sandbox
+  // ids are not secrets.
+  auto key = request.find("X-API-KEY");
+  if (key == request.end() || key->value().empty())
+    throw RpcError("unauthenticated",
+                   "this sandbox has no envd access token: an envd call needs X-API-KEY with its tenant's API key");
+  Client& tenant = client_for(std::string(std_view(key->value())));
+  if (&tenant != client_.get()) tenant.attach(sandbox_id).info();  // NOT_FOUND unless it is the key's tenant's
+  return tenant;
+}
+
 HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, const std::string& sandbox_id) {
   const std::string target_text(std_view(request.target()));
   const std::string path = target_text.substr(0, target_text.find('?'));
   const bool rpc = path.rfind("/process.Process/", 0) == 0 || path.rfind("/filesystem.Filesystem/", 0) == 0;
-  Client& client = *client_;
   try {
-    // envd's calls carry the sandbox's access token, not the API key.
-    auto f = facts(client, sandbox_id);
-    if (!f->access_token.empty()) {
-      auto it = request.find("X-Access-Token");
-      if (it == request.end() || !constant_time_equal(std::string(std_view(it->value())), f->access_token))
-        throw RpcError("unauthenticated", "X-Access-Token: not this sandbox's access token");
-    }
+    Client& client = envd_client(request, sandbox_id);
     if (path == "/health") {
       SandboxInfo info = client.attach(sandbox_id).info();
       return no_body(info.state == "running" ? 204 : 502);

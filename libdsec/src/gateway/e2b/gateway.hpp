@@ -68,6 +68,9 @@ class Gateway {
   // UNAUTHENTICATED for a key the tokens file does not hold.
   Client& client_for(const std::string& api_key);
   // The sandbox's users and access token, cached.
+  // The client an envd call about `sandbox_id` acts through, once its credentials are checked: the sandbox's access
+  // token, or (a sandbox without one) an API key of its tenant. UNAUTHENTICATED otherwise.
+  Client& envd_client(const agent::HttpRequest& request, const std::string& sandbox_id);
   std::shared_ptr<const SandboxFacts> facts(Client& client, const std::string& sandbox_id, bool reload = false);
   EnvdTarget target(Client& client, const std::string& sandbox_id, const std::string& user);
 
