@@ -485,13 +485,15 @@ void Server::serve(int fd, Peer peer) {
   if (tls && serving) tls->shutdown();
   if (linger) linger_close(fd);
   tls.reset();
+  // Counted before the connection leaves open_: once open_ is empty, stop() may return and the server go, so this
+  // thread touches no member after the block below.
+  events_.connection_closed();
   {
     std::lock_guard lock(mutex_);
     open_.erase(fd);
     ::close(fd);  // under the lock, so stop_accepting never shuts down a reused descriptor number
     if (open_.empty()) idle_.notify_all();
   }
-  events_.connection_closed();
 }
 
 void Server::stop_accepting() {
