@@ -9,8 +9,8 @@
 #
 # Run as root, as scripts/test.sh is: many unit tests make real sandboxes. dsec-init, dsec-layer-keeper and
 # dsec-memhold are static programs and are built without sanitizers (CMakeLists.txt, dsec_static_program); the
-# agents the tests start are sanitized. A sanitizer's report fails the test that made it (halt_on_error), and the
-# report is in the output above the failure. SANITIZE_FILTER narrows the tests (a gtest filter).
+# agents the tests start are sanitized. The first finding ends the test binary at once (halt_on_error) with its
+# report and the test running at the time; fix it and run again. SANITIZE_FILTER narrows the tests (a gtest filter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
