@@ -594,6 +594,23 @@ def test_a_vm_that_stops_is_failed(how, vm, mvm, mclient):
     assert_gone(mvm, mclient, sid)
 
 
+def test_a_guest_cannot_grow_its_console_log_without_bound(vmc, mvm):
+    """A guest writing its serial console without pause grows the host's console.log (on /run, memory on most hosts)
+    only to its bound: the reaper cuts it to its last lines, after a line that says so."""
+    logs = [os.path.join(d, "console.log") for d, _, files in os.walk(mvm.run_dir)
+            if vmc.id in d and "console.log" in files]
+    assert len(logs) == 1, logs
+    # 1.6 MiB of lines, past the 1 MiB bound (about 11 s under TCG).
+    r = vmc.exec("i=0; while [ $i -lt 1600 ]; do head -c 1023 /dev/zero | tr '\\0' x; echo; i=$((i+1)); done "
+                 ">/dev/console", timeout=300)
+    assert r.exit_code == 0, r
+    assert lib.wait_for(lambda: os.path.getsize(logs[0]) <= 1 << 20, 10), os.path.getsize(logs[0])
+    with open(logs[0], "rb") as f:
+        text = f.read()
+    assert b"earlier bytes of this log dropped" in text, text[:200]
+    assert b"x" * 1023 + b"\r\n" in text, "the guest's last lines stay (its tty writes CR LF)"
+
+
 # ---------------------------------------------------------------------------------------------------- flow control
 
 def test_a_slow_streaming_reader_holds_only_its_command(vmc, mvm):

@@ -183,6 +183,9 @@ class BackendSandbox {
 
   // False once the sandbox's processes are gone (its init died, it was OOM-killed as a whole, ...).
   virtual bool alive() = 0;
+  // The reaper's call on each pass (about once a second) while the sandbox runs: keeps what its code can grow on
+  // the host within bounds (a VM's console log). Quick; never throws for a sandbox that is going away.
+  virtual void upkeep() {}
   // Once alive() said false: what the backend knows of why (a VM's console's last lines), or "" when it knows
   // nothing more than that the processes are gone.
   virtual std::string stopped_reason() { return {}; }

@@ -390,8 +390,12 @@ void Registry::reap() {
   for (const auto& record : records) {
     double expires_at = record->snapshot().expires_at;
     try {
-      if (expires_at > 0 && t >= expires_at) destroy(record->info.id, "ttl expired");
-      else check_alive(*record);
+      if (expires_at > 0 && t >= expires_at) {
+        destroy(record->info.id, "ttl expired");
+      } else {
+        check_alive(*record);
+        if (!record->destroying.load()) record->sandbox->upkeep();
+      }
     } catch (const std::exception& e) {
       log_warn("reaper: sandbox {}: {}", record->info.id, e.what());
     }

@@ -29,6 +29,11 @@ constexpr std::size_t kMaxFileBytes = 1ull << 30;
 constexpr auto kFileTimeout = std::chrono::seconds(300);
 constexpr auto kSaveTimeout = std::chrono::seconds(120);
 constexpr auto kUserDatabaseTimeout = std::chrono::seconds(30);  // reading /etc/passwd or /etc/group for an exec
+// A VM's console log and QEMU's own log on the host: cut to their last 64 KiB (enough for the lines error messages
+// quote) once over 1 MiB, at each reaper pass; a guest writing its console as fast as it can (about 0.15 MB/s under
+// TCG, a few MB/s with KVM) adds at most that per second between passes.
+constexpr std::uint64_t kMaxLogBytes = 1u << 20;
+constexpr std::uint64_t kKeptLogBytes = 64u << 10;
 
 // Runs `fn`, turning what a malformed answer of a guest throws (the code inside a VM may take its init over) into
 // UNAVAILABLE, so it never reaches a caller as an internal error.
@@ -311,6 +316,11 @@ class QemuSandbox final : public BackendSandbox, public InitProcesses {
     if (vm && !vm->exited()) qemu::wait_exit(vm->pidfd(), vm->pid(), std::chrono::seconds(2));
     release_once(/*stopped_by_itself=*/true);
     return false;
+  }
+
+  void upkeep() override {
+    // A guest writing to its serial console grows console.log (on /run: memory) as fast as QEMU emulates it.
+    for (const char* log : {"console.log", "qemu.log"}) qemu::bound_log(run_dir_ / log, kMaxLogBytes, kKeptLogBytes);
   }
 
   std::string stopped_reason() override {

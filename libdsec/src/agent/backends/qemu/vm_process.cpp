@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -207,6 +208,31 @@ std::string file_tail(const std::filesystem::path& path, std::size_t lines, std:
     pos = nl;
   }
   return clean.substr(pos == 0 ? 0 : pos + 1);
+}
+
+std::uint64_t bound_log(const std::filesystem::path& path, std::uint64_t max_bytes, std::uint64_t keep_bytes) {
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_APPEND | O_CLOEXEC | O_NOFOLLOW));
+  struct stat st {};
+  if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size <= max_bytes) return 0;
+  keep_bytes = std::min(keep_bytes, size);
+  std::string tail(keep_bytes, '\0');
+  ssize_t got = ::pread(fd.get(), tail.data(), tail.size(), static_cast<off_t>(size - keep_bytes));
+  tail.resize(got > 0 ? static_cast<std::size_t>(got) : 0);
+  // From the first whole line on, so that what stays reads as it was written.
+  if (auto nl = tail.find('\n'); nl != std::string::npos && nl + 1 < tail.size()) tail.erase(0, nl + 1);
+  const std::uint64_t dropped = size - tail.size();
+  if (::ftruncate(fd.get(), 0) != 0) return 0;
+  std::string text =
+      fmt::format("[dsec: {} earlier bytes of this log dropped, it keeps the last {}]\n", dropped, keep_bytes) + tail;
+  // O_APPEND: whatever the writer appended since the cut stays, ahead of the kept tail.
+  for (std::string_view rest = text; !rest.empty();) {
+    ssize_t n = ::write(fd.get(), rest.data(), rest.size());
+    if (n <= 0) break;
+    rest.remove_prefix(static_cast<std::size_t>(n));
+  }
+  return dropped;
 }
 
 }  // namespace dsec::agent::qemu

@@ -60,4 +60,10 @@ bool wait_exit(int pidfd, pid_t pid, std::chrono::milliseconds wait);
 // control characters other than newline and tab dropped; "" when it cannot be read.
 std::string file_tail(const std::filesystem::path& path, std::size_t lines, std::size_t max_bytes = 8192);
 
+// Keeps a log another process appends to (QEMU's console and its stderr, opened O_APPEND) from growing without
+// bound: once it is over `max_bytes`, it is cut to its last `keep_bytes` (from a line's start), after a line that
+// says how much went. What the writer appends during the cut may be lost; a log is all it is. Answers the bytes
+// dropped (0: under the limit, or the file is not there).
+std::uint64_t bound_log(const std::filesystem::path& path, std::uint64_t max_bytes, std::uint64_t keep_bytes);
+
 }  // namespace dsec::agent::qemu
