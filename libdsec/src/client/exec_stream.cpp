@@ -44,7 +44,11 @@ void ExecStreamDecoder::line(std::string_view text) {
     throw Error(Code::kInternal,
                 fmt::format("the agent's exec stream has a line that is not a one-key JSON object: {:.200}", text),
                 false);
-  const auto& [key, value] = *j.items().begin();
+  // The key and value by the object's own iterator: a structured binding of *items().begin() would refer into a
+  // temporary that is gone by the next line (AddressSanitizer: stack-use-after-scope).
+  const auto first = j.cbegin();
+  const std::string& key = first.key();
+  const json& value = first.value();
   if (key == "stdout" || key == "stderr") {
     if (!value.is_string())
       throw Error(Code::kInternal, fmt::format("the agent's exec stream: \"{}\" is not a base64 string", key), false);
