@@ -408,6 +408,43 @@ def raw_call(agent, pki, token, method, target, body=b""):
     return status, data.split(b"\r\n\r\n", 1)[1].decode(errors="replace")
 
 
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+
+def test_a_caller_without_a_token_is_answered_before_its_body(secure, pki, tokens):
+    """A request without a valid token is answered 401 from its header: the agent reads none of its body, so
+    callers that may not call cannot make it buffer bodies (three bodies of the agent's largest size, 4 MiB of each
+    sent, cost it nothing)."""
+    host, port = "127.0.0.1", int(secure.url.rsplit(":", 1)[1])
+    ctx = ssl.create_default_context(cafile=pki.path("ca.pem"))
+    before = _rss_kib(secure.proc.pid)
+    conns = []
+    try:
+        for auth in ("", f"Authorization: Bearer {'x' * 40}\r\n", ""):
+            raw = socket.create_connection((host, port), timeout=15)
+            s = ctx.wrap_socket(raw, server_hostname=host)
+            conns.append(s)
+            s.sendall((f"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                       f"Content-Length: {secure.max_body}\r\n\r\n").encode() + b"{" + b" " * (4 << 20))
+        for s in conns:
+            s.settimeout(10)  # the 401 comes without the rest of the body: no waiting for it
+            data = b""
+            while b"UNAUTHENTICATED" not in data and (chunk := s.recv(65536)):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 401 "), data[:600]
+            assert b"UNAUTHENTICATED" in data, data[:400]
+        grown = _rss_kib(secure.proc.pid) - before
+        assert grown < 64 << 10, f"the agent grew by {grown} KiB for bodies it must not read"
+    finally:
+        for s in conns:
+            s.close()
+    # The same request with a valid token is read and answered as usual.
+    status, body = raw_call(secure, pki, tokens["team-a"], "POST", "/v1/sandboxes", b"{")
+    assert status == 400 and "INVALID_ARGUMENT" in body, (status, body)
+
+
 def test_tls_all_the_way_agent_and_client_find_each_other_through_etcd(pki, tokens, tmp_path):
     """etcd that asks for client certificates, an agent on TLS with tokens registering in it, and a client that finds
     the agent there and drives it: every hop verified; a client without an etcd certificate finds nobody."""

@@ -304,6 +304,8 @@ void Agent::set_up_api(AccessPolicy access) {
   server.max_body_bytes = config_.max_body_bytes;
   server.idle_timeout = config_.idle_timeout;
   server.tls = tls_;
+  // A caller without a valid token is answered from its header: no body of its is read.
+  server.admit = [this](const HttpRequest& header, const Peer& peer) { return router_->admit(header, peer); };
   server_ = std::make_unique<Server>(
       std::move(server),
       [this](HttpRequest& r, ResponseStream& s, const Peer& peer) { return router_->handle(r, &s, peer); }, metrics_);

@@ -391,11 +391,17 @@ std::unique_ptr<auth::TlsSession> Server::start_tls(int fd, Peer& peer, bool& se
 
 // Reads one request: its header, a 100 Continue where the client waits for one, then its body.
 void Server::read_request(FdStream& stream, boost::beast::flat_buffer& buffer,
-                          http::request_parser<http::string_body>& parser, boost::system::error_code& ec) {
+                          http::request_parser<http::string_body>& parser, const Peer& peer,
+                          std::optional<HttpResponse>& refused, boost::system::error_code& ec) {
   parser.header_limit(static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_header_bytes, UINT32_MAX)));
   parser.body_limit(static_cast<std::uint64_t>(options_.max_body_bytes));
   http::read_header(stream, buffer, parser, ec);
-  if (ec || parser.is_done()) return;
+  if (ec) return;
+  if (options_.admit) {
+    refused = options_.admit(parser.get(), peer);
+    if (refused) return;
+  }
+  if (parser.is_done()) return;
   if (boost::beast::iequals(parser.get()[http::field::expect], "100-continue")) {
     static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
     boost::asio::const_buffer b(kContinue.data(), kContinue.size());
@@ -430,6 +436,16 @@ bool Server::answer_unreadable(FdStream& stream, const boost::system::error_code
   http::write(stream, res, wec);
   events_.count_request("unrouted", "-", answer->first);
   return true;
+}
+
+// The answer admit gave a request from its header: sent, and the connection ends (its body was never read).
+void Server::answer_refused(FdStream& stream, HttpResponse& res, unsigned version) {
+  res.version(version);
+  res.keep_alive(false);
+  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
+  res.prepare_payload();
+  boost::system::error_code ec;
+  http::write(stream, res, ec);
 }
 
 // Hands one request to the handler and writes its answer (or finishes the stream it began). False when the
@@ -474,9 +490,15 @@ void Server::serve(int fd, Peer peer) {
   while (serving) {
     http::request_parser<http::string_body> parser;
     boost::system::error_code ec;
-    read_request(stream, buffer, parser, ec);
+    std::optional<HttpResponse> refused;
+    read_request(stream, buffer, parser, peer, refused, ec);
     if (ec) {
       linger = answer_unreadable(stream, ec);
+      break;
+    }
+    if (refused) {
+      answer_refused(stream, *refused, parser.get().version());
+      linger = true;  // its body, unread, is drained and dropped while the client reads the answer
       break;
     }
     HttpRequest request = parser.release();

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_set>
@@ -39,6 +40,10 @@ struct ServerOptions {
   std::chrono::seconds idle_timeout{120};
   // TLS on the TCP listener (null: plain HTTP there, which dsecd allows only with --insecure-no-tls).
   std::shared_ptr<auth::TlsServerContext> tls;
+  // Called with each request's header before its body is read (optional). An answer here (401 for a missing or
+  // unknown token) is sent at once and the connection closed, its body never buffered: a caller that may not call
+  // costs the server no body's memory.
+  std::function<std::optional<HttpResponse>(const HttpRequest& header, const Peer& peer)> admit;
 };
 
 // Answers one request, with a returned response or through the stream. The server catches what escapes it
@@ -77,9 +82,11 @@ class Server {
   // One connection, request after request, on its own thread; and its steps.
   void serve(int fd, Peer peer);
   std::unique_ptr<auth::TlsSession> start_tls(int fd, Peer& peer, bool& serving);
+  // Reads one request; `refused` is set instead when options_.admit answered its header.
   void read_request(FdStream& stream, boost::beast::flat_buffer& buffer,
-                    boost::beast::http::request_parser<boost::beast::http::string_body>& parser,
-                    boost::system::error_code& ec);
+                    boost::beast::http::request_parser<boost::beast::http::string_body>& parser, const Peer& peer,
+                    std::optional<HttpResponse>& refused, boost::system::error_code& ec);
+  void answer_refused(FdStream& stream, HttpResponse& res, unsigned version);
   bool answer_unreadable(FdStream& stream, const boost::system::error_code& ec);
   bool answer(FdStream& stream, HttpRequest& request, const Peer& peer);
 

@@ -234,13 +234,36 @@ HttpResponse Router::handle(HttpRequest& request, ResponseStream* stream, const 
   } catch (...) {
     answer_error(Error(Code::kInternal, "unknown exception"));
   }
+  record(request, route, res, code, who_name, peer, target_id);
+  return res;
+}
+
+void Router::record(const HttpRequest& request, Route route, const HttpResponse& res, std::string_view code,
+                    const std::string& who_name, const Peer& peer, const std::string& target_id) {
   // Methods outside HTTP's known set are counted as one label value, so clients cannot grow the metrics at will.
   std::string_view method = request.method() == http::verb::unknown ? "other" : std_view(request.method_string());
   metrics_.count_request(route_template(route), method, res.result_int());
   if (access_.audit && route != Route::kHealthz && route != Route::kMetrics && route != Route::kNode)
     access_.audit->record(auth::AuditEntry{who_name, peer.address, method, route_template(route), target_id,
                                            static_cast<int>(res.result_int()), code});
-  return res;
+}
+
+std::optional<HttpResponse> Router::admit(const HttpRequest& header, const Peer& peer) {
+  if (!access_.tokens) return std::nullopt;
+  Route route = Route::kUnknown;
+  std::string target_id;
+  try {
+    Target target = parse_target(std_view(header.target()));
+    route = target.route;
+    target_id = !target.sandbox_id.empty() ? target.sandbox_id : target.group_id;
+    authenticate(header, peer, route);
+    return std::nullopt;
+  } catch (const Error& e) {
+    if (e.code() != Code::kUnauthenticated) return std::nullopt;  // answered by handle(), body and all
+    HttpResponse res = error_response(e);
+    record(header, route, res, code_name(e.code()), "unauthenticated", peer, target_id);
+    return res;
+  }
 }
 
 HttpResponse Router::dispatch(HttpRequest& request, const Target& target, ResponseStream* stream,

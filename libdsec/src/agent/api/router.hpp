@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "agent/api/audit_log.hpp"
 #include "agent/api/routes.hpp"
@@ -49,8 +50,15 @@ class Router {
   // a streaming exec writes its NDJSON body; without it such an exec is UNIMPLEMENTED.
   HttpResponse handle(HttpRequest& request, ResponseStream* stream = nullptr,
                       const Peer& peer = Peer{false, false, "unix", ""});
+  // The server's check of a request's header, before its body is read (ServerOptions::admit): the answer to a
+  // caller that is not authenticated (401), counted and audited as handle() does; nothing for any other request,
+  // which handle() then answers with its body.
+  std::optional<HttpResponse> admit(const HttpRequest& header, const Peer& peer);
 
  private:
+  // Counts an answer in the metrics and, but for health, metrics and node calls, in the audit log.
+  void record(const HttpRequest& request, Route route, const HttpResponse& res, std::string_view code,
+              const std::string& who_name, const Peer& peer, const std::string& target_id);
   // The caller of `request`; UNAUTHENTICATED when a token is needed and missing or not the node's.
   auth::Principal authenticate(const HttpRequest& request, const Peer& peer, Route route);
   // NOT_FOUND, worded as for a sandbox that does not exist, unless `who` may reach sandbox `id`.
