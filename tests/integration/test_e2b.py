@@ -941,6 +941,34 @@ def test_api_keys(dsec_home, scenarios, tmp_path):
         envd = _Envd(gw, {"sandboxID": own, "envdAccessToken": ""})
         stat = json.dumps({"path": "/etc/hostname"}).encode()
 
+        # A caller without credentials is answered from its header: the gateway reads none of its body (two
+        # 400 MiB uploads, 4 MiB of each sent, cost it nothing).
+        import http.client
+        host, port = gw.url[len("http://"):].split(":")
+        with open(f"/proc/{gw.proc.pid}/status") as f:
+            before = int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+        envd_headers = {"E2b-Sandbox-Id": own, "X-Access-Token": "made-up"}
+        gone_headers = {"E2b-Sandbox-Id": own + "x", "X-Access-Token": "made-up"}
+        for path, headers in (("/v2/sandboxes", {}), ("/files?path=/tmp/x", envd_headers),
+                              ("/files?path=/tmp/x", gone_headers)):
+            c = http.client.HTTPConnection(host, int(port), timeout=10)
+            c.putrequest("POST", path)
+            for k, v in {**headers, "Content-Type": "application/octet-stream",
+                         "Content-Length": str(400 << 20)}.items():
+                c.putheader(k, v)
+            c.endheaders()
+            try:
+                c.send(b"x" * (4 << 20))
+            except OSError:
+                pass  # the answer came first and the gateway stopped reading
+            r = c.getresponse()
+            want = 502 if headers is gone_headers else 401  # E2B's "not running" for a sandbox not there
+            assert r.status == want, (path, headers, r.status, r.read()[:300])
+            c.close()
+        with open(f"/proc/{gw.proc.pid}/status") as f:
+            grown = int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) - before
+        assert grown < 64 << 10, f"the gateway grew by {grown} KiB for bodies it must not read"
+
         def stat_with(headers):
             c, r = envd("/filesystem.Filesystem/Stat", stat, headers=headers, read=False)
             data = r.read()
@@ -952,8 +980,6 @@ def test_api_keys(dsec_home, scenarios, tmp_path):
             status, data = stat_with({k: v for k, v in headers.items()})
             assert status in (401, 404), f"envd of a dsec-made sandbox answered {status} to {headers}: {data!r}"
         # No credentials at all: `_Envd` always sends X-Access-Token, so this one goes out by hand.
-        import http.client
-        host, port = gw.url[len("http://"):].split(":")
         c = http.client.HTTPConnection(host, int(port), timeout=30)
         c.request("POST", "/filesystem.Filesystem/Stat", body=stat,
                   headers={"E2b-Sandbox-Id": own, "Content-Type": "application/json", "Connect-Protocol-Version": "1"})

@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
     server_options.tcp_listen = listen;
     server_options.max_body_bytes = 1ull << 30;  // file uploads
     server_options.idle_timeout = std::chrono::seconds(600);
+    // A caller without an API key or the sandbox's credentials is answered from its header: its body is not read.
+    server_options.admit = [&gateway](const dsec::agent::HttpRequest& header, const dsec::agent::Peer&) {
+      return gateway.admit(header);
+    };
     dsec::agent::Server server(
         server_options,
         [&gateway](dsec::agent::HttpRequest& request, dsec::agent::ResponseStream& stream, const dsec::agent::Peer&) {

@@ -64,14 +64,16 @@ HttpResponse no_body(unsigned status) {
 
 // An envd call's error: for /files and /health, E2B's {"code": <status>, "message"} (502 when the sandbox is gone,
 // which the SDKs read as "not running"); for a stream, its end-stream message; for a unary call, its status.
+HttpResponse rest_envd_error(const RpcError& e, bool sandbox_gone) {
+  unsigned status = http_status_of(e.code());
+  if (sandbox_gone) status = 502;
+  else if (status != 400 && status != 401 && status != 404) status = 500;
+  return rest_error(status, e.what());
+}
+
 HttpResponse envd_error(const HttpRequest& request, agent::ResponseStream& stream, bool rpc, const RpcError& e,
                         bool sandbox_gone) {
-  if (!rpc) {
-    unsigned status = http_status_of(e.code());
-    if (sandbox_gone) status = 502;
-    else if (status != 400 && status != 401 && status != 404) status = 500;
-    return rest_error(status, e.what());
-  }
+  if (!rpc) return rest_envd_error(e, sandbox_gone);
   if (std_view(request[http::field::content_type]).find("connect+json") != std::string_view::npos) {
     ServerStream out(stream);
     out.finish(e);
@@ -256,10 +258,47 @@ HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, 
   }
 }
 
+std::string Gateway::envd_sandbox(const HttpRequest& request) const {
+  if (auto it = request.find("E2b-Sandbox-Id"); it != request.end()) return std::string(std_view(it->value()));
+  return sandbox_of_host(std_view(request[http::field::host]), options_.domain);
+}
+
+std::optional<HttpResponse> Gateway::admit(const HttpRequest& header) {
+  const std::string sandbox_id = envd_sandbox(header);
+  if (sandbox_id.empty()) {
+    auto key = header.find("X-API-KEY");
+    if (key == header.end() || key->value().empty())
+      return rest_error(401, "X-API-KEY: an API key is required (E2B_API_KEY)");
+    if (tokens_ && !tokens_->authenticate("Bearer " + std::string(std_view(key->value()))))
+      return rest_error(401, "the API key is not one of the gateway's");
+    return std::nullopt;
+  }
+  // Until its credentials pass, an envd call's body is not read: a refusal (or a sandbox that is not there) is
+  // answered here, in the form the call's client reads: Connect's error for the RPC services, E2B's JSON for the rest.
+  const std::string_view target = std_view(header.target());
+  const bool rpc = target.starts_with("/process.Process/") || target.starts_with("/filesystem.Filesystem/");
+  // A streamed RPC's error other than a refusal goes in its end-stream message (HTTP 200), which only handle()
+  // writes: its clients read a 404 as "unimplemented".
+  const bool streamed = std_view(header[http::field::content_type]).find("connect+") != std::string_view::npos;
+  auto refuse = [&](const RpcError& e, bool gone) -> std::optional<HttpResponse> {
+    if (!rpc) return rest_envd_error(e, gone);
+    if (streamed && e.code() != "unauthenticated") return std::nullopt;
+    return unary_error(e);
+  };
+  try {
+    envd_client(header, sandbox_id);
+  } catch (const RpcError& e) {
+    return refuse(e, false);
+  } catch (const Error& e) {
+    return refuse(rpc_error(e), e.code() == Code::kNotFound);
+  } catch (const std::exception& e) {
+    return refuse(RpcError("internal", e.what()), false);
+  }
+  return std::nullopt;
+}
+
 HttpResponse Gateway::handle(HttpRequest& request, agent::ResponseStream& stream) {
-  std::string sandbox_id;
-  if (auto it = request.find("E2b-Sandbox-Id"); it != request.end()) sandbox_id = std::string(std_view(it->value()));
-  else sandbox_id = sandbox_of_host(std_view(request[http::field::host]), options_.domain);
+  const std::string sandbox_id = envd_sandbox(request);
   if (!sandbox_id.empty()) return envd(request, stream, sandbox_id);
   try {
     auto key = request.find("X-API-KEY");

@@ -56,6 +56,10 @@ class Gateway {
   Gateway& operator=(const Gateway&) = delete;
 
   agent::HttpResponse handle(agent::HttpRequest& request, agent::ResponseStream& stream);
+  // The server's check of a request's header, before its body is read (agent::ServerOptions::admit): 401 for a
+  // control-plane call without a known API key and for an envd call without the sandbox's credentials; nothing for
+  // the rest, which handle() answers with its body.
+  std::optional<agent::HttpResponse> admit(const agent::HttpRequest& header);
   // Closes every client (an embedded agent stops and destroys its sandboxes): calls under way fail and their
   // streams end.
   void close();
@@ -70,6 +74,8 @@ class Gateway {
   // The sandbox's users and access token, cached.
   // The client an envd call about `sandbox_id` acts through, once its credentials are checked: the sandbox's access
   // token, or (a sandbox without one) an API key of its tenant. UNAUTHENTICATED otherwise.
+  // The sandbox an envd call is for (its E2b-Sandbox-Id header, or its host under --domain); "" for the control plane.
+  std::string envd_sandbox(const agent::HttpRequest& request) const;
   Client& envd_client(const agent::HttpRequest& request, const std::string& sandbox_id);
   std::shared_ptr<const SandboxFacts> facts(Client& client, const std::string& sandbox_id, bool reload = false);
   EnvdTarget target(Client& client, const std::string& sandbox_id, const std::string& user);
