@@ -15,6 +15,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "abandon.hpp"
 #include "agent/node/swap.hpp"
 #include "dsec/error.hpp"
 
@@ -219,7 +220,7 @@ TEST_F(SwapFileLife, MadeReusedAndTurnedOff) {
   auto crashed = std::move(swap);
   swap = std::make_unique<NodeSwap>(o);
   EXPECT_THAT(swap->summary()[0], HasSubstr("already on; made by dsecd"));
-  crashed.release();  // as if that agent had died without turning it off
+  test::abandon(std::move(crashed));  // as if that agent had died without turning it off
   swap.reset();
   EXPECT_FALSE(active(file_));
 

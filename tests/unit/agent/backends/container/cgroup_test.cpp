@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "abandon.hpp"
 #include "agent/backends/container/cgroup.hpp"
 #include "dsec/error.hpp"
 
@@ -219,7 +220,7 @@ TEST_F(CgroupDriverTest, ASecondDriverTakesASandboxsGroupsOver) {
          std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   group->freeze();
-  (void)group.release();  // the first agent dies: nothing of it runs its clean-up
+  test::abandon(std::move(group));  // the first agent dies: nothing of it runs its clean-up
 
   auto second = make_cgroup_driver(name_);
   EXPECT_THROW(second->adopt("/" + name_ + "/../x"), Error);
