@@ -167,6 +167,16 @@ class ChunkedStream final : public ResponseStream {
   bool keep_ = false;
 };
 
+// Writes a whole (not streamed) answer with the server's name; true when it went out.
+bool write_answer(FdStream& stream, HttpResponse& res, bool keep_alive) {
+  res.keep_alive(keep_alive);
+  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
+  res.prepare_payload();
+  boost::system::error_code ec;
+  http::write(stream, res, ec);
+  return !ec;
+}
+
 }  // namespace
 
 Server::Server(ServerOptions options, HttpHandler handler, ServerEvents& events)
@@ -358,12 +368,8 @@ void Server::refuse(UniqueFd fd, bool tls) {
   Error error(Code::kUnavailable,
               fmt::format("the agent is serving its maximum of {} connections; retry later", options_.max_connections));
   HttpResponse res = error_response(error, http_status(error.code()));
-  res.keep_alive(false);
-  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
-  res.prepare_payload();
   FdStream stream(fd.get());
-  boost::system::error_code ec;
-  http::write(stream, res, ec);
+  write_answer(stream, res, false);
   char buf[4096];
   while (::recv(fd.get(), buf, sizeof buf, MSG_DONTWAIT) > 0) {
   }
@@ -429,23 +435,9 @@ bool Server::answer_unreadable(FdStream& stream, const boost::system::error_code
   }
   if (!answer) return false;
   HttpResponse res = error_response(answer->second, answer->first);
-  res.keep_alive(false);
-  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
-  res.prepare_payload();
-  boost::system::error_code wec;
-  http::write(stream, res, wec);
+  write_answer(stream, res, false);
   events_.count_request("unrouted", "-", answer->first);
   return true;
-}
-
-// The answer admit gave a request from its header: sent, and the connection ends (its body was never read).
-void Server::answer_refused(FdStream& stream, HttpResponse& res, unsigned version) {
-  res.version(version);
-  res.keep_alive(false);
-  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
-  res.prepare_payload();
-  boost::system::error_code ec;
-  http::write(stream, res, ec);
 }
 
 // Hands one request to the handler and writes its answer (or finishes the stream it began). False when the
@@ -471,12 +463,7 @@ bool Server::answer(FdStream& stream, HttpRequest& request, const Peer& peer) {
   if (streamed.begun()) return streamed.finish();
   const bool keep = keep_alive();
   res.version(request.version());
-  res.keep_alive(keep);
-  res.set(http::field::server, fmt::format("dsecd/{}", kVersion));
-  res.prepare_payload();
-  boost::system::error_code ec;
-  http::write(stream, res, ec);
-  return !ec && keep;
+  return write_answer(stream, res, keep) && keep;
 }
 
 void Server::serve(int fd, Peer peer) {
@@ -497,8 +484,10 @@ void Server::serve(int fd, Peer peer) {
       break;
     }
     if (refused) {
-      answer_refused(stream, *refused, parser.get().version());
-      linger = true;  // its body, unread, is drained and dropped while the client reads the answer
+      // The answer admit gave from the header; the connection ends, its body never read.
+      refused->version(parser.get().version());
+      write_answer(stream, *refused, false);
+      linger = true;  // the unread body is drained and dropped while the client reads the answer
       break;
     }
     HttpRequest request = parser.release();

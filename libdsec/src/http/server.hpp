@@ -86,7 +86,6 @@ class Server {
   void read_request(FdStream& stream, boost::beast::flat_buffer& buffer,
                     boost::beast::http::request_parser<boost::beast::http::string_body>& parser, const Peer& peer,
                     std::optional<HttpResponse>& refused, boost::system::error_code& ec);
-  void answer_refused(FdStream& stream, HttpResponse& res, unsigned version);
   bool answer_unreadable(FdStream& stream, const boost::system::error_code& ec);
   bool answer(FdStream& stream, HttpRequest& request, const Peer& peer);
 

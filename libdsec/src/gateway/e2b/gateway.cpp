@@ -62,8 +62,13 @@ HttpResponse no_body(unsigned status) {
   return r;
 }
 
-// An envd call's error: for /files and /health, E2B's {"code": <status>, "message"} (502 when the sandbox is gone,
-// which the SDKs read as "not running"); for a stream, its end-stream message; for a unary call, its status.
+// Whether an envd call is one of the Connect-RPC services (the rest are /files and /health).
+bool is_envd_rpc(std::string_view path) {
+  return path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
+}
+
+// The error of an envd call to /files or /health: E2B's {"code": <status>, "message"} (502 when the sandbox is gone,
+// which the SDKs read as "not running").
 HttpResponse rest_envd_error(const RpcError& e, bool sandbox_gone) {
   unsigned status = http_status_of(e.code());
   if (sandbox_gone) status = 502;
@@ -71,6 +76,8 @@ HttpResponse rest_envd_error(const RpcError& e, bool sandbox_gone) {
   return rest_error(status, e.what());
 }
 
+// An envd call's error: rest_envd_error's for /files and /health; for a stream, its end-stream message; for a
+// unary call, its status.
 HttpResponse envd_error(const HttpRequest& request, agent::ResponseStream& stream, bool rpc, const RpcError& e,
                         bool sandbox_gone) {
   if (!rpc) return rest_envd_error(e, sandbox_gone);
@@ -227,7 +234,7 @@ Client& Gateway::envd_client(const HttpRequest& request, const std::string& sand
 HttpResponse Gateway::envd(HttpRequest& request, agent::ResponseStream& stream, const std::string& sandbox_id) {
   const std::string target_text(std_view(request.target()));
   const std::string path = target_text.substr(0, target_text.find('?'));
-  const bool rpc = path.rfind("/process.Process/", 0) == 0 || path.rfind("/filesystem.Filesystem/", 0) == 0;
+  const bool rpc = is_envd_rpc(path);
   try {
     Client& client = envd_client(request, sandbox_id);
     if (path == "/health") {
@@ -275,8 +282,7 @@ std::optional<HttpResponse> Gateway::admit(const HttpRequest& header) {
   }
   // Until its credentials pass, an envd call's body is not read: a refusal (or a sandbox that is not there) is
   // answered here, in the form the call's client reads: Connect's error for the RPC services, E2B's JSON for the rest.
-  const std::string_view target = std_view(header.target());
-  const bool rpc = target.starts_with("/process.Process/") || target.starts_with("/filesystem.Filesystem/");
+  const bool rpc = is_envd_rpc(std_view(header.target()));
   // A streamed RPC's error other than a refusal goes in its end-stream message (HTTP 200), which only handle()
   // writes: its clients read a 404 as "unimplemented".
   const bool streamed = std_view(header[http::field::content_type]).find("connect+") != std::string_view::npos;

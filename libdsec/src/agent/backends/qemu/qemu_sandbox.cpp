@@ -31,7 +31,7 @@ constexpr auto kSaveTimeout = std::chrono::seconds(120);
 constexpr auto kUserDatabaseTimeout = std::chrono::seconds(30);  // reading /etc/passwd or /etc/group for an exec
 // A VM's console log and QEMU's own log on the host: cut to their last 64 KiB (enough for the lines error messages
 // quote) once over 1 MiB, at each reaper pass; a guest writing its console as fast as it can (about 0.15 MB/s under
-// TCG, a few MB/s with KVM) adds at most that per second between passes.
+// TCG on the test machine; more with KVM, not measured) adds at most that per second between passes.
 constexpr std::uint64_t kMaxLogBytes = 1u << 20;
 constexpr std::uint64_t kKeptLogBytes = 64u << 10;
 

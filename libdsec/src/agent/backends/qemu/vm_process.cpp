@@ -211,8 +211,11 @@ std::string file_tail(const std::filesystem::path& path, std::size_t lines, std:
 }
 
 std::uint64_t bound_log(const std::filesystem::path& path, std::uint64_t max_bytes, std::uint64_t keep_bytes) {
-  UniqueFd fd(::open(path.c_str(), O_RDWR | O_APPEND | O_CLOEXEC | O_NOFOLLOW));
+  // Every VM's logs at every reaper pass: a stat, and a descriptor only for a log that is over.
   struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || static_cast<std::uint64_t>(st.st_size) <= max_bytes)
+    return 0;
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_APPEND | O_CLOEXEC | O_NOFOLLOW));
   if (!fd || ::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return 0;
   const auto size = static_cast<std::uint64_t>(st.st_size);
   if (size <= max_bytes) return 0;
