@@ -11,6 +11,12 @@
 # dsec-memhold are static programs and are built without sanitizers (CMakeLists.txt, dsec_static_program); the
 # agents the tests start are sanitized. The first finding ends the test binary at once (halt_on_error) with its
 # report and the test running at the time; fix it and run again. SANITIZE_FILTER narrows the tests (a gtest filter).
+#
+# Under ThreadSanitizer no container sandbox starts: the agent clones a sandbox's init with CLONE_VM | CLONE_VFORK,
+# and the sanitizer's clone interceptor resets its own state in the child as in a forked copy, which with CLONE_VM is
+# the agent's (the agent then dies at its next thread). The tests that need containers skip and say so; the agent's
+# threads are watched through the null backend. (The user-namespace holder, cloned the same way, gets a copy of the
+# agent's memory in that build instead: see user_namespace.cpp.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -267,6 +267,9 @@ void Registry::enter_recovered(const std::vector<LoadedRecord>& loaded, const st
                                RecoveryReport& report, std::map<std::string, double>& group_ttls,
                                std::set<std::string>& kept_groups) {
   std::vector<std::pair<double, std::string>> new_requests;
+  // The request log is read before the registry's lock is taken: its lock comes first wherever both are held
+  // (compact_create_ids takes the registry's inside the log's).
+  std::vector<CreateIds::Entry> logged = create_ids_.load();
   std::lock_guard lock(mutex_);
   auto remember = [&](const Record& r) {
     if (r.spec.request_id.empty() || requests_.count(r.spec.request_id)) return;
@@ -317,7 +320,7 @@ void Registry::enter_recovered(const std::vector<LoadedRecord>& loaded, const st
   }
   // Creates that finished, including those whose sandboxes are destroyed by now, from the request log.
   const double retention = static_cast<double>(options_.request_id_retention.count());
-  for (auto& e : create_ids_.load()) {
+  for (auto& e : logged) {
     if (t - e.at >= retention || requests_.count(e.request_id)) continue;
     auto entry = std::make_shared<RequestEntry>();
     entry->state = RequestEntry::State::kDone;
