@@ -9,6 +9,7 @@ void bind_images(py::module_& m) {
       .def_readonly("size", &dsec::CachedLayer::size)
       .def_readonly("cached_bytes", &dsec::CachedLayer::cached_bytes)
       .def_readonly("users", &dsec::CachedLayer::users)
+      .def_readonly("images", &dsec::CachedLayer::images, "The images (name:tag) the node knows to hold it.")
       .def("__repr__", [](const dsec::CachedLayer& l) {
         return "CachedLayer(digest='" + l.digest + "', size=" + std::to_string(l.size) +
                ", cached_bytes=" + std::to_string(l.cached_bytes) + ", users=" + std::to_string(l.users) + ")";

@@ -118,8 +118,8 @@ def tokens(pki):
     return {name: tok for name, (tok, _) in t.items()} | {"file": path}
 
 
-def start_agent(home, tag, args, **kw):
-    a = lib.Agent(home, tag=tag, extra_args=["--backends", "container", *args])
+def start_agent(home, tag, args, backends="container", **kw):
+    a = lib.Agent(home, tag=tag, extra_args=["--backends", backends, *args])
     a.start(**kw)
     return a
 
@@ -133,7 +133,9 @@ def secure(pki, tokens):
     audit = os.path.join(home, "audit.log")
     a = start_agent(home, "acc", ["--listen", f"127.0.0.1:{port}", "--tls-cert", pki.path("server.pem"),
                                   "--tls-key", pki.path("server.key"), "--tokens", tokens["file"],
-                                  "--audit-log", audit, "--tenant-quota", "team-b=sandboxes:2,cpu:1.5,memory:1Gi"])
+                                  "--audit-log", audit, "--tenant-quota", "team-b=sandboxes:2,cpu:1.5,memory:1Gi"],
+                    backends="container,fncall")
+    a.home = home
     a.url = f"https://127.0.0.1:{port}"
     a.audit = audit
     try:
@@ -290,6 +292,84 @@ def test_a_tenants_snapshots_and_request_ids_are_its_own(secure, pki, tokens):
                 s.destroy()
             for info in b.list():
                 b.attach(info.id).destroy()
+            sa.destroy()
+
+
+def _stored_blob(home: str, digest: str) -> bytes:
+    """A blob of one of the agent's directory stores, read from disk."""
+    name = digest.split(":", 1)[1]
+    for root, _dirs, files in os.walk(home):
+        if name in files and root.endswith(os.path.join("blobs", "sha256")):
+            with open(os.path.join(root, name), "rb") as f:
+                return f.read()
+    raise AssertionError(f"no store under {home} holds {digest}")
+
+
+def test_another_tenants_snapshot_layers_are_out_of_reach_by_digest(secure, pki, tokens):
+    """Tenant B knows tenant A's snapshot (its manifest digest, its layer digests) and tries every way past the
+    name check: A's digest pinned to a name B may use, a manifest of its own making that lists A's layer under a
+    public name, a function call over A's image. Each is answered as an image that does not exist; B's node info
+    lists none of A's layers, A's lists them with the image that holds them."""
+    import hashlib
+
+    with client(secure, pki, tokens["team-a"]) as a, client(secure, pki, tokens["team-b"]) as b, \
+            client(secure, pki, tokens["ops"]) as ops:
+        sa = a.create(image="busybox", ttl=120)
+        try:
+            sa.write_file("/tmp/secret", b"a's answer\n")
+            snap = sa.snapshot("layers:v1")
+            a.create(image=snap.image, ttl=120).destroy()  # A's layer is on the node, in its cache
+            digest = snap.image.rsplit("@", 1)[1]
+            manifest = json.loads(_stored_blob(secure.home, digest))
+            assert manifest["layers"][-1]["role"] == "snapshot", manifest
+            a_layer = manifest["layers"][-1]["digest"]
+
+            def layers_seen(c):
+                return {layer.digest: list(layer.images) for layer in c.nodes()[0].cached_layers}
+            assert a_layer not in layers_seen(b), layers_seen(b)
+            assert layers_seen(a).get(a_layer) == ["tenants/team-a/layers:v1"], layers_seen(a)
+            assert a_layer in layers_seen(ops)
+            assert all(not i.startswith("tenants/") for imgs in layers_seen(b).values() for i in imgs)
+
+            def refused(status, body, image):
+                assert status == 404 and "NOT_FOUND" in body, (image, status, body)
+                assert "is not in any of the node's stores" in body or "not found" in body, body
+
+            # A's manifest digest pinned to public names, and to a name of B's own.
+            for name in ("busybox:latest", "x/y:z", "tenants/team-b/mine:v1"):
+                image = f"{name}@{digest}"
+                status, body = raw_call(secure, pki, tokens["team-b"], "POST", "/v1/sandboxes",
+                                        json.dumps({"image": image, "ttl": 60}).encode())
+                refused(status, body, image)
+            # A manifest B made: a public image's name over A's layers, sent along with the create.
+            forged = dict(manifest, name="busybox", tag="latest")
+            forged_json = json.dumps(forged, sort_keys=True)
+            forged_digest = "sha256:" + hashlib.sha256(forged_json.encode()).hexdigest()
+            for name in ("busybox:latest", "tenants/team-b/mine:v1"):
+                image = f"{name}@{forged_digest}"
+                status, body = raw_call(secure, pki, tokens["team-b"], "POST", "/v1/sandboxes",
+                                        json.dumps({"image": image, "ttl": 60, "image_manifest": forged_json}).encode())
+                refused(status, body, image)
+            # Function calls: A's image by name, by pinned digest under another name, and with the forged manifest.
+            for call in ({"image": snap.image}, {"image": f"busybox:latest@{digest}"},
+                         {"image": f"busybox:latest@{forged_digest}", "image_manifest": forged_json}):
+                status, body = raw_call(secure, pki, tokens["team-b"], "POST", "/v1/fncall",
+                                        json.dumps({"language": "shell", "code": "cat /tmp/secret", **call}).encode())
+                refused(status, body, call["image"])
+                assert "a's answer" not in body
+            assert [s for s in b.list()] == []  # nothing was made for B
+            # The same forged manifest is refused to the operator too: no store holds it.
+            status, body = raw_call(secure, pki, tokens["ops"], "POST", "/v1/sandboxes",
+                                    json.dumps({"image": f"busybox:latest@{forged_digest}", "ttl": 60,
+                                                "image_manifest": forged_json}).encode())
+            refused(status, body, "forged, as the operator")
+            # A's own snapshot, pinned, still starts for A.
+            own = a.create(image=snap.image, ttl=60)
+            try:
+                assert own.read_file("/tmp/secret") == b"a's answer\n"
+            finally:
+                own.destroy()
+        finally:
             sa.destroy()
 
 

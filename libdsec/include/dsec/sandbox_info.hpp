@@ -72,6 +72,8 @@ struct CachedLayer {
   std::uint64_t size = 0;          // bytes of the layer
   std::uint64_t cached_bytes = 0;  // bytes of it on the node's disk (fetched chunks, or its extracted files)
   std::uint32_t users = 0;         // sandboxes using it now
+  // The images ("name:tag") the node knows to hold it; a tenant is shown only the layers of images it may use.
+  std::vector<std::string> images;
 };
 
 // One of the node's QEMU tiers (GET /v1/node "microvm" and "vm"): whether it offers its kind, and on what.

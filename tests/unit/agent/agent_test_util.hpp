@@ -27,7 +27,8 @@ namespace dsec::agent::testing {
 class FakeImages final : public ImageSource {
  public:
   explicit FakeImages(std::set<std::string> names) : names_(std::move(names)) {}
-  ResolvedImage resolve(const std::string& name, std::string_view = {}) override {
+  ResolvedImage resolve(const std::string& name, std::string_view = {},
+                        ManifestOrigin = ManifestOrigin::kCaller) override {
     std::string full = name.find(':') == std::string::npos ? name + ":latest" : name;
     if (!names_.count(full)) throw Error(Code::kNotFound, fmt::format("image '{}' not found", name));
     return ResolvedImage{full, {std::filesystem::path("/images") / full}, {}, nullptr};

@@ -333,9 +333,9 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kGroupRenew:
       return group_renew(request, target);
     case Route::kFnCall:
-      return fncall(request, target);
+      return fncall(request, target, who);
     case Route::kFnCallBatch:
-      return fncall_batch(request, target);
+      return fncall_batch(request, target, who);
     case Route::kUnknown:
       break;
   }
@@ -359,6 +359,10 @@ HttpResponse Router::node(HttpRequest& request, const auth::Principal& who) {
   NodeInfo info = node_info_();
   // A tenant sees the images it may start sandboxes from: not another tenant's snapshots.
   std::erase_if(info.images, [&](const std::string& image) { return !tenant_may_use_image(who, image); });
+  // And the cached layers of those images only: a digest is a name another tenant could try.
+  for (auto& layer : info.cached_layers)
+    std::erase_if(layer.images, [&](const std::string& image) { return !tenant_may_use_image(who, image); });
+  if (!who.admin) std::erase_if(info.cached_layers, [](const CachedLayer& layer) { return layer.images.empty(); });
   json body = protocol::encode(info);
   if (fncall_) body["fncall"] = encode_fncall_status(fncall_->status());
   return json_response(http::status::ok, body);
@@ -688,12 +692,13 @@ fncall::FnCallService& Router::fncall_service() {
 }
 
 // POST: run one function call; the answer is its result (a program that fails is a result, not an error).
-HttpResponse Router::fncall(HttpRequest& request, const Target& target) {
+HttpResponse Router::fncall(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/fncall", {http::verb::post});
   only_params(target.query, {});
   json body = protocol::parse_body(request.body());
   FnCallRequest call = protocol::decode_fncall_request(body);
   std::string manifest = image_manifest_of(body);
+  admit_fncall(who, call);
   FnCallResult result;
   try {
     result = fncall_service().run(call, manifest);
@@ -706,7 +711,13 @@ HttpResponse Router::fncall(HttpRequest& request, const Target& target) {
 }
 
 // POST {"calls": [...]}: run them concurrently; the answer has one result or {"error": ...} per call, in order.
-HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target) {
+// A tenant's function calls run over the images it may use, and their request ids are its own.
+void Router::admit_fncall(const auth::Principal& who, FnCallRequest& call) {
+  if (!call.image.empty()) check_image_access(who, call.image);
+  call.request_id = tenant_request_id(who, call.request_id);
+}
+
+HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/fncall/batch", {http::verb::post});
   only_params(target.query, {});
   json body = protocol::parse_body(request.body());
@@ -720,8 +731,10 @@ HttpResponse Router::fncall_batch(HttpRequest& request, const Target& target) {
   std::vector<fncall::BatchCall> batch(calls.size());
   for (std::size_t i = 0; i < calls.size(); ++i) {
     try {
-      batch[i].request = protocol::decode_fncall_request(calls[i]);
+      FnCallRequest call = protocol::decode_fncall_request(calls[i]);
       batch[i].image_manifest = image_manifest_of(calls[i]);
+      admit_fncall(who, call);
+      batch[i].request = std::move(call);
     } catch (const Error& e) {
       batch[i].error = Error(e.code(), fmt::format("calls[{}]: {}", i, e.what()), e.retryable());
     }

@@ -94,8 +94,9 @@ class Router {
   HttpResponse groups(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse group(HttpRequest& request, const Target& target);
   HttpResponse group_renew(HttpRequest& request, const Target& target);
-  HttpResponse fncall(HttpRequest& request, const Target& target);
-  HttpResponse fncall_batch(HttpRequest& request, const Target& target);
+  HttpResponse fncall(HttpRequest& request, const Target& target, const auth::Principal& who);
+  HttpResponse fncall_batch(HttpRequest& request, const Target& target, const auth::Principal& who);
+  void admit_fncall(const auth::Principal& who, FnCallRequest& call);
   fncall::FnCallService& fncall_service();
   HttpResponse metrics_text(HttpRequest& request);
   HttpResponse healthz(HttpRequest& request);

@@ -181,7 +181,7 @@ std::shared_ptr<Pool> FnCallService::pool_for(const std::string& requested, std:
     if (digest.empty())
       if (auto it = names_.find(ref.tagged()); it != names_.end() && it->second.until > now) digest = it->second.digest;
     if (!digest.empty())
-      if (auto it = pools_.find(PoolKey{digest, language}); it != pools_.end()) return it->second;
+      if (auto it = pools_.find(PoolKey{ref.tagged() + "@" + digest, language}); it != pools_.end()) return it->second;
   }
   ResolvedImage image = images_.resolve(reference, manifest);
   digest = image::parse_reference(image.name).digest;
@@ -189,7 +189,7 @@ std::shared_ptr<Pool> FnCallService::pool_for(const std::string& requested, std:
   std::lock_guard lock(pools_mu_);
   if (shut_) throw Error(Code::kUnavailable, "function calls: the node is shutting down");
   if (ref.digest.empty()) names_[ref.tagged()] = Named{digest, now + kNameFresh};
-  PoolKey key{digest, language};
+  PoolKey key{image.name, language};
   if (auto it = pools_.find(key); it != pools_.end()) return it->second;
   const FnCallConfig::Bounds bounds = c.pools.at(language);
   auto pool = std::make_shared<Pool>(rt, PoolWorkers{*starts_, *arms_, *cleanup_}, language, std::move(image),

@@ -85,10 +85,12 @@ class FnCallService {
   void shutdown();
 
  private:
+  // Pools are per pinned name, not per digest alone: a digest pinned to another name is resolved (and refused)
+  // rather than answered with the pool of the image it belongs to.
   struct PoolKey {
-    std::string digest;  // "sha256:..."
+    std::string image;  // "name:tag@sha256:..."
     std::string language;
-    bool operator<(const PoolKey& o) const { return std::tie(digest, language) < std::tie(o.digest, o.language); }
+    bool operator<(const PoolKey& o) const { return std::tie(image, language) < std::tie(o.image, o.language); }
   };
   struct Named {
     std::string digest;

@@ -44,9 +44,9 @@ class LayeredImageSource final : public ImageSource {
 
   ~LayeredImageSource() override { mounts_.shutdown(); }
 
-  ResolvedImage resolve(const std::string& reference, std::string_view manifest_json) override {
+  ResolvedImage resolve(const std::string& reference, std::string_view manifest_json, ManifestOrigin origin) override {
     image::ImageReference ref = image::parse_reference(reference);
-    auto [digest, manifest] = manifest_of(ref, manifest_json);
+    auto [digest, manifest] = manifest_of(ref, manifest_json, origin);
 
     std::vector<MountedLayer> held;
     std::vector<std::filesystem::path> dirs;
@@ -75,7 +75,7 @@ class LayeredImageSource final : public ImageSource {
     if (ref.digest.empty())
       throw Error(Code::kInvalidArgument,
                   fmt::format("'{}' is not a pinned image reference (name:tag@sha256:...)", pinned_reference));
-    return manifest_of(ref, {}).second;
+    return manifest_of(ref, {}, ManifestOrigin::kAgent).second;
   }
 
   std::vector<image::BlobStore*> stores() override {
@@ -112,8 +112,17 @@ class LayeredImageSource final : public ImageSource {
     status.mode = mounts_.mode_description();
     status.cached_layers = cache_.layers();
     auto users = mounts_.users();
-    for (auto& layer : status.cached_layers)
+    std::map<std::string, std::set<std::string>> images;  // layer digest -> the known images that hold it
+    {
+      std::lock_guard lock(manifests_mutex_);
+      for (const auto& [digest, m] : manifests_)
+        for (const auto& layer : m->layers) images[layer.digest].insert(m->reference());
+    }
+    for (auto& layer : status.cached_layers) {
       if (auto it = users.find(layer.digest); it != users.end()) layer.users = it->second;
+      if (auto it = images.find(layer.digest); it != images.end())
+        layer.images.assign(it->second.begin(), it->second.end());
+    }
     return status;
   }
 
@@ -125,9 +134,11 @@ class LayeredImageSource final : public ImageSource {
     ManifestPtr manifest;
   };
 
-  // The manifest's digest and contents: from the client's copy (checked against the pin), the cache of manifests
-  // by digest, or the stores.
-  std::pair<std::string, ManifestPtr> manifest_of(const image::ImageReference& ref, std::string_view json) {
+  // The manifest's digest and contents: from the cache of manifests by digest, the client's copy (checked against
+  // the pin and, for a caller's, found in a store), or the stores. A caller's pinned digest must be its name's image.
+  std::pair<std::string, ManifestPtr> manifest_of(const image::ImageReference& ref, std::string_view json,
+                                                  ManifestOrigin origin) {
+    const bool caller = origin == ManifestOrigin::kCaller;
     if (!json.empty()) {
       if (ref.digest.empty())
         throw Error(Code::kInvalidArgument,
@@ -138,24 +149,81 @@ class LayeredImageSource final : public ImageSource {
       if (got != ref.digest)
         throw Error(Code::kInvalidArgument,
                     fmt::format("image_manifest: its sha256 is {}, but the image reference pins {}", got, ref.digest));
-      if (ManifestPtr m = cached(ref.digest)) return {ref.digest, m};
+    }
+    if (!ref.digest.empty())
+      if (ManifestPtr m = cached(ref.digest)) {
+        if (caller) check_named(ref, *m);
+        return {ref.digest, m};
+      }
+    if (!json.empty()) {
       ManifestPtr m;
       try {
         m = std::make_shared<const image::Manifest>(image::manifest_from_json(json));
       } catch (const Error& e) {
         throw Error(Code::kInvalidArgument, fmt::format("image_manifest: {}", e.what()));
       }
+      if (caller) {
+        check_stored(ref);
+        check_named(ref, *m);
+      }
       remember(ref.digest, m);
       return {ref.digest, m};
     }
-    if (!ref.digest.empty())
-      if (ManifestPtr m = cached(ref.digest)) return {ref.digest, m};
     std::vector<image::BlobStore*> stores;
     for (const auto& s : stores_) stores.push_back(s.get());
     image::ResolvedManifest resolved = image::fetch_manifest(stores, ref);
     auto m = std::make_shared<const image::Manifest>(std::move(resolved.manifest));
+    if (caller && !ref.digest.empty()) check_named(ref, *m);
     remember(resolved.digest, m);
     return {resolved.digest, m};
+  }
+
+  static Error not_in_stores(const image::ImageReference& ref) {
+    return Error(Code::kNotFound, fmt::format("image {} is not in any of the node's stores", ref.to_string()));
+  }
+
+  // A caller's copy of a manifest counts once a store holds those bytes: stores hold what dsec wrote (images,
+  // snapshots), never a manifest a caller made up to name layers of images it may not use.
+  void check_stored(const image::ImageReference& ref) {
+    std::optional<Error> unavailable;
+    for (const auto& store : stores_) {
+      try {
+        if (store->has_blob(ref.digest)) return;
+      } catch (const Error& e) {
+        if (e.code() != Code::kUnavailable) throw;
+        if (!unavailable) unavailable = e;
+      }
+    }
+    if (unavailable) throw *unavailable;
+    throw not_in_stores(ref);
+  }
+
+  // A pinned digest is the image of the name it is pinned to: the manifest names itself so, or a store's tag of
+  // that name points to it (an image tagged again). Not another image's digest under a name the caller may use.
+  void check_named(const image::ImageReference& ref, const image::Manifest& m) {
+    const std::string tagged = ref.tagged();
+    if (m.reference() == tagged) return;
+    const std::string pinned = tagged + "@" + ref.digest;
+    {
+      std::lock_guard lock(manifests_mutex_);
+      if (tags_seen_.count(pinned)) return;
+    }
+    std::optional<Error> unavailable;
+    for (const auto& store : stores_) {
+      try {
+        if (store->read_ref(tagged) == ref.digest) {
+          std::lock_guard lock(manifests_mutex_);
+          if (tags_seen_.size() >= kManifestCacheSize) tags_seen_.clear();
+          tags_seen_.insert(pinned);
+          return;
+        }
+      } catch (const Error& e) {
+        if (e.code() != Code::kUnavailable) throw;
+        if (!unavailable) unavailable = e;
+      }
+    }
+    if (unavailable) throw *unavailable;
+    throw not_in_stores(ref);
   }
 
   ManifestPtr cached(const std::string& digest) const {
@@ -194,6 +262,7 @@ class LayeredImageSource final : public ImageSource {
   mutable std::mutex manifests_mutex_;
   std::map<std::string, ManifestPtr> manifests_;
   std::deque<std::string> manifest_order_;
+  std::set<std::string> tags_seen_;  // "name:tag@digest" a store's tag was found to point to
 };
 
 }  // namespace

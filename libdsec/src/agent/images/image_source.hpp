@@ -32,18 +32,28 @@ struct ResolvedImage {
 
 // How the node's layers are kept: GET /v1/node reports it.
 struct LayerStatus {
-  std::string mode;  // "erofs-lazy", "extract (<why>)"
-  std::vector<CachedLayer> cached_layers;
+  std::string mode;                        // "erofs-lazy", "extract (<why>)"
+  std::vector<CachedLayer> cached_layers;  // each with the images ("name:tag") the source knows hold it
 };
+
+// Where a manifest handed to resolve() comes from: a caller's request, or the agent itself (a sandbox's record, a
+// fork's parent), which checked it when the sandbox was made.
+enum class ManifestOrigin { kCaller, kAgent };
 
 class ImageSource {
  public:
   virtual ~ImageSource() = default;
   // `reference` is "name[:tag]" or pinned "name[:tag]@sha256:<manifest digest>". A client that resolved the name
   // already may send the manifest itself (`manifest_json`, with a pinned reference): the agent checks that its
-  // sha256 is the pinned digest (INVALID_ARGUMENT otherwise) and need not ask a store for it. A missing image is
-  // NOT_FOUND naming it; a damaged one DATA_LOSS; an unreachable store UNAVAILABLE.
-  virtual ResolvedImage resolve(const std::string& reference, std::string_view manifest_json = {}) = 0;
+  // sha256 is the pinned digest (INVALID_ARGUMENT otherwise). A missing image is NOT_FOUND naming it; a damaged one
+  // DATA_LOSS; an unreachable store UNAVAILABLE.
+  // What a caller names is what it gets: a pinned digest is used only as the image of that name (the manifest names
+  // itself so, or a store's tag of that name points to it), and a caller's manifest only once a store holds it
+  // (or the source has it from one already), so that no made-up manifest or other name reaches layers the named
+  // image does not have. Both are NOT_FOUND, worded as for an image that does not exist. A manifest of
+  // ManifestOrigin::kAgent is used as it is.
+  virtual ResolvedImage resolve(const std::string& reference, std::string_view manifest_json = {},
+                                ManifestOrigin origin = ManifestOrigin::kCaller) = 0;
   // The images the stores hold ("name:tag"), best effort.
   virtual std::vector<std::string> names() const = 0;
   // Unmounts layers no sandbox holds any more and keeps the cache within its limit. Called by the reaper.

@@ -92,7 +92,7 @@ RecoveryReport Registry::recover_earlier_run() { return recover(true); }
 bool Registry::hold_image(Record& record) {
   const SandboxInfo info = record.snapshot();
   try {
-    ResolvedImage image = images_.resolve(info.image, record.image_manifest);
+    ResolvedImage image = images_.resolve(info.image, record.image_manifest, ManifestOrigin::kAgent);
     std::lock_guard lock(record.mutex);
     record.image_hold = std::move(image.hold);
     record.hold_pending = false;

@@ -194,7 +194,9 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
 void Registry::make_sandbox(Record& record, Backend& backend, const std::string& id, const SandboxSpec& spec,
                             std::string_view image_manifest, const std::string& fingerprint,
                             std::shared_ptr<const ForkSource> fork_of) {
-  ResolvedImage image = images_.resolve(spec.image, image_manifest);
+  // A fork's copies hold its parent's image, checked when the parent was made.
+  ResolvedImage image =
+      images_.resolve(spec.image, image_manifest, fork_of ? ManifestOrigin::kAgent : ManifestOrigin::kCaller);
   CreateParams params{id, spec, image.layers, image.layer_images, std::move(fork_of)};
   SandboxInfo& info = record.info;
   info.id = id;

@@ -49,8 +49,11 @@ static void decode_tier(const json& j, const std::string& name, QemuTierNodeInfo
 json encode(const NodeInfo& n) {
   json layers = json::array();
   for (const auto& l : n.cached_layers)
-    layers.push_back(
-        json{{"digest", l.digest}, {"size", l.size}, {"cached_bytes", l.cached_bytes}, {"users", l.users}});
+    layers.push_back(json{{"digest", l.digest},
+                          {"size", l.size},
+                          {"cached_bytes", l.cached_bytes},
+                          {"users", l.users},
+                          {"images", l.images}});
   json out{{"id", n.id},
            {"version", n.version},
            {"protocol", n.protocol},
@@ -171,7 +174,8 @@ NodeInfo decode_node_info(const json& j) {
       n.cached_layers.push_back(CachedLayer{member(l, "digest", "", "cached_layers.digest"),
                                             member(l, "size", std::uint64_t{0}, "cached_layers.size"),
                                             member(l, "cached_bytes", std::uint64_t{0}, "cached_layers.cached_bytes"),
-                                            member(l, "users", 0u, "cached_layers.users")});
+                                            member(l, "users", 0u, "cached_layers.users"),
+                                            member(l, "images", std::vector<std::string>{}, "cached_layers.images")});
     }
   }
   return n;

@@ -630,7 +630,7 @@ std::vector<CachedLayer> BlobCache::layers() const {
   std::lock_guard lock(mutex_);
   std::vector<CachedLayer> out;
   for (const auto& [hex, e] : entries_)
-    out.push_back(CachedLayer{e->digest_, e->size(), e->present_bytes() + e->extra_bytes(), 0});
+    out.push_back(CachedLayer{e->digest_, e->size(), e->present_bytes() + e->extra_bytes(), 0, {}});
   return out;
 }
 

@@ -722,7 +722,18 @@ TEST_F(LayersTest, ImageSourceResolvesNamesPinsAndClientManifests) {
   EXPECT_CODE(source->resolve("t/img:1@" + image::sha256_digest("x"), "x"), Code::kInvalidArgument);  // not a manifest
   EXPECT_CODE(source->resolve("Bad Name"), Code::kInvalidArgument);
 
-  // A manifest naming a layer whose blobs are not in the store: NOT_FOUND naming the image and the blob.
+  // What a caller names is what it gets: a pinned digest under another name is no image, unless a store's tag of
+  // that name points to it (an image tagged again).
+  EXPECT_CODE(source->resolve("t/other:1@" + layer.manifest_digest), Code::kNotFound);
+  EXPECT_CODE(source->resolve("t/other:1@" + layer.manifest_digest, layer.manifest_json), Code::kNotFound);
+  store_->write_ref("t/again:2", layer.manifest_digest);
+  EXPECT_EQ(source->resolve("t/again:2@" + layer.manifest_digest).layers, by_name.layers);
+  // The layer cache says which images hold each layer.
+  EXPECT_EQ(source->layer_status().cached_layers.at(0).images, std::vector<std::string>{"t/img:1"});
+
+  // A manifest naming a layer whose blobs are not in the store: from a caller, refused as an image no store holds
+  // (a caller's made-up manifest must not name layers); from the agent's own record, NOT_FOUND naming the image
+  // and the blob.
   image::Manifest broken = image::manifest_from_json(layer.manifest_json);
   broken.tag = "broken";
   broken.layers[0].digest = image::sha256_digest("a layer nobody stored");
@@ -731,6 +742,13 @@ TEST_F(LayersTest, ImageSourceResolvesNamesPinsAndClientManifests) {
   std::string broken_digest = image::sha256_digest(broken_json);
   try {
     source->resolve("t/img:broken@" + broken_digest, broken_json);
+    FAIL() << "a caller's manifest no store holds resolved";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kNotFound) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is not in any of the node's stores"), std::string::npos) << e.what();
+  }
+  try {
+    source->resolve("t/img:broken@" + broken_digest, broken_json, ManifestOrigin::kAgent);
     FAIL() << "an image with missing blobs resolved";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Code::kNotFound) << e.what();
