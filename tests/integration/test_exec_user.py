@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 
 import pytest
 
@@ -37,6 +38,32 @@ def run42(sb, command, **kw):
     r = sb.exec(command, **kw)
     assert r.exit_code == OK, f"{command!r} {kw} -> {r}\nstdout: {r.stdout!r}\nstderr: {r.stderr!r}"
     return r
+
+
+def test_a_protected_path_under_a_directory_a_user_can_change_is_refused(client, agent):
+    """A protected path under a directory another user could rename in (one of its own, or one open to all and not
+    sticky) could be moved away and replaced by the user's own, where root's later writes would land: such a create
+    is refused naming the directory. A sticky directory root's entries cannot be moved out of (/tmp) is fine."""
+    base = client.create(image="busybox", ttl=120, memory="64Mi", pids=32)
+    try:
+        assert base.exec("mkdir -p /srv/open && chmod 0777 /srv/open").exit_code == 0
+        assert base.exec("mkdir /tmp/home-1000", user="1000:1000").exit_code == 0
+        image = base.snapshot(f"protect-test:{uuid.uuid4().hex[:8]}").image
+    finally:
+        base.destroy()
+    for paths, message in ((["/srv/open/answers"], r"/srv/open can be written by users other than root"),
+                           (["/tmp/home-1000/answers"], r"/tmp/home-1000 belongs to uid 1000, not root"),
+                           (["/grader", "/srv/open/x/y"], r"/srv/open can be written")):
+        with pytest.raises(dsec.InvalidArgument, match=message):
+            client.create(image=image, ttl=60, memory="64Mi", pids=32, protected_paths=paths)
+    ok = client.create(image=image, ttl=60, memory="64Mi", pids=32, protected_paths=["/tmp/answers", "/srv/a"])
+    try:
+        ok.write_file("/tmp/answers/key", b"42\n", 0o600)
+        r = ok.exec("mv /tmp/answers /tmp/mine || cat /tmp/answers/key", user="1000:1000")
+        assert r.exit_code != 0 and b"42" not in r.stdout, r
+        assert ok.read_file("/tmp/answers/key") == b"42\n"
+    finally:
+        ok.destroy()
 
 
 def ids(sb, **kw) -> list[str]:

@@ -6,8 +6,11 @@ namespace dsec::agent {
 namespace {
 
 // $@ is the paths. Every component of each path is checked not to be a symbolic link before anything is made or
-// changed there; exit 3 names the link, 4 a failed mkdir, 5 a failed chown or chmod (their own message on stderr).
-constexpr const char* kScript = R"(umask 022
+// changed there, and every directory above it to be root's and closed to other users' renames (not writable by
+// group or others, or sticky): else a user could move the protected directory away and put its own in its place,
+// where root's later writes would land. Exit 3 names the link, 6 the directory, 4 a failed mkdir, 5 a failed chown
+// or chmod (their own message on stderr). `ls -ldn` is what every image has to read a mode and an owner.
+constexpr const char* kScript = R"--(umask 022
 for p in "$@"; do
   d=
   rest=${p#/}
@@ -16,13 +19,21 @@ for p in "$@"; do
     d=$d/$c
     if [ -L "$d" ]; then echo "$d is a symbolic link" >&2; exit 3; fi
     [ "$rest" = "$c" ] && break
+    if [ -d "$d" ]; then
+      set -- $(ls -ldn "$d")
+      if [ "$3" != 0 ]; then echo "$d belongs to uid $3, not root" >&2; exit 6; fi
+      case $1 in
+        ?????????[tT]*) ;;
+        ?????w*|????????w*) echo "$d can be written by users other than root (mode $1)" >&2; exit 6 ;;
+      esac
+    fi
     rest=${rest#*/}
   done
   if [ ! -e "$p" ]; then mkdir -p "$p" || exit 4; fi
   chown 0:0 "$p" || exit 5
   chmod 0700 "$p" || exit 5
 done
-)";
+)--";
 
 constexpr double kTimeoutSeconds = 60;
 
@@ -49,9 +60,11 @@ void protect_paths(BackendSandbox& sandbox, const SandboxSpec& spec) {
   while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
   if (r.timed_out) why = fmt::format("the set-up took longer than {} s", kTimeoutSeconds);
   else if (why.empty()) why = fmt::format("the set-up exited with status {}", r.exit_code);
-  throw Error(Code::kInvalidArgument, fmt::format("protected_paths: {} (root inside the sandbox holds no capability: "
-                                                  "a path must be missing or root's own, and no symbolic link)",
-                                                  why));
+  throw Error(Code::kInvalidArgument,
+              fmt::format("protected_paths: {} (root inside the sandbox holds no capability: "
+                          "a path must be missing or root's own, under directories only root may change, and no "
+                          "symbolic link)",
+                          why));
 }
 
 }  // namespace dsec::agent
