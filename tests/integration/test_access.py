@@ -373,6 +373,34 @@ def test_another_tenants_snapshot_layers_are_out_of_reach_by_digest(secure, pki,
             sa.destroy()
 
 
+def test_the_agents_home_is_closed_to_other_uids(tmp_path):
+    """The home holds every tenant's images and snapshots, the layer cache and the records: an agent running as root
+    keeps it to root, so QEMU's uid (2000000000 + n, which reads its VM's files through descriptors the agent opens)
+    or any other uid of the node opens nothing there, whatever mode the home was made with."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed: cannot act as another uid")
+    home = str(tmp_path / "home")
+    os.makedirs(home, mode=0o755)
+    os.chmod(home, 0o755)
+    lib.build_busybox_image(home)
+    blobs = os.path.join(home, "store", "blobs", "sha256")
+    blob = os.path.join(blobs, sorted(os.listdir(blobs))[0])
+
+    def as_qemu(*argv):
+        return subprocess.run(["setpriv", "--reuid=2000000001", "--regid=2000000001", "--clear-groups", *argv],
+                              capture_output=True, text=True)
+    a = start_agent(home, "home", [])
+    try:
+        assert os.stat(home).st_mode & 0o077 == 0, oct(os.stat(home).st_mode)
+        for argv in (["cat", blob], ["ls", os.path.join(home, "store")], ["ls", home]):
+            r = as_qemu(*argv)
+            assert r.returncode != 0 and "Permission denied" in r.stderr, (argv, r)
+        with open(blob, "rb") as f:  # root reads it as before
+            assert f.read(1)
+    finally:
+        a.stop_and_check()
+
+
 def test_a_tenants_group_is_its_own(secure, pki, tokens):
     with client(secure, pki, tokens["team-a"]) as a:
         g = a.create_group(1, image="busybox", lease=120, ttl=120)
@@ -387,10 +415,29 @@ def test_a_tenants_group_is_its_own(secure, pki, tokens):
             assert group not in [x["id"] for x in groups]
             assert group in [x["id"] for x in json.loads(
                 raw_call(secure, pki, tokens["team-a"], "GET", "/v1/groups")[1])["groups"]]
-            join = json.dumps({"image": "busybox", "ttl": 60, "group": group, "group_ttl": 60}).encode()
+            # The same id from team-b is team-b's own group: created as a free id would be (no oracle of which ids
+            # team-a uses), and nothing team-b does with it reaches team-a's (no squatting either).
+            join = json.dumps({"image": "busybox", "ttl": 60, "group": group, "group_ttl": 60,
+                               "cpu": 0.25, "memory": 64 << 20}).encode()
             code, body = raw_call(secure, pki, tokens["team-b"], "POST", "/v1/sandboxes", join)
-            assert code == 403 and "another tenant" in body, (code, body)
+            assert code == 201, (code, body)
+            b_sandbox = json.loads(body)
+            assert b_sandbox["group"] == group and b_sandbox["tenant"] == "team-b", b_sandbox
+            code, body = raw_call(secure, pki, tokens["team-b"], "GET", f"/v1/groups/{group}")
+            assert code == 200 and [x["id"] for x in json.loads(body)["sandboxes"]] == [b_sandbox["id"]], body
+            assert json.loads(body)["id"] == group, body
+            assert [x["id"] for x in json.loads(raw_call(secure, pki, tokens["team-b"], "GET", "/v1/groups")[1])
+                    ["groups"]] == [group]
+            code, body = raw_call(secure, pki, tokens["team-b"], "DELETE", f"/v1/groups/{group}")
+            assert code == 200 and json.loads(body)["destroyed"] == 1, body
+            code, body = raw_call(secure, pki, tokens["team-b"], "POST", "/v1/sandboxes",
+                                  json.dumps({"image": "busybox", "group": "a:b", "group_ttl": 60}).encode())
+            assert code == 400 and "is not a group id" in body, (code, body)
             assert all(sb.info().state == "running" for sb in g)
+            assert [sb.info().group for sb in g] == [group]
+            # The operator sees both, each under its tenant's name.
+            ids = [x["id"] for x in json.loads(raw_call(secure, pki, tokens["ops"], "GET", "/v1/groups")[1])["groups"]]
+            assert f"team-a:{group}" in ids, ids
         finally:
             g.destroy()
 

@@ -1,5 +1,6 @@
 #include "agent/agent.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "agent/node/qos/ksm.hpp"
 #include "agent/node/qos/usage_overcommit.hpp"
 #include "common/log.hpp"
+#include "common/syscall.hpp"
 #include "dsec/version.hpp"
 
 namespace dsec::agent {
@@ -137,6 +139,17 @@ void check_config(AgentConfig& config) {
                                                     config.advertise));
 }
 
+// The home holds every tenant's images and snapshots (the store), the layer cache and the sandboxes' records: an
+// agent running as root keeps it to root, so that a process of another uid on the node (QEMU's, after an escape
+// from its guest; it reads its VM's files through descriptors the agent opened, never by path) can open nothing
+// there.
+void close_home(const std::filesystem::path& home) {
+  struct stat st {};
+  if (::geteuid() != 0 || ::stat(home.c_str(), &st) != 0 || st.st_uid != 0 || (st.st_mode & 0077) == 0) return;
+  if (::chmod(home.c_str(), st.st_mode & 07700) != 0)
+    throw_errno_fmt(errno, "home {}: keep it to root (chmod go-rwx)", home.string());
+}
+
 }  // namespace
 
 Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) {
@@ -144,6 +157,7 @@ Agent::Agent(AgentConfig config, AgentParts parts) : config_(std::move(config)) 
   std::error_code ec;
   std::filesystem::create_directories(config_.home, ec);
   if (ec) throw Error(Code::kFailedPrecondition, fmt::format("home {}: {}", config_.home.string(), ec.message()));
+  close_home(config_.home);
   AccessPolicy access = access_policy(config_, tls_);
 
   if (!config_.swap_file.empty() || config_.zram_bytes > 0) {

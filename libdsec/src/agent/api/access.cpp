@@ -57,6 +57,22 @@ std::string tenant_request_id(const auth::Principal& who, const std::string& req
   return fmt::format("{}:{}", who.tenant, request_id);
 }
 
+// One tenant cannot learn which group ids another uses, nor take one another will use: its ids name its own groups.
+std::string tenant_group_id(const auth::Principal& who, const std::string& group) {
+  if (who.admin || group.empty()) return group;
+  if (!protocol::valid_group_id(group))
+    throw Error(Code::kInvalidArgument,
+                fmt::format("group: '{}' is not a group id (1 to {} letters, digits, '.', '_', '-')", group,
+                            protocol::kMaxGroupIdBytes));
+  return fmt::format("{}:{}", who.tenant, group);
+}
+
+std::string shown_group_id(const auth::Principal& who, const std::string& group) {
+  if (who.admin) return group;
+  const std::string own = who.tenant + ":";
+  return group.starts_with(own) ? group.substr(own.size()) : group;
+}
+
 // Another tenant's snapshot answers in the same words whether it exists or not.
 void Router::check_image_access(const auth::Principal& who, const std::string& image) {
   if (tenant_may_use_image(who, image)) return;
@@ -78,23 +94,13 @@ void Router::check_group_access(const auth::Principal& who, const std::string& g
   auto not_found = [&] {
     return Error(Code::kNotFound, fmt::format("group '{}' not found on node '{}' (it has no sandboxes here, was "
                                               "deleted, or its lease expired)",
-                                              group, registry_.options().node_id));
+                                              shown_group_id(who, group), registry_.options().node_id));
   };
   GroupInfo g = registry_.get_group(group);
   // A tenant's group is one whose sandboxes are all that tenant's.
   if (g.sandboxes.empty()) throw not_found();
   for (const auto& sb : g.sandboxes)
     if (!who.may_see(sb.tenant)) throw not_found();
-}
-
-bool Router::group_has_others(const auth::Principal& who, const std::string& group) {
-  try {
-    for (const auto& sb : registry_.get_group(group).sandboxes)
-      if (!who.may_see(sb.tenant)) return true;
-  } catch (const Error& e) {
-    if (e.code() != Code::kNotFound) throw;  // no such group: nobody's
-  }
-  return false;
 }
 
 }  // namespace dsec::agent

@@ -133,14 +133,20 @@ ExecResult run_exactly_once(ExecJournal& journal, const std::string& sandbox_id,
 
 namespace {
 
-json sandbox_list(const std::vector<SandboxInfo>& infos) {
+// A sandbox as `who` sees it: a tenant's group by the id the tenant gave it.
+json encode_info(const auth::Principal& who, SandboxInfo info) {
+  info.group = shown_group_id(who, info.group);
+  return protocol::encode(info);
+}
+
+json sandbox_list(const auth::Principal& who, const std::vector<SandboxInfo>& infos) {
   json list = json::array();
-  for (const auto& info : infos) list.push_back(protocol::encode(info));
+  for (const auto& info : infos) list.push_back(encode_info(who, info));
   return json{{"sandboxes", std::move(list)}};
 }
 
-json encode_group(const GroupInfo& g, double now) {
-  return json{{"id", g.id},
+json encode_group(const auth::Principal& who, const GroupInfo& g, double now) {
+  return json{{"id", shown_group_id(who, g.id)},
               {"node", g.node},
               {"ttl", g.ttl},
               {"expires_at", g.expires_at},
@@ -190,8 +196,9 @@ std::string image_manifest_of(const json& body) {
   return it->get<std::string>();
 }
 
+// A group id in a path: a tenant's own (tenant_group_id checks it further), or, from an admin, any tenant's.
 void check_group_id(const std::string& id) {
-  if (!protocol::valid_group_id(id))
+  if (!protocol::valid_scoped_group_id(id))
     throw Error(Code::kInvalidArgument,
                 fmt::format("group: '{}' is not a group id (1 to 128 letters, digits, '.', '_', '-')", id));
 }
@@ -270,8 +277,11 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
                               const auth::Principal& who) {
   if (!target.sandbox_id.empty()) check_sandbox_access(who, target.sandbox_id);
   if (!who.admin && !target.group_id.empty() && (target.route == Route::kGroup || target.route == Route::kGroupRenew)) {
-    check_group_id(target.group_id);
-    check_group_access(who, target.group_id);
+    // A tenant's group id names its own group: another tenant's group of that id is another group.
+    Target own = target;
+    own.group_id = tenant_group_id(who, target.group_id);
+    check_group_access(who, own.group_id);
+    return own.route == Route::kGroup ? group(request, own, who) : group_renew(request, own, who);
   }
   switch (target.route) {
     case Route::kHealthz:
@@ -283,13 +293,13 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxes:
       return sandboxes(request, target, who, stream);
     case Route::kSandbox:
-      return sandbox(request, target);
+      return sandbox(request, target, who);
     case Route::kSandboxExec:
       return exec(request, target, stream);
     case Route::kSandboxFiles:
       return files(request, target);
     case Route::kSandboxSleep:
-      return sleep_or_wake(request, target, true);
+      return sleep_or_wake(request, target, who, true);
     case Route::kSandboxNetwork:
       return network(request, target);
     case Route::kSandboxTtl:
@@ -302,7 +312,7 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
       return json_response(http::status::ok, protocol::encode(registry_.network_usage(target.sandbox_id)));
     }
     case Route::kSandboxWake:
-      return sleep_or_wake(request, target, false);
+      return sleep_or_wake(request, target, who, false);
     case Route::kSandboxProcesses:
       return processes(request, target);
     case Route::kSandboxScreen:
@@ -325,13 +335,13 @@ HttpResponse Router::dispatch(HttpRequest& request, const Target& target, Respon
     case Route::kSandboxSnapshot:
       return snapshot(request, target, who);
     case Route::kSandboxFork:
-      return fork(request, target);
+      return fork(request, target, who);
     case Route::kGroups:
       return groups(request, target, who);
     case Route::kGroup:
-      return group(request, target);
+      return group(request, target, who);
     case Route::kGroupRenew:
-      return group_renew(request, target);
+      return group_renew(request, target, who);
     case Route::kFnCall:
       return fncall(request, target, who);
     case Route::kFnCallBatch:
@@ -378,10 +388,10 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
     std::string tenant = target.query.get("tenant").value_or("");
     // A tenant lists its own sandboxes, whatever tenant it asked for.
     if (!who.admin) {
-      if (!tenant.empty() && tenant != who.tenant) return json_response(http::status::ok, sandbox_list({}));
+      if (!tenant.empty() && tenant != who.tenant) return json_response(http::status::ok, sandbox_list(who, {}));
       tenant = who.tenant;
     }
-    return json_response(http::status::ok, sandbox_list(registry_.list(labels, tenant)));
+    return json_response(http::status::ok, sandbox_list(who, registry_.list(labels, tenant)));
   }
 
   only_params(target.query, {});
@@ -415,18 +425,15 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
     spec.tenant = who.tenant;
     check_image_access(who, spec.image);
     spec.request_id = tenant_request_id(who, spec.request_id);
-    // A group the tenant's sandboxes are in, or one nobody's are in yet, it may join; another tenant's it may not.
-    if (!spec.group.empty() && group_has_others(who, spec.group))
-      throw Error(
-          Code::kPermissionDenied,
-          fmt::format("group: '{}' is in use by another tenant on this node; choose another group id", spec.group));
+    // A tenant's group ids are its own: the same id from another tenant is another group.
+    spec.group = tenant_group_id(who, spec.group);
   }
   // A create that waits for room (queue_timeout) stops waiting when its caller has gone.
   Registry::ClientGone client_gone;
   if (stream) client_gone = [stream] { return stream->client_gone(); };
   if (!count) {
     CreateOutcome outcome = registry_.create(spec, image_manifest, client_gone);
-    return json_response(outcome.created ? http::status::created : http::status::ok, protocol::encode(outcome.info));
+    return json_response(outcome.created ? http::status::created : http::status::ok, encode_info(who, outcome.info));
   }
   std::vector<CreateOutcome> outcomes = registry_.create_batch(spec, *count, image_manifest, client_gone);
   bool any_created = false;
@@ -435,15 +442,15 @@ HttpResponse Router::sandboxes(HttpRequest& request, const Target& target, const
     any_created = any_created || o.created;
     infos.push_back(std::move(o.info));
   }
-  return json_response(any_created ? http::status::created : http::status::ok, sandbox_list(infos));
+  return json_response(any_created ? http::status::created : http::status::ok, sandbox_list(who, infos));
 }
 
 // GET: status. DELETE: destroy (idempotent).
-HttpResponse Router::sandbox(HttpRequest& request, const Target& target) {
+HttpResponse Router::sandbox(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/sandboxes/{id}", {http::verb::get, http::verb::delete_});
   only_params(target.query, {});
   if (request.method() == http::verb::get)
-    return json_response(http::status::ok, protocol::encode(registry_.get(target.sandbox_id)));
+    return json_response(http::status::ok, encode_info(who, registry_.get(target.sandbox_id)));
   SandboxInfo info = registry_.destroy(target.sandbox_id);
   return json_response(http::status::ok, json{{"id", info.id}, {"state", "destroyed"}});
 }
@@ -550,7 +557,7 @@ HttpResponse Router::ports(HttpRequest& request, const Target& target) {
   return json_response(http::status::created, json{{"port", port}, {"address", address}});
 }
 
-HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, bool sleep) {
+HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, const auth::Principal& who, bool sleep) {
   allow(request, sleep ? "/v1/sandboxes/{id}/sleep" : "/v1/sandboxes/{id}/wake", {http::verb::post});
   only_params(target.query, {});
   // An empty body, or {"request_id": "..."}: the same id again answers what the first call did (a retry).
@@ -558,7 +565,7 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
       protocol::decode_sleep_request(protocol::parse_body(request.body()), sleep ? "sleep" : "wake");
   Registry::SleepOutcome out =
       sleep ? registry_.sleep(target.sandbox_id, request_id) : registry_.wake(target.sandbox_id, request_id);
-  json body = protocol::encode(out.info);
+  json body = encode_info(who, out.info);
   const auto& r = out.report;
   body["memory_before_bytes"] = r.memory_before_bytes;
   body["memory_after_bytes"] = r.memory_after_bytes;
@@ -572,7 +579,7 @@ HttpResponse Router::sleep_or_wake(HttpRequest& request, const Target& target, b
 
 // POST {"count": n, "labels": {...}}: n copies of a running sandbox, processes and memory included, on this node
 // (Registry::fork). Answers like a batch create: {"sandboxes": [...]}.
-HttpResponse Router::fork(HttpRequest& request, const Target& target) {
+HttpResponse Router::fork(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/sandboxes/{id}/fork", {http::verb::post});
   only_params(target.query, {});
   const protocol::ForkRequest fork = protocol::decode_fork_request(protocol::parse_body(request.body()));
@@ -580,7 +587,7 @@ HttpResponse Router::fork(HttpRequest& request, const Target& target) {
   std::vector<SandboxInfo> infos;
   infos.reserve(outcomes.size());
   for (auto& o : outcomes) infos.push_back(std::move(o.info));
-  return json_response(http::status::created, sandbox_list(infos));
+  return json_response(http::status::created, sandbox_list(who, infos));
 }
 
 // POST {"name": "repo[:tag]", "request_id": "..."}: capture the sandbox's files as a new image
@@ -647,41 +654,36 @@ HttpResponse Router::groups(HttpRequest& request, const Target& target, const au
   const double now = registry_.options().clock();
   json list = json::array();
   for (const auto& g : registry_.list_groups()) {
-    if (!who.admin) {
-      try {
-        check_group_access(who, g.id);
-      } catch (const Error&) {
-        continue;
-      }
-    }
-    list.push_back(encode_group(g, now));
+    if (!who.admin && shown_group_id(who, g.id) == g.id) continue;  // not one of the tenant's ids
+    list.push_back(encode_group(who, g, now));
   }
   return json_response(http::status::ok, json{{"groups", std::move(list)}});
 }
 
 // GET: the group's lease and its sandboxes. DELETE: destroy them all and forget the group.
-HttpResponse Router::group(HttpRequest& request, const Target& target) {
+HttpResponse Router::group(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/groups/{id}", {http::verb::get, http::verb::delete_});
   only_params(target.query, {});
   check_group_id(target.group_id);
   if (request.method() == http::verb::get) {
     GroupInfo g = registry_.get_group(target.group_id);
-    json body = encode_group(g, registry_.options().clock());
-    body.update(sandbox_list(g.sandboxes));
+    json body = encode_group(who, g, registry_.options().clock());
+    body.update(sandbox_list(who, g.sandboxes));
     return json_response(http::status::ok, body);
   }
   GroupInfo g = registry_.destroy_group(target.group_id);
-  return json_response(http::status::ok, json{{"id", g.id}, {"node", g.node}, {"destroyed", g.sandbox_count}});
+  return json_response(http::status::ok,
+                       json{{"id", shown_group_id(who, g.id)}, {"node", g.node}, {"destroyed", g.sandbox_count}});
 }
 
 // POST {"ttl": seconds}: extend the group's lease to now + ttl (never shortens it; no ttl: the group's own).
-HttpResponse Router::group_renew(HttpRequest& request, const Target& target) {
+HttpResponse Router::group_renew(HttpRequest& request, const Target& target, const auth::Principal& who) {
   allow(request, "/v1/groups/{id}/renew", {http::verb::post});
   only_params(target.query, {});
   check_group_id(target.group_id);
   const double ttl = protocol::decode_group_renew(protocol::parse_body(request.body()));
   GroupInfo g = registry_.renew_group(target.group_id, ttl);
-  return json_response(http::status::ok, encode_group(g, registry_.options().clock()));
+  return json_response(http::status::ok, encode_group(who, g, registry_.options().clock()));
 }
 
 fncall::FnCallService& Router::fncall_service() {

@@ -65,8 +65,6 @@ class Router {
   void check_sandbox_access(const auth::Principal& who, const std::string& id);
   void check_image_access(const auth::Principal& who, const std::string& image);
   void check_group_access(const auth::Principal& who, const std::string& group);
-  // Whether group `group` holds a sandbox `who` may not see.
-  bool group_has_others(const auth::Principal& who, const std::string& group);
   HttpResponse dispatch(HttpRequest& request, const Target& target, ResponseStream* stream, const auth::Principal& who);
   HttpResponse node(HttpRequest& request, const auth::Principal& who);
   HttpResponse network(HttpRequest& request, const Target& target);
@@ -74,7 +72,7 @@ class Router {
   HttpResponse ports(HttpRequest& request, const Target& target);
   HttpResponse sandboxes(HttpRequest& request, const Target& target, const auth::Principal& who,
                          ResponseStream* stream);
-  HttpResponse sandbox(HttpRequest& request, const Target& target);
+  HttpResponse sandbox(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse exec(HttpRequest& request, const Target& target, ResponseStream* stream);
   // Processes and shell sessions (processes.cpp).
   Processes& processes_of(const SandboxHandle& handle, const std::string& id);
@@ -88,12 +86,12 @@ class Router {
                       const std::string& request, const std::function<protocol::json()>& answer);
   HttpResponse files(HttpRequest& request, const Target& target);
   HttpResponse screen(HttpRequest& request, const Target& target);
-  HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, bool sleep);
+  HttpResponse sleep_or_wake(HttpRequest& request, const Target& target, const auth::Principal& who, bool sleep);
   HttpResponse snapshot(HttpRequest& request, const Target& target, const auth::Principal& who);
-  HttpResponse fork(HttpRequest& request, const Target& target);
+  HttpResponse fork(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse groups(HttpRequest& request, const Target& target, const auth::Principal& who);
-  HttpResponse group(HttpRequest& request, const Target& target);
-  HttpResponse group_renew(HttpRequest& request, const Target& target);
+  HttpResponse group(HttpRequest& request, const Target& target, const auth::Principal& who);
+  HttpResponse group_renew(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse fncall(HttpRequest& request, const Target& target, const auth::Principal& who);
   HttpResponse fncall_batch(HttpRequest& request, const Target& target, const auth::Principal& who);
   void admit_fncall(const auth::Principal& who, FnCallRequest& call);

@@ -43,5 +43,9 @@ std::string tenant_image_prefix(const auth::Principal& who);
 bool tenant_may_use_image(const auth::Principal& who, std::string_view image);
 // A tenant's request ids are its own: the same id from two tenants names two requests.
 std::string tenant_request_id(const auth::Principal& who, const std::string& request_id);
+// A tenant's group ids are its own: inside the agent a tenant's group "g" is "<tenant>:g" (INVALID_ARGUMENT for an
+// id that is not one), and answers show the tenant "g" again. An admin's ids are taken as they are.
+std::string tenant_group_id(const auth::Principal& who, const std::string& group);
+std::string shown_group_id(const auth::Principal& who, const std::string& group);
 
 }  // namespace dsec::agent

@@ -65,7 +65,7 @@ Error expired_group(const std::string& group, const std::string& node, double ag
 }  // namespace
 
 GroupInfo Registry::renew_group(const std::string& group, double ttl) {
-  if (!protocol::valid_group_id(group))
+  if (!protocol::valid_scoped_group_id(group))
     throw Error(Code::kInvalidArgument, fmt::format("group: '{}' is not a group id", group));
   if (ttl != 0 && (ttl < 1 || ttl > protocol::kMaxGroupTtlSeconds))
     throw Error(Code::kInvalidArgument,

@@ -252,7 +252,7 @@ void validate(const SandboxSpec& s) {
   if (s.group.empty()) {
     if (s.group_ttl.count() != 0) bad("group_ttl", "only with a group");
   } else {
-    if (!valid_group_id(s.group))
+    if (!valid_scoped_group_id(s.group))
       bad("group",
           fmt::format("'{}' is not a group id (1 to {} letters, digits, '.', '_', '-')", s.group, kMaxGroupIdBytes));
     if (s.group_ttl.count() < 1 || s.group_ttl.count() > static_cast<std::int64_t>(kMaxGroupTtlSeconds))
@@ -350,6 +350,13 @@ bool valid_group_id(std::string_view id) noexcept {
   for (char c : id)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) return false;
   return true;
+}
+
+bool valid_scoped_group_id(std::string_view id) noexcept {
+  const auto colon = id.find(':');
+  if (colon == std::string_view::npos) return valid_group_id(id);
+  return colon > 0 && colon <= kMaxTenantBytes && valid_group_id(id.substr(0, colon)) &&
+         valid_group_id(id.substr(colon + 1));
 }
 
 json encode(const SandboxInfo& s) {

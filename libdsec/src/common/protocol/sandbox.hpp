@@ -31,6 +31,8 @@ void validate(const SandboxSpec& spec);  // ranges and formats; throws INVALID_A
 // A lease group's id: 1 to kMaxGroupIdBytes of letters, digits, '.', '_' and '-'. Group TTLs are 1 to
 // kMaxGroupTtlSeconds (limits.hpp).
 bool valid_group_id(std::string_view id) noexcept;
+// A group id, or a tenant's inside the agent: "<tenant>:<group id>" (dsec::agent's tenant_group_id).
+bool valid_scoped_group_id(std::string_view id) noexcept;
 
 // A `user` field (SandboxSpec::user, ExecRequest::user) by its form: "" (root), a user name (1 to 64 letters, digits,
 // '.', '_', '-', not starting with '-', an optional trailing '$'), "uid" or "uid:gid" (decimal, 0 to kMaxUserId).

@@ -87,6 +87,26 @@ TEST(ProtocolSandbox, SleepAndSnapshotRequestsRoundTripAndAreRefusedByName) {
 }
 
 // The limits spelled in messages read as they always did.
+// A tenant's group inside the agent is "<tenant>:<id>": one colon, both sides group-id words; a spec (a record's
+// too) may carry one, and nothing else with a colon.
+TEST(ProtocolSandbox, ScopedGroupIdsHaveOneTenantPrefix) {
+  EXPECT_TRUE(valid_group_id("g-1.x_y"));
+  EXPECT_FALSE(valid_group_id("team-a:g"));
+  EXPECT_TRUE(valid_scoped_group_id("g-1"));
+  EXPECT_TRUE(valid_scoped_group_id("team-a:g-1"));
+  for (const char* bad : {":g", "team-a:", "a:b:c", "team a:g", "team-a:g/h", ""})
+    EXPECT_FALSE(valid_scoped_group_id(bad)) << bad;
+  EXPECT_FALSE(valid_scoped_group_id(std::string(kMaxTenantBytes + 1, 't') + ":g"));
+  EXPECT_TRUE(valid_scoped_group_id("t:" + std::string(kMaxGroupIdBytes, 'g')));
+  SandboxSpec spec;
+  spec.image = "busybox";
+  spec.group = "team-a:g";
+  spec.group_ttl = std::chrono::seconds{60};
+  EXPECT_NO_THROW(validate(spec));
+  spec.group = "a:b:c";
+  EXPECT_THROW(validate(spec), Error);
+}
+
 TEST(ProtocolSandbox, LimitsInMessages) {
   EXPECT_EQ(message_of([] {
               SandboxSpec t;
