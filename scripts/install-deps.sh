@@ -31,8 +31,9 @@ PACKAGES=(
   busybox-static debootstrap debian-archive-keyring gpgv ca-certificates
   # sandbox runtime helpers and the reference runtimes benchmarks compare against
   crun bubblewrap iproute2 util-linux curl
-  # the access tests make a certificate authority of their own with the openssl command (docs/security.md)
-  openssl
+  # the access tests make a certificate authority of their own with the openssl command (docs/security.md); the
+  # full-VM test answers VNC authentication's DES challenge with python3-cryptography
+  openssl python3-cryptography
   # the HTTP image store the tests start (nginx with its WebDAV module for PUT and DELETE)
   nginx-light
   # discovery: agents register in etcd and clients watch it; the tests start their own etcd (/usr/bin/etcd) on

@@ -78,6 +78,13 @@ void def_sandbox_screen(SandboxClass& sandbox) {
           "vnc", [](PySandbox& self) { return self.get().vnc(); }, py::call_guard<py::gil_scoped_release>(),
           "A VNC endpoint 'host:port' to watch (and drive) the screen.")
       .def(
+          "vnc_endpoint",
+          [](PySandbox& self) {
+            dsec::VncEndpoint e = self.get().vnc_endpoint();
+            return std::make_pair(e.address, e.password);
+          },
+          py::call_guard<py::gil_scoped_release>(), "The VNC endpoint's address and the password a viewer gives.")
+      .def(
           "stop_vnc", [](PySandbox& self) { self.get().stop_vnc(); }, py::call_guard<py::gil_scoped_release>());
 }
 

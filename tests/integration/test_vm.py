@@ -225,32 +225,55 @@ def recv_exactly(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def test_a_person_can_watch_through_vnc(desktop, vm_agent):
-    """A VNC endpoint on a port of the node: QEMU's VNC server answers on it (RFB 3.8, no authentication: the port
-    is the capability) with the screen's size; the same endpoint twice; gone once stopped."""
-    address = desktop.vnc()
-    assert desktop.vnc() == address
-    port = int(address.rsplit(":", 1)[1])
+def vnc_response(password: str, challenge: bytes) -> bytes:
+    """VNC authentication's answer: the 16-byte challenge under DES with the password (8 bytes, each bit-reversed)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    key = bytes(int(f"{b:08b}"[::-1], 2) for b in password.encode().ljust(8, b"\0")[:8])
+    encryptor = Cipher(algorithms.TripleDES(key), modes.ECB()).encryptor()  # one 8-byte key: single DES
+    return encryptor.update(challenge) + encryptor.finalize()
+
+
+def vnc_handshake(port: int, password: str | None) -> tuple[int, bytes]:
+    """RFB 3.8 up to the SecurityResult: the security types offered, then VNC authentication with `password` (a
+    wrong one when None). Answers the result (0: OK) and, when OK, the ServerInit's first 4 bytes (the size)."""
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
         assert recv_exactly(s, 12).startswith(b"RFB 003.")
         s.sendall(b"RFB 003.008\n")
         count = recv_exactly(s, 1)[0]
         types = recv_exactly(s, count)
-        assert 1 in types, types  # None
-        s.sendall(b"\x01")
-        assert recv_exactly(s, 4) == b"\0\0\0\0"  # SecurityResult: OK
+        assert list(types) == [2], types  # VNC authentication only: no None
+        s.sendall(b"\x02")
+        challenge = recv_exactly(s, 16)
+        s.sendall(vnc_response(password if password is not None else "wrong-pw", challenge))
+        result = struct.unpack(">I", recv_exactly(s, 4))[0]
+        if result != 0:
+            return result, b""
         s.sendall(b"\x01")  # ClientInit: shared
-        width, height = struct.unpack(">HH", recv_exactly(s, 4))
-        assert (width, height) == (WIDTH, HEIGHT)
-    # The CLI names the same endpoint, and stops it.
+        return result, recv_exactly(s, 4)
+
+
+def test_a_person_can_watch_through_vnc(desktop, vm_agent):
+    """A VNC endpoint on a port of the node: QEMU's VNC server answers on it (RFB 3.8) and asks for the endpoint's
+    password (VNC authentication, never None), then gives the screen's size; a wrong password is refused; the same
+    endpoint twice; gone once stopped."""
+    address, password = desktop.vnc_endpoint()
+    assert desktop.vnc() == address and desktop.vnc_endpoint() == (address, password)
+    assert len(password) == 8 and password.isalnum(), password
+    port = int(address.rsplit(":", 1)[1])
+    result, size = vnc_handshake(port, password)
+    assert result == 0 and struct.unpack(">HH", size) == (WIDTH, HEIGHT), (result, size)
+    assert vnc_handshake(port, None)[0] != 0  # a viewer without the password sees nothing
+    # The CLI names the same endpoint and password, and stops it.
     cli = [str(lib.DSEC_CLI), "--endpoint", vm_agent.endpoint, "vnc", desktop.id]
     r = subprocess.run(cli, capture_output=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.decode().strip() == address, r
+    assert r.returncode == 0 and r.stdout.decode().split() == [address, password], r
     r = subprocess.run(cli + ["--stop"], capture_output=True, timeout=60)
     assert r.returncode == 0, r
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     desktop.stop_vnc()  # stopping what is stopped is fine
+    assert desktop.vnc_endpoint()[1] != password  # a new endpoint has a new password
+    desktop.stop_vnc()
 
 
 def test_bad_screen_input_is_refused_and_changes_nothing(desktop, vm_client, vm_agent):

@@ -383,6 +383,9 @@ class AsyncSandbox:
     async def vnc(self) -> str:
         return await self._client._run(self._sb.vnc)
 
+    async def vnc_endpoint(self) -> tuple[str, str]:
+        return await self._client._run(self._sb.vnc_endpoint)
+
     async def stop_vnc(self) -> None:
         await self._client._run(self._sb.stop_vnc)
 

@@ -120,8 +120,13 @@ class ScreenMethods:
 
     def vnc(self) -> str:
         """A VNC endpoint, ``"host:port"`` on the sandbox's node, for a person to watch the screen (a VNC viewer
-        there drives it too: whoever reaches the node's port can). The same one while it lasts."""
+        there drives it too). The same one while it lasts. A viewer gives its password: see vnc_endpoint()."""
         return self._sb.vnc()
+
+    def vnc_endpoint(self) -> tuple[str, str]:
+        """The VNC endpoint and its password, ``("host:port", password)``: a viewer must give the password (VNC
+        authentication; 8 characters, new for each endpoint)."""
+        return self._sb.vnc_endpoint()
 
     def stop_vnc(self) -> None:
         """Ends the VNC endpoint (viewers connected stay until they close)."""

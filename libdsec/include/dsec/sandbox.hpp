@@ -141,8 +141,10 @@ class Sandbox {
   ScreenState drag(std::uint32_t x, std::uint32_t y, std::uint32_t to_x, std::uint32_t to_y) const;
   ScreenState key(std::string combo) const;  // "ctrl+s", "Return", "alt+F4"
   ScreenState type_text(std::string text) const;
-  // A VNC endpoint ("host:port" on the sandbox's node) for a person to watch the screen, and drive it: whoever
-  // reaches the node's port can. The same one while it lasts; stop_vnc() ends it, and so does the sandbox's end.
+  // A VNC endpoint for a person to watch the screen, and drive it: its address on the sandbox's node and the
+  // password a viewer gives (VNC authentication). The same one while it lasts; stop_vnc() ends it, and so does the
+  // sandbox's end. vnc() is its address alone.
+  VncEndpoint vnc_endpoint() const;
   std::string vnc() const;
   void stop_vnc() const;
   void unexpose(std::uint32_t port) const;               // NOT_FOUND when it is not exposed

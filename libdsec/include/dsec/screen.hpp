@@ -93,6 +93,13 @@ struct ScreenState {
   std::optional<std::uint32_t> cursor_x, cursor_y;
 };
 
+// A VNC server for a person to watch (and drive) a screen: "host:port" on the sandbox's node, and the password a
+// viewer must give (VNC authentication; 8 characters, a new one per endpoint).
+struct VncEndpoint {
+  std::string address;
+  std::string password;
+};
+
 inline constexpr std::size_t kMaxInputActions = 1000;
 inline constexpr std::size_t kMaxTypedText = 4096;
 

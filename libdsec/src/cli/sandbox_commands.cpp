@@ -95,7 +95,8 @@ VM made with --display none) or a sleeping one is an error.
 constexpr std::string_view kVncHelp = R"(usage: dsec vnc ID [--stop] [--endpoint URL]
 
 Prints a VNC endpoint (host:port on the sandbox's node) where a person can watch full VM ID's screen with any VNC
-viewer, and drive it: whoever reaches that port can, so stop it when done. The same one while it lasts.
+viewer, and drive it, and on a second line the password the viewer asks for (VNC authentication). The same one
+while it lasts; stop it when done.
   --stop    end it (viewers connected stay until they close)
 )";
 
@@ -445,7 +446,8 @@ int cmd_vnc(const std::vector<std::string>& args, GlobalOptions& global) {
     sb.stop_vnc();
     return 0;
   }
-  fmt::print("{}\n", sb.vnc());
+  const VncEndpoint vnc = sb.vnc_endpoint();
+  fmt::print("{}\n{}\n", vnc.address, vnc.password);
   return 0;
 }
 

@@ -68,7 +68,7 @@ class ClientCore {
   std::string screenshot(const std::string& id);
   ScreenState screen_state(const std::string& id);
   ScreenState input(const std::string& id, const std::vector<InputAction>& actions);
-  std::string vnc(const std::string& id);
+  VncEndpoint vnc(const std::string& id);
   void stop_vnc(const std::string& id);
   std::vector<SandboxInfo> list(const Labels& labels, const std::string& tenant);
   std::vector<NodeInfo> nodes();

@@ -94,7 +94,8 @@ ScreenState Sandbox::drag(std::uint32_t x, std::uint32_t y, std::uint32_t to_x, 
 }
 ScreenState Sandbox::key(std::string combo) const { return input({InputAction::key(std::move(combo))}); }
 ScreenState Sandbox::type_text(std::string text) const { return input({InputAction::type_text(std::move(text))}); }
-std::string Sandbox::vnc() const { return core().vnc(id_); }
+VncEndpoint Sandbox::vnc_endpoint() const { return core().vnc(id_); }
+std::string Sandbox::vnc() const { return core().vnc(id_).address; }
 void Sandbox::stop_vnc() const { core().stop_vnc(id_); }
 
 SleepResult Sandbox::wake() const { return core().sleep_or_wake(id_, false); }

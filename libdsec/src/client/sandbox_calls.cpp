@@ -72,9 +72,13 @@ ScreenState ClientCore::input(const std::string& id, const std::vector<InputActi
   return protocol::decode_screen_state(parse_json(send_once(request, deadline_after(paced)), request.what));
 }
 
-std::string ClientCore::vnc(const std::string& id) {
+VncEndpoint ClientCore::vnc(const std::string& id) {
   const SandboxRequest request = requests::vnc(id);
-  return address_of(call_sandbox(request), request.what);
+  const HttpResponse r = call_sandbox(request);
+  VncEndpoint out{address_of(r, request.what), {}};
+  const protocol::json answer = parse_json(r, request.what);
+  if (auto it = answer.find("password"); it != answer.end() && it->is_string()) out.password = it->get<std::string>();
+  return out;
 }
 
 void ClientCore::stop_vnc(const std::string& id) { call_sandbox(requests::stop_vnc(id)); }

@@ -30,7 +30,10 @@ HttpResponse Router::screen(HttpRequest& request, const Target& target) {
         screen->stop_vnc();
         return json_response(http::status::ok, protocol::json::object());
       }
-      return json_response(http::status::ok, protocol::json{{"address", screen->vnc()}});
+      {
+        const VncEndpoint vnc = screen->vnc();
+        return json_response(http::status::ok, protocol::json{{"address", vnc.address}, {"password", vnc.password}});
+      }
     default:
       break;
   }

@@ -95,10 +95,10 @@ class Screen {
   // Runs the actions in order (a failing one ends the request; those before it took effect).
   virtual ScreenState input(const std::vector<InputAction>& actions) = 0;
   virtual ScreenState state() = 0;
-  // A VNC endpoint for a person to watch (and drive) the screen: "host:port" on the node, the same one while it
-  // lasts; stop_vnc ends it (connections made stay until they close). FAILED_PRECONDITION where the node has no
-  // ports to give, RESOURCE_EXHAUSTED when its range is used up.
-  virtual std::string vnc() = 0;
+  // A VNC endpoint for a person to watch (and drive) the screen: "host:port" on the node and its password, the
+  // same while it lasts; stop_vnc ends it (connections made stay until they close). FAILED_PRECONDITION where the
+  // node has no ports to give, RESOURCE_EXHAUSTED when its range is used up.
+  virtual VncEndpoint vnc() = 0;
   virtual void stop_vnc() = 0;
 };
 

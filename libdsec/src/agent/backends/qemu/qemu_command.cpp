@@ -267,7 +267,8 @@ void add_machine(std::vector<std::string>& a, const QemuSpec& spec) {
   add({"-name", fmt::format("{},debug-threads=on", qemu_opt_escape(spec.name))});
   add({"-nodefaults", "-no-user-config"});
   // A screen is a device only: no window, and no VNC server of QEMU's own listening.
-  if (screen) add({"-display", "none", "-vnc", "none"});
+  // No VNC server of its own: the agent hands it viewers' connections, which must give the password it sets.
+  if (screen) add({"-display", "none", "-vnc", "none,password=on"});
   else add({"-nographic", "-display", "none"});
   a.push_back("-no-reboot");
   add({"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"});

@@ -30,7 +30,7 @@ VmScreen::~VmScreen() {
   }
 }
 
-std::string VmScreen::vnc() {
+VncEndpoint VmScreen::vnc() {
   if (!network_)
     throw Error(Code::kFailedPrecondition,
                 fmt::format("sandbox {}: this node has no ports to give a VNC screen (it serves no networks)", id_));
@@ -45,7 +45,7 @@ std::string VmScreen::vnc() {
       throw;
     }
   }
-  return network_->address_of(vnc_->port());
+  return VncEndpoint{network_->address_of(vnc_->port()), vnc_->password()};
 }
 
 void VmScreen::stop_vnc() {

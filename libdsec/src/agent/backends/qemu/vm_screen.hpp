@@ -37,7 +37,7 @@ class VmScreen final : public Screen {
   std::string screenshot_png() override;
   ScreenState input(const std::vector<InputAction>& actions) override;
   ScreenState state() override;
-  std::string vnc() override;
+  VncEndpoint vnc() override;
   void stop_vnc() override;
 
  private:

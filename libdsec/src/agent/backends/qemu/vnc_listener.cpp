@@ -3,6 +3,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,9 +13,28 @@
 #include "common/syscall.hpp"
 
 namespace dsec::agent::qemu {
+namespace {
+
+// 8 characters of 62 (about 47.6 bits): the most VNC authentication uses, made fresh for each endpoint.
+std::string new_password() {
+  constexpr std::string_view kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  std::string out;
+  while (out.size() < 8) {
+    unsigned char bytes[16];
+    if (::getrandom(bytes, sizeof bytes, 0) != static_cast<ssize_t>(sizeof bytes)) {
+      if (errno == EINTR) continue;
+      throw_errno(errno, "VNC: getrandom");
+    }
+    for (unsigned char b : bytes)
+      if (b < 248 && out.size() < 8) out += kAlphabet[b % kAlphabet.size()];  // 248 = 4 x 62: no bias
+  }
+  return out;
+}
+
+}  // namespace
 
 VncListener::VncListener(std::string sandbox_id, std::uint16_t port, RunningVm vm)
-    : id_(std::move(sandbox_id)), port_(port), vm_(std::move(vm)) {
+    : id_(std::move(sandbox_id)), port_(port), password_(new_password()), vm_(std::move(vm)) {
   listener_ = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!listener_) throw_errno(errno, "VNC: socket");
   int one = 1;
@@ -58,9 +78,11 @@ void VncListener::hand_over(UniqueFd connection) {
   try {
     std::shared_ptr<VmInstance> vm = vm_();
     vm->with_qmp([&](QmpClient& qmp) {
+      // Set on every hand-over: a VM woken or restored runs in a QEMU that never had it.
+      qmp.execute("set_password", {{"protocol", "vnc"}, {"password", password_}});
       qmp.execute_with_fds("getfd", {{"fdname", name}}, {connection.get()});
       try {
-        qmp.execute("add_client", {{"protocol", "vnc"}, {"fdname", name}, {"skipauth", true}});
+        qmp.execute("add_client", {{"protocol", "vnc"}, {"fdname", name}, {"skipauth", false}});
       } catch (...) {
         try {
           qmp.execute("closefd", {{"fdname", name}});

@@ -23,13 +23,15 @@ class VncListener {
  public:
   using RunningVm = std::function<std::shared_ptr<VmInstance>()>;
 
-  // Listens on 0.0.0.0:`port` (UNAVAILABLE when it cannot) and starts accepting.
+  // Listens on 0.0.0.0:`port` (UNAVAILABLE when it cannot) and starts accepting. A viewer must give the password
+  // (VNC authentication, done by QEMU: a connection is handed to it with the password set, never with skipauth).
   VncListener(std::string sandbox_id, std::uint16_t port, RunningVm vm);
   ~VncListener();  // stops accepting; connections already handed to QEMU stay with it
   VncListener(const VncListener&) = delete;
   VncListener& operator=(const VncListener&) = delete;
 
   std::uint16_t port() const noexcept { return port_; }
+  const std::string& password() const noexcept { return password_; }
   std::uint64_t connections() const noexcept { return connections_.load(); }
 
  private:
@@ -38,6 +40,7 @@ class VncListener {
 
   std::string id_;
   std::uint16_t port_;
+  std::string password_;  // 8 random letters and digits: VNC authentication reads no more
   RunningVm vm_;
   UniqueFd listener_;
   UniqueFd stop_;  // an eventfd: the accept loop ends when it is written

@@ -253,11 +253,11 @@ TEST(QemuCommand, Q35ScreensAndUsbInput) {
   s.usb_input = true;
   s.start_paused = true;
   auto argv = qemu_argv(s);
-  // A screen: no -nographic, no window and no VNC server of QEMU's own.
+  // A screen: no -nographic, no window and no VNC server of QEMU's own; viewers handed to it give a password.
   EXPECT_EQ(index_of(argv, "-nographic"), -1);
-  EXPECT_EQ(
-      std::vector<std::string>(argv.begin() + 3, argv.begin() + 10),
-      (std::vector<std::string>{"-nodefaults", "-no-user-config", "-display", "none", "-vnc", "none", "-no-reboot"}));
+  EXPECT_EQ(std::vector<std::string>(argv.begin() + 3, argv.begin() + 10),
+            (std::vector<std::string>{"-nodefaults", "-no-user-config", "-display", "none", "-vnc", "none,password=on",
+                                      "-no-reboot"}));
   EXPECT_EQ(value_after(argv, "-machine"), "q35,memory-backend=ram,smm=off,vmport=off,i8042=off");
   // The screen and the USB devices come after the disks, before -S.
   std::vector<std::string> devices = values_of(argv, "-device");
@@ -271,7 +271,7 @@ TEST(QemuCommand, Q35ScreensAndUsbInput) {
   s.usb_input = false;
   argv = qemu_argv(s);
   EXPECT_EQ(values_of(argv, "-device").back(), "virtio-gpu-pci,id=video0,xres=1920,yres=1080");
-  EXPECT_EQ(value_after(argv, "-vnc"), "none");
+  EXPECT_EQ(value_after(argv, "-vnc"), "none,password=on");
   for (const auto& d : values_of(argv, "-device")) EXPECT_THAT(d, ::testing::Not(HasSubstr("usb")));
 
   // USB input without a screen (a keyboard for a headless guest) keeps -nographic.
