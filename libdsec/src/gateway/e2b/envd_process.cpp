@@ -209,7 +209,8 @@ HttpResponse connect(EnvdTarget& t, HttpRequest& request, agent::ResponseStream&
 
 // Each process's working directory and environment, read inside the sandbox from /proc (one exec as the caller's
 // user, who may read its own processes'): dsec keeps neither. Per pid: "pid\ncwd\nsize\n" and `size` bytes of
-// NUL-separated environment.
+// NUL-separated environment. A process in the middle of an execve (bash -c handing over to its command) reads as
+// an empty environment for a moment: an empty one is read again, a few times, 50 ms apart.
 struct ProcessPlace {
   std::string cwd;
   json envs = json::object();
@@ -219,10 +220,12 @@ std::map<int, ProcessPlace> process_places(EnvdTarget& t, const std::vector<int>
   std::map<int, ProcessPlace> out;
   if (pids.empty()) return out;
   ExecRequest r;
-  r.argv = {"/bin/sh", "-c",
-            R"sh(for p; do c=$(readlink "/proc/$p/cwd") || continue; e=$(wc -c < "/proc/$p/environ") || continue; )sh"
-            R"sh(printf '%s\n%s\n%s\n' "$p" "$c" "$e"; cat "/proc/$p/environ"; done)sh",
-            "e2b"};
+  r.argv = {
+      "/bin/sh", "-c",
+      R"sh(for p; do c=$(readlink "/proc/$p/cwd") || continue; e=$(wc -c < "/proc/$p/environ") || continue; )sh"
+      R"sh(for i in 1 2 3; do [ "$e" = 0 ] || break; sleep 0.05; e=$(wc -c < "/proc/$p/environ") || e=0; done; )sh"
+      R"sh(printf '%s\n%s\n%s\n' "$p" "$c" "$e"; cat "/proc/$p/environ"; done)sh",
+      "e2b"};
   for (int pid : pids) r.argv.push_back(std::to_string(pid));
   r.user = t.user;
   r.timeout_seconds = 30;
