@@ -630,6 +630,7 @@ HttpResponse Router::snapshot(HttpRequest& request, const Target& target, const 
              {"stored_size", o.layer.stored_size},
              {"files_size", o.layer.files_size},
              {"existed", o.layer_existed}};
+  o.spec.group = shown_group_id(who, o.spec.group);  // the tenant's own group id, as it wrote it
   json answer{{"image", o.image},
               {"digest", o.digest},
               {"sandbox", o.sandbox_id},

@@ -182,20 +182,27 @@ class LayeredImageSource final : public ImageSource {
     return Error(Code::kNotFound, fmt::format("image {} is not in any of the node's stores", ref.to_string()));
   }
 
-  // A caller's copy of a manifest counts once a store holds those bytes: stores hold what dsec wrote (images,
-  // snapshots), never a manifest a caller made up to name layers of images it may not use.
-  void check_stored(const image::ImageReference& ref) {
+  // Whether `holds` is true of one of the stores. When none says so and one could not answer, that store's
+  // UNAVAILABLE: the answer is not known.
+  template <typename Holds>
+  bool any_store(const Holds& holds) {
     std::optional<Error> unavailable;
     for (const auto& store : stores_) {
       try {
-        if (store->has_blob(ref.digest)) return;
+        if (holds(*store)) return true;
       } catch (const Error& e) {
         if (e.code() != Code::kUnavailable) throw;
         if (!unavailable) unavailable = e;
       }
     }
     if (unavailable) throw *unavailable;
-    throw not_in_stores(ref);
+    return false;
+  }
+
+  // A caller's copy of a manifest counts once a store holds those bytes: stores hold what dsec wrote (images,
+  // snapshots), never a manifest a caller made up to name layers of images it may not use.
+  void check_stored(const image::ImageReference& ref) {
+    if (!any_store([&](image::BlobStore& s) { return s.has_blob(ref.digest); })) throw not_in_stores(ref);
   }
 
   // A pinned digest is the image of the name it is pinned to: the manifest names itself so, or a store's tag of
@@ -208,22 +215,10 @@ class LayeredImageSource final : public ImageSource {
       std::lock_guard lock(manifests_mutex_);
       if (tags_seen_.count(pinned)) return;
     }
-    std::optional<Error> unavailable;
-    for (const auto& store : stores_) {
-      try {
-        if (store->read_ref(tagged) == ref.digest) {
-          std::lock_guard lock(manifests_mutex_);
-          if (tags_seen_.size() >= kManifestCacheSize) tags_seen_.clear();
-          tags_seen_.insert(pinned);
-          return;
-        }
-      } catch (const Error& e) {
-        if (e.code() != Code::kUnavailable) throw;
-        if (!unavailable) unavailable = e;
-      }
-    }
-    if (unavailable) throw *unavailable;
-    throw not_in_stores(ref);
+    if (!any_store([&](image::BlobStore& s) { return s.read_ref(tagged) == ref.digest; })) throw not_in_stores(ref);
+    std::lock_guard lock(manifests_mutex_);
+    if (tags_seen_.size() >= kManifestCacheSize) tags_seen_.clear();
+    tags_seen_.insert(pinned);
   }
 
   ManifestPtr cached(const std::string& digest) const {
