@@ -36,6 +36,11 @@ PACKAGES=(
   openssl python3-cryptography
   # the HTTP image store the tests start (nginx with its WebDAV module for PUT and DELETE)
   nginx-light
+  # registry images (docs/images.md): the tests start their own OCI registry (Debian's docker-registry, the CNCF
+  # distribution server; the packaged service is stopped and disabled below), push images into it with skopeo, sign
+  # its bearer tokens with python3-jwt and write zstd layers with zstd; the registry benchmark compares with
+  # skopeo copy + umoci unpack
+  docker-registry skopeo umoci python3-jwt zstd
   # discovery: agents register in etcd and clients watch it; the tests start their own etcd (/usr/bin/etcd) on
   # free loopback ports, so the packaged service is stopped and disabled below
   etcd-server
@@ -69,16 +74,19 @@ install_missing() {
   apt-get update -q
   apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null
 
-  # The etcd package starts a system-wide etcd on the default ports where the init system lets it; dsec needs only
-  # the binary (its tests start their own), so leave no such service running.
-  if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
+  # The etcd and docker-registry packages start system-wide services on their default ports where the init system
+  # lets them; dsec needs only the binaries (its tests start their own), so leave no such service running.
+  for pair in etcd-server:etcd docker-registry:docker-registry; do
+    package=${pair%%:*}
+    service=${pair#*:}
+    [[ " ${missing[*]} " == *" $package "* ]] || continue
     if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null 2>&1; then
-      systemctl disable --now etcd.service >/dev/null 2>&1 || true
-    elif [[ -x /etc/init.d/etcd ]]; then
-      /etc/init.d/etcd stop >/dev/null 2>&1 || true
-      update-rc.d etcd disable >/dev/null 2>&1 || true
+      systemctl disable --now "$service.service" >/dev/null 2>&1 || true
+    elif [[ -x /etc/init.d/$service ]]; then
+      "/etc/init.d/$service" stop >/dev/null 2>&1 || true
+      update-rc.d "$service" disable >/dev/null 2>&1 || true
     fi
-  fi
+  done
 }
 
 if [[ ${#missing[@]} -eq 0 ]]; then

@@ -21,8 +21,16 @@ void def_client_init(py::class_<PyClient>& client) {
                   std::vector<std::string> stores, double image_cache_ttl, double request_timeout,
                   std::vector<std::string> etcd, std::string etcd_prefix, std::string placement, std::string token,
                   std::string tls_ca_file, std::string tls_client_cert, std::string tls_client_key,
-                  std::string etcd_tls_ca_file, std::string etcd_tls_client_cert, std::string etcd_tls_client_key) {
+                  std::string etcd_tls_ca_file, std::string etcd_tls_client_cert, std::string etcd_tls_client_key,
+                  std::map<std::string, std::pair<std::string, std::string>> registry_auth,
+                  std::map<std::string, std::string> registry_mirrors, std::vector<std::string> insecure_registries,
+                  std::string registry_ca_file, std::string default_registry) {
         dsec::ClientOptions o;
+        o.registry.auth = std::move(registry_auth);
+        o.registry.mirrors = std::move(registry_mirrors);
+        o.registry.insecure = std::move(insecure_registries);
+        o.registry.ca_file = std::move(registry_ca_file);
+        o.registry.default_registry = std::move(default_registry);
         o.etcd_tls_ca_file = std::move(etcd_tls_ca_file);
         o.etcd_tls_client_cert = std::move(etcd_tls_client_cert);
         o.etcd_tls_client_key = std::move(etcd_tls_client_key);
@@ -63,7 +71,11 @@ void def_client_init(py::class_<PyClient>& client) {
       py::arg("request_timeout") = 15.0, py::arg("etcd") = std::vector<std::string>{},
       py::arg("etcd_prefix") = "/dsec/", py::arg("placement") = "spread", py::arg("token") = "",
       py::arg("tls_ca_file") = "", py::arg("tls_client_cert") = "", py::arg("tls_client_key") = "",
-      py::arg("etcd_tls_ca_file") = "", py::arg("etcd_tls_client_cert") = "", py::arg("etcd_tls_client_key") = "");
+      py::arg("etcd_tls_ca_file") = "", py::arg("etcd_tls_client_cert") = "", py::arg("etcd_tls_client_key") = "",
+      py::arg("registry_auth") = std::map<std::string, std::pair<std::string, std::string>>{},
+      py::arg("registry_mirrors") = std::map<std::string, std::string>{},
+      py::arg("insecure_registries") = std::vector<std::string>{}, py::arg("registry_ca_file") = "",
+      py::arg("default_registry") = "");
 }
 
 }  // namespace

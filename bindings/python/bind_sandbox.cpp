@@ -54,6 +54,7 @@ void bind_sandbox_info(py::module_& m) {
       .def_readonly("node", &dsec::SandboxInfo::node)
       .def_readonly("state", &dsec::SandboxInfo::state, "creating | running | failed | destroyed")
       .def_readonly("image", &dsec::SandboxInfo::image)
+      .def_readonly("image_command", &dsec::SandboxInfo::image_command)
       .def_readonly("kind", &dsec::SandboxInfo::kind)
       .def_readonly("tenant", &dsec::SandboxInfo::tenant)
       .def_readonly("labels", &dsec::SandboxInfo::labels)

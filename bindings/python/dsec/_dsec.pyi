@@ -227,6 +227,8 @@ class SandboxInfo:
     @property
     def image(self) -> str: ...
     @property
+    def image_command(self) -> list[str]: ...
+    @property
     def kind(self) -> str: ...
     @property
     def tenant(self) -> str: ...
@@ -665,6 +667,11 @@ class Client:
         etcd_tls_ca_file: str = "",
         etcd_tls_client_cert: str = "",
         etcd_tls_client_key: str = "",
+        registry_auth: Mapping[str, tuple[str, str]] = ...,
+        registry_mirrors: Mapping[str, str] = ...,
+        insecure_registries: Sequence[str] = ...,
+        registry_ca_file: str = "",
+        default_registry: str = "",
     ) -> None: ...
     def create(self, spec: SandboxSpec) -> Sandbox: ...
     @overload

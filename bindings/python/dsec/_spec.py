@@ -71,7 +71,7 @@ class SpecKeywords(TypedDict, total=False):
     labels: Annotated[Optional[Mapping[str, str]], None]
     tenant: Annotated[str, ""]
     hostname: Annotated[str, ""]
-    workdir: Annotated[str, "/"]
+    workdir: Annotated[str, ""]
     allow_ptrace: Annotated[bool, False]
     request_id: Annotated[Optional[str], None]
     node_selector: Annotated[Optional[Mapping[str, str]], None]

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _dsec
 from .errors import FailedPrecondition, InvalidArgument
@@ -85,6 +85,13 @@ class Client:
     embedded agent's ``<home>/store``): ``create(image="swe/task-17")`` looks the tag up here (cached for
     ``image_cache_ttl`` seconds) and sends the agent the exact manifest, whose layers the node streams on demand.
 
+    ``create(image="registry.example:5000/swe/task:v1")`` runs an image of an OCI registry (a name whose first part
+    is a host): the agent imports it on first use and keeps its Env, WorkingDir and User (docs/images.md). For the
+    embedded agent, ``registry_auth={"ghcr.io": ("user", "token")}`` gives credentials (handed over in a private
+    file; ``~/.docker/config.json`` is read too), ``registry_mirrors={"docker.io": "http://mirror:5000"}`` mirrors,
+    ``insecure_registries`` hosts spoken to over plain HTTP, ``registry_ca_file`` a CA bundle, and
+    ``default_registry`` where bare names no store has come from (``"docker.io"``).
+
     ``Client(etcd=["http://10.0.0.2:2379"])`` finds its agents in etcd instead (agents started with ``dsecd --etcd``
     register under ``etcd_prefix``) and follows them as they come and go. ``request_timeout`` bounds one exchange
     with a node: a create whose node does not answer in time moves to another node with the same request id.
@@ -129,6 +136,11 @@ class Client:
         etcd_tls_ca_file: str | os.PathLike | None = None,
         etcd_tls_client_cert: str | os.PathLike | None = None,
         etcd_tls_client_key: str | os.PathLike | None = None,
+        registry_auth: Optional[Mapping[str, Tuple[str, str]]] = None,
+        registry_mirrors: Optional[Mapping[str, str]] = None,
+        insecure_registries: Iterable[str] = (),
+        registry_ca_file: str | os.PathLike | None = None,
+        default_registry: str = "",
     ) -> None:
         if endpoints is None:
             eps: list[str] = []
@@ -163,6 +175,11 @@ class Client:
             etcd_tls_client_cert=os.fspath(etcd_tls_client_cert) if etcd_tls_client_cert else "",
             etcd_tls_client_key=os.fspath(etcd_tls_client_key) if etcd_tls_client_key else "",
             etcd_prefix=str(etcd_prefix),
+            registry_auth={str(h): (str(c[0]), str(c[1])) for h, c in (registry_auth or {}).items()},
+            registry_mirrors={str(h): str(u) for h, u in (registry_mirrors or {}).items()},
+            insecure_registries=[str(h) for h in insecure_registries],
+            registry_ca_file=os.fspath(registry_ca_file) if registry_ca_file else "",
+            default_registry=str(default_registry),
         )
         self._pid = os.getpid()
         with _live_lock:

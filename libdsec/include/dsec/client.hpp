@@ -4,8 +4,10 @@
 
 #include <chrono>
 #include <cstddef>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsec/fncall.hpp"
@@ -21,6 +23,18 @@ namespace dsec {
 namespace detail {
 class ClientCore;
 }
+
+// OCI registries, for an embedded agent: it imports registry images on first use (docs/images.md). Agents running
+// elsewhere use their own settings (dsecd --registry-auth, --registry-mirror, ...).
+struct RegistrySettings {
+  // Credentials by registry host ("ghcr.io", "127.0.0.1:5000"): user name and password (or token). The agent gets
+  // them in a private file (mode 0600), never on its command line. Docker's ~/.docker/config.json is read too.
+  std::map<std::string, std::pair<std::string, std::string>> auth;
+  std::map<std::string, std::string> mirrors;  // registry host -> a mirror's URL, asked first
+  std::vector<std::string> insecure;           // hosts spoken to over plain HTTP when HTTPS fails
+  std::string ca_file;                         // a CA bundle to trust for registries
+  std::string default_registry;                // where bare names no store has come from ("docker.io"); empty: none
+};
 
 struct ClientOptions {
   // "unix:/run/dsec/dsecd.sock" or "http://10.0.0.7:7070". Empty: start an embedded agent on a private unix
@@ -41,6 +55,8 @@ struct ClientOptions {
   std::vector<std::string> stores;
   // How long a resolved tag is trusted before it is looked up again (manifests themselves are immutable).
   std::chrono::milliseconds image_cache_ttl{10'000};
+  // OCI registries, for an embedded agent (see RegistrySettings).
+  RegistrySettings registry;
   // Embedded agent only: its binary (default: $DSEC_AGENT, then the dsecd of the build tree this library came
   // from, then each of agent_candidates, then dsecd on PATH) and the directory that holds its image store and state
   // (default: $DSEC_HOME, then /var/lib/dsec).

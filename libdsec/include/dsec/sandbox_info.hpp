@@ -30,6 +30,9 @@ struct SandboxInfo {
   std::string node;
   std::string state;  // creating | running | failed | destroyed
   std::string image;
+  // What `docker run` of its image runs: the image's Entrypoint, then its Cmd (registry images); empty when the
+  // image names neither. A sandbox has no main process: `dsec run IMAGE` with no command execs this.
+  std::vector<std::string> image_command;
   std::string kind;
   std::string tenant;
   Labels labels;

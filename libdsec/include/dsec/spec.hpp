@@ -53,10 +53,11 @@ struct SandboxSpec {
   Labels labels;                   // free-form; list() filters on them
   std::string tenant;              // who owns it; list() filters on it
   std::string hostname;            // empty: the sandbox id
-  std::string workdir = "/";       // default cwd for exec
+  std::string workdir;             // default cwd for exec; empty: the image's WorkingDir, else "/"
   bool allow_ptrace = false;       // allow ptrace inside the sandbox (debuggers); denied by default
   // Who every exec runs as unless the exec names its own user: a user name of the sandbox's own /etc/passwd, or
-  // "uid" / "uid:gid" (0 to 65535 each). Empty: root inside the sandbox (which holds no capability either way).
+  // "uid" / "uid:gid" (0 to 65535 each). Empty: the image's User (registry images), else root inside the sandbox
+  // (which holds no capability either way). The image's Env is under `env` the same way (env wins).
   // See docs/security.md, "Users inside a sandbox and protected paths".
   std::string user;
   // Absolute paths (at most 32, e.g. "/grader") the agent makes root's own before the sandbox is handed out: each

@@ -194,6 +194,13 @@ void Agent::set_up_images(AgentParts& parts) {
   images.cache_bytes = config_.layer_cache_bytes;
   images.layer_mode = config_.layer_mode;
   images.mount_dir = config_.run_dir / ".layers";
+  RegistryImportOptions registry;
+  registry.registry = image::registry::registry_options(config_.registry);
+  registry.default_registry = config_.default_registry;
+  registry.tag_ttl = config_.registry_tag_ttl;
+  registry.wait = config_.registry_import_wait;
+  registry.work_dir = config_.run_dir / ".imports";
+  images.registry = std::move(registry);
   images_ = make_layered_image_source(images, metrics_.layers());
 }
 

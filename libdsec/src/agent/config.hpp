@@ -12,6 +12,7 @@
 
 #include "agent/registry/tenant_quota.hpp"
 #include "dsec/spec.hpp"
+#include "image/registry/registry_client.hpp"
 
 namespace dsec::agent {
 
@@ -175,6 +176,13 @@ struct AgentConfig {
   std::string snapshot_store;
   std::filesystem::path snapshot_staging_dir;
   std::uint64_t snapshot_max_bytes = 16ull << 30;
+  // Registry images, imported into the first store on first use (docs/images.md): credentials, mirrors, insecure
+  // hosts, CA and platform; the default registry of bare names (empty: none); how long an imported tag is trusted
+  // before its registry is asked again; how long a create waits for an import.
+  image::registry::RegistryFlags registry;
+  std::string default_registry;
+  std::chrono::seconds registry_tag_ttl{60};
+  std::chrono::seconds registry_import_wait{600};
   std::filesystem::path layer_cache_dir;          // empty: <home>/cache/layers
   std::uint64_t layer_cache_bytes = 20ull << 30;  // unused layers are evicted beyond this
   std::string layer_mode = "auto";                // auto | lazy (EROFS over FUSE) | extract

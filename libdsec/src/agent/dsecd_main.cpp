@@ -128,6 +128,41 @@ flags::Table listener_flags(AgentConfig& c) {
   };
 }
 
+// Images of OCI registries, imported on first use (docs/images.md).
+flags::Table registry_flags(AgentConfig& c) {
+  return {
+      flags::repeated("--registry-auth", "HOST=USER:PASSWORD",
+                      "credentials for a registry (repeat for more); else --registry-config's", &c.registry.auth,
+                      "HOST=USER:PASSWORD"),
+      flags::text("--registry-auth-file", "FILE",
+                  "credentials for registries, one HOST=USER:PASSWORD a line (off the command line)",
+                  &c.registry.auth_file),
+      flags::text("--registry-config", "FILE",
+                  "Docker's config.json to read registry credentials from (default $DOCKER_CONFIG/config.json, else "
+                  "~/.docker/config.json; '' for none)",
+                  &c.registry.docker_config),
+      flags::repeated("--registry-mirror", "HOST=URL", "ask this mirror first for HOST's images (repeat for more)",
+                      &c.registry.mirrors, "HOST=URL"),
+      flags::repeated("--insecure-registry", "HOST",
+                      "plain HTTP for HOST when HTTPS fails (loopback registries always may); repeat for more",
+                      &c.registry.insecure, "a host[:port]"),
+      flags::text("--registry-ca", "FILE", "a CA bundle to trust for registries instead of the system's",
+                  &c.registry.ca_file),
+      flags::text("--registry-platform", "OS/ARCH", "the image taken from a multi-platform index (default linux/amd64)",
+                  &c.registry.platform),
+      flags::text("--default-registry", "HOST",
+                  "where bare names no store has come from (docker.io: python:3.12 is docker.io/library/python:3.12; "
+                  "default: none, bare names are store images only)",
+                  &c.default_registry),
+      flags::seconds("--image-cache-ttl", "SECS",
+                     "an imported registry tag is asked of its registry again after this long (default 60)",
+                     &c.registry_tag_ttl, {.min = 1}),
+      flags::seconds("--registry-import-wait", "SECS",
+                     "the longest a create waits for an image being imported; the import goes on (default 600)",
+                     &c.registry_import_wait, {.min = 1}),
+  };
+}
+
 // Where the agent keeps images, layers and records; what the node is called and runs.
 flags::Table storage_flags(AgentConfig& c) {
   return {
@@ -431,6 +466,7 @@ flags::Table dsecd_flags(AgentConfig& c, int& ready_fd) {
   auto add = [&table](flags::Table part) { std::move(part.begin(), part.end(), std::back_inserter(table)); };
   add(listener_flags(c));
   add(storage_flags(c));
+  add(registry_flags(c));
   table.push_back(flags::text("--microvm-kernel", "PATH",
                               "the microVMs' guest kernel: a vmlinux/bzImage file (modules from a \"modules\" "
                               "directory beside it) or a directory as scripts/guest-kernel.sh lays it out (default "

@@ -1,11 +1,15 @@
 // dsec image build | push | pull | ls | inspect | rm | gc: images in directory and HTTP stores.
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -15,6 +19,8 @@
 #include "cli/commands.hpp"
 #include "dsec/error.hpp"
 #include "image/build.hpp"
+#include "image/registry/import.hpp"
+#include "image/registry/registry_client.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/catalog.hpp"
 #include "image/store/manifest.hpp"
@@ -29,6 +35,7 @@ constexpr std::string_view kImageHelp = R"(usage: dsec image COMMAND [--store UR
   build NAME --from SOURCE [--parent IMAGE [--diff]] [--role ROLE] [--include PKG,...] [--mirror URL] [-q]
   push NAME STORE
   pull NAME STORE
+  pull REGISTRY/REPOSITORY[:TAG|@DIGEST]... | --from-file LIST [-j N]
   ls [--json]
   inspect NAME
   rm NAME...
@@ -87,14 +94,34 @@ the manifest, then the tag. Blobs are content-addressed, so layers STORE has alr
 )";
 
 constexpr std::string_view kPullHelp = R"(usage: dsec image pull NAME STORE [-q]
+       dsec image pull REFERENCE... [registry options] [-q]
+       dsec image pull --from-file LIST [-j N] [registry options]
 
-Copies image NAME from STORE (a directory or an http(s):// URL) into the store (--store). Nodes do not need this:
-they stream the chunks a sandbox reads; pull makes a whole local copy.
+With NAME and STORE: copies image NAME from STORE (a directory or an http(s):// URL) into the store (--store). Nodes
+do not need this: they stream the chunks a sandbox reads; pull makes a whole local copy.
+
+With REFERENCEs of OCI registries (the first part names a host: "registry.example:5000/swebench/task:v1",
+"localhost/app@sha256:..."; with --default-registry also bare names): imports each image into the store, one dsec
+layer per OCI layer (layers the store has from other images are not fetched again), keeping the image's
+configuration (Env, Entrypoint, Cmd, WorkingDir, User, ...). Agents import on first use too; pulling ahead makes the
+first create fast. --from-file reads one reference per line ('#' starts a comment) and imports -j at a time.
+
+Registry options:
+  --registry-auth HOST=USER:PASSWORD   credentials for a registry (repeatable); else ~/.docker/config.json's
+  --registry-mirror HOST=URL           ask this mirror first for HOST's images (repeatable)
+  --insecure-registry HOST             plain HTTP for HOST when HTTPS fails (loopback registries always may)
+  --registry-ca FILE                   CA bundle to trust for registries
+  --default-registry HOST              where bare names come from (docker.io: "python:3.12" is
+                                       docker.io/library/python:3.12)
+  --platform OS/ARCH                   the image to take from a multi-platform index (default linux/amd64)
+  --max-size SIZE                      the most file content one layer may unpack to (default 64Gi)
+  -j, --jobs N                         with --from-file: images imported at once (default 4)
 )";
 
-constexpr std::string_view kLsHelp = R"(usage: dsec image ls [--json]
+constexpr std::string_view kLsHelp = R"(usage: dsec image ls [--json] [--all]
 
-Lists the images in the store: name, layers, size, creation time and source. --json prints a JSON array.
+Lists the images in the store: name, layers, size, creation time and source. --json prints a JSON array. --all also
+lists the layers imports converted from registries (oci-layer/sha256:...), each kept by a tag of its own.
 )";
 
 constexpr std::string_view kInspectHelp = R"(usage: dsec image inspect NAME
@@ -139,10 +166,16 @@ class ProgressLine {
     auto now = std::chrono::steady_clock::now();
     if (shown_ && done != total && now - last_ < std::chrono::milliseconds(100)) return;
     last_ = now;
-    std::string line =
-        total > 0 ? fmt::format("{}: {:3.0f}% of {}", what,
-                                100.0 * static_cast<double>(done) / static_cast<double>(total), human_bytes(total))
-                  : std::string(what);
+    if (!shown_) started_ = now;
+    const double seconds = std::chrono::duration<double>(now - started_).count();
+    std::string rate =
+        seconds > 0.5 && done > 0
+            ? fmt::format(", {}/s", human_bytes(static_cast<unsigned long long>(static_cast<double>(done) / seconds)))
+            : std::string();
+    std::string line = total > 0 ? fmt::format("{}: {:3.0f}% of {}{}", what,
+                                               100.0 * static_cast<double>(done) / static_cast<double>(total),
+                                               human_bytes(total), rate)
+                                 : std::string(what);
     fmt::print(stderr, "\r\033[K{}", line.substr(0, 110));
     std::fflush(stderr);
     shown_ = true;
@@ -150,7 +183,7 @@ class ProgressLine {
 
   bool enabled_;
   bool shown_ = false;
-  std::chrono::steady_clock::time_point last_{};
+  std::chrono::steady_clock::time_point last_{}, started_{};
 };
 
 nlohmann::json to_json(const image::ResolvedManifest& image) {
@@ -308,37 +341,178 @@ int copy_command(const std::vector<std::string>& args, GlobalOptions& global, st
                    });
 }
 
-int image_ls(const std::vector<std::string>& args, GlobalOptions& global) {
-  return with_help(args, {{"--json", false}}, global, kLsHelp, [&](const ParsedArgs& p, const std::string& help) {
-    if (!p.positional.empty()) throw UsageError("image ls takes no arguments", help);
-    auto store = open_store(global);
-    std::vector<image::ResolvedManifest> images;
-    std::vector<std::string> damaged;
-    for (const auto& tagged : store->list_refs()) {
+// Scratch space on the store's filesystem when the store is a directory (finished blobs are then linked into
+// place, not copied), else under home.
+fs::path scratch_for(const GlobalOptions& global) {
+  std::string store_url = global.resolved_store();
+  bool directory_store = store_url.find("://") == std::string::npos || store_url.starts_with("file://");
+  return directory_store ? fs::path(store_url.starts_with("file://") ? store_url.substr(7) : store_url) / ".tmp"
+                         : fs::path(global.resolved_home()) / "tmp";
+}
+
+std::vector<std::string> references_in(const std::string& file) {
+  std::FILE* f = file == "-" ? stdin : std::fopen(file.c_str(), "r");
+  if (!f) throw Error(Code::kNotFound, fmt::format("--from-file {}: {}", file, std::strerror(errno)));
+  std::vector<std::string> out;
+  char* line = nullptr;
+  std::size_t cap = 0;
+  while (::getline(&line, &cap, f) >= 0) {
+    std::string text(line);
+    text = text.substr(0, text.find('#'));
+    auto first = text.find_first_not_of(" \t\r\n");
+    if (first == std::string::npos) continue;
+    text = text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
+    out.push_back(text);
+  }
+  std::free(line);
+  if (f != stdin) std::fclose(f);
+  return out;
+}
+
+int registry_pull(const ParsedArgs& p, GlobalOptions& global, const std::string& help) {
+  namespace reg = image::registry;
+  reg::RegistryFlags flags;
+  auto all = [&](const char* name) { return p.values.count(name) ? p.values.at(name) : std::vector<std::string>{}; };
+  flags.auth = all("--registry-auth");
+  flags.mirrors = all("--registry-mirror");
+  flags.insecure = all("--insecure-registry");
+  flags.ca_file = p.get("--registry-ca").value_or("");
+  flags.platform = p.get("--platform").value_or("");
+  reg::RegistryClient client(reg::registry_options(flags));
+  const std::string default_registry = p.get("--default-registry").value_or("");
+  std::vector<std::string> refs = p.positional;
+  if (auto list = p.get("--from-file")) {
+    auto more = references_in(*list);
+    refs.insert(refs.end(), more.begin(), more.end());
+  }
+  if (refs.empty()) throw UsageError("image pull needs a REFERENCE or --from-file LIST", help);
+  std::vector<image::ImageReference> parsed;
+  for (const auto& r : refs) {
+    image::ImageReference ref = reg::with_default_registry(image::parse_reference(r), default_registry);
+    if (ref.registry().empty())
+      throw UsageError(fmt::format("'{}' names no registry host (REGISTRY/REPOSITORY[:TAG]); to copy from a dsec "
+                                   "store: dsec image pull NAME STORE; or give --default-registry",
+                                   r),
+                       help);
+    parsed.push_back(std::move(ref));
+  }
+  int jobs = 4;
+  if (auto j = p.get("-j") ? p.get("-j") : p.get("--jobs")) {
+    try {
+      jobs = std::stoi(*j);
+    } catch (const std::exception&) {
+      jobs = 0;
+    }
+    if (jobs < 1 || jobs > 64) throw UsageError("-j needs a number from 1 to 64", help);
+  }
+  const std::uint64_t max_bytes = p.get("--max-size") ? parse_size_option(*p.get("--max-size"), help) : 64ull << 30;
+  auto store = open_store(global);
+  const bool quiet = p.has("-q") || p.has("--quiet");
+  const bool one_at_a_time = parsed.size() == 1 || jobs == 1;
+  std::mutex out_mu;
+  std::atomic<std::size_t> next{0};
+  std::atomic<int> failures{0};
+  auto worker = [&] {
+    for (;;) {
+      std::size_t i = next.fetch_add(1);
+      if (i >= parsed.size()) return;
+      reg::ImportOptions options;
+      options.work_dir = scratch_for(global);
+      options.max_bytes = max_bytes;
+      ProgressLine progress(!quiet && one_at_a_time);
+      options.progress = progress.fn();
       try {
-        images.push_back(image::fetch_manifest(*store, image::parse_reference(tagged)));
+        reg::ImportResult r = reg::import_image(client, *store, parsed[i], options);
+        progress.finish();
+        std::lock_guard lock(out_mu);
+        fmt::print("pulled {} in {}: {} layer{} ({} converted, {} stored before), {} downloaded, as {}\n",
+                   r.image.reference.tagged(), elapsed_text(r.seconds), r.image.manifest.layers.size(),
+                   r.image.manifest.layers.size() == 1 ? "" : "s", r.layers_converted, r.layers_reused,
+                   human_bytes(r.bytes_downloaded), r.image.digest);
+        std::fflush(stdout);
       } catch (const Error& e) {
-        if (e.code() == Code::kUnavailable) throw;
-        damaged.push_back(fmt::format("{}: {}", tagged, e.what()));
+        progress.finish();
+        std::lock_guard lock(out_mu);
+        fmt::print(stderr, "dsec: {}: {}: {}\n", parsed[i].to_string(), e.code_name(), e.what());
+        ++failures;
       }
     }
-    if (p.has("--json")) {
-      nlohmann::json out = nlohmann::json::array();
-      for (const auto& image : images) out.push_back(to_json(image));
-      fmt::print("{}\n", out.dump(2));
-    } else {
-      std::size_t width = 4;
-      for (const auto& i : images) width = std::max(width, i.reference.tagged().size());
-      fmt::print("{:<{}}  {:<15}  {:>6}  {:>10}  {:>10}  {:<19}  {}\n", "NAME", width, "DIGEST", "LAYERS", "SIZE",
-                 "STORED", "CREATED", "SOURCE");
-      for (const auto& i : images)
-        fmt::print("{:<{}}  {:<15}  {:>6}  {:>10}  {:>10}  {:<19}  {}\n", i.reference.tagged(), width,
-                   i.digest.substr(7, 12), i.manifest.layers.size(), human_bytes(i.manifest.size()),
-                   human_bytes(i.manifest.stored_size()), local_time(i.manifest.created_at), i.manifest.source);
-    }
-    for (const auto& d : damaged) fmt::print(stderr, "dsec: damaged image {}\n", d);
-    return damaged.empty() ? 0 : kExitFailure;
-  });
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < std::min<int>(jobs, static_cast<int>(parsed.size())); ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+  return failures ? kExitFailure : 0;
+}
+
+int pull_command(const std::vector<std::string>& args, GlobalOptions& global) {
+  return with_help(args,
+                   {{"-q", false},
+                    {"--quiet", false},
+                    {"--registry-auth", true, true},
+                    {"--registry-mirror", true, true},
+                    {"--insecure-registry", true, true},
+                    {"--registry-ca", true},
+                    {"--default-registry", true},
+                    {"--platform", true},
+                    {"--max-size", true},
+                    {"--from-file", true},
+                    {"-j", true},
+                    {"--jobs", true}},
+                   global, kPullHelp, [&](const ParsedArgs& p, const std::string& help) {
+                     // NAME STORE: a copy between dsec stores, when STORE is one (a path or a URL), not a reference.
+                     auto names_registry = [](const std::string& text) {
+                       try {
+                         return !image::parse_reference(text).registry().empty();
+                       } catch (const Error&) {
+                         return false;  // a path or a URL
+                       }
+                     };
+                     const bool store_copy = p.positional.size() == 2 && !p.has("--from-file") &&
+                                             !p.has("--default-registry") && !names_registry(p.positional[0]) &&
+                                             !names_registry(p.positional[1]);
+                     if (store_copy) {
+                       std::vector<std::string> copy_args = p.positional;
+                       if (p.has("-q") || p.has("--quiet")) copy_args.push_back("-q");
+                       return copy_command(copy_args, global, kPullHelp, false);
+                     }
+                     return registry_pull(p, global, help);
+                   });
+}
+
+int image_ls(const std::vector<std::string>& args, GlobalOptions& global) {
+  return with_help(
+      args, {{"--json", false}, {"--all", false}}, global, kLsHelp, [&](const ParsedArgs& p, const std::string& help) {
+        if (!p.positional.empty()) throw UsageError("image ls takes no arguments", help);
+        auto store = open_store(global);
+        std::vector<image::ResolvedManifest> images;
+        std::vector<std::string> damaged;
+        for (const auto& tagged : store->list_refs()) {
+          if (image::is_oci_layer_ref(tagged) && !p.has("--all")) continue;
+          try {
+            images.push_back(image::fetch_manifest(*store, image::parse_reference(tagged)));
+          } catch (const Error& e) {
+            if (e.code() == Code::kUnavailable) throw;
+            damaged.push_back(fmt::format("{}: {}", tagged, e.what()));
+          }
+        }
+        if (p.has("--json")) {
+          nlohmann::json out = nlohmann::json::array();
+          for (const auto& image : images) out.push_back(to_json(image));
+          fmt::print("{}\n", out.dump(2));
+        } else {
+          std::size_t width = 4;
+          for (const auto& i : images) width = std::max(width, i.reference.tagged().size());
+          fmt::print("{:<{}}  {:<15}  {:>6}  {:>10}  {:>10}  {:<19}  {}\n", "NAME", width, "DIGEST", "LAYERS", "SIZE",
+                     "STORED", "CREATED", "SOURCE");
+          for (const auto& i : images)
+            fmt::print("{:<{}}  {:<15}  {:>6}  {:>10}  {:>10}  {:<19}  {}\n", i.reference.tagged(), width,
+                       i.digest.substr(7, 12), i.manifest.layers.size(), human_bytes(i.manifest.size()),
+                       human_bytes(i.manifest.stored_size()), local_time(i.manifest.created_at), i.manifest.source);
+        }
+        for (const auto& d : damaged) fmt::print(stderr, "dsec: damaged image {}\n", d);
+        return damaged.empty() ? 0 : kExitFailure;
+      });
 }
 
 int image_inspect(const std::vector<std::string>& args, GlobalOptions& global) {
@@ -412,7 +586,7 @@ int image_command(const std::vector<std::string>& args, GlobalOptions& global) {
   std::vector<std::string> rest(args.begin() + static_cast<std::ptrdiff_t>(i + 1), args.end());
   if (sub == "build") return image_build(rest, global);
   if (sub == "push") return copy_command(rest, global, kPushHelp, true);
-  if (sub == "pull") return copy_command(rest, global, kPullHelp, false);
+  if (sub == "pull") return pull_command(rest, global);
   if (sub == "ls" || sub == "list") return image_ls(rest, global);
   if (sub == "inspect") return image_inspect(rest, global);
   if (sub == "rm" || sub == "remove") return image_rm(rest, global);

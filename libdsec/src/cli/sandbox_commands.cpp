@@ -44,9 +44,10 @@ Lists the sandboxes of the node agent(s): id, image, state, kind, creation and e
   --json              a JSON array instead of a table
 )";
 
-constexpr std::string_view kRunHelp = R"(usage: dsec run IMAGE [options] [--] CMD [ARG...]
+constexpr std::string_view kRunHelp = R"(usage: dsec run IMAGE [options] [--] [CMD [ARG...]]
 
-Creates a sandbox from IMAGE, runs CMD in it, prints its output as it comes, destroys the sandbox and exits with
+Creates a sandbox from IMAGE, runs CMD in it (none given: the image's Entrypoint and Cmd, for an image from an OCI
+registry that names them), prints its output as it comes, destroys the sandbox and exits with
 CMD's status (128+N if signal N ended it, 124 if it timed out, 125 if dsec failed). Without --endpoint and with no
 system agent running, a private agent is started for the command (on --home's image store).
   --cpu CORES          cpu limit (default 1; fractions allowed)
@@ -56,7 +57,7 @@ system agent running, a private agent is started for the command (on --home's im
   --env KEY=VALUE      environment (repeatable)
   --label KEY=VALUE    sandbox label (repeatable)
   --tenant T           owner of the sandbox
-  --workdir DIR        working directory (default /)
+  --workdir DIR        working directory (default: the image's WorkingDir, else /)
   --user USER          run CMD (and every later exec) as USER: a name of the image's /etc/passwd, UID or UID:GID
                        (default root)
   --protect PATH       make PATH a directory only root inside may enter, before CMD runs (repeatable)
@@ -306,7 +307,6 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
   }
   if (p.positional.empty()) throw UsageError("run needs an IMAGE", help);
   bool keep = p.has("--keep");
-  if (p.command.empty() && !keep) throw UsageError("run needs a command: dsec run IMAGE -- CMD [ARG...]", help);
 
   SandboxSpec spec;
   spec.image = p.positional[0];
@@ -334,12 +334,23 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
   return run_or_125([&] {
     Client client(client_options(global, endpoint));
     Sandbox sb = client.create(spec);
-    if (p.command.empty()) {
+    if (p.command.empty() && keep) {
       fmt::print("{}\n", sb.release());
       return 0;
     }
     ExecRequest req;
     req.argv = p.command;
+    if (req.argv.empty()) {
+      // No command: the image's own (Entrypoint, then Cmd), as `docker run IMAGE` runs it.
+      req.argv = sb.info().image_command;
+      if (req.argv.empty()) {
+        sb.destroy();
+        throw UsageError(fmt::format("run needs a command: image {} names none (no Entrypoint or Cmd); dsec run "
+                                     "IMAGE -- CMD [ARG...]",
+                                     spec.image),
+                         help);
+      }
+    }
     req.timeout_seconds = timeout;
     req.stdin_data = std::move(stdin_data);
     ExecResult r = exec_live(sb, req);

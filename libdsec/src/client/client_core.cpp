@@ -59,6 +59,7 @@ ClientCore::ClientCore(ClientOptions options) : options_(std::move(options)), no
     ao.home = options_.home;
     ao.extra_args = options_.agent_args;
     ao.stores = options_.stores;
+    ao.registry = options_.registry;
     ao.start_timeout = options_.agent_start_timeout;
     ao.stop_grace = options_.agent_stop_grace;
     agent_ = std::make_unique<EmbeddedAgent>(ao);

@@ -329,6 +329,7 @@ EmbeddedAgent::EmbeddedAgent(const EmbeddedAgentOptions& options)
              "--run-dir",  run_dir_,        "--state-dir",    dir_ + "/state", "--cgroup-name",
              private_name, "--layer-cache", dir_ + "/layers", "--ready-fd",    std::to_string(kReadyFd)};
     for (const auto& store : options.stores) argv_.insert(argv_.end(), {"--store", store});
+    add_registry_args(options.registry);
     argv_.insert(argv_.end(), options.extra_args.begin(), options.extra_args.end());
     // Function calls that name no image run in the image the quickstart builds, when the home's store has it, unless
     // the caller's flags name another.
@@ -534,6 +535,34 @@ void EmbeddedAgent::stop() {
   cleanup_files();
 }
 
+void EmbeddedAgent::add_registry_args(const RegistrySettings& r) {
+  if (!r.auth.empty()) {
+    // Passwords go in a file only this user reads: a command line is every local user's to see.
+    registry_auth_file_ = dir_ + "/registry-auth";
+    UniqueFd fd(::open(registry_auth_file_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+    if (!fd) throw_errno(errno, fmt::format("writing {}", registry_auth_file_));
+    std::string text;
+    for (const auto& [host, credential] : r.auth) {
+      const auto& [user, password] = credential;
+      if (host.find_first_of("=\n") != std::string::npos || user.find_first_of(":\n") != std::string::npos ||
+          password.find('\n') != std::string::npos)
+        throw Error(Code::kInvalidArgument,
+                    fmt::format("registry credentials for '{}': a '=' or newline in the host, a ':' or newline in the "
+                                "user, or a newline in the password",
+                                host.substr(0, 200)));
+      text += fmt::format("{}={}:{}\n", host, user, password);
+    }
+    if (::write(fd.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size()))
+      throw_errno(errno, fmt::format("writing {}", registry_auth_file_));
+    argv_.insert(argv_.end(), {"--registry-auth-file", registry_auth_file_});
+  }
+  for (const auto& [host, url] : r.mirrors)
+    argv_.insert(argv_.end(), {"--registry-mirror", fmt::format("{}={}", host, url)});
+  for (const auto& host : r.insecure) argv_.insert(argv_.end(), {"--insecure-registry", host});
+  if (!r.ca_file.empty()) argv_.insert(argv_.end(), {"--registry-ca", r.ca_file});
+  if (!r.default_registry.empty()) argv_.insert(argv_.end(), {"--default-registry", r.default_registry});
+}
+
 void EmbeddedAgent::cleanup_files() noexcept {
   // Never recursive: a run directory the agent could not clean may still hold mounts.
   if (!socket_path_.empty()) ::unlink(socket_path_.c_str());
@@ -544,6 +573,7 @@ void EmbeddedAgent::cleanup_files() noexcept {
     ::rmdir(run_dir_.c_str());
   }
   if (!dir_.empty()) ::rmdir((dir_ + "/state").c_str());
+  if (!registry_auth_file_.empty()) ::unlink(registry_auth_file_.c_str());
   if (!dir_.empty()) remove_layer_cache(dir_);
   if (!dir_.empty()) ::rmdir(dir_.c_str());
 }

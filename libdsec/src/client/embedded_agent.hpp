@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "dsec/client.hpp"
+
 namespace dsec::detail {
 
 struct EmbeddedAgentOptions {
@@ -24,6 +26,7 @@ struct EmbeddedAgentOptions {
   std::string home;                     // empty: $DSEC_HOME, then /var/lib/dsec
   std::vector<std::string> stores;      // image stores (--store); empty: the agent's default, <home>/store
   std::vector<std::string> extra_args;  // appended to dsecd's command line ("--backends", "null", ...)
+  RegistrySettings registry;            // OCI registries: flags, and credentials in a private file
   std::chrono::milliseconds start_timeout{30'000};
   std::chrono::milliseconds stop_grace{10'000};
 };
@@ -58,6 +61,8 @@ class EmbeddedAgent {
 
  private:
   void keeper_main(int ready_write_fd, int log_fd, int null_fd);
+  // dsecd's registry flags; credentials go to a private file (registry_auth_file_).
+  void add_registry_args(const RegistrySettings& registry);
   // keeper_main's steps. The agent's process, its descriptors handed over (closed here); -1 when it did not start
   // (`err` says why).
   pid_t spawn_child(int ready_write_fd, int log_fd, int null_fd, int& err);
@@ -75,7 +80,8 @@ class EmbeddedAgent {
   pid_t owner_pid_;  // the process that started the agent (a forked child must not stop it)
   std::chrono::milliseconds start_timeout_;
   std::chrono::milliseconds stop_grace_;
-  std::string dir_;  // private directory: dsecd.sock, dsecd.log, run/
+  std::string dir_;                 // private directory: dsecd.sock, dsecd.log, run/
+  std::string registry_auth_file_;  // in dir_: registry credentials for the agent, or empty
   std::string socket_path_;
   std::string run_dir_;
   std::string log_path_;

@@ -36,6 +36,9 @@ ImageResolver::ImageResolver(const std::vector<std::string>& store_urls, std::ch
 
 std::shared_ptr<const ResolvedImageRef> ImageResolver::resolve(const std::string& image) {
   image::ImageReference ref = image::parse_reference(image);
+  // An OCI registry's image is the agents' to resolve: they import it on first use and ask the registry again when
+  // its tag's time is up (docs/images.md).
+  if (!ref.registry().empty()) return nullptr;
   const std::string tagged = ref.tagged();
   auto lookup = [&]() -> std::shared_ptr<const ResolvedImageRef> {
     std::lock_guard lock(mu_);
@@ -74,6 +77,7 @@ std::vector<ImageInfo> ImageResolver::list() {
   std::vector<ImageInfo> out;
   for (auto& store : stores_) {
     for (const auto& tagged : store->list_refs()) {
+      if (image::is_oci_layer_ref(tagged)) continue;  // a converted registry layer, not an image
       try {
         out.push_back(image_info(image::fetch_manifest(*store, image::parse_reference(tagged)), store->url()));
       } catch (const Error& e) {

@@ -31,7 +31,8 @@ class ImageResolver {
   bool enabled() const noexcept { return !stores_.empty(); }
 
   // NOT_FOUND naming the stores when no store has the image; INVALID_ARGUMENT for a malformed name; UNAVAILABLE when
-  // a store cannot be reached and none had it.
+  // a store cannot be reached and none had it. Null for an OCI registry's image ("host/repo:tag"): the agent resolves
+  // those (imports on first use, re-checks tags).
   std::shared_ptr<const ResolvedImageRef> resolve(const std::string& image);
 
   // The tagged images of every store, store by store, as `dsec image ls` lists them; an image whose manifest

@@ -1,5 +1,7 @@
 #include "http/curl.hpp"
 
+#include <cctype>
+
 namespace dsec::http::curl {
 
 void global_init(std::string_view client) {
@@ -78,6 +80,22 @@ void start_transfer(CURL* h, const TransferOptions& o) {
     o.error_buffer[0] = '\0';
     set(h, CURLOPT_ERRORBUFFER, o.error_buffer);
   }
+}
+
+std::string url_escape(std::string_view text) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  out.reserve(text.size() * 3);
+  for (unsigned char c : text) {
+    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out.push_back('%');
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  return out;
 }
 
 Failure classify(CURLcode rc) {

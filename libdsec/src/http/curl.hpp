@@ -99,6 +99,9 @@ struct TransferOptions {
 // every transfer: HTTP/1.1 over http or https only, no redirects followed, no signals, TCP keepalive and no Nagle.
 void start_transfer(CURL* handle, const TransferOptions& options);
 
+// Percent-encodes everything but RFC 3986's unreserved characters: one safe URL path segment or query value.
+std::string url_escape(std::string_view text);
+
 // What a failed transfer was, for each client to word for its caller.
 enum class Failure {
   kUnreachable,           // no connection: refused, no route, name not resolved, TLS handshake failed

@@ -26,6 +26,20 @@
 
 namespace dsec::image {
 namespace fs = std::filesystem;
+
+fs::path make_scratch_dir(const fs::path& parent, std::string_view prefix) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  // (A read-only or full store says so here, not as a missing directory below.)
+  if (ec) throw_errno_fmt(ec.value(), "create {}", parent.string());
+  for (;;) {
+    fs::path p = parent / fmt::format("{}{:012x}", prefix, rng() & 0xffffffffffffull);
+    if (::mkdir(p.c_str(), 0700) == 0) return p;
+    if (errno != EEXIST) throw_errno_fmt(errno, "create {}", p.string());
+  }
+}
+
 namespace {
 
 constexpr std::size_t kMaxExcluded = 2000;
@@ -37,19 +51,6 @@ double now_unix() {
 
 double since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
-fs::path scratch_dir(const fs::path& parent, std::string_view prefix) {
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  // (A read-only or full store says so here, not as a missing directory below.)
-  if (ec) throw_errno_fmt(ec.value(), "create {}", parent.string());
-  for (;;) {
-    fs::path p = parent / fmt::format("{}{:012x}", prefix, rng() & 0xffffffffffffull);
-    if (::mkdir(p.c_str(), 0700) == 0) return p;
-    if (errno != EEXIST) throw_errno_fmt(errno, "create {}", p.string());
-  }
 }
 
 // What mkfs.erofs must leave out of a tree, and what the tree holds.
@@ -340,7 +341,7 @@ BuildResult build_image(BlobStore& store, const BuildOptions& options) {
     if (options.log) options.log(line);
   };
 
-  fs::path work = scratch_dir(options.work_dir, "build-");
+  fs::path work = make_scratch_dir(options.work_dir, "build-");
   struct Cleanup {
     fs::path p;
     ~Cleanup() {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "image/layer_tar.hpp"
@@ -66,6 +67,10 @@ struct BuildResult {
 // Builds and tags an image in `store`. The parent is resolved in `store` too. Nothing is tagged unless every blob
 // is stored; scratch files are removed on success and failure.
 BuildResult build_image(BlobStore& store, const BuildOptions& options);
+
+// A new directory "<prefix><12 hex digits>" under `parent` (created if missing), mode 0700, for a build's scratch
+// files.
+std::filesystem::path make_scratch_dir(const std::filesystem::path& parent, std::string_view prefix);
 
 // Makes a layer from a finished tree: mkfs.erofs, prefetch list, chunks, blobs into the store. Returns the layer's
 // descriptor (role as given). Used by build_image and by snapshots of sandboxes.

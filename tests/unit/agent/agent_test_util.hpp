@@ -31,7 +31,7 @@ class FakeImages final : public ImageSource {
                         ManifestOrigin = ManifestOrigin::kCaller) override {
     std::string full = name.find(':') == std::string::npos ? name + ":latest" : name;
     if (!names_.count(full)) throw Error(Code::kNotFound, fmt::format("image '{}' not found", name));
-    return ResolvedImage{full, {std::filesystem::path("/images") / full}, {}, nullptr};
+    return ResolvedImage{full, {std::filesystem::path("/images") / full}, {}, nullptr, std::nullopt};
   }
   std::vector<std::string> names() const override { return {names_.begin(), names_.end()}; }
   // A manifest without layers for every name it resolves (snapshots look it up before they capture anything).

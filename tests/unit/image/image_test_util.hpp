@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <random>
@@ -29,12 +30,30 @@
 
 #include <gtest/gtest.h>
 
+#include "dsec/error.hpp"
 #include "image/fs_tree.hpp"
 #include "image/store/blob_store.hpp"
 #include "image/store/chunk_index.hpp"
 #include "image/store/manifest.hpp"
 
 namespace dsec::image::testing {
+
+// Runs `fn`, expects a dsec::Error with `code` whose message holds every one of `parts`; returns the message.
+inline std::string expect_error(const std::function<void()>& fn, Code code, std::vector<std::string> parts = {}) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code_name(), code_name(code)) << e.what();
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected dsec::Error " << code_name(code) << ", got another exception: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected dsec::Error " << code_name(code) << ", nothing was thrown";
+  return "";
+}
 
 // A fresh directory under $TMPDIR (or /tmp), removed with everything below it (mounts detached first) when the
 // test ends.

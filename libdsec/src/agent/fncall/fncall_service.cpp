@@ -277,6 +277,11 @@ FnCallResult FnCallService::run_uncached(const FnCallRequest& request, std::stri
   CallSettings settings;
   settings.language = request.language;
   settings.env = {{"PATH", kPath}, {"HOME", "/tmp"}, {"TMPDIR", "/tmp"}, {"LANG", "C.UTF-8"}};
+  // A registry image's Env (a PATH into its conda environment, say) over those, the call's own over both.
+  if (const auto& config = pool->image_config())
+    for (const auto& entry : config->env)
+      if (auto eq = entry.find('='); eq != std::string::npos && eq > 0)
+        settings.env[entry.substr(0, eq)] = entry.substr(eq + 1);
   for (const auto& [k, v] : request.env) settings.env[k] = v;
   if (!grant.empty()) {
     settings.env["CUDA_VISIBLE_DEVICES"] = fmt::format("{}", fmt::join(grant.devices(), ","));

@@ -61,6 +61,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
 
   PoolStatus status() const;
   const std::string& image() const noexcept { return image_.name; }
+  // The image's configuration (registry images): its Env is every call's.
+  const std::optional<image::ImageConfig>& image_config() const noexcept { return image_.config; }
   const std::string& language() const noexcept { return language_; }
   // No server, no call waiting or running, and idle since `since`: the service may drop a pool of a non-default
   // image then.

@@ -40,18 +40,27 @@ class LayeredImageSource final : public ImageSource {
         mounts_(layers::LayerMountsOptions{options.mount_dir, mode_, stores_, {}}, cache_, metrics) {
     for (const auto& url : options.stores)
       remote_ = remote_ || url.starts_with("http://") || url.starts_with("https://");
+    if (options.registry) {
+      // Imports go to the first store (where `dsec image build` and snapshots go too).
+      std::vector<image::BlobStore*> all;
+      for (const auto& s : stores_) all.push_back(s.get());
+      imports_ = std::make_unique<RegistryImports>(*options.registry, *stores_.front(), std::move(all));
+    }
   }
 
-  ~LayeredImageSource() override { mounts_.shutdown(); }
+  ~LayeredImageSource() override {
+    imports_.reset();  // imports are cancelled and joined before the stores go
+    mounts_.shutdown();
+  }
 
   ResolvedImage resolve(const std::string& reference, std::string_view manifest_json, ManifestOrigin origin) override {
     image::ImageReference ref = image::parse_reference(reference);
-    auto [digest, manifest] = manifest_of(ref, manifest_json, origin);
+    auto [tagged, digest, manifest] = manifest_of(ref, manifest_json, origin);
 
     std::vector<MountedLayer> held;
     std::vector<std::filesystem::path> dirs;
     std::vector<layers::LayerImage> images;
-    const std::string pinned = ref.tagged() + "@" + digest;
+    const std::string pinned = tagged + "@" + digest;
     for (std::size_t i = 0; i < manifest->layers.size(); ++i) {
       const image::LayerDescriptor& layer = manifest->layers[i];
       try {
@@ -67,7 +76,9 @@ class LayeredImageSource final : public ImageSource {
     // The hold keeps the layers mounted and the manifest known (a snapshot of the sandbox builds on it).
     auto hold = std::make_shared<HeldImage>(HeldImage{std::move(held), manifest});
     if (std::any_of(images.begin(), images.end(), [](const auto& i) { return i.file.empty(); })) images.clear();
-    return ResolvedImage{pinned, std::move(dirs), std::move(images), std::move(hold)};
+    ResolvedImage out{pinned, std::move(dirs), std::move(images), std::move(hold), {}};
+    if (manifest->config) out.config = *manifest->config;
+    return out;
   }
 
   std::shared_ptr<const image::Manifest> manifest(const std::string& pinned_reference) override {
@@ -75,7 +86,7 @@ class LayeredImageSource final : public ImageSource {
     if (ref.digest.empty())
       throw Error(Code::kInvalidArgument,
                   fmt::format("'{}' is not a pinned image reference (name:tag@sha256:...)", pinned_reference));
-    return manifest_of(ref, {}, ManifestOrigin::kAgent).second;
+    return manifest_of(ref, {}, ManifestOrigin::kAgent).manifest;
   }
 
   std::vector<image::BlobStore*> stores() override {
@@ -93,7 +104,8 @@ class LayeredImageSource final : public ImageSource {
     std::set<std::string> names;
     for (const auto& store : stores_) {
       try {
-        for (auto& ref : store->list_refs()) names.insert(std::move(ref));
+        for (auto& ref : store->list_refs())
+          if (!image::is_oci_layer_ref(ref)) names.insert(std::move(ref));
       } catch (const std::exception&) {
         // Listing is best effort: a plain HTTP store may not offer it.
       }
@@ -134,10 +146,16 @@ class LayeredImageSource final : public ImageSource {
     ManifestPtr manifest;
   };
 
+  struct FoundManifest {
+    std::string tagged;  // the image's name:tag (a registry image pinned by the registry's digest: its import tag)
+    std::string digest;
+    ManifestPtr manifest;
+  };
+
   // The manifest's digest and contents: from the cache of manifests by digest, the client's copy (checked against
-  // the pin and, for a caller's, found in a store), or the stores. A caller's pinned digest must be its name's image.
-  std::pair<std::string, ManifestPtr> manifest_of(const image::ImageReference& ref, std::string_view json,
-                                                  ManifestOrigin origin) {
+  // the pin and, for a caller's, found in a store), the stores, or a registry (imported into the store first). A
+  // caller's pinned digest must be its name's image.
+  FoundManifest manifest_of(const image::ImageReference& ref, std::string_view json, ManifestOrigin origin) {
     const bool caller = origin == ManifestOrigin::kCaller;
     if (!json.empty()) {
       if (ref.digest.empty())
@@ -153,7 +171,7 @@ class LayeredImageSource final : public ImageSource {
     if (!ref.digest.empty())
       if (ManifestPtr m = cached(ref.digest)) {
         if (caller) check_named(ref, *m);
-        return {ref.digest, m};
+        return {ref.tagged(), ref.digest, m};
       }
     if (!json.empty()) {
       ManifestPtr m;
@@ -167,15 +185,16 @@ class LayeredImageSource final : public ImageSource {
         check_named(ref, *m);
       }
       remember(ref.digest, m);
-      return {ref.digest, m};
+      return {ref.tagged(), ref.digest, m};
     }
     std::vector<image::BlobStore*> stores;
     for (const auto& s : stores_) stores.push_back(s.get());
-    image::ResolvedManifest resolved = image::fetch_manifest(stores, ref);
+    image::ResolvedManifest resolved =
+        imports_ && imports_->handles(ref) ? imports_->resolve(ref) : image::fetch_manifest(stores, ref);
     auto m = std::make_shared<const image::Manifest>(std::move(resolved.manifest));
-    if (caller && !ref.digest.empty()) check_named(ref, *m);
+    if (caller && !ref.digest.empty()) check_named(resolved.reference, *m);
     remember(resolved.digest, m);
-    return {resolved.digest, m};
+    return {resolved.reference.tagged(), resolved.digest, m};
   }
 
   static Error not_in_stores(const image::ImageReference& ref) {
@@ -250,7 +269,8 @@ class LayeredImageSource final : public ImageSource {
   Stores stores_;
   BlobCache cache_;
   LayerMounts mounts_;
-  bool remote_ = false;  // some store is an HTTP store
+  std::unique_ptr<RegistryImports> imports_;  // registry images on first use; none without registry settings
+  bool remote_ = false;                       // some store is an HTTP store
   mutable std::mutex names_mutex_;
   mutable std::vector<std::string> names_;
   mutable std::optional<std::chrono::steady_clock::time_point> names_at_;

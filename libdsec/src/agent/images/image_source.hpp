@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "agent/images/layers/layer_image.hpp"
+#include "agent/images/registry_imports.hpp"
 #include "agent/metrics.hpp"
 #include "dsec/error.hpp"
 #include "dsec/sandbox_info.hpp"
@@ -28,6 +30,8 @@ struct ResolvedImage {
   // Keeps the layers mounted while held: the registry holds it for as long as the sandbox lives. Empty for sources
   // whose layers never go away.
   std::shared_ptr<const void> hold;
+  // How the image means to be run (registry images), applied to the sandbox's spec (image_config.hpp).
+  std::optional<image::ImageConfig> config;
 };
 
 // How the node's layers are kept: GET /v1/node reports it.
@@ -77,6 +81,8 @@ struct ImageSourceOptions {
   std::uint64_t cache_bytes = 20ull << 30;  // its limit (layers in use are never evicted)
   std::string layer_mode = "auto";          // auto | lazy | extract
   std::filesystem::path mount_dir;          // where layers are mounted (<run dir>/.layers)
+  // Registry images on first use (imported into the first store); none: names are store images only.
+  std::optional<RegistryImportOptions> registry;
 };
 
 // The real image source: manifests from the stores, layers through the node's cache. Throws dsec::Error when a

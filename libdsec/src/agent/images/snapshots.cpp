@@ -205,6 +205,7 @@ std::string Snapshots::commit_snapshot(const image::ImageReference& ref, const i
   m.created_at = unix_now();
   m.source = fmt::format("snapshot of sandbox {} on node {}", out.sandbox_id, options_.node_id);
   m.notes = out.notes;
+  m.config = parent.config;  // a snapshot runs as its image did
   try {
     return image::commit_manifest_new_tag(*store_, m);
   } catch (const Error& e) {

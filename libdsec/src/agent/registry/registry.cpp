@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "agent/images/image_config.hpp"
 #include "agent/registry/protected_paths.hpp"
 #include "agent/registry/registry_internal.hpp"
 #include "common/log.hpp"
@@ -191,18 +192,24 @@ CreateOutcome Registry::create_new(const SandboxSpec& spec, std::string_view ima
   return CreateOutcome{record->snapshot(), true};
 }
 
-void Registry::make_sandbox(Record& record, Backend& backend, const std::string& id, const SandboxSpec& spec,
+void Registry::make_sandbox(Record& record, Backend& backend, const std::string& id, const SandboxSpec& asked,
                             std::string_view image_manifest, const std::string& fingerprint,
                             std::shared_ptr<const ForkSource> fork_of) {
   // A fork's copies hold its parent's image, checked when the parent was made.
   ResolvedImage image =
-      images_.resolve(spec.image, image_manifest, fork_of ? ManifestOrigin::kAgent : ManifestOrigin::kCaller);
+      images_.resolve(asked.image, image_manifest, fork_of ? ManifestOrigin::kAgent : ManifestOrigin::kCaller);
+  // The image's Env, WorkingDir and User under the spec's own: every exec, session and process starts from them.
+  const SandboxSpec spec = apply_image_config(asked, image.config ? &*image.config : nullptr);
   CreateParams params{id, spec, image.layers, image.layer_images, std::move(fork_of)};
   SandboxInfo& info = record.info;
   info.id = id;
   info.node = options_.node_id;
   info.kind = spec.kind;
   info.image = image.name;
+  if (image.config) {
+    info.image_command = image.config->entrypoint;
+    info.image_command.insert(info.image_command.end(), image.config->cmd.begin(), image.config->cmd.end());
+  }
   // The record goes to disk before the backend starts anything: an agent that dies in between leaves a record,
   // and the next start removes whatever the half-made sandbox left (Backend::remove_leftovers).
   info.state = "creating";

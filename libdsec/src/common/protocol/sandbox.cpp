@@ -40,7 +40,6 @@ json encode(const SandboxSpec& s) {
       {"labels", s.labels},
       {"tenant", s.tenant},
       {"hostname", s.hostname},
-      {"workdir", s.workdir},
       {"allow_ptrace", s.allow_ptrace},
       {"request_id", s.request_id},
       {"node_selector", s.node_selector},
@@ -48,6 +47,8 @@ json encode(const SandboxSpec& s) {
       {"group", s.group},
       {"group_ttl", s.group_ttl.count()},
   };
+  // Only when given: an agent of before image configs reads a missing workdir as "/", and refuses an empty one.
+  if (!s.workdir.empty()) j["workdir"] = s.workdir;
   // Written only when set, so a spec without them encodes (and fingerprints, for request ids) as before.
   if (s.resources.egress_mbps) j["resources"]["egress_mbps"] = s.resources.egress_mbps;
   if (s.resources.connections) j["resources"]["connections"] = s.resources.connections;
@@ -262,7 +263,8 @@ void validate(const SandboxSpec& s) {
   for (char c : s.hostname)
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.'))
       bad("hostname", "letters, digits, '-' and '.' only");
-  if (s.workdir.empty() || s.workdir.front() != '/' || has_nul(s.workdir)) bad("workdir", "must be an absolute path");
+  if (!s.workdir.empty() && (s.workdir.front() != '/' || has_nul(s.workdir)))
+    bad("workdir", "must be an absolute path (or absent: the image's WorkingDir, else /)");
   validate_request_id(s.request_id);
   if (s.tenant.size() > kMaxTenantBytes || has_nul(s.tenant))
     bad("tenant", fmt::format("at most {} bytes", kMaxTenantBytes));
@@ -364,6 +366,7 @@ json encode(const SandboxInfo& s) {
               {"node", s.node},
               {"state", s.state},
               {"image", s.image},
+              {"image_command", s.image_command},
               {"kind", s.kind},
               {"tenant", s.tenant},
               {"labels", s.labels},
@@ -391,6 +394,7 @@ SandboxInfo decode_sandbox_info(const json& j) {
   s.node = member(j, "node", "");
   s.state = member(j, "state", "");
   s.image = member(j, "image", "");
+  s.image_command = member(j, "image_command", std::vector<std::string>{});
   s.kind = member(j, "kind", "");
   s.tenant = member(j, "tenant", "");
   s.labels = member(j, "labels", Labels{});

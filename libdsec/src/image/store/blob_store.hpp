@@ -84,6 +84,12 @@ class BlobStore {
   virtual bool remove_ref(const std::string& tagged) = 0;
   // Every "name:tag", sorted.
   virtual std::vector<std::string> list_refs() = 0;
+
+  // An exclusive claim on `name` (work that must run once per store at a time: importing one registry image or
+  // layer), held until the returned handle is dropped; other claimers of the name wait for it. Directory stores
+  // hold flock(2) on <root>/.locks/<name> (every process of the node, and the nodes of a shared file system that
+  // honours flock); other stores claim within this process only. `name` is a ref-like name ("name:tag").
+  virtual std::shared_ptr<void> claim(const std::string& name);
 };
 
 // A store from its URL: "http://..." and "https://..." are HTTP stores, "file:///path" and plain paths directory

@@ -100,6 +100,10 @@ ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const Ima
                                            stores.size() == 1 ? "store" : "any of the stores", fmt::join(urls, ", ")));
 }
 
+bool is_oci_layer_ref(std::string_view tagged) {
+  return tagged.starts_with("oci-layer/sha256:") || tagged.starts_with("oci-layers/sha256:");
+}
+
 std::string commit_manifest(BlobStore& store, const Manifest& m) {
   std::string digest = put_manifest(store, m);
   store.write_ref(m.reference(), digest);

@@ -28,6 +28,10 @@ ResolvedManifest fetch_manifest(BlobStore& store, const ImageReference& referenc
 // store is remembered and rethrown only when no other store had the image.
 ResolvedManifest fetch_manifest(const std::vector<BlobStore*>& stores, const ImageReference& reference);
 
+// Whether a store ref names a registry layer converted by an import ("oci-layer/sha256:..." or "oci-layers/..."; see
+// image/registry/import.hpp) rather than an image: listings of images leave them out.
+bool is_oci_layer_ref(std::string_view tagged);
+
 // Stores the manifest blob and points the tag m.name:m.tag at it; returns the manifest digest. The blobs of every
 // layer must be in the store already (FAILED_PRECONDITION naming the first missing one otherwise), so a tag never
 // names an image that cannot be read.

@@ -1,5 +1,6 @@
 // The directory store: blobs and refs as files, written under .tmp/ and renamed into place (see blob_store.hpp).
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -210,6 +211,20 @@ class DirectoryStore final : public BlobStore {
       throw Error(Code::kUnavailable, fmt::format("list refs of store {}: {}", url_, ec.message()));
     std::sort(out.begin(), out.end());
     return out;
+  }
+
+  std::shared_ptr<void> claim(const std::string& name) override {
+    fs::path dir = root_ / ".locks";
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw Error(Code::kUnavailable, fmt::format("store {}: mkdir {}: {}", url_, dir.string(), ec.message()));
+    fs::path path = dir / escape_reference(name);
+    auto fd = std::make_shared<UniqueFd>(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+    if (!*fd) throw_errno_fmt(errno, "store {}: open {}", url_, path.string());
+    if (retry_eintr([&] { return ::flock(fd->get(), LOCK_EX); }) != 0)
+      throw_errno_fmt(errno, "store {}: flock {}", url_, path.string());
+    // The lock file stays (removing it would race with a waiter that has it open); closing the fd releases it.
+    return fd;
   }
 
  private:

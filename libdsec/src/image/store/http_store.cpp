@@ -53,23 +53,6 @@ constexpr long kLowSpeedLimit = 1024;
 const RetryPolicy kRetryBackoff{
     .initial_backoff = milliseconds{50}, .max_backoff = milliseconds{1000}, .multiplier = 2.0};
 
-// Percent-encodes everything but RFC 3986's unreserved characters: one safe path segment.
-std::string url_segment(std::string_view text) {
-  static constexpr char kHex[] = "0123456789ABCDEF";
-  std::string out;
-  out.reserve(text.size() * 3);
-  for (unsigned char c : text) {
-    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      out.push_back('%');
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
-    }
-  }
-  return out;
-}
-
 // Where a PUT's body comes from. rewind() starts it over (a retry, or curl resending on a fresh connection).
 class UploadSource {
  public:
@@ -462,7 +445,7 @@ class HttpStore final : public BlobStore {
     if (!ref.digest.empty())
       throw Error(Code::kInvalidArgument,
                   fmt::format("ref '{}': a ref is a name and tag, without a pinned digest", tagged));
-    return base_ + "/refs/" + url_segment(escape_reference(ref.tagged()));
+    return base_ + "/refs/" + curl::url_escape(escape_reference(ref.tagged()));
   }
 
   // PUTs `manifest_digest` as the ref of `tagged`, with `if_none_match` only where no ref is yet: false when the

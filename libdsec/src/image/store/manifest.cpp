@@ -1,5 +1,7 @@
 #include "image/store/manifest.hpp"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -100,6 +102,42 @@ std::string digest_field(const json& j, const char* key, std::string_view path) 
   return d;
 }
 
+json config_to_json(const ImageConfig& c) {
+  return {{"env", c.env},   {"entrypoint", c.entrypoint},       {"cmd", c.cmd},       {"working_dir", c.working_dir},
+          {"user", c.user}, {"exposed_ports", c.exposed_ports}, {"labels", c.labels}, {"stop_signal", c.stop_signal}};
+}
+
+std::vector<std::string> string_list(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return {};
+  if (!it->is_array()) bad_field(fmt::format("config.{}", key), "must be a list of strings");
+  std::vector<std::string> out;
+  for (const auto& item : *it) {
+    if (!item.is_string()) bad_field(fmt::format("config.{}", key), "must be a list of strings");
+    out.push_back(item.get<std::string>());
+  }
+  return out;
+}
+
+ImageConfig config_from_json(const json& j) {
+  if (!j.is_object()) bad_field("config", "must be an object");
+  ImageConfig c;
+  c.env = string_list(j, "env");
+  for (const auto& e : c.env)
+    if (e.find('=') == std::string::npos || e.front() == '=')
+      bad_field("config.env", fmt::format("'{}' is not KEY=value", e.substr(0, 80)));
+  c.entrypoint = string_list(j, "entrypoint");
+  c.cmd = string_list(j, "cmd");
+  c.working_dir = optional_field<std::string>(j, "working_dir", "config.", "");
+  if (!c.working_dir.empty() && c.working_dir.front() != '/')
+    bad_field("config.working_dir", fmt::format("'{}' is not an absolute path", c.working_dir.substr(0, 80)));
+  c.user = optional_field<std::string>(j, "user", "config.", "");
+  c.exposed_ports = string_list(j, "exposed_ports");
+  c.labels = optional_field<std::map<std::string, std::string>>(j, "labels", "config.", {});
+  c.stop_signal = optional_field<std::string>(j, "stop_signal", "config.", "");
+  return c;
+}
+
 }  // namespace
 
 std::string_view to_string(LayerRole role) {
@@ -147,9 +185,15 @@ std::string manifest_to_json(const Manifest& m) {
                       {"data", l.data},
                       {"stored_size", l.stored_size},
                       {"files_size", l.files_size}});
-  json j = {
-      {"schema", Manifest::kSchemaVersion}, {"name", m.name},     {"tag", m.tag},       {"layers", std::move(layers)},
-      {"created_at", m.created_at},         {"source", m.source}, {"parent", m.parent}, {"notes", m.notes}};
+  json j = {{"schema", m.config ? Manifest::kSchemaVersion : 1},
+            {"name", m.name},
+            {"tag", m.tag},
+            {"layers", std::move(layers)},
+            {"created_at", m.created_at},
+            {"source", m.source},
+            {"parent", m.parent},
+            {"notes", m.notes}};
+  if (m.config) j["config"] = config_to_json(*m.config);
   // nlohmann's object is a sorted map: the dump is canonical.
   return j.dump();
 }
@@ -167,9 +211,9 @@ Manifest manifest_from_json(std::string_view text) {
   if (schema_it == j.end()) bad_field("schema", "missing");
   if (!schema_it->is_number_integer()) bad_field("schema", "wrong type");
   std::int64_t schema = schema_it->get<std::int64_t>();
-  if (schema != Manifest::kSchemaVersion)
+  if (schema < 1 || schema > Manifest::kSchemaVersion)
     bad_field("schema",
-              fmt::format("version {} is not supported (this dsec reads {})", schema, Manifest::kSchemaVersion));
+              fmt::format("version {} is not supported (this dsec reads 1 to {})", schema, Manifest::kSchemaVersion));
   Manifest m;
   m.name = field<std::string>(j, "name", "");
   m.tag = field<std::string>(j, "tag", "");
@@ -194,6 +238,10 @@ Manifest manifest_from_json(std::string_view text) {
     m.notes = j.value("notes", std::vector<std::string>{});
   } catch (const json::exception&) {
     bad_field("notes", "must be a list of strings");
+  }
+  if (auto config = j.find("config"); config != j.end()) {
+    if (schema < 2) bad_field("config", "comes with schema version 2 only");
+    m.config = config_from_json(*config);
   }
   auto layers = j.find("layers");
   if (layers == j.end() || !layers->is_array() || layers->empty()) bad_field("layers", "must be a non-empty list");
@@ -220,6 +268,56 @@ Manifest manifest_from_json(std::string_view text) {
   return m;
 }
 
+namespace {
+
+// The first '/'-part of a name names a registry host when it has a '.' or a ':' or is "localhost" (Docker's rule),
+// and starts as a host name does (so "../etc" is a bad repository, not a bad host).
+bool names_host(std::string_view first_part) {
+  if (first_part.empty() || !is_alnum(first_part.front())) return false;
+  return first_part.find_first_of(".:") != std::string_view::npos || first_part == "localhost";
+}
+
+void check_host(std::string_view text, std::string_view host) {
+  std::string_view port;
+  if (std::size_t colon = host.find(':'); colon != std::string_view::npos) {
+    port = host.substr(colon + 1);
+    host = host.substr(0, colon);
+    if (port.empty() || port.size() > 5 ||
+        !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+        std::stoul(std::string(port)) == 0 || std::stoul(std::string(port)) > 65535)
+      bad_reference(text, fmt::format("the registry's port '{}' is not a number from 1 to 65535", port.substr(0, 20)));
+  }
+  if (host.empty()) bad_reference(text, "no registry host before the port");
+  if (host.size() > 253) bad_reference(text, "the registry host is longer than 253 characters");
+  std::size_t start = 0;
+  for (std::size_t i = 0; i <= host.size(); ++i) {
+    if (i < host.size() && host[i] != '.') {
+      if (!is_alnum(host[i]) && host[i] != '-')
+        bad_reference(text, fmt::format("{} is not allowed in the registry host", describe_char(host[i])));
+      continue;
+    }
+    std::string_view label = host.substr(start, i - start);
+    if (label.empty()) bad_reference(text, "an empty label in the registry host");
+    if (label.front() == '-' || label.back() == '-')
+      bad_reference(text, fmt::format("the registry host's label '{}' starts or ends with '-'", label));
+    start = i + 1;
+  }
+}
+
+}  // namespace
+
+std::string_view ImageReference::registry() const {
+  std::size_t slash = name.find('/');
+  if (slash == std::string::npos) return {};
+  std::string_view first = std::string_view(name).substr(0, slash);
+  return names_host(first) ? first : std::string_view{};
+}
+
+std::string_view ImageReference::repository() const {
+  std::string_view host = registry();
+  return host.empty() ? std::string_view(name) : std::string_view(name).substr(host.size() + 1);
+}
+
 ImageReference parse_reference(std::string_view text) {
   if (text.empty()) bad_reference(text, "it is empty");
   ImageReference ref;
@@ -229,14 +327,23 @@ ImageReference parse_reference(std::string_view text) {
     if (!is_digest(ref.digest)) bad_reference(text, "what follows '@' must be a sha256 digest");
     rest = rest.substr(0, at);
   }
+  std::string host;
+  if (std::size_t slash = rest.find('/'); slash != std::string_view::npos && names_host(rest.substr(0, slash))) {
+    check_host(text, rest.substr(0, slash));
+    for (char c : rest.substr(0, slash)) host.push_back(c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c);
+    rest = rest.substr(slash + 1);
+  }
   std::size_t colon = rest.find(':');
   if (colon != std::string_view::npos && rest.find(':', colon + 1) != std::string_view::npos)
     bad_reference(text, "more than one ':'");
   std::string_view repo = rest.substr(0, colon);
   std::string_view tag = colon == std::string_view::npos ? std::string_view("latest") : rest.substr(colon + 1);
+  if (!host.empty() && repo.empty()) bad_reference(text, "no repository after the registry host");
   check_repository(text, repo);
+  if (!host.empty() && host.size() + 1 + repo.size() > kMaxRepositoryLength)
+    bad_reference(text, fmt::format("the name is longer than {} characters", kMaxRepositoryLength));
   check_tag(text, tag);
-  ref.name = std::string(repo);
+  ref.name = host.empty() ? std::string(repo) : host + "/" + std::string(repo);
   ref.tag = std::string(tag);
   return ref;
 }

@@ -37,7 +37,7 @@ ExecCommand exec_command(const SandboxSpec& spec, const ExecRequest& request, co
   }
   for (const auto& [k, v] : spec.env) c.env[k] = v;
   for (const auto& [k, v] : request.env) c.env[k] = v;
-  c.cwd = request.cwd.empty() ? spec.workdir : request.cwd;
+  c.cwd = !request.cwd.empty() ? request.cwd : !spec.workdir.empty() ? spec.workdir : "/";
   return c;
 }
 
