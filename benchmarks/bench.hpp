@@ -657,6 +657,9 @@ DensityResult run_density(const Options& options, Client& client);
 CgroupJoinResult run_cgroup_join(const Options& options);
 // Builds the bench images in <home>/store when missing (with the dsec CLI), then measures cold starts of them.
 ImageBenchResult run_image(const Options& options, const std::string& home);
+// An OCI registry's image (made and cached under <home>/cache, pushed to a private docker-registry): dsec's import
+// next to skopeo copy + umoci unpack, a second image sharing its layers, first creates of it. Prints as it goes.
+void run_registry(const Options& options, const std::string& home);
 // Starts a private etcd and agents (null backend, then container), and times a pulse of creates over them.
 PulseBenchResult run_pulse(const Options& options);
 

@@ -362,26 +362,6 @@ std::string human(double bytes) {
 
 std::string pct(double part, double whole) { return whole > 0 ? fmt::format("{:.1f}%", 100.0 * part / whole) : "n/a"; }
 
-// Runs a command with this process's stdout and stderr, and waits for it; an error when it fails.
-void run_command(const std::vector<std::string>& argv) {
-  std::vector<char*> args;
-  args.reserve(argv.size() + 1);
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  int err = ::posix_spawn(&pid, args[0], nullptr, nullptr, args.data(), environ);
-  if (err != 0) throw_errno_fmt(err, "run {}", argv[0]);
-  int status = 0;
-  if (retry_eintr([&] { return ::waitpid(pid, &status, 0); }) < 0) throw_errno_fmt(errno, "wait for {}", argv[0]);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::string line;
-    for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
-    throw Error(Code::kInternal, fmt::format("`{}` failed ({})", line,
-                                             WIFEXITED(status) ? fmt::format("exit status {}", WEXITSTATUS(status))
-                                                               : fmt::format("signal {}", WTERMSIG(status))));
-  }
-}
-
 std::string default_cli() {
   std::error_code ec;
   fs::path self = fs::read_symlink("/proc/self/exe", ec);
@@ -445,51 +425,6 @@ void evict_from_page_cache(const fs::path& store_root, const image::ResolvedMani
     ::fdatasync(fd.get());
     ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   }
-}
-
-// GET `path` from an agent on a unix socket ("unix:/run/...sock"), HTTP/1.0; the body of a 200 answer.
-std::string agent_get(const std::string& endpoint, const std::string& path) {
-  if (endpoint.rfind("unix:", 0) != 0)
-    throw Error(Code::kInvalidArgument,
-                fmt::format("the image benchmark reads metrics over a unix socket, not {}", endpoint));
-  std::string socket_path = endpoint.substr(5);
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd) throw_errno(errno, "socket");
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (socket_path.size() >= sizeof addr.sun_path) throw Error(Code::kInvalidArgument, "socket path too long");
-  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
-    throw_errno_fmt(errno, "connect {}", socket_path);
-  std::string request = fmt::format("GET {} HTTP/1.0\r\nHost: dsecd\r\n\r\n", path);
-  for (std::size_t done = 0; done < request.size();) {
-    ssize_t n = ::write(fd.get(), request.data() + done, request.size() - done);
-    if (n < 0) throw_errno_fmt(errno, "write to {}", socket_path);
-    done += static_cast<std::size_t>(n);
-  }
-  std::string response;
-  char buf[65536];
-  for (;;) {
-    ssize_t n = retry_eintr([&] { return ::read(fd.get(), buf, sizeof buf); });
-    if (n < 0) throw_errno_fmt(errno, "read from {}", socket_path);
-    if (n == 0) break;
-    response.append(buf, static_cast<std::size_t>(n));
-  }
-  auto header_end = response.find("\r\n\r\n");
-  if (response.rfind("HTTP/1.", 0) != 0 || header_end == std::string::npos || response.find(" 200 ") > 12)
-    throw Error(Code::kInternal, fmt::format("GET {}: unexpected answer: {}", path, response.substr(0, 200)));
-  return response.substr(header_end + 4);
-}
-
-// A counter from the Prometheus text of GET /metrics (0 when absent).
-std::uint64_t metric(const std::string& text, std::string_view name) {
-  std::istringstream in(text);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(name, 0) != 0 || line.size() <= name.size() || line[name.size()] != ' ') continue;
-    return static_cast<std::uint64_t>(std::strtod(line.c_str() + name.size() + 1, nullptr));
-  }
-  return 0;
 }
 
 // Bytes a process (with the children it reaped) caused to be written to storage: write_bytes of /proc/<pid>/io

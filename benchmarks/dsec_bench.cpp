@@ -108,8 +108,12 @@ Commands:
                of --pulse-n (dsecd --warm-pool): time until all are ready, per-create latency, the pool's claims and
                misses; then, on the pooled agent, creates/s in a closed loop against `crun run` and `bwrap` (the
                throughput benchmark's loop, --concurrency levels). Starts its own agents. Not part of `all`
-  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm, network, qos, reclaim and
-               pulse-node, then a
+  registry     an image of an OCI registry (Debian + python3, build-essential, git, python3-dev, cmake; 3 gzip
+               layers; cached under <home>/cache) pushed into a private docker-registry on loopback: dsec's import
+               next to skopeo copy + umoci unpack, a second image sharing its layers, a create of it on a fresh
+               agent that must import it, and a create of it on a cold node; prints as it goes. Not part of `all`
+  all          all of the above but image, pulse, sleep, snapshot, fncall, microvm, vm, network, qos, reclaim,
+               registry and pulse-node, then a
                Markdown summary for docs/benchmarks.md
 
 Flags:
@@ -375,8 +379,9 @@ Options parse_options(int argc, char** argv) {
     }
   }
   if (o.command.empty()) throw UsageError("no command given");
-  for (const char* c : {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot",
-                        "fncall", "microvm", "vm", "network", "session", "qos", "reclaim", "pulse-node", "all"})
+  for (const char* c :
+       {"create", "throughput", "exec", "density", "cgroup-join", "image", "pulse", "sleep", "snapshot", "fncall",
+        "microvm", "vm", "network", "session", "qos", "reclaim", "pulse-node", "registry", "all"})
     if (o.command == c) return o;
   throw UsageError(fmt::format("unknown command '{}'", o.command));
 }
@@ -473,7 +478,7 @@ int run(int argc, char** argv) {
   // The image benchmark starts an agent of its own for every cold start; the pulse starts its own cluster.
   const bool own_agents = o.command == "cgroup-join" || o.command == "image" || o.command == "pulse" ||
                           o.command == "microvm" || o.command == "vm" || o.command == "qos" || o.command == "reclaim" ||
-                          o.command == "pulse-node";
+                          o.command == "pulse-node" || o.command == "registry";
   if (!own_agents) {
     ClientOptions copts;
     copts.endpoints = o.endpoints;
@@ -586,6 +591,10 @@ int run(int argc, char** argv) {
   if (o.command == "image") {
     report.image = run_image(o, home);
     print_image(*report.image);
+    std::fflush(stdout);
+  }
+  if (o.command == "registry") {
+    run_registry(o, home);
     std::fflush(stdout);
   }
   if (o.command == "pulse") {

@@ -3,13 +3,18 @@
 #include <dirent.h>
 #include <fmt/format.h>
 #include <linux/magic.h>
+#include <spawn.h>
+#include <sys/socket.h>
 #include <sys/statfs.h>
 #include <sys/swap.h>
+#include <sys/un.h>
 #include <sys/utsname.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -18,7 +23,11 @@
 
 #include "agent/node/swap.hpp"
 #include "common/cgroupfs.hpp"
+#include "common/syscall.hpp"
+#include "common/unique_fd.hpp"
 #include "dsec/error.hpp"
+
+extern char** environ;
 
 namespace dsec::bench {
 
@@ -377,6 +386,71 @@ int find_pid_with_arg(const std::string& arg) {
     }
   }
   return -1;
+}
+
+// Runs a command with this process's stdout and stderr, and waits for it; an error when it fails.
+void run_command(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  args.reserve(argv.size() + 1);
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  int err = ::posix_spawn(&pid, args[0], nullptr, nullptr, args.data(), environ);
+  if (err != 0) throw_errno_fmt(err, "run {}", argv[0]);
+  int status = 0;
+  if (retry_eintr([&] { return ::waitpid(pid, &status, 0); }) < 0) throw_errno_fmt(errno, "wait for {}", argv[0]);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::string line;
+    for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
+    throw Error(Code::kInternal, fmt::format("`{}` failed ({})", line,
+                                             WIFEXITED(status) ? fmt::format("exit status {}", WEXITSTATUS(status))
+                                                               : fmt::format("signal {}", WTERMSIG(status))));
+  }
+}
+
+// GET `path` from an agent on a unix socket ("unix:/run/...sock"), HTTP/1.0; the body of a 200 answer.
+std::string agent_get(const std::string& endpoint, const std::string& path) {
+  if (endpoint.rfind("unix:", 0) != 0)
+    throw Error(Code::kInvalidArgument,
+                fmt::format("the benchmarks read an agent's metrics over a unix socket, not {}", endpoint));
+  std::string socket_path = endpoint.substr(5);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) throw_errno(errno, "socket");
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof addr.sun_path) throw Error(Code::kInvalidArgument, "socket path too long");
+  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+    throw_errno_fmt(errno, "connect {}", socket_path);
+  std::string request = fmt::format("GET {} HTTP/1.0\r\nHost: dsecd\r\n\r\n", path);
+  for (std::size_t done = 0; done < request.size();) {
+    ssize_t n = ::write(fd.get(), request.data() + done, request.size() - done);
+    if (n < 0) throw_errno_fmt(errno, "write to {}", socket_path);
+    done += static_cast<std::size_t>(n);
+  }
+  std::string response;
+  char buf[65536];
+  for (;;) {
+    ssize_t n = retry_eintr([&] { return ::read(fd.get(), buf, sizeof buf); });
+    if (n < 0) throw_errno_fmt(errno, "read from {}", socket_path);
+    if (n == 0) break;
+    response.append(buf, static_cast<std::size_t>(n));
+  }
+  auto header_end = response.find("\r\n\r\n");
+  if (response.rfind("HTTP/1.", 0) != 0 || header_end == std::string::npos || response.find(" 200 ") > 12)
+    throw Error(Code::kInternal, fmt::format("GET {}: unexpected answer: {}", path, response.substr(0, 200)));
+  return response.substr(header_end + 4);
+}
+
+// A counter from the Prometheus text of GET /metrics (0 when absent).
+std::uint64_t metric(const std::string& text, std::string_view name) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(name, 0) != 0 || line.size() <= name.size() || line[name.size()] != ' ') continue;
+    return static_cast<std::uint64_t>(std::strtod(line.c_str() + name.size() + 1, nullptr));
+  }
+  return 0;
 }
 
 }  // namespace dsec::bench

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench.hpp"
@@ -68,6 +69,13 @@ std::uint64_t rss_of_all_but(const std::set<int>& exclude);
 int find_pid_with_arg(const std::string& arg);
 
 std::string read_text_file(const std::string& path);
+
+// Runs a command with this process's stdout and stderr, and waits for it; an error when it fails.
+void run_command(const std::vector<std::string>& argv);
+// GET `path` from an agent on a unix socket ("unix:/run/...sock"), HTTP/1.0; the body of a 200 answer.
+std::string agent_get(const std::string& endpoint, const std::string& path);
+// A counter from the Prometheus text of GET /metrics (0 when absent).
+std::uint64_t metric(const std::string& text, std::string_view name);
 
 // The directory of a swap file a benchmark's embedded agent makes under the home (dsecd --swap-file). Destroy it
 // after the agent stopped: the agent turns the file off at shutdown; should it not have, this does so and adds a

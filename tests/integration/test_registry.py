@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+import time
 
 import pytest
 
@@ -284,9 +285,15 @@ def test_a_cut_download_resumes_and_a_dead_registry_is_unavailable(layout, store
         ranges = [q["range"] for q in hostile.requests if q["path"].endswith(base.digest) and q["method"] == "GET"]
         assert len(ranges) == 3 and ranges[0] in ("", None) and all(r.startswith("bytes=") for r in ranges[1:]), ranges
         no_scratch_left(store)
+        # Overloaded and failing answers are retried (Retry-After honoured) until the real one comes.
+        hostile.on("*/manifests/other", oci.Status(429, headers={"Retry-After": "1"}), times=1)
+        hostile.on("*/manifests/other", oci.Status(503), times=1)
+        assert "pulled" in cli("--store", store, "image", "pull", f"{hostile.host}/team/app:other").stdout
+        asked = [q["status"] for q in hostile.requests if q["path"].endswith("/manifests/other")]
+        assert asked[:3] == [429, 503, 200], asked
         # A registry that goes away for good: UNAVAILABLE after the retries, no tag, no scratch.
         hostile.stop()
-        out = cli("--store", store, "image", "pull", f"{hostile.host}/team/app:other", check=False)
+        out = cli("--store", store, "image", "pull", f"{hostile.host}/team/app:docker", check=False)
         assert out.returncode == 1 and "UNAVAILABLE" in out.stderr, out
         no_scratch_left(store)
     finally:
@@ -348,3 +355,19 @@ def test_an_embedded_agent_imports_with_the_clients_credentials(layout, image_ho
                 c.create(image=f"{r.host}/team/private:v9", ttl=60)
     finally:
         r.stop()
+
+
+def test_a_moved_tag_is_imported_again_and_a_pinned_digest_stays(layout, registry, image_home):
+    first = oci.push(layout.dir, "app", registry, "team/moving", dest_tag="v1")
+    ref = f"{registry.host}/team/moving:v1"
+    with lib.dsec.Client(home=image_home, agent_args=["--image-cache-ttl", "1"]) as c:
+        with c.create(image=ref, ttl=120, memory="64Mi") as sb:
+            assert run(sb, "cat /replaced") == "upper version"
+        oci.push(layout.dir, "other", registry, "team/moving", dest_tag="v1")
+        time.sleep(1.2)
+        with c.create(image=ref, ttl=120, memory="64Mi") as sb:
+            assert run(sb, "cat /other.txt /replaced") == "other image\nlower version"
+        # The first image, by the registry's digest: imported under a tag of its own, never asked again.
+        with c.create(image=f"{registry.host}/team/moving@{first}", ttl=120, memory="64Mi") as sb:
+            assert run(sb, "cat /replaced") == "upper version"
+            assert sb.info().image.startswith(f"{registry.host}/team/moving:sha256-{first[7:]}@sha256:")

@@ -280,6 +280,26 @@ int cmd_ps(const std::vector<std::string>& args, GlobalOptions& global) {
   return 0;
 }
 
+// The spec `dsec run` asks for, from its options.
+SandboxSpec run_spec(const ParsedArgs& p, const std::string& help) {
+  SandboxSpec spec;
+  spec.image = p.positional[0];
+  spec.kind = p.get("--kind").value_or(spec.kind);
+  spec.display = p.get("--display").value_or("");
+  spec.resources.cpu = number_option(p, "--cpu", spec.resources.cpu, help);
+  spec.resources.memory_bytes = size_option(p, "--memory", spec.resources.memory_bytes, help);
+  spec.resources.disk_bytes = size_option(p, "--disk", spec.resources.disk_bytes, help);
+  spec.resources.pids = static_cast<std::uint32_t>(number_option(p, "--pids", spec.resources.pids, help));
+  spec.ttl = std::chrono::seconds(static_cast<long long>(number_option(p, "--ttl", 3600, help)));
+  spec.env = kv_option(p, "--env", help);
+  spec.labels = kv_option(p, "--label", help);
+  spec.tenant = p.get("--tenant").value_or("");
+  spec.workdir = p.get("--workdir").value_or(spec.workdir);
+  spec.user = p.get("--user").value_or("");
+  if (auto it = p.values.find("--protect"); it != p.values.end()) spec.protected_paths = it->second;
+  return spec;
+}
+
 int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
   const std::string help = with_endpoint_help(kRunHelp);
   ParsedArgs p = parse_args(args,
@@ -308,21 +328,7 @@ int cmd_run(const std::vector<std::string>& args, GlobalOptions& global) {
   if (p.positional.empty()) throw UsageError("run needs an IMAGE", help);
   bool keep = p.has("--keep");
 
-  SandboxSpec spec;
-  spec.image = p.positional[0];
-  spec.kind = p.get("--kind").value_or(spec.kind);
-  spec.display = p.get("--display").value_or("");
-  spec.resources.cpu = number_option(p, "--cpu", spec.resources.cpu, help);
-  spec.resources.memory_bytes = size_option(p, "--memory", spec.resources.memory_bytes, help);
-  spec.resources.disk_bytes = size_option(p, "--disk", spec.resources.disk_bytes, help);
-  spec.resources.pids = static_cast<std::uint32_t>(number_option(p, "--pids", spec.resources.pids, help));
-  spec.ttl = std::chrono::seconds(static_cast<long long>(number_option(p, "--ttl", 3600, help)));
-  spec.env = kv_option(p, "--env", help);
-  spec.labels = kv_option(p, "--label", help);
-  spec.tenant = p.get("--tenant").value_or("");
-  spec.workdir = p.get("--workdir").value_or(spec.workdir);
-  spec.user = p.get("--user").value_or("");
-  if (auto it = p.values.find("--protect"); it != p.values.end()) spec.protected_paths = it->second;
+  const SandboxSpec spec = run_spec(p, help);
   double timeout = number_option(p, "--timeout", 600, help);
   std::string stdin_data = (p.has("-i") || p.has("--interactive")) ? read_all_stdin() : std::string();
 
