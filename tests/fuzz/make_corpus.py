@@ -172,6 +172,26 @@ manifest_seeds = {
     "reference": "swe/task-17:v1.2_rc@" + sha(b"m"),
     "reference_plain": "busybox",
     "bad_manifest": manifest_json([dict(LAYER, size=-1, role="middle")], schema=1.5),
+    "manifest_with_config": manifest_json([LAYER], schema=2, config={
+        "env": ["PATH=/opt/conda/bin:/usr/bin"], "entrypoint": ["/bin/sh", "-c"], "cmd": ["true"],
+        "working_dir": "/testbed", "user": "1000:1000", "exposed_ports": ["8080/tcp"], "labels": {"k": "v"},
+        "stop_signal": "SIGINT"}),
+    "reference_registry": "registry.example:5000/swebench/sweb.eval.x86_64.django__django-11099:latest@" + sha(b"m"),
+    # What a registry answers (image/registry/oci_image.hpp): an image manifest, an index, an image configuration.
+    "oci_manifest": json.dumps({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(b"c"), "size": 2},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": sha(b"l"), "size": 9},
+                   {"mediaType": "application/vnd.oci.image.layer.v1.tar+zstd", "digest": sha(b"z"), "size": 7}]}),
+    "oci_index": json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": sha(b"a"), "size": 5,
+         "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"}},
+        {"mediaType": "application/vnd.docker.distribution.manifest.v2+json", "digest": sha(b"b"), "size": 6,
+         "platform": {"os": "linux", "architecture": "amd64"}}]}),
+    "oci_config": json.dumps({"architecture": "amd64", "os": "linux", "config": {
+        "Env": ["PATH=/usr/bin", "A=b"], "Entrypoint": None, "Cmd": ["bash"], "WorkingDir": "/w", "User": "u",
+        "ExposedPorts": {"80/tcp": {}}, "Labels": {"a": "b"}, "StopSignal": "SIGTERM"},
+        "rootfs": {"type": "layers", "diff_ids": [sha(b"d")]}}),
 }
 
 # --- tar_import: byte 0 picks the importer (0 layer, 1 layer with overlay whiteouts, 2 OCI image tar, 3 upload,

@@ -1,11 +1,14 @@
 // Fuzz target: what a node reads from an image store it does not control: image manifests (the client also sends
 // one with every create) and chunk indexes (image/store/manifest.hpp, chunk_index.hpp), image references, and chunk
-// data decoded against an index.
+// data decoded against an index; and what an OCI registry answers: image manifests, indexes and image
+// configurations (image/registry/oci_image.hpp).
 //
 // Input: text up to the first NUL is given to every parser; what follows the NUL is a data blob, whose chunks are
 // decoded against the text when it is a valid chunk index.
 //
 // Properties: bad input is dsec::Error INVALID_ARGUMENT (DATA_LOSS for chunk bytes that do not match), nothing else;
+// a registry's document that parses keeps its promises (sha256 digests, sizes within bounds, known layer types, an
+// index's pick is one of its entries);
 // a manifest or an index that parses writes out as JSON that parses to the same text again; a reference that parses
 // prints as one that parses to the same; escape_reference is undone by unescape_reference.
 #include <cstddef>
@@ -15,7 +18,9 @@
 
 #include "dsec/error.hpp"
 #include "fuzz_util.hpp"
+#include "image/registry/oci_image.hpp"
 #include "image/store/chunk_index.hpp"
+#include "image/store/digest.hpp"
 #include "image/store/manifest.hpp"
 
 namespace {
@@ -109,6 +114,37 @@ void reference(std::string_view text) {
     fuzz::fail("escape_reference left a '/' or ':' in " + ref.tagged());
 }
 
+void registry_documents(std::string_view text) {
+  namespace reg = dsec::image::registry;
+  try {
+    reg::ManifestDocument doc = reg::parse_manifest(text, "application/vnd.oci.image.manifest.v1+json");
+    auto sane = [](const reg::Descriptor& d) { return image::is_digest(d.digest) && d.size <= (1ull << 40); };
+    for (const auto& d : doc.manifests)
+      if (!sane(d)) fuzz::fail("parse_manifest: an index entry with a bad digest or size");
+    for (const auto& d : doc.layers)
+      if (!sane(d)) fuzz::fail("parse_manifest: a layer with a bad digest or size");
+    if (doc.is_index) {
+      reg::platforms_of(doc);
+      if (auto picked = reg::pick_platform(doc, reg::parse_platform("linux/amd64")))
+        if (!picked->platform || picked->platform->architecture != "amd64")
+          fuzz::fail("pick_platform: picked an entry of another platform");
+    } else if (doc.layers.empty() || !sane(doc.config)) {
+      fuzz::fail("parse_manifest: an image manifest without layers or with a bad config descriptor");
+    }
+  } catch (const Error& e) {
+    fuzz::expect_code(e, Code::kInvalidArgument, "parse_manifest");
+  }
+  try {
+    reg::ImageConfigDocument config = reg::parse_image_config(text);
+    for (const auto& e : config.config.env)
+      if (e.empty() || e.front() == '=' || e.find('=') == std::string::npos) fuzz::fail("parse_image_config: bad Env");
+    if (!config.config.working_dir.empty() && config.config.working_dir.front() != '/')
+      fuzz::fail("parse_image_config: a relative WorkingDir");
+  } catch (const Error& e) {
+    fuzz::expect_code(e, Code::kInvalidArgument, "parse_image_config");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -118,6 +154,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   manifest(text);
   chunk_index(text, blob);
   reference(text);
+  registry_documents(text);
   std::string raw(text);
   if (image::unescape_reference(image::escape_reference(raw)) != raw)
     fuzz::fail("unescape_reference(escape_reference(x)) != x");

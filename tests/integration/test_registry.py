@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import dataclasses
 import json
 import os
 import pathlib
@@ -371,3 +372,23 @@ def test_a_moved_tag_is_imported_again_and_a_pinned_digest_stays(layout, registr
         with c.create(image=f"{registry.host}/team/moving@{first}", ttl=120, memory="64Mi") as sb:
             assert run(sb, "cat /replaced") == "upper version"
             assert sb.info().image.startswith(f"{registry.host}/team/moving:sha256-{first[7:]}@sha256:")
+
+
+def test_lying_sizes_and_an_endless_blob_are_refused(store):
+    lay = oci.OciLayout(tempfile.mkdtemp(prefix="dsec-oci-lies-"))
+    layer = lay.add_layer(base_entries("lies"))
+    lay.add_image([dataclasses.replace(layer, size=layer.size - 1)], {}, tag="short")
+    lay.add_image([dataclasses.replace(layer, size=layer.size + 4096)], {}, tag="long")
+    endless = lay.add_layer([oci.file("x", b"endless")])
+    lay.add_image([endless], {}, tag="endless")
+    hostile = oci.HostileRegistry(lay).start()
+    try:
+        for tag, words in (("short", "longer than"), ("long", "ended at byte"), ("endless", "longer than")):
+            if tag == "endless":
+                hostile.on(f"*/blobs/{endless.digest}", oci.Endless(), method="GET")
+            out = cli("--store", store, "image", "pull", f"{hostile.host}/x/y:{tag}", check=False)
+            assert out.returncode == 1 and "FAILED_PRECONDITION" in out.stderr and words in out.stderr, (tag, out)
+        assert "x/y" not in cli("--store", store, "image", "ls", "--all").stdout
+        no_scratch_left(store)
+    finally:
+        hostile.stop()

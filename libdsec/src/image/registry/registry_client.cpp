@@ -753,8 +753,9 @@ std::uint64_t RegistryClient::download_blob(const ImageReference& ref, const Des
     first_bytes = true;
     if (pos > 0) headers.push_back(fmt::format("Range: bytes={}-", pos));
   };
-  // A download that broke after bringing bytes resumes from them; each such resume renews the attempts.
-  for (int rounds = 0;; ++rounds) {
+  // A download that broke after bringing bytes resumes from them; each such resume renews the attempts. A file
+  // that holds the whole blob already (an earlier download ended just before its check) is only checked.
+  for (int rounds = 0; pos < blob.size || (blob.size == 0 && rounds == 0); ++rounds) {
     const std::uint64_t start = pos;
     try {
       impl_->call(ref, "GET", fmt::format("/v2/{}/blobs/{}", ref.repository(), blob.digest), 0, {}, what, cancelled,
@@ -768,10 +769,12 @@ std::uint64_t RegistryClient::download_blob(const ImageReference& ref, const Des
       if (e.code() == Code::kUnavailable && pos > start && rounds < 64) continue;
       throw;
     }
-    if (pos >= blob.size) break;
-    if (pos == start || rounds >= 64)
-      throw Error(Code::kFailedPrecondition,
-                  fmt::format("registry {}: {} ended at byte {} of its {}", ref.registry(), what, pos, blob.size));
+    // An answer that ended whole by the registry's own account but short of the manifest's size: the blob is
+    // shorter than the manifest says (a broken connection is an error above, and resumes).
+    if (pos < blob.size)
+      throw Error(Code::kFailedPrecondition, fmt::format("registry {}: {} ended at byte {} of the {} its manifest says",
+                                                         ref.registry(), what, pos, blob.size));
+    break;
   }
   std::string digest = hash.finish();
   if (pos != blob.size || digest != blob.digest) {
