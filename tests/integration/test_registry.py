@@ -392,3 +392,51 @@ def test_lying_sizes_and_an_endless_blob_are_refused(store):
         no_scratch_left(store)
     finally:
         hostile.stop()
+
+
+def test_mirrors_default_registries_and_lists_of_images(layout, registry, store):
+    # A host that does not answer, mirrored by the registry that has the image.
+    dead = "127.0.0.1:1"
+    out = cli("--store", store, "image", "pull", f"{dead}/team/app:app", "--registry-mirror",
+              f"{dead}={registry.url}")
+    assert f"pulled {dead}/team/app:app" in out.stdout
+    # A bare name goes to the default registry only when one is named, expanded under it.
+    out = cli("--store", store, "image", "pull", "team/app:other", check=False)
+    assert out.returncode == 2 and "names no registry host" in out.stderr, out
+    out = cli("--store", store, "image", "pull", "team/app:other", "--default-registry", registry.host)
+    assert f"pulled {registry.host}/team/app:other" in out.stdout
+    # A dataset's list, imported two at a time; a bad line fails alone.
+    listing = pathlib.Path(store) / "images.txt"
+    listing.write_text(f"# the dataset\n{registry.host}/team/app:docker\n\n{registry.host}/team/app:multi  # index\n"
+                       f"{registry.host}/team/app:nope\n")
+    out = cli("--store", store, "image", "pull", "--from-file", str(listing), "-j", "2", "-q", check=False)
+    assert out.returncode == 1 and "team/app:nope" in out.stderr, out
+    assert out.stdout.count("pulled ") == 2, out.stdout
+    names = cli("--store", store, "image", "ls").stdout
+    for tag in ("app", "other", "docker", "multi"):
+        assert f"/team/app:{tag}" in names, names
+    no_scratch_left(store)
+
+
+def test_a_deep_image_has_its_top_layers_merged_and_stacks_as_docker_would(client, registry, image_home):
+    lay = oci.OciLayout(tempfile.mkdtemp(prefix="dsec-oci-deep-"))
+    layers = [lay.add_layer(base_entries("deep"))]
+    # 39 more layers (40 in all, past the 32 dsec stacks): each adds a file; near the top, merged ones delete and
+    # bring back files of each other and of the layers below.
+    for i in range(1, 40):
+        entries = [oci.file(f"layer-{i:02}", f"{i}\n".encode())]
+        if i == 35:
+            entries += [oci.whiteout("layer-01"), oci.whiteout("layer-34"), oci.opaque("opq"),
+                        oci.file("opq/from-35", b"35")]
+        if i == 37:
+            entries += [oci.file("layer-34", b"back\n")]
+        layers.append(lay.add_layer(entries, compression="none"))
+    lay.add_image(layers, {"Env": ["PATH=/bin"]}, tag="deep")
+    oci.push(lay.dir, "deep", registry, "team/deep")
+    with client.create(image=f"{registry.host}/team/deep:deep", ttl=120, memory="64Mi") as sb:
+        out = run(sb, "ls / | grep -c '^layer-'; test -e /layer-01 || echo no-01; cat /layer-34 /layer-39; ls /opq")
+        assert out == "38\nno-01\nback\n39\nfrom-35\n", out
+    inspect = json.loads(cli("--store", os.path.join(image_home, "store"), "image", "inspect",
+                             f"{registry.host}/team/deep:deep").stdout)
+    assert len(inspect["layers"]) == 32
+    assert any("40 layers are stored as 32" in n for n in inspect["notes"]), inspect["notes"]
