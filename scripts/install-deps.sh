@@ -39,8 +39,9 @@ PACKAGES=(
   # registry images (docs/images.md): the tests start their own OCI registry (Debian's docker-registry, the CNCF
   # distribution server; the packaged service is stopped and disabled below), push images into it with skopeo, sign
   # its bearer tokens with python3-jwt and write zstd layers with zstd; the registry benchmark compares with
-  # skopeo copy + umoci unpack
-  docker-registry skopeo umoci python3-jwt zstd
+  # skopeo copy + umoci unpack and with Debian's Docker engine's pull (a dockerd of its own, no firewall rules; the
+  # packaged service never starts)
+  docker-registry skopeo umoci python3-jwt zstd docker.io
   # discovery: agents register in etcd and clients watch it; the tests start their own etcd (/usr/bin/etcd) on
   # free loopback ports, so the packaged service is stopped and disabled below
   etcd-server
@@ -71,12 +72,22 @@ install_missing() {
 
   echo "install-deps: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # No service of a package starts while it is installed (Debian's policy-rc.d convention): a system-wide dockerd
+  # would rewrite the host's firewall rules, an etcd or a registry would take their default ports.
+  local policy=/usr/sbin/policy-rc.d own_policy=0
+  if [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && own_policy=1
+  fi
   apt-get update -q
-  apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null
+  apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null || {
+    [[ $own_policy -eq 1 ]] && rm -f "$policy"
+    exit 1
+  }
+  [[ $own_policy -eq 1 ]] && rm -f "$policy"
 
-  # The etcd and docker-registry packages start system-wide services on their default ports where the init system
-  # lets them; dsec needs only the binaries (its tests start their own), so leave no such service running.
-  for pair in etcd-server:etcd docker-registry:docker-registry; do
+  # The etcd, docker-registry and docker.io packages come with system-wide services; dsec needs only the binaries
+  # (its tests and benchmarks start their own), so none is left enabled either.
+  for pair in etcd-server:etcd docker-registry:docker-registry docker.io:docker; do
     package=${pair%%:*}
     service=${pair#*:}
     [[ " ${missing[*]} " == *" $package "* ]] || continue
