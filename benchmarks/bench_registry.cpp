@@ -502,8 +502,7 @@ void run_registry(const Options& o, const std::string& home) {
              human(static_cast<double>(cold.fetched)), cold.create_ms, cold.exec_ms,
              100.0 * static_cast<double>(cold.fetched) / static_cast<double>(first.stored_bytes));
   if (docker) {
-    fmt::print("  {:<58} {:>9.2f}\n", "docker pull (Debian's dockerd 20.10, overlay2, its own data root)",
-               docker->first);
+    fmt::print("  {:<58} {:>9.2f}\n", "docker pull (Debian's dockerd 20.10, overlay2)", docker->first);
     fmt::print("  {:<58} {:>9.2f}\n", "second image: docker pull", docker->second);
   } else {
     fmt::print("  docker pull: Debian's docker.io is not installed (/usr/sbin/dockerd); not measured\n");
