@@ -329,6 +329,7 @@ class LocalDockerd {
 
 struct ImportRun {
   double seconds = 0;
+  double download = 0, unpack = 0, store = 0;  // summed over the layers converted
   std::uint64_t downloaded = 0;
   std::size_t converted = 0, reused = 0, layers = 0;
   std::uint64_t image_bytes = 0, stored_bytes = 0;
@@ -340,6 +341,9 @@ ImportRun dsec_import(image::registry::RegistryClient& client, image::BlobStore&
   o.work_dir = store_dir / ".tmp";
   image::registry::ImportResult r = image::registry::import_image(client, store, image::parse_reference(ref), o);
   return ImportRun{r.seconds,
+                   r.seconds_download,
+                   r.seconds_unpack,
+                   r.seconds_store,
                    r.bytes_downloaded,
                    r.layers_converted,
                    r.layers_reused,
@@ -485,6 +489,8 @@ void run_registry(const Options& o, const std::string& home) {
   fmt::print("  {:<58} {:>9.2f} {:>12}   ({:.0f} MiB/s compressed)\n",
              "dsec import (EROFS layers, chunked, in the store)", first.seconds,
              human(static_cast<double>(first.downloaded)), static_cast<double>(compressed) / (1 << 20) / first.seconds);
+  fmt::print("    its stages, summed over the layers: download {:.2f} s, unpack {:.2f} s, EROFS + chunks {:.2f} s\n",
+             first.download, first.unpack, first.store);
   fmt::print("  {:<58} {:>9.2f}\n", "skopeo copy to an OCI layout + umoci unpack", peer_copy + peer_unpack);
   fmt::print("  {:<58} {:>9.2f}\n", "  of which skopeo copy", peer_copy);
   fmt::print("  {:<58} {:>9.2f}\n", "  of which umoci unpack", peer_unpack);

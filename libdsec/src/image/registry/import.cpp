@@ -21,6 +21,10 @@ namespace dsec::image::registry {
 namespace fs = std::filesystem;
 namespace {
 
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
 double now_unix() {
   using namespace std::chrono;
   return duration<double>(system_clock::now().time_since_epoch()).count();
@@ -185,11 +189,14 @@ class Importer {
         counted = bytes;
         report(fmt::format("layer {}/{} {}", k + 1, image_.manifest.layers.size(), blob.digest.substr(0, 19)));
       };
+      auto started = std::chrono::steady_clock::now();
       std::uint64_t got = client_.download_blob(image_.reference, blob, file, progress, options_.cancelled);
       {
         std::lock_guard lock(mu_);
         result_.bytes_downloaded += got;
+        result_.seconds_download += seconds_since(started);
       }
+      started = std::chrono::steady_clock::now();
       try {
         apply_layer_tar(file, tree, WhiteoutMode::kOverlay, limits, notes);
       } catch (const Error& e) {
@@ -198,8 +205,13 @@ class Importer {
         throw Error(code, fmt::format("image {}: layer {} ({}): {}", ref_.to_string(), k + 1, blob.digest, e.what()));
       }
       fs::remove(file);
+      {
+        std::lock_guard lock(mu_);
+        result_.seconds_unpack += seconds_since(started);
+      }
       if (cancelled()) throw Error(Code::kCancelled, "the import was cancelled");
     }
+    const auto storing = std::chrono::steady_clock::now();
     LayerDescriptor d = store_tree_as_layer(store_, tree, role_at(i, groups_.size()), work.path, notes);
     // The converted layer's own one-layer manifest, tagged by the OCI digest(s): found again by the next image.
     ImageReference layer_ref = parse_reference(g.ref);
@@ -213,6 +225,7 @@ class Importer {
     m.notes = notes;
     commit_manifest(store_, m);
     std::lock_guard lock(mu_);
+    result_.seconds_store += seconds_since(storing);
     for (const auto& n : notes) result_.notes.push_back(n);
     if (options_.log) options_.log(fmt::format("stored layer {} as {}", g.ref, d.digest));
     return d;
