@@ -179,16 +179,7 @@ void ensure_image(const Options& o, const std::string& home, std::vector<std::st
   std::string line;
   for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
   fmt::print(stderr, "dsec-bench: {}\n", line);
-  std::vector<char*> args;
-  args.reserve(argv.size() + 1);
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  int err = ::posix_spawn(&pid, args[0], nullptr, nullptr, args.data(), environ);
-  if (err != 0) throw_errno_fmt(err, "run {}", argv[0]);
-  int status = 0;
-  if (retry_eintr([&] { return ::waitpid(pid, &status, 0); }) < 0) throw_errno_fmt(errno, "wait for {}", argv[0]);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw Error(Code::kInternal, fmt::format("`{}` failed", line));
+  run_command(argv);
   notes.push_back(fmt::format("built: `{}`", line));
 }
 

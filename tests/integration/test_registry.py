@@ -215,7 +215,6 @@ def test_pull_with_basic_auth_and_a_docker_config(layout, store, tmp_path):
                   check=False)
         assert out.returncode == 1 and "refused the credentials" in out.stderr, out
         assert "s3cret" not in out.stderr and "wrong" not in out.stderr
-        cli("--store", store, "image", "ls", env=env)
         assert ref not in cli("--store", store, "image", "ls", env=env).stdout
         no_scratch_left(store)
         # Docker's own file.

@@ -1,6 +1,7 @@
 #include "image/registry/import.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/syscall.hpp"
 #include "dsec/error.hpp"
 #include "image/build.hpp"
 #include "image/fs_tree.hpp"
@@ -174,8 +176,8 @@ class Importer {
     const LayerGroup& g = groups_[i];
     ScratchDir work{make_scratch_dir(options_.work_dir, "oci-layer-")};
     const fs::path tree = work.path / "tree";
-    fs::create_directory(tree);
-    ::chmod(tree.c_str(), 0755);
+    // Syscalls, not std::filesystem's throwing calls: a full disk is RESOURCE_EXHAUSTED, never an unnamed exception.
+    if (::mkdir(tree.c_str(), 0755) != 0) throw_errno_fmt(errno, "registry import: mkdir {}", tree.string());
     std::vector<std::string> notes;
     TarLimits limits;
     limits.max_bytes = options_.max_bytes;
@@ -204,7 +206,7 @@ class Importer {
         const Code code = e.code() == Code::kDataLoss ? Code::kFailedPrecondition : e.code();
         throw Error(code, fmt::format("image {}: layer {} ({}): {}", ref_.to_string(), k + 1, blob.digest, e.what()));
       }
-      fs::remove(file);
+      ::unlink(file.c_str());  // the tree has it now; scratch space goes back at once
       {
         std::lock_guard lock(mu_);
         result_.seconds_unpack += seconds_since(started);
